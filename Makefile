@@ -1,0 +1,54 @@
+# Two set-up commands (README.md): `make demo` and `make test`. Both create .venv when
+# missing. torch is installed first and pinned so pip takes the local CPU wheel here and
+# never pulls a CUDA build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+DEMO_DIR ?= demo
+DEMO_MODEL := $(DEMO_DIR)/tiny-dsv32
+DEMO_TOKENS ?= 48
+
+.PHONY: demo test test-slow test-gpu lint format venv clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check torch==2.13.0
+	$(PIP) install -q --disable-pip-version-check -r requirements.txt -r requirements-test.txt
+	$(PIP) install -q --disable-pip-version-check --no-deps -e .
+	touch $@
+
+$(DEMO_MODEL)/config.json: | $(STAMP)
+	$(PY) scripts/make_tiny_checkpoint.py --out $(DEMO_MODEL) --layers 4 --index-topk 32
+
+# The main job on the embedded default: greedy generation with the no-offload pool, then
+# with ECHO at a device cache far smaller than the contexts; outputs must be identical.
+demo: $(STAMP) $(DEMO_MODEL)/config.json
+	$(PY) -m sglang_echo.generate --model-path $(DEMO_MODEL) --prompts-file scripts/demo_prompts.jsonl \
+		--max-new-tokens $(DEMO_TOKENS) --batch-size 4 --ignore-eos --output $(DEMO_DIR)/no-offload.jsonl
+	NSA_KV_OFFLOAD=1 NSA_DEV_CACHE_SIZE=128 $(PY) -m sglang_echo.generate --model-path $(DEMO_MODEL) \
+		--prompts-file scripts/demo_prompts.jsonl --max-new-tokens $(DEMO_TOKENS) --batch-size 4 \
+		--chunked-prefill-size 128 --ignore-eos --output $(DEMO_DIR)/offload.jsonl
+	cmp $(DEMO_DIR)/no-offload.jsonl $(DEMO_DIR)/offload.jsonl && echo "demo: offload output identical to no-offload ($(DEMO_DIR)/offload.jsonl)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check python tests scripts benchmark
+	$(VENV)/bin/ruff check python tests scripts benchmark
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format python tests scripts benchmark
+	$(VENV)/bin/ruff check --fix python tests scripts benchmark
+
+clean:
+	rm -rf $(DEMO_DIR) .pytest_cache

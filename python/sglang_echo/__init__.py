@@ -1,0 +1,3 @@
+"""sglang-echo: lossless KV-cache offloading (ECHO) for DeepSeek Sparse Attention models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""DeepSeek-V3.2 (DSA) inference model; talks to KV storage only through ``KVCache``."""

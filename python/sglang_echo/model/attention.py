@@ -1,0 +1,130 @@
+"""Multi-head latent attention (MLA) with the weight-absorbed form over the latent cache.
+
+Each token caches one row: its normalized 512-d latent and its roped 64-d key. Queries are
+absorbed into latent space (q_nope . W_UK), so attention reads only the selected rows and
+the output is lifted back with W_UV. Prefill and decode take the same sparse path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang_echo.model.config import DeepseekV32Config
+from sglang_echo.model.forward_batch import ForwardBatch
+from sglang_echo.model.indexer import LightningIndexer
+from sglang_echo.model.kv_cache import KVCache
+from sglang_echo.model.layers import RMSNorm
+from sglang_echo.model.rope import apply_rope_half, apply_rope_interleaved, attention_softmax_scale
+
+# Largest gathered [queries x top-k x row] block materialized at once (elements).
+GATHER_BLOCK_ELEMENTS = 1 << 26
+
+
+def sparse_mla(
+    q: torch.Tensor, kv_buffer: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int, scale: float
+) -> torch.Tensor:
+    """Attention over selected rows only.
+
+    q [Q, H, r + d_rope] (absorbed latent query | roped query), kv_buffer [S, r + d_rope],
+    rows [Q, K] (-1 = none) -> latent output [Q, H, r]. Softmax runs in float32.
+    """
+    valid = rows >= 0
+    kv = kv_buffer[rows.clamp(min=0)]
+    scores = torch.matmul(q, kv.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, kv[..., :kv_lora_rank])
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: DeepseekV32Config) -> None:
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.rope_interleave = config.rope_interleave
+        self.scale = attention_softmax_scale(config.rope, config.qk_head_dim)
+        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            config.hidden_size, config.kv_lora_rank + self.rope_dim, bias=False
+        )
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, config.hidden_size, bias=False)
+        self.indexer = LightningIndexer(config)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rope_interleave:
+            return apply_rope_interleaved(x, cos, sin)
+        return apply_rope_half(x, cos, sin)
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]  # W_UK [H, dn, r], W_UV [H, dv, r]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        layer_id: int,
+    ) -> torch.Tensor:
+        n_tokens = hidden.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+        q = self.q_b_proj(q_resid).view(n_tokens, self.n_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )
+        latent = self.kv_a_layernorm(latent)
+        q_pe = self._rope(q_pe, cos, sin)
+        k_pe = self._rope(k_pe.unsqueeze(1), cos, sin).squeeze(1)
+
+        kv_cache.write(
+            layer_id,
+            batch.out_locs,
+            torch.cat((latent, k_pe), dim=-1),
+            self.indexer.project_key(hidden, cos, sin),
+        )
+        iq, iw = self.indexer.project_query(hidden, q_resid, cos, sin)
+        selected = self.indexer.select(iq, iw, kv_cache.index_keys(layer_id), batch)
+
+        w_uk, w_uv = self._absorbed_weights()
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        q_full = torch.cat((q_lat, q_pe), dim=-1)
+        out_lat = self._attend(q_full, selected, batch, kv_cache, layer_id)
+        out = torch.einsum("thr,hvr->thv", out_lat, w_uv)
+        return self.o_proj(out.reshape(n_tokens, self.n_heads * self.v_dim))
+
+    def _attend(
+        self,
+        q_full: torch.Tensor,
+        selected: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        layer_id: int,
+    ) -> torch.Tensor:
+        if batch.is_decode:
+            # One resolve for the whole decode step: the config guarantees it fits.
+            buffer, rows = kv_cache.resolve(layer_id, selected)
+            return sparse_mla(q_full, buffer, rows, self.kv_lora_rank, self.scale)
+        n_tokens, topk = selected.shape
+        block = min(
+            kv_cache.max_resolve_queries(topk),
+            max(1, GATHER_BLOCK_ELEMENTS // (topk * q_full.shape[-1])),
+        )
+        out = q_full.new_empty(n_tokens, self.n_heads, self.kv_lora_rank)
+        for s in range(0, n_tokens, block):
+            e = min(s + block, n_tokens)
+            buffer, rows = kv_cache.resolve(layer_id, selected[s:e])
+            out[s:e] = sparse_mla(q_full[s:e], buffer, rows, self.kv_lora_rank, self.scale)
+        return out

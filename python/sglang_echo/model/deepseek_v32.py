@@ -1,0 +1,82 @@
+"""DeepSeek-V3.2 decoder: embeddings, MLA + indexer layers, dense/MoE FFNs, LM head.
+
+Module names mirror the Hugging Face checkpoint so weights load by their own names.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang_echo.model.attention import MLAttention
+from sglang_echo.model.config import DeepseekV32Config
+from sglang_echo.model.forward_batch import ForwardBatch
+from sglang_echo.model.kv_cache import KVCache
+from sglang_echo.model.layers import MoE, GatedMLP, RMSNorm
+from sglang_echo.model.rope import RotaryTable
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV32Config, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = MLAttention(config)
+        if config.mlp_layer_types[layer_id] == "sparse":
+            self.mlp: nn.Module = MoE(config)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, batch, kv_cache, self.layer_id)
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekV32Backbone(nn.Module):
+    def __init__(self, config: DeepseekV32Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV32ForCausalLM(nn.Module):
+    """Inference-only; ``forward`` returns float32 logits for the batch's sampled rows."""
+
+    def __init__(self, config: DeepseekV32Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV32Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._rotary: RotaryTable | None = None
+
+    def rotary(self) -> RotaryTable:
+        device = self.lm_head.weight.device
+        if self._rotary is None or self._rotary.inv_freq.device != device:
+            self._rotary = RotaryTable(self.config.rope, self.config.qk_rope_head_dim, device)
+        return self._rotary
+
+    def set_graph_safe(self, enabled: bool) -> None:
+        """Route MoE through its fixed-shape dispatch (needed inside CUDA graphs)."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.dense_dispatch = enabled
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        hidden = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary().cos_sin(batch.positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, batch, kv_cache)
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
+        return self.lm_head(self.model.norm(hidden)).float()

@@ -1,0 +1,43 @@
+"""The flat, padding-free batch one model forward consumes.
+
+Tokens of all requests are packed end to end (as in SGLang/vLLM), so prefill chunks of
+different lengths and decode tokens share one layout. Decode batches use only tensors
+(no per-request Python ints), which keeps a decode step capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, position of each token in its request
+    out_locs: torch.Tensor  # [T] int64, token location each token's KV rows are written to
+    context_locs: torch.Tensor  # [R, L] int64, locations of positions 0..L-1 of each request
+    # Per-request segmentation of the T tokens. Decode: every request has one token.
+    extend_lens: list[int]
+    # Tokens each request sees after this batch (prefix + new). Host ints, used by the
+    # prefill path only: a captured decode step must not bake them in.
+    context_lens: list[int]
+    is_decode: bool
+    # Which rows of the output hidden states get logits: [R] for sampling, or None = all T.
+    logits_indices: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.extend_lens)
+
+    def extend_starts(self) -> list[int]:
+        starts, acc = [], 0
+        for n in self.extend_lens:
+            starts.append(acc)
+            acc += n
+        return starts

@@ -1,0 +1,139 @@
+"""The lightning indexer: scores every earlier token for each query and keeps the exact top-k.
+
+score(t, s) = sum_h w[t, h] * relu(q[t, h] . k[s] * d^-1/2), over s <= t; w = weights_proj(x)
+times H^-1/2. Keys are LayerNorm'ed, and the first rope dims of q and k are roped half-split.
+``indexer_mode = "fp8_hadamard"`` mimics DeepSeek's deployed indexer (Hadamard-rotated q/k
+rounded through float8 e4m3 with per-row scales) in plain torch; the Triton kernels replace
+this file's scoring on CUDA, and these functions stay as their reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang_echo.model.config import DeepseekV32Config
+from sglang_echo.model.forward_batch import ForwardBatch
+from sglang_echo.model.rope import apply_rope_half
+
+FP8_E4M3_MAX = 448.0
+# Largest [queries x heads x keys] float32 score block materialized at once (elements).
+SCORE_BLOCK_ELEMENTS = 1 << 25
+
+
+def hadamard_matrix(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard matrix; rotating q and k by it preserves q . k."""
+    if n & (n - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two dim, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float32)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / math.sqrt(n)).to(device=device, dtype=dtype)
+
+
+def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """Quantize rows (last dim) to e4m3 with an fp32 per-row scale, then dequantize."""
+    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_E4M3_MAX
+    q = (x.float() / scale).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def index_scores(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    """q [G, Q, H, D], weights [G, Q, H] fp32, keys [G, L, D] -> scores [G, Q, L] fp32."""
+    logits = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * softmax_scale
+    return torch.matmul(weights.unsqueeze(-2), F.relu(logits)).squeeze(-2)
+
+
+def select_topk(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """Exact top-k over key positions <= each query's position.
+
+    scores [G, Q, L] (key position = column), query_pos [G, Q] -> positions [G, Q, topk],
+    -1 where a query has fewer than ``topk`` visible keys.
+    """
+    length = scores.shape[-1]
+    key_pos = torch.arange(length, device=scores.device)
+    masked = scores.masked_fill(key_pos > query_pos.unsqueeze(-1), float("-inf"))
+    k = min(topk, length)
+    values, idx = masked.topk(k, dim=-1)
+    idx = torch.where(values == float("-inf"), torch.full_like(idx, -1), idx)
+    if k < topk:
+        idx = F.pad(idx, (0, topk - k), value=-1)
+    return idx
+
+
+def positions_to_locs(positions: torch.Tensor, context_locs: torch.Tensor) -> torch.Tensor:
+    """positions [G, Q, K] (-1 none), context_locs [G, L] -> token locations, -1 kept."""
+    gathered = torch.gather(
+        context_locs.unsqueeze(1).expand(-1, positions.shape[1], -1), 2, positions.clamp(min=0)
+    )
+    return torch.where(positions >= 0, gathered, torch.full_like(gathered, -1))
+
+
+class LightningIndexer(nn.Module):
+    def __init__(self, config: DeepseekV32Config) -> None:
+        super().__init__()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.topk = config.index_topk
+        self.mode = config.indexer_mode
+        self.softmax_scale = self.head_dim**-0.5
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        roped = apply_rope_half(x[..., : self.rope_dim], cos, sin)
+        return torch.cat((roped, x[..., self.rope_dim :]), dim=-1)
+
+    def _fp8(self, x: torch.Tensor) -> torch.Tensor:
+        rotated = x @ hadamard_matrix(self.head_dim, x.device, x.dtype)
+        return fp8_round_trip(rotated)
+
+    def project_key(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, head_dim]: the key every later query will score."""
+        k = self._rope(self.k_norm(self.wk(hidden)), cos, sin)
+        return self._fp8(k) if self.mode == "fp8_hadamard" else k
+
+    def project_query(
+        self, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> q [T, H, D] and per-head weights [T, H] (fp32)."""
+        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
+        q = self._rope(q, cos, sin)
+        if self.mode == "fp8_hadamard":
+            q = self._fp8(q)
+        w = self.weights_proj(hidden.to(self.weights_proj.weight.dtype)).float()
+        return q, w * self.n_heads**-0.5
+
+    def select(
+        self, q: torch.Tensor, weights: torch.Tensor, all_keys: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Top-k token locations [T, topk] (-1 none) for every query token of the batch."""
+        if batch.is_decode:
+            # One query per request; context padded to the table width: fixed shapes only.
+            keys = all_keys[batch.context_locs]
+            scores = index_scores(q.unsqueeze(1), weights.unsqueeze(1), keys, self.softmax_scale)
+            pos = select_topk(scores, batch.positions.unsqueeze(1), self.topk)
+            return positions_to_locs(pos, batch.context_locs).squeeze(1)
+
+        out = torch.empty(q.shape[0], self.topk, dtype=torch.int64, device=q.device)
+        for r, start in enumerate(batch.extend_starts()):
+            n, length = batch.extend_lens[r], batch.context_lens[r]
+            ctx = batch.context_locs[r, :length].unsqueeze(0)
+            keys = all_keys[ctx]
+            block = max(1, SCORE_BLOCK_ELEMENTS // max(1, self.n_heads * length))
+            for s in range(start, start + n, block):
+                e = min(s + block, start + n)
+                scores = index_scores(
+                    q[s:e].unsqueeze(0), weights[s:e].unsqueeze(0), keys, self.softmax_scale
+                )
+                pos = select_topk(scores, batch.positions[s:e].unsqueeze(0), self.topk)
+                out[s:e] = positions_to_locs(pos, ctx).squeeze(0)
+        return out

@@ -1,0 +1,89 @@
+"""The one interface between the model and KV storage, and its plain (no-offload) pool.
+
+The model never indexes KV memory itself. Per layer it (1) writes each new token's MLA
+row (latent + rope key) and indexer key at a token location, (2) reads the indexer keys
+of every token to score them, and (3) hands the selected token locations to ``resolve``,
+which returns the buffer and the rows in it that attention must read. The plain pool
+returns its own full buffer and the locations unchanged; ECHO returns its bounded
+per-layer device cache and the slots it has just made resident. Model code is identical.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """Token locations are ints in [1, capacity]; location 0 is a padding sink."""
+
+    num_layers: int
+    kv_row_dim: int
+    index_dim: int
+
+    def write(
+        self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
+    ) -> None:
+        """Store rows for tokens at ``locs`` [T]: kv_rows [T, kv_row_dim], index_keys [T, index_dim]."""
+
+    def index_keys(self, layer: int) -> torch.Tensor:
+        """Indexer keys of every token location: [capacity + 1, index_dim], on the device."""
+
+    def resolve(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Selected locations [Q, K] (-1 = none) -> (kv buffer [S, kv_row_dim], rows [Q, K]).
+
+        ``rows`` index the buffer; entries where ``locs`` is -1 are -1 too.
+        """
+
+    def max_resolve_queries(self, topk: int) -> int:
+        """How many queries' selections one ``resolve`` call may carry (its union must fit)."""
+
+    def release(self, locs: torch.Tensor) -> None:
+        """Token locations ``locs`` are being freed: forget any state tied to them."""
+
+
+class PlainKVCache:
+    """No-offload: every token's rows for every layer stay on the model's device."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        capacity: int,
+        kv_row_dim: int,
+        index_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.kv_row_dim = kv_row_dim
+        self.index_dim = index_dim
+        self.kv = torch.zeros(num_layers, capacity + 1, kv_row_dim, dtype=dtype, device=device)
+        self.index = torch.zeros(num_layers, capacity + 1, index_dim, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.index.nbytes
+
+    def write(
+        self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
+    ) -> None:
+        self.kv[layer].index_copy_(0, locs, kv_rows.to(self.kv.dtype))
+        self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
+
+    def index_keys(self, layer: int) -> torch.Tensor:
+        return self.index[layer]
+
+    def resolve(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[layer], locs
+
+    def max_resolve_queries(self, topk: int) -> int:
+        return 1 << 30
+
+    def release(self, locs: torch.Tensor) -> None:
+        return None
+
+    def stats(self) -> dict:
+        return {"backend": "no-offload", "kv_bytes": self.nbytes}

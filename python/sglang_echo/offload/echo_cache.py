@@ -1,0 +1,86 @@
+"""ECHO as a ``KVCache``: the model's cache interface over host pool + device cache.
+
+MLA rows live in the pinned host pool for every token and in a bounded per-layer device
+cache for recently selected ones; indexer keys stay on the device for every token, since
+the indexer scores all of them each step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_echo.config import EchoConfig
+from sglang_echo.offload.device_cache import DeviceCache
+from sglang_echo.offload.host_pool import HostKVPool
+from sglang_echo.offload.manager import EchoManager
+
+
+class EchoKVCache:
+    def __init__(
+        self,
+        config: EchoConfig,
+        num_layers: int,
+        host_tokens: int,
+        kv_row_dim: int,
+        index_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        pin: bool | None = None,
+    ) -> None:
+        device = torch.device(device)
+        self.config = config
+        self.num_layers = num_layers
+        self.kv_row_dim = kv_row_dim
+        self.index_dim = index_dim
+        self.host = HostKVPool(
+            num_layers, host_tokens, kv_row_dim, dtype, pin=(device.type == "cuda") if pin is None else pin
+        )
+        self.cache = DeviceCache(
+            num_layers, config.dev_cache_size, host_tokens, kv_row_dim, dtype, device
+        )
+        self.manager = EchoManager(self.host, self.cache)
+        self.index = torch.zeros(num_layers, host_tokens + 1, index_dim, dtype=dtype, device=device)
+
+    def write(
+        self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
+    ) -> None:
+        self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
+        self.manager.append(layer, locs, kv_rows)
+
+    def index_keys(self, layer: int) -> torch.Tensor:
+        return self.index[layer]
+
+    def resolve(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.rows[layer], self.manager.resolve(layer, locs)
+
+    def max_resolve_queries(self, topk: int) -> int:
+        return max(1, self.cache.num_slots // topk)
+
+    def release(self, locs: torch.Tensor) -> None:
+        self.manager.release(locs)
+
+    def telemetry(self) -> dict[str, list[int] | list[float]]:
+        """Per-layer counters since start (reads the device: call outside a step)."""
+        c = self.cache
+        hits, misses = c.hits.tolist(), c.misses.tolist()
+        row_bytes = self.kv_row_dim * c.rows.element_size()
+        return {
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": [h / (h + m) if h + m else 1.0 for h, m in zip(hits, misses, strict=True)],
+            "evictions": c.evictions.tolist(),
+            "append_evictions": c.append_evictions.tolist(),
+            "recalled_bytes": [r * row_bytes for r in c.recalled_rows.tolist()],
+        }
+
+    def stats(self) -> dict:
+        return {
+            "backend": "echo",
+            "dev_cache_slots_per_layer": self.cache.num_slots,
+            "host_tokens": self.host.num_tokens,
+            "host_bytes": self.host.nbytes,
+            "host_pinned": self.host.pinned,
+            "device_bytes": self.cache.nbytes + self.index.nbytes,
+            "graph_safe": self.manager.graph_safe,
+            **self.telemetry(),
+        }

@@ -1,0 +1,1 @@
+"""Single-node serving runtime: token tables, batching engine (and later scheduler, server)."""

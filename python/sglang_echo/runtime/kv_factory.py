@@ -1,0 +1,62 @@
+"""Pick the KV backend the environment asks for (plain pool or ECHO) and describe it."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_echo.config import EchoConfig
+from sglang_echo.model.config import DeepseekV32Config
+from sglang_echo.model.kv_cache import KVCache, PlainKVCache
+from sglang_echo.offload.echo_cache import EchoKVCache
+
+
+def build_kv_cache(
+    echo: EchoConfig,
+    model_config: DeepseekV32Config,
+    token_capacity: int,
+    max_running_requests: int,
+    chunked_prefill_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCache:
+    cfg = model_config
+    if not echo.offload:
+        return PlainKVCache(
+            cfg.num_hidden_layers, token_capacity, cfg.kv_row_dim, cfg.index_head_dim, dtype, device
+        )
+    echo.validate(
+        host_tokens=token_capacity,
+        max_running_requests=max_running_requests,
+        topk=cfg.index_topk,
+        chunk_size=min(chunked_prefill_size, token_capacity),
+    )
+    return EchoKVCache(
+        echo, cfg.num_hidden_layers, token_capacity, cfg.kv_row_dim, cfg.index_head_dim, dtype, device
+    )
+
+
+def describe_kv_cache(summary: dict) -> str:
+    """Human-readable run summary; ECHO adds a per-layer hit-rate line."""
+    kv = summary["kv"]
+    lines = [
+        f"requests {summary['requests']}  prompt tokens {summary['prompt_tokens']}  "
+        f"output tokens {summary['output_tokens']}",
+        f"prefill {summary['prefill_s']:.3f}s  decode {summary['decode_s']:.3f}s  "
+        f"output {summary['output_tokens_per_s']} tok/s  total {summary['total_tokens_per_s']} tok/s"
+        f"  ({summary['device']}, {summary['dtype']})",
+    ]
+    if kv["backend"] == "echo":
+        rates = " ".join(f"{r:.3f}" for r in kv["hit_rate"])
+        lines.append(
+            f"kv: ECHO  host {kv['host_bytes'] / 2**20:.1f} MiB ({kv['host_tokens']} tokens, "
+            f"pinned={kv['host_pinned']})  device {kv['device_bytes'] / 2**20:.1f} MiB "
+            f"({kv['dev_cache_slots_per_layer']} slots/layer)"
+        )
+        lines.append(f"kv: hit rate per layer: {rates}")
+        lines.append(
+            f"kv: evictions {sum(kv['evictions'])}  recalled "
+            f"{sum(kv['recalled_bytes']) / 2**20:.2f} MiB"
+        )
+    else:
+        lines.append(f"kv: no-offload  {kv['kv_bytes'] / 2**20:.1f} MiB on {summary['device']}")
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""Which token locations are free, and which locations hold each request's positions.
+
+Two small jobs kept apart (as SGLang's mem_cache does): ``TokenSlotAllocator`` hands out
+token locations of the KV pool (the host pool under ECHO, the GPU pool otherwise), and
+``RequestTable`` maps (request row, position) -> token location. Neither holds KV bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CapacityError(RuntimeError):
+    """Not enough free token locations or request rows; the caller should queue or fail."""
+
+
+class TokenSlotAllocator:
+    """Locations 1..capacity; 0 is the padding sink and is never handed out."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"token capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        # A stack: the most recently freed location is reused first.
+        self._free = list(range(capacity, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise CapacityError(f"asked for {n} token locations, {len(self._free)} free")
+        taken = self._free[len(self._free) - n :][::-1]
+        del self._free[len(self._free) - n :]
+        return taken
+
+    def free(self, locs: list[int]) -> None:
+        self._free.extend(reversed(locs))
+
+
+class RequestTable:
+    """[max_requests, max_context] int64 table on the device, plus free request rows."""
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device | str) -> None:
+        self.max_context = max_context
+        self.table = torch.zeros(max_requests, max_context, dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc_row(self) -> int:
+        if not self._free_rows:
+            raise CapacityError("no free request rows")
+        return self._free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        self.table[row].zero_()
+        self._free_rows.append(row)
+
+    def assign(self, row: int, start: int, locs: list[int]) -> None:
+        if start + len(locs) > self.max_context:
+            raise CapacityError(
+                f"request needs {start + len(locs)} positions, table width is {self.max_context}"
+            )
+        self.table[row, start : start + len(locs)] = torch.tensor(
+            locs, dtype=torch.int64, device=self.table.device
+        )

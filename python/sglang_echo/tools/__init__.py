@@ -1,0 +1,1 @@
+"""Helpers that make test fixtures and demo inputs (tiny checkpoints, prompts)."""
