@@ -33,7 +33,12 @@ def parse_size(name: str, raw: str) -> int:
     """A positive integer; underscores between digits are allowed (``260_000``)."""
     text = raw.strip()
     digits = text.replace("_", "")
-    if not digits.isdigit() or text.startswith("_") or text.endswith("_") or "__" in text:
+    if (
+        not (digits.isascii() and digits.isdigit())
+        or text.startswith("_")
+        or text.endswith("_")
+        or "__" in text
+    ):
         raise ConfigError(
             f"{name}={raw!r} is not a whole number of tokens; use e.g. {name}=260_000."
         )

@@ -31,9 +31,14 @@ def read_prompts(
     path: Path, tokenizer, vocab_size: int, max_prompt_len: int, context_limit: int
 ) -> list[list[int]]:
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise InputError(f"cannot read prompts file {str(path)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"prompts file {str(path)!r} is not UTF-8 text (byte {exc.start}); "
+            "write JSON lines in UTF-8"
+        ) from exc
     prompts: list[list[int]] = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
@@ -87,17 +92,50 @@ def build_parser() -> argparse.ArgumentParser:
         + ". Greedy decoding of a DeepSeek-V3.2 checkpoint; set NSA_KV_OFFLOAD=1 for ECHO "
         "(NSA_DEV_CACHE_SIZE = device cache slots per layer).",
     )
-    p.add_argument("--model-path", required=True, help="checkpoint folder (config.json, *.safetensors)")
-    p.add_argument("--prompts-file", required=True, type=Path, help='JSON lines: {"input_ids": [...]} or {"text": "..."}')
-    p.add_argument("--max-new-tokens", required=True, type=int, help="tokens to generate per prompt")
+    p.add_argument(
+        "--model-path", required=True, help="checkpoint folder (config.json, *.safetensors)"
+    )
+    p.add_argument(
+        "--prompts-file",
+        required=True,
+        type=Path,
+        help='JSON lines: {"input_ids": [...]} or {"text": "..."}',
+    )
+    p.add_argument(
+        "--max-new-tokens", required=True, type=int, help="tokens to generate per prompt"
+    )
     p.add_argument("--output", required=True, type=Path, help="JSON lines out, in input order")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda if available")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype (default float32)")
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda if available"
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="model dtype (default float32)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="prompts per batch (default 8)")
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool tokens (host pool under ECHO); default: what one batch needs")
-    p.add_argument("--chunked-prefill-size", type=int, default=8192, help="prompt tokens per prefill forward (default 8192)")
-    p.add_argument("--context-length", type=int, default=None, help="max prompt + new tokens (default: the model's max_position_embeddings)")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV pool tokens (host pool under ECHO); default: what one batch needs",
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=8192,
+        help="prompt tokens per prefill forward (default 8192)",
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="max prompt + new tokens (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -108,10 +146,19 @@ def _positive(name: str, value: int | None) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    for name in ("max_new_tokens", "batch_size", "chunked_prefill_size", "max_total_tokens", "context_length"):
+    for name in (
+        "max_new_tokens",
+        "batch_size",
+        "chunked_prefill_size",
+        "max_total_tokens",
+        "context_length",
+    ):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda was given but no CUDA device is available")
     echo = EchoConfig.from_env()
@@ -119,9 +166,18 @@ def run(args: argparse.Namespace) -> dict:
     model = load_model(args.model_path, device=device, dtype=dtype)
     cfg = model.config
     context_limit = args.context_length or cfg.max_position_embeddings
+    if context_limit > cfg.max_position_embeddings:
+        raise InputError(
+            f"--context-length {context_limit} exceeds the model's max_position_embeddings "
+            f"({cfg.max_position_embeddings}); lower it"
+        )
     tokenizer = load_tokenizer(args.model_path)
     prompts = read_prompts(
-        args.prompts_file, tokenizer, cfg.vocab_size, context_limit - args.max_new_tokens, context_limit
+        args.prompts_file,
+        tokenizer,
+        cfg.vocab_size,
+        context_limit - args.max_new_tokens,
+        context_limit,
     )
     batch = min(args.batch_size, len(prompts))
     longest = max(len(p) for p in prompts) + args.max_new_tokens
@@ -143,7 +199,9 @@ def run(args: argparse.Namespace) -> dict:
     )
     from tqdm import tqdm
 
-    bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=args.quiet or None, file=sys.stderr)
+    bar = tqdm(
+        total=len(prompts), desc="generate", unit="req", disable=args.quiet or None, file=sys.stderr
+    )
     results = engine.generate(prompts, args.max_new_tokens, on_request_done=lambda _: bar.update(1))
     bar.close()
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -161,7 +219,9 @@ def run(args: argparse.Namespace) -> dict:
         "prefill_s": round(s.prefill_s, 4),
         "decode_s": round(s.decode_s, 4),
         "output_tokens_per_s": round(s.output_tokens / s.decode_s, 2) if s.decode_s else None,
-        "total_tokens_per_s": round((s.prompt_tokens + s.output_tokens) / s.total_s, 2) if s.total_s else None,
+        "total_tokens_per_s": round((s.prompt_tokens + s.output_tokens) / s.total_s, 2)
+        if s.total_s
+        else None,
         "device": str(device),
         "dtype": args.dtype,
         "kv": kv_cache.stats(),

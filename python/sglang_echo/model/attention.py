@@ -22,19 +22,36 @@ GATHER_BLOCK_ELEMENTS = 1 << 26
 
 
 def sparse_mla(
-    q: torch.Tensor, kv_buffer: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int, scale: float
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, kv_lora_rank: int, scale: float
 ) -> torch.Tensor:
-    """Attention over selected rows only.
+    """Attention over gathered selected rows.
 
-    q [Q, H, r + d_rope] (absorbed latent query | roped query), kv_buffer [S, r + d_rope],
-    rows [Q, K] (-1 = none) -> latent output [Q, H, r]. Softmax runs in float32.
+    q [Q, H, r + d_rope] (absorbed latent query | roped query), kv [Q, K, r + d_rope] (the
+    selected rows), valid [Q, K] -> latent output [Q, H, r]. Softmax runs in float32.
     """
-    valid = rows >= 0
-    kv = kv_buffer[rows.clamp(min=0)]
     scores = torch.matmul(q, kv.transpose(-1, -2)).float() * scale
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, kv[..., :kv_lora_rank])
+
+
+def gather_selected(
+    kv_cache: KVCache, layer_id: int, selected: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Resolve ``selected`` [Q, K] locations and copy their rows into ``out`` [Q, K, D].
+
+    Resolves in pieces no larger than the cache can hold at once (a piece's rows are
+    copied out before the next piece may evict them), so the attention that follows sees
+    the same tensor shapes, and therefore computes bit-identical results, whatever the
+    KV backend. Returns the valid mask [Q, K].
+    """
+    n_queries, topk = selected.shape
+    piece = min(n_queries, kv_cache.max_resolve_queries(topk))
+    for s in range(0, n_queries, piece):
+        e = min(s + piece, n_queries)
+        buffer, rows = kv_cache.resolve(layer_id, selected[s:e])
+        out[s:e] = buffer[rows.clamp(min=0)]
+    return selected >= 0
 
 
 class MLAttention(nn.Module):
@@ -113,18 +130,20 @@ class MLAttention(nn.Module):
         kv_cache: KVCache,
         layer_id: int,
     ) -> torch.Tensor:
-        if batch.is_decode:
-            # One resolve for the whole decode step: the config guarantees it fits.
-            buffer, rows = kv_cache.resolve(layer_id, selected)
-            return sparse_mla(q_full, buffer, rows, self.kv_lora_rank, self.scale)
         n_tokens, topk = selected.shape
-        block = min(
-            kv_cache.max_resolve_queries(topk),
-            max(1, GATHER_BLOCK_ELEMENTS // (topk * q_full.shape[-1])),
-        )
+        row_dim = q_full.shape[-1]
+        if batch.is_decode:
+            # One resolve for the whole decode step (the config guarantees it fits), so the
+            # step keeps fixed shapes and stays capturable in a CUDA graph.
+            buffer, rows = kv_cache.resolve(layer_id, selected)
+            kv = buffer[rows.clamp(min=0)]
+            return sparse_mla(q_full, kv, selected >= 0, self.kv_lora_rank, self.scale)
+        block = max(1, GATHER_BLOCK_ELEMENTS // (topk * row_dim))
         out = q_full.new_empty(n_tokens, self.n_heads, self.kv_lora_rank)
+        staged = q_full.new_empty(min(block, n_tokens), topk, row_dim)
         for s in range(0, n_tokens, block):
             e = min(s + block, n_tokens)
-            buffer, rows = kv_cache.resolve(layer_id, selected[s:e])
-            out[s:e] = sparse_mla(q_full[s:e], buffer, rows, self.kv_lora_rank, self.scale)
+            kv = staged[: e - s]
+            valid = gather_selected(kv_cache, layer_id, selected[s:e], kv)
+            out[s:e] = sparse_mla(q_full[s:e], kv, valid, self.kv_lora_rank, self.scale)
         return out

@@ -182,7 +182,9 @@ class DeepseekV32Config:
             if self.topk_group > self.n_group:
                 raise ModelConfigError(f"{source}: topk_group must be <= n_group.")
             if self.num_experts_per_tok > self.n_routed_experts:
-                raise ModelConfigError(f"{source}: num_experts_per_tok must be <= n_routed_experts.")
+                raise ModelConfigError(
+                    f"{source}: num_experts_per_tok must be <= n_routed_experts."
+                )
         if self.index_topk < 1:
             raise ModelConfigError(f"{source}: index_topk must be >= 1.")
 

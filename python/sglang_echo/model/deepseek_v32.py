@@ -12,7 +12,7 @@ from sglang_echo.model.attention import MLAttention
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.model.layers import MoE, GatedMLP, RMSNorm
+from sglang_echo.model.layers import GatedMLP, MoE, RMSNorm
 from sglang_echo.model.rope import RotaryTable
 
 
@@ -36,7 +36,9 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, batch, kv_cache, self.layer_id)
+        attn = self.self_attn(
+            self.input_layernorm(hidden), cos, sin, batch, kv_cache, self.layer_id
+        )
         hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -45,7 +47,9 @@ class DeepseekV32Backbone(nn.Module):
     def __init__(self, config: DeepseekV32Config) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

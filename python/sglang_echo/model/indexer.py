@@ -50,7 +50,7 @@ def index_scores(
 
 
 def select_topk(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) -> torch.Tensor:
-    """Exact top-k over key positions <= each query's position.
+    """Exact top-k over key positions <= each query's position; ties to the lower position.
 
     scores [G, Q, L] (key position = column), query_pos [G, Q] -> positions [G, Q, topk],
     -1 where a query has fewer than ``topk`` visible keys.
@@ -59,7 +59,10 @@ def select_topk(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) -> tor
     key_pos = torch.arange(length, device=scores.device)
     masked = scores.masked_fill(key_pos > query_pos.unsqueeze(-1), float("-inf"))
     k = min(topk, length)
-    values, idx = masked.topk(k, dim=-1)
+    # Ties (e.g. keys whose every head logit is clipped to 0 by relu) go to the lowest
+    # position, so the selection never depends on padding or batch composition.
+    values, idx = torch.sort(masked, dim=-1, descending=True, stable=True)
+    values, idx = values[..., :k], idx[..., :k]
     idx = torch.where(values == float("-inf"), torch.full_like(idx, -1), idx)
     if k < topk:
         idx = F.pad(idx, (0, topk - k), value=-1)
@@ -96,7 +99,9 @@ class LightningIndexer(nn.Module):
         rotated = x @ hadamard_matrix(self.head_dim, x.device, x.dtype)
         return fp8_round_trip(rotated)
 
-    def project_key(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project_key(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """[T, hidden] -> [T, head_dim]: the key every later query will score."""
         k = self._rope(self.k_norm(self.wk(hidden)), cos, sin)
         return self._fp8(k) if self.mode == "fp8_hadamard" else k

@@ -78,5 +78,11 @@ class DeviceCache:
         return int((self.device_to_host[layer, 1 : self.num_slots + 1] >= 1).sum().item())
 
     def reset_telemetry(self) -> None:
-        for t in (self.hits, self.misses, self.evictions, self.append_evictions, self.recalled_rows):
+        for t in (
+            self.hits,
+            self.misses,
+            self.evictions,
+            self.append_evictions,
+            self.recalled_rows,
+        ):
             t.zero_()

@@ -33,7 +33,11 @@ class EchoKVCache:
         self.kv_row_dim = kv_row_dim
         self.index_dim = index_dim
         self.host = HostKVPool(
-            num_layers, host_tokens, kv_row_dim, dtype, pin=(device.type == "cuda") if pin is None else pin
+            num_layers,
+            host_tokens,
+            kv_row_dim,
+            dtype,
+            pin=(device.type == "cuda") if pin is None else pin,
         )
         self.cache = DeviceCache(
             num_layers, config.dev_cache_size, host_tokens, kv_row_dim, dtype, device

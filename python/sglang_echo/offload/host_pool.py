@@ -50,7 +50,9 @@ class HostKVPool:
         self.scratch_row = num_tokens + 1
         pin = torch.cuda.is_available() if pin is None else pin
         shape = (num_layers, num_tokens + 2, row_dim)
-        nbytes = num_layers * (num_tokens + 2) * row_dim * torch.empty((), dtype=dtype).element_size()
+        nbytes = (
+            num_layers * (num_tokens + 2) * row_dim * torch.empty((), dtype=dtype).element_size()
+        )
         try:
             self.rows = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         except (RuntimeError, MemoryError) as exc:

@@ -34,7 +34,10 @@ class EchoManager:
         self._token_slot = (slots >= 1) & (slots <= cache.num_slots)
         # One scratch stack entry past the end absorbs masked pushes in ``release``.
         self._stack = torch.cat(
-            (cache.free_stack, torch.zeros(cache.num_layers, 1, dtype=torch.int32, device=self.device)),
+            (
+                cache.free_stack,
+                torch.zeros(cache.num_layers, 1, dtype=torch.int32, device=self.device),
+            ),
             dim=1,
         )
         cache.free_stack = self._stack
@@ -80,13 +83,19 @@ class EchoManager:
         from_stack = rank < free
         stack_pos = (free - 1 - rank).clamp(min=0, max=c.num_slots - 1)
         victim_pos = (rank - free).clamp(min=0, max=victims.shape[0] - 1)
-        slot = torch.where(from_stack, self._stack[layer][stack_pos].to(torch.int64), victims[victim_pos])
+        slot = torch.where(
+            from_stack, self._stack[layer][stack_pos].to(torch.int64), victims[victim_pos]
+        )
         slot = torch.where(need, slot, torch.full_like(slot, c.scratch_slot))
         evicting = need & ~from_stack
 
         scratch_host = torch.full_like(ids, c.scratch_host)
         old_host = d2h[slot].to(torch.int64)
-        h2d.scatter_(0, torch.where(evicting, old_host, scratch_host), torch.full_like(slot, ABSENT, dtype=torch.int32))
+        h2d.scatter_(
+            0,
+            torch.where(evicting, old_host, scratch_host),
+            torch.full_like(slot, ABSENT, dtype=torch.int32),
+        )
         h2d.scatter_(0, torch.where(need, ids, scratch_host), slot.to(torch.int32))
         d2h.scatter_(0, slot, torch.where(need, ids, torch.full_like(ids, FREE)).to(torch.int32))
         prio.scatter_(0, slot, stamp.expand(lanes))
@@ -127,7 +136,9 @@ class EchoManager:
         miss = first & (slot == ABSENT)
 
         prio = c.priority[layer]
-        prio.scatter_(0, torch.where(hit, slot, torch.full_like(slot, c.scratch_slot)), stamp.expand(lanes))
+        prio.scatter_(
+            0, torch.where(hit, slot, torch.full_like(slot, c.scratch_slot)), stamp.expand(lanes)
+        )
         evictable = (c.device_to_host[layer] >= 1) & self._token_slot & (prio < stamp)
         new_slot, evicting = self._allocate(layer, ids, miss, evictable, stamp)
         fetch = torch.where(miss, ids, torch.full_like(ids, c.scratch_host))
@@ -158,7 +169,9 @@ class EchoManager:
             push_pos = torch.where(resident, free + rank, torch.full_like(rank, c.num_slots))
             self._stack[layer].scatter_(0, push_pos, torch.where(resident, slot, 0).to(torch.int32))
             target = torch.where(resident, slot, torch.full_like(slot, c.scratch_slot))
-            c.device_to_host[layer].scatter_(0, target, torch.full_like(target, FREE, dtype=torch.int32))
+            c.device_to_host[layer].scatter_(
+                0, target, torch.full_like(target, FREE, dtype=torch.int32)
+            )
             c.priority[layer].scatter_(0, target, torch.full_like(target, FREE, dtype=torch.int32))
             c.host_to_device[layer].index_fill_(0, locs, ABSENT)
             c.free_count[layer] = (free + resident.sum()).to(torch.int32)

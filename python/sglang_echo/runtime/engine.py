@@ -58,6 +58,7 @@ class Engine:
         max_context: int,
         chunked_prefill_size: int = 8192,
         ignore_eos: bool = False,
+        use_cuda_graph: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -68,6 +69,11 @@ class Engine:
         self.chunked_prefill_size = chunked_prefill_size
         self.eos_ids = set() if ignore_eos else set(model.config.eos_token_ids)
         self.stats = RunStats()
+        self.decode_runner = None
+        if use_cuda_graph:
+            from sglang_echo.runtime.cuda_graph import CudaGraphDecodeRunner
+
+            self.decode_runner = CudaGraphDecodeRunner(model, kv_cache, max_context)
 
     # ----------------------------------------------------------------- public
     def generate(
@@ -133,7 +139,7 @@ class Engine:
         finishing = [i for i, (req, _) in enumerate(members) if req.prefill_done]
         last_token = []
         acc = 0
-        for req, n in members:
+        for _req, n in members:
             acc += n
             last_token.append(acc - 1)
         batch = self._make_batch(
@@ -168,7 +174,10 @@ class Engine:
         batch = self._make_batch(
             ids, positions, out_locs, active, [1] * len(active), is_decode=True, logits_rows=None
         )
-        logits = self.model(batch, self.kv_cache)
+        if self.decode_runner is not None:
+            logits = self.decode_runner(batch)
+        else:
+            logits = self.model(batch, self.kv_cache)
         for req, row in zip(active, logits, strict=True):
             self._accept(req, row, record_logits, on_done)
 

@@ -31,7 +31,13 @@ def build_kv_cache(
         chunk_size=min(chunked_prefill_size, token_capacity),
     )
     return EchoKVCache(
-        echo, cfg.num_hidden_layers, token_capacity, cfg.kv_row_dim, cfg.index_head_dim, dtype, device
+        echo,
+        cfg.num_hidden_layers,
+        token_capacity,
+        cfg.kv_row_dim,
+        cfg.index_head_dim,
+        dtype,
+        device,
     )
 
 

@@ -1,0 +1,83 @@
+"""Decode steps captured in CUDA graphs, one graph per batch size.
+
+The first step at a batch size runs eagerly (it is a real step: ECHO's cache state moves
+exactly once) and is then captured; later steps copy their inputs into the graph's static
+tensors and replay. Capturing needs the whole step to be device-only: fixed shapes, the
+indexer over a fixed context width, MoE's dense dispatch, ECHO's graph-safe ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
+from sglang_echo.model.forward_batch import ForwardBatch
+from sglang_echo.model.kv_cache import KVCache
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    batch: ForwardBatch
+    logits: torch.Tensor
+
+
+class CudaGraphDecodeRunner:
+    def __init__(
+        self, model: DeepseekV32ForCausalLM, kv_cache: KVCache, context_width: int
+    ) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        if getattr(getattr(kv_cache, "manager", None), "graph_safe", True) is False:
+            raise RuntimeError(
+                "the ECHO host pool is not device-addressable (no pinned UVA view), so a "
+                "decode step cannot be captured; run without CUDA graphs"
+            )
+        self.model = model
+        self.kv_cache = kv_cache
+        self.context_width = context_width
+        self.device = model.lm_head.weight.device
+        self.graphs: dict[int, _Captured] = {}
+        model.set_graph_safe(True)
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        z = dict(dtype=torch.int64, device=self.device)
+        return ForwardBatch(
+            input_ids=torch.zeros(bs, **z),
+            positions=torch.zeros(bs, **z),
+            out_locs=torch.zeros(bs, **z),
+            context_locs=torch.zeros(bs, self.context_width, **z),
+            extend_lens=[1] * bs,
+            context_lens=[0] * bs,
+            is_decode=True,
+        )
+
+    @staticmethod
+    def _load(static: ForwardBatch, batch: ForwardBatch) -> None:
+        static.input_ids.copy_(batch.input_ids)
+        static.positions.copy_(batch.positions)
+        static.out_locs.copy_(batch.out_locs)
+        width = batch.context_locs.shape[1]
+        static.context_locs[:, :width].copy_(batch.context_locs)
+        static.context_locs[:, width:].zero_()
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        if not batch.is_decode:
+            raise ValueError("only decode batches are captured")
+        bs = batch.num_requests
+        captured = self.graphs.get(bs)
+        if captured is not None:
+            self._load(captured.batch, batch)
+            captured.graph.replay()
+            return captured.logits.clone()
+        static = self._static_batch(bs)
+        self._load(static, batch)
+        result = self.model(static, self.kv_cache).clone()  # the real step, eager
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.model(static, self.kv_cache)  # recorded, not executed
+        self.graphs[bs] = _Captured(graph, static, logits)
+        return result

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny DeepSeek-V3.2 checkpoints generated once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_echo.tools.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+
+# Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine the
+# thread pool's contention made small ops ~50x slower.
+torch.set_num_threads(1)
+
+# Three oracle configurations: different seeds and shapes, MoE on, index_topk below the
+# prompt lengths (so sparsity matters), >= 8 indexer heads, one with YaRN rope.
+ORACLE_SPECS = {
+    "default-rope": TinySpec(seed=0),
+    "yarn": TinySpec(
+        seed=1,
+        layers=2,
+        hidden=48,
+        heads=3,
+        q_lora_rank=40,
+        kv_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        experts=6,
+        experts_per_tok=3,
+        n_group=2,
+        topk_group=2,
+        index_heads=16,
+        index_dim=64,
+        index_topk=24,
+        rope="yarn",
+        max_position=2048,
+    ),
+    "wide-moe": TinySpec(
+        seed=2,
+        layers=4,
+        dense_layers=2,
+        hidden=64,
+        heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=64,
+        qk_nope_head_dim=24,
+        qk_rope_head_dim=8,
+        v_head_dim=32,
+        experts=16,
+        experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        shared_experts=2,
+        index_heads=12,
+        index_dim=16,
+        index_topk=12,
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: make_tiny_checkpoint(root / name, spec) for name, spec in ORACLE_SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(checkpoints):
+    return checkpoints["default-rope"]
