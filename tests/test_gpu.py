@@ -69,6 +69,20 @@ def test_oracle_on_cuda(checkpoints, name, dtype):
             len(topk_set_mismatches(a.cpu(), b.cpu()))
             for a, b in zip(ours_topk, ref_topk, strict=True)
         )
+    if dtype != torch.float32:
+        # Two bf16 implementations differ from each other by bf16 rounding; what matters is
+        # that ours is no further from the float32 reference than transformers' bf16 is.
+        ref32 = HFModel.from_pretrained(str(checkpoints[name]), dtype=torch.float32).to("cuda")
+        ours_err, hf_err = 0.0, 0.0
+        for prompt in _prompts(11, [60, 90]):
+            exact, _ = hf_prefill(ref32.eval(), prompt)
+            mine, _ = prefill_all_logits(ours, prompt)
+            theirs, _ = hf_prefill(hf, prompt)
+            ours_err = max(ours_err, ((mine - exact).norm() / exact.norm()).item())
+            hf_err = max(hf_err, ((theirs - exact).norm() / exact.norm()).item())
+        result["rel_l2_vs_fp32_ours"] = ours_err
+        result["rel_l2_vs_fp32_transformers"] = hf_err
+        del ref32
     prompts = _prompts(5, [9, 33, 52])
     expected = [hf_greedy(hf, p, 32) for p in prompts]
     cfg = ours.config
@@ -94,7 +108,7 @@ def test_oracle_on_cuda(checkpoints, name, dtype):
         assert result["topk_mismatch_positions"] == 0
         assert got == expected
     else:
-        assert result["rel_l2"] < 5e-2
+        assert result["rel_l2_vs_fp32_ours"] <= 1.5 * result["rel_l2_vs_fp32_transformers"] + 1e-2
 
 
 def _lossless_pair(model, prompts, new_tokens, batch_size, chunk, use_graph, sync_check):
@@ -161,7 +175,7 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype):
             for _ in range(rng.randint(2, 6))
         ]
         bs = rng.randint(1, 4)
-        chunk = rng.choice([16, 32, 4096])
+        chunk = rng.choice([4, 8, 12])  # <= batch x top-k: the cache is at its minimum
         r = _lossless_pair(model, prompts, 16, bs, chunk, use_graph=True, sync_check=False)
         r.update(config=name, batch_size=bs, chunk=chunk)
         reports.append(r)

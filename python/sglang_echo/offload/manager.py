@@ -58,6 +58,15 @@ class EchoManager:
             return self.host_view[layer].index_select(0, ids)
         return self.host.rows[layer].index_select(0, ids.cpu()).to(self.device)
 
+    def _check_lanes(self, op: str, lanes: int) -> None:
+        """Shape-only guard (no device read): more lanes than slots could need more
+        victims than exist. EchoConfig.validate makes this unreachable from the runtime."""
+        if lanes > self.cache.num_slots:
+            raise ValueError(
+                f"ECHO {op} of {lanes} tokens exceeds the {self.cache.num_slots}-slot device "
+                "cache; split it (chunked prefill) or raise NSA_DEV_CACHE_SIZE"
+            )
+
     # ---------------------------------------------------------------- allocation
     def _allocate(
         self,
@@ -106,6 +115,7 @@ class EchoManager:
     def append(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
         """New tokens (host ids not yet resident) -> host rows and fresh device slots."""
         c = self.cache
+        self._check_lanes("append", locs.numel())
         self._write_host(layer, locs, rows)
         need = torch.ones_like(locs, dtype=torch.bool)
         occupied = (c.device_to_host[layer] >= 1) & self._token_slot
@@ -124,6 +134,7 @@ class EchoManager:
         shape = locs.shape
         flat = locs.reshape(-1)
         lanes = flat.shape[0]
+        self._check_lanes("resolve", lanes)
         c.clock[layer] += 1
         stamp = c.clock[layer]
 
