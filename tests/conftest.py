@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,9 @@ from sglang_echo.tools.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 # Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine the
 # thread pool's contention made small ops ~50x slower.
 torch.set_num_threads(1)
+# Triton kernels run under the interpreter on machines without a GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Three oracle configurations: different seeds and shapes, MoE on, index_topk below the
 # prompt lengths (so sparsity matters), >= 8 indexer heads, one with YaRN rope.

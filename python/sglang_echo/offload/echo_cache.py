@@ -26,6 +26,7 @@ class EchoKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         pin: bool | None = None,
+        use_kernels: bool | None = None,
     ) -> None:
         device = torch.device(device)
         self.config = config
@@ -42,7 +43,7 @@ class EchoKVCache:
         self.cache = DeviceCache(
             num_layers, config.dev_cache_size, host_tokens, kv_row_dim, dtype, device
         )
-        self.manager = EchoManager(self.host, self.cache)
+        self.manager = EchoManager(self.host, self.cache, use_kernels=use_kernels)
         self.index = torch.zeros(num_layers, host_tokens + 1, index_dim, dtype=dtype, device=device)
 
     def write(

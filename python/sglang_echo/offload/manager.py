@@ -21,7 +21,9 @@ _INT32_MAX = torch.iinfo(torch.int32).max
 
 
 class EchoManager:
-    def __init__(self, host: HostKVPool, cache: DeviceCache) -> None:
+    def __init__(
+        self, host: HostKVPool, cache: DeviceCache, use_kernels: bool | None = None
+    ) -> None:
         if host.num_tokens != cache.host_tokens or host.num_layers != cache.num_layers:
             raise ValueError("host pool and device cache disagree on tokens or layers")
         self.host = host
@@ -30,6 +32,10 @@ class EchoManager:
         # Kernels on the cache's device read/write host rows through this view; None means
         # host-side copies (correct, but they synchronise and cannot be graph-captured).
         self.host_view = host.view_for(self.device)
+        # On CUDA the Triton recall kernel moves the rows; the torch path is the reference.
+        self.use_kernels = (
+            use_kernels if use_kernels is not None else self.device.type == "cuda"
+        ) and self.host_view is not None
         slots = torch.arange(cache.num_slots + 2, device=self.device)
         self._token_slot = (slots >= 1) & (slots <= cache.num_slots)
         # One scratch stack entry past the end absorbs masked pushes in ``release``.
@@ -152,8 +158,7 @@ class EchoManager:
         )
         evictable = (c.device_to_host[layer] >= 1) & self._token_slot & (prio < stamp)
         new_slot, evicting = self._allocate(layer, ids, miss, evictable, stamp)
-        fetch = torch.where(miss, ids, torch.full_like(ids, c.scratch_host))
-        c.rows[layer].index_copy_(0, new_slot, self._read_host(layer, fetch).to(c.rows.dtype))
+        self._recall(layer, ids, new_slot, miss)
 
         resolved = torch.where(hit, slot, new_slot)
         lane = torch.arange(lanes, device=flat.device)
@@ -167,6 +172,26 @@ class EchoManager:
         c.evictions[layer] += evicting.sum()
         c.recalled_rows[layer] += n_miss
         return out.view(shape)
+
+    def _recall(
+        self, layer: int, ids: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor
+    ) -> None:
+        c = self.cache
+        if self.use_kernels:
+            # Compact the misses to the front; the kernel copies the first ``count`` lanes.
+            lanes = ids.shape[0]
+            dest = torch.where(miss, torch.cumsum(miss.to(torch.int64), 0) - 1, lanes)
+            miss_ids = torch.zeros(lanes + 1, dtype=torch.int64, device=ids.device)
+            miss_slots = torch.zeros_like(miss_ids)
+            miss_ids.scatter_(0, dest, ids)
+            miss_slots.scatter_(0, dest, slots)
+            count = miss.sum().view(1)
+            from sglang_echo.kernels.recall import recall_rows  # triton only where used
+
+            recall_rows(self.host_view[layer], c.rows[layer], miss_ids, miss_slots, count)
+            return
+        fetch = torch.where(miss, ids, torch.full_like(ids, c.scratch_host))
+        c.rows[layer].index_copy_(0, slots, self._read_host(layer, fetch).to(c.rows.dtype))
 
     # ------------------------------------------------------------------- release
     def release(self, locs: torch.Tensor) -> None:

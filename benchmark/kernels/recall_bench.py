@@ -1,0 +1,161 @@
+"""Recall kernel bandwidth against the host-to-device copy bandwidth of the same run.
+
+Roofline: recall moves M rows of B bytes over PCIe once, so its floor is M*B / H2D; the
+measured pinned->device ``copy_`` of a large buffer is that H2D ceiling. Each config is
+checked for correctness (poisoned destination, byte-exact rows) before it is timed.
+
+    python benchmark/kernels/recall_bench.py --out benchmark/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+
+from sglang_echo.kernels.recall import recall_rows
+from sglang_echo.offload.host_pool import cuda_alias_of_pinned
+
+
+def time_ms(fn, warmup: int = 5, reps: int = 30) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def h2d_gbps(nbytes: int = 2 << 30) -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    ms = time_ms(lambda: dst.copy_(src, non_blocking=True), warmup=3, reps=10)
+    return nbytes / ms / 1e6
+
+
+def bench_rows(row_bytes: int, host_rows: int, misses: int, configs) -> dict:
+    host = torch.randint(0, 255, (host_rows, row_bytes), dtype=torch.uint8).pin_memory()
+    alias = cuda_alias_of_pinned(host)
+    assert alias is not None, "pinned host memory has no CUDA alias (UVA)"
+    slots = 262_144
+    dev = torch.empty(slots, row_bytes, dtype=torch.uint8, device="cuda")
+    results = []
+    # Several independent miss lists, rotated, so no run re-reads the last one's rows.
+    lists = []
+    for s in range(4):
+        g = torch.Generator().manual_seed(s)
+        ids = torch.randperm(host_rows - 1, generator=g)[:misses] + 1
+        sl = torch.randperm(slots - 1, generator=g)[:misses] + 1
+        lists.append((ids.cuda(), sl.cuda()))
+    count = torch.tensor([misses], device="cuda")
+    for rows_pp, block, warps in configs:
+        ids, sl = lists[0]
+        dev.fill_(0xAB)
+        recall_rows(alias, dev, ids, sl, count, rows_pp, block, warps)
+        torch.cuda.synchronize()
+        check = torch.randint(0, misses, (4096,))
+        ok = torch.equal(dev[sl[check].long()].cpu(), host[ids[check].long().cpu()])
+        it = iter(range(1 << 30))
+
+        def run(rows_pp=rows_pp, block=block, warps=warps, it=it):
+            i, s2 = lists[next(it) % len(lists)]
+            recall_rows(alias, dev, i, s2, count, rows_pp, block, warps)
+
+        ms = time_ms(run)
+        results.append(
+            {
+                "rows_per_program": rows_pp,
+                "block_bytes": block,
+                "num_warps": warps,
+                "correct": ok,
+                "ms": ms,
+                "GBps": misses * row_bytes / ms / 1e6,
+            }
+        )
+    # The torch reference path through the same alias, for comparison.
+    ids, sl = lists[0]
+    ref_ms = time_ms(lambda: dev.index_copy_(0, sl, alias.index_select(0, ids)))
+    return {
+        "row_bytes": row_bytes,
+        "misses": misses,
+        "configs": results,
+        "torch_index_select_GBps": misses * row_bytes / ref_ms / 1e6,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--host-rows", type=int, default=2_000_000)
+    p.add_argument("--misses", type=int, default=48 * 2048)
+    args = p.parse_args()
+    configs = [(r, b, w) for r in (1, 4, 8, 16) for b in (128, 256) for w in (2, 4, 8)]
+    h2d = h2d_gbps()
+    per_size = {rb: bench_rows(rb, args.host_rows, args.misses, configs) for rb in (656, 1152)}
+    metrics = {"h2d_GBps": h2d}
+    for rb, res in per_size.items():
+        good = [c for c in res["configs"] if c["correct"]]
+        best = max(good, key=lambda c: c["GBps"])
+        metrics[f"recall_GBps_{rb}"] = best["GBps"]
+        metrics[f"ratio_{rb}"] = best["GBps"] / h2d
+        metrics[f"best_config_{rb}"] = {
+            k: best[k] for k in ("rows_per_program", "block_bytes", "num_warps")
+        }
+        metrics[f"torch_index_select_GBps_{rb}"] = res["torch_index_select_GBps"]
+        metrics[f"all_correct_{rb}"] = len(good) == len(res["configs"])
+    record = {
+        "name": "recall",
+        "device": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python " + " ".join(sys.argv),
+        "metrics": metrics,
+        "detail": per_size,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recall.json").write_text(json.dumps(record, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for rb, res in per_size.items():
+            xs = [
+                f"{c['rows_per_program']}x{c['block_bytes']}/{c['num_warps']}w"
+                for c in res["configs"]
+            ]
+            ax.plot(xs, [c["GBps"] for c in res["configs"]], marker="o", label=f"{rb} B rows")
+        ax.axhline(h2d, color="k", ls="--", label=f"H2D copy {h2d:.1f} GB/s")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"UVA recall of {args.misses} random rows ({record['device']})")
+        ax.tick_params(axis="x", rotation=90, labelsize=6)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "recall.png", dpi=120)
+    except ImportError:
+        pass
+    print(f"{'row B':>6} {'best GB/s':>10} {'ratio':>6} {'torch GB/s':>10}  H2D {h2d:.1f} GB/s")
+    for rb in per_size:
+        print(
+            f"{rb:>6} {metrics[f'recall_GBps_{rb}']:>10.1f} {metrics[f'ratio_{rb}']:>6.3f} "
+            f"{metrics[f'torch_index_select_GBps_{rb}']:>10.1f}  best {metrics[f'best_config_{rb}']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

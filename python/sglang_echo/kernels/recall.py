@@ -1,0 +1,99 @@
+"""Recall: copy the rows of missed tokens from pinned host memory into their device slots.
+
+The kernel reads host rows through their device-mapped (UVA) address, so one launch moves
+every miss of a layer with no staging copy and no host synchronisation. It is driven by a
+compacted miss list and a device-side count: lanes past the count exit at once, so the
+grid can be sized for the worst case (a fixed shape, capturable in a CUDA graph). Rows are
+copied as bytes, so bf16 rows (1152 B) and SGLang's fp8 layout (656 B) share one kernel;
+with row strides that are multiples of 16 B, loads and stores are 16 B wide.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DEFAULT_ROWS_PER_PROGRAM = 4
+DEFAULT_BLOCK_BYTES = 256
+
+
+@triton.jit
+def _recall_kernel(
+    host_ptr,
+    dev_ptr,
+    ids_ptr,
+    slots_ptr,
+    count_ptr,
+    host_stride,
+    dev_stride,
+    ROW_BYTES: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    lane = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = lane < tl.load(count_ptr)  # lanes past the count touch no memory
+    ids = tl.load(ids_ptr + lane, mask=live, other=0).to(tl.int64)
+    slots = tl.load(slots_ptr + lane, mask=live, other=0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    for start in tl.static_range(0, ROW_BYTES, BLOCK):
+        c = start + cols
+        mask = live[:, None] & (c[None, :] < ROW_BYTES)
+        values = tl.load(host_ptr + ids[:, None] * host_stride + c[None, :], mask=mask)
+        tl.store(dev_ptr + slots[:, None] * dev_stride + c[None, :], values, mask=mask)
+
+
+def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    if rows.dim() != 2 or rows.stride(1) != 1:
+        raise ValueError("recall expects [rows, row_dim] tensors with contiguous rows")
+    return rows.view(torch.uint8)
+
+
+def recall_rows(
+    host_rows: torch.Tensor,
+    dev_rows: torch.Tensor,
+    miss_ids: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    rows_per_program: int = DEFAULT_ROWS_PER_PROGRAM,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    num_warps: int = 4,
+) -> None:
+    """dev_rows[miss_slots[i]] = host_rows[miss_ids[i]] for i < miss_count (a 1-element tensor).
+
+    ``host_rows`` must be addressable by the kernel's device: a CUDA alias of pinned memory
+    on GPU (see offload.host_pool), any tensor under TRITON_INTERPRET=1.
+    """
+    if host_rows.shape[1] != dev_rows.shape[1] or host_rows.dtype != dev_rows.dtype:
+        raise ValueError("host and device rows must have the same width and dtype")
+    host_b, dev_b = _as_bytes(host_rows), _as_bytes(dev_rows)
+    lanes = miss_ids.numel()
+    if lanes == 0:
+        return
+    grid = (triton.cdiv(lanes, rows_per_program),)
+    _recall_kernel[grid](
+        host_b,
+        dev_b,
+        miss_ids,
+        miss_slots,
+        miss_count,
+        host_b.stride(0),
+        dev_b.stride(0),
+        ROW_BYTES=host_b.shape[1],
+        ROWS=rows_per_program,
+        BLOCK=block_bytes,
+        num_warps=num_warps,
+    )
+
+
+def recall_rows_reference(
+    host_rows: torch.Tensor,
+    dev_rows: torch.Tensor,
+    miss_ids: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+) -> None:
+    """Plain torch: the semantics the kernel must reproduce (reads the count on the host)."""
+    n = int(miss_count.item())
+    ids = miss_ids[:n].long()
+    dev_rows[miss_slots[:n].long()] = host_rows[ids.to(host_rows.device)].to(dev_rows.device)
