@@ -442,8 +442,8 @@ class SmallHostMachine(EchoMachine):
 
 
 FAST = settings(
-    max_examples=60,
-    stateful_step_count=40,
+    max_examples=100,
+    stateful_step_count=50,
     derandomize=True,
     database=None,
     deadline=None,

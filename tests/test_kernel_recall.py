@@ -16,8 +16,8 @@ from sglang_echo.kernels.recall import recall_rows, recall_rows_reference
     ("dtype", "width"),
     [(torch.bfloat16, 576), (torch.uint8, 656), (torch.float32, 20)],
 )
-@pytest.mark.parametrize("rows_per_program", [1, 4])
-def test_recall_matches_reference(dtype, width, rows_per_program):
+@pytest.mark.parametrize(("rows_per_program", "flat_chunks"), [(1, 0), (4, 0), (0, 64)])
+def test_recall_matches_reference(dtype, width, rows_per_program, flat_chunks):
     g = torch.Generator().manual_seed(width + rows_per_program)
     host = torch.randint(0, 255, (300, width), generator=g).to(dtype)
     lanes, count = 37, 29
@@ -26,7 +26,16 @@ def test_recall_matches_reference(dtype, width, rows_per_program):
     poison = torch.full((62, width), 7, dtype=dtype)
     got, want = poison.clone(), poison.clone()
     n = torch.tensor([count], dtype=torch.int32)
-    recall_rows(host, got, ids, slots, n, rows_per_program=rows_per_program, block_bytes=128)
+    recall_rows(
+        host,
+        got,
+        ids,
+        slots,
+        n,
+        rows_per_program=max(1, rows_per_program),
+        block_bytes=128,
+        flat_chunks=flat_chunks,
+    )
     recall_rows_reference(host, want, ids, slots, n)
     assert torch.equal(got, want)
     # Lanes past the count moved nothing.

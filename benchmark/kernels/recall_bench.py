@@ -61,18 +61,18 @@ def bench_rows(row_bytes: int, host_rows: int, misses: int, configs) -> dict:
         sl = torch.randperm(slots - 1, generator=g)[:misses] + 1
         lists.append((ids.cuda(), sl.cuda()))
     count = torch.tensor([misses], device="cuda")
-    for rows_pp, block, warps in configs:
+    for rows_pp, block, warps, flat in configs:
         ids, sl = lists[0]
         dev.fill_(0xAB)
-        recall_rows(alias, dev, ids, sl, count, rows_pp, block, warps)
+        recall_rows(alias, dev, ids, sl, count, rows_pp, block, warps, flat)
         torch.cuda.synchronize()
         check = torch.randint(0, misses, (4096,))
         ok = torch.equal(dev[sl[check].long()].cpu(), host[ids[check].long().cpu()])
         it = iter(range(1 << 30))
 
-        def run(rows_pp=rows_pp, block=block, warps=warps, it=it):
+        def run(rows_pp=rows_pp, block=block, warps=warps, flat=flat, it=it):
             i, s2 = lists[next(it) % len(lists)]
-            recall_rows(alias, dev, i, s2, count, rows_pp, block, warps)
+            recall_rows(alias, dev, i, s2, count, rows_pp, block, warps, flat)
 
         ms = time_ms(run)
         results.append(
@@ -80,6 +80,7 @@ def bench_rows(row_bytes: int, host_rows: int, misses: int, configs) -> dict:
                 "rows_per_program": rows_pp,
                 "block_bytes": block,
                 "num_warps": warps,
+                "flat_chunks": flat,
                 "correct": ok,
                 "ms": ms,
                 "GBps": misses * row_bytes / ms / 1e6,
@@ -102,7 +103,8 @@ def main() -> None:
     p.add_argument("--host-rows", type=int, default=2_000_000)
     p.add_argument("--misses", type=int, default=48 * 2048)
     args = p.parse_args()
-    configs = [(r, b, w) for r in (1, 4, 8, 16) for b in (128, 256) for w in (2, 4, 8)]
+    configs = [(r, 256, w, 0) for r in (1, 4, 16) for w in (2, 4, 8)]
+    configs += [(1, 0, w, f) for f in (128, 256, 512, 1024) for w in (2, 4, 8)]
     h2d = h2d_gbps()
     per_size = {rb: bench_rows(rb, args.host_rows, args.misses, configs) for rb in (656, 1152)}
     metrics = {"h2d_GBps": h2d}

@@ -14,7 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-DEFAULT_ROWS_PER_PROGRAM = 4
+# Measured on an H200 (benchmark/results/recall.json): the flat variant with 512 16-byte
+# chunks per program and 8 warps was best for both 656 B and 1152 B rows.
+DEFAULT_FLAT_CHUNKS = 512
+DEFAULT_NUM_WARPS = 8
+DEFAULT_ROWS_PER_PROGRAM = 4  # for the row-tiled variant (flat_chunks=0)
 DEFAULT_BLOCK_BYTES = 256
 
 
@@ -43,6 +47,34 @@ def _recall_kernel(
         tl.store(dev_ptr + slots[:, None] * dev_stride + c[None, :], values, mask=mask)
 
 
+@triton.jit
+def _recall_flat_kernel(
+    host_ptr,
+    dev_ptr,
+    ids_ptr,
+    slots_ptr,
+    count_ptr,
+    host_stride,
+    dev_stride,
+    ROW_BYTES: tl.constexpr,
+    VEC: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    """Same copy, over the flat (row, VEC-byte chunk) space: no masked-off lanes for rows
+    that are not a power of two wide (656 B = 41 x 16 B)."""
+    per_row: tl.constexpr = ROW_BYTES // VEC
+    chunk = tl.program_id(0) * CHUNKS + tl.arange(0, CHUNKS)
+    lane = chunk // per_row
+    col = (chunk % per_row) * VEC
+    live = lane < tl.load(count_ptr)
+    ids = tl.load(ids_ptr + lane, mask=live, other=0).to(tl.int64)
+    slots = tl.load(slots_ptr + lane, mask=live, other=0).to(tl.int64)
+    v = tl.arange(0, VEC)
+    src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
+    dst = dev_ptr + (slots * dev_stride + col)[:, None] + v[None, :]
+    tl.store(dst, tl.load(src, mask=live[:, None]), mask=live[:, None])
+
+
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
     if rows.dim() != 2 or rows.stride(1) != 1:
         raise ValueError("recall expects [rows, row_dim] tensors with contiguous rows")
@@ -57,7 +89,8 @@ def recall_rows(
     miss_count: torch.Tensor,
     rows_per_program: int = DEFAULT_ROWS_PER_PROGRAM,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
-    num_warps: int = 4,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    flat_chunks: int = DEFAULT_FLAT_CHUNKS,
 ) -> None:
     """dev_rows[miss_slots[i]] = host_rows[miss_ids[i]] for i < miss_count (a 1-element tensor).
 
@@ -70,6 +103,26 @@ def recall_rows(
     lanes = miss_ids.numel()
     if lanes == 0:
         return
+    row_bytes = host_b.shape[1]
+    if flat_chunks:
+        vec = 16
+        while row_bytes % vec:
+            vec //= 2
+        grid = (triton.cdiv(lanes * (row_bytes // vec), flat_chunks),)
+        _recall_flat_kernel[grid](
+            host_b,
+            dev_b,
+            miss_ids,
+            miss_slots,
+            miss_count,
+            host_b.stride(0),
+            dev_b.stride(0),
+            ROW_BYTES=row_bytes,
+            VEC=vec,
+            CHUNKS=flat_chunks,
+            num_warps=num_warps,
+        )
+        return
     grid = (triton.cdiv(lanes, rows_per_program),)
     _recall_kernel[grid](
         host_b,
@@ -79,7 +132,7 @@ def recall_rows(
         miss_count,
         host_b.stride(0),
         dev_b.stride(0),
-        ROW_BYTES=host_b.shape[1],
+        ROW_BYTES=row_bytes,
         ROWS=rows_per_program,
         BLOCK=block_bytes,
         num_warps=num_warps,
