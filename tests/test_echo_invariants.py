@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -230,7 +231,7 @@ class EchoModel:
         return rid
 
     @_marks_broken
-    def decode(self, rids: list[int], pick: callable) -> None:
+    def decode(self, rids: list[int], pick: Callable[[list[int], int], list[int]]) -> None:
         """One decode step: append one token to each request, then resolve each layer.
 
         ``pick(ids, layer)`` returns the (distinct) ids a request selects in that layer."""

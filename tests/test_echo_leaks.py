@@ -92,3 +92,20 @@ def test_oversized_append_or_resolve_fails_clearly():
         cache.write(0, torch.arange(1, 6), torch.randn(5, 6), torch.randn(5, 4))
     with pytest.raises(ValueError, match="exceeds the 4-slot device cache"):
         cache.resolve(0, torch.arange(1, 7).view(2, 3))
+
+
+def test_clock_past_int32_keeps_the_sink_and_the_maps():
+    """After 2^31 resolves of a layer the logical clock must not wrap (it once did)."""
+    kv = EchoKVCache(EchoConfig(offload=True, dev_cache_size=4), 1, 16, 2, 1, torch.float32, "cpu")
+    c = kv.cache
+    c.clock[:] = torch.iinfo(torch.int32).max - 1
+    for lo in (1, 5):
+        rows = torch.arange(8.0).view(4, 2) + 10 * lo
+        kv.write(0, torch.arange(lo, lo + 4), rows, torch.zeros(4, 1))
+    kv.resolve(0, torch.tensor([[5, 6, 7, 8]]))
+    _, slots = kv.resolve(0, torch.tensor([[1, 2, 3, 4]]))
+    assert (slots >= 1).all()
+    assert c.host_to_device[0, 0].item() == 0 and c.device_to_host[0, 0].item() == 0
+    for h, s in zip([1, 2, 3, 4], slots[0].tolist(), strict=True):
+        assert c.device_to_host[0, s].item() == h
+        assert torch.equal(c.rows[0, s], kv.host.rows[0, h])

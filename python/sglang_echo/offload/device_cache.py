@@ -36,15 +36,17 @@ class DeviceCache:
         self.rows = torch.zeros(num_layers, num_slots + 2, row_dim, dtype=dtype, device=dev)
         self.host_to_device = torch.full((num_layers, host_tokens + 2), ABSENT, **i32)
         self.device_to_host = torch.full((num_layers, num_slots + 2), FREE, **i32)
-        self.priority = torch.full((num_layers, num_slots + 2), FREE, **i32)
+        # Logical clocks are int64: an int32 clock would wrap after 2^31 resolves of a layer
+        # (weeks of serving) and then evict the sink.
+        self.priority = torch.full((num_layers, num_slots + 2), FREE, **i64)
         # Free-slot stack: entries [0, free_count) are free slots; the top is popped first.
         self.free_stack = torch.arange(num_slots, 0, -1, **i32).repeat(num_layers, 1)
         self.free_count = torch.full((num_layers,), num_slots, **i32)
-        self.clock = torch.zeros(num_layers, **i32)
+        self.clock = torch.zeros(num_layers, **i64)
         # Slot 0 <-> host row 0: the sink that padded selections point at.
         self.host_to_device[:, 0] = 0
         self.device_to_host[:, 0] = 0
-        self.priority[:, 0] = torch.iinfo(torch.int32).max
+        self.priority[:, 0] = torch.iinfo(torch.int64).max
         # Telemetry, per layer.
         self.hits = torch.zeros(num_layers, **i64)
         self.misses = torch.zeros(num_layers, **i64)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from sglang_echo.offload.device_cache import ABSENT, FREE, DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 
-_INT32_MAX = torch.iinfo(torch.int32).max
+_NEVER = torch.iinfo(torch.int64).max  # victim key of slots that may not be evicted
 
 
 class EchoManager:
@@ -91,7 +91,7 @@ class EchoManager:
         c = self.cache
         h2d, d2h, prio = c.host_to_device[layer], c.device_to_host[layer], c.priority[layer]
         lanes = ids.shape[0]
-        victim_key = torch.where(evictable, prio, torch.full_like(prio, _INT32_MAX))
+        victim_key = torch.where(evictable, prio, torch.full_like(prio, _NEVER))
         victims = torch.sort(victim_key, stable=True).indices[: min(lanes, victim_key.shape[0])]
         rank = torch.cumsum(need.to(torch.int64), 0) - 1
         free = c.free_count[layer].to(torch.int64)
@@ -208,6 +208,6 @@ class EchoManager:
             c.device_to_host[layer].scatter_(
                 0, target, torch.full_like(target, FREE, dtype=torch.int32)
             )
-            c.priority[layer].scatter_(0, target, torch.full_like(target, FREE, dtype=torch.int32))
+            c.priority[layer].scatter_(0, target, torch.full_like(target, FREE))
             c.host_to_device[layer].index_fill_(0, locs, ABSENT)
             c.free_count[layer] = (free + resident.sum()).to(torch.int32)
