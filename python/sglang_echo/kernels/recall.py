@@ -104,39 +104,24 @@ def recall_rows(
     if lanes == 0:
         return
     row_bytes = host_b.shape[1]
+    args = (host_b, dev_b, miss_ids, miss_slots, miss_count, host_b.stride(0), dev_b.stride(0))
     if flat_chunks:
         vec = 16
         while row_bytes % vec:
             vec //= 2
         grid = (triton.cdiv(lanes * (row_bytes // vec), flat_chunks),)
         _recall_flat_kernel[grid](
-            host_b,
-            dev_b,
-            miss_ids,
-            miss_slots,
-            miss_count,
-            host_b.stride(0),
-            dev_b.stride(0),
+            *args, ROW_BYTES=row_bytes, VEC=vec, CHUNKS=flat_chunks, num_warps=num_warps
+        )
+    else:
+        grid = (triton.cdiv(lanes, rows_per_program),)
+        _recall_kernel[grid](
+            *args,
             ROW_BYTES=row_bytes,
-            VEC=vec,
-            CHUNKS=flat_chunks,
+            ROWS=rows_per_program,
+            BLOCK=block_bytes,
             num_warps=num_warps,
         )
-        return
-    grid = (triton.cdiv(lanes, rows_per_program),)
-    _recall_kernel[grid](
-        host_b,
-        dev_b,
-        miss_ids,
-        miss_slots,
-        miss_count,
-        host_b.stride(0),
-        dev_b.stride(0),
-        ROW_BYTES=row_bytes,
-        ROWS=rows_per_program,
-        BLOCK=block_bytes,
-        num_warps=num_warps,
-    )
 
 
 def recall_rows_reference(
