@@ -1,0 +1,143 @@
+"""Lightning-indexer logits in fp8 (e4m3) over the per-token indexer-key cache, for decode.
+
+logits[b, n] = k_scale[loc] * sum_h w[b, h] * relu(q[b, h] . k[loc]),  loc = locs[b, n],
+for positions n < seq_len[b]; -inf beyond. The query's own fp8 scale and the softmax scale
+are folded into ``w`` by the caller (relu commutes with positive scales), as in DeepSeek's
+deployed indexer. One program scores BLOCK_N keys of one request: it gathers their fp8 rows
+once (132 B per key incl. the scale), runs one [H, D] x [D, BLOCK_N] fp8 dot, applies
+relu and the head weights in registers, and writes BLOCK_N floats; a program walks several
+key blocks so the query is loaded once. The keys are read once: the memory floor of this op.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Fastest config whose top-k matched float64 on an H200 (benchmark/results/indexer.json).
+DEFAULT_BLOCK_N = 128
+DEFAULT_BLOCKS_PER_PROGRAM = 1
+DEFAULT_NUM_STAGES = 3
+
+
+@triton.jit
+def _fp8_index_logits_kernel(
+    q_ptr,
+    w_ptr,
+    k_ptr,
+    k_scale_ptr,
+    locs_ptr,
+    lens_ptr,
+    out_ptr,
+    length,
+    locs_stride,
+    out_stride,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    PRECISE_ACC: tl.constexpr,
+    KEYS_AS_M: tl.constexpr,
+):
+    b = tl.program_id(0)
+    d = tl.arange(0, D)
+    h = tl.arange(0, H)
+    # The query and head weights stay in registers across the BLOCKS key blocks.
+    q = tl.load(q_ptr + b * H * D + h[:, None] * D + d[None, :])
+    w = tl.load(w_ptr + b * H + h)
+    seq_len = tl.load(lens_ptr + b)
+    first = tl.program_id(1) * BLOCKS * BLOCK_N
+    for i in range(BLOCKS):
+        n = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = n < seq_len
+        loc = tl.load(locs_ptr + b * locs_stride + n, mask=live, other=0).to(tl.int64)
+        k = tl.load(k_ptr + loc[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        # Hopper's fp8 MMA accumulates with reduced precision; promoting to fp32 every 32
+        # products keeps logits within fp32 rounding of the exact value (top-k stays exact).
+        if KEYS_AS_M:  # [BLOCK_N, H]: keys fill the MMA's M dimension
+            scores = tl.dot(k, tl.trans(q), max_num_imprecise_acc=PRECISE_ACC)
+            logits = tl.sum(tl.maximum(scores, 0.0) * w[None, :], axis=1)
+        else:  # [H, BLOCK_N]
+            scores = tl.dot(q, tl.trans(k), max_num_imprecise_acc=PRECISE_ACC)
+            logits = tl.sum(tl.maximum(scores, 0.0) * w[:, None], axis=0)
+        logits = logits * tl.load(k_scale_ptr + loc, mask=live, other=0.0)
+        logits = tl.where(live, logits, float("-inf"))
+        tl.store(out_ptr + b * out_stride + n, logits, mask=n < length)
+
+
+def _check(q, weights, keys, key_scales, locs, seq_lens) -> None:
+    if q.dtype != torch.float8_e4m3fn or keys.dtype != torch.float8_e4m3fn:
+        raise ValueError("q and keys must be float8_e4m3fn")
+    if q.dim() != 3 or weights.shape != q.shape[:2] or keys.shape[1] != q.shape[2]:
+        raise ValueError("expected q [B, H, D], weights [B, H], keys [N, D]")
+    if (
+        key_scales.shape != keys.shape[:1]
+        or locs.shape[0] != q.shape[0]
+        or seq_lens.shape != q.shape[:1]
+    ):
+        raise ValueError("expected key_scales [N], locs [B, L], seq_lens [B]")
+
+
+def fp8_index_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    key_scales: torch.Tensor,
+    locs: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int = DEFAULT_NUM_STAGES,
+    blocks_per_program: int = DEFAULT_BLOCKS_PER_PROGRAM,
+    keys_as_m: bool = True,
+    precise_acc: int = 32,
+) -> torch.Tensor:
+    """q [B, H, D] e4m3, weights [B, H] fp32, keys [N, D] e4m3, key_scales [N] fp32,
+    locs [B, L] key rows per position, seq_lens [B] -> logits [B, L] fp32."""
+    _check(q, weights, keys, key_scales, locs, seq_lens)
+    batch, heads, dim = q.shape
+    length = locs.shape[1]
+    out = torch.empty(batch, length, dtype=torch.float32, device=q.device)
+    grid = (batch, triton.cdiv(length, block_n * blocks_per_program))
+    _fp8_index_logits_kernel[grid](
+        q.contiguous(),
+        weights.contiguous().float(),
+        keys,
+        key_scales,
+        locs,
+        seq_lens,
+        out,
+        length,
+        locs.stride(0),
+        out.stride(0),
+        H=heads,
+        D=dim,
+        BLOCK_N=block_n,
+        BLOCKS=blocks_per_program,
+        PRECISE_ACC=precise_acc,
+        KEYS_AS_M=keys_as_m,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def fp8_index_logits_reference(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    key_scales: torch.Tensor,
+    locs: torch.Tensor,
+    seq_lens: torch.Tensor,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Plain torch in ``dtype`` (float64 by default): the semantics the kernel must meet."""
+    _check(q, weights, keys, key_scales, locs, seq_lens)
+    k = keys.to(dtype)[locs.long()]  # [B, L, D]
+    scores = torch.relu(torch.einsum("bhd,bld->bhl", q.to(dtype), k))
+    logits = (
+        torch.einsum("bh,bhl->bl", weights.to(dtype), scores) * key_scales.to(dtype)[locs.long()]
+    )
+    pos = torch.arange(locs.shape[1], device=locs.device)
+    return logits.masked_fill(pos[None, :] >= seq_lens[:, None], float("-inf"))
