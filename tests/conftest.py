@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -66,7 +68,14 @@ ORACLE_SPECS = {
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("ckpt")
-    return {name: make_tiny_checkpoint(root / name, spec) for name, spec in ORACLE_SPECS.items()}
+    paths = {name: make_tiny_checkpoint(root / name, spec) for name, spec in ORACLE_SPECS.items()}
+    # DeepSeek's deployed indexer: Hadamard-rotated fp8 keys (transformers has no such mode).
+    fp8 = shutil.copytree(paths["default-rope"], root / "fp8-indexer")
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["indexer_mode"] = "fp8_hadamard"
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    paths["fp8-indexer"] = fp8
+    return paths
 
 
 @pytest.fixture(scope="session")

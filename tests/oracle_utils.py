@@ -41,7 +41,13 @@ def prefill_all_logits(
     dtype = model.lm_head.weight.dtype
     n = len(prompt)
     cache = PlainKVCache(
-        cfg.num_hidden_layers, n, cfg.kv_row_dim, cfg.index_head_dim, dtype, device
+        cfg.num_hidden_layers,
+        n,
+        cfg.kv_row_dim,
+        cfg.index_row_dim,
+        dtype,
+        device,
+        index_dtype=cfg.index_row_dtype(dtype),
     )
     locs = torch.arange(1, n + 1, device=device)
     batch = ForwardBatch(

@@ -25,7 +25,8 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-CONFIGS = ["default-rope", "yarn", "wide-moe"]
+CONFIGS = ["default-rope", "yarn", "wide-moe"]  # transformers oracle configs
+LOSSLESS_CONFIGS = [*CONFIGS, "fp8-indexer"]  # + the fp8 indexer (Triton logits kernel)
 REPORT: dict = {}
 
 
@@ -88,7 +89,13 @@ def test_oracle_on_cuda(checkpoints, name, dtype):
     cfg = ours.config
     cap = sum(len(p) + 32 for p in prompts)
     cache = PlainKVCache(
-        cfg.num_hidden_layers, cap, cfg.kv_row_dim, cfg.index_head_dim, dtype, "cuda"
+        cfg.num_hidden_layers,
+        cap,
+        cfg.kv_row_dim,
+        cfg.index_row_dim,
+        dtype,
+        "cuda",
+        index_dtype=cfg.index_row_dtype(dtype),
     )
     got = [r.output for r in Engine(ours, cache, cap, 3, 128, 4096, True).generate(prompts, 32)]
     same = [
@@ -119,11 +126,24 @@ def _lossless_pair(model, prompts, new_tokens, batch_size, chunk, use_graph, syn
     n_g = EchoConfig().min_dev_cache_size(batch_size, cfg.index_topk, min(chunk, cap))
     echo_cfg = EchoConfig(offload=True, dev_cache_size=n_g)
     echo = EchoKVCache(
-        echo_cfg, cfg.num_hidden_layers, cap, cfg.kv_row_dim, cfg.index_head_dim, dtype, "cuda"
+        echo_cfg,
+        cfg.num_hidden_layers,
+        cap,
+        cfg.kv_row_dim,
+        cfg.index_row_dim,
+        dtype,
+        "cuda",
+        index_dtype=cfg.index_row_dtype(dtype),
     )
     assert echo.host.pinned and echo.manager.graph_safe, "pinned host pool must have a UVA view"
     plain = PlainKVCache(
-        cfg.num_hidden_layers, cap, cfg.kv_row_dim, cfg.index_head_dim, dtype, "cuda"
+        cfg.num_hidden_layers,
+        cap,
+        cfg.kv_row_dim,
+        cfg.index_row_dim,
+        dtype,
+        "cuda",
+        index_dtype=cfg.index_row_dtype(dtype),
     )
     outs = {}
     for name, cache in (("plain", plain), ("echo", echo)):
@@ -168,7 +188,7 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype):
     reports = []
     for seed in range(12):
         rng = random.Random(seed)
-        name = CONFIGS[seed % 3]
+        name = LOSSLESS_CONFIGS[seed % 4]
         model = load_model(checkpoints[name], device="cuda", dtype=dtype)
         prompts = [
             [rng.randrange(3, 259) for _ in range(rng.randint(20, 120))]

@@ -1,15 +1,14 @@
-"""Recall kernel vs its torch reference, under the Triton interpreter on the CPU."""
+"""Recall kernel vs its torch reference (the Triton interpreter on a CPU-only machine)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from sglang_echo.kernels.recall import recall_rows, recall_rows_reference
+
+# Real kernels on a GPU machine, the Triton interpreter elsewhere (conftest sets it).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize(
@@ -23,9 +22,10 @@ def test_recall_matches_reference(dtype, width, rows_per_program, flat_chunks):
     lanes, count = 37, 29
     ids = torch.randperm(299, generator=g)[:lanes].to(torch.int32) + 1
     slots = torch.randperm(60, generator=g)[:lanes].to(torch.int32) + 1
-    poison = torch.full((62, width), 7, dtype=dtype)
+    host, ids, slots = host.to(DEV), ids.to(DEV), slots.to(DEV)
+    poison = torch.full((62, width), 7, dtype=dtype, device=DEV)
     got, want = poison.clone(), poison.clone()
-    n = torch.tensor([count], dtype=torch.int32)
+    n = torch.tensor([count], dtype=torch.int32, device=DEV)
     recall_rows(
         host,
         got,
@@ -39,7 +39,7 @@ def test_recall_matches_reference(dtype, width, rows_per_program, flat_chunks):
     recall_rows_reference(host, want, ids, slots, n)
     assert torch.equal(got, want)
     # Lanes past the count moved nothing.
-    untouched = torch.ones(62, dtype=torch.bool)
+    untouched = torch.ones(62, dtype=torch.bool, device=DEV)
     untouched[slots[:count].long()] = False
     assert torch.equal(got[untouched], poison[untouched])
 
@@ -69,7 +69,7 @@ def test_manager_with_recall_kernel_matches_torch_path():
             6,
             4,
             torch.float32,
-            "cpu",
+            DEV,
             use_kernels=flag,
         )
         for flag in (False, True)
@@ -81,6 +81,7 @@ def test_manager_with_recall_kernel_matches_torch_path():
         rows, keys = torch.randn(1, 6, generator=g), torch.randn(1, 4, generator=g)
         sel = torch.randint(1, step + 2, (2, 4), generator=g)
         sel[torch.rand(2, 4, generator=g) < 0.2] = -1
+        locs, rows, keys, sel = (t.to(DEV) for t in (locs, rows, keys, sel))
         outs = []
         for cache in caches:
             for layer in range(2):

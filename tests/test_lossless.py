@@ -16,7 +16,7 @@ from sglang_echo.model.loader import load_model
 from sglang_echo.offload.echo_cache import EchoKVCache
 from sglang_echo.runtime.engine import Engine
 
-CONFIGS = ["default-rope", "yarn", "wide-moe"]
+CONFIGS = ["default-rope", "yarn", "wide-moe", "fp8-indexer"]
 
 
 @dataclass
@@ -72,16 +72,23 @@ def run_pair(model, w: Workload) -> dict:
     )
     caches = {
         "plain": PlainKVCache(
-            cfg.num_hidden_layers, capacity, cfg.kv_row_dim, cfg.index_head_dim, w.dtype, "cpu"
+            cfg.num_hidden_layers,
+            capacity,
+            cfg.kv_row_dim,
+            cfg.index_row_dim,
+            w.dtype,
+            "cpu",
+            index_dtype=cfg.index_row_dtype(w.dtype),
         ),
         "echo": EchoKVCache(
             echo,
             cfg.num_hidden_layers,
             capacity,
             cfg.kv_row_dim,
-            cfg.index_head_dim,
+            cfg.index_row_dim,
             w.dtype,
             "cpu",
+            index_dtype=cfg.index_row_dtype(w.dtype),
         ),
     }
     results = {}

@@ -31,6 +31,8 @@ def _fp8_index_logits_kernel(
     lens_ptr,
     out_ptr,
     length,
+    k_stride,
+    k_scale_stride,
     locs_stride,
     out_stride,
     H: tl.constexpr,
@@ -52,7 +54,7 @@ def _fp8_index_logits_kernel(
         n = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
         live = n < seq_len
         loc = tl.load(locs_ptr + b * locs_stride + n, mask=live, other=0).to(tl.int64)
-        k = tl.load(k_ptr + loc[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        k = tl.load(k_ptr + loc[:, None] * k_stride + d[None, :], mask=live[:, None], other=0.0)
         # Hopper's fp8 MMA accumulates with reduced precision; promoting to fp32 every 32
         # products keeps logits within fp32 rounding of the exact value (top-k stays exact).
         if KEYS_AS_M:  # [BLOCK_N, H]: keys fill the MMA's M dimension
@@ -61,7 +63,7 @@ def _fp8_index_logits_kernel(
         else:  # [H, BLOCK_N]
             scores = tl.dot(q, tl.trans(k), max_num_imprecise_acc=PRECISE_ACC)
             logits = tl.sum(tl.maximum(scores, 0.0) * w[:, None], axis=0)
-        logits = logits * tl.load(k_scale_ptr + loc, mask=live, other=0.0)
+        logits = logits * tl.load(k_scale_ptr + loc * k_scale_stride, mask=live, other=0.0)
         logits = tl.where(live, logits, float("-inf"))
         tl.store(out_ptr + b * out_stride + n, logits, mask=n < length)
 
@@ -94,7 +96,12 @@ def fp8_index_logits(
     precise_acc: int = 32,
 ) -> torch.Tensor:
     """q [B, H, D] e4m3, weights [B, H] fp32, keys [N, D] e4m3, key_scales [N] fp32,
-    locs [B, L] key rows per position, seq_lens [B] -> logits [B, L] fp32."""
+    locs [B, L] key rows per position, seq_lens [B] -> logits [B, L] fp32.
+
+    ``keys`` and ``key_scales`` may be strided views into packed [N, D + 4] byte rows
+    (unit stride along D)."""
+    if keys.stride(1) != 1:
+        raise ValueError("keys need unit stride along D")
     _check(q, weights, keys, key_scales, locs, seq_lens)
     batch, heads, dim = q.shape
     length = locs.shape[1]
@@ -109,6 +116,8 @@ def fp8_index_logits(
         seq_lens,
         out,
         length,
+        keys.stride(0),
+        key_scales.stride(0),
         locs.stride(0),
         out.stride(0),
         H=heads,

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
 SUPPORTED_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
 INDEXER_MODES = ("bf16", "fp8_hadamard")
@@ -79,6 +81,16 @@ class DeepseekV32Config:
     def kv_row_dim(self) -> int:
         """Values cached per token per layer: the latent plus the shared rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def index_row_dim(self) -> int:
+        """Elements cached per token for the indexer: D values, or D fp8 bytes + 4 scale bytes."""
+        return (
+            self.index_head_dim + 4 if self.indexer_mode == "fp8_hadamard" else self.index_head_dim
+        )
+
+    def index_row_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return torch.uint8 if self.indexer_mode == "fp8_hadamard" else model_dtype
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config") -> DeepseekV32Config:

@@ -2,9 +2,11 @@
 
 score(t, s) = sum_h w[t, h] * relu(q[t, h] . k[s] * d^-1/2), over s <= t; w = weights_proj(x)
 times H^-1/2. Keys are LayerNorm'ed, and the first rope dims of q and k are roped half-split.
-``indexer_mode = "fp8_hadamard"`` mimics DeepSeek's deployed indexer (Hadamard-rotated q/k
-rounded through float8 e4m3 with per-row scales) in plain torch; the Triton kernels replace
-this file's scoring on CUDA, and these functions stay as their reference.
+``indexer_mode = "fp8_hadamard"`` is DeepSeek's deployed indexer: q and k are rotated by a
+Hadamard matrix and stored in float8 e4m3 with per-row fp32 scales; each key is one packed
+row of D + 4 bytes (SGLang's 132-byte index-K layout), the query scale and d^-1/2 fold into
+the head weights. On CUDA, decode scores these rows with the Triton kernel
+(kernels/indexer.py); the torch functions here compute the same formula and are the CPU path.
 """
 
 from __future__ import annotations
@@ -34,11 +36,39 @@ def hadamard_matrix(n: int, device: torch.device, dtype: torch.dtype) -> torch.T
     return (h / math.sqrt(n)).to(device=device, dtype=dtype)
 
 
-def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """Quantize rows (last dim) to e4m3 with an fp32 per-row scale, then dequantize."""
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (last dim) -> e4m3 values and their fp32 scales (amax / 448)."""
     scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_E4M3_MAX
-    q = (x.float() / scale).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+
+def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """Quantize rows to e4m3 with a per-row scale, then dequantize (for accuracy checks)."""
+    q, scale = quantize_fp8(x)
+    return (q.float() * scale.unsqueeze(-1)).to(x.dtype)
+
+
+def pack_fp8_rows(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """e4m3 [T, D] + fp32 [T] -> uint8 [T, D + 4]: one row per key, scale last."""
+    return torch.cat((values.view(torch.uint8), scales.float().view(torch.uint8).view(-1, 4)), 1)
+
+
+def unpack_fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [..., D + 4] -> (e4m3 [..., D], fp32 [...]) views of the same bytes."""
+    dim = rows.shape[-1] - 4
+    values = rows[..., :dim].view(torch.float8_e4m3fn)
+    scales = rows.view(torch.float32)[..., dim // 4]  # strided view, no copy
+    return values, scales
+
+
+def fp8_index_scores(
+    q: torch.Tensor, weights: torch.Tensor, key_rows: torch.Tensor
+) -> torch.Tensor:
+    """q [G, Q, H, D] e4m3, weights [G, Q, H] (scales folded in), packed key rows [G, L, D+4]
+    -> [G, Q, L] fp32: k_scale * sum_h w_h relu(q_h . k)."""
+    keys, scales = unpack_fp8_rows(key_rows)
+    logits = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)))
+    return torch.matmul(weights.unsqueeze(-2), logits).squeeze(-2) * scales.unsqueeze(1)
 
 
 def index_scores(
@@ -95,27 +125,37 @@ class LightningIndexer(nn.Module):
         roped = apply_rope_half(x[..., : self.rope_dim], cos, sin)
         return torch.cat((roped, x[..., self.rope_dim :]), dim=-1)
 
-    def _fp8(self, x: torch.Tensor) -> torch.Tensor:
-        rotated = x @ hadamard_matrix(self.head_dim, x.device, x.dtype)
-        return fp8_round_trip(rotated)
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ hadamard_matrix(self.head_dim, x.device, x.dtype)
 
     def project_key(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        """[T, hidden] -> [T, head_dim]: the key every later query will score."""
+        """[T, hidden] -> the cached key row: [T, D] (bf16 mode) or packed uint8 [T, D + 4]."""
         k = self._rope(self.k_norm(self.wk(hidden)), cos, sin)
-        return self._fp8(k) if self.mode == "fp8_hadamard" else k
+        if self.mode != "fp8_hadamard":
+            return k
+        return pack_fp8_rows(*quantize_fp8(self._rotate(k)))
 
     def project_query(
         self, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> q [T, H, D] and per-head weights [T, H] (fp32)."""
+        """-> q [T, H, D] (e4m3 in fp8 mode) and per-head weights [T, H] (fp32)."""
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
         q = self._rope(q, cos, sin)
-        if self.mode == "fp8_hadamard":
-            q = self._fp8(q)
         w = self.weights_proj(hidden.to(self.weights_proj.weight.dtype)).float()
-        return q, w * self.n_heads**-0.5
+        w = w * self.n_heads**-0.5
+        if self.mode != "fp8_hadamard":
+            return q, w
+        q8, q_scale = quantize_fp8(self._rotate(q))
+        return q8, w * q_scale * self.softmax_scale
+
+    def _scores(
+        self, q: torch.Tensor, weights: torch.Tensor, key_rows: torch.Tensor
+    ) -> torch.Tensor:
+        if self.mode == "fp8_hadamard":
+            return fp8_index_scores(q, weights, key_rows)
+        return index_scores(q, weights, key_rows, self.softmax_scale)
 
     def select(
         self, q: torch.Tensor, weights: torch.Tensor, all_keys: torch.Tensor, batch: ForwardBatch
@@ -123,8 +163,17 @@ class LightningIndexer(nn.Module):
         """Top-k token locations [T, topk] (-1 none) for every query token of the batch."""
         if batch.is_decode:
             # One query per request; context padded to the table width: fixed shapes only.
-            keys = all_keys[batch.context_locs]
-            scores = index_scores(q.unsqueeze(1), weights.unsqueeze(1), keys, self.softmax_scale)
+            if self.mode == "fp8_hadamard" and q.is_cuda:
+                from sglang_echo.kernels.indexer import fp8_index_logits
+
+                keys, scales = unpack_fp8_rows(all_keys)
+                lens = (batch.positions + 1).to(torch.int32)
+                scores = fp8_index_logits(q, weights, keys, scales, batch.context_locs, lens)
+                scores = scores.unsqueeze(1)
+            else:
+                scores = self._scores(
+                    q.unsqueeze(1), weights.unsqueeze(1), all_keys[batch.context_locs]
+                )
             pos = select_topk(scores, batch.positions.unsqueeze(1), self.topk)
             return positions_to_locs(pos, batch.context_locs).squeeze(1)
 
@@ -136,9 +185,7 @@ class LightningIndexer(nn.Module):
             block = max(1, SCORE_BLOCK_ELEMENTS // max(1, self.n_heads * length))
             for s in range(start, start + n, block):
                 e = min(s + block, start + n)
-                scores = index_scores(
-                    q[s:e].unsqueeze(0), weights[s:e].unsqueeze(0), keys, self.softmax_scale
-                )
+                scores = self._scores(q[s:e].unsqueeze(0), weights[s:e].unsqueeze(0), keys)
                 pos = select_topk(scores, batch.positions[s:e].unsqueeze(0), self.topk)
                 out[s:e] = positions_to_locs(pos, ctx).squeeze(0)
         return out

@@ -55,13 +55,16 @@ class PlainKVCache:
         index_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        index_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.capacity = capacity
         self.kv_row_dim = kv_row_dim
         self.index_dim = index_dim
         self.kv = torch.zeros(num_layers, capacity + 1, kv_row_dim, dtype=dtype, device=device)
-        self.index = torch.zeros(num_layers, capacity + 1, index_dim, dtype=dtype, device=device)
+        self.index = torch.zeros(
+            num_layers, capacity + 1, index_dim, dtype=index_dtype or dtype, device=device
+        )
 
     @property
     def nbytes(self) -> int:

@@ -27,6 +27,7 @@ class EchoKVCache:
         device: torch.device | str,
         pin: bool | None = None,
         use_kernels: bool | None = None,
+        index_dtype: torch.dtype | None = None,
     ) -> None:
         device = torch.device(device)
         self.config = config
@@ -44,7 +45,9 @@ class EchoKVCache:
             num_layers, config.dev_cache_size, host_tokens, kv_row_dim, dtype, device
         )
         self.manager = EchoManager(self.host, self.cache, use_kernels=use_kernels)
-        self.index = torch.zeros(num_layers, host_tokens + 1, index_dim, dtype=dtype, device=device)
+        self.index = torch.zeros(
+            num_layers, host_tokens + 1, index_dim, dtype=index_dtype or dtype, device=device
+        )
 
     def write(
         self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor

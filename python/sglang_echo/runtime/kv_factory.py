@@ -22,7 +22,13 @@ def build_kv_cache(
     cfg = model_config
     if not echo.offload:
         return PlainKVCache(
-            cfg.num_hidden_layers, token_capacity, cfg.kv_row_dim, cfg.index_head_dim, dtype, device
+            cfg.num_hidden_layers,
+            token_capacity,
+            cfg.kv_row_dim,
+            cfg.index_row_dim,
+            dtype,
+            device,
+            index_dtype=cfg.index_row_dtype(dtype),
         )
     echo.validate(
         host_tokens=token_capacity,
@@ -35,9 +41,10 @@ def build_kv_cache(
         cfg.num_hidden_layers,
         token_capacity,
         cfg.kv_row_dim,
-        cfg.index_head_dim,
+        cfg.index_row_dim,
         dtype,
         device,
+        index_dtype=cfg.index_row_dtype(dtype),
     )
 
 
