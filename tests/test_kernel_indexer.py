@@ -85,6 +85,12 @@ def test_kernel_matches_the_models_torch_fp8_path():
     assert torch.equal(torch.isfinite(kernel), live)
     assert torch.allclose(kernel[live], torch_scores[live], rtol=50 * REL_TOL, atol=1e-4)
     qpos = (lens.long() - 1).view(-1, 1)
-    a = select_topk(kernel.unsqueeze(1), qpos, 10)
-    b = select_topk(torch_scores.unsqueeze(1), qpos, 10)
-    assert torch.equal(a, b)
+    a = select_topk(kernel.unsqueeze(1), qpos, 10).squeeze(1)
+    b = select_topk(torch_scores.unsqueeze(1), qpos, 10).squeeze(1)
+    for r in range(a.shape[0]):
+        # Sets may differ only between keys whose scores are within the kernel's rounding of
+        # the k-th score (exactly equal sets on the CPU interpreter).
+        kth = torch_scores[r, b[r]].min()
+        for key in set(a[r].tolist()) ^ set(b[r].tolist()):
+            gap = (torch_scores[r, key] - kth).abs()
+            assert DEV == "cuda" and gap <= 50 * REL_TOL * kth.abs() + 1e-4

@@ -11,6 +11,7 @@ the head weights. On CUDA, decode scores these rows with the Triton kernel
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,14 +27,19 @@ FP8_E4M3_MAX = 448.0
 SCORE_BLOCK_ELEMENTS = 1 << 25
 
 
+@functools.lru_cache(maxsize=16)
 def hadamard_matrix(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Orthonormal Sylvester-Hadamard matrix; rotating q and k by it preserves q . k."""
+    """Orthonormal Sylvester-Hadamard matrix; rotating q and k by it preserves q . k.
+
+    Built once per (n, device, dtype) on the device itself: the first (eager) decode step
+    creates it, so a captured CUDA graph only reads it.
+    """
     if n & (n - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two dim, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float32)
+    h = torch.ones(1, 1, dtype=torch.float32, device=device)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return (h / math.sqrt(n)).to(device=device, dtype=dtype)
+    return (h / math.sqrt(n)).to(dtype)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
