@@ -83,7 +83,8 @@ def test_kernel_matches_the_models_torch_fp8_path():
     kernel = fp8_index_logits(q, w, *unpack_fp8_rows(rows), locs, lens)
     live = torch.isfinite(torch_scores)
     assert torch.equal(torch.isfinite(kernel), live)
-    assert torch.allclose(kernel[live], torch_scores[live], rtol=50 * REL_TOL, atol=1e-4)
+    rel = ((kernel[live] - torch_scores[live]).norm() / torch_scores[live].norm()).item()
+    assert rel < REL_TOL
     qpos = (lens.long() - 1).view(-1, 1)
     a = select_topk(kernel.unsqueeze(1), qpos, 10).squeeze(1)
     b = select_topk(torch_scores.unsqueeze(1), qpos, 10).squeeze(1)
@@ -91,6 +92,7 @@ def test_kernel_matches_the_models_torch_fp8_path():
         # Sets may differ only between keys whose scores are within the kernel's rounding of
         # the k-th score (exactly equal sets on the CPU interpreter).
         kth = torch_scores[r, b[r]].min()
+        scale = torch_scores[r][live[r]].abs().max()
         for key in set(a[r].tolist()) ^ set(b[r].tolist()):
             gap = (torch_scores[r, key] - kth).abs()
-            assert DEV == "cuda" and gap <= 50 * REL_TOL * kth.abs() + 1e-4
+            assert DEV == "cuda" and gap <= 10 * REL_TOL * scale
