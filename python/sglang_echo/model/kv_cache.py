@@ -26,7 +26,10 @@ class KVCache(Protocol):
     def write(
         self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
     ) -> None:
-        """Store rows for tokens at ``locs`` [T]: kv_rows [T, kv_row_dim], index_keys [T, index_dim]."""
+        """Store rows for tokens at ``locs`` [T]: kv_rows [T, kv_row_dim], index_keys [T, index_dim].
+
+        Index-key rows are whatever the indexer caches: D values, or in fp8 mode D + 4 bytes.
+        """
 
     def index_keys(self, layer: int) -> torch.Tensor:
         """Indexer keys of every token location: [capacity + 1, index_dim], on the device."""

@@ -40,7 +40,9 @@ class DeviceCache:
         # (weeks of serving) and then evict the sink.
         self.priority = torch.full((num_layers, num_slots + 2), FREE, **i64)
         # Free-slot stack: entries [0, free_count) are free slots; the top is popped first.
-        self.free_stack = torch.arange(num_slots, 0, -1, **i32).repeat(num_layers, 1)
+        # One scratch entry past the end absorbs masked pushes.
+        stack = torch.cat((torch.arange(num_slots, 0, -1, **i32), torch.zeros(1, **i32)))
+        self.free_stack = stack.repeat(num_layers, 1)
         self.free_count = torch.full((num_layers,), num_slots, **i32)
         self.clock = torch.zeros(num_layers, **i64)
         # Slot 0 <-> host row 0: the sink that padded selections point at.

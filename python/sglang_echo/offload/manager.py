@@ -38,15 +38,6 @@ class EchoManager:
         ) and self.host_view is not None
         slots = torch.arange(cache.num_slots + 2, device=self.device)
         self._token_slot = (slots >= 1) & (slots <= cache.num_slots)
-        # One scratch stack entry past the end absorbs masked pushes in ``release``.
-        self._stack = torch.cat(
-            (
-                cache.free_stack,
-                torch.zeros(cache.num_layers, 1, dtype=torch.int32, device=self.device),
-            ),
-            dim=1,
-        )
-        cache.free_stack = self._stack
 
     @property
     def graph_safe(self) -> bool:
@@ -99,7 +90,7 @@ class EchoManager:
         stack_pos = (free - 1 - rank).clamp(min=0, max=c.num_slots - 1)
         victim_pos = (rank - free).clamp(min=0, max=victims.shape[0] - 1)
         slot = torch.where(
-            from_stack, self._stack[layer][stack_pos].to(torch.int64), victims[victim_pos]
+            from_stack, c.free_stack[layer][stack_pos].to(torch.int64), victims[victim_pos]
         )
         slot = torch.where(need, slot, torch.full_like(slot, c.scratch_slot))
         evicting = need & ~from_stack
@@ -203,7 +194,9 @@ class EchoManager:
             rank = torch.cumsum(resident.to(torch.int64), 0) - 1
             free = c.free_count[layer].to(torch.int64)
             push_pos = torch.where(resident, free + rank, torch.full_like(rank, c.num_slots))
-            self._stack[layer].scatter_(0, push_pos, torch.where(resident, slot, 0).to(torch.int32))
+            c.free_stack[layer].scatter_(
+                0, push_pos, torch.where(resident, slot, 0).to(torch.int32)
+            )
             target = torch.where(resident, slot, torch.full_like(slot, c.scratch_slot))
             c.device_to_host[layer].scatter_(
                 0, target, torch.full_like(target, FREE, dtype=torch.int32)
