@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token"
     )
+    p.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="run decode eagerly on CUDA (decode steps are captured in CUDA graphs by default)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -195,7 +200,14 @@ def run(args: argparse.Namespace) -> dict:
         )
     kv_cache = build_kv_cache(echo, cfg, capacity, batch, args.chunked_prefill_size, dtype, device)
     engine = Engine(
-        model, kv_cache, capacity, batch, longest, args.chunked_prefill_size, args.ignore_eos
+        model,
+        kv_cache,
+        capacity,
+        batch,
+        longest,
+        args.chunked_prefill_size,
+        args.ignore_eos,
+        use_cuda_graph=device.type == "cuda" and not args.disable_cuda_graph,
     )
     from tqdm import tqdm
 
@@ -224,6 +236,7 @@ def run(args: argparse.Namespace) -> dict:
         else None,
         "device": str(device),
         "dtype": args.dtype,
+        "cuda_graph": engine.decode_runner is not None,
         "kv": kv_cache.stats(),
     }
     print(describe_kv_cache(summary), file=sys.stderr)

@@ -56,7 +56,8 @@ def describe_kv_cache(summary: dict) -> str:
         f"output tokens {summary['output_tokens']}",
         f"prefill {summary['prefill_s']:.3f}s  decode {summary['decode_s']:.3f}s  "
         f"output {summary['output_tokens_per_s']} tok/s  total {summary['total_tokens_per_s']} tok/s"
-        f"  ({summary['device']}, {summary['dtype']})",
+        f"  ({summary['device']}, {summary['dtype']}"
+        f"{', CUDA graphs' if summary.get('cuda_graph') else ''})",
     ]
     if kv["backend"] == "echo":
         rates = " ".join(f"{r:.3f}" for r in kv["hit_rate"])
