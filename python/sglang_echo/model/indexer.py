@@ -180,7 +180,12 @@ class LightningIndexer(nn.Module):
                 scores = self._scores(
                     q.unsqueeze(1), weights.unsqueeze(1), all_keys[batch.context_locs]
                 )
-            pos = select_topk(scores, batch.positions.unsqueeze(1), self.topk)
+            if scores.is_cuda:  # radix-select kernel: same set, ascending positions
+                from sglang_echo.kernels.topk import topk_positions
+
+                pos = topk_positions(scores.squeeze(1), batch.positions, self.topk).unsqueeze(1)
+            else:
+                pos = select_topk(scores, batch.positions.unsqueeze(1), self.topk)
             return positions_to_locs(pos, batch.context_locs).squeeze(1)
 
         out = torch.empty(q.shape[0], self.topk, dtype=torch.int64, device=q.device)

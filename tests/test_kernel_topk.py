@@ -1,0 +1,47 @@
+"""Radix-select top-k kernel vs the exact tie-stable reference (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_echo.kernels.topk import topk_positions, topk_positions_reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sorted(pos: torch.Tensor) -> torch.Tensor:
+    ordered = torch.where(pos < 0, torch.full_like(pos, 1 << 62), pos).sort(dim=-1).values
+    return torch.where(ordered == 1 << 62, -1, ordered)
+
+
+@pytest.mark.parametrize(
+    ("kind", "n_cols", "topk", "block"),
+    [
+        ("random", 300, 17, 64),
+        ("ties", 300, 40, 128),  # small integers: many exact ties at the k-th value
+        ("negative", 257, 9, 64),  # signs exercise the order-preserving key
+        ("short", 50, 64, 64),  # fewer keys than k: -1 padding
+    ],
+)
+def test_topk_kernel_matches_reference(kind, n_cols, topk, block):
+    g = torch.Generator().manual_seed(n_cols + topk)
+    rows = 5
+    if kind == "ties":
+        scores = torch.randint(0, 4, (rows, n_cols), generator=g).float()
+    elif kind == "negative":
+        scores = torch.randn(rows, n_cols, generator=g) * 1e3
+    else:
+        scores = torch.rand(rows, n_cols, generator=g)
+    scores[1, 10:20] = float("-inf")
+    qpos = torch.tensor([n_cols - 1, n_cols // 2, 5, 0, n_cols - 1])
+    scores, qpos = scores.to(DEV), qpos.to(DEV)
+    got = topk_positions(scores, qpos, topk, block=block)
+    want = topk_positions_reference(scores, qpos, topk)
+    assert torch.equal(_sorted(got), want)
+    assert (got[3, :1] == 0).all() and (got[3, 1:] == -1).all()  # query at position 0
+
+
+def test_topk_rejects_non_float32():
+    with pytest.raises(ValueError, match="float32"):
+        topk_positions(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2), 4)
