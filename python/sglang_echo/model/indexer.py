@@ -180,12 +180,9 @@ class LightningIndexer(nn.Module):
                 scores = self._scores(
                     q.unsqueeze(1), weights.unsqueeze(1), all_keys[batch.context_locs]
                 )
-            if scores.is_cuda:  # radix-select kernel: same set, ascending positions
-                from sglang_echo.kernels.topk import topk_positions
-
-                pos = topk_positions(scores.squeeze(1), batch.positions, self.topk).unsqueeze(1)
-            else:
-                pos = select_topk(scores, batch.positions.unsqueeze(1), self.topk)
+            # kernels/topk.py computes the same set but, one program per row, measured 1.3 ms
+            # against this sort's 0.48 ms at 48 x 100K on an H200: not wired in yet.
+            pos = select_topk(scores, batch.positions.unsqueeze(1), self.topk)
             return positions_to_locs(pos, batch.context_locs).squeeze(1)
 
         out = torch.empty(q.shape[0], self.topk, dtype=torch.int64, device=q.device)
