@@ -40,15 +40,7 @@ def prefill_all_logits(
     device = model.lm_head.weight.device
     dtype = model.lm_head.weight.dtype
     n = len(prompt)
-    cache = PlainKVCache(
-        cfg.num_hidden_layers,
-        n,
-        cfg.kv_row_dim,
-        cfg.index_row_dim,
-        dtype,
-        device,
-        index_dtype=cfg.index_row_dtype(dtype),
-    )
+    cache = PlainKVCache.for_model(cfg, n, dtype, device)
     locs = torch.arange(1, n + 1, device=device)
     batch = ForwardBatch(
         input_ids=torch.tensor(prompt, device=device),

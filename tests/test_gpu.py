@@ -18,6 +18,7 @@ from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.model.loader import load_model
 from sglang_echo.offload.echo_cache import EchoKVCache
 from sglang_echo.runtime.engine import Engine
+from sglang_echo.runtime.kv_factory import echo_cache_for_model
 
 from oracle_utils import hf_greedy, hf_prefill, prefill_all_logits, topk_set_mismatches
 
@@ -88,15 +89,7 @@ def test_oracle_on_cuda(checkpoints, name, dtype):
     expected = [hf_greedy(hf, p, 32) for p in prompts]
     cfg = ours.config
     cap = sum(len(p) + 32 for p in prompts)
-    cache = PlainKVCache(
-        cfg.num_hidden_layers,
-        cap,
-        cfg.kv_row_dim,
-        cfg.index_row_dim,
-        dtype,
-        "cuda",
-        index_dtype=cfg.index_row_dtype(dtype),
-    )
+    cache = PlainKVCache.for_model(cfg, cap, dtype, "cuda")
     got = [r.output for r in Engine(ours, cache, cap, 3, 128, 4096, True).generate(prompts, 32)]
     same = [
         sum(int(a == b) for a, b in zip(x, y, strict=True))
@@ -125,26 +118,9 @@ def _lossless_pair(model, prompts, new_tokens, batch_size, chunk, use_graph, syn
     width = max(len(p) for p in prompts) + new_tokens
     n_g = EchoConfig().min_dev_cache_size(batch_size, cfg.index_topk, min(chunk, cap))
     echo_cfg = EchoConfig(offload=True, dev_cache_size=n_g)
-    echo = EchoKVCache(
-        echo_cfg,
-        cfg.num_hidden_layers,
-        cap,
-        cfg.kv_row_dim,
-        cfg.index_row_dim,
-        dtype,
-        "cuda",
-        index_dtype=cfg.index_row_dtype(dtype),
-    )
+    echo = echo_cache_for_model(echo_cfg, cfg, cap, dtype, "cuda")
     assert echo.host.pinned and echo.manager.graph_safe, "pinned host pool must have a UVA view"
-    plain = PlainKVCache(
-        cfg.num_hidden_layers,
-        cap,
-        cfg.kv_row_dim,
-        cfg.index_row_dim,
-        dtype,
-        "cuda",
-        index_dtype=cfg.index_row_dtype(dtype),
-    )
+    plain = PlainKVCache.for_model(cfg, cap, dtype, "cuda")
     outs = {}
     for name, cache in (("plain", plain), ("echo", echo)):
         engine = Engine(model, cache, cap, batch_size, width, chunk, True, use_cuda_graph=use_graph)

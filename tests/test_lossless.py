@@ -13,8 +13,8 @@ import torch
 from sglang_echo.config import EchoConfig
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.model.loader import load_model
-from sglang_echo.offload.echo_cache import EchoKVCache
 from sglang_echo.runtime.engine import Engine
+from sglang_echo.runtime.kv_factory import echo_cache_for_model
 
 CONFIGS = ["default-rope", "yarn", "wide-moe", "fp8-indexer"]
 
@@ -71,25 +71,8 @@ def run_pair(model, w: Workload) -> dict:
         chunk_size=chunk,
     )
     caches = {
-        "plain": PlainKVCache(
-            cfg.num_hidden_layers,
-            capacity,
-            cfg.kv_row_dim,
-            cfg.index_row_dim,
-            w.dtype,
-            "cpu",
-            index_dtype=cfg.index_row_dtype(w.dtype),
-        ),
-        "echo": EchoKVCache(
-            echo,
-            cfg.num_hidden_layers,
-            capacity,
-            cfg.kv_row_dim,
-            cfg.index_row_dim,
-            w.dtype,
-            "cpu",
-            index_dtype=cfg.index_row_dtype(w.dtype),
-        ),
+        "plain": PlainKVCache.for_model(cfg, capacity, w.dtype, "cpu"),
+        "echo": echo_cache_for_model(echo, cfg, capacity, w.dtype, "cpu"),
     }
     results = {}
     for name, cache in caches.items():

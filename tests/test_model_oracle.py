@@ -55,14 +55,7 @@ def test_greedy_generation_matches_transformers_single_and_batched(models, name)
 
     def run(batch_size: int, chunk: int) -> list[list[int]]:
         capacity = sum(len(p) + new_tokens for p in prompts)
-        cache = PlainKVCache(
-            cfg.num_hidden_layers,
-            capacity,
-            cfg.kv_row_dim,
-            cfg.index_head_dim,
-            torch.float32,
-            "cpu",
-        )
+        cache = PlainKVCache.for_model(cfg, capacity, torch.float32, "cpu")
         engine = Engine(ours, cache, capacity, batch_size, 128, chunk, ignore_eos=True)
         return [r.output for r in engine.generate(prompts, new_tokens)]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,25 +20,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import time_us
 
 from sglang_echo.kernels.indexer import fp8_index_logits, fp8_index_logits_reference
 from sglang_echo.kernels.topk import topk_positions
 from sglang_echo.model.indexer import select_topk
-
-
-def time_us(fn, warmup: int = 3, reps: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e) * 1000)
-    return statistics.median(out)
 
 
 def hbm_gbps() -> float:

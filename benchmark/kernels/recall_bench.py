@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -19,24 +18,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import time_us
 
 from sglang_echo.kernels.recall import recall_rows
 from sglang_echo.offload.host_pool import cuda_alias_of_pinned
 
 
 def time_ms(fn, warmup: int = 5, reps: int = 30) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return time_us(fn, warmup, reps) / 1000
 
 
 def h2d_gbps(nbytes: int = 2 << 30) -> float:

@@ -14,6 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from sglang_echo.model.config import DeepseekV32Config
+
 
 @runtime_checkable
 class KVCache(Protocol):
@@ -67,6 +69,25 @@ class PlainKVCache:
         self.kv = torch.zeros(num_layers, capacity + 1, kv_row_dim, dtype=dtype, device=device)
         self.index = torch.zeros(
             num_layers, capacity + 1, index_dim, dtype=index_dtype or dtype, device=device
+        )
+
+    @classmethod
+    def for_model(
+        cls,
+        config: DeepseekV32Config,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> PlainKVCache:
+        """Row widths and the index-key dtype as the model's indexer mode needs them."""
+        return cls(
+            config.num_hidden_layers,
+            capacity,
+            config.kv_row_dim,
+            config.index_row_dim,
+            dtype,
+            device,
+            index_dtype=config.index_row_dtype(dtype),
         )
 
     @property

@@ -10,6 +10,29 @@ from sglang_echo.model.kv_cache import KVCache, PlainKVCache
 from sglang_echo.offload.echo_cache import EchoKVCache
 
 
+def echo_cache_for_model(
+    echo: EchoConfig,
+    model_config: DeepseekV32Config,
+    host_tokens: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    **kwargs,
+) -> EchoKVCache:
+    """ECHO sized for the model: row widths and index-key dtype from its indexer mode."""
+    cfg = model_config
+    return EchoKVCache(
+        echo,
+        cfg.num_hidden_layers,
+        host_tokens,
+        cfg.kv_row_dim,
+        cfg.index_row_dim,
+        dtype,
+        device,
+        index_dtype=cfg.index_row_dtype(dtype),
+        **kwargs,
+    )
+
+
 def build_kv_cache(
     echo: EchoConfig,
     model_config: DeepseekV32Config,
@@ -19,33 +42,15 @@ def build_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> KVCache:
-    cfg = model_config
     if not echo.offload:
-        return PlainKVCache(
-            cfg.num_hidden_layers,
-            token_capacity,
-            cfg.kv_row_dim,
-            cfg.index_row_dim,
-            dtype,
-            device,
-            index_dtype=cfg.index_row_dtype(dtype),
-        )
+        return PlainKVCache.for_model(model_config, token_capacity, dtype, device)
     echo.validate(
         host_tokens=token_capacity,
         max_running_requests=max_running_requests,
-        topk=cfg.index_topk,
+        topk=model_config.index_topk,
         chunk_size=min(chunked_prefill_size, token_capacity),
     )
-    return EchoKVCache(
-        echo,
-        cfg.num_hidden_layers,
-        token_capacity,
-        cfg.kv_row_dim,
-        cfg.index_row_dim,
-        dtype,
-        device,
-        index_dtype=cfg.index_row_dtype(dtype),
-    )
+    return echo_cache_for_model(echo, model_config, token_capacity, dtype, device)
 
 
 def describe_kv_cache(summary: dict) -> str:
