@@ -12,7 +12,6 @@ the Triton cache kernels must beat; target <= 4 us per layer-step).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,6 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import save_record
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.offload.echo_cache import EchoKVCache
@@ -116,30 +118,22 @@ def main() -> None:
         times.append(start.elapsed_time(end) * 1000)
     hits, misses = c.hits.sum().item() - hits0, c.misses.sum().item() - misses0
     us = statistics.median(times)
-    record = {
-        "name": "cache_ops",
-        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-        "date": time.strftime("%Y-%m-%d"),
-        "command": "python " + " ".join(sys.argv),
-        "metrics": {
-            "implementation": "torch reference (sort-based LRU victims), graph-replayed",
-            "us_per_layer_step": us,
-            "us_per_layer_step_min": min(times),
-            "batch": args.batch,
-            "topk": args.topk,
-            "slots": args.slots,
-            "trace_reuse": args.reuse,
-            "hit_rate": hits / max(1, hits + misses),
-            "target_us": 4.0,
-            "victim_policies": {"lru_sorted": hits / max(1, hits + misses)},
-        },
+    metrics = {
+        "implementation": "torch reference (sort-based LRU victims), graph-replayed",
+        "us_per_layer_step": us,
+        "us_per_layer_step_min": min(times),
+        "batch": args.batch,
+        "topk": args.topk,
+        "slots": args.slots,
+        "trace_reuse": args.reuse,
+        "hit_rate": hits / max(1, hits + misses),
+        "target_us": 4.0,
+        "victim_policies": {"lru_sorted": hits / max(1, hits + misses)},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cache_ops.json").write_text(json.dumps(record, indent=2))
+    save_record(args.out, "cache_ops", torch.cuda.get_device_name() if on_gpu else "cpu", metrics)
     print(
         f"cache ops (torch reference): {us:.1f} us per layer-step (min {min(times):.1f}) at batch "
-        f"{args.batch} x top-k {args.topk}, {args.slots} slots, hit rate {record['metrics']['hit_rate']:.3f}"
+        f"{args.batch} x top-k {args.topk}, {args.slots} slots, hit rate {metrics['hit_rate']:.3f}"
     )
 
 

@@ -12,9 +12,7 @@ torch.topk over the logits, and the project's exact tie-stable top-k reference.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import time_us
+from common import save_record, time_us
 
 from sglang_echo.kernels.indexer import fp8_index_logits, fp8_index_logits_reference
 from sglang_echo.kernels.topk import topk_positions
@@ -195,17 +193,9 @@ def main() -> None:
         "topk_over_torch_topk": kernel_topk_us / torch_topk_us,
         "reference_stable_sort_topk_us": stable_topk_us,
     }
-    record = {
-        "name": "indexer",
-        "device": torch.cuda.get_device_name(),
-        "date": time.strftime("%Y-%m-%d"),
-        "command": "python " + " ".join(sys.argv),
-        "metrics": metrics,
-        "variants": variants,
-    }
+    device = torch.cuda.get_device_name()
+    save_record(args.out, "indexer", device, metrics, variants=variants)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "indexer.json").write_text(json.dumps(record, indent=2))
     try:
         import matplotlib
 
@@ -218,7 +208,7 @@ def main() -> None:
         ax.bar(names, vals)
         ax.set_yscale("log")
         ax.set_ylabel("us (log)")
-        ax.set_title(f"indexer decode, {B} x {L} ctx x {H}h x {D}d ({record['device']})")
+        ax.set_title(f"indexer decode, {B} x {L} ctx x {H}h x {D}d ({device})")
         fig.tight_layout()
         fig.savefig(out / "indexer.png", dpi=120)
     except ImportError:

@@ -10,9 +10,7 @@ checked for correctness (poisoned destination, byte-exact rows) before it is tim
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import time_us
+from common import save_record, time_us
 
 from sglang_echo.kernels.recall import recall_rows
 from sglang_echo.offload.host_pool import cuda_alias_of_pinned
@@ -105,21 +103,13 @@ def main() -> None:
         metrics[f"recall_GBps_{rb}"] = best["GBps"]
         metrics[f"ratio_{rb}"] = best["GBps"] / h2d
         metrics[f"best_config_{rb}"] = {
-            k: best[k] for k in ("rows_per_program", "block_bytes", "num_warps")
+            k: best[k] for k in ("rows_per_program", "block_bytes", "num_warps", "flat_chunks")
         }
         metrics[f"torch_index_select_GBps_{rb}"] = res["torch_index_select_GBps"]
         metrics[f"all_correct_{rb}"] = len(good) == len(res["configs"])
-    record = {
-        "name": "recall",
-        "device": torch.cuda.get_device_name(),
-        "date": time.strftime("%Y-%m-%d"),
-        "command": "python " + " ".join(sys.argv),
-        "metrics": metrics,
-        "detail": per_size,
-    }
+    device = torch.cuda.get_device_name()
+    save_record(args.out, "recall", device, metrics, detail=per_size)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recall.json").write_text(json.dumps(record, indent=2))
     try:
         import matplotlib
 
@@ -129,13 +119,15 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(8, 4))
         for rb, res in per_size.items():
             xs = [
-                f"{c['rows_per_program']}x{c['block_bytes']}/{c['num_warps']}w"
+                f"flat{c['flat_chunks']}/{c['num_warps']}w"
+                if c["flat_chunks"]
+                else f"{c['rows_per_program']}x{c['block_bytes']}/{c['num_warps']}w"
                 for c in res["configs"]
             ]
             ax.plot(xs, [c["GBps"] for c in res["configs"]], marker="o", label=f"{rb} B rows")
         ax.axhline(h2d, color="k", ls="--", label=f"H2D copy {h2d:.1f} GB/s")
         ax.set_ylabel("GB/s")
-        ax.set_title(f"UVA recall of {args.misses} random rows ({record['device']})")
+        ax.set_title(f"UVA recall of {args.misses} random rows ({device})")
         ax.tick_params(axis="x", rotation=90, labelsize=6)
         ax.legend()
         fig.tight_layout()
