@@ -161,16 +161,13 @@ class Engine:
         record_logits: bool,
         on_done: Callable[[Request], None] | None,
     ) -> None:
-        ids, positions, out_locs = [], [], []
-        for req in active:
-            (loc,) = self.allocator.alloc(1)
-            pos = req.cached_len
-            self.table.assign(req.row, pos, [loc])
+        out_locs = self.allocator.alloc(len(active))
+        positions = [req.cached_len for req in active]
+        ids = [req.output[-1] for req in active]
+        self.table.assign_next([req.row for req in active], positions, out_locs)
+        for req, loc in zip(active, out_locs, strict=True):
             req.locs.append(loc)
             req.cached_len += 1
-            ids.append(req.output[-1])
-            positions.append(pos)
-            out_locs.append(loc)
         batch = self._make_batch(
             ids, positions, out_locs, active, [1] * len(active), is_decode=True, logits_rows=None
         )

@@ -68,3 +68,13 @@ class RequestTable:
         self.table[row, start : start + len(locs)] = torch.tensor(
             locs, dtype=torch.int64, device=self.table.device
         )
+
+    def assign_next(self, rows: list[int], positions: list[int], locs: list[int]) -> None:
+        """One new position per request (a decode step) in a single device write."""
+        if max(positions) >= self.max_context:
+            raise CapacityError(
+                f"request needs {max(positions) + 1} positions, table width is {self.max_context}"
+            )
+        dev = self.table.device
+        values = torch.tensor([rows, positions, locs], dtype=torch.int64).to(dev)
+        self.table[values[0], values[1]] = values[2]
