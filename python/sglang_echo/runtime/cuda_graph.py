@@ -1,8 +1,10 @@
 """Decode steps captured in CUDA graphs, one graph per batch size.
 
-The first step at a batch size runs eagerly (it is a real step: ECHO's cache state moves
-exactly once) and is then captured; later steps copy their inputs into the graph's static
-tensors and replay. Capturing needs the whole step to be device-only: fixed shapes, the
+Batch sizes up to ``max_batch_size`` (SGLang's ``--cuda-graph-max-bs``) get a graph each;
+larger batches run eagerly. There is no padding to a bucket: a padded lane would write KV
+rows and, under ECHO, take device slots. The first step at a batch size runs eagerly (it
+is a real step: ECHO's cache state moves exactly once) and is then captured; later steps
+copy their inputs into the graph's static tensors and replay. Capturing needs the whole step to be device-only: fixed shapes, the
 indexer over a fixed context width, MoE's dense dispatch, ECHO's graph-safe ops.
 """
 
@@ -26,7 +28,11 @@ class _Captured:
 
 class CudaGraphDecodeRunner:
     def __init__(
-        self, model: DeepseekV32ForCausalLM, kv_cache: KVCache, context_width: int
+        self,
+        model: DeepseekV32ForCausalLM,
+        kv_cache: KVCache,
+        context_width: int,
+        max_batch_size: int | None = None,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA graphs need a CUDA device")
@@ -38,6 +44,7 @@ class CudaGraphDecodeRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.context_width = context_width
+        self.max_batch_size = max_batch_size  # larger decode batches run eagerly; None = all
         self.device = model.lm_head.weight.device
         self.graphs: dict[int, _Captured] = {}
         model.set_graph_safe(True)
@@ -67,6 +74,8 @@ class CudaGraphDecodeRunner:
         if not batch.is_decode:
             raise ValueError("only decode batches are captured")
         bs = batch.num_requests
+        if self.max_batch_size is not None and bs > self.max_batch_size:
+            return self.model(batch, self.kv_cache)
         captured = self.graphs.get(bs)
         if captured is not None:
             self._load(captured.batch, batch)

@@ -1,0 +1,109 @@
+"""The model runs in one background thread; other threads talk to it through a queue.
+
+HTTP handlers (or tests) ``submit`` requests, ``abort`` them and ``call`` small functions
+that must see the scheduler between steps (metrics read device counters, which must not
+race a running or capturing step). Every command is applied by the engine thread, so the
+scheduler and the caches are only ever touched by that one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from sglang_echo.runtime.request import ServeRequest
+from sglang_echo.runtime.scheduler import Scheduler
+
+log = logging.getLogger("sglang_echo.engine")
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, idle_wait_s: float = 0.05) -> None:
+        self.scheduler = scheduler
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="echo-engine", daemon=True)
+        self.last_error: str | None = None
+
+    # ------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(None)  # wake the loop
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def submit(self, req: ServeRequest) -> None:
+        """Queue ``req``; its ``on_output`` gets the events (from the engine thread).
+
+        A request the scheduler rejects ends at once with an abort event carrying why.
+        """
+        self._commands.put(("add", req))
+
+    def abort(self, rid: str) -> None:
+        self._commands.put(("abort", rid))
+
+    def call(self, fn: Callable[[Scheduler], Any]) -> Future:
+        """Run ``fn(scheduler)`` on the engine thread between steps; returns its future."""
+        fut: Future = Future()
+        self._commands.put(("call", (fn, fut)))
+        return fut
+
+    # ---------------------------------------------------------- engine thread
+    def _apply(self, cmd) -> None:
+        if cmd is None:
+            return
+        kind, arg = cmd
+        sched = self.scheduler
+        if kind == "add":
+            try:
+                sched.add(arg)
+            except ValueError as exc:
+                sched.reject(arg, str(exc))
+        elif kind == "abort":
+            sched.abort(arg)
+        elif kind == "call":
+            fn, fut = arg
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(sched))
+                except Exception as exc:  # the caller gets the error, the loop goes on
+                    fut.set_exception(exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.scheduler.has_work():
+                    try:
+                        self._apply(self._commands.get(timeout=self.idle_wait_s))
+                    except queue.Empty:
+                        continue
+                while True:
+                    try:
+                        self._apply(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                if not self._stop.is_set():
+                    self.scheduler.step()
+            except Exception as exc:
+                # A failed step leaves its requests in an unknown state: end them all with
+                # the reason and keep serving new ones.
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                try:
+                    self.scheduler.fail_all(f"engine error: {self.last_error}")
+                except Exception:
+                    log.error("could not clean up after the failed step")
+        self.scheduler.fail_all("server shutting down")

@@ -1,0 +1,150 @@
+"""One model forward over a set of requests: a prefill chunk or a decode step.
+
+Shared by the offline ``Engine`` (fixed batches) and the serving ``Scheduler``
+(continuous batching): both hand in the requests to step and get logits back; choosing
+tokens and deciding when a request ends stays with the caller. This class owns where
+each request's KV rows live (token locations and request-table rows) and gives them back
+when a request is released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
+from sglang_echo.model.forward_batch import ForwardBatch
+from sglang_echo.model.kv_cache import KVCache
+from sglang_echo.runtime.request import SeqState
+from sglang_echo.runtime.token_table import RequestTable, TokenSlotAllocator
+
+
+class StepRunner:
+    def __init__(
+        self,
+        model: DeepseekV32ForCausalLM,
+        kv_cache: KVCache,
+        token_capacity: int,
+        max_requests: int,
+        max_context: int,
+        use_cuda_graph: bool = False,
+        cuda_graph_max_bs: int | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = model.lm_head.weight.device
+        self.allocator = TokenSlotAllocator(token_capacity)
+        self.table = RequestTable(max_requests, max_context, self.device)
+        self.max_requests = max_requests
+        self.max_context = max_context
+        self.decode_runner = None
+        if use_cuda_graph:
+            from sglang_echo.runtime.cuda_graph import CudaGraphDecodeRunner
+
+            self.decode_runner = CudaGraphDecodeRunner(
+                model, kv_cache, max_context, max_batch_size=cuda_graph_max_bs
+            )
+
+    # ------------------------------------------------------------- lifecycle
+    def admit(self, req: SeqState) -> None:
+        req.row = self.table.alloc_row()
+
+    def release(self, req: SeqState) -> None:
+        """Return the request's token locations (and ECHO's slots for them) and its row."""
+        if req.locs:
+            self.kv_cache.release(torch.tensor(req.locs, dtype=torch.int64, device=self.device))
+            self.allocator.free(req.locs)
+        if req.row >= 0:
+            self.table.free_row(req.row)
+        req.locs = []
+        req.row = -1
+
+    # ----------------------------------------------------------------- steps
+    def prefill_chunk(
+        self, pending: Sequence[SeqState], budget: int
+    ) -> tuple[list[SeqState], torch.Tensor]:
+        """Up to ``budget`` prompt tokens of ``pending`` (in order) in one forward.
+
+        Returns the requests whose prompt is now fully cached and their next-token logits
+        ([len(done), vocab]); the others only advanced ``cached_len``.
+        """
+        members: list[tuple[SeqState, int]] = []
+        for req in pending:
+            if budget <= 0:
+                break
+            n = min(len(req.prompt) - req.cached_len, budget)
+            members.append((req, n))
+            budget -= n
+        ids, positions, out_locs = [], [], []
+        for req, n in members:
+            start = req.cached_len
+            locs = self.allocator.alloc(n)
+            self.table.assign(req.row, start, locs)
+            req.locs.extend(locs)
+            req.cached_len += n
+            ids.extend(req.prompt[start : start + n])
+            positions.extend(range(start, start + n))
+            out_locs.extend(locs)
+        done_rows: list[int] = []
+        done: list[SeqState] = []
+        acc = 0
+        for req, n in members:
+            acc += n
+            if req.prefill_done:
+                done.append(req)
+                done_rows.append(acc - 1)
+        batch = self._make_batch(
+            ids,
+            positions,
+            out_locs,
+            [req for req, _ in members],
+            [n for _, n in members],
+            is_decode=False,
+            logits_rows=done_rows,
+        )
+        return done, self.model(batch, self.kv_cache)
+
+    def decode(self, active: Sequence[SeqState]) -> torch.Tensor:
+        """One new token per request (its last output) -> logits [len(active), vocab]."""
+        out_locs = self.allocator.alloc(len(active))
+        positions = [req.cached_len for req in active]
+        ids = [req.output[-1] for req in active]
+        self.table.assign_next([req.row for req in active], positions, out_locs)
+        for req, loc in zip(active, out_locs, strict=True):
+            req.locs.append(loc)
+            req.cached_len += 1
+        batch = self._make_batch(
+            ids, positions, out_locs, active, [1] * len(active), is_decode=True, logits_rows=None
+        )
+        if self.decode_runner is not None:
+            return self.decode_runner(batch)
+        return self.model(batch, self.kv_cache)
+
+    # --------------------------------------------------------------- helpers
+    def _make_batch(
+        self,
+        ids: list[int],
+        positions: list[int],
+        out_locs: list[int],
+        reqs: Sequence[SeqState],
+        extend_lens: list[int],
+        is_decode: bool,
+        logits_rows: list[int] | None,
+    ) -> ForwardBatch:
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        context_lens = [r.cached_len for r in reqs]
+        rows = as_tensor([r.row for r in reqs])
+        width = max(context_lens)
+        return ForwardBatch(
+            input_ids=as_tensor(ids),
+            positions=as_tensor(positions),
+            out_locs=as_tensor(out_locs),
+            context_locs=self.table.table[rows, :width],
+            extend_lens=extend_lens,
+            context_lens=context_lens,
+            is_decode=is_decode,
+            logits_indices=None if logits_rows is None else as_tensor(logits_rows),
+        )
