@@ -1,0 +1,83 @@
+"""``python -m sglang_echo.launch_server --model-path DIR [--port 30000] ...``
+
+Serves one DeepSeek-V3.2 checkpoint on one device with continuous batching; flags as in
+SGLang where they overlap (``--help``). ``NSA_KV_OFFLOAD=1`` turns ECHO on. Prints SGLang's
+"The server is fired up and ready to roll!" once it accepts requests, so scripts written
+for SGLang can wait for it the same way.
+
+fastapi and uvicorn are imported only here and in ``runtime/server.py``: on a machine
+without them installed, unpack their wheels into a folder and put it on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+READY_LINE = "The server is fired up and ready to roll!"
+
+
+def _import_web():
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        raise SystemExit(
+            f"error: the HTTP server needs fastapi and uvicorn ({exc}); pip install fastapi "
+            "uvicorn, or unpack their wheels into a folder on PYTHONPATH (README: Serving)"
+        ) from exc
+    return uvicorn
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sglang_echo.config import ConfigError
+    from sglang_echo.model.config import ModelConfigError
+    from sglang_echo.runtime.server_args import ServerArgError, parse_server_args
+
+    try:
+        args = parse_server_args(argv)
+    except ServerArgError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    uvicorn = _import_web()
+    logging.basicConfig(
+        level=args.log_level.upper(), format="[%(asctime)s] %(name)s %(levelname)s %(message)s"
+    )
+    from sglang_echo.runtime.server import create_app
+    from sglang_echo.runtime.serving import build_serving
+
+    try:
+        serving = build_serving(args)
+    except (ServerArgError, ConfigError, ModelConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    i = serving.info
+    print(
+        f"sglang-echo: {i['kv_backend']} on {i['device']} ({i['dtype']}), KV pool "
+        f"{i['max_total_tokens']} tokens, max running {i['max_running_requests']}, chunk "
+        f"{i['chunked_prefill_size']}, context {i['context_length']}"
+        + (f", NSA_DEV_CACHE_SIZE {i['nsa_dev_cache_size']}" if i["nsa_dev_cache_size"] else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    app = create_app(serving)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False
+    )
+    server = uvicorn.Server(config)
+
+    def announce() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started:
+            print(READY_LINE, file=sys.stderr, flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

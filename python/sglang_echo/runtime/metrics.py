@@ -1,0 +1,93 @@
+"""Prometheus text exposition of the scheduler and the KV backend (``GET /metrics``).
+
+``snapshot`` runs on the engine thread between steps (ECHO's counters live on the device);
+``render`` formats it on the HTTP side. Names follow SGLang's ``sglang:`` metrics where
+one exists (running/queued requests, token counters, generation throughput, token usage);
+ECHO's per-layer counters carry a ``layer`` label.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sglang_echo.runtime.scheduler import Scheduler
+
+PREFIX = "sglang"
+
+
+def snapshot(sched: Scheduler, kv_cache) -> dict:
+    s = sched.stats
+    free = sched.steps.allocator.num_free
+    snap = {
+        "time": time.time(),
+        "num_running_reqs": len(sched.running),
+        "num_queue_reqs": len(sched.waiting),
+        "prompt_tokens_total": s.prompt_tokens,
+        "generation_tokens_total": s.generation_tokens,
+        "num_requests_total": s.finished_requests,
+        "num_aborted_requests_total": s.aborted_requests,
+        "decode_steps_total": s.decode_steps,
+        "prefill_steps_total": s.prefill_steps,
+        "gen_throughput": sched.gen_throughput(),
+        "token_usage": (sched.capacity - free) / sched.capacity,
+        "max_total_num_tokens": sched.capacity,
+    }
+    telemetry = getattr(kv_cache, "telemetry", None)
+    if telemetry is not None:
+        snap["echo"] = telemetry()
+    return snap
+
+
+def _line(name: str, value: float, labels: dict | None = None) -> str:
+    if labels:
+        inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        return f"{PREFIX}:{name}{{{inner}}} {float(value)!r}"
+    return f"{PREFIX}:{name} {float(value)!r}"
+
+
+def render(snap: dict, model_name: str) -> str:
+    base = {"model_name": model_name}
+    out: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict, float]]) -> None:
+        # Text format 0.0.4: a counter's family and sample names both end in _total.
+        sample = f"{name}_total" if kind == "counter" else name
+        out.append(f"# HELP {PREFIX}:{sample} {help_text}")
+        out.append(f"# TYPE {PREFIX}:{sample} {kind}")
+        out.extend(_line(sample, v, {**base, **labels}) for labels, v in samples)
+
+    def one(name: str, kind: str, help_text: str, key: str) -> None:
+        metric(name, kind, help_text, [({}, snap[key])])
+
+    one("num_running_reqs", "gauge", "Requests in the running batch.", "num_running_reqs")
+    one("num_queue_reqs", "gauge", "Requests waiting for admission.", "num_queue_reqs")
+    one("prompt_tokens", "counter", "Prompt tokens prefilled.", "prompt_tokens_total")
+    one("generation_tokens", "counter", "Tokens generated.", "generation_tokens_total")
+    one("num_requests", "counter", "Requests finished (not aborted).", "num_requests_total")
+    one("num_aborted_requests", "counter", "Requests aborted.", "num_aborted_requests_total")
+    one("gen_throughput", "gauge", "Generated tokens per second (last 5 s).", "gen_throughput")
+    one("token_usage", "gauge", "Share of the KV token pool in use.", "token_usage")
+    one("max_total_num_tokens", "gauge", "KV token pool size.", "max_total_num_tokens")
+    echo = snap.get("echo")
+    if echo is not None:
+        layers = range(len(echo["hit_rate"]))
+
+        def per_layer(key: str) -> list[tuple[dict, float]]:
+            return [({"layer": str(i)}, echo[key][i]) for i in layers]
+
+        metric(
+            "echo_hit_rate",
+            "gauge",
+            "ECHO device-cache hit rate per layer.",
+            per_layer("hit_rate"),
+        )
+        metric("echo_hits", "counter", "Selected tokens found resident.", per_layer("hits"))
+        metric("echo_misses", "counter", "Selected tokens recalled from host.", per_layer("misses"))
+        metric("echo_evictions", "counter", "Slots evicted on resolve.", per_layer("evictions"))
+        metric(
+            "echo_recalled_bytes",
+            "counter",
+            "Bytes recalled host -> device.",
+            per_layer("recalled_bytes"),
+        )
+    return "\n".join(out) + "\n"

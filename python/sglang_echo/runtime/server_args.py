@@ -1,0 +1,175 @@
+"""``launch_server`` flags: named and behaving as SGLang's where they overlap.
+
+SGLang flags that need a multi-GPU deployment (tensor/data parallelism, PD
+disaggregation, quantized MoE, speculative decoding...) are refused with a pointer to the
+SGLang plugin, which runs ECHO inside SGLang itself. Values that cannot work fail here,
+at start-up, with the flag to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from sglang_echo.config import ConfigError, parse_size
+
+PLUGIN_HINT = (
+    "this single-node runtime serves one model on one device; for {flag} run SGLang with "
+    "the ECHO plugin instead (pip install sglang-echo, then NSA_KV_OFFLOAD=1 python -m "
+    "sglang.launch_server ...; see python/sglang_echo/sglang/)"
+)
+# SGLang flags that take a value; accepted only at their single-device setting.
+_SINGLE_DEVICE_ONLY = {"--tp": "1", "--tp-size": "1", "--dp": "1", "--dp-size": "1"}
+_SINGLE_DEVICE_ONLY |= {"--pp-size": "1", "--ep-size": "1", "--nnodes": "1"}
+# SGLang flags this runtime does not implement (with or without a value).
+_UNSUPPORTED_WITH_VALUE = {
+    "--disaggregation-mode",
+    "--disaggregation-bootstrap-port",
+    "--disaggregation-transfer-backend",
+    "--quantization",
+    "--speculative-algorithm",
+    "--speculative-draft-model-path",
+    "--load-balance-method",
+    "--dist-init-addr",
+    "--node-rank",
+    "--attention-backend",
+    "--kv-cache-dtype",
+    "--hisparse-config",
+}
+_UNSUPPORTED_SWITCHES = {
+    "--enable-dp-attention",
+    "--enable-hisparse",
+    "--enable-hierarchical-cache",
+    "--enable-mixed-chunk",
+    "--prefill-round-robin-balance",
+}
+# SGLang switches that describe what this runtime already does (or does not do): accepted.
+_HARMLESS_SWITCHES = {"--disable-overlap-schedule", "--trust-remote-code", "--skip-server-warmup"}
+
+
+class ServerArgError(ValueError):
+    """A flag or flag value the server cannot run with; the message says what to change."""
+
+
+@dataclass
+class ServerArgs:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "auto"
+    dtype: str = "auto"
+    context_length: int | None = None
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    chunked_prefill_size: int | None = None
+    max_running_requests: int | None = None
+    cuda_graph_max_bs: int = 48
+    disable_cuda_graph: bool = False
+    disable_radix_cache: bool = False  # accepted: there is no prefix cache to disable
+    served_model_name: str | None = None
+    log_level: str = "info"
+
+
+def _size(text: str) -> int:
+    """Token counts as SGLang scripts write them, underscores allowed (1_800_000)."""
+    try:
+        return parse_size("value", text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number") from exc
+
+
+def _chunk(text: str) -> int:
+    if text.strip() == "-1":
+        return -1
+    return _size(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m sglang_echo.launch_server",
+        description="Serve a DeepSeek-V3.2 checkpoint over HTTP (SGLang's /generate and "
+        "OpenAI's /v1 APIs) with continuous batching. NSA_KV_OFFLOAD=1 turns ECHO on "
+        "(NSA_DEV_CACHE_SIZE = device cache slots per layer).",
+    )
+    p.add_argument("--model-path", "--model", dest="model_path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto = bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument(
+        "--context-length", type=_size, default=None, help="default: max_position_embeddings"
+    )
+    p.add_argument(
+        "--max-total-tokens",
+        type=_size,
+        default=None,
+        help="KV pool tokens (the host pool under ECHO); default: from --mem-fraction-static",
+    )
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="share of device memory for weights + KV (default 0.88 on CUDA, 0.25 on CPU)",
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=_chunk,
+        default=None,
+        help="prompt tokens per prefill forward; -1 = no chunking (default 8192, capped "
+        "at NSA_DEV_CACHE_SIZE under ECHO)",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=_size,
+        default=None,
+        help="default 64 (under ECHO at most NSA_DEV_CACHE_SIZE // index_topk)",
+    )
+    p.add_argument("--cuda-graph-max-bs", type=_size, default=48)
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument(
+        "--disable-radix-cache", action="store_true", help="accepted (no prefix cache here)"
+    )
+    p.add_argument("--served-model-name", default=None, help="default: the model path")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _check_foreign(unknown: list[str]) -> None:
+    i = 0
+    while i < len(unknown):
+        raw = unknown[i]
+        flag, eq, value = raw.partition("=")
+        if flag in _HARMLESS_SWITCHES:
+            i += 1
+            continue
+        if flag in _SINGLE_DEVICE_ONLY or flag in _UNSUPPORTED_WITH_VALUE:
+            if not eq:
+                value = unknown[i + 1] if i + 1 < len(unknown) else ""
+                i += 1
+            if flag in _SINGLE_DEVICE_ONLY and value.strip() == _SINGLE_DEVICE_ONLY[flag]:
+                i += 1
+                continue
+            shown = f"{flag} {value}".strip()
+            raise ServerArgError(f"{shown} is not supported: " + PLUGIN_HINT.format(flag=shown))
+        if flag in _UNSUPPORTED_SWITCHES:
+            raise ServerArgError(f"{flag} is not supported: " + PLUGIN_HINT.format(flag=flag))
+        raise ServerArgError(
+            f"unknown flag {raw!r}; see python -m sglang_echo.launch_server --help"
+        )
+
+
+def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    _check_foreign(unknown)
+    args = ServerArgs(**vars(ns))
+    if not 0 < args.port < 65536:
+        raise ServerArgError(f"--port {args.port} is not a TCP port (1-65535)")
+    if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static <= 1:
+        raise ServerArgError(f"--mem-fraction-static {args.mem_fraction_static} must be in (0, 1]")
+    return args

@@ -1,0 +1,164 @@
+"""Build what a server serves from its flags: model, KV backend, step runner, scheduler.
+
+Sizes follow SGLang's rules where they apply: the token pool comes from
+``--max-total-tokens`` or from the memory that ``--mem-fraction-static`` leaves after the
+weights; under ECHO the device cache must hold one decode step's selections (max running
+requests x top-k) and one prefill chunk, so unset defaults are capped to fit it and set
+values that cannot fit fail here with the setting to change.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_echo.config import EchoConfig
+from sglang_echo.model.config import DeepseekV32Config
+from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
+from sglang_echo.model.kv_cache import KVCache
+from sglang_echo.model.loader import load_model, model_dtype
+from sglang_echo.runtime.kv_factory import build_kv_cache
+from sglang_echo.runtime.scheduler import Scheduler
+from sglang_echo.runtime.server_args import ServerArgError, ServerArgs
+from sglang_echo.runtime.step_runner import StepRunner
+from sglang_echo.tokenizer import load_tokenizer
+
+DEFAULT_MAX_RUNNING = 64
+DEFAULT_CHUNK = 8192
+
+
+@dataclass
+class Serving:
+    args: ServerArgs
+    model: DeepseekV32ForCausalLM
+    kv_cache: KVCache
+    scheduler: Scheduler
+    tokenizer: object | None
+    echo: EchoConfig
+    info: dict = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ServerArgError("--device cuda was given but no CUDA device is available")
+    return torch.device(name)
+
+
+def _token_bytes(cfg: DeepseekV32Config, dtype: torch.dtype) -> tuple[int, int]:
+    """(MLA row bytes, indexer-key row bytes) of one token, summed over layers."""
+    kv = cfg.kv_row_dim * torch.empty(0, dtype=dtype).element_size()
+    idx = cfg.index_row_dim * torch.empty(0, dtype=cfg.index_row_dtype(dtype)).element_size()
+    return kv * cfg.num_hidden_layers, idx * cfg.num_hidden_layers
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def memory_token_budget(
+    cfg: DeepseekV32Config,
+    dtype: torch.dtype,
+    device: torch.device,
+    echo: EchoConfig,
+    mem_fraction: float,
+) -> int:
+    """Tokens the KV pool may hold given the memory left for it (as SGLang sizes it)."""
+    kv_b, idx_b = _token_bytes(cfg, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - total * (1.0 - mem_fraction)
+    else:
+        budget = _host_available_bytes() * mem_fraction
+    if budget <= 0:
+        raise ServerArgError(
+            f"--mem-fraction-static {mem_fraction} leaves no memory for the KV cache after "
+            "the weights; raise it or give --max-total-tokens"
+        )
+    if not echo.offload:
+        return int(budget // (kv_b + idx_b))
+    # ECHO: the device keeps every token's indexer key (+ 4 B of map per layer) and the
+    # bounded cache; the host keeps every token's MLA rows.
+    layers = cfg.num_hidden_layers
+    cache_b = echo.dev_cache_size * (kv_b + 13 * layers)
+    on_device = int((budget - cache_b) // (idx_b + 4 * layers))
+    on_host = int(_host_available_bytes() * 0.5 // kv_b)
+    return max(1, min(on_device, on_host))
+
+
+def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
+    """``echo`` overrides the environment's ECHO settings (tests build both kinds)."""
+    device = resolve_device(args.device)
+    dtype_name = args.dtype
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    dtype = model_dtype(dtype_name)
+    echo = echo if echo is not None else EchoConfig.from_env()
+    model = load_model(args.model_path, device=device, dtype=dtype)
+    cfg = model.config
+    context = args.context_length or cfg.max_position_embeddings
+    if context > cfg.max_position_embeddings:
+        raise ServerArgError(
+            f"--context-length {context} exceeds the model's max_position_embeddings "
+            f"({cfg.max_position_embeddings}); lower it"
+        )
+    topk = cfg.index_topk
+    max_running = args.max_running_requests or DEFAULT_MAX_RUNNING
+    chunk = args.chunked_prefill_size or DEFAULT_CHUNK
+    if chunk == -1:
+        chunk = context
+    if echo.offload:
+        if args.max_running_requests is None:
+            max_running = max(1, min(max_running, echo.dev_cache_size // topk))
+        if args.chunked_prefill_size is None:
+            chunk = min(chunk, echo.dev_cache_size)
+    frac = args.mem_fraction_static or (0.88 if device.type == "cuda" else 0.25)
+    capacity = args.max_total_tokens
+    if capacity is None:
+        capacity = min(memory_token_budget(cfg, dtype, device, echo, frac), context * max_running)
+    if capacity < 2:
+        raise ServerArgError(f"the KV pool of {capacity} tokens is too small to serve")
+    kv_cache = build_kv_cache(echo, cfg, capacity, max_running, chunk, dtype, device)
+    use_graph = device.type == "cuda" and not args.disable_cuda_graph
+    steps = StepRunner(
+        model,
+        kv_cache,
+        capacity,
+        max_running,
+        context,
+        use_cuda_graph=use_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+    )
+    tokenizer = load_tokenizer(args.model_path)
+    detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
+    scheduler = Scheduler(steps, max_running, chunk, context, list(cfg.eos_token_ids), detok)
+    info = {
+        "model_path": args.model_path,
+        "served_model_name": args.served_model_name or args.model_path,
+        "tokenizer_path": args.model_path if tokenizer is not None else None,
+        "is_generation": True,
+        "device": str(device),
+        "dtype": dtype_name,
+        "context_length": context,
+        "max_total_tokens": capacity,
+        "max_running_requests": max_running,
+        "chunked_prefill_size": chunk,
+        "cuda_graph": use_graph,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs if use_graph else 0,
+        "kv_backend": "echo" if echo.offload else "no-offload",
+        "nsa_dev_cache_size": echo.dev_cache_size if echo.offload else None,
+        "index_topk": topk,
+        "vocab_size": cfg.vocab_size,
+        "num_layers": cfg.num_hidden_layers,
+    }
+    return Serving(args, model, kv_cache, scheduler, tokenizer, echo, info)
