@@ -1,0 +1,86 @@
+"""One streamed request against SGLang's native ``/generate`` and the per-request timings.
+
+The protocol is SGLang's: SSE ``data: {...}`` lines whose ``meta_info.completion_tokens``
+counts the tokens so far (several may arrive in one line), ending with ``data: [DONE]``.
+So it works against this project's server and a real SGLang server alike.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from sglang_echo.bench.datasets import BenchRequest
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0  # seconds to the first token
+    latency: float = 0.0  # seconds to the last
+    itl: list[float] = field(default_factory=list)  # per token after the first
+    error: str = ""
+
+
+def generate_payload(req: BenchRequest, ignore_eos: bool) -> dict:
+    key = "input_ids" if isinstance(req.prompt, list) else "text"
+    return {
+        key: req.prompt,
+        "sampling_params": {
+            "temperature": 0.0,
+            "max_new_tokens": req.output_len,
+            "ignore_eos": ignore_eos,
+        },
+        "stream": True,
+    }
+
+
+async def send_generate(
+    session: aiohttp.ClientSession, url: str, req: BenchRequest, ignore_eos: bool = True
+) -> RequestResult:
+    out = RequestResult(prompt_len=req.prompt_len)
+    start = time.perf_counter()
+    last_t = start
+    seen = 0
+    try:
+        async with session.post(url, json=generate_payload(req, ignore_eos)) as resp:
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                return out
+            async for raw in resp.content:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                payload = line[len("data:") :].strip()
+                if payload == "[DONE]":
+                    continue
+                data = json.loads(payload)
+                meta = data.get("meta_info", {})
+                count = int(meta.get("completion_tokens", seen))
+                now = time.perf_counter()
+                if count > seen:
+                    if seen == 0:
+                        out.ttft = now - start
+                    else:
+                        out.itl.extend([(now - last_t) / (count - seen)] * (count - seen))
+                    last_t = now
+                    seen = count
+                if meta.get("prompt_tokens"):
+                    out.prompt_len = int(meta["prompt_tokens"])
+                reason = meta.get("finish_reason")
+                if isinstance(reason, dict) and reason.get("type") == "abort":
+                    out.error = f"aborted: {reason.get('message', '')}"
+                    return out
+        out.latency = time.perf_counter() - start
+        out.output_len = seen
+        out.success = seen > 0
+        if not out.success:
+            out.error = "no tokens received"
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
