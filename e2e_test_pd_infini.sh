@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Figures 12-13: generation throughput on InfiniteBench 100K-110K inputs across request
+# rates, no-offload then offload (ECHO), back to back. Results:
+#   infini-318/{no-offload,offload}-MMDD/req_rate_R.{jsonl,log} (+ server logs)
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/scripts/e2e_lib.sh"
+
+usage() {
+  cat << EOF
+Usage: [ENGINE=echo|sglang] [DSV32W4=ckpt] [INFINI_DATASET=file.jsonl] e2e_test_pd_infini.sh [options]
+
+Runs the InfiniteBench sweep twice: no-offload, then offload (NSA_KV_OFFLOAD=1).
+ENGINE=echo (default) serves with this project's runtime; ENGINE=sglang deploys SGLang
+prefill + decode (ECHO plugin on decode) + router as the ECHO artifact does (8 GPUs).
+Without INFINI_DATASET (default /workspace/infini-100K-110K.jsonl when present), the
+benchmark uses a labelled synthetic workload of the same lengths, scaled to the context.
+
+Options:
+$COMMON_USAGE
+EOF
+}
+
+REQUEST_RATES_INPUT="${REQUEST_RATES:-0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,inf}"
+NUM_PROMPTS="${NUM_PROMPTS:-318}"
+WARMUP_REQUESTS="${WARMUP_REQUESTS:-0}"
+NO_OFFLOAD_MAX_TOTAL_TOKENS="${NO_OFFLOAD_MAX_TOTAL_TOKENS:-}"
+OFFLOAD_MAX_TOTAL_TOKENS="${OFFLOAD_MAX_TOTAL_TOKENS:-}"
+OFFLOAD_NSA_DEV_CACHE_SIZE="${OFFLOAD_NSA_DEV_CACHE_SIZE:-260_000}"
+NO_OFFLOAD_RES_DIR="${NO_OFFLOAD_RES_DIR:-infini-318/no-offload-${CURRENT_MMDD}}"
+OFFLOAD_RES_DIR="${OFFLOAD_RES_DIR:-infini-318/offload-${CURRENT_MMDD}}"
+INFINI_DATASET="${INFINI_DATASET:-/workspace/infini-100K-110K.jsonl}"
+parse_common_options "$@"
+[[ -f "$INFINI_DATASET" ]] || INFINI_DATASET=""
+
+choose_model
+trap stop_started EXIT
+stop_started
+
+for mode in no-offload offload; do
+  res="$NO_OFFLOAD_RES_DIR"
+  [[ "$mode" == "offload" ]] && res="$OFFLOAD_RES_DIR"
+  launch "$mode" "$res" pd
+  for rate in "${REQUEST_RATES[@]}"; do
+    bench "$res/req_rate_${rate}" "$rate" --dataset-name infinitebench \
+      --dataset-path "$INFINI_DATASET" --sort-len
+  done
+  stop_started
+done
+echo "results: $NO_OFFLOAD_RES_DIR $OFFLOAD_RES_DIR" >&2

@@ -1,0 +1,221 @@
+#!/usr/bin/env bash
+# Shared by e2e_test_pd_infini.sh, e2e_test_pd_infini_task.sh and e2e_test_mix_sharegpt.sh:
+# option parsing, model choice, server launch (ENGINE=echo: this project's server;
+# ENGINE=sglang: real SGLang with the ECHO plugin), readiness waits, the benchmark call.
+# Every process started here is recorded in $E2E_PID_DIR, and only those are stopped
+# (scripts/killall_sglang.sh), never anything found by name.
+
+E2E_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ENGINE="${ENGINE:-echo}"
+E2E_WORK="${E2E_WORK:-$E2E_ROOT/.e2e}"
+export E2E_PID_DIR="${E2E_PID_DIR:-$E2E_WORK/pids}"
+CURRENT_MMDD="$(date +%m%d)"
+PORT="${PORT:-30000}"
+SERVER_START_TIMEOUT="${SERVER_START_TIMEOUT:-1800}"
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$E2E_ROOT/.venv/bin/python" ]]; then PYTHON="$E2E_ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+export PYTHONPATH="$E2E_ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+
+case "$ENGINE" in
+  echo | sglang) ;;
+  *) echo "ENGINE=$ENGINE is not understood; use ENGINE=echo (this project's server) or ENGINE=sglang" >&2; exit 2 ;;
+esac
+
+# Options every script accepts (each script's --help lists them with its own defaults).
+COMMON_USAGE='  --request-rates LIST              comma-separated request rates, e.g. 0.1,0.5,inf
+  --num-prompts N                   prompts per benchmark run
+  --warmup-requests N               warmup requests before each run
+  --no-offload-res-dir DIR          result folder of the no-offload run
+  --offload-res-dir DIR             result folder of the offload run
+  --no-offload-max-total-tokens T   --max-total-tokens of the no-offload server (KV pool)
+  --offload-max-total-tokens T      --max-total-tokens of the offload server (host pool)
+  --offload-nsa-dev-cache-size N    NSA_DEV_CACHE_SIZE of the offload server (slots/layer)
+  --context-length N                (ENGINE=echo) server context length
+  --max-output-len N                cap on InfiniteBench output lengths (bench; default 256)
+  --chunked-prefill-size N          server chunked prefill size
+  --cuda-graph-max-bs N             server CUDA-graph batch-size limit
+  --max-running-requests N          server max running requests
+  --port N                          server (or router) port (default 30000)
+  -h, --help                        this help
+Environment: ENGINE=echo|sglang (default echo); DSV32W4=checkpoint (ENGINE=echo without it
+uses a generated tiny DeepSeek-V3.2 model); PYTHON; E2E_WORK (scratch, default .e2e/).'
+
+parse_common_options() {
+  # Sets the variables of the options above; the caller provides usage().
+  while [[ $# -gt 0 ]]; do
+    if [[ "$1" == "-h" || "$1" == "--help" ]]; then usage; exit 0; fi
+    if [[ $# -lt 2 ]]; then echo "Missing value for $1 (or unknown option)" >&2; usage >&2; exit 2; fi
+    case "$1" in
+      --request-rates) REQUEST_RATES_INPUT="$2" ;;
+      --num-prompts) NUM_PROMPTS="$2" ;;
+      --warmup-requests) WARMUP_REQUESTS="$2" ;;
+      --no-offload-res-dir) NO_OFFLOAD_RES_DIR="$2" ;;
+      --offload-res-dir) OFFLOAD_RES_DIR="$2" ;;
+      --no-offload-max-total-tokens) NO_OFFLOAD_MAX_TOTAL_TOKENS="$2" ;;
+      --offload-max-total-tokens) OFFLOAD_MAX_TOTAL_TOKENS="$2" ;;
+      --offload-nsa-dev-cache-size) OFFLOAD_NSA_DEV_CACHE_SIZE="$2" ;;
+      --context-length) CONTEXT_LENGTH="$2" ;;
+      --max-output-len) MAX_OUTPUT_LEN="$2" ;;
+      --chunked-prefill-size) CHUNKED_PREFILL_SIZE="$2" ;;
+      --cuda-graph-max-bs) CUDA_GRAPH_MAX_BS="$2" ;;
+      --max-running-requests) MAX_RUNNING_REQUESTS="$2" ;;
+      --port) PORT="$2" ;;
+      *) echo "Unknown argument: $1" >&2; usage >&2; exit 2 ;;
+    esac
+    shift 2
+  done
+  read -r -a REQUEST_RATES <<< "${REQUEST_RATES_INPUT//,/ }"
+  if [[ ${#REQUEST_RATES[@]} -eq 0 ]]; then echo "--request-rates cannot be empty" >&2; exit 2; fi
+}
+
+# The model: $DSV32W4, or (ENGINE=echo) a tiny generated checkpoint, made once.
+choose_model() {
+  if [[ -n "${DSV32W4:-}" ]]; then MODEL="$DSV32W4"; return; fi
+  if [[ "$ENGINE" == "sglang" ]]; then
+    echo "ENGINE=sglang needs DSV32W4=<DeepSeek-V3.2 checkpoint>" >&2; exit 2
+  fi
+  MODEL="$E2E_WORK/tiny-dsv32"
+  if [[ ! -f "$MODEL/config.json" ]]; then
+    echo "DSV32W4 unset: generating a tiny DeepSeek-V3.2 checkpoint in $MODEL" >&2
+    "$PYTHON" "$E2E_ROOT/scripts/make_tiny_checkpoint.py" --out "$MODEL" --layers 4 --index-topk 32 >&2
+  fi
+}
+
+stop_started() {
+  bash "$E2E_ROOT/scripts/killall_sglang.sh"
+  bash "$E2E_ROOT/scripts/ensure_vram_clear.sh"
+}
+
+# start_bg NAME LOG ENV... -- CMD...: run CMD in its own process group, pid in $E2E_PID_DIR.
+start_bg() {
+  local name="$1" log="$2"; shift 2
+  local envs=()
+  while [[ "$1" != "--" ]]; do envs+=("$1"); shift; done
+  shift
+  mkdir -p "$E2E_PID_DIR" "$(dirname "$log")"
+  env "${envs[@]}" setsid "$@" > "$log" 2>&1 < /dev/null &
+  echo $! > "$E2E_PID_DIR/$name.pid"
+}
+
+# wait_ready NAME LOG TEXT [URL]: until TEXT is in LOG (and URL answers), bounded in time;
+# fail at once if the process died.
+wait_ready() {
+  local name="$1" log="$2" text="$3" url="${4:-}"
+  local pid; pid="$(cat "$E2E_PID_DIR/$name.pid")"
+  local deadline=$((SECONDS + SERVER_START_TIMEOUT))
+  until [[ -f "$log" ]] && grep -Fq "$text" "$log" && { [[ -z "$url" ]] || curl -fs -o /dev/null "$url"; }; do
+    if ! kill -0 "$pid" 2> /dev/null; then
+      echo "$name exited before it was ready; last lines of $log:" >&2
+      tail -n 20 "$log" >&2
+      return 1
+    fi
+    if ((SECONDS > deadline)); then
+      echo "$name not ready after ${SERVER_START_TIMEOUT}s (see $log)" >&2
+      return 1
+    fi
+    sleep 1
+  done
+  echo "$name ready" >&2
+}
+
+# launch_echo MODE RES_DIR: this project's server; MODE is no-offload or offload.
+launch_echo() {
+  local mode="$1" res="$2"
+  local args=(-m sglang_echo.launch_server --model-path "$MODEL" --host 127.0.0.1 --port "$PORT"
+    --disable-radix-cache --cuda-graph-max-bs "${CUDA_GRAPH_MAX_BS:-48}")
+  [[ -n "${CONTEXT_LENGTH:-}" ]] && args+=(--context-length "$CONTEXT_LENGTH")
+  [[ -n "${CHUNKED_PREFILL_SIZE:-}" ]] && args+=(--chunked-prefill-size "$CHUNKED_PREFILL_SIZE")
+  [[ -n "${MAX_RUNNING_REQUESTS:-}" ]] && args+=(--max-running-requests "$MAX_RUNNING_REQUESTS")
+  local envs=(NSA_KV_OFFLOAD=0)
+  if [[ "$mode" == "offload" ]]; then
+    envs=(NSA_KV_OFFLOAD=1 "NSA_DEV_CACHE_SIZE=$OFFLOAD_NSA_DEV_CACHE_SIZE")
+    [[ -n "${OFFLOAD_MAX_TOTAL_TOKENS:-}" ]] && args+=(--max-total-tokens "$OFFLOAD_MAX_TOTAL_TOKENS")
+  else
+    [[ -n "${NO_OFFLOAD_MAX_TOTAL_TOKENS:-}" ]] && args+=(--max-total-tokens "$NO_OFFLOAD_MAX_TOTAL_TOKENS")
+  fi
+  start_bg "echo-server" "$res/server.log" "${envs[@]}" -- "$PYTHON" "${args[@]}"
+  wait_ready "echo-server" "$res/server.log" "The server is fired up and ready to roll!" \
+    "http://127.0.0.1:$PORT/health"
+}
+
+# launch_sglang_pd MODE RES_DIR: SGLang prefill + decode (ECHO on the decode node when
+# offloading) + router, as the ECHO artifact deploys DeepSeek-V3.2 on 8 GPUs.
+launch_sglang_pd() {
+  local mode="$1" res="$2"
+  local ready="The server is fired up and ready to roll!"
+  start_bg "sglang-prefill" "$res/prefill.log" FAKE_P_NODE=1 DS_DEBUG_LAYERS=1 -- \
+    python3 -m sglang.launch_server --model-path "$MODEL" --disaggregation-mode prefill \
+    --host 127.0.0.1 --port 1111 --tp 8 --dp 8 --enable-dp-attention \
+    --disaggregation-bootstrap-port 8998 --quantization moe_wna16 --mem-fraction-static 0.03 \
+    --chunked-prefill-size "${CHUNKED_PREFILL_SIZE:-16384}" --disaggregation-transfer-backend fake \
+    --load-balance-method round_robin
+  wait_ready "sglang-prefill" "$res/prefill.log" "$ready"
+  local decode=(python3 -m sglang.launch_server --model-path "$MODEL" --disaggregation-mode decode
+    --host 127.0.0.1 --port 2233 --tp 8 --dp 8 --enable-dp-attention --speculative-num-steps 0
+    --disable-radix-cache --disable-overlap-schedule --quantization moe_wna16
+    --prefill-round-robin-balance --cuda-graph-max-bs "${CUDA_GRAPH_MAX_BS:-48}"
+    --disaggregation-transfer-backend fake)
+  local envs=(NSA_KV_OFFLOAD=0)
+  if [[ "$mode" == "offload" ]]; then
+    envs=(NSA_KV_OFFLOAD=1 "NSA_DEV_CACHE_SIZE=$OFFLOAD_NSA_DEV_CACHE_SIZE")
+    decode+=(--max-total-tokens "${OFFLOAD_MAX_TOTAL_TOKENS:-1_800_000}")
+  else
+    decode+=(--mem-fraction-static 0.9)
+    [[ -n "${NO_OFFLOAD_MAX_TOTAL_TOKENS:-}" ]] && decode+=(--max-total-tokens "$NO_OFFLOAD_MAX_TOTAL_TOKENS")
+  fi
+  start_bg "sglang-decode" "$res/decode.log" "${envs[@]}" -- "${decode[@]}"
+  wait_ready "sglang-decode" "$res/decode.log" "$ready"
+  start_bg "sglang-router" "$res/router.log" -- python3 -m sglang_router.launch_router \
+    --pd-disaggregation --prefill http://127.0.0.1:1111 8998 --decode http://127.0.0.1:2233 \
+    --host 127.0.0.1 --port "$PORT"
+  wait_ready "sglang-router" "$res/router.log" "Router ready"
+}
+
+# launch_sglang_single MODE RES_DIR: one SGLang server (the ShareGPT mix runs this way).
+launch_sglang_single() {
+  local mode="$1" res="$2"
+  local cmd=(python3 -m sglang.launch_server --model "$MODEL" --host 127.0.0.1 --port "$PORT"
+    --mem-fraction-static 0.8 --speculative-num-steps 0 --disable-radix-cache
+    --disable-overlap-schedule --chunked-prefill-size "${CHUNKED_PREFILL_SIZE:--1}"
+    --cuda-graph-max-bs "${CUDA_GRAPH_MAX_BS:-32}" --tp 8 --dp 8 --enable-dp-attention
+    --quantization moe_wna16)
+  local envs=(NSA_KV_OFFLOAD=0)
+  if [[ "$mode" == "offload" ]]; then
+    envs=(NSA_KV_OFFLOAD=1 "NSA_DEV_CACHE_SIZE=$OFFLOAD_NSA_DEV_CACHE_SIZE")
+    cmd+=(--max-total-tokens "${OFFLOAD_MAX_TOTAL_TOKENS:-1000_000}")
+  elif [[ -n "${NO_OFFLOAD_MAX_TOTAL_TOKENS:-}" ]]; then
+    cmd+=(--max-total-tokens "$NO_OFFLOAD_MAX_TOTAL_TOKENS")
+  fi
+  start_bg "sglang-server" "$res/server.log" "${envs[@]}" -- "${cmd[@]}"
+  wait_ready "sglang-server" "$res/server.log" "The server is fired up and ready to roll!"
+}
+
+# launch MODE RES_DIR TOPOLOGY: TOPOLOGY pd or single (ENGINE=echo is always one server).
+launch() {
+  local mode="$1" res="$2" topology="$3"
+  mkdir -p "$res"
+  if [[ "$ENGINE" == "echo" ]]; then
+    launch_echo "$mode" "$res"
+  elif [[ "$topology" == "pd" ]]; then
+    launch_sglang_pd "$mode" "$res"
+  else
+    launch_sglang_single "$mode" "$res"
+  fi
+}
+
+# bench RES_FILE_STEM RATE ARGS...: one benchmark run -> STEM.jsonl (+ STEM.log).
+bench() {
+  local stem="$1" rate="$2"; shift 2
+  local cmd
+  if [[ "$ENGINE" == "echo" ]]; then
+    cmd=("$PYTHON" -m sglang_echo.bench_serving --max-output-len "${MAX_OUTPUT_LEN:-256}" --disable-tqdm)
+  else
+    cmd=(python3 -m sglang.bench_serving)
+  fi
+  cmd+=(--backend sglang --host 127.0.0.1 --port "$PORT" --model "$MODEL"
+    --num-prompts "$NUM_PROMPTS" --warmup-requests "$WARMUP_REQUESTS"
+    --request-rate "$rate" --output-file "$stem.jsonl" "$@")
+  echo "bench: rate $rate -> $stem.jsonl" >&2
+  "${cmd[@]}" > "$stem.log" 2>&1 || { echo "benchmark failed; see $stem.log" >&2; tail -n 5 "$stem.log" >&2; return 1; }
+}
