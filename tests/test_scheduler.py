@@ -1,0 +1,200 @@
+"""The continuous-batching scheduler in-process (no HTTP), on the CPU.
+
+Requests queue instead of failing when the token pool or the request rows run out, greedy
+output equals the offline engine's, aborts return every slot, seeded sampling does not
+depend on batch composition, and bad settings fail at start-up with the flag to change.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from server_utils import make_serving
+from sglang_echo.config import ConfigError, EchoConfig
+from sglang_echo.launch_server import main as launch_main
+from sglang_echo.model.kv_cache import PlainKVCache
+from sglang_echo.model.loader import load_model
+from sglang_echo.runtime.engine import Engine
+from sglang_echo.runtime.kv_factory import echo_cache_for_model
+from sglang_echo.runtime.request import SamplingParams, ServeRequest
+from sglang_echo.runtime.scheduler import RequestRejected, Scheduler
+from sglang_echo.runtime.server_args import ServerArgError, parse_server_args
+from sglang_echo.runtime.step_runner import StepRunner
+
+
+@pytest.fixture(scope="module")
+def model(small_checkpoint):
+    return load_model(small_checkpoint)
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 259) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def _offline(model, prompts, new_tokens: int) -> list[list[int]]:
+    cap = sum(len(p) + new_tokens for p in prompts)
+    cache = PlainKVCache.for_model(model.config, cap, torch.float32, "cpu")
+    engine = Engine(model, cache, cap, 4, 128, 64, ignore_eos=True)
+    return [r.output for r in engine.generate(prompts, new_tokens)]
+
+
+def _echo_scheduler(model, max_running: int, pool: int, chunk: int = 16):
+    cfg = model.config
+    n_g = EchoConfig(offload=True).min_dev_cache_size(max_running, cfg.index_topk, chunk)
+    echo = EchoConfig(offload=True, dev_cache_size=n_g)
+    cache = echo_cache_for_model(echo, cfg, pool, torch.float32, "cpu")
+    steps = StepRunner(model, cache, pool, max_running, 128)
+    return Scheduler(steps, max_running, chunk, 128, list(cfg.eos_token_ids)), cache, n_g
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _drain(sched: Scheduler, max_steps: int = 10_000) -> list[int]:
+    running = []
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return running
+        sched.step()
+        running.append(len(sched.running))
+    raise AssertionError("scheduler did not finish")
+
+
+def _assert_all_free(sched: Scheduler, cache, n_g: int) -> None:
+    assert sched.steps.allocator.num_free == sched.capacity
+    assert sched.steps.table.num_free_rows == sched.steps.max_requests
+    assert sched.reserved == 0
+    assert cache.cache.free_count.tolist() == [n_g] * cache.num_layers
+
+
+def test_tight_pool_queues_and_matches_offline(model):
+    prompts = _prompts(1, 10)
+    new = 6
+    expected = _offline(model, prompts, new)
+    longest = max(len(p) for p in prompts) + new
+    # The pool holds about two requests at a time: the rest must wait their turn.
+    sched, cache, n_g = _echo_scheduler(model, max_running=4, pool=2 * longest)
+    reqs = [ServeRequest(p, rid=str(i), params=_greedy(new)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add(r)
+    counts = _drain(sched)
+    assert [r.output for r in reqs] == expected
+    assert max(counts) <= 4 and max(counts) < len(prompts)
+    assert all(r.finish_reason == {"type": "length", "length": new} for r in reqs)
+    _assert_all_free(sched, cache, n_g)
+
+
+def test_requests_join_midway_and_max_running_holds(model):
+    prompts = _prompts(2, 9)
+    expected = _offline(model, prompts, 5)
+    sched, cache, n_g = _echo_scheduler(model, max_running=3, pool=2000)
+    reqs = [ServeRequest(p, rid=str(i), params=_greedy(5)) for i, p in enumerate(prompts)]
+    counts = []
+    for r in reqs:  # one new request per step, while others decode
+        sched.add(r)
+        sched.step()
+        counts.append(len(sched.running))
+    counts += _drain(sched)
+    assert max(counts) == 3
+    assert [r.output for r in reqs] == expected
+    _assert_all_free(sched, cache, n_g)
+
+
+def test_abort_waiting_and_running_frees_everything(model):
+    sched, cache, n_g = _echo_scheduler(model, max_running=2, pool=400)
+    events = []
+    reqs = [
+        ServeRequest(p, rid=str(i), params=_greedy(50), on_output=events.append)
+        for i, p in enumerate(_prompts(3, 4))
+    ]
+    for r in reqs:
+        sched.add(r)
+    for _ in range(4):
+        sched.step()
+    assert len(sched.running) == 2 and len(sched.waiting) == 2
+    assert sched.abort("0") and sched.abort("3")  # one running (mid-decode), one waiting
+    assert not sched.abort("nope")
+    _drain(sched)
+    _assert_all_free(sched, cache, n_g)
+    ends = {e.rid: e.finish_reason["type"] for e in events if e.finished}
+    assert ends == {"0": "abort", "1": "length", "2": "length", "3": "abort"}
+
+
+def test_seeded_sampling_is_independent_of_batch(model):
+    prompt = _prompts(4, 1)[0]
+
+    def run(extra: int, seed: int) -> list[int]:
+        sched, _, _ = _echo_scheduler(model, max_running=4, pool=1000)
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=50, seed=seed)
+        target = ServeRequest(prompt, rid="t", params=params)
+        sched.add(target)
+        for i, p in enumerate(_prompts(5, extra)):
+            sched.add(ServeRequest(p, rid=f"o{i}", params=_greedy(8)))
+        _drain(sched)
+        return target.output
+
+    alone = run(0, seed=11)
+    assert run(3, seed=11) == alone
+    assert run(0, seed=12) != alone
+
+
+def test_stop_token_ends_request(model):
+    prompt = _prompts(6, 1)[0]
+    free_run = _offline(model, [prompt], 12)[0]
+    stop_at = next(i for i in range(2, 12) if free_run[i] not in free_run[:i])
+    sched, cache, n_g = _echo_scheduler(model, max_running=1, pool=200)
+    params = SamplingParams(
+        max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[free_run[stop_at]]
+    )
+    req = ServeRequest(prompt, rid="s", params=params)
+    sched.add(req)
+    _drain(sched)
+    assert req.output == free_run[: stop_at + 1]
+    assert req.finish_reason == {"type": "stop", "matched": free_run[stop_at]}
+    _assert_all_free(sched, cache, n_g)
+
+
+def test_impossible_request_is_rejected_not_queued(model):
+    sched, _, _ = _echo_scheduler(model, max_running=1, pool=50)
+    with pytest.raises(RequestRejected, match="max-total-tokens"):
+        sched.add(ServeRequest([5] * 40, rid="x", params=_greedy(20)))
+    with pytest.raises(RequestRejected, match="context length"):
+        sched.add(ServeRequest([5] * 10, rid="y", params=_greedy(200)))
+    assert not sched.has_work()
+
+
+def test_echo_settings_checked_at_startup(small_checkpoint):
+    with pytest.raises(ConfigError, match="NSA_DEV_CACHE_SIZE"):
+        make_serving(
+            small_checkpoint,
+            EchoConfig(offload=True, dev_cache_size=64),
+            max_running_requests=8,  # 8 x top-k 16 = 128 > 64 slots
+            max_total_tokens=500,
+            chunked_prefill_size=32,
+        )
+    # Unset limits are capped to what the device cache holds instead of failing.
+    serving = make_serving(
+        small_checkpoint, EchoConfig(offload=True, dev_cache_size=64), max_total_tokens=500
+    )
+    assert serving.info["max_running_requests"] == 64 // 16
+    assert serving.info["chunked_prefill_size"] == 64
+
+
+def test_sglang_flags(small_checkpoint, capsys):
+    args = parse_server_args(
+        ["--model-path", "m", "--tp", "1", "--disable-radix-cache", "--max-total-tokens", "1_000"]
+    )
+    assert args.max_total_tokens == 1000 and args.disable_radix_cache
+    for bad in (["--tp", "8"], ["--enable-dp-attention"], ["--disaggregation-mode", "decode"]):
+        with pytest.raises(ServerArgError, match="plugin"):
+            parse_server_args(["--model-path", "m", *bad])
+    with pytest.raises(ServerArgError, match="unknown flag"):
+        parse_server_args(["--model-path", "m", "--frobnicate"])
+    assert launch_main(["--model-path", str(small_checkpoint), "--tp-size=8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tp-size 8 is not supported") and "sglang" in err
