@@ -13,7 +13,7 @@ the invariants of the design:
 * after a resolve every selected token is resident and its device row equals its host row
   byte for byte; -1 stays -1; equal ids share a slot;
 * evictions = max(0, misses - free), hits + misses = distinct ids, and the victims are the
-  least recently used unselected slots (then lowest slot), as the manager documents;
+  oldest unselected slots by bucketed age (then lowest slot), as kernels/alloc.py documents;
 * release returns every resident slot of the request;
 * host rows of live requests never change; every resident device row equals its host row.
 
@@ -39,6 +39,7 @@ from hypothesis.stateful import (
 )
 
 from sglang_echo.config import ConfigError, EchoConfig
+from sglang_echo.kernels.alloc import age_bucket
 from sglang_echo.offload.device_cache import ABSENT, FREE
 from sglang_echo.offload.echo_cache import EchoKVCache
 from sglang_echo.runtime.token_table import TokenSlotAllocator
@@ -110,6 +111,7 @@ class EchoModel:
             "h2d": c.host_to_device[layer].tolist(),
             "d2h": c.device_to_host[layer].tolist(),
             "prio": c.priority[layer].tolist(),
+            "clock": int(c.clock[layer]),
             "free": int(c.free_count[layer]),
             "hits": int(c.hits[layer]),
             "misses": int(c.misses[layer]),
@@ -126,8 +128,9 @@ class EchoModel:
     def _check_victims(
         self, before: dict, after: dict, protected: set[int], n_evicted: int, what: str
     ) -> None:
-        """Exactly ``n_evicted`` unprotected resident tokens left, the least recently used
-        ones (ties: lowest slot); every other resident token kept its slot."""
+        """Exactly ``n_evicted`` unprotected resident tokens left, the oldest by bucketed
+        age (kernels/alloc.age_bucket; ties: lowest slot); every other resident token kept
+        its slot."""
         res_before, res_after = self._resident(before), self._resident(after)
         gone = {h for h in res_before if h not in res_after}
         assert not gone & protected, f"{what}: evicted protected ids {sorted(gone & protected)}"
@@ -135,13 +138,14 @@ class EchoModel:
         for h, s in res_before.items():
             if h not in gone:
                 assert res_after[h] == s, f"{what}: id {h} moved from slot {s} to {res_after[h]}"
-        prio = before["prio"]
+        prio, stamp = before["prio"], after["clock"]
+        age = lambda h: int(age_bucket(torch.tensor(stamp - prio[res_before[h]])))  # noqa: E731
         candidates = sorted(
             (h for h in res_before if h not in protected),
-            key=lambda h: (prio[res_before[h]], res_before[h]),
+            key=lambda h: (-age(h), res_before[h]),
         )
         assert gone == set(candidates[:n_evicted]), (
-            f"{what}: evicted {sorted(gone)}, least recently used were {candidates[:n_evicted]}"
+            f"{what}: evicted {sorted(gone)}, oldest were {candidates[:n_evicted]}"
         )
 
     # --------------------------------------------------------------- operations

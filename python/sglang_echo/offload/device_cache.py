@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-ABSENT = torch.iinfo(torch.int32).max  # host_to_device value of a token not on the device
-FREE = -1  # device_to_host / priority value of a free slot
+from sglang_echo.kernels.cache_layout import ABSENT, FREE
+
+__all__ = ["ABSENT", "FREE", "DeviceCache"]
 
 
 class DeviceCache:

@@ -1,0 +1,434 @@
+"""Cache management of one layer in one resolve or append: look up, protect, choose
+victims, allocate, update both maps; Triton kernels, their launcher and the torch reference.
+
+Victim policy: **bucketed LRU.** A slot's age is ``stamp - priority`` (steps since its last
+use); ages below 224 are their own bucket (exact LRU for the last 224 steps) and older ages
+share 32 log2-spaced buckets. Victims come from the oldest buckets first; inside the
+boundary bucket the lowest slots go first; victims are handed to the misses in ascending
+slot order. This needs one 256-bin histogram and two prefix counts over the slots instead
+of a global sort of 260K priorities, and it is the policy the torch reference implements
+too, so both give bit-identical state.
+
+Misses are served in lane order of their first occurrence: the first ``free_count`` from
+the top of the free stack, the rest by the victims. Duplicated ids (a prefill chunk's
+queries overlap) are allocated once: each miss lane writes ``CLAIM + lane`` into
+``host_to_device`` with an atomic min, so after the look-up kernel the entry names the
+lowest lane, deterministically. Every count stays on the device and every launch has a
+grid fixed by shapes, so the whole sequence can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_echo.kernels.cache_layout import ABSENT, FREE
+
+if TYPE_CHECKING:  # the cache lives in offload/, which depends on kernels/, not back
+    from sglang_echo.offload.device_cache import DeviceCache
+
+CLAIM = -(2**31)  # host_to_device value CLAIM + lane: lane is the id's first miss lane
+EXACT_AGES = 224  # ages below this are exact buckets; older ones share log2 buckets
+NUM_BUCKETS = 256
+HIST_BINS = 512  # histogram width; bin 256 collects non-evictable slots
+LANE_BLOCK = 1024
+SLOT_BLOCK = 2048
+
+
+# --------------------------------------------------------------------------- reference
+def age_bucket(age: torch.Tensor) -> torch.Tensor:
+    """Bucket of a slot's age: exact below EXACT_AGES, then floor(log2) buckets up to 255."""
+    over = (age - (EXACT_AGES - 1)).clamp(min=1)
+    log2 = torch.frexp(over.to(torch.float64)).exponent.to(age.dtype) - 1  # exact
+    return torch.where(age < EXACT_AGES, age, EXACT_AGES + log2.clamp(max=31))
+
+
+@dataclass
+class Allocation:
+    """What one resolve/append produced: a slot per lane, and the compacted misses (ids,
+    slots, count on the device) that the recall copies."""
+
+    slots: torch.Tensor  # [lanes] int64, -1 where the lane selected nothing
+    miss_ids: torch.Tensor  # [>= lanes] int64; the first ``miss_count`` are valid
+    miss_slots: torch.Tensor  # same length, int64
+    miss_count: torch.Tensor  # [1] int64
+
+
+def victim_mask(bucket: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+    """Slots to evict for ``need`` misses among the evictable ones (bucket >= 0): oldest
+    buckets first, lowest slots first inside the boundary bucket."""
+    evictable = bucket >= 0
+    counts = torch.zeros(NUM_BUCKETS + 1, dtype=torch.int64, device=bucket.device)
+    counts.scatter_add_(0, bucket + 1, evictable.to(torch.int64))  # bin 0: not evictable
+    suffix = counts[1:].flip(0).cumsum(0).flip(0)  # suffix[b]: evictable with bucket >= b
+    b = torch.arange(NUM_BUCKETS, device=bucket.device)
+    boundary = torch.where(suffix >= need, b, -1).max()
+    older = torch.where(boundary >= 0, suffix[boundary] - counts[boundary + 1], 0)
+    at = evictable & (bucket == boundary)
+    return evictable & (bucket > boundary) | at & (torch.cumsum(at, 0) <= need - older)
+
+
+def allocate_reference(
+    cache: DeviceCache, layer: int, ids: torch.Tensor, append: bool
+) -> Allocation:
+    """Plain-torch semantics of the kernels (fixed shapes, no host synchronisation)."""
+    c = cache
+    h2d, d2h, prio = c.host_to_device[layer], c.device_to_host[layer], c.priority[layer]
+    lanes = ids.shape[0]
+    dev = ids.device
+    stamp = c.clock[layer] + (0 if append else 1)
+    valid = ids >= 0
+    key = torch.where(valid, ids, torch.full_like(ids, c.scratch_host))
+    looked_up = h2d[key].to(torch.int64)
+    hit = valid & (looked_up != ABSENT)
+    miss = valid & ~hit
+    # First occurrence of each id in lane order (a stable sort keeps equal ids in order).
+    sorted_key, order = torch.sort(key, stable=True)
+    starts = sorted_key != torch.nn.functional.pad(sorted_key[:-1], (1, 0), value=-1)
+    first = torch.zeros_like(valid).scatter_(0, order, starts)
+    first_miss = miss & first
+    slot_idx = torch.where(hit, looked_up, torch.full_like(looked_up, c.scratch_slot))
+    hit_slots = torch.zeros(c.num_slots + 2, dtype=torch.bool, device=dev)
+    hit_slots[slot_idx] = True
+    hit_slots[c.scratch_slot] = False
+    prio.copy_(torch.where(hit_slots, stamp, prio))
+
+    n_miss = first_miss.sum()
+    free = c.free_count[layer].to(torch.int64)
+    need = (n_miss - free).clamp(min=0)
+    slot_range = torch.arange(c.num_slots + 2, device=dev)
+    occupied = (d2h >= 1) & (slot_range >= 1) & (slot_range <= c.num_slots)
+    evictable = occupied if append else occupied & (prio < stamp)
+    bucket = torch.where(evictable, age_bucket(stamp - prio), torch.full_like(prio, -1))
+    victim = victim_mask(bucket, need)
+    vpos = torch.where(victim, torch.cumsum(victim, 0) - 1, lanes)
+    victims = torch.full((lanes + 1,), c.scratch_slot, dtype=torch.int64, device=dev)
+    victims.scatter_(0, vpos.clamp(max=lanes), slot_range)
+    n_victims = victim.sum()
+
+    rank = torch.cumsum(first_miss, 0) - 1
+    from_stack = first_miss & (rank < free)
+    by_victim = first_miss & ~from_stack & (rank - free < n_victims)
+    served = from_stack | by_victim
+    stack_pos = (free - 1 - rank).clamp(min=0, max=c.num_slots - 1)
+    victim_pos = (rank - free).clamp(min=0, max=lanes)
+    slot = torch.where(
+        from_stack, c.free_stack[layer][stack_pos].to(torch.int64), victims[victim_pos]
+    )
+    slot = torch.where(served, slot, torch.full_like(slot, c.scratch_slot))
+
+    scratch_host = torch.full_like(ids, c.scratch_host)
+    old_host = d2h[slot].to(torch.int64)
+    h2d.scatter_(0, torch.where(by_victim, old_host, scratch_host), ABSENT)
+    h2d.scatter_(0, torch.where(served, ids, scratch_host), slot.to(torch.int32))
+    d2h.scatter_(0, slot, torch.where(served, ids, FREE).to(torch.int32))
+    prio.scatter_(0, slot, stamp.expand(lanes))
+    h2d[c.scratch_host] = ABSENT
+    d2h[c.scratch_slot] = FREE
+    prio[c.scratch_slot] = FREE
+
+    out = torch.where(valid, h2d[key].to(torch.int64), -1)
+    out = torch.where(out == ABSENT, torch.full_like(out, c.scratch_slot), out)
+    dest = torch.where(first_miss, rank, lanes)
+    miss_ids = torch.zeros(lanes + 1, dtype=torch.int64, device=dev).scatter_(0, dest, ids)
+    miss_slots = torch.zeros_like(miss_ids).scatter_(0, dest, slot)
+    served_count = served.sum()
+    c.free_count[layer] = (free - n_miss).clamp(min=0).to(torch.int32)
+    n_evicted = by_victim.sum()
+    if append:
+        c.append_evictions[layer] += n_evicted
+    else:
+        c.clock[layer] = stamp
+        c.hits[layer] += hit_slots.sum()
+        c.misses[layer] += n_miss
+        c.evictions[layer] += n_evicted
+        c.recalled_rows[layer] += served_count
+    return Allocation(out, miss_ids, miss_slots, served_count.view(1))
+
+
+# ----------------------------------------------------------------------------- kernels
+_ABSENT = tl.constexpr(ABSENT)
+_CLAIM = tl.constexpr(CLAIM)
+_EXACT = tl.constexpr(EXACT_AGES)
+_BUCKETS = tl.constexpr(NUM_BUCKETS)
+
+
+@triton.jit
+def _stamp(clock_ptr, APPEND: tl.constexpr):
+    """The step's logical time: a resolve advances the layer's clock, an append does not."""
+    stamp = tl.load(clock_ptr)
+    if not APPEND:
+        stamp += 1
+    return stamp
+
+
+@triton.jit
+def _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND: tl.constexpr):
+    """Age bucket of each slot, -1 where the slot may not be evicted."""
+    token_slot = (slot >= 1) & (slot <= num_slots)
+    owner = tl.load(d2h_ptr + slot, mask=token_slot, other=-1)
+    prio = tl.load(prio_ptr + slot, mask=token_slot, other=0)
+    if APPEND:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+        evictable = token_slot & (owner >= 1)
+    else:
+        evictable = token_slot & (owner >= 1) & (prio < stamp)
+    age = stamp - prio
+    over = age - (_EXACT - 1)
+    extra = tl.zeros_like(age)
+    for j in tl.static_range(1, _BUCKETS - _EXACT):
+        extra += (over >= (1 << j)).to(tl.int64)
+    bucket = tl.where(age < _EXACT, age, extra + _EXACT)
+    return tl.where(evictable, bucket, -1)
+
+
+@triton.jit
+def _boundary(hist_ptr, need):
+    """Boundary bucket (oldest-first suffix count reaches ``need``), the number of
+    evictable slots strictly older than it, and the number of evictable slots."""
+    bins = tl.arange(0, _BUCKETS)
+    h = tl.load(hist_ptr + bins).to(tl.int64)
+    total = tl.sum(h, 0)
+    suffix = total - tl.cumsum(h, 0) + h
+    boundary = tl.max(tl.where(suffix >= need, bins, -1), 0)
+    older = tl.sum(tl.where(bins > boundary, h, 0), 0)
+    return boundary, older, total
+
+
+@triton.jit
+def _lookup_kernel(
+    ids_ptr, lanes, h2d_ptr, prio_ptr, clock_ptr, hist_ptr, hits_ptr,
+    APPEND: tl.constexpr, LANES: tl.constexpr, HIST: tl.constexpr,
+):  # fmt: skip
+    """Hits stamp their slot (first stamper counts the hit); misses claim their id."""
+    pid = tl.program_id(0)
+    lane = pid * LANES + tl.arange(0, LANES)
+    ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
+    valid = ids >= 0
+    stamp = _stamp(clock_ptr, APPEND)
+    looked_up = tl.load(h2d_ptr + ids, mask=valid, other=_ABSENT)
+    hit = valid & (looked_up >= 0) & (looked_up != _ABSENT)
+    stamps = tl.zeros([LANES], dtype=tl.int64) + stamp
+    old = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit)
+    if not APPEND:
+        tl.atomic_add(hits_ptr, tl.sum((hit & (old != stamp)).to(tl.int64), 0))
+    claim = (lane + _CLAIM).to(tl.int32)
+    tl.atomic_min(h2d_ptr + ids, claim, mask=valid & ~hit)
+    if pid == 0:
+        tl.store(hist_ptr + tl.arange(0, HIST), tl.zeros([HIST], dtype=tl.int32))
+
+
+@triton.jit
+def _first_miss(ids_ptr, lanes, h2d_ptr, lane):
+    ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
+    valid = ids >= 0
+    entry = tl.load(h2d_ptr + ids, mask=valid, other=0)
+    return ids, valid & (entry == (lane + _CLAIM).to(tl.int32))
+
+
+@triton.jit
+def _count_kernel(
+    ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr,
+    num_slots, slot_programs,
+    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, HIST: tl.constexpr,
+):  # fmt: skip
+    """Slot programs: histogram of evictable ages. Lane programs: first misses per block."""
+    pid = tl.program_id(0)
+    stamp = _stamp(clock_ptr, APPEND)
+    if pid < slot_programs:
+        slot = pid * SLOTS + tl.arange(0, SLOTS)
+        bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
+        counts = tl.histogram(tl.where(bucket >= 0, bucket, _BUCKETS).to(tl.int32), HIST)
+        bins = tl.arange(0, HIST)
+        tl.atomic_add(hist_ptr + bins, counts, mask=bins < _BUCKETS)
+    else:
+        block = pid - slot_programs
+        lane = block * LANES + tl.arange(0, LANES)
+        _, first = _first_miss(ids_ptr, lanes, h2d_ptr, lane)
+        tl.store(lane_counts_ptr + block, tl.sum(first.to(tl.int32), 0))
+
+
+@triton.jit
+def _rank_kernel(
+    ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr,
+    slot_counts_ptr, free_count_ptr, miss_ids_ptr, miss_count_ptr,
+    num_slots, slot_programs, lane_programs,
+    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, MAXP: tl.constexpr,
+):  # fmt: skip
+    """Lane programs: compact first misses in lane order. Slot programs: count the slots
+    older than the boundary bucket and in it, per block."""
+    pid = tl.program_id(0)
+    stamp = _stamp(clock_ptr, APPEND)
+    p = tl.arange(0, MAXP)
+    per_block = tl.load(lane_counts_ptr + p, mask=p < lane_programs, other=0).to(tl.int64)
+    misses = tl.sum(per_block, 0)
+    if pid < slot_programs:
+        free = tl.load(free_count_ptr).to(tl.int64)
+        need = tl.maximum(misses - free, 0)
+        boundary, _older, evictable = _boundary(hist_ptr, need)
+        slot = pid * SLOTS + tl.arange(0, SLOTS)
+        bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
+        older_here = (bucket >= 0) & (bucket > boundary)
+        at_here = (bucket >= 0) & (bucket == boundary)
+        tl.store(slot_counts_ptr + 2 * pid, tl.sum(older_here.to(tl.int32), 0))
+        tl.store(slot_counts_ptr + 2 * pid + 1, tl.sum(at_here.to(tl.int32), 0))
+        if pid == 0:
+            served = tl.minimum(misses, free) + tl.minimum(need, evictable)
+            tl.store(miss_count_ptr, served)
+    else:
+        block = pid - slot_programs
+        before = tl.sum(tl.where(p < block, per_block, 0), 0)
+        lane = block * LANES + tl.arange(0, LANES)
+        ids, first = _first_miss(ids_ptr, lanes, h2d_ptr, lane)
+        pos = before + tl.cumsum(first.to(tl.int64), 0) - 1
+        tl.store(miss_ids_ptr + pos, ids, mask=first)
+
+
+@triton.jit
+def _assign_kernel(
+    h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr, slot_counts_ptr,
+    free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, evictions_ptr,
+    num_slots, slot_programs, lane_programs, scratch_slot,
+    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, MAXP: tl.constexpr,
+    MAXS: tl.constexpr,
+):  # fmt: skip
+    """Slot programs evict their victims into the misses they serve (miss rank = free +
+    victim position in slot order); lane programs serve the misses from the free stack
+    and give unserved ones back (only reachable if the cache is too small)."""
+    pid = tl.program_id(0)
+    stamp = _stamp(clock_ptr, APPEND)
+    p = tl.arange(0, MAXP)
+    misses = tl.sum(tl.load(lane_counts_ptr + p, mask=p < lane_programs, other=0).to(tl.int64), 0)
+    free = tl.load(free_count_ptr).to(tl.int64)
+    need = tl.maximum(misses - free, 0)
+    boundary, older, evictable = _boundary(hist_ptr, need)
+    if pid < slot_programs:
+        q = tl.arange(0, MAXS)
+        earlier = q < pid
+        older_before = tl.sum(tl.load(slot_counts_ptr + 2 * q, mask=earlier, other=0), 0)
+        at_before = tl.sum(tl.load(slot_counts_ptr + 2 * q + 1, mask=earlier, other=0), 0)
+        slot = pid * SLOTS + tl.arange(0, SLOTS)
+        bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
+        is_older = ((bucket >= 0) & (bucket > boundary)).to(tl.int64)
+        is_at = ((bucket >= 0) & (bucket == boundary)).to(tl.int64)
+        quota = need - older
+        at_rank = at_before + tl.cumsum(is_at, 0) - is_at
+        victim = (is_older > 0) | ((is_at > 0) & (at_rank < quota))
+        pos = older_before + tl.cumsum(is_older, 0) - is_older + tl.minimum(at_rank, quota)
+        rank = free + pos
+        ids = tl.load(miss_ids_ptr + rank, mask=victim, other=0)
+        old_host = tl.load(d2h_ptr + slot, mask=victim, other=0)
+        tl.store(h2d_ptr + old_host, _ABSENT, mask=victim)
+        tl.store(h2d_ptr + ids, slot.to(tl.int32), mask=victim)
+        tl.store(d2h_ptr + slot, ids.to(tl.int32), mask=victim)
+        tl.store(prio_ptr + slot, tl.zeros([SLOTS], dtype=tl.int64) + stamp, mask=victim)
+        tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=victim)
+        tl.atomic_add(evictions_ptr, tl.sum(victim.to(tl.int64), 0))
+    else:
+        rank = (pid - slot_programs) * LANES + tl.arange(0, LANES)
+        live = rank < misses
+        from_stack = live & (rank < free)
+        unserved = live & (rank >= free + tl.minimum(need, evictable))
+        ids = tl.load(miss_ids_ptr + rank, mask=live, other=0)
+        slot = tl.load(free_stack_ptr + (free - 1 - rank), mask=from_stack, other=0)
+        tl.store(h2d_ptr + ids, slot, mask=from_stack)
+        tl.store(d2h_ptr + slot, ids.to(tl.int32), mask=from_stack)
+        tl.store(prio_ptr + slot, tl.zeros([LANES], dtype=tl.int64) + stamp, mask=from_stack)
+        tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=from_stack)
+        tl.store(h2d_ptr + ids, _ABSENT, mask=unserved)
+        tl.store(miss_slots_ptr + rank, tl.zeros([LANES], tl.int64) + scratch_slot, mask=unserved)
+
+
+@triton.jit
+def _finish_kernel(
+    ids_ptr, lanes, out_ptr, h2d_ptr, clock_ptr, lane_counts_ptr, free_count_ptr,
+    misses_ptr, recalled_ptr, miss_count_ptr, lane_programs, scratch_slot,
+    APPEND: tl.constexpr, LANES: tl.constexpr, MAXP: tl.constexpr,
+):  # fmt: skip
+    """Every lane reads its slot; program 0 updates the layer's scalars."""
+    pid = tl.program_id(0)
+    lane = pid * LANES + tl.arange(0, LANES)
+    ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
+    valid = ids >= 0
+    slot = tl.load(h2d_ptr + ids, mask=valid, other=-1).to(tl.int64)
+    slot = tl.where(slot == _ABSENT, scratch_slot, slot)
+    tl.store(out_ptr + lane, tl.where(valid, slot, -1), mask=lane < lanes)
+    if pid == 0:
+        p = tl.arange(0, MAXP)
+        per_block = tl.load(lane_counts_ptr + p, mask=p < lane_programs, other=0)
+        misses = tl.sum(per_block.to(tl.int64), 0)
+        free = tl.load(free_count_ptr).to(tl.int64)
+        tl.store(free_count_ptr, tl.maximum(free - misses, 0).to(tl.int32))
+        if not APPEND:
+            tl.store(clock_ptr, tl.load(clock_ptr) + 1)
+            tl.atomic_add(misses_ptr, misses)
+            tl.atomic_add(recalled_ptr, tl.load(miss_count_ptr))
+
+
+# ---------------------------------------------------------------------------- launcher
+class AllocWorkspace:
+    """Scratch buffers of the kernels, allocated once per cache (fixed addresses, so a
+    captured graph replays against the same memory)."""
+
+    def __init__(self, cache: DeviceCache, max_lanes: int) -> None:
+        dev = cache.device
+        self.max_lanes = max_lanes
+        self.slot_programs = triton.cdiv(cache.num_slots + 2, SLOT_BLOCK)
+        lane_programs = max(1, triton.cdiv(max_lanes, LANE_BLOCK))
+        self.hist = torch.zeros(HIST_BINS, dtype=torch.int32, device=dev)
+        self.lane_counts = torch.zeros(lane_programs, dtype=torch.int32, device=dev)
+        self.slot_counts = torch.zeros(2 * self.slot_programs, dtype=torch.int32, device=dev)
+        self.miss_ids = torch.zeros(max_lanes + 1, dtype=torch.int64, device=dev)
+        self.miss_slots = torch.zeros(max_lanes + 1, dtype=torch.int64, device=dev)
+        self.miss_count = torch.zeros(1, dtype=torch.int64, device=dev)
+
+
+def allocate_kernel(
+    cache: DeviceCache, layer: int, ids: torch.Tensor, append: bool, ws: AllocWorkspace
+) -> Allocation:
+    """The kernels' version of :func:`allocate_reference`: five launches, no host sync."""
+    c = cache
+    lanes = ids.shape[0]
+    if lanes > ws.max_lanes:
+        raise ValueError(f"{lanes} lanes exceed the allocation workspace ({ws.max_lanes})")
+    ids = ids.contiguous()
+    out = torch.empty(lanes, dtype=torch.int64, device=ids.device)
+    if lanes == 0:
+        ws.miss_count.zero_()
+        return Allocation(out, ws.miss_ids, ws.miss_slots, ws.miss_count)
+    h2d, d2h = c.host_to_device[layer], c.device_to_host[layer]
+    prio, clock = c.priority[layer], c.clock[layer : layer + 1]
+    free_count = c.free_count[layer : layer + 1]
+    lane_programs = triton.cdiv(lanes, LANE_BLOCK)
+    sp = ws.slot_programs
+    maxp = triton.next_power_of_2(lane_programs)
+    maxs = triton.next_power_of_2(sp)
+    flags = dict(APPEND=append, LANES=LANE_BLOCK)
+    evictions = (c.append_evictions if append else c.evictions)[layer : layer + 1]
+    _lookup_kernel[(lane_programs,)](
+        ids, lanes, h2d, prio, clock, ws.hist, c.hits[layer : layer + 1], HIST=HIST_BINS, **flags
+    )
+    both = (sp + lane_programs,)
+    _count_kernel[both](
+        ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, c.num_slots, sp,
+        SLOTS=SLOT_BLOCK, HIST=HIST_BINS, **flags,
+    )  # fmt: skip
+    _rank_kernel[both](
+        ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, ws.slot_counts,
+        free_count, ws.miss_ids, ws.miss_count, c.num_slots, sp, lane_programs,
+        SLOTS=SLOT_BLOCK, MAXP=maxp, **flags,
+    )  # fmt: skip
+    _assign_kernel[both](
+        h2d, d2h, prio, clock, ws.hist, ws.lane_counts, ws.slot_counts, free_count,
+        c.free_stack[layer], ws.miss_ids, ws.miss_slots, evictions, c.num_slots, sp,
+        lane_programs, c.scratch_slot, SLOTS=SLOT_BLOCK, MAXP=maxp, MAXS=maxs, **flags,
+    )  # fmt: skip
+    _finish_kernel[(lane_programs,)](
+        ids, lanes, out, h2d, clock, ws.lane_counts, free_count, c.misses[layer : layer + 1],
+        c.recalled_rows[layer : layer + 1], ws.miss_count, lane_programs, c.scratch_slot,
+        MAXP=maxp, **flags,
+    )  # fmt: skip
+    return Allocation(out, ws.miss_ids, ws.miss_slots, ws.miss_count)

@@ -1,0 +1,127 @@
+"""Cache-management kernels against their torch reference (kernels/alloc.py): the whole
+layer state must be bit-identical after every append and resolve, including duplicated
+ids, padding lanes, evictions from old log2 buckets and the sink. Runs under
+TRITON_INTERPRET=1 on CPU (tests/conftest.py), natively on CUDA."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sglang_echo.kernels.alloc import (
+    EXACT_AGES,
+    AllocWorkspace,
+    age_bucket,
+    allocate_kernel,
+    allocate_reference,
+    victim_mask,
+)
+from sglang_echo.offload.device_cache import ABSENT, DeviceCache
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+STATE = (
+    "host_to_device",
+    "device_to_host",
+    "priority",
+    "free_stack",
+    "free_count",
+    "clock",
+    "hits",
+    "misses",
+    "evictions",
+    "append_evictions",
+    "recalled_rows",
+)
+
+
+def _pair(num_slots: int, host_tokens: int) -> tuple[DeviceCache, DeviceCache]:
+    make = lambda: DeviceCache(2, num_slots, host_tokens, 4, torch.float32, DEV)  # noqa: E731
+    return make(), make()
+
+
+def _assert_same(ref: DeviceCache, ker: DeviceCache, what: str) -> None:
+    for name in STATE:
+        a, b = getattr(ref, name), getattr(ker, name)
+        assert torch.equal(a, b), f"{what}: {name} differs\nref {a}\nker {b}"
+
+
+def _served(alloc, count_only: bool = False):
+    n = int(alloc.miss_count.item())
+    return alloc.miss_ids[:n].tolist(), alloc.miss_slots[:n].tolist()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kernels_match_reference_over_a_random_life(seed: int) -> None:
+    rng = random.Random(seed)
+    num_slots, host_tokens = 40, 200
+    ref, ker = _pair(num_slots, host_tokens)
+    ws = AllocWorkspace(ker, max_lanes=num_slots)
+    live: list[int] = []
+    next_id = 1
+    for step in range(60):
+        layer = rng.randrange(2)
+        if rng.random() < 0.4 or len(live) < 8:
+            # Append new tokens (host ids never seen resident).
+            n = rng.randint(1, 6)
+            ids = list(range(next_id, next_id + n))
+            next_id = next_id + n if next_id + n < host_tokens - 8 else 1
+            if any(i in live for i in ids):
+                continue
+            live += ids
+            append = True
+        else:
+            n = rng.randint(1, num_slots)
+            ids = [rng.choice(live) for _ in range(n)]  # duplicates on purpose
+            ids = [i if rng.random() > 0.15 else -1 for i in ids]  # padding lanes
+            if rng.random() < 0.1:
+                ids[0] = 0  # the sink
+            append = False
+        t = torch.tensor(ids, dtype=torch.int64, device=DEV)
+        a = allocate_reference(ref, layer, t, append)
+        b = allocate_kernel(ker, layer, t, append, ws)
+        what = f"seed {seed} step {step} {'append' if append else 'resolve'} {ids}"
+        assert torch.equal(a.slots, b.slots), what
+        assert _served(a) == _served(b), what
+        _assert_same(ref, ker, what)
+        # Every selected token is resident at the slot returned.
+        h2d = ker.host_to_device[layer]
+        for i, s in zip(ids, b.slots.tolist(), strict=True):
+            assert (s == -1) if i < 0 else int(h2d[i]) == s != ABSENT
+    assert int(ker.evictions.sum()) > 0, "no resolve evicted: the test lost its pressure"
+
+
+def test_old_slots_share_log2_buckets_and_lowest_slot_goes_first() -> None:
+    ages = torch.tensor([0, 1, EXACT_AGES - 1, EXACT_AGES, EXACT_AGES + 1, EXACT_AGES + 2, 10**9])
+    buckets = age_bucket(ages).tolist()
+    assert buckets[:4] == [0, 1, EXACT_AGES - 1, EXACT_AGES]
+    assert buckets[4] == buckets[5] == EXACT_AGES + 1  # log2 buckets from here on
+    assert EXACT_AGES + 1 < buckets[6] <= 255
+    # Two victims needed: the oldest bucket (3) has one slot, the next (2) gives its lowest.
+    bucket = torch.tensor([-1, 2, 3, 2, -1, 1])
+    assert victim_mask(bucket, torch.tensor(2)).tolist() == [0, 1, 1, 0, 0, 0]
+    assert victim_mask(bucket, torch.tensor(0)).tolist() == [0] * 6
+
+
+def test_resolve_after_long_idle_uses_the_log_buckets() -> None:
+    """Ages beyond the exact range: state still bit-identical (clock jumps are legal)."""
+    ref, ker = _pair(8, 40)
+    ws = AllocWorkspace(ker, max_lanes=8)
+    for cache in (ref, ker):
+        cache.clock[:] = 5000
+    ids = torch.arange(1, 9, device=DEV)
+    for cache, fn in ((ref, allocate_reference), (ker, None)):
+        if fn:
+            fn(cache, 0, ids, True)
+        else:
+            allocate_kernel(cache, 0, ids, True, ws)
+    for cache in (ref, ker):
+        # Spread the last-use stamps far apart, then ask for new tokens.
+        cache.priority[0, 1:9] = torch.tensor([10, 4000, 4990, 300, 4999, 1, 2000, 4500])
+    t = torch.tensor([20, 21, 22, 3], device=DEV)
+    a = allocate_reference(ref, 0, t, False)
+    b = allocate_kernel(ker, 0, t, False, ws)
+    assert torch.equal(a.slots, b.slots)
+    _assert_same(ref, ker, "log buckets")
+    assert int(ker.evictions[0]) == 3
