@@ -1,0 +1,10 @@
+"""Train the small DeepSeek-V3.2 (DSA) model used by the top-k studies; see ``--help``.
+
+On the H200, from the repository root (about 6.5 minutes):
+    PYTHONPATH=python python scripts/train_tiny_dsa.py --time-budget-s 390
+"""
+
+from sglang_echo.train.cli import main
+
+if __name__ == "__main__":
+    main()
