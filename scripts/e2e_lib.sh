@@ -98,13 +98,18 @@ start_bg() {
   echo $! > "$E2E_PID_DIR/$name.pid"
 }
 
+# http_ok URL: a 2xx answer (python's urllib, so no curl is needed on the machine).
+http_ok() {
+  "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$1" 2> /dev/null
+}
+
 # wait_ready NAME LOG TEXT [URL]: until TEXT is in LOG (and URL answers), bounded in time;
 # fail at once if the process died.
 wait_ready() {
   local name="$1" log="$2" text="$3" url="${4:-}"
   local pid; pid="$(cat "$E2E_PID_DIR/$name.pid")"
   local deadline=$((SECONDS + SERVER_START_TIMEOUT))
-  until [[ -f "$log" ]] && grep -Fq "$text" "$log" && { [[ -z "$url" ]] || curl -fs -o /dev/null "$url"; }; do
+  until [[ -f "$log" ]] && grep -Fq "$text" "$log" && { [[ -z "$url" ]] || http_ok "$url"; }; do
     if ! kill -0 "$pid" 2> /dev/null; then
       echo "$name exited before it was ready; last lines of $log:" >&2
       tail -n 20 "$log" >&2
