@@ -81,3 +81,80 @@ def checkpoints(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def small_checkpoint(checkpoints):
     return checkpoints["default-rope"]
+
+
+# ------------------------------------------------------------- sm_90 compile recording
+# Every kernel launch under the interpreter is recorded (argument types and constexpr
+# values) so that tests/test_zz_compile_sm90.py can compile the same launches for the
+# GPU; see tests/sm90_compile.py for why.
+RECORDED_LAUNCHES: dict[str, dict] = {}
+
+
+def _triton_type(value: object) -> str:
+    names = {
+        torch.int64: "*i64",
+        torch.int32: "*i32",
+        torch.int16: "*i16",
+        torch.int8: "*i8",
+        torch.uint8: "*u8",
+        torch.bool: "*i1",
+        torch.float32: "*fp32",
+        torch.float16: "*fp16",
+        torch.bfloat16: "*bf16",
+        torch.float64: "*fp64",
+        torch.float8_e4m3fn: "*fp8e4nv",
+    }
+    if isinstance(value, torch.Tensor):
+        return names[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def _record_launches() -> None:
+    import inspect
+
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return
+    original = InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        fn = self.fn
+        params = inspect.signature(fn).parameters
+        own = {k: v for k, v in kwargs.items() if k in params}  # not grid=, warmup=
+        bound = inspect.signature(fn).bind_partial(*args, **own).arguments
+        signature, constexprs = {}, {}
+        for name, param in params.items():
+            if name not in bound:
+                continue
+            value = bound[name]
+            if param.annotation in ("tl.constexpr", "constexpr") or "constexpr" in str(
+                param.annotation
+            ):
+                signature[name] = "constexpr"
+                constexprs[name] = value
+            else:
+                signature[name] = _triton_type(value)
+        key = json.dumps([fn.__module__, fn.__name__, signature, constexprs], default=str)
+        RECORDED_LAUNCHES.setdefault(
+            key,
+            {
+                "module": fn.__module__,
+                "kernel": fn.__name__,
+                "signature": signature,
+                "constexprs": constexprs,
+            },
+        )
+        return original(self, *args, **kwargs)
+
+    InterpretedFunction.run = run
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _record_launches()

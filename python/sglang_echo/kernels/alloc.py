@@ -245,10 +245,10 @@ def _count_kernel(
         bins = tl.arange(0, HIST)
         tl.atomic_add(hist_ptr + bins, counts, mask=bins < _BUCKETS)
     else:
-        block = pid - slot_programs
-        lane = block * LANES + tl.arange(0, LANES)
-        _, first = _first_miss(ids_ptr, lanes, h2d_ptr, lane)
-        tl.store(lane_counts_ptr + block, tl.sum(first.to(tl.int32), 0))
+        l_block = pid - slot_programs
+        l_lane = l_block * LANES + tl.arange(0, LANES)
+        _, l_first = _first_miss(ids_ptr, lanes, h2d_ptr, l_lane)
+        tl.store(lane_counts_ptr + l_block, tl.sum(l_first.to(tl.int32), 0))
 
 
 @triton.jit
@@ -279,12 +279,12 @@ def _rank_kernel(
             served = tl.minimum(misses, free) + tl.minimum(need, evictable)
             tl.store(miss_count_ptr, served)
     else:
-        block = pid - slot_programs
-        before = tl.sum(tl.where(p < block, per_block, 0), 0)
-        lane = block * LANES + tl.arange(0, LANES)
-        ids, first = _first_miss(ids_ptr, lanes, h2d_ptr, lane)
-        pos = before + tl.cumsum(first.to(tl.int64), 0) - 1
-        tl.store(miss_ids_ptr + pos, ids, mask=first)
+        l_block = pid - slot_programs
+        l_before = tl.sum(tl.where(p < l_block, per_block, 0), 0)
+        l_lane = l_block * LANES + tl.arange(0, LANES)
+        l_ids, l_first = _first_miss(ids_ptr, lanes, h2d_ptr, l_lane)
+        l_pos = l_before + tl.cumsum(l_first.to(tl.int64), 0) - 1
+        tl.store(miss_ids_ptr + l_pos, l_ids, mask=l_first)
 
 
 @triton.jit
@@ -328,18 +328,20 @@ def _assign_kernel(
         tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=victim)
         tl.atomic_add(evictions_ptr, tl.sum(victim.to(tl.int64), 0))
     else:
-        rank = (pid - slot_programs) * LANES + tl.arange(0, LANES)
-        live = rank < misses
-        from_stack = live & (rank < free)
-        unserved = live & (rank >= free + tl.minimum(need, evictable))
-        ids = tl.load(miss_ids_ptr + rank, mask=live, other=0)
-        slot = tl.load(free_stack_ptr + (free - 1 - rank), mask=from_stack, other=0)
-        tl.store(h2d_ptr + ids, slot, mask=from_stack)
-        tl.store(d2h_ptr + slot, ids.to(tl.int32), mask=from_stack)
-        tl.store(prio_ptr + slot, tl.zeros([LANES], dtype=tl.int64) + stamp, mask=from_stack)
-        tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=from_stack)
-        tl.store(h2d_ptr + ids, _ABSENT, mask=unserved)
-        tl.store(miss_slots_ptr + rank, tl.zeros([LANES], tl.int64) + scratch_slot, mask=unserved)
+        l_rank = (pid - slot_programs) * LANES + tl.arange(0, LANES)
+        l_live = l_rank < misses
+        l_from_stack = l_live & (l_rank < free)
+        l_unserved = l_live & (l_rank >= free + tl.minimum(need, evictable))
+        l_ids = tl.load(miss_ids_ptr + l_rank, mask=l_live, other=0)
+        l_slot = tl.load(free_stack_ptr + (free - 1 - l_rank), mask=l_from_stack, other=0)
+        tl.store(h2d_ptr + l_ids, l_slot, mask=l_from_stack)
+        tl.store(d2h_ptr + l_slot, l_ids.to(tl.int32), mask=l_from_stack)
+        tl.store(prio_ptr + l_slot, tl.zeros([LANES], dtype=tl.int64) + stamp, mask=l_from_stack)
+        tl.store(miss_slots_ptr + l_rank, l_slot.to(tl.int64), mask=l_from_stack)
+        tl.store(h2d_ptr + l_ids, _ABSENT, mask=l_unserved)
+        tl.store(
+            miss_slots_ptr + l_rank, tl.zeros([LANES], tl.int64) + scratch_slot, mask=l_unserved
+        )
 
 
 @triton.jit
