@@ -10,9 +10,10 @@
 # Knobs (environment): LAYERS=4 CONTEXT=16384 NUM_PROMPTS=32 RATES=0.25,1,inf
 #   NO_OFFLOAD_TOKENS=131072 DEV_CACHE=65536 OFFLOAD_TOKENS=(equal-HBM default)
 #   INDEXER_MODE=fp8_hadamard MAX_OUTPUT_LEN=256 SHAREGPT=0 (1: also the ShareGPT sweep)
+#   WARMUP_REQUESTS=8 (sent at once before each rate: Triton kernels compile per shape)
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,13p' "$0"
+  sed -n '2,14p' "$0"
   exit 0
 fi
 cd "$(dirname "$0")/.."
@@ -77,6 +78,7 @@ echo "model $MODEL: no-offload pool $NO_OFFLOAD_TOKENS tokens; offload host pool
 common=(--request-rates "$RATES" --num-prompts "$NUM_PROMPTS" --context-length "$CONTEXT"
   --max-output-len "$MAX_OUTPUT_LEN" --no-offload-max-total-tokens "$NO_OFFLOAD_TOKENS"
   --offload-max-total-tokens "$OFFLOAD_TOKENS" --offload-nsa-dev-cache-size "$DEV_CACHE"
+  --warmup-requests "${WARMUP_REQUESTS:-8}"
   --chunked-prefill-size "${CHUNKED_PREFILL_SIZE:-$((DEV_CACHE < 8192 ? DEV_CACHE : 8192))}")
 start=$SECONDS
 ENGINE=echo DSV32W4="$MODEL" INFINI_DATASET="${INFINI_DATASET:-}" bash e2e_test_pd_infini.sh \

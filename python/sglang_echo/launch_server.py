@@ -31,6 +31,28 @@ def _import_web():
     return uvicorn
 
 
+def _warmup(host: str, port: int) -> None:
+    """One short request through the whole stack before announcing readiness (as SGLang
+    does), so first-use costs such as kernel compilation do not land on the first client."""
+    import json
+    import urllib.request
+
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    body = {"input_ids": [3, 4, 5, 6, 7, 8, 9, 10], "sampling_params": {"max_new_tokens": 4}}
+    req = urllib.request.Request(
+        f"http://{host}:{port}/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        urllib.request.urlopen(req, timeout=600).read()
+    except OSError as exc:
+        print(f"warning: warmup request failed: {exc}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     from sglang_echo.config import ConfigError
     from sglang_echo.model.config import ModelConfigError
@@ -71,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     def announce() -> None:
         while not server.started and not server.should_exit:
             time.sleep(0.05)
-        if server.started:
-            print(READY_LINE, file=sys.stderr, flush=True)
+        if not server.started:
+            return
+        if not args.skip_server_warmup:
+            _warmup(args.host, args.port)
+        print(READY_LINE, file=sys.stderr, flush=True)
 
     threading.Thread(target=announce, daemon=True).start()
     server.run()

@@ -44,7 +44,7 @@ _UNSUPPORTED_SWITCHES = {
     "--prefill-round-robin-balance",
 }
 # SGLang switches that describe what this runtime already does (or does not do): accepted.
-_HARMLESS_SWITCHES = {"--disable-overlap-schedule", "--trust-remote-code", "--skip-server-warmup"}
+_HARMLESS_SWITCHES = {"--disable-overlap-schedule", "--trust-remote-code"}
 
 
 class ServerArgError(ValueError):
@@ -68,6 +68,7 @@ class ServerArgs:
     disable_radix_cache: bool = False  # accepted: there is no prefix cache to disable
     served_model_name: str | None = None
     log_level: str = "info"
+    skip_server_warmup: bool = False
 
 
 def _size(text: str) -> int:
@@ -135,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-radix-cache", action="store_true", help="accepted (no prefix cache here)"
     )
     p.add_argument("--served-model-name", default=None, help="default: the model path")
+    p.add_argument(
+        "--skip-server-warmup",
+        action="store_true",
+        help="announce readiness without first serving one short warmup request",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
