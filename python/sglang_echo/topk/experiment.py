@@ -221,10 +221,13 @@ def run_experiment(
             del model
     oracle = None
     if oracle_prompts > 0 and oracle_tokens > 0:
+        # Held-out files long enough for the longest prompt first; lengths alternate
+        # L, L/2 (mixed lengths in one decode batch, both above k for the defaults).
+        ordered = sorted(range(len(docs)), key=lambda i: docs[i].size < oracle_prompt_len)
         prompts = []
-        for i, doc in enumerate(docs[:oracle_prompts]):
-            n = max(2, min(doc.size, oracle_prompt_len >> (i % 3)))
-            prompts.append(doc[:n].astype(np.int64).tolist())
+        for j, i in enumerate(ordered[:oracle_prompts]):
+            n = max(2, min(docs[i].size, oracle_prompt_len >> (j % 2)))
+            prompts.append(docs[i][:n].astype(np.int64).tolist())
         t = time.time()
         oracle = oracle_check(trained, model_dir, prompts, oracle_tokens, tie_break)
         timings["oracle"] = time.time() - t

@@ -8,6 +8,7 @@ our loader reads it by tensor name like any other checkpoint.
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
@@ -76,6 +77,10 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
+def _para(text: str) -> str:
+    return textwrap.fill(" ".join(text.split()), width=92)
+
+
 def model_card(info: dict) -> str:
     """README.md for the checkpoint folder, from the run's summary ``info``."""
     spec, train, data, res = info["model_spec"], info["train"], info["data"], info["results"]
@@ -89,32 +94,71 @@ def model_card(info: dict) -> str:
         e = res.get(f"heldout_{mode}")
         return "n/a" if e is None else f"{e[key]:.4f}"
 
+    if train["long_every"]:
+        long_note = (
+            f"one phase-1 batch in {train['long_every']} is {train['long_batch_size']} x "
+            f"{train['long_seq_len']} tokens instead of {train['batch_size']} x "
+            f"{train['seq_len']} (so positions up to {train['long_seq_len']} are trained)."
+        )
+    else:
+        long_note = f"batches of {train['batch_size']} x {train['seq_len']} tokens."
+    stopped = " Stopped early by the time budget." if res["stopped_by_time"] else ""
+    sparse_steps = res["steps_done"] - res["dense_steps"]
+    amp = "bf16 autocast" if train["amp"] == "bf16" else "float32"
+    intro = _para(
+        "A small DeepSeek-V3.2-architecture model (MLA + the lightning indexer of DeepSeek "
+        "Sparse Attention), trained so that this project's top-k, cache hit-rate and prefetch "
+        "studies see realistic indexer behaviour. Byte-level; not a useful language model."
+    )
+    architecture = _para(
+        f"`DeepseekV32ForCausalLM` (loads in transformers and in `sglang_echo.model`): "
+        f"{spec['layers']} layers, hidden {spec['hidden']}, {spec['heads']} heads; MLA with "
+        f"q_lora_rank {spec['q_lora_rank']}, kv_lora_rank {spec['kv_lora_rank']}, qk_nope "
+        f"{spec['qk_nope_head_dim']}, qk_rope {spec['qk_rope_head_dim']}, v_head "
+        f"{spec['v_head_dim']}; indexer {spec['index_heads']} heads x {spec['index_dim']} dims, "
+        f"**index_topk {spec['index_topk']}**; a dense gated FFN (intermediate "
+        f"{spec['intermediate']}) in every layer, no MoE; rope `{spec['rope']}` (theta 10000), "
+        f"max_position_embeddings {spec['max_position']}; vocabulary {spec['vocab_size']} "
+        f"(3 special tokens + 256 bytes). {params['total']:,} parameters "
+        f"({params['non_embedding']:,} non-embedding, {params['indexer']:,} in the indexers), "
+        f"stored in {info['save_dtype']} (indexer `weights_proj` in float32): "
+        f"{_mb(info['checkpoint_bytes'])} of safetensors."
+    )
+    data_text = _para(
+        f"Python sources installed on the training machine (`*.py`, files <= 1 MiB), "
+        f"deduplicated by content; a file is held out when the first 32 bits of its SHA-1 "
+        f"fall below {train_eval_fraction(info):.3f} of the range (a machine-independent "
+        f"split). Train: {data['train_files']} files, {_mb(data['train_bytes'])} (cap "
+        f"{info.get('max_train_mb', 160):g} MiB, files taken in content-hash order); held "
+        f"out: {data['eval_files']} files, {_mb(data['eval_bytes'])}. Corpus fingerprint "
+        f"`{data['fingerprint']}` (equal fingerprints, equal data)."
+    )
+    training = _para(
+        f"{res['device']}, {res['train_seconds']:.0f} s of training "
+        f"({res['total_seconds']:.0f} s with data loading and export), seed {train['seed']}, "
+        f"{res['tokens_seen']:,} tokens. Phase 1, dense warm-up ({res['dense_steps']} steps): "
+        f"dense causal attention and the LM loss; each layer's indexer learns, from detached "
+        f"inputs, the KL divergence to that layer's head-averaged attention distribution on "
+        f"{train['kl_rows']} query rows per sequence; {long_note} Phase 2, sparse "
+        f"({sparse_steps} steps): each query attends only to its indexer "
+        f"top-{spec['index_topk']}; LM loss for the model, KL over the selected keys for the "
+        f"indexers. AdamW (0.9, 0.95), lr {train['lr']} with {train['warmup_steps']} warm-up "
+        f"steps and cosine decay to {train['min_lr_frac']}x, weight decay "
+        f"{train['weight_decay']}; model and indexer gradients clipped apart at "
+        f"{train['grad_clip']}; {amp}.{stopped}"
+    )
+    k = spec["index_topk"]
     return f"""# tiny-dsv32-trained
 
-A small DeepSeek-V3.2-architecture model (MLA + the lightning indexer of DeepSeek Sparse
-Attention), trained so that this project's top-k, cache hit-rate and prefetch studies see
-realistic indexer behaviour. Byte-level; not a useful language model.
+{intro}
 
 ## Architecture
 
-`DeepseekV32ForCausalLM` (loads in transformers and in `sglang_echo.model`):
-{spec["layers"]} layers, hidden {spec["hidden"]}, {spec["heads"]} heads; MLA with q_lora_rank
-{spec["q_lora_rank"]}, kv_lora_rank {spec["kv_lora_rank"]}, qk_nope {spec["qk_nope_head_dim"]},
-qk_rope {spec["qk_rope_head_dim"]}, v_head {spec["v_head_dim"]}; indexer {spec["index_heads"]} heads
-x {spec["index_dim"]} dims, **index_topk {spec["index_topk"]}**; a dense gated FFN (intermediate
-{spec["intermediate"]}) in every layer, no MoE; rope `{spec["rope"]}` (theta 10000),
-max_position_embeddings {spec["max_position"]}; vocabulary {spec["vocab_size"]} (3 special
-tokens + 256 bytes). {params["total"]:,} parameters ({params["non_embedding"]:,} non-embedding,
-{params["indexer"]:,} in the indexers), stored in {info["save_dtype"]} (indexer `weights_proj`
-in float32): {_mb(info["checkpoint_bytes"])} of safetensors.
+{architecture}
 
 ## Data
 
-Python sources installed on the training machine (`*.py`, files <= 1 MiB), deduplicated by
-content; a file is held out when the first 32 bits of its SHA-1 fall below
-{train_eval_fraction(info):.3f} of the range (machine-independent split).
-Train: {data["train_files"]} files, {_mb(data["train_bytes"])}; held out: {data["eval_files"]}
-files, {_mb(data["eval_bytes"])}. Corpus fingerprint `{data["fingerprint"]}`.
+{data_text}
 
 | root | path | files | bytes |
 | --- | --- | --- | --- |
@@ -122,27 +166,20 @@ files, {_mb(data["eval_bytes"])}. Corpus fingerprint `{data["fingerprint"]}`.
 
 ## Training
 
-{res["device"]}, {res["train_seconds"]:.0f} s of training ({res["total_seconds"]:.0f} s with data
-loading and export), seed {train["seed"]}. Phase 1 (dense warm-up, {res["dense_steps"]} steps):
-dense causal attention, LM loss; each indexer learns the KL to its layer's head-averaged
-attention on {train["kl_rows"]} query rows per sequence, from detached inputs; every
-{train["long_every"] or "-"}-th batch is {train["long_batch_size"]} x {train["long_seq_len"]} tokens
-instead of {train["batch_size"]} x {train["seq_len"]}. Phase 2 (sparse, {res["steps_done"] - res["dense_steps"]}
-steps): each query attends only to its top-{spec["index_topk"]}, LM loss + indexer KL over the
-selected keys. AdamW (0.9, 0.95), lr {train["lr"]} with {train["warmup_steps"]} warm-up
-steps and cosine decay to {train["min_lr_frac"]}x, weight decay {train["weight_decay"]},
-gradients of model and indexers clipped apart at {train["grad_clip"]}; bf16 autocast:
-{train["amp"]}. {res["tokens_seen"]:,} tokens seen.{" Stopped early by the time budget." if res["stopped_by_time"] else ""}
+{training}
 
-## Losses (nats per token; held-out = {train["eval_windows"]} windows of {train["seq_len"]} tokens)
+## Losses
+
+Nats per token (= per byte); held-out: {train["eval_windows"]} windows of {train["seq_len"]}
+tokens from the held-out files.
 
 | | LM loss | indexer KL |
 | --- | --- | --- |
 | last training log (phase 2) | {res["last_train_lm"]:.4f} | {res["last_train_kl"]:.4f} |
 | held-out, dense attention | {ev("dense", "lm_loss")} | {ev("dense", "kl_loss")} |
-| held-out, top-{spec["index_topk"]} sparse attention | {ev("sparse", "lm_loss")} | {ev("sparse", "kl_loss")} |
+| held-out, top-{k} sparse attention | {ev("sparse", "lm_loss")} | {ev("sparse", "kl_loss")} |
 
-Loss curve: `benchmark/results/topk_train.json` (and `topk_train_loss.png`); top-k, cache and
+Loss curve: `benchmark/results/topk_train.json` and `topk_train_loss.png`. Top-k, cache and
 threshold analysis against the untrained model: `benchmark/results/topk_traces.json`.
 
 ## Retrain (one command on one H200, from the repository root)
@@ -155,7 +192,7 @@ threshold analysis against the untrained model: `benchmark/results/topk_traces.j
 
 ```python
 from sglang_echo.model.loader import load_model
-model = load_model("models/tiny-dsv32-trained")          # ours, float32 by default
+model = load_model("models/tiny-dsv32-trained")  # ours, float32 by default
 from transformers import DeepseekV32ForCausalLM
 hf = DeepseekV32ForCausalLM.from_pretrained("models/tiny-dsv32-trained", dtype="float32")
 ```

@@ -20,12 +20,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sglang_echo.model.indexer import index_scores, select_topk
 
 MODES = ("dense", "sparse")
 # Largest [batch x rows x index-heads x keys] float32 score block built for selection.
 SELECT_BLOCK_ELEMENTS = 1 << 27
+# Pinned SDPA backends: flash for causal attention; the memory-efficient kernel (which
+# takes a broadcast boolean mask without materializing it per head) for top-k masks.
+CAUSAL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -59,9 +64,13 @@ def attention(
     if dv < d:
         v = F.pad(v, (0, d - dv))
     if allowed is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        with sdpa_kernel(CAUSAL_BACKENDS):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), scale=scale)
+        with sdpa_kernel(MASKED_BACKENDS):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed.unsqueeze(1), scale=scale
+            )
     return out[..., :dv]
 
 

@@ -219,7 +219,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ planning
     def calibrate(self, t_start: float) -> dict:
-        """Time each step kind (after one warm-up) and one evaluation, then re-initialize."""
+        """Time each step kind (median of 3, after 2 warm-up steps) and one evaluation, then
+        re-initialize model, optimizer and generators (calibration leaves no trace)."""
         cfg = self.cfg
         state = self.sampler.state()
         kinds = {"dense": StepKind("dense", cfg.batch_size, cfg.seq_len)}
@@ -228,13 +229,16 @@ class Trainer:
         kinds["sparse"] = StepKind("sparse", cfg.batch_size, cfg.seq_len)
         times = {}
         for name, kind in kinds.items():
-            self.train_step(kind, 0.0)
-            self._sync()
-            t0 = time.time()
-            for _ in range(2):
+            for _ in range(2):  # warm-up: first-call kernel selection, allocator growth
                 self.train_step(kind, 0.0)
-            self._sync()
-            times[name] = (time.time() - t0) / 2
+            samples = []
+            for _ in range(3):
+                self._sync()
+                t0 = time.time()
+                self.train_step(kind, 0.0)
+                self._sync()
+                samples.append(time.time() - t0)
+            times[name] = sorted(samples)[1]  # median
         t0 = time.time()
         self.evaluate("sparse")
         times["eval"] = time.time() - t0
@@ -247,7 +251,8 @@ class Trainer:
 
     def plan(self, times: dict) -> tuple[int, int]:
         cfg = self.cfg
-        left = cfg.time_budget_s - times["elapsed_at_plan_s"] - cfg.reserve_s - 2 * times["eval"]
+        # Evaluations: two at the phase boundary, two at the end, one every eval_every steps.
+        left = cfg.time_budget_s - times["elapsed_at_plan_s"] - cfg.reserve_s - 4 * times["eval"]
         if cfg.long_every:
             t_dense = ((cfg.long_every - 1) * times["dense"] + times["dense_long"]) / cfg.long_every
         else:
