@@ -1,0 +1,242 @@
+"""Server arguments for ECHO: the user's flags -> a valid HiSparse-based configuration.
+
+With ``NSA_KV_OFFLOAD=1`` the user states the host pool (``--max-total-tokens``, tokens
+kept in pinned host memory) and the device cache (``NSA_DEV_CACHE_SIZE`` = N_G slots per
+layer). SGLang's HiSparse sizes its pools differently: ``max_total_tokens`` = S device
+rows, and ``hisparse_config.host_to_device_ratio`` = R, giving S x R logical (= host)
+tokens. So the plan is
+
+    S = ceil64(N_G + 1) + 64 x max_running + (non-PD: one longest prompt, ceil64)
+    R = ceil(T / S)
+
+where each running request owns one 64-row page for its newest token, and a local
+prefill keeps its prompt's rows on the device until the prompt is on the host. Running
+requests are bounded by N_G // top-k: one decode step's selections must all be resident.
+
+Plain Python: reads an attribute view of the arguments (SGLang's resolving view, or any
+namespace in tests) and returns declarations; ``install`` wires it into SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_echo.config import ENV_DEV_CACHE, ENV_OFFLOAD, ConfigError, EchoConfig
+
+DSA_PAGE_SIZE = 64  # SGLang forces 64-token pages for DSA models
+DEFAULT_TOP_K = 2048  # DeepSeek-V3.2's index_topk, when the model config is not readable
+SOURCE = "sglang-echo"
+ECHO_EXTRA_KEY = "echo_dev_cache"
+# HiSparse's decode backends on CUDA, by KV cache dtype (sglang 0.5.23 hisparse_hook).
+DECODE_BACKENDS = {
+    "bfloat16": ("flashmla_sparse",),
+    "fp8_e4m3": ("flashmla_kv", "flashinfer_sparse_mla"),
+}
+KV_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
+
+
+def _ceil(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class EchoPlan:
+    dev_cache_size: int  # N_G, ECHO slots per layer
+    host_tokens: int  # T, the user's --max-total-tokens
+    top_k: int
+    max_running_requests: int
+    prefill_rows: int  # device rows kept for local prefills (0 on a PD decode node)
+    device_rows: int  # S, HiSparse's max_total_tokens
+    host_to_device_ratio: int  # R
+
+    def hisparse_config(self) -> str:
+        return json.dumps(
+            {
+                "top_k": self.top_k,
+                # HiSparse's per-request buffer is not used by ECHO; its minimum (top-k,
+                # page-aligned) keeps the per-request tables ECHO frees small.
+                "device_buffer_size": _ceil(self.top_k, DSA_PAGE_SIZE),
+                "host_to_device_ratio": self.host_to_device_ratio,
+                ECHO_EXTRA_KEY: self.dev_cache_size,
+                "echo_host_tokens": self.host_tokens,
+            },
+            sort_keys=True,
+        )
+
+    def declarations(self) -> dict[str, Any]:
+        return {
+            "enable_hisparse": True,
+            "disable_radix_cache": True,
+            "hisparse_config": self.hisparse_config(),
+            "max_total_tokens": self.device_rows,
+            "max_running_requests": self.max_running_requests,
+        }
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None and str(value).upper() != "NONE"
+
+
+def incompatible_flags(view: Any) -> list[str]:
+    """One message per flag that ECHO cannot run with, naming the flag to change."""
+    off = f"drop it, or launch without {ENV_OFFLOAD}=1"
+    problems: list[str] = []
+
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(view, name, default)
+
+    if _is_set(get("speculative_algorithm")):
+        problems.append(
+            f"--speculative-algorithm {get('speculative_algorithm')}: speculative decoding "
+            f"is not supported with ECHO; {off}."
+        )
+    if get("enable_mixed_chunk"):
+        problems.append(f"--enable-mixed-chunk: not supported with HiSparse/ECHO; {off}.")
+    if get("disaggregation_mode") == "prefill":
+        problems.append(
+            "--disaggregation-mode prefill: ECHO runs on decode nodes and on "
+            f"non-disaggregated servers; launch the prefill node without {ENV_OFFLOAD}=1."
+        )
+    if get("disaggregation_decode_enable_radix_cache"):
+        problems.append(
+            "--disaggregation-decode-enable-radix-cache: the decode radix cache is not "
+            f"supported with ECHO; {off}."
+        )
+    if get("enable_hierarchical_cache"):
+        problems.append(
+            f"--enable-hierarchical-cache: HiCache and ECHO both own the host KV pool; {off}."
+        )
+    if get("enable_unified_memory"):
+        problems.append(f"--enable-unified-memory: not supported with ECHO; {off}.")
+    if get("enable_kv_cache_sharding"):
+        problems.append(f"--enable-kv-cache-sharding: not supported with ECHO; {off}.")
+    for flag, name in (
+        ("--pp-size", "pp_size"),
+        ("--dcp-size", "dcp_size"),
+        ("--dp-size", "dp_size"),
+        ("--attention-data-parallel-size", "attn_dp_size"),
+        ("--attention-context-parallel-size", "attn_cp_size"),
+    ):
+        value = get(name, 1)
+        if value is not None and int(value) > 1:
+            problems.append(f"{flag} {value}: ECHO supports tensor parallelism only; set {flag} 1.")
+    if get("enable_dp_attention"):
+        problems.append(f"--enable-dp-attention: ECHO supports tensor parallelism only; {off}.")
+    if get("hisparse_config") is not None:
+        problems.append(
+            "--hisparse-config: sglang-echo writes HiSparse's configuration itself; "
+            f"drop the flag and size the device cache with {ENV_DEV_CACHE}."
+        )
+    page = get("page_size")
+    if page is not None and int(page) != DSA_PAGE_SIZE:
+        problems.append(f"--page-size {page}: DSA models use 64-token pages; set --page-size 64.")
+    problems += backend_problems(get("kv_cache_dtype", "auto"), get("dsa_decode_backend"))
+    return problems
+
+
+def backend_problems(kv_cache_dtype: str | None, decode_backend: str | None) -> list[str]:
+    """KV dtype and decode backend: HiSparse's CUDA pairs (FlashMLA reads ECHO's rows)."""
+    dtype = kv_cache_dtype or "auto"
+    if dtype == "bf16":
+        dtype = "bfloat16"
+    if dtype not in ("auto", *DECODE_BACKENDS):
+        return [f"--kv-cache-dtype {kv_cache_dtype}: ECHO supports bfloat16 or fp8_e4m3."]
+    allowed = DECODE_BACKENDS.get(dtype, sum(DECODE_BACKENDS.values(), ()))
+    if decode_backend is not None and decode_backend not in allowed:
+        return [
+            f"--dsa-decode-backend {decode_backend}: ECHO's decode reads its rows with "
+            f"{' or '.join(allowed)} (kv cache {dtype}); use one of them or omit the flag."
+        ]
+    return []
+
+
+def plan_echo(
+    view: Any,
+    config: EchoConfig,
+    *,
+    top_k: int,
+    context_len: int | None,
+) -> EchoPlan:
+    """The sizes ECHO needs, or a ConfigError listing every incompatible flag."""
+    problems = incompatible_flags(view)
+    host_tokens = getattr(view, "max_total_tokens", None)
+    if host_tokens is None:
+        problems.append(
+            f"--max-total-tokens is required with {ENV_OFFLOAD}=1: it sets the host pool "
+            "(tokens kept in pinned host memory), e.g. --max-total-tokens 2000000."
+        )
+    pd_decode = getattr(view, "disaggregation_mode", "null") == "decode"
+    prefill_rows = 0
+    if not pd_decode:
+        if not context_len:
+            problems.append(
+                "--context-length is needed on a non-disaggregated server (a local prefill "
+                "keeps its prompt on the device until the prompt is on the host)."
+            )
+        else:
+            prefill_rows = _ceil(int(context_len), DSA_PAGE_SIZE)
+    if problems:
+        raise ConfigError(format_problems(problems))
+
+    cap = config.dev_cache_size // top_k
+    running = getattr(view, "max_running_requests", None)
+    running = cap if running is None else int(running)
+    if cap < 1:
+        problems.append(
+            f"{ENV_DEV_CACHE}={config.dev_cache_size} cannot hold one request's "
+            f"top-{top_k} selection; set {ENV_DEV_CACHE} >= {top_k}."
+        )
+    elif not 1 <= running <= cap:
+        problems.append(
+            f"--max-running-requests {running}: one decode step selects up to {running} x "
+            f"top-k {top_k} = {running * top_k} tokens per layer and all must fit the "
+            f"{ENV_DEV_CACHE}={config.dev_cache_size} slots; set --max-running-requests "
+            f"between 1 and {cap}, or {ENV_DEV_CACHE} >= {max(running, 1) * top_k}."
+        )
+    if problems:
+        raise ConfigError(format_problems(problems))
+    device_rows = (
+        _ceil(config.dev_cache_size + 1, DSA_PAGE_SIZE) + running * DSA_PAGE_SIZE + prefill_rows
+    )
+    return EchoPlan(
+        dev_cache_size=config.dev_cache_size,
+        host_tokens=int(host_tokens),
+        top_k=top_k,
+        max_running_requests=running,
+        prefill_rows=prefill_rows,
+        device_rows=device_rows,
+        host_to_device_ratio=max(1, math.ceil(int(host_tokens) / device_rows)),
+    )
+
+
+def check_resolved(view: Any, plan: EchoPlan) -> list[str]:
+    """After SGLang's own defaults: what the plan needs must still hold."""
+    problems = incompatible_flags(_WithoutOwnConfig(view))
+    for name, want in plan.declarations().items():
+        got = getattr(view, name, None)
+        if got != want:
+            problems.append(
+                f"{name} resolved to {got!r} but ECHO needs {want!r}; a flag or model "
+                "default changed it after sglang-echo set it."
+            )
+    return problems
+
+
+class _WithoutOwnConfig:
+    """A view whose hisparse_config reads unset (the plan wrote it, the user did not)."""
+
+    def __init__(self, view: Any) -> None:
+        self._view = view
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "hisparse_config":
+            return None
+        return getattr(self._view, name)
+
+
+def format_problems(problems: list[str]) -> str:
+    lines = "\n".join(f"  - {p}" for p in problems)
+    return f"{SOURCE} ({ENV_OFFLOAD}=1) cannot run with these settings:\n{lines}"

@@ -1,0 +1,436 @@
+"""EchoCoordinator: SGLang's HiSparse coordinator with ECHO's shared per-layer cache.
+
+HiSparse (sglang 0.5.23, ``--enable-hisparse``) keeps every token's MLA rows in a pinned
+host pool and gives each running request its own small LRU buffer per layer. ECHO
+replaces those per-request buffers by one device cache per layer of N_G slots
+(``NSA_DEV_CACHE_SIZE``) shared by all requests, managed by ``EchoManager``. Everything
+else stays HiSparse's: the host pool and its page allocator, the host-id table
+``req_to_host_pool``, PD direct-to-host admission, staging after a local prefill, and the
+per-step backup of the previous token.
+
+Device rows (one row-index space shared by all layers, HiSparseDSATokenToKVPool):
+- ``[row_base, row_base + N_G + 2)``: ECHO's cache, reserved once at start-up; slot ``s``
+  of layer ``l`` is row ``row_base + s`` of layer ``l``'s buffer;
+- one 64-row page per running request: its newest token (written by the model this
+  step, backed up to the host at the next step);
+- in a non-disaggregated server, the prompt rows of requests being prefilled (freed when
+  the request is admitted to decode).
+
+Imports sglang: loaded only by ``sglang_echo.sglang.install`` when ``NSA_KV_OFFLOAD=1``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import sglang.srt.managers.hisparse_coordinator as hisparse
+import torch
+
+from sglang_echo.config import ENV_DEV_CACHE, ConfigError, EchoConfig
+from sglang_echo.offload.manager import EchoManager
+from sglang_echo.sglang.args import ECHO_EXTRA_KEY
+from sglang_echo.sglang.storage import (
+    ExternalHostRows,
+    ExternalRowsCache,
+    device_layer_rows,
+    host_layer_rows,
+)
+from sglang_echo.sglang.topk_resolve import TopkToRows
+
+logger = logging.getLogger(__name__)
+
+
+def configured_cache_size() -> int:
+    """N_G as resolved in the launcher (hisparse_config), else from the environment."""
+    from sglang.srt.mem_cache.sparsity import parse_hisparse_config
+
+    try:
+        extra = parse_hisparse_config().sparse_extra_config
+    except ValueError:  # no published server args: a coordinator built by hand (tests)
+        extra = {}
+    if ECHO_EXTRA_KEY in extra:
+        return int(extra[ECHO_EXTRA_KEY])
+    return EchoConfig.from_env().dev_cache_size
+
+
+class _CpuStream(torch.cpu.Stream):
+    """torch.cpu.Stream with HiSparse's ``synchronize``: CPU work is already synchronous."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+class EchoCoordinator(hisparse.HiSparseCoordinator):
+    def __init__(
+        self,
+        req_to_token_pool,
+        token_to_kv_pool_allocator,
+        top_k: int,
+        device_buffer_size: int,
+        device: str,
+        tp_group,
+        host_to_device_ratio: int = 2,
+        swap_in_block_size: int = 960,
+        shared_index_layers: list[bool] | None = None,
+        num_draft_tokens: int = 0,
+    ) -> None:
+        if num_draft_tokens:
+            raise ConfigError(
+                "sglang-echo does not support speculative decoding; launch without "
+                "--speculative-algorithm or without NSA_KV_OFFLOAD=1."
+            )
+        # No shared-index prefetch plan: ECHO resolves every layer on its own.
+        super().__init__(
+            req_to_token_pool,
+            token_to_kv_pool_allocator,
+            top_k=top_k,
+            device_buffer_size=device_buffer_size,
+            device=device,
+            tp_group=tp_group,
+            host_to_device_ratio=host_to_device_ratio,
+            swap_in_block_size=swap_in_block_size,
+            shared_index_layers=None,
+            num_draft_tokens=0,
+        )
+        if self.is_dsv4_hisparse or self.is_m3_hisparse:
+            raise ConfigError(
+                "sglang-echo supports DSA models (DeepSeek-V3.2, GLM-5); launch this "
+                "model without NSA_KV_OFFLOAD=1."
+            )
+        self.is_cuda = torch.device(device).type == "cuda"
+        if not self.is_cuda:
+            self._use_torch_transfers()
+        self._drop_per_request_buffers()
+        self.num_slots = configured_cache_size()
+        self.reserved_host_ids = self._reserve_host_pages()
+        self.reserved_device_rows, self.row_base = self._reserve_device_rows()
+
+        device_rows = device_layer_rows(
+            self.mem_pool_device.kv_buffer, self.row_base, self.num_slots
+        )
+        host_rows = host_layer_rows(self.mem_pool_host.kv_buffer)
+        if host_rows.dtype != device_rows[0].dtype or host_rows.shape[2] != device_rows[0].shape[1]:
+            raise ConfigError(
+                f"host rows ({host_rows.dtype}, {host_rows.shape[2]}) and device rows "
+                f"({device_rows[0].dtype}, {device_rows[0].shape[1]}) differ; "
+                "use --kv-cache-dtype bfloat16 or fp8_e4m3."
+            )
+        self.host_rows = ExternalHostRows(host_rows)
+        self.cache = ExternalRowsCache(device_rows, self.host_rows.num_tokens)
+        self.manager = EchoManager(self.host_rows, self.cache)
+        if self.is_cuda and not self.manager.graph_safe:
+            logger.warning(
+                "sglang-echo: the host pool is not addressable from the GPU (no UVA alias of "
+                "its pinned memory); recalls copy through the host and cannot be captured "
+                "in CUDA graphs: launch with --disable-cuda-graph."
+            )
+
+        max_reqs = self.req_to_token_pool.req_to_token.shape[0]
+        # Newest-token row per request pool slot; 0 = no ECHO state (e.g. the padding
+        # request 0 that CUDA-graph capture and padded replays use).
+        self.newest_row = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        self._newest_page: dict[int, torch.Tensor] = {}
+        self.resolver = TopkToRows(
+            self.manager,
+            self.row_base,
+            self.req_to_host_pool,
+            self.newest_row,
+            top_k,
+            self.top_k_device_locs_buffer,
+        )
+        # What one admitted request holds on the device: its newest page. PD decode's
+        # admission budget divides the free device rows by this.
+        self.padded_buffer_size = self.page_size
+        self._patch_decode_capacity()
+        logger.info(
+            "sglang-echo: ECHO cache of %d slots x %d layers (device rows [%d, %d)); host "
+            "pool of %d tokens; %d device rows left for newest pages and prefills; recall "
+            "by %s",
+            self.num_slots,
+            self.cache.num_layers,
+            self.row_base,
+            self.row_base + self.num_slots + 2,
+            self.mem_pool_host.size - self.reserved_host_ids.numel(),
+            self.token_to_kv_pool_allocator.hisparse_attn_allocator.available_size(),
+            "the Triton kernel" if self.manager.use_kernels else "torch",
+        )
+
+    # ---------------------------------------------------------------- set-up
+    def _use_torch_transfers(self) -> None:
+        """sglang's host<->device copy ops and stream sync exist on CUDA/ROCm/XPU only.
+        On the CPU (where sglang does not serve; our tests run there) the coordinator
+        gives its host pool the same copies in torch, synchronously."""
+        host = self.mem_pool_host
+
+        def backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend):
+            rows = host_layer_rows(host.kv_buffer)
+            ids = host_indices.to(torch.int64)
+            for layer, buf in enumerate(device_pool.kv_buffer):
+                src = buf.view(buf.shape[0], -1).index_select(0, device_indices.to(torch.int64))
+                rows[layer].index_copy_(0, ids, src.to(rows.dtype))
+
+        def load_to_device_per_layer(
+            device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
+        ):
+            rows = host_layer_rows(host.kv_buffer)[layer_id]
+            buf = device_pool.kv_buffer[layer_id]
+            flat = buf.view(buf.shape[0], -1)
+            src = rows.index_select(0, host_indices.to(torch.int64))
+            flat.index_copy_(0, device_indices.to(torch.int64), src.to(flat.dtype))
+
+        host.backup_from_device_all_layer = backup_from_device_all_layer
+        host.load_to_device_per_layer = load_to_device_per_layer
+        self.write_staging_stream = _CpuStream()
+        self.decode_backup_stream = _CpuStream()
+
+    def _drop_per_request_buffers(self) -> None:
+        """HiSparse's per-request, per-layer buffer tables (about 1 MB per request slot
+        for 61 layers) are unused by ECHO: replace them by empty tensors, so a HiSparse
+        path that ECHO does not override fails loudly instead of reading stale tables."""
+        for name in (
+            "req_to_device_buffer",
+            "req_device_buffer_tokens",
+            "req_device_buffer_token_locs",
+            "lru_slots",
+            "_lru_init",
+            "raw_indices_buffer",
+        ):
+            old = getattr(self, name)
+            setattr(self, name, torch.empty(0, dtype=old.dtype, device=old.device))
+
+    def _reserve_host_pages(self) -> torch.Tensor:
+        """Keep the first host page (id 0: ECHO's sink) and the last (id size-1: ECHO's
+        scratch row) out of SGLang's host allocator for good."""
+        host = self.mem_pool_host
+        page = host.page_size
+        total = host.available_size()
+        if total != host.size or total % page or total < 3 * page:
+            raise ConfigError(
+                f"sglang-echo needs a fresh host pool of >= 3 pages, got {total} free of "
+                f"{host.size} slots (page {page}); raise --max-total-tokens."
+            )
+        every = host.alloc(total)
+        keep = (every < page) | (every >= host.size - page)
+        host.free(every[~keep])
+        reserved = every[keep]
+        if reserved.numel() != 2 * page:
+            raise ConfigError("sglang-echo: could not reserve the host pool's first and last page")
+        return reserved
+
+    def _reserve_device_rows(self) -> tuple[torch.Tensor, int]:
+        """Reserve N_G + 1 contiguous device rows right after the padding page; ECHO's
+        sink slot 0 then sits on the padding page's last row (never written by ECHO)."""
+        allocator = self.token_to_kv_pool_allocator.hisparse_attn_allocator
+        page = self.page_size
+        need = -(-(self.num_slots + 1) // page) * page
+        available = allocator.available_size()
+        if available < need + page:
+            raise ConfigError(
+                f"{ENV_DEV_CACHE}={self.num_slots} needs {need} device rows plus one "
+                f"{page}-row page per running request, but the device pool has {available} "
+                f"free rows; lower {ENV_DEV_CACHE} or give the KV pool more GPU memory "
+                "(--mem-fraction-static)."
+            )
+        rows = allocator.alloc(need)
+        if rows is None:
+            raise ConfigError(f"sglang-echo: the device allocator refused {need} rows")
+        rows_cpu = rows.cpu()
+        first = int(rows_cpu[0])
+        if first != page or not torch.equal(rows_cpu, torch.arange(first, first + need)):
+            allocator.free(rows)
+            raise ConfigError(
+                "sglang-echo: the device rows for the ECHO cache must be contiguous and "
+                "start after the padding page; the pool was used before the coordinator."
+            )
+        return rows, first - 1
+
+    def _patch_decode_capacity(self) -> None:
+        """A decode step allocates logical token ids only (its KV goes to the request's
+        newest row), so only the logical pool can run short. HiSparse's allocator compares
+        min(logical, device) free and would retract requests for lack of device rows,
+        which ECHO reserved at start-up."""
+        allocator = self.token_to_kv_pool_allocator
+        logical = allocator.logical_attn_allocator
+
+        def check_decode_capacity(*, num_tokens, tree_cache, requests=None, spec_algorithm=None):
+            allocator.evict_to_free_tokens(tree_cache, num_tokens)
+            return logical.available_size() >= num_tokens
+
+        allocator.check_decode_capacity = check_decode_capacity
+
+    # ------------------------------------------------------------- admission
+    def alloc_device_buffer(self, req) -> None:
+        """Admission to decode (PD direct or after staging): the request's prompt rows,
+        if any, are freed, and it gets one page whose first row holds its newest token."""
+        idx = req.kv.req_pool_idx
+        logical = self.req_to_token_pool.req_to_token[idx, : req.kv.kv_allocated_len]
+        page = self.token_to_kv_pool_allocator.alloc_device_buffer(
+            logical.to(torch.int64), self.page_size
+        )
+        self._newest_page[idx] = page
+        self.newest_row[idx] = page[0]
+
+    def admit_request_direct(self, req) -> None:
+        """PD decode: the prompt's KV is already in the host pool (RDMA); no preload,
+        ECHO recalls what the indexer selects."""
+        self.alloc_device_buffer(req)
+        req.hisparse_staging = False
+        self._skip_first_backup[req.kv.req_pool_idx] = True
+
+    # ------------------------------------------------------------ decode step
+    def map_last_loc_to_buffer(
+        self,
+        seq_lens: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        req_pool_indices_cpu: torch.Tensor,
+    ) -> None:
+        """Back up each request's previous token, then point the token being decoded at
+        the request's newest row (the model's KV write lands there)."""
+        self._eager_backup_previous_token(
+            seq_lens, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu
+        )
+        mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
+        mapping[out_cache_loc] = self.newest_row[req_pool_indices]
+
+    def _eager_backup_previous_token(
+        self,
+        seq_lens: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        req_pool_indices_cpu: torch.Tensor,
+    ) -> None:
+        """The token decoded last step is still in the newest row: copy it (all layers)
+        to a fresh host slot at its position, before this step overwrites the row."""
+        batch_rows: list[int] = []
+        host_ids: list[torch.Tensor] = []
+        for i, (req_idx, seq_len) in enumerate(
+            zip(req_pool_indices_cpu.tolist(), seq_lens_cpu.tolist(), strict=True)
+        ):
+            if self._skip_first_backup[req_idx]:  # prompt already on the host
+                self._skip_first_backup[req_idx] = False
+                continue
+            batch_rows.append(i)
+            host_ids.append(
+                self.mem_pool_host.alloc_paged_token_slots(
+                    self.req_to_host_pool,
+                    self.req_to_host_pool_allocated_len,
+                    req_idx,
+                    seq_len - 2,
+                    1,
+                )
+            )
+        if not batch_rows:
+            return
+        rows = torch.tensor(batch_rows, dtype=torch.int64, pin_memory=self.is_cuda)
+        rows = rows.to(self.device, non_blocking=True)
+        device_rows = self.newest_row[req_pool_indices[rows]]
+        host_locs = torch.cat(host_ids)
+
+        device_module = hisparse.device_module
+        self.wait_for_pending_backup()
+        schedule_stream = device_module.current_stream()
+        with device_module.stream(self.decode_backup_stream):
+            self.decode_backup_stream.wait_stream(schedule_stream)
+            if self.decode_producer_stream is not None:
+                self.decode_backup_stream.wait_stream(self.decode_producer_stream)
+            self.mem_pool_host.backup_from_device_all_layer(
+                self.mem_pool_device, host_locs, device_rows, io_backend="kernel"
+            )
+            self._backup_done_event.record()
+            if self.is_cuda:
+                host_locs.record_stream(self.decode_backup_stream)
+                device_rows.record_stream(self.decode_backup_stream)
+        self._has_pending_backup = True
+
+    def swap_in_selected_pages(
+        self,
+        req_pool_indices: torch.Tensor,
+        compressed_seq_lens: torch.Tensor,
+        top_k_result: torch.Tensor,
+        layer_id: int,
+    ) -> torch.Tensor:
+        """Top-k positions -> device rows of this layer (ECHO resolve); -1 = none."""
+        if top_k_result.ndim != 2:
+            raise ValueError("sglang-echo resolves [batch, top_k] selections only")
+        return self.resolver(
+            layer_id, req_pool_indices, compressed_seq_lens, top_k_result, self.num_real_reqs
+        )
+
+    # --------------------------------------------------------------- release
+    def _release_host_ids(self, req_pool_idx: int) -> torch.Tensor:
+        """The request's host ids, unmapped from ECHO's cache in every layer: a host id
+        freed while still mapped would give its next owner another token's rows."""
+        host_ids = self.mem_pool_host.allocated_host_indices(
+            self.req_to_host_pool,
+            req_pool_idx,
+            self.req_to_host_pool_allocated_len[req_pool_idx],
+        )
+        if host_ids.numel() > 0:
+            self.manager.release(host_ids.to(self.cache.device, torch.int64))
+        return host_ids
+
+    def request_finished(self, req) -> None:
+        """Finish, abort or retract: free the newest page, unmap the request's token ids,
+        release its host ids from ECHO's cache, then give them back to the host pool."""
+        device_module = hisparse.device_module
+        if self.decode_producer_stream is not None:
+            device_module.current_stream().wait_stream(self.decode_producer_stream)
+        self.wait_for_pending_backup()
+        idx = req.kv.req_pool_idx
+        page = self._newest_page.pop(idx, None)
+        if page is not None:
+            self.token_to_kv_pool_allocator.free_hisparse_indices(page)
+            logical = self.req_to_token_pool.req_to_token[idx, : req.kv.kv_allocated_len]
+            self.mem_pool_device.full_to_hisparse_device_index_mapping[logical.to(torch.int64)] = 0
+            self.newest_row[idx] = 0
+        # Without a page the request ended during prefill: release_kv_cache frees its
+        # prompt rows through the mapping, as in HiSparse.
+        host_ids = self._release_host_ids(idx)
+        if host_ids.numel() > 0:
+            self.mem_pool_host.free(host_ids)
+        self.req_to_host_pool[idx, :] = -1
+        self.req_to_host_pool_allocated_len[idx] = 0
+        self._skip_first_backup[idx] = False
+
+    def abort_staging_request(self, req) -> None:
+        self._release_host_ids(req.kv.req_pool_idx)
+        super().abort_staging_request(req)
+
+    def prepare_spec_verify(self, batch) -> None:
+        raise RuntimeError("sglang-echo does not support speculative decoding")
+
+    def commit_spec_accept_tokens(self, batch, accept_indices) -> None:
+        raise RuntimeError("sglang-echo does not support speculative decoding")
+
+    # ------------------------------------------------------------ statistics
+    def get_token_stats(self) -> hisparse.HiSparseTokenStats:
+        """Token usage without ECHO's fixed reservations: device rows held by requests
+        (newest pages, prompts being prefilled) out of the rows left after ECHO's cache,
+        and host tokens out of the host pool less its two reserved pages. Host-side
+        counters only: no device synchronisation."""
+        allocator = self.token_to_kv_pool_allocator.hisparse_attn_allocator
+        device_capacity = allocator.size - self.reserved_device_rows.numel()
+        device_tokens = device_capacity - allocator.available_size()
+        host = self.mem_pool_host
+        host_capacity = host.size - self.reserved_host_ids.numel()
+        host_tokens = host_capacity - host.available_size()
+        return hisparse.HiSparseTokenStats(
+            device_tokens=device_tokens,
+            device_token_usage=device_tokens / device_capacity if device_capacity > 0 else 0.0,
+            host_tokens=host_tokens,
+            host_token_usage=host_tokens / host_capacity if host_capacity > 0 else 0.0,
+        )
+
+    def echo_telemetry(self) -> dict[str, list[int] | list[float]]:
+        """ECHO's per-layer counters since start (reads the device: call between steps)."""
+        c = self.cache
+        hits, misses = c.hits.tolist(), c.misses.tolist()
+        return {
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": [h / (h + m) if h + m else 1.0 for h, m in zip(hits, misses, strict=True)],
+            "evictions": c.evictions.tolist(),
+            "resident": [c.num_slots - int(f) for f in c.free_count.tolist()],
+        }

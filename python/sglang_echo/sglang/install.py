@@ -1,0 +1,111 @@
+"""Wire ECHO into SGLang: runs in every sglang process when ``NSA_KV_OFFLOAD=1``.
+
+1. Two server-args resolution hooks (they run once, in the launcher; children receive
+   the resolved record pickled):
+   - at the first step (``handle_deprecated_dp_attention``): check the user's flags and
+     declare HiSparse + ECHO's sizes (``args.plan_echo``);
+   - late (``handle_other_validations``): check that SGLang's own defaults kept them.
+2. ``HiSparseCoordinator`` -> ``EchoCoordinator`` (class REPLACE; ModelRunner imports
+   the name lazily, and the registry also rebinds earlier ``from ... import`` copies).
+3. The fused decode prefetch seam at ``Indexer._get_topk_paged`` (``prefetch``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang_echo.config import ConfigError, EchoConfig
+from sglang_echo.sglang.args import (
+    DEFAULT_TOP_K,
+    SOURCE,
+    EchoPlan,
+    check_resolved,
+    format_problems,
+    plan_echo,
+)
+from sglang_echo.sglang.prefetch import TARGET, decode_prefetch_hook, log_extend_prefetch
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR_TARGET = "sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator"
+PLAN_STEP = "handle_deprecated_dp_attention"
+CHECK_STEP = "handle_other_validations"
+_plans: dict[int, EchoPlan] = {}  # id(server_args) -> plan, within the resolving process
+
+
+def model_facts(server_args: Any, view: Any) -> tuple[int, int | None]:
+    """(index top-k, context length) from the model's config when SGLang can read it."""
+    from sglang.srt.arg_groups.overrides import model_config_of
+
+    model_config = model_config_of(server_args)
+    text_config = getattr(model_config, "hf_text_config", None)
+    top_k = int(getattr(text_config, "index_topk", None) or DEFAULT_TOP_K)
+    context_len = getattr(view, "context_length", None) or getattr(
+        model_config, "context_len", None
+    )
+    return top_k, context_len
+
+
+def plan_step(server_args: Any, previous) -> None:
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    previous(server_args)
+    view = resolving_view(server_args)
+    config = EchoConfig.from_env()
+    top_k, context_len = model_facts(server_args, view)
+    plan = plan_echo(view, config, top_k=top_k, context_len=context_len)
+    declare_resolution(server_args, SOURCE, **plan.declarations())
+    _plans[id(server_args)] = plan
+    logger.info(
+        "%s: ECHO on: device cache %d slots/layer, host pool %d tokens, top-k %d, "
+        "<= %d running requests; HiSparse pool %d device rows x ratio %d",
+        SOURCE,
+        plan.dev_cache_size,
+        plan.host_tokens,
+        plan.top_k,
+        plan.max_running_requests,
+        plan.device_rows,
+        plan.host_to_device_ratio,
+    )
+
+
+def check_step(server_args: Any, previous) -> None:
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    previous(server_args)
+    plan = _plans.pop(id(server_args), None)
+    if plan is None:
+        return  # resolved by a process that did not plan it (cannot happen in a launch)
+    problems = check_resolved(resolving_view(server_args), plan)
+    if problems:
+        raise ConfigError(format_problems(problems))
+
+
+def install() -> None:
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_echo.sglang.coordinator import EchoCoordinator
+
+    register_resolution_hook(PLAN_STEP)(plan_step)
+    register_resolution_hook(CHECK_STEP)(check_step)
+    HookRegistry.register(COORDINATOR_TARGET, EchoCoordinator, HookType.REPLACE)
+
+    config = EchoConfig.from_env()
+    hook = decode_prefetch_hook(config.fuse_decode)
+    if hook is not None:
+        HookRegistry.register(TARGET, hook, HookType.AROUND)
+    log_extend_prefetch(config.fuse_extend)
+
+
+def install_error(error: ConfigError) -> None:
+    """A bad ECHO setting: fail the launch at argument resolution, with its message
+    (an exception in a plugin's register() is only logged by SGLang, which then starts
+    without the plugin)."""
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+    def fail(server_args: Any, previous) -> None:
+        raise error
+
+    register_resolution_hook(PLAN_STEP)(fail)

@@ -1,0 +1,87 @@
+"""Decode top-k positions -> device rows, through ECHO's per-layer cache.
+
+This is the body of ``EchoCoordinator.swap_in_selected_pages``, kept free of sglang so
+that it is tested on its own. Inputs are SGLang's: per request its pool index, its
+sequence length (the current token included) and the indexer's top-k token positions
+(-1 = none). Each position becomes:
+
+- the request's newest-token row, for the current token (written this step into the
+  request's own newest page, not yet on the host);
+- ``row_base + slot`` for every earlier token: its host id (SGLang's
+  ``req_to_host_pool``) resolved by EchoManager, which protects hits, evicts and recalls
+  misses, so the row holds that token's bytes for this layer;
+- -1 for padding lanes, for rows past ``num_real_reqs`` (CUDA-graph padding) and for
+  requests that hold no ECHO state (the capture-time dummy request 0).
+
+Every shape is fixed by the batch; counts stay on the device; so the call can be captured
+in a CUDA graph whenever EchoManager's resolve can.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_echo.offload.manager import EchoManager
+
+
+class TopkToRows:
+    def __init__(
+        self,
+        manager: EchoManager,
+        row_base: int,
+        req_to_host: torch.Tensor,
+        newest_row: torch.Tensor,
+        top_k: int,
+        out: torch.Tensor,
+    ) -> None:
+        """``req_to_host`` [requests, positions] int64 host ids (-1 none); ``newest_row``
+        [requests] int64 (0 = no ECHO state); ``out`` [requests, >= top_k] int32, the
+        static table FlashMLA reads (written in place, so graph replays see new rows)."""
+        self.manager = manager
+        self.row_base = row_base
+        self.req_to_host = req_to_host
+        self.newest_row = newest_row
+        self.top_k = top_k
+        self.out = out
+        # One decode step selects at most rows x top-k tokens per layer, and they must all
+        # be resident at once; the plugin's arguments bound the running requests by this.
+        self.max_rows = manager.cache.num_slots // top_k
+        if self.max_rows < 1:
+            raise ValueError(
+                f"the ECHO device cache ({manager.cache.num_slots} slots) cannot hold one "
+                f"request's top-{top_k}; raise NSA_DEV_CACHE_SIZE to >= {top_k}"
+            )
+
+    def __call__(
+        self,
+        layer: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        topk: torch.Tensor,
+        num_real_reqs: torch.Tensor,
+    ) -> torch.Tensor:
+        bs, width = topk.shape
+        out = self.out[:bs, :width]
+        n = min(bs, self.max_rows)  # rows past max_rows can only be padding
+        if n < bs:
+            out[n:].fill_(-1)
+        device = topk.device
+        positions = topk[:n].to(torch.int64)
+        req = req_pool_indices[:n].to(torch.int64)
+        seq = seq_lens[:n].to(torch.int64).unsqueeze(1)
+
+        newest = self.newest_row[req]
+        real = torch.arange(n, device=device) < num_real_reqs.to(device)
+        live = (real & (newest > 0)).unsqueeze(1)
+        selected = live & (positions >= 0) & (positions < seq)
+        is_newest = selected & (positions == seq - 1)
+
+        col = positions.clamp(min=0, max=self.req_to_host.shape[1] - 1)
+        host = self.req_to_host[req.unsqueeze(1), col]
+        lookup = torch.where(selected & ~is_newest, host, torch.full_like(host, -1))
+        slots = self.manager.resolve(layer, lookup)
+
+        rows = torch.where(slots >= 0, slots + self.row_base, torch.full_like(slots, -1))
+        rows = torch.where(is_newest, newest.unsqueeze(1).expand_as(rows), rows)
+        out[:n].copy_(rows)
+        return out

@@ -1,0 +1,192 @@
+"""EchoCoordinator on sglang's real pool, allocator and host pool (CPU): a scripted
+PD-decode life of many requests, with every returned row checked byte for byte."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt", reason="sglang 0.5.23 not installed; `make test` runs it")
+
+from sglang_world import DecodeNode, apply_cpu_shims, init_process_group
+
+from sglang_echo.offload.device_cache import ABSENT, FREE
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_machine(tmp_path_factory):
+    apply_cpu_shims()
+    init_process_group(str(tmp_path_factory.mktemp("pg")))
+
+
+def selections(node: DecodeNode, rng: random.Random):
+    """Random top-k per (layer, request): recent tokens favoured, the current token often
+    in, width top-k padded with -1 for short sequences."""
+
+    def topk_for(layer: int, rid: str, seq_len: int) -> torch.Tensor:
+        k = min(seq_len, node.top_k)
+        recent = list(range(max(0, seq_len - 6), seq_len))
+        picked = set(rng.sample(recent, min(len(recent), rng.randint(0, 4))))
+        while len(picked) < k:
+            picked.add(rng.randrange(seq_len))
+        return torch.tensor(sorted(picked)[:k], dtype=torch.int32)
+
+    return topk_for
+
+
+def check_tables(node: DecodeNode, rids: list[str], tables) -> None:
+    """Each selected token's row holds its bytes in that layer; the rest is -1."""
+    coord = node.coord
+    echo_lo, echo_hi = coord.row_base + 1, coord.row_base + coord.num_slots
+    for layer, (topk, table) in enumerate(tables):
+        rows = node.layer_rows(layer)
+        host = node.host_rows(layer)
+        for i, rid in enumerate(rids):
+            token = node.running[rid]
+            idx = token.req.kv.req_pool_idx
+            lanes = topk[i] >= 0
+            assert torch.all(table[i][~lanes] == -1)
+            positions = topk[i][lanes].long()
+            got = table[i][lanes].long()
+            assert torch.all(got >= 0), f"{rid} layer {layer}: unresolved lanes"
+            want = token.rows[positions, layer]
+            assert torch.equal(rows[got].view(torch.uint8), want.view(torch.uint8)), (
+                f"{rid} layer {layer}: a returned row does not hold its token's bytes"
+            )
+            current = positions == token.seq_len - 1
+            assert torch.all(got[current] == coord.newest_row[idx])
+            old = ~current
+            assert torch.all((got[old] >= echo_lo) & (got[old] <= echo_hi))
+            host_ids = coord.req_to_host_pool[idx, positions[old]]
+            assert torch.equal(
+                rows[got[old]].view(torch.uint8), host[host_ids].view(torch.uint8)
+            ), f"{rid} layer {layer}: device row differs from its host row"
+        assert torch.all(table[len(rids) :] == -1), "padding rows must resolve to nothing"
+
+
+def run_life(node: DecodeNode, steps: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    topk_for = selections(node, rng)
+    budget: dict[str, int] = {}
+    stats = {"finished": 0, "aborted": 0, "aborted_before_admission": 0, "steps": 0}
+    for _ in range(steps):
+        while len(node.running) < node.max_running and rng.random() < 0.6:
+            if rng.random() < 0.1:  # aborted while its KV is still in flight
+                rid = node.arrive(rng.randint(5, 150), admit=False)
+                node.finish(rid)
+                stats["aborted_before_admission"] += 1
+                continue
+            rid = node.arrive(rng.randint(1, 150))
+            budget[rid] = rng.randint(1, 30)
+        if not node.running:
+            continue
+        rids = list(node.running)
+        tables = node.step(rids, padded_bs=node.max_running + 1, topk_for=topk_for)
+        check_tables(node, rids, tables)
+        stats["steps"] += 1
+        for rid in rids:
+            budget[rid] -= 1
+            if rng.random() < 0.05:
+                node.finish(rid)
+                stats["aborted"] += 1
+            elif budget[rid] <= 0:
+                node.finish(rid)
+                stats["finished"] += 1
+    for rid in list(node.running):
+        node.finish(rid)
+    return stats
+
+
+def assert_back_to_start(node: DecodeNode) -> None:
+    coord = node.coord
+    assert node.counters() == node.after_init
+    assert {k: node.start[k] for k in ("logical", "req_slots")} == {
+        k: node.after_init[k] for k in ("logical", "req_slots")
+    }
+    assert torch.all(coord.newest_row == 0)
+    assert torch.all(coord.req_to_host_pool == -1)
+    assert torch.all(coord.req_to_host_pool_allocated_len == 0)
+    assert torch.all(node.allocator.full_to_hisparse_device_index_mapping[:-1] == 0)
+    cache = coord.cache
+    assert torch.all(cache.free_count == cache.num_slots)
+    assert torch.all(cache.device_to_host[:, 1 : cache.num_slots + 1] == FREE)
+    assert torch.all(cache.host_to_device[:, 1:] == ABSENT)
+    stats = coord.get_token_stats()
+    assert stats.device_tokens == 0 and stats.host_tokens == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pd_decode_life_rows_exact(seed):
+    node = DecodeNode(
+        layers=3, top_k=16, dev_cache=64, max_running=4, host_tokens=1536,
+        max_context=256, seed=seed,
+    )  # fmt: skip
+    stats = run_life(node, steps=60, seed=seed)
+    assert stats["finished"] + stats["aborted"] >= 6
+    assert stats["aborted"] + stats["aborted_before_admission"] >= 1
+    telemetry = node.coord.echo_telemetry()
+    assert min(telemetry["evictions"]) > 0, "the life must evict in every layer"
+    assert min(telemetry["hits"]) > 0 and min(telemetry["misses"]) > 0
+    reused = [h for h, owners in node.host_owners.items() if len(owners) > 1]
+    assert reused, "host ids must be reused by later requests"
+    assert_back_to_start(node)
+
+
+def test_padding_and_dummy_request_are_noops():
+    """CUDA-graph capture runs the backend with req 0 (ReqToTokenPool's padding row) and
+    garbage selections; replays pad past num_real_reqs. Neither may touch ECHO state."""
+    node = DecodeNode(layers=2, top_k=16, dev_cache=64, max_running=4, host_tokens=1024,
+                      max_context=128)  # fmt: skip
+    coord = node.coord
+    before = [t.clone() for t in (coord.cache.host_to_device, coord.cache.priority)]
+    coord.num_real_reqs.fill_(3)
+    table = coord.swap_in_selected_pages(
+        torch.zeros(3, dtype=torch.int64),
+        torch.full((3,), 100, dtype=torch.int64),
+        torch.randint(0, 100, (3, 16), dtype=torch.int32),
+        layer_id=1,
+    )
+    assert torch.all(table == -1)
+    assert torch.equal(before[0], coord.cache.host_to_device)
+    assert torch.equal(before[1], coord.cache.priority)
+    assert int(coord.cache.misses.sum()) == 0
+
+    rid = node.arrive(40)
+    coord.num_real_reqs.fill_(0)  # a real request past num_real_reqs is padding too
+    idx = torch.tensor([node.running[rid].req.kv.req_pool_idx])
+    table = coord.swap_in_selected_pages(
+        idx, torch.tensor([41]), torch.arange(16, dtype=torch.int32).view(1, 16), layer_id=0
+    )
+    assert torch.all(table == -1) and int(coord.cache.misses.sum()) == 0
+    node.finish(rid)
+    assert node.counters() == node.after_init
+
+
+def test_more_rows_than_the_cache_holds_are_padding():
+    """A graph batch wider than N_G // top-k: rows past it can only be padding."""
+    node = DecodeNode(layers=1, top_k=16, dev_cache=32, max_running=4, host_tokens=1024,
+                      max_context=128)  # fmt: skip
+    coord = node.coord
+    assert coord.resolver.max_rows == 2
+    rids = [node.arrive(30), node.arrive(50)]
+    rng = random.Random(3)
+    tables = node.step(rids, padded_bs=4, topk_for=selections(node, rng))
+    check_tables(node, rids, tables)
+    for rid in rids:
+        node.finish(rid)
+    assert node.counters() == node.after_init
+
+
+def test_token_stats_count_requests_not_reservations():
+    node = DecodeNode(layers=1, top_k=16, dev_cache=64, max_running=2, host_tokens=1024,
+                      max_context=256)  # fmt: skip
+    coord = node.coord
+    assert coord.get_token_stats().device_tokens == 0
+    rid = node.arrive(100)
+    stats = coord.get_token_stats()
+    assert stats.device_tokens == 64  # the newest page
+    assert stats.host_tokens == 128  # two host pages
+    node.finish(rid)
+    assert coord.get_token_stats().host_tokens == 0
