@@ -16,7 +16,7 @@ from sglang_echo.tools.tiny_checkpoint import TinySpec
 from sglang_echo.topk.driver import run_requests
 from sglang_echo.train.data import WindowSampler, eval_windows, load_corpus
 from sglang_echo.train.forward import train_forward
-from sglang_echo.train.loop import TrainConfig, Trainer
+from sglang_echo.train.loop import TrainConfig, Trainer, lr_at
 from sglang_echo.train.spec import build_model
 
 from oracle_utils import hf_greedy, prefill_all_logits
@@ -182,3 +182,41 @@ def test_train_script_checkpoint_loads_in_ours_and_transformers(trained):
     expected = [hf_greedy(hf, p, new_tokens) for p in prompts]
     got = run_requests(ours, prompts, [len(p) for p in prompts], new_tokens, greedy=True)
     assert got.generated.tolist() == expected
+
+
+def test_lr_schedule_does_not_depend_on_counts_before_the_refit_points():
+    cfg = TrainConfig(lr=1e-3, warmup_steps=10, decay_delay=5, min_lr_frac=0.1)
+    dense = 40
+    for total in (60, 200, 1000):
+        lrs = [lr_at(cfg, s, total, dense) for s in range(total)]
+        assert lrs[:10] == pytest.approx([1e-3 * (s + 1) / 10 for s in range(10)])
+        assert all(x == 1e-3 for x in lrs[10 : dense + 5])  # re-fits happen in here
+        assert lrs[-1] == pytest.approx(1e-4)
+        assert all(a >= b for a, b in zip(lrs[dense + 5 :], lrs[dense + 6 :], strict=False))
+    # With no sparse phase the decay covers everything after warm-up.
+    assert lr_at(cfg, 99, 100, 100) == pytest.approx(1e-4)
+
+
+def test_time_budgeted_run_plans_and_records_its_counts(corpus_dir):
+    corpus = load_corpus([("t", corpus_dir)], eval_fraction=0.1)
+    spec = FORWARD_SPECS["default-rope"]
+    cfg = TrainConfig(
+        seq_len=32, batch_size=2, long_seq_len=64, long_batch_size=1, long_every=2,
+        kl_rows=8, warmup_steps=2, decay_delay=2, eval_every=1000, eval_windows=2,
+        log_every=5, amp="none", time_budget_s=6.0, reserve_s=0.5,
+    )  # fmt: skip
+    t0 = time.time()
+    trainer = Trainer(
+        lambda: build_model(spec, 0),
+        WindowSampler(corpus.train_tokens, "cpu", seed=0),
+        cfg,
+        torch.device("cpu"),
+        eval_windows(corpus.eval_docs, 2, cfg.seq_len),
+        log=lambda _m: None,
+    )
+    result = trainer.run(t0)
+    plans = result.calibration["plans"]
+    assert plans[0]["at_step"] == 0 and {"dense", "dense_long", "sparse"} <= set(result.calibration)
+    assert result.steps_done >= 1
+    assert result.stopped_by_time or result.steps_done == result.steps
+    assert time.time() - t0 < cfg.time_budget_s + 5

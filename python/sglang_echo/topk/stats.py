@@ -107,7 +107,12 @@ def summarize(arr: dict, prompt_lens: np.ndarray, k: int) -> dict:
     def mean(key: str) -> float:
         return float(np.mean([m[key] for m in layers]))
 
+    n_req = arr["sel"].shape[2]
     return {
+        "requests": n_req,
+        "k": k,
+        "echo_shared_capacity_slots": {f"{m:g}": round(m * n_req * k) for m in CACHE_MULTIPLES},
+        "hisparse_slots_per_request": HISPARSE_MULTIPLE * k,
         "per_layer": layers,
         "mean_over_layers": {
             "consecutive_overlap": mean("consecutive_overlap"),
