@@ -71,6 +71,8 @@ def _run_both(scores, locs, h2d, topk, cap, offsets=None, query_pos=None, budget
         budget=dev(budgets[0]),
         block=64,
         tiles=2,
+        tile=64,
+        row_block=4,
     )
     want = prefill_prefetch_reference(
         scores, locs, h2d, topk, cap, offsets=offsets, query_pos=query_pos, budget=budgets[1]
@@ -126,14 +128,12 @@ def test_cap_and_shared_budget():
     _assert_same(got, want)
     assert int(want.count.item()) == cap
     # A device budget shared by two calls: the second gets what the first left.
-    b_got = torch.tensor([n_full // 3 + n_full // 2], dtype=torch.int64)
-    b_want = b_got.clone()
+    b_got = torch.tensor([n_full // 3 + n_full // 2], dtype=torch.int64, device=DEV)
+    b_want = b_got.cpu().clone()
     for _ in range(2):
-        got, want = _run_both(
-            scores, locs, h2d, topk, cap=n_full // 2, budgets=(b_got.to(DEV), b_want)
-        )
+        got, want = _run_both(scores, locs, h2d, topk, cap=n_full // 2, budgets=(b_got, b_want))
         _assert_same(got, want)
-    assert int(b_want.item()) == 0
+    assert int(b_want.item()) == 0 and int(b_got.item()) == 0
     assert int(want.count.item()) == n_full // 3
 
 

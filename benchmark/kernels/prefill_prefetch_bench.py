@@ -8,11 +8,12 @@ kernel (kernels/recall.py). Residency is random at the given hit rate; device sl
 assigned one per host id (no eviction), so only the order of copies differs between:
 
 - baseline: score all blocks -> top-k -> recall the union of misses (serial);
-- prefetch: after block i is scored, kernels/prefill_prefetch.py lists the misses that
-  are certainly in block i's top-k (offset: offload.predictor.PrefillOffsetPredictor);
-  they are marked resident and recalled on a side stream while the main stream runs
-  block i's top-k and scores block i+1; at the end only the still-missing are recalled.
-  Total prefetch per chunk is capped at min(8192, N_G - 1 - Q) by a device budget;
+- prefetch: after block i is scored, a side stream runs kernels/prefill_prefetch.py
+  (the misses certainly in block i's top-k; offset from
+  offload.predictor.PrefillOffsetPredictor), maps them to slots and recalls them, while
+  the main stream runs block i's top-k and scores block i+1; at the end only the
+  still-missing are recalled. Total prefetch per chunk is capped at
+  min(8192, N_G - 1 - Q) by a device budget;
 - pipelined (extra reference point): block i's exact misses recalled on the side stream
   after its top-k, no histogram.
 
@@ -119,7 +120,14 @@ class Workload:
         self.predictor = PrefillOffsetPredictor(max_rows=1, device=dev)
         self.req_rows = torch.zeros(args.block, dtype=torch.int64, device=dev)
         self.req_zero = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.side = torch.cuda.Stream() if dev.type == "cuda" else None
+        # The main stream outranks the side stream, so side work (histogram, copies) takes
+        # SMs the main stream leaves idle instead of delaying scoring and top-k.
+        cuda = dev.type == "cuda"
+        high = -1 if args.stream_priority == "high" else 0
+        self.main = torch.cuda.Stream(priority=high) if cuda else None
+        self.side = torch.cuda.Stream(priority=0) if cuda else None
+        self.lanes = torch.arange(max(self.cap, self.n_ids), device=dev)
+        self.scratch_ids = torch.full_like(self.lanes, self.scratch)
         self.stats: dict = {}
 
     # ---------------------------------------------------------------- building blocks
@@ -150,7 +158,7 @@ class Workload:
     def union_misses(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Selected history positions [*, k] -> non-resident host ids (compact) + count."""
         mark = torch.zeros(self.n_ids, dtype=torch.bool, device=self.dev)
-        mark[positions.reshape(-1) + 1] = True
+        mark.index_fill_(0, positions.reshape(-1) + 1, True)
         miss = mark & (self.h2d == ABSENT)
         rank = torch.cumsum(miss.to(torch.int64), 0) - 1
         dest = torch.where(miss, rank, torch.full_like(rank, self.scratch))
@@ -160,10 +168,10 @@ class Workload:
 
     def allocate(self, ids: torch.Tensor, count: torch.Tensor) -> None:
         """Map the first ``count`` ids to their slots (slot = host id) on this stream."""
-        lane = torch.arange(ids.numel(), device=self.dev)
-        target = torch.where(lane < count, ids, torch.full_like(ids, self.scratch))
+        lane = self.lanes[: ids.numel()]
+        target = torch.where(lane < count, ids, self.scratch_ids[: ids.numel()])
         self.h2d.scatter_(0, target, target.to(torch.int32))
-        self.h2d[self.scratch] = ABSENT
+        self.h2d.narrow(0, self.scratch, 1).fill_(ABSENT)  # no host copy (graph-safe)
 
     def recall(self, ids: torch.Tensor, count: torch.Tensor) -> None:
         recall_rows(self.host_view, self.dev_rows, ids, ids, count)
@@ -173,6 +181,9 @@ class Workload:
             return contextlib.nullcontext()
         self.side.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(self.side)
+
+    def main_stream(self):
+        return torch.cuda.stream(self.main) if self.main is not None else contextlib.nullcontext()
 
     def join(self) -> None:
         if self.side is not None:
@@ -201,19 +212,22 @@ class Workload:
             r = blk.stop - blk.start
             rows = self.req_rows[:r]
             offset, known = self.predictor.predict(rows)
-            plist = prefill_prefetch(
-                logits,
-                self.locs,
-                self.h2d,
-                self.args.topk,
-                self.cap,
-                offsets=torch.where(known, offset, 0.0),
-                budget=self.budget,
-            )
-            self.allocate(plist.ids, plist.count)
+            offsets = torch.where(known, offset, 0.0)
+            # Histogram, candidate list, slot mapping and copy all run on the side
+            # stream, behind this block's top-k and the next block's scoring.
             with self.side_stream():
+                plist = prefill_prefetch(
+                    logits,
+                    self.locs,
+                    self.h2d,
+                    self.args.topk,
+                    self.cap,
+                    offsets=offsets,
+                    budget=self.budget,
+                )
+                self.allocate(plist.ids, plist.count)
                 self.recall(plist.ids, plist.count)
-            keep.append(plist)
+            keep.append((logits, offsets, plist))  # alive until the streams join
             fetched.append(plist.count)
             values, idx = self.topk(logits)
             self.predictor.update(values[:, -1], rows)
@@ -226,11 +240,13 @@ class Workload:
                         known.all(),
                     )
                 )
+        self.join()  # the side stream's slot mappings precede the final miss list
         ids, count = self.union_misses(torch.cat(picked))
         self.allocate(ids, count)
         self.recall(ids, count)
-        self.join()
-        self.stats.update(prefetched=torch.cat(fetched).sum(), remaining=count, lists=keep)
+        self.stats.update(
+            prefetched=torch.cat(fetched).sum(), remaining=count, lists=[k[2] for k in keep]
+        )
 
     def pipelined(self) -> None:
         self.reset()
@@ -241,10 +257,26 @@ class Workload:
             self.allocate(ids, count)
             with self.side_stream():
                 self.recall(ids, count)
-            keep.append(ids)
+            keep.append((logits, ids, count))
         self.join()
 
     # ------------------------------------------------------------------- correctness
+    def capture(self, fn) -> torch.cuda.CUDAGraph:
+        """``fn`` recorded as one CUDA graph (side-stream work forks and joins inside)."""
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.main):
+            fn()
+        torch.cuda.synchronize()
+        return graph
+
+    def replay_state(self, graph: torch.cuda.CUDAGraph) -> tuple[torch.Tensor, torch.Tensor]:
+        self.dev_rows.copy_(self.dev_rows0)
+        graph.replay()
+        torch.cuda.synchronize()
+        return self.final_state()
+
     def final_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         resident = (self.h2d != ABSENT).cpu()
         return resident, self.dev_rows.cpu()[resident]
@@ -269,6 +301,7 @@ class Workload:
         wasted = int((~resident[fetched]).sum()) if fetched.numel() else 0
         self.stats["census"] = None
         predicted = [(a, b) for a, b, known in census if bool(known)]
+        self.reference_state = states["baseline"]
         stats = {
             "correct": bool(ok),
             "misses": int(self.stats["baseline_misses"].item()),
@@ -301,19 +334,37 @@ def timer(dev: torch.device, args):
 
 def run_case(case: Case, args, dev) -> dict:
     wl = Workload(case, args, dev)
+    with wl.main_stream():
+        return _measure(wl, case, args, dev)
+
+
+def _measure(wl: Workload, case: Case, args, dev) -> dict:
     stats = wl.check()
     ms = timer(dev, args)
     row = {"history": case.history, "queries": case.queries, "hit_rate": case.hit, **stats}
-    row["baseline_ms"] = ms(wl.baseline)
-    row["prefetch_ms"] = ms(wl.prefetch)
-    row["pipelined_ms"] = ms(wl.pipelined)
+    variants = ("baseline", "prefetch", "pipelined")
+    for name in variants:
+        row[f"{name}_ms"] = ms(getattr(wl, name))
     # Components: scoring + top-k alone, and the baseline's recall alone.
     row["score_topk_ms"] = ms(lambda: [wl.topk(wl.score(b)) for b in wl.blocks])
     wl.reset()
     ids, count = wl.union_misses(torch.cat([wl.topk(wl.score(b)).indices for b in wl.blocks]))
     row["recall_ms"] = ms(lambda: wl.recall(ids, count))
-    row["speedup"] = row["baseline_ms"] / row["prefetch_ms"]
-    row["pipelined_speedup"] = row["baseline_ms"] / row["pipelined_ms"]
+    row["speedup_eager"] = row["baseline_ms"] / row["prefetch_ms"]
+    row["pipelined_speedup_eager"] = row["baseline_ms"] / row["pipelined_ms"]
+    row["speedup"] = row["speedup_eager"]
+    row["pipelined_speedup"] = row["pipelined_speedup_eager"]
+    if args.graphs and dev.type == "cuda":
+        # The same work replayed from CUDA graphs: no host launch cost, device time only.
+        resident, rows = wl.reference_state
+        for name in variants:
+            graph = wl.capture(getattr(wl, name))
+            r, b = wl.replay_state(graph)
+            row["correct"] = row["correct"] and torch.equal(r, resident) and torch.equal(b, rows)
+            row[f"{name}_graph_ms"] = ms(graph.replay)
+            del graph
+        row["speedup"] = row["baseline_graph_ms"] / row["prefetch_graph_ms"]
+        row["pipelined_speedup"] = row["baseline_graph_ms"] / row["pipelined_graph_ms"]
     return row
 
 
@@ -329,15 +380,17 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
     x = range(len(rows))
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.27
-    for j, (key, name) in enumerate(
-        [("baseline_ms", "baseline"), ("prefetch_ms", "prefetch"), ("pipelined_ms", "pipelined")]
-    ):
-        a.bar([i + (j - 1) * width for i in x], [r[key] for r in rows], width, label=name)
+    graphs = all("baseline_graph_ms" in r for r in rows)
+    suffix = "_graph_ms" if graphs else "_ms"
+    for j, name in enumerate(("baseline", "prefetch", "pipelined")):
+        a.bar([i + (j - 1) * width for i in x], [r[name + suffix] for r in rows], width, label=name)
     a.set_xticks(list(x), labels, fontsize=7)
-    a.set_ylabel("ms per chunk (one layer)")
+    a.set_ylabel("ms per chunk, one layer" + (" (CUDA-graph replay)" if graphs else ""))
     a.legend()
     b.bar(list(x), [r["speedup"] for r in rows], label="prefetch")
     b.plot(list(x), [r["pipelined_speedup"] for r in rows], "ko", label="pipelined")
+    if graphs:
+        b.plot(list(x), [r["speedup_eager"] for r in rows], "rx", label="prefetch, eager")
     b.axhline(1.0, color="k", lw=0.8)
     b.set_xticks(list(x), labels, fontsize=7)
     b.set_ylabel("speedup over baseline")
@@ -363,6 +416,15 @@ def main() -> None:
     p.add_argument("--scorer", choices=("auto", "fp8", "torch"), default="auto")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument(
+        "--stream-priority",
+        choices=("high", "equal"),
+        default="high",
+        help="main stream above the side stream (high) or the same",
+    )
+    p.add_argument(
+        "--no-graphs", dest="graphs", action="store_false", help="skip CUDA-graph timings"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the bench)")
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -384,39 +446,50 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = []
     head = (
-        f"{'hist':>6} {'q':>4} {'hit':>4} {'base ms':>8} {'pref ms':>8} {'speedup':>7} "
-        f"{'pipe ms':>8} {'misses':>7} {'prefet':>7} {'wasted':>6} {'amb0':>6} {'amb':>6} ok"
+        f"{'hist':>6} {'q':>4} {'hit':>4} {'base':>7} {'pref':>7} {'pipe':>7} {'speedup':>7} "
+        f"{'pipe x':>6} | {'eager b':>7} {'eager p':>7} {'x':>5} | "
+        f"{'misses':>7} {'prefet':>7} {'wasted':>6} {'amb0':>6} {'amb':>6} ok"
     )
+    print("device ms per chunk (CUDA-graph replay where available), then eager launches")
     print(head)
     for case in cases:
         r = run_case(case, args, dev)
         rows.append(r)
         amb = [r["ambiguous_per_row_plain"], r["ambiguous_per_row_offset"]]
         amb_s = " ".join(f"{a:>6.0f}" if a is not None else f"{'-':>6}" for a in amb)
+        g = lambda k, r=r: r.get(f"{k}_graph_ms", r[f"{k}_ms"])  # noqa: E731
         print(
-            f"{r['history']:>6} {r['queries']:>4} {r['hit_rate']:>4} {r['baseline_ms']:>8.3f} "
-            f"{r['prefetch_ms']:>8.3f} {r['speedup']:>7.3f} {r['pipelined_ms']:>8.3f} "
-            f"{r['misses']:>7} {r['prefetched']:>7} {r['wasted']:>6} {amb_s} {r['correct']}",
+            f"{r['history']:>6} {r['queries']:>4} {r['hit_rate']:>4} {g('baseline'):>7.3f} "
+            f"{g('prefetch'):>7.3f} {g('pipelined'):>7.3f} {r['speedup']:>7.3f} "
+            f"{r['pipelined_speedup']:>6.3f} | {r['baseline_ms']:>7.3f} {r['prefetch_ms']:>7.3f} "
+            f"{r['speedup_eager']:>5.3f} | {r['misses']:>7} {r['prefetched']:>7} "
+            f"{r['wasted']:>6} {amb_s} {r['correct']}",
             flush=True,
         )
     key = lambda r: f"{r['history'] // 1024}K_q{r['queries']}_hit{r['hit_rate']}"  # noqa: E731
+    graphs = all("baseline_graph_ms" in r for r in rows)
     metrics = {
         "speedup": {key(r): r["speedup"] for r in rows},
         "best_speedup": max(r["speedup"] for r in rows),
+        "speedup_basis": "CUDA-graph replay (device time)" if graphs else "eager launches",
         "pipelined_speedup": {key(r): r["pipelined_speedup"] for r in rows},
+        "speedup_eager": {key(r): r["speedup_eager"] for r in rows},
+        "best_speedup_eager": max(r["speedup_eager"] for r in rows),
         "all_correct": all(r["correct"] for r in rows),
         "total_wasted": sum(r["wasted"] for r in rows),
         "block_rows": args.block,
         "topk": args.topk,
         "scorer": args.scorer,
         "row_bytes": args.row_bytes,
+        "stream_priority": args.stream_priority,
         "seconds": time.perf_counter() - t0,
     }
     out = Path(args.out)
     save_record(out, "prefill_prefetch", device, metrics, cases=rows)
     plot(rows, out / "prefill_prefetch.png", device)
     print(
-        f"best speedup {metrics['best_speedup']:.3f}; all correct {metrics['all_correct']}; "
+        f"best speedup {metrics['best_speedup']:.3f} ({metrics['speedup_basis']}); "
+        f"eager {metrics['best_speedup_eager']:.3f}; all correct {metrics['all_correct']}; "
         f"{metrics['seconds']:.1f} s"
     )
 

@@ -26,9 +26,11 @@ The offset only decides how narrow the ambiguous bin is (its width scales with
 as 0. Scores must not be NaN. ``offload.predictor.PrefillOffsetPredictor`` supplies
 offsets.
 
-Two kernels over a [rows, columns] score tile grid: one accumulates each row's histogram
-(atomics per program), one finds each row's threshold bin and flags candidate columns;
-the compaction is a device-side cumsum and scatter.
+Three kernels: one accumulates each row's histogram over a (row, column span) grid with
+atomics; one per column tile finds every row's threshold bin, ORs the rows' candidates,
+drops resident tokens and counts the tile; one per column tile writes its ids after the
+preceding tiles' counts. Few launches matter: prefill runs eagerly, and host launch cost
+per query block must stay below the block's scoring time.
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ import triton.language as tl
 ABSENT = torch.iinfo(torch.int32).max  # offload.device_cache.ABSENT (not imported: no cycle)
 PREFETCH_LIMIT = 8192
 NUM_BINS = 256
-DEFAULT_BLOCK = 1024
-DEFAULT_TILES = 4
+DEFAULT_BLOCK = 1024  # columns per histogram tile
+DEFAULT_TILES = 4  # tiles per histogram program
+DEFAULT_TILE = 512  # columns per flag / compaction program
+DEFAULT_ROW_BLOCK = 8  # rows per step of the flag program
 
 
 class PrefetchList(NamedTuple):
-    """ids [cap] int64 host ids to fetch (lanes past ``count`` hold 0, the sink);
+    """ids [cap] int64 host ids to fetch (lanes past ``count``: unspecified);
     count [1] int64; threshold_bin [R] int32 (-1: fewer than k visible tokens)."""
 
     ids: torch.Tensor
@@ -68,28 +72,32 @@ def prefetch_cap(num_slots: int, num_queries: int, limit: int = PREFETCH_LIMIT) 
 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
+def _row_offset(offsets_ptr, row, row_ok, HAS_OFFSET: tl.constexpr):
+    """The rows' offsets as float32; non-finite offsets count as 0 (as in the reference)."""
+    if HAS_OFFSET:
+        o = tl.load(offsets_ptr + row, mask=row_ok, other=0.0).to(tl.float32)
+        off = tl.where(tl.abs(o) < float("inf"), o, 0.0)
+    else:
+        off = 0.0  # s - 0.0 is s, bit for bit
+    return off
+
+
+@triton.jit
 def _tile_bins(
-    scores_ptr,
-    offsets_ptr,
-    qpos_ptr,
-    row,
-    cols,
-    n_cols,
-    stride,
-    HAS_OFFSET: tl.constexpr,
-    HAS_QPOS: tl.constexpr,
+    scores_ptr, qpos_ptr, row, row_ok, off, cols, n_cols, stride, HAS_QPOS: tl.constexpr
 ):
-    """Histogram bin (0..255) of each column of one row's tile, and whether it counts."""
-    inside = cols < n_cols
+    """Histogram bin (0..255) of each (row, column), and whether it counts. ``row``,
+    ``row_ok`` and ``off`` broadcast against ``cols`` (a row's tile or a [rows, cols] tile).
+    """
+    inside = (cols < n_cols) & row_ok
     s = tl.load(scores_ptr + row * stride + cols, mask=inside, other=float("-inf"))
     s = s.to(tl.float32)
     valid = inside & (s != float("-inf"))
     if HAS_QPOS:
-        valid = valid & (cols <= tl.load(qpos_ptr + row))
-    if HAS_OFFSET:
-        s = s - tl.load(offsets_ptr + row)
-    s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0: equal scores, equal keys
-    bits = s.to(tl.int32, bitcast=True)
+        valid = valid & (cols <= tl.load(qpos_ptr + row, mask=row_ok, other=0))
+    d = s - off
+    d = tl.where(d == 0.0, 0.0, d)  # -0.0 -> +0.0: equal scores, equal keys
+    bits = d.to(tl.int32, bitcast=True)
     top = (bits >> 24) & 255
     # Order-preserving key: positives flip the sign bit, negatives flip every bit.
     b = tl.where(bits >= 0, top + 128, 255 - top)
@@ -109,18 +117,19 @@ def _hist_kernel(
     BLOCK: tl.constexpr,
     TILES: tl.constexpr,
 ):
+    """Grid (rows, column spans): add one span's bin counts to the row's histogram."""
     row = tl.program_id(0).to(tl.int64)
+    row_ok = row >= 0
     base = tl.program_id(1) * (BLOCK * TILES)
-    hist = tl.zeros((512,), dtype=tl.int32)
+    off = _row_offset(offsets_ptr, row, row_ok, HAS_OFFSET)
+    hist = tl.zeros((256,), dtype=tl.int32)
     for t in tl.static_range(TILES):
         cols = base + t * BLOCK + tl.arange(0, BLOCK)
         b, valid = _tile_bins(
-            scores_ptr, offsets_ptr, qpos_ptr, row, cols, n_cols, stride, HAS_OFFSET, HAS_QPOS
+            scores_ptr, qpos_ptr, row, row_ok, off, cols, n_cols, stride, HAS_QPOS
         )
-        # Uncounted lanes go to bin 256 of a 512-bin histogram and are dropped below.
-        hist += tl.histogram(tl.where(valid, b, 256), 512)
-    bins = tl.arange(0, 512)
-    tl.atomic_add(hist_ptr + row * 256 + bins, hist, mask=(bins < 256) & (hist > 0))
+        hist += tl.histogram(b, 256, mask=valid)
+    tl.atomic_add(hist_ptr + row * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
 
 @triton.jit
@@ -132,35 +141,89 @@ def _flag_kernel(
     locs_ptr,
     h2d_ptr,
     flags_ptr,
+    tile_count_ptr,
     thr_ptr,
     n_cols,
     stride,
     k,
+    ROWS: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
     ABSENT_ID: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     HAS_QPOS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    TILES: tl.constexpr,
+    TILE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """Grid (column tiles): OR every row's "above its threshold bin" over one tile of
+    columns, ROW_BLOCK rows at a time; drop resident tokens; write the tile's 0/1 flags
+    and their count."""
+    tile = tl.program_id(0)
+    cols = tile * TILE + tl.arange(0, TILE)
     bins = tl.arange(0, 256)
-    h = tl.load(hist_ptr + row * 256 + bins)
-    at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # tokens in bins >= b
-    # Highest bin whose suffix count reaches k; -1 when the row has fewer than k tokens.
-    thr = tl.sum((at_or_above >= k).to(tl.int32), 0) - 1
-    tl.store(thr_ptr + row, thr, mask=tl.program_id(1) == 0)
-    base = tl.program_id(1) * (BLOCK * TILES)
-    for t in tl.static_range(TILES):
-        cols = base + t * BLOCK + tl.arange(0, BLOCK)
+    flag = tl.zeros((TILE,), dtype=tl.int32)
+    # A constexpr trip count (the interpreter needs one); the loop is not unrolled.
+    for r0 in range(0, ROWS, ROW_BLOCK):
+        row = r0 + tl.arange(0, ROW_BLOCK).to(tl.int64)
+        row_ok = row < ROWS
+        h = tl.load(hist_ptr + row[:, None] * 256 + bins[None, :], mask=row_ok[:, None], other=0)
+        at_or_above = tl.sum(h, 1)[:, None] - tl.cumsum(h, 1) + h  # tokens in bins >= b
+        # Highest bin whose suffix count reaches k; -1 when the row has fewer than k.
+        thr = tl.sum((at_or_above >= k).to(tl.int32), 1) - 1
+        tl.store(thr_ptr + row, thr, mask=row_ok & (tile == 0))
+        off = _row_offset(offsets_ptr, row, row_ok, HAS_OFFSET)
+        if HAS_OFFSET:
+            off = off[:, None]
         b, valid = _tile_bins(
-            scores_ptr, offsets_ptr, qpos_ptr, row, cols, n_cols, stride, HAS_OFFSET, HAS_QPOS
+            scores_ptr,
+            qpos_ptr,
+            row[:, None],
+            row_ok[:, None],
+            off,
+            cols[None, :],
+            n_cols,
+            stride,
+            HAS_QPOS,
         )
-        cand = valid & (b > thr)
-        loc = tl.load(locs_ptr + cols, mask=cand, other=0).to(tl.int64)
-        slot = tl.load(h2d_ptr + loc, mask=cand, other=0)
-        fetch = cand & (slot == ABSENT_ID)
-        # Several rows may flag one column: they all store the same 1.
-        tl.store(flags_ptr + cols, tl.full((BLOCK,), 1, tl.int8), mask=fetch)
+        above = valid & (b > thr[:, None])
+        flag = flag | tl.max(above.to(tl.int32), 0)
+    cand = flag != 0
+    loc = tl.load(locs_ptr + cols, mask=cand, other=0).to(tl.int64)
+    slot = tl.load(h2d_ptr + loc, mask=cand, other=0)
+    fetch = cand & (slot == ABSENT_ID)
+    tl.store(flags_ptr + cols, fetch.to(tl.int8), mask=cols < n_cols)
+    tl.store(tile_count_ptr + tile, tl.sum(fetch.to(tl.int32), 0))
+
+
+@triton.jit
+def _compact_kernel(
+    flags_ptr,
+    tile_count_ptr,
+    locs_ptr,
+    budget_ptr,
+    ids_ptr,
+    count_ptr,
+    n_cols,
+    n_tiles,
+    cap,
+    HAS_BUDGET: tl.constexpr,
+    TILE: tl.constexpr,
+    MAX_TILES: tl.constexpr,
+):
+    """Grid (column tiles): write the flagged host ids in column order, up to the limit."""
+    tile = tl.program_id(0)
+    t = tl.arange(0, MAX_TILES)
+    counts = tl.load(tile_count_ptr + t, mask=t < n_tiles, other=0)
+    prefix = tl.sum(tl.where(t < tile, counts, 0), 0)
+    total = tl.sum(counts, 0)
+    limit = tl.zeros((), dtype=tl.int64) + cap
+    if HAS_BUDGET:
+        limit = tl.minimum(limit, tl.maximum(tl.load(budget_ptr), 0))
+    cols = tile * TILE + tl.arange(0, TILE)
+    f = tl.load(flags_ptr + cols, mask=cols < n_cols, other=0).to(tl.int32)
+    pos = prefix + tl.cumsum(f, 0) - 1
+    take = (f != 0) & (pos < limit)
+    loc = tl.load(locs_ptr + cols, mask=take, other=0)
+    tl.store(ids_ptr + pos, loc.to(tl.int64), mask=take)
+    tl.store(count_ptr, tl.minimum(total.to(tl.int64), limit), mask=tile == 0)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -194,28 +257,7 @@ def _check(scores, locs, host_to_device, topk, cap, offsets, query_pos, budget) 
 
 def _finite_offsets(offsets: torch.Tensor) -> torch.Tensor:
     off = offsets.to(torch.float32)
-    return torch.where(torch.isfinite(off), off, torch.zeros_like(off)).contiguous()
-
-
-def _compact(
-    flags: torch.Tensor, locs: torch.Tensor, cap: int, budget: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flagged columns' host ids, in column order, into a [cap] list + [1] count."""
-    rank = torch.cumsum(flags, 0, dtype=torch.int64) - 1
-    total = (
-        (rank[-1:] + 1) if rank.numel() else torch.zeros(1, dtype=torch.int64, device=flags.device)
-    )
-    limit = torch.full_like(total, cap)
-    if budget is not None:
-        limit = torch.minimum(limit, budget.clamp(min=0))
-    take = (flags != 0) & (rank < limit)
-    dest = torch.where(take, rank, torch.full_like(rank, cap))
-    ids = torch.zeros(cap + 1, dtype=torch.int64, device=flags.device)
-    ids.scatter_(0, dest, locs.to(torch.int64))
-    count = torch.minimum(total, limit)
-    if budget is not None:
-        budget.sub_(count)
-    return ids[:cap], count
+    return torch.where(torch.isfinite(off), off, torch.zeros_like(off))
 
 
 def prefill_prefetch(
@@ -229,6 +271,8 @@ def prefill_prefetch(
     budget: torch.Tensor | None = None,
     block: int = DEFAULT_BLOCK,
     tiles: int = DEFAULT_TILES,
+    tile: int = DEFAULT_TILE,
+    row_block: int = DEFAULT_ROW_BLOCK,
 ) -> PrefetchList:
     """Host ids of history tokens certain to be in some row's top-k and not resident.
 
@@ -236,45 +280,74 @@ def prefill_prefetch(
     c = host id ``locs[c]``, distinct ids); ``host_to_device`` the layer's map; ``offsets``
     [R] per-row score offsets (None: 0); ``query_pos`` [R]: row r sees columns <= it
     (None: all); ``budget`` [1] int64: device-side allowance shared across calls, reduced
-    by the count. Fixed shapes, no host sync; ``threshold_bin`` is returned for tests.
+    by the count. ``ids`` lanes past ``count`` are unspecified. Three kernel launches and
+    a few allocations: fixed shapes, no host sync. ``threshold_bin`` is for tests.
+
+    ``block`` x ``tiles`` columns per histogram program, ``tile`` columns per flag and
+    compaction program, ``row_block`` rows per flag step (powers of two).
     """
     _check(scores, locs, host_to_device, topk, cap, offsets, query_pos, budget)
-    if triton.next_power_of_2(block) != block or block < 16 or tiles < 1:
-        raise ValueError(f"block must be a power of two >= 16 and tiles >= 1, got {block}, {tiles}")
+    for name, v, least in (("block", block, 16), ("tile", tile, 16), ("row_block", row_block, 1)):
+        if triton.next_power_of_2(v) != v or v < least:
+            raise ValueError(f"{name} must be a power of two >= {least}, got {v}")
+    if tiles < 1:
+        raise ValueError(f"tiles must be >= 1, got {tiles}")
     rows, cols = scores.shape
     dev = scores.device
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     locs = locs.contiguous()
+    ids = torch.empty(cap, dtype=torch.int64, device=dev)
+    if rows == 0 or cols == 0 or cap == 0:
+        thr = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+        return PrefetchList(ids, torch.zeros(1, dtype=torch.int64, device=dev), thr)
+    n_tiles = triton.cdiv(cols, tile)
     hist = torch.zeros(rows, NUM_BINS, dtype=torch.int32, device=dev)
-    flags = torch.zeros(cols, dtype=torch.int8, device=dev)
-    thr = torch.full((rows,), -1, dtype=torch.int32, device=dev)
-    off = _finite_offsets(offsets) if offsets is not None else scores  # dummy pointer
+    flags = torch.empty(cols, dtype=torch.int8, device=dev)
+    tile_counts = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    thr = torch.empty(rows, dtype=torch.int32, device=dev)
+    count = torch.empty(1, dtype=torch.int64, device=dev)
+    off = offsets.contiguous() if offsets is not None else scores  # dummy pointer
     qpos = query_pos.contiguous() if query_pos is not None else locs  # dummy pointer
-    if rows and cols:
-        grid = (rows, triton.cdiv(cols, block * tiles))
-        flags_on = dict(HAS_OFFSET=offsets is not None, HAS_QPOS=query_pos is not None)
-        _hist_kernel[grid](
-            scores, off, qpos, hist, cols, scores.stride(0), BLOCK=block, TILES=tiles, **flags_on
-        )
-        _flag_kernel[grid](
-            scores,
-            off,
-            qpos,
-            hist,
-            locs,
-            host_to_device,
-            flags,
-            thr,
-            cols,
-            scores.stride(0),
-            topk,
-            ABSENT_ID=ABSENT,
-            BLOCK=block,
-            TILES=tiles,
-            **flags_on,
-        )
-    ids, count = _compact(flags, locs, cap, budget)
+    has = dict(HAS_OFFSET=offsets is not None, HAS_QPOS=query_pos is not None)
+    stride = scores.stride(0)
+    grid = (rows, triton.cdiv(cols, block * tiles))
+    _hist_kernel[grid](scores, off, qpos, hist, cols, stride, BLOCK=block, TILES=tiles, **has)
+    _flag_kernel[(n_tiles,)](
+        scores,
+        off,
+        qpos,
+        hist,
+        locs,
+        host_to_device,
+        flags,
+        tile_counts,
+        thr,
+        cols,
+        stride,
+        topk,
+        ROWS=rows,
+        ROW_BLOCK=row_block,
+        ABSENT_ID=ABSENT,
+        TILE=tile,
+        **has,
+    )
+    _compact_kernel[(n_tiles,)](
+        flags,
+        tile_counts,
+        locs,
+        budget if budget is not None else count,  # dummy pointer
+        ids,
+        count,
+        cols,
+        n_tiles,
+        cap,
+        HAS_BUDGET=budget is not None,
+        TILE=tile,
+        MAX_TILES=triton.next_power_of_2(n_tiles),
+    )
+    if budget is not None:
+        budget.sub_(count)
     return PrefetchList(ids, count, thr)
 
 

@@ -89,8 +89,10 @@ class DecodeThresholdPredictor:
         value = torch.where(blend, self.alpha * new + (1.0 - self.alpha) * old, new)
         self.theta.index_copy_(0, idx, value)
         self.finite.index_copy_(0, idx, new_finite)
-        self.theta[self.scratch_row] = _INF
-        self.finite[self.scratch_row] = False
+        # narrow().fill_(): a device-side fill (indexed assignment of a Python scalar
+        # copies from the host, which CUDA-graph capture rejects).
+        self.theta.narrow(0, self.scratch_row, 1).fill_(_INF)
+        self.finite.narrow(0, self.scratch_row, 1).fill_(False)
 
 
 class PrefillOffsetPredictor:
@@ -147,8 +149,10 @@ class PrefillOffsetPredictor:
         """Fold one query block's exact k-th scores [R] into the requests owning the rows.
 
         ``rows`` [R] gives each query row's request row (repeats expected: a block holds
-        many queries of one request). Non-finite k-th scores (fewer than k visible keys)
-        and ``valid``-masked lanes are ignored. Fixed shapes only.
+        many queries of one request); padded lanes may name any row, e.g. the scratch
+        row, with ``valid`` False. Non-finite k-th scores (fewer than k visible keys) and
+        masked lanes are ignored. Fixed shapes only; the float sums use atomics on CUDA,
+        so the offset may differ in its last bits between runs (prefetch stays lossless).
         """
         if kth.shape != rows.shape or kth.dim() != 1:
             raise ValueError(
@@ -158,15 +162,13 @@ class PrefillOffsetPredictor:
         use = torch.isfinite(value)
         if valid is not None:
             use = use & valid
-        idx = torch.where(use, rows.long(), torch.full_like(rows, self.scratch_row).long())
-        total = torch.zeros_like(self.offset).index_add_(0, idx, torch.where(use, value, 0.0))
-        count = torch.zeros_like(self.offset).index_add_(0, idx, use.to(torch.float32))
-        seen = count > 0
-        block_mean = total / count.clamp(min=1.0)
-        blended = torch.where(
-            self.known, self.alpha * block_mean + (1.0 - self.alpha) * self.offset, block_mean
+        # Lanes not used add (0, 0) to their row: no effect, no data-dependent indexing.
+        lane = torch.stack((torch.where(use, value, 0.0), use.to(torch.float32)), 1)
+        acc = torch.zeros(self.offset.shape[0], 2, device=self.device).index_add_(0, rows, lane)
+        seen = acc[:, 1] > 0
+        block_mean = acc[:, 0] / acc[:, 1].clamp(min=1.0)
+        target = torch.where(
+            self.known, torch.lerp(self.offset, block_mean, self.alpha), block_mean
         )
-        self.offset.copy_(torch.where(seen, blended, self.offset))
+        self.offset.copy_(torch.where(seen, target, self.offset))
         self.known.logical_or_(seen)
-        self.offset[self.scratch_row] = 0.0
-        self.known[self.scratch_row] = False
