@@ -52,8 +52,28 @@ def _served(alloc, count_only: bool = False):
     return alloc.miss_ids[:n].tolist(), alloc.miss_slots[:n].tolist()
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_kernels_match_reference_over_a_random_life(seed: int) -> None:
+@pytest.fixture(params=["forward", "reversed"])
+def program_order(request, monkeypatch):
+    """The interpreter runs a grid's programs one after another, in order; a GPU runs them
+    at once. Running them in reverse too exposes programs that read what another program
+    of the same launch writes (a torn read of a slot being filled once broke the state)."""
+    if request.param == "reversed":
+        if DEV != "cpu":
+            pytest.skip("program order is the hardware's on a GPU")
+        from triton.runtime import interpreter
+
+        builder = interpreter.interpreter_builder
+        original = type(builder).set_grid_idx
+
+        def reversed_idx(self, x, y, z):
+            original(self, self.grid_dim[0] - 1 - x, y, z)
+
+        monkeypatch.setattr(type(builder), "set_grid_idx", reversed_idx)
+    return request.param
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kernels_match_reference_over_a_random_life(seed: int, program_order: str) -> None:
     rng = random.Random(seed)
     num_slots, host_tokens = 40, 200
     ref, ker = _pair(num_slots, host_tokens)

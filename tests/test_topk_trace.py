@@ -174,13 +174,14 @@ def test_tracer_records_the_models_own_selection(trained):
     assert np.all((arr["recall"] >= 0) & (arr["recall"] <= 1))
 
 
-def test_trace_and_analyze_end_to_end(trained, corpus_dir, tmp_path):
+def test_trace_and_analyze_end_to_end(trained, tmp_path):
+    """No --data-roots: the held-out files come from the training run's own roots."""
     ckpt, _ = trained
     npz = _script("trace").main(
         [
             "--model", str(ckpt), "--out-npz", str(tmp_path / "t.npz"), "--lengths", "70,120",
             "--per-length", "2", "--decode-steps", "12", "--device", "cpu",
-            "--data-roots", str(corpus_dir), "--oracle-prompts", "2", "--oracle-prompt-len", "40",
+            "--oracle-prompts", "2", "--oracle-prompt-len", "40",
             "--oracle-tokens", "8",
         ]
     )  # fmt: skip
@@ -198,6 +199,7 @@ def test_trace_and_analyze_end_to_end(trained, corpus_dir, tmp_path):
     record = json.loads(path.read_text())
     assert {"name", "device", "date", "command", "metrics"} <= set(record)
     assert record["setup"]["oracle"]["identical"] is True
+    assert all("mod_" in name for name in record["setup"]["requests"])  # the training corpus
     side = record["metrics"]["side_by_side"]
     for key, pair in side.items():
         assert set(pair) == {"trained", "untrained"}, key

@@ -6,8 +6,8 @@ environment, where sglang is absent, the modules that need it are skipped with t
 reason shown in the run's summary; with ECHO_REQUIRE_SGLANG=1 (set by the Makefile) a
 missing sglang is an error instead.
 
-Every module here may import sglang; set the process up first: Triton kernels run under
-the interpreter (sglang's own write path included), one intra-op thread.
+Every module here may import sglang; set the process up first: without a GPU, Triton
+kernels run under the interpreter (sglang's own write path included); one intra-op thread.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import sys
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)
 
 # "sglang.srt": this directory itself is a namespace package named sglang on sys.path.

@@ -93,8 +93,8 @@ def allocate_reference(
     first_miss = miss & first
     slot_idx = torch.where(hit, looked_up, torch.full_like(looked_up, c.scratch_slot))
     hit_slots = torch.zeros(c.num_slots + 2, dtype=torch.bool, device=dev)
-    hit_slots[slot_idx] = True
-    hit_slots[c.scratch_slot] = False
+    hit_slots.index_fill_(0, slot_idx, True)
+    hit_slots.index_fill_(0, slot_idx.new_full((1,), c.scratch_slot), False)
     prio.copy_(torch.where(hit_slots, stamp, prio))
 
     n_miss = first_miss.sum()
@@ -180,7 +180,7 @@ def _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND: tl.constexpr
     over = age - (_EXACT - 1)
     extra = tl.zeros_like(age)
     for j in tl.static_range(1, _BUCKETS - _EXACT):
-        extra += (over >= (1 << j)).to(tl.int64)
+        extra += ((over >> j) > 0).to(tl.int64)  # over >= 2**j, no wide constant
     bucket = tl.where(age < _EXACT, age, extra + _EXACT)
     return tl.where(evictable, bucket, -1)
 
@@ -254,7 +254,7 @@ def _count_kernel(
 @triton.jit
 def _rank_kernel(
     ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr,
-    slot_counts_ptr, free_count_ptr, miss_ids_ptr, miss_count_ptr,
+    slot_counts_ptr, free_count_ptr, miss_ids_ptr, miss_count_ptr, buckets_ptr,
     num_slots, slot_programs, lane_programs,
     APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, MAXP: tl.constexpr,
 ):  # fmt: skip
@@ -271,6 +271,9 @@ def _rank_kernel(
         boundary, _older, evictable = _boundary(hist_ptr, need)
         slot = pid * SLOTS + tl.arange(0, SLOTS)
         bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
+        # Saved for the assign kernel: there the free-stack programs fill free slots while
+        # victim programs run, and re-reading owner and priority could see one half of it.
+        tl.store(buckets_ptr + slot, bucket.to(tl.int16), mask=slot < num_slots + 2)
         older_here = (bucket >= 0) & (bucket > boundary)
         at_here = (bucket >= 0) & (bucket == boundary)
         tl.store(slot_counts_ptr + 2 * pid, tl.sum(older_here.to(tl.int32), 0))
@@ -290,7 +293,7 @@ def _rank_kernel(
 @triton.jit
 def _assign_kernel(
     h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr, slot_counts_ptr,
-    free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, evictions_ptr,
+    free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, evictions_ptr, buckets_ptr,
     num_slots, slot_programs, lane_programs, scratch_slot,
     APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, MAXP: tl.constexpr,
     MAXS: tl.constexpr,
@@ -311,7 +314,7 @@ def _assign_kernel(
         older_before = tl.sum(tl.load(slot_counts_ptr + 2 * q, mask=earlier, other=0), 0)
         at_before = tl.sum(tl.load(slot_counts_ptr + 2 * q + 1, mask=earlier, other=0), 0)
         slot = pid * SLOTS + tl.arange(0, SLOTS)
-        bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
+        bucket = tl.load(buckets_ptr + slot, mask=slot < num_slots + 2, other=-1).to(tl.int64)
         is_older = ((bucket >= 0) & (bucket > boundary)).to(tl.int64)
         is_at = ((bucket >= 0) & (bucket == boundary)).to(tl.int64)
         quota = need - older
@@ -386,6 +389,7 @@ class AllocWorkspace:
         self.miss_ids = torch.zeros(max_lanes + 1, dtype=torch.int64, device=dev)
         self.miss_slots = torch.zeros(max_lanes + 1, dtype=torch.int64, device=dev)
         self.miss_count = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.buckets = torch.full((cache.num_slots + 2,), -1, dtype=torch.int16, device=dev)
 
 
 def allocate_kernel(
@@ -420,12 +424,12 @@ def allocate_kernel(
     )  # fmt: skip
     _rank_kernel[both](
         ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, ws.slot_counts,
-        free_count, ws.miss_ids, ws.miss_count, c.num_slots, sp, lane_programs,
+        free_count, ws.miss_ids, ws.miss_count, ws.buckets, c.num_slots, sp, lane_programs,
         SLOTS=SLOT_BLOCK, MAXP=maxp, **flags,
     )  # fmt: skip
     _assign_kernel[both](
         h2d, d2h, prio, clock, ws.hist, ws.lane_counts, ws.slot_counts, free_count,
-        c.free_stack[layer], ws.miss_ids, ws.miss_slots, evictions, c.num_slots, sp,
+        c.free_stack[layer], ws.miss_ids, ws.miss_slots, evictions, ws.buckets, c.num_slots, sp,
         lane_programs, c.scratch_slot, SLOTS=SLOT_BLOCK, MAXP=maxp, MAXS=maxs, **flags,
     )  # fmt: skip
     _finish_kernel[(lane_programs,)](

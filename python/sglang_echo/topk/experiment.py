@@ -48,8 +48,16 @@ def untrained_twin(info: dict, device: torch.device, dtype: torch.dtype) -> torc
 
 
 def held_out_docs(info: dict, data_roots: list[tuple[str, Path]] | None) -> tuple[list, list]:
-    """Held-out files of the training run's split (names, token arrays), content-hash order."""
+    """Held-out files of the training run's split (names, token arrays), content-hash order.
+
+    Without ``data_roots``: the training run's roots when they exist here, else this
+    machine's defaults (the split rule is the same; the files may differ).
+    """
     fraction = float(info.get("eval_fraction", 0.02))
+    if data_roots is None:
+        trained_on = [(r["label"], Path(r["path"])) for r in info.get("data", {}).get("roots", [])]
+        if trained_on and all(path.is_dir() for _, path in trained_on):
+            data_roots = trained_on
     corpus = load_corpus(data_roots, eval_fraction=fraction, with_train_stream=False)
     names = [f"{f.root}:{f.rel}" for f in corpus.eval_files]
     return names, corpus.eval_docs
