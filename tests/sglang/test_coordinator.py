@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import random
 
+import plugin_testenv  # first: sets the process up before sglang loads
 import pytest
 import torch
 
-pytest.importorskip("sglang.srt", reason="sglang 0.5.23 not installed; `make test` runs it")
+plugin_testenv.require_sglang()
 
-from sglang_world import DecodeNode, apply_cpu_shims, init_process_group
+from sglang_world import DecodeNode, apply_cpu_shims, init_process_group  # noqa: E402
 
-from sglang_echo.offload.device_cache import ABSENT, FREE
+from sglang_echo.offload.device_cache import ABSENT, FREE  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

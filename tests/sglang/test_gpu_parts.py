@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import plugin_testenv  # noqa: F401  first: sets the process up before triton loads
 import pytest
 import torch
 

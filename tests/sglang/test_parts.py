@@ -10,6 +10,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import plugin_testenv  # noqa: F401  first: sets the process up before triton loads
 import pytest
 import torch
 

@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import plugin_testenv  # first: sets the process up before sglang loads
 import pytest
 
-pytest.importorskip("sglang.srt", reason="sglang 0.5.23 not installed; `make test` runs it")
+plugin_testenv.require_sglang()
 
 HERE = Path(__file__).parent
 TOP_K = 2048

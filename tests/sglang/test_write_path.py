@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import random
 
+import plugin_testenv  # first: sets the process up before sglang loads
 import pytest
 
-pytest.importorskip("sglang.srt", reason="sglang 0.5.23 not installed; `make test` runs it")
+plugin_testenv.require_sglang()
 
-from sglang_world import DecodeNode, apply_cpu_shims, init_process_group
-from test_coordinator import assert_back_to_start, check_tables, selections
+from sglang_world import DecodeNode, apply_cpu_shims, init_process_group  # noqa: E402
+from test_coordinator import assert_back_to_start, check_tables, selections  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
