@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -165,3 +166,37 @@ def test_plot_figures_and_ratios(tmp_path):
     assert ratios == {"0.5": pytest.approx(1.5), "inf": pytest.approx(2.1)}
     assert summary["tasks"]["passkey"]["infini-task offload"]["tok_s"] == 100.0
     assert plot_main([str(tmp_path / "plots"), "--out-dir", str(out)]) == 2  # no results
+
+
+SGLANG_PY = Path.home() / ".cache/sglang-echo/sglang-0.5.23/bin/python"  # make sglang-env
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SGLANG_PY.is_file(), reason="no sglang env (make sglang-env)")
+def test_sglang_own_bench_serving_against_our_echo_server(small_checkpoint, tmp_path):
+    """A client nobody here wrote: SGLang 0.5.23's bench_serving, ECHO on, at the smallest
+    legal device cache for 8 running requests."""
+    import subprocess
+
+    serving = make_serving(
+        small_checkpoint,
+        EchoConfig(offload=True, dev_cache_size=8 * 16),
+        max_total_tokens=2000,
+        max_running_requests=8,
+        chunked_prefill_size=64,
+        context_length=512,
+    )
+    out = tmp_path / "sglang.jsonl"
+    with running_server(serving) as (url, _app):
+        port = url.rsplit(":", 1)[1]
+        argv = [str(SGLANG_PY), "-m", "sglang.bench_serving", "--backend", "sglang"]
+        argv += ["--host", "127.0.0.1", "--port", port, "--dataset-name", "random-ids"]
+        argv += ["--random-input-len", "64", "--random-output-len", "16"]
+        argv += ["--random-range-ratio", "1.0", "--num-prompts", "8", "--request-rate", "inf"]
+        argv += ["--model", str(small_checkpoint), "--tokenizer", str(small_checkpoint)]
+        argv += ["--output-file", str(out), "--disable-tqdm"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rec = json.loads(out.read_text().splitlines()[-1])
+    assert rec["completed"] == 8 and rec["total_output_tokens"] == 8 * 16
