@@ -164,6 +164,12 @@ def test_bad_inputs_fail_clearly():
     assert prefetch_cap(100, 512) == 0
 
 
+def test_absent_matches_the_device_cache():
+    from sglang_echo.offload.device_cache import ABSENT as CACHE_ABSENT
+
+    assert ABSENT == CACHE_ABSENT
+
+
 def test_order_key_bins_preserve_order():
     x = torch.tensor([NEG_INF, -3e38, -5.0, -1.0, -1e-30, -0.0, 0.0, 1e-30, 1.0, 5.0, 3e38])
     b = order_key_bins(x)
@@ -250,3 +256,12 @@ def test_offset_shrinks_the_ambiguous_bin():
     )
     assert pred_amb < plain_amb
     assert pred_cert > plain_cert
+
+
+def test_default_launch_parameters_match_reference():
+    """The GPU defaults (wide tiles, 16-row flag steps over a 5-row block) also agree."""
+    scores = _case("normal", 5, 700, seed=21)
+    locs, h2d = _inputs(5, 700, seed=21)
+    offsets = torch.full((5,), 1.5)
+    got = prefill_prefetch(scores.to(DEV), locs.to(DEV), h2d.to(DEV), 40, 500, offsets.to(DEV))
+    _assert_same(got, prefill_prefetch_reference(scores, locs, h2d, 40, 500, offsets))

@@ -18,8 +18,16 @@ assigned one per host id (no eviction), so only the order of copies differs betw
   after its top-k, no histogram.
 
 Before timing, each case checks that every variant ends with the same resident set and
-byte-identical device rows, and that nothing prefetched was unselected (wasted = 0 by
-construction). Times: CUDA events, warm-up, medians (common.time_us).
+byte-identical device rows (eager and CUDA-graph replay), and that nothing prefetched was
+unselected (wasted = 0 by construction). Times: CUDA events, warm-up, medians
+(common.time_us), each variant both launched eagerly and replayed from one CUDA graph.
+``speedup`` is the graph-replayed (device-time) ratio; ``speedup_eager`` includes
+Python launch cost, which the prefetch variant's ~10 extra launches per block dominate.
+The main stream has the higher priority (``--stream-priority equal`` to compare), so
+side-stream work fills SMs the main stream leaves idle.
+
+Bound: prefetch can hide at most the recall of the prefetched rows (<= 8192 x 656 B per
+chunk, ~0.15 ms at the measured ~45 GB/s); the baseline's scoring and top-k dominate.
 
     PYTHONPATH=python python benchmark/kernels/prefill_prefetch_bench.py --out benchmark/results
     python benchmark/kernels/prefill_prefetch_bench.py --smoke --out /tmp/pp   # CPU, tiny
