@@ -47,11 +47,6 @@ def _serve(model, cache, cap: int, prompts: list[list[int]]):
     return [r.output for r in reqs]
 
 
-@pytest.mark.xfail(
-    reason="H200, 2026-11-29: ECHO and plain tokens differed here (CPU tests and the offline "
-    "Engine's GPU tests agree); open, benchmark/serving_gpu_probe.py isolates the path",
-    strict=False,
-)
 @pytest.mark.parametrize("name", ["default-rope", "fp8-indexer"])
 def test_scheduler_with_cuda_graphs_is_lossless(checkpoints, name):
     model = load_model(checkpoints[name], device="cuda", dtype=torch.float32)

@@ -13,6 +13,7 @@ sort exact LRU would need, and the hit rates of the victim policies on one trace
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -130,6 +131,39 @@ def sort_us(slots: int, dev: torch.device) -> float | None:
     return time_us(lambda: torch.sort(prio, stable=True), warmup=5, reps=50)
 
 
+def plot(record_path: Path) -> Path:
+    """Bar chart of the record's per-layer-step times beside the JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = json.loads(record_path.read_text())["metrics"]
+    bars = {
+        "kernels:\nmanagement": m["us_per_layer_step"],
+        "kernels:\n+ recall": m["us_per_layer_step_with_recall"],
+        "torch ref:\nmanagement": m["torch_reference_us_per_layer_step"],
+        "torch ref:\n+ recall": m["torch_reference_us_with_recall"],
+    }
+    if m.get("exact_lru_sort_us"):
+        bars["one sort of\nall priorities"] = m["exact_lru_sort_us"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(list(bars), list(bars.values()), color="tab:blue")
+    ax.axhline(m["target_us"], color="tab:red", linestyle="--", label=f"target {m['target_us']} us")
+    ax.set_yscale("log")
+    ax.set_ylabel("us per layer-step (median, graph replay)")
+    ax.set_title(
+        f"ECHO cache management, batch {m['batch']} x top-k {m['topk']}, {m['slots']} slots, "
+        f"hit rate {m['hit_rate']:.3f}",
+        fontsize=9,
+    )
+    ax.legend()
+    fig.tight_layout()
+    out = record_path.with_suffix(".png")
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmark/results")
@@ -148,7 +182,11 @@ def main() -> None:
     p.add_argument(
         "--device", default="cuda", help="cuda (timed, graph-replayed) or cpu (smoke run)"
     )
+    p.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
     args = p.parse_args()
+    if args.plot_only:
+        print(plot(Path(args.plot_only)))
+        return
     dev = torch.device(args.device)
     trace = make_trace(args.steps, args.batch, args.topk, args.context, args.reuse).to(dev)
     on_gpu = dev.type == "cuda"
@@ -189,7 +227,13 @@ def main() -> None:
         "victim_policy_kept": "lru_bucketed",
         "runs": runs,
     }
-    save_record(args.out, "cache_ops", torch.cuda.get_device_name() if on_gpu else "cpu", metrics)
+    path = save_record(
+        args.out, "cache_ops", torch.cuda.get_device_name() if on_gpu else "cpu", metrics
+    )
+    try:
+        plot(path)
+    except ImportError:
+        print("matplotlib missing: no PNG")
     print(f"{'run':22s} {'us/layer-step':>14s} {'min':>8s} {'hit rate':>9s}")
     for name, r in runs.items():
         print(f"{name:22s} {r['us']:14.1f} {r['us_min']:8.1f} {r['hit_rate']:9.3f}")

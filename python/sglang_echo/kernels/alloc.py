@@ -67,7 +67,9 @@ def victim_mask(bucket: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
     suffix = counts[1:].flip(0).cumsum(0).flip(0)  # suffix[b]: evictable with bucket >= b
     b = torch.arange(NUM_BUCKETS, device=bucket.device)
     boundary = torch.where(suffix >= need, b, -1).max()
-    older = torch.where(boundary >= 0, suffix[boundary] - counts[boundary + 1], 0)
+    at_boundary = boundary.clamp(min=0).view(1)  # gather, not indexing: no host read
+    older_or_all = suffix.gather(0, at_boundary) - counts.gather(0, at_boundary + 1)
+    older = torch.where(boundary >= 0, older_or_all[0], 0)
     at = evictable & (bucket == boundary)
     return evictable & (bucket > boundary) | at & (torch.cumsum(at, 0) <= need - older)
 
@@ -127,9 +129,10 @@ def allocate_reference(
     h2d.scatter_(0, torch.where(served, ids, scratch_host), slot.to(torch.int32))
     d2h.scatter_(0, slot, torch.where(served, ids, FREE).to(torch.int32))
     prio.scatter_(0, slot, stamp.expand(lanes))
-    h2d[c.scratch_host] = ABSENT
-    d2h[c.scratch_slot] = FREE
-    prio[c.scratch_slot] = FREE
+    # Scratch entries back to their resting values (narrow + fill: no host-to-device copy).
+    h2d.narrow(0, c.scratch_host, 1).fill_(ABSENT)
+    d2h.narrow(0, c.scratch_slot, 1).fill_(FREE)
+    prio.narrow(0, c.scratch_slot, 1).fill_(FREE)
 
     out = torch.where(valid, h2d[key].to(torch.int64), -1)
     out = torch.where(out == ABSENT, torch.full_like(out, c.scratch_slot), out)
