@@ -28,6 +28,7 @@ from common import save_record, time_us
 from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
+from sglang_echo.kernels.alloc import STAGES, allocate_kernel
 from sglang_echo.offload.echo_cache import EchoKVCache
 
 
@@ -123,6 +124,34 @@ def measure(args, dev: torch.device, trace: torch.Tensor, use_kernels: bool, par
     }
 
 
+def stage_breakdown(args, dev: torch.device, trace: torch.Tensor) -> dict[str, float]:
+    """Median device time of each resolve kernel (kernels/alloc.STAGES). The launches are
+    queued behind a sleep kernel so the events measure the kernels, not launch gaps."""
+    host_tokens = args.batch * args.context + args.batch * (args.steps + 8)
+    cache = _cache(args, dev, host_tokens, True)
+    m = cache.manager
+    new_rows = torch.randn(args.batch, 576, device=dev, dtype=torch.bfloat16)
+    keys = torch.randn(args.batch, 128, device=dev, dtype=torch.bfloat16)
+    next_loc = args.batch * args.context + 1
+    per_stage: dict[str, list[float]] = {name: [] for name in STAGES}
+    for t in range(args.steps):
+        new_locs = torch.arange(next_loc, next_loc + args.batch, device=dev)
+        next_loc += args.batch
+        cache.write(0, new_locs, new_rows, keys)
+        if t < args.steps // 2:
+            cache.resolve(0, trace[t])
+            continue
+        torch.cuda.synchronize()
+        torch.cuda._sleep(5_000_000)
+        events: list = []
+        alloc = allocate_kernel(m.cache, 0, trace[t].reshape(-1), False, m._workspace, events)
+        m._recall(0, alloc)
+        torch.cuda.synchronize()
+        for name, a, b in zip(STAGES, events, events[1:], strict=False):
+            per_stage[name].append(a.elapsed_time(b) * 1000)
+    return {name: statistics.median(v) for name, v in per_stage.items()}
+
+
 def sort_us(slots: int, dev: torch.device) -> float | None:
     """What exact LRU would pay every step: one stable sort of every slot's last use."""
     if dev.type != "cuda":
@@ -196,6 +225,7 @@ def main() -> None:
         "torch_management": measure(args, dev, trace, False, "management"),
         "torch_step": measure(args, dev, trace, False, "step"),
     }
+    stages = stage_breakdown(args, dev, trace) if on_gpu else None
     policy_trace, policy_slots, policy_source = trace, args.slots, "synthetic trace above"
     if args.policy_trace:
         import numpy as np
@@ -216,6 +246,7 @@ def main() -> None:
         "torch_reference_us_per_layer_step": runs["torch_management"]["us"],
         "torch_reference_us_with_recall": runs["torch_step"]["us"],
         "exact_lru_sort_us": sort_us(args.slots, dev),
+        "resolve_stage_us": stages,
         "batch": args.batch,
         "topk": args.topk,
         "slots": args.slots,
@@ -238,6 +269,7 @@ def main() -> None:
     for name, r in runs.items():
         print(f"{name:22s} {r['us']:14.1f} {r['us_min']:8.1f} {r['hit_rate']:9.3f}")
     print(f"exact-LRU sort of {args.slots} priorities: {metrics['exact_lru_sort_us']} us")
+    print("resolve kernels, us each:", stages)
     print("victim policy hit rates:", {k: round(v, 4) for k, v in policies.items()})
 
 

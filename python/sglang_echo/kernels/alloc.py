@@ -395,10 +395,28 @@ class AllocWorkspace:
         self.buckets = torch.full((cache.num_slots + 2,), -1, dtype=torch.int16, device=dev)
 
 
+STAGES = ("lookup", "count", "rank", "assign", "finish")
+
+
 def allocate_kernel(
-    cache: DeviceCache, layer: int, ids: torch.Tensor, append: bool, ws: AllocWorkspace
+    cache: DeviceCache,
+    layer: int,
+    ids: torch.Tensor,
+    append: bool,
+    ws: AllocWorkspace,
+    stage_events: list | None = None,
 ) -> Allocation:
-    """The kernels' version of :func:`allocate_reference`: five launches, no host sync."""
+    """The kernels' version of :func:`allocate_reference`: five launches, no host sync.
+
+    ``stage_events`` (benchmarks only): a list that gets one recorded CUDA event before the
+    first launch and one after each of the STAGES, for a per-kernel time breakdown."""
+
+    def mark() -> None:
+        if stage_events is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            stage_events.append(event)
+
     c = cache
     lanes = ids.shape[0]
     if lanes > ws.max_lanes:
@@ -417,27 +435,31 @@ def allocate_kernel(
     maxs = triton.next_power_of_2(sp)
     flags = dict(APPEND=append, LANES=LANE_BLOCK)
     evictions = (c.append_evictions if append else c.evictions)[layer : layer + 1]
-    _lookup_kernel[(lane_programs,)](
-        ids, lanes, h2d, prio, clock, ws.hist, c.hits[layer : layer + 1], HIST=HIST_BINS, **flags
-    )
+    mark()
+    _lookup_kernel[(lane_programs,)](ids, lanes, h2d, prio, clock, ws.hist, HIST=HIST_BINS, **flags)
+    mark()
     both = (sp + lane_programs,)
     _count_kernel[both](
         ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, c.num_slots, sp,
         SLOTS=SLOT_BLOCK, HIST=HIST_BINS, **flags,
     )  # fmt: skip
+    mark()
     _rank_kernel[both](
         ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, ws.slot_counts,
         free_count, ws.miss_ids, ws.miss_count, ws.buckets, c.num_slots, sp, lane_programs,
         SLOTS=SLOT_BLOCK, MAXP=maxp, **flags,
     )  # fmt: skip
+    mark()
     _assign_kernel[both](
         h2d, d2h, prio, clock, ws.hist, ws.lane_counts, ws.slot_counts, free_count,
         c.free_stack[layer], ws.miss_ids, ws.miss_slots, evictions, ws.buckets, c.num_slots, sp,
         lane_programs, c.scratch_slot, SLOTS=SLOT_BLOCK, MAXP=maxp, MAXS=maxs, **flags,
     )  # fmt: skip
+    mark()
     _finish_kernel[(lane_programs,)](
         ids, lanes, out, h2d, clock, ws.lane_counts, free_count, c.misses[layer : layer + 1],
         c.recalled_rows[layer : layer + 1], ws.miss_count, lane_programs, c.scratch_slot,
         MAXP=maxp, **flags,
     )  # fmt: skip
+    mark()
     return Allocation(out, ws.miss_ids, ws.miss_slots, ws.miss_count)
