@@ -19,7 +19,7 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 ckpt=models/tiny-dsv32-trained
 results=benchmark/results
 logs=benchmark/results/topk_logs
-train_budget=${TRAIN_BUDGET_S:-380}
+train_budget=${TRAIN_BUDGET_S:-390}
 # Extra flags (e.g. for a CPU smoke test of this script); later flags override earlier ones.
 train_extra=${TRAIN_EXTRA:-}
 trace_extra=${TRACE_EXTRA:-}

@@ -343,7 +343,7 @@ class Trainer:
         result = TrainResult(steps, dense_steps, False, calibration=calibration)
         deadline = t_start + cfg.time_budget_s - cfg.reserve_s
         t_train = time.time()
-        t_phase2 = None
+        t_phase2 = t_train if dense_steps == 0 else None
         t_log, tok_log = time.time(), 0
         acc_lm = torch.zeros((), device=self.device)
         acc_kl = torch.zeros((), device=self.device)
