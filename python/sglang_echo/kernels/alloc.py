@@ -436,7 +436,9 @@ def allocate_kernel(
     flags = dict(APPEND=append, LANES=LANE_BLOCK)
     evictions = (c.append_evictions if append else c.evictions)[layer : layer + 1]
     mark()
-    _lookup_kernel[(lane_programs,)](ids, lanes, h2d, prio, clock, ws.hist, HIST=HIST_BINS, **flags)
+    _lookup_kernel[(lane_programs,)](
+        ids, lanes, h2d, prio, clock, ws.hist, c.hits[layer : layer + 1], HIST=HIST_BINS, **flags
+    )
     mark()
     both = (sp + lane_programs,)
     _count_kernel[both](
