@@ -42,16 +42,7 @@ def prefill_all_logits(
     n = len(prompt)
     cache = PlainKVCache.for_model(cfg, n, dtype, device)
     locs = torch.arange(1, n + 1, device=device)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(prompt, device=device),
-        positions=torch.arange(n, device=device),
-        out_locs=locs,
-        context_locs=locs.unsqueeze(0),
-        extend_lens=[n],
-        context_lens=[n],
-        is_decode=False,
-        logits_indices=None,
-    )
+    batch = ForwardBatch.whole_prompt(torch.tensor(prompt, device=device), locs)
     captured: list[torch.Tensor] = []
     originals = []
     if record_topk:

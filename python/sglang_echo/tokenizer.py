@@ -5,6 +5,7 @@ Ids 0-2 are <|bos|>, <|eos|>, <|pad|>; ids 3-258 are the 256 bytes, so any text 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -46,3 +47,15 @@ def load_tokenizer(model_path: str | Path) -> Tokenizer | None:
     """The checkpoint's tokenizer.json, or None when it ships none."""
     file = Path(model_path) / "tokenizer.json"
     return Tokenizer.from_file(str(file)) if file.is_file() else None
+
+
+def save_byte_tokenizer(out_dir: Path) -> None:
+    """tokenizer.json + tokenizer_config.json, as transformers' AutoTokenizer loads them."""
+    build_byte_tokenizer().save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

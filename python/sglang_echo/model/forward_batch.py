@@ -35,6 +35,22 @@ class ForwardBatch:
     def num_requests(self) -> int:
         return len(self.extend_lens)
 
+    @classmethod
+    def whole_prompt(cls, input_ids: torch.Tensor, locs: torch.Tensor) -> ForwardBatch:
+        """One request's whole prompt in one prefill (positions 0..n-1 written to ``locs``):
+        what oracles and traces run, outside any scheduler."""
+        n = int(input_ids.shape[0])
+        return cls(
+            input_ids=input_ids,
+            positions=torch.arange(n, device=input_ids.device),
+            out_locs=locs,
+            context_locs=locs.unsqueeze(0),
+            extend_lens=[n],
+            context_lens=[n],
+            is_decode=False,
+            logits_indices=None,
+        )
+
     def extend_starts(self) -> list[int]:
         starts, acc = [], 0
         for n in self.extend_lens:

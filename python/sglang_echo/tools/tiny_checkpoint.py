@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_echo.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+from sglang_echo.tokenizer import BYTE_VOCAB_SIZE, save_byte_tokenizer
 
 
 @dataclass
@@ -114,18 +114,7 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> P
     out.mkdir(parents=True, exist_ok=True)
     model = build_hf_model(spec)
     model.save_pretrained(str(out), max_shard_size="15MB")
-    build_byte_tokenizer().save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<|bos|>",
-                "eos_token": "<|eos|>",
-                "pad_token": "<|pad|>",
-            },
-            indent=2,
-        )
-    )
+    save_byte_tokenizer(out)
     (out / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
     return out
 

@@ -61,18 +61,8 @@ def run_requests(
     prefill_nll, last_logits = [], []
     for r, n in enumerate(prompt_lens):
         ids = torch.tensor(tokens[r][:n], device=device)
-        positions = torch.arange(n, device=device)
-        locs = bases[r] + positions
-        batch = ForwardBatch(
-            input_ids=ids,
-            positions=positions,
-            out_locs=locs,
-            context_locs=locs.unsqueeze(0),
-            extend_lens=[n],
-            context_lens=[n],
-            is_decode=False,
-            logits_indices=None,
-        )
+        locs = bases[r] + torch.arange(n, device=device)
+        batch = ForwardBatch.whole_prompt(ids, locs)
         if tracer is not None:
             tracer.prefill_request = r
         logits = model(batch, cache)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sglang_echo.tokenizer import build_byte_tokenizer
+from sglang_echo.tokenizer import save_byte_tokenizer
 from sglang_echo.tools.tiny_checkpoint import TinySpec, hf_config
 
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -48,19 +48,7 @@ def save_checkpoint(
     for layer in hf.model.layers:
         layer.self_attn.indexer.weights_proj.float()
     hf.save_pretrained(str(out), max_shard_size=MAX_SHARD_SIZE)
-    build_byte_tokenizer().save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<|bos|>",
-                "eos_token": "<|eos|>",
-                "pad_token": "<|pad|>",
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    save_byte_tokenizer(out)
     (out / "train_spec.json").write_text(
         json.dumps({"model_spec": asdict(spec), **(metadata or {})}, indent=2) + "\n"
     )
