@@ -40,18 +40,38 @@ def gather_selected(
 ) -> torch.Tensor:
     """Resolve ``selected`` [Q, K] locations and copy their rows into ``out`` [Q, K, D].
 
-    Resolves in pieces no larger than the cache can hold at once (a piece's rows are
-    copied out before the next piece may evict them), so the attention that follows sees
-    the same tensor shapes, and therefore computes bit-identical results, whatever the
-    KV backend. Returns the valid mask [Q, K].
+    When the cache cannot take every query's selection in one resolve (ECHO in prefill),
+    the queries' selections overlap heavily, so their distinct locations are resolved at
+    once if they fit; otherwise in pieces no larger than the cache can hold (a piece's rows
+    are copied out before the next piece may evict them). The attention that follows sees
+    the same tensor shapes, and so computes bit-identical results, whatever the KV backend.
+    Returns the valid mask [Q, K].
     """
     n_queries, topk = selected.shape
     piece = min(n_queries, kv_cache.max_resolve_queries(topk))
+    if piece < n_queries and _gather_union(kv_cache, layer_id, selected, out, piece * topk):
+        return selected >= 0
     for s in range(0, n_queries, piece):
         e = min(s + piece, n_queries)
         buffer, rows = kv_cache.resolve(layer_id, selected[s:e])
         out[s:e] = buffer[rows.clamp(min=0)]
     return selected >= 0
+
+
+def _gather_union(
+    kv_cache: KVCache, layer_id: int, selected: torch.Tensor, out: torch.Tensor, budget: int
+) -> bool:
+    """Resolve the distinct locations of ``selected`` in one call if at most ``budget``;
+    False (nothing done) if they do not fit. Reads the distinct count on the host: prefill
+    only, never inside a captured decode step."""
+    distinct = torch.unique(selected[selected >= 0])
+    if distinct.numel() > budget or distinct.numel() == 0:
+        return False
+    buffer, rows = kv_cache.resolve(layer_id, distinct.view(1, -1))
+    where = torch.searchsorted(distinct, selected.clamp(min=0)).clamp(max=distinct.numel() - 1)
+    slot = torch.where(selected >= 0, rows.view(-1)[where], 0)  # padding reads the sink row
+    out.copy_(buffer[slot])
+    return True
 
 
 class MLAttention(nn.Module):
@@ -113,7 +133,11 @@ class MLAttention(nn.Module):
             self.indexer.project_key(hidden, cos, sin),
         )
         iq, iw = self.indexer.project_query(hidden, q_resid, cos, sin)
-        selected = self.indexer.select(iq, iw, kv_cache.index_keys(layer_id), batch)
+        # ECHO's decode prefetch, when on (an optional attribute of the KV backend).
+        prefetch = getattr(kv_cache, "decode_prefetch", None)
+        selected = self.indexer.select(
+            iq, iw, kv_cache.index_keys(layer_id), batch, prefetch, layer_id
+        )
 
         w_uk, w_uv = self._absorbed_weights()
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
