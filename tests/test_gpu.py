@@ -111,13 +111,16 @@ def test_oracle_on_cuda(checkpoints, name, dtype):
         assert result["rel_l2_vs_fp32_ours"] <= 1.5 * result["rel_l2_vs_fp32_transformers"] + 1e-2
 
 
-def _lossless_pair(model, prompts, new_tokens, batch_size, chunk, use_graph, sync_check):
+def _lossless_pair(
+    model, prompts, new_tokens, batch_size, chunk, use_graph, sync_check, fuse_decode=False
+):
     cfg = model.config
     dtype = model.lm_head.weight.dtype
     cap = sum(len(p) + new_tokens for p in prompts)
     width = max(len(p) for p in prompts) + new_tokens
     n_g = EchoConfig().min_dev_cache_size(batch_size, cfg.index_topk, min(chunk, cap))
-    echo_cfg = EchoConfig(offload=True, dev_cache_size=n_g)
+    # fuse_decode: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 (decode prefetch on a side stream).
+    echo_cfg = EchoConfig(offload=True, dev_cache_size=n_g, fuse_decode=fuse_decode)
     echo = echo_cache_for_model(echo_cfg, cfg, cap, dtype, "cuda")
     assert echo.host.pinned and echo.manager.graph_safe, "pinned host pool must have a UVA view"
     plain = PlainKVCache.for_model(cfg, cap, dtype, "cuda")
@@ -138,13 +141,15 @@ def _lossless_pair(model, prompts, new_tokens, batch_size, chunk, use_graph, syn
         "hit_rate": [round(r, 3) for r in tel["hit_rate"]],
         "evictions": sum(tel["evictions"]),
         "append_evictions": sum(tel["append_evictions"]),
+        "prefetched_rows": sum(tel["prefetched_rows"]),
+        "prefetch_hits": sum(tel["prefetch_hits"]),
     }
 
 
 def _install_sync_check(cache: EchoKVCache) -> None:
     """Make any host synchronisation inside append/resolve raise."""
     manager = cache.manager
-    for op in ("append", "resolve"):
+    for op in ("append", "resolve", "prefetch"):
         original = getattr(manager, op)
 
         def checked(*args, _orig=original, **kwargs):
@@ -157,8 +162,9 @@ def _install_sync_check(cache: EchoKVCache) -> None:
         setattr(manager, op, checked)
 
 
+@pytest.mark.parametrize("fuse_decode", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lossless_cuda_graph_decode(checkpoints, dtype):
+def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
     import random
 
     reports = []
@@ -172,18 +178,63 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype):
         ]
         bs = rng.randint(1, 4)
         chunk = rng.choice([4, 8, 12])  # <= batch x top-k: the cache is at its minimum
-        r = _lossless_pair(model, prompts, 16, bs, chunk, use_graph=True, sync_check=False)
+        r = _lossless_pair(
+            model, prompts, 16, bs, chunk, use_graph=True, sync_check=False,
+            fuse_decode=fuse_decode,
+        )  # fmt: skip
         r.update(config=name, batch_size=bs, chunk=chunk)
         reports.append(r)
         model.set_graph_safe(False)
-    # Eager mode, with host synchronisation made an error inside append/resolve.
-    model = load_model(checkpoints["default-rope"], device="cuda", dtype=dtype)
+    # Eager mode, with host synchronisation made an error inside append/resolve/prefetch.
+    # With prefetch: the fp8 indexer, i.e. the fused logits + flags kernel.
+    name = "fp8-indexer" if fuse_decode else "default-rope"
+    model = load_model(checkpoints[name], device="cuda", dtype=dtype)
     eager = _lossless_pair(
-        model, _prompts(3, [40, 70, 25]), 12, 3, 32, use_graph=False, sync_check=True
-    )
+        model, _prompts(3, [40, 70, 25]), 12, 3, 32, use_graph=False, sync_check=True,
+        fuse_decode=fuse_decode,
+    )  # fmt: skip
+    suffix = "/prefetch" if fuse_decode else ""
     _save(
-        f"lossless_graph/{str(dtype).split('.')[-1]}",
+        f"lossless_graph/{str(dtype).split('.')[-1]}{suffix}",
         {"graph_runs": reports, "eager_sync_checked": eager},
     )
     assert all(r["evictions"] > 0 for r in reports)
+    if fuse_decode:
+        assert sum(r["prefetched_rows"] for r in reports) > 0
+        assert sum(r["prefetch_hits"] for r in reports) > 0
     print(json.dumps(reports, indent=1))
+
+
+def test_fused_prefetch_logits_bit_identical_at_deepseek_shapes():
+    """The fused decode kernel (logits + prefetch flags) against the plain logits kernel at
+    DeepSeek-V3.2 indexer shapes (64 heads x 128 dims), compiled for this GPU: the same
+    logits bit for bit, and the reference's candidates."""
+    from sglang_echo.kernels.cache_layout import ABSENT
+    from sglang_echo.kernels.decode_prefetch import (
+        decode_prefetch_reference,
+        fp8_index_logits_prefetch,
+    )
+    from sglang_echo.kernels.indexer import fp8_index_logits
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batch, heads, dim, length = 16, 64, 128, 8192
+    n_keys = batch * length + 2
+    q = torch.randn(batch, heads, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    keys = torch.randn(n_keys, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    scales = torch.rand(n_keys, device="cuda", generator=g) + 0.5
+    w = torch.randn(batch, heads, device="cuda", generator=g)
+    locs = torch.randperm(n_keys - 2, device="cuda", generator=g)[: batch * length] + 1
+    locs = locs.view(batch, length)
+    lens = torch.randint(length // 2, length + 1, (batch,), device="cuda", generator=g)
+    lens = lens.to(torch.int32)
+    resident = torch.rand(n_keys, device="cuda", generator=g) < 0.9
+    ids = torch.arange(n_keys, device="cuda", dtype=torch.int32)
+    h2d = torch.where(resident, ids, torch.full_like(ids, ABSENT))
+    plain = fp8_index_logits(q, w, keys, scales, locs, lens)
+    theta = plain.sort(1, descending=True).values[:, 2047].contiguous()
+    theta[0] = float("-inf")
+    got, cand = fp8_index_logits_prefetch(q, w, keys, scales, locs, lens, theta, h2d, 512)
+    assert torch.equal(got, plain)
+    ref = decode_prefetch_reference(got, locs, lens, theta, h2d, 512)
+    assert torch.equal(cand.ids, ref.ids) and torch.equal(cand.counts, ref.counts)
+    assert int(cand.counts[0]) == 512 and int(cand.counts[1:].min()) > 0

@@ -5,12 +5,13 @@ evictions happen every step."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from sglang_echo.config import EchoConfig
+from sglang_echo.model import indexer as indexer_module
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.model.loader import load_model
 from sglang_echo.runtime.engine import Engine
@@ -56,7 +57,17 @@ def models(checkpoints):
     return get
 
 
-def run_pair(model, w: Workload) -> dict:
+def run_pair(
+    model,
+    w: Workload,
+    fuse_decode: bool = False,
+    use_kernels: bool | None = None,
+    echo_baseline: bool = True,
+) -> dict:
+    """No-offload vs ECHO (and, with ``fuse_decode``, vs ECHO with decode prefetch; without
+    ``echo_baseline`` only that): identical token ids and every step's logits.
+    ``use_kernels``: ECHO's cache kernels (Triton, interpreted on CPU) instead of the torch
+    reference."""
     cfg = model.config
     capacity = sum(len(p) + w.new_tokens for p in w.prompts)
     max_context = max(len(p) for p in w.prompts) + w.new_tokens
@@ -70,30 +81,42 @@ def run_pair(model, w: Workload) -> dict:
         topk=cfg.index_topk,
         chunk_size=chunk,
     )
-    caches = {
-        "plain": PlainKVCache.for_model(cfg, capacity, w.dtype, "cpu"),
-        "echo": echo_cache_for_model(echo, cfg, capacity, w.dtype, "cpu"),
-    }
+    kw = {} if use_kernels is None else {"use_kernels": use_kernels}
+    caches = {"plain": PlainKVCache.for_model(cfg, capacity, w.dtype, "cpu")}
+    if echo_baseline:
+        caches["echo"] = echo_cache_for_model(echo, cfg, capacity, w.dtype, "cpu", **kw)
+    if fuse_decode:
+        fused = replace(echo, fuse_decode=True)
+        caches["prefetch"] = echo_cache_for_model(fused, cfg, capacity, w.dtype, "cpu", **kw)
     results = {}
     for name, cache in caches.items():
         engine = Engine(model, cache, capacity, w.batch_size, max_context, chunk, ignore_eos=True)
         results[name] = engine.generate(w.prompts, w.new_tokens, record_logits=True)
-    for a, b in zip(results["plain"], results["echo"], strict=True):
-        assert a.output == b.output
-        assert len(a.step_logits) == len(b.step_logits) == w.new_tokens
-        for step, (x, y) in enumerate(zip(a.step_logits, b.step_logits, strict=True)):
-            assert torch.equal(x, y), f"logits differ at step {step}"
-    echo_cache = caches["echo"]
-    tel = echo_cache.telemetry()
-    # Everything went back: slots and host rows of every finished request are free.
-    assert echo_cache.cache.free_count.tolist() == [legal_min] * cfg.num_hidden_layers
-    return {
+    for name in caches:
+        for a, b in zip(results["plain"], results[name], strict=True):
+            assert a.output == b.output, name
+            assert len(a.step_logits) == len(b.step_logits) == w.new_tokens
+            for step, (x, y) in enumerate(zip(a.step_logits, b.step_logits, strict=True)):
+                assert torch.equal(x, y), f"{name}: logits differ at step {step}"
+    for name in caches:
+        if name != "plain":
+            # Everything went back: slots and host rows of every finished request are free.
+            free = caches[name].cache.free_count.tolist()
+            assert free == [legal_min] * cfg.num_hidden_layers, name
+    tel = caches["echo" if echo_baseline else "prefetch"].telemetry()
+    report = {
         "evictions": sum(tel["evictions"]) + sum(tel["append_evictions"]),
         "resolve_evictions": sum(tel["evictions"]),
         "hits": sum(tel["hits"]),
         "misses": sum(tel["misses"]),
         "dev_cache": legal_min,
     }
+    if fuse_decode:
+        ptel = caches["prefetch"].telemetry()
+        report["prefetched"] = sum(ptel["prefetched_rows"])
+        report["prefetch_hits"] = sum(ptel["prefetch_hits"])
+        report["misses_with_prefetch"] = sum(ptel["misses"])
+    return report
 
 
 def run_many(models, seeds: range) -> list[dict]:
@@ -130,3 +153,45 @@ def test_lossless_1000_randomized_workloads(models):
     reports = run_many(models, range(1000, 2000))
     print("\n" + summarize(reports))
     assert sum(1 for r in reports if r["resolve_evictions"] > 0) >= 850
+
+
+def _prefetch_summary(reports: list[dict]) -> str:
+    prefetched = sum(r["prefetched"] for r in reports)
+    hits = sum(r["prefetch_hits"] for r in reports)
+    return (
+        f"{len(reports)} workloads identical with decode prefetch; prefetched {prefetched} "
+        f"rows, {hits} then selected; misses after the top-k "
+        f"{sum(r['misses_with_prefetch'] for r in reports)} vs {sum(r['misses'] for r in reports)}"
+        " without prefetch"
+    )
+
+
+def test_lossless_with_decode_prefetch(models):
+    """SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 (torch flagging and allocation): output
+    identical to no-offload and to ECHO without prefetch, and prefetch does fire."""
+    reports = []
+    for seed in range(300, 316):
+        w = make_workload(seed)
+        reports.append(run_pair(models(w.config, w.dtype), w, fuse_decode=True))
+    print("\n" + _prefetch_summary(reports))
+    assert sum(r["prefetched"] for r in reports) > 0
+    assert sum(r["prefetch_hits"] for r in reports) > 0  # some prefetched rows were selected
+    assert sum(r["resolve_evictions"] for r in reports) > 0
+
+
+def test_lossless_with_decode_prefetch_kernels(models, monkeypatch):
+    """The GPU code path on the CPU: the fused fp8 logits + flag kernels and the cache
+    kernels (Triton interpreter) under the same equality, for an fp8-indexer workload."""
+    monkeypatch.setattr(indexer_module, "DECODE_KERNELS_ON_CPU", True)
+    w = Workload(
+        config="fp8-indexer",
+        dtype=torch.float32,
+        batch_size=3,
+        chunk=48,  # = batch x top-k: the legal minimum cache still; fewer (slow) prefills
+        prompts=[[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((40, 23, 61))],
+        new_tokens=5,
+    )
+    model = models(w.config, w.dtype)
+    report = run_pair(model, w, fuse_decode=True, use_kernels=True, echo_baseline=False)
+    print(f"\nkernels: prefetched {report['prefetched']} rows, {report['prefetch_hits']} selected")
+    assert report["prefetched"] > 0 and report["prefetch_hits"] > 0

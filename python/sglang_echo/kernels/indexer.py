@@ -22,6 +22,43 @@ DEFAULT_NUM_STAGES = 3
 
 
 @triton.jit
+def _fp8_logits_block(
+    q,
+    w,
+    k_ptr,
+    k_scale_ptr,
+    locs_ptr,
+    b,
+    n,
+    seq_len,
+    k_stride,
+    k_scale_stride,
+    locs_stride,
+    D: tl.constexpr,
+    PRECISE_ACC: tl.constexpr,
+    KEYS_AS_M: tl.constexpr,
+):
+    """Logits of request ``b``'s keys at positions ``n`` (-inf at and past ``seq_len``) and
+    their key rows. Shared by the plain kernel and the fused decode-prefetch kernel
+    (kernels/decode_prefetch.py), so both compute the same logits bit for bit."""
+    d = tl.arange(0, D)
+    live = n < seq_len
+    loc = tl.load(locs_ptr + b * locs_stride + n, mask=live, other=0).to(tl.int64)
+    k = tl.load(k_ptr + loc[:, None] * k_stride + d[None, :], mask=live[:, None], other=0.0)
+    # Hopper's fp8 MMA accumulates with reduced precision; promoting to fp32 every 32
+    # products keeps logits within fp32 rounding of the exact value (top-k stays exact).
+    if KEYS_AS_M:  # [BLOCK_N, H]: keys fill the MMA's M dimension
+        scores = tl.dot(k, tl.trans(q), max_num_imprecise_acc=PRECISE_ACC)
+        logits = tl.sum(tl.maximum(scores, 0.0) * w[None, :], axis=1)
+    else:  # [H, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), max_num_imprecise_acc=PRECISE_ACC)
+        logits = tl.sum(tl.maximum(scores, 0.0) * w[:, None], axis=0)
+    logits = logits * tl.load(k_scale_ptr + loc * k_scale_stride, mask=live, other=0.0)
+    logits = tl.where(live, logits, float("-inf"))
+    return logits, loc, live
+
+
+@triton.jit
 def _fp8_index_logits_kernel(
     q_ptr,
     w_ptr,
@@ -52,19 +89,10 @@ def _fp8_index_logits_kernel(
     first = tl.program_id(1) * BLOCKS * BLOCK_N
     for i in range(BLOCKS):
         n = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = n < seq_len
-        loc = tl.load(locs_ptr + b * locs_stride + n, mask=live, other=0).to(tl.int64)
-        k = tl.load(k_ptr + loc[:, None] * k_stride + d[None, :], mask=live[:, None], other=0.0)
-        # Hopper's fp8 MMA accumulates with reduced precision; promoting to fp32 every 32
-        # products keeps logits within fp32 rounding of the exact value (top-k stays exact).
-        if KEYS_AS_M:  # [BLOCK_N, H]: keys fill the MMA's M dimension
-            scores = tl.dot(k, tl.trans(q), max_num_imprecise_acc=PRECISE_ACC)
-            logits = tl.sum(tl.maximum(scores, 0.0) * w[None, :], axis=1)
-        else:  # [H, BLOCK_N]
-            scores = tl.dot(q, tl.trans(k), max_num_imprecise_acc=PRECISE_ACC)
-            logits = tl.sum(tl.maximum(scores, 0.0) * w[:, None], axis=0)
-        logits = logits * tl.load(k_scale_ptr + loc * k_scale_stride, mask=live, other=0.0)
-        logits = tl.where(live, logits, float("-inf"))
+        logits, _loc, _live = _fp8_logits_block(
+            q, w, k_ptr, k_scale_ptr, locs_ptr, b, n, seq_len, k_stride, k_scale_stride,
+            locs_stride, D=D, PRECISE_ACC=PRECISE_ACC, KEYS_AS_M=KEYS_AS_M,
+        )  # fmt: skip
         tl.store(out_ptr + b * out_stride + n, logits, mask=n < length)
 
 

@@ -26,6 +26,9 @@ class ForwardBatch:
     is_decode: bool
     # Which rows of the output hidden states get logits: [R] for sampling, or None = all T.
     logits_indices: torch.Tensor | None = None
+    # [R] int64 request-table row of each request: keys per-request state that lives
+    # across steps (decode prefetch thresholds). None outside a runtime (oracles, traces).
+    request_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

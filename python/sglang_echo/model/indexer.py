@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +23,15 @@ from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.rope import apply_rope_half
 
+if TYPE_CHECKING:  # the model only calls it; offload/ is not a dependency of model/
+    from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
+
 FP8_E4M3_MAX = 448.0
 # Largest [queries x heads x keys] float32 score block materialized at once (elements).
 SCORE_BLOCK_ELEMENTS = 1 << 25
+# The fp8 decode kernels (kernels/indexer.py, kernels/decode_prefetch.py) run on CUDA; tests
+# set this to run them through the Triton interpreter on the CPU too.
+DECODE_KERNELS_ON_CPU = False
 
 
 @functools.lru_cache(maxsize=16)
@@ -85,11 +92,15 @@ def index_scores(
     return torch.matmul(weights.unsqueeze(-2), F.relu(logits)).squeeze(-2)
 
 
-def select_topk(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) -> torch.Tensor:
+def select_topk(
+    scores: torch.Tensor, query_pos: torch.Tensor, topk: int, return_kth: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k over key positions <= each query's position; ties to the lower position.
 
     scores [G, Q, L] (key position = column), query_pos [G, Q] -> positions [G, Q, topk],
-    -1 where a query has fewer than ``topk`` visible keys.
+    -1 where a query has fewer than ``topk`` visible keys. With ``return_kth`` also the
+    k-th largest visible score [G, Q] (-inf with fewer than ``topk`` visible keys), which
+    decode prefetch's threshold predictor learns from.
     """
     length = scores.shape[-1]
     key_pos = torch.arange(length, device=scores.device)
@@ -102,7 +113,11 @@ def select_topk(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) -> tor
     idx = torch.where(values == float("-inf"), torch.full_like(idx, -1), idx)
     if k < topk:
         idx = F.pad(idx, (0, topk - k), value=-1)
-    return idx
+    if not return_kth:
+        return idx
+    if k == topk:
+        return idx, values[..., k - 1]
+    return idx, values.new_full(values.shape[:-1], float("-inf"))  # rows narrower than top-k
 
 
 def positions_to_locs(positions: torch.Tensor, context_locs: torch.Tensor) -> torch.Tensor:
@@ -163,26 +178,72 @@ class LightningIndexer(nn.Module):
             return fp8_index_scores(q, weights, key_rows)
         return index_scores(q, weights, key_rows, self.softmax_scale)
 
-    def select(
-        self, q: torch.Tensor, weights: torch.Tensor, all_keys: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        """Top-k token locations [T, topk] (-1 none) for every query token of the batch."""
-        if batch.is_decode:
-            # One query per request; context padded to the table width: fixed shapes only.
-            if self.mode == "fp8_hadamard" and q.is_cuda:
-                from sglang_echo.kernels.indexer import fp8_index_logits
+    def _decode_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        all_keys: torch.Tensor,
+        batch: ForwardBatch,
+        prefetch: DecodePrefetcher | None,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One query per request; context padded to the table width: fixed shapes only.
+        Returns top-k positions [B, 1, topk] and k-th scores [B, 1]."""
+        ctx = batch.context_locs
+        lens = batch.positions + 1
+        theta = h2d = None
+        cap = 0
+        if prefetch is not None:
+            theta = prefetch.theta(layer, batch.request_rows)
+            h2d = prefetch.host_to_device(layer)
+            cap = prefetch.cap_for(self.topk)
+        if self.mode == "fp8_hadamard" and (q.is_cuda or DECODE_KERNELS_ON_CPU):
+            from sglang_echo.kernels.indexer import fp8_index_logits
 
-                keys, scales = unpack_fp8_rows(all_keys)
-                lens = (batch.positions + 1).to(torch.int32)
-                scores = fp8_index_logits(q, weights, keys, scales, batch.context_locs, lens)
-                scores = scores.unsqueeze(1)
-            else:
-                scores = self._scores(
-                    q.unsqueeze(1), weights.unsqueeze(1), all_keys[batch.context_locs]
+            keys, scales = unpack_fp8_rows(all_keys)
+            lens32 = lens.to(torch.int32)
+            if prefetch is not None:
+                from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch
+
+                scores, cand = fp8_index_logits_prefetch(
+                    q, weights, keys, scales, ctx, lens32, theta, h2d, cap
                 )
-            # kernels/topk.py computes the same set but, one program per row, measured 1.3 ms
-            # against this sort's 0.48 ms at 48 x 100K on an H200: not wired in yet.
-            pos = select_topk(scores, batch.positions.unsqueeze(1), self.topk)
+            else:
+                scores = fp8_index_logits(q, weights, keys, scales, ctx, lens32)
+        else:
+            scores = self._scores(q.unsqueeze(1), weights.unsqueeze(1), all_keys[ctx]).squeeze(1)
+            if prefetch is not None:
+                from sglang_echo.kernels.decode_prefetch import decode_prefetch_reference
+
+                cand = decode_prefetch_reference(scores, ctx, lens, theta, h2d, cap)
+        if prefetch is not None:
+            # Rows start moving (a side stream on CUDA) while the exact top-k runs.
+            prefetch.launch(layer, cand.ids, cand.counts)
+        # kernels/topk.py computes the same set but, one program per row, measured 1.3 ms
+        # against this sort's 0.48 ms at 48 x 100K on an H200: not wired in yet.
+        return select_topk(scores.unsqueeze(1), batch.positions.unsqueeze(1), self.topk, True)
+
+    def select(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        all_keys: torch.Tensor,
+        batch: ForwardBatch,
+        prefetch: DecodePrefetcher | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """Top-k token locations [T, topk] (-1 none) for every query token of the batch.
+
+        ``prefetch`` (ECHO's decode prefetch, decode batches with request rows only): the
+        misses scoring above each request's threshold are handed to it before the top-k,
+        and each request's exact k-th score after it. The selection itself is unchanged.
+        """
+        if batch.is_decode:
+            if batch.request_rows is None:
+                prefetch = None
+            pos, kth = self._decode_topk(q, weights, all_keys, batch, prefetch, layer)
+            if prefetch is not None:
+                prefetch.observe(layer, kth.squeeze(1), batch.request_rows)
             return positions_to_locs(pos, batch.context_locs).squeeze(1)
 
         out = torch.empty(q.shape[0], self.topk, dtype=torch.int64, device=q.device)

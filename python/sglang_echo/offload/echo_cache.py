@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from sglang_echo.config import EchoConfig
+from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
@@ -48,6 +49,20 @@ class EchoKVCache:
         self.index = torch.zeros(
             num_layers, host_tokens + 1, index_dim, dtype=index_dtype or dtype, device=device
         )
+        # Decode prefetch (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1): built once the runtime
+        # says how many request rows there are (bind_request_rows); None = off.
+        self.decode_prefetch: DecodePrefetcher | None = None
+
+    def bind_request_rows(self, max_rows: int) -> None:
+        """The request table has ``max_rows`` rows: size the per-request prefetch state
+        (once, before any step, so captured CUDA graphs keep their tensors)."""
+        if self.config.fuse_decode and self.decode_prefetch is None:
+            self.decode_prefetch = DecodePrefetcher(self.manager, max_rows)
+
+    def admit_row(self, row: int) -> None:
+        """A new request takes request-table row ``row``: forget the old one's thresholds."""
+        if self.decode_prefetch is not None:
+            self.decode_prefetch.reset_rows([row])
 
     def write(
         self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
@@ -79,6 +94,9 @@ class EchoKVCache:
             "evictions": c.evictions.tolist(),
             "append_evictions": c.append_evictions.tolist(),
             "recalled_bytes": [r * row_bytes for r in c.recalled_rows.tolist()],
+            # Decode prefetch: rows copied early, and how many of them were then selected.
+            "prefetched_rows": self.manager.prefetched_rows.tolist(),
+            "prefetch_hits": self.manager.prefetch_hits.tolist(),
         }
 
     def stats(self) -> dict:

@@ -6,9 +6,14 @@ order, duplicates allocated once): its Triton kernels on CUDA, its torch referen
 CPU, bit-identical to each other. ``append`` and ``resolve`` use fixed shapes and keep
 every count on the device: no host synchronisation, so a decode step can be captured in a
 CUDA graph. Masked-off lanes write to scratch entries (slot N_G + 1, host id N_H + 1).
+
+``prefetch`` (decode intra-query prefetch, DESIGN.md section 4) maps and starts copying
+rows the exact top-k will probably select before it is known; see its docstring.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,8 +23,20 @@ from sglang_echo.kernels.alloc import (
     allocate_kernel,
     allocate_reference,
 )
+from sglang_echo.kernels.decode_prefetch import count_prefetch_hits, count_prefetch_hits_reference
 from sglang_echo.offload.device_cache import ABSENT, FREE, DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
+
+
+@dataclass
+class _PendingPrefetch:
+    """A prefetch of one layer that ``resolve`` has not joined yet."""
+
+    alloc: Allocation
+    lanes: int
+    allocated: torch.cuda.Event | None  # side stream: maps updated (None: synchronous)
+    copied: torch.cuda.Event | None  # side stream: rows copied
+    inputs: torch.Tensor  # kept alive until the side stream is joined
 
 
 class EchoManager:
@@ -39,6 +56,14 @@ class EchoManager:
             use_kernels if use_kernels is not None else self.device.type == "cuda"
         ) and self.host_view is not None
         self._workspace: AllocWorkspace | None = None
+        # Decode prefetch: its own allocation workspace (its miss list is read by the side
+        # stream's copy while the resolve's allocation runs), side stream, counters.
+        self._prefetch_workspace: AllocWorkspace | None = None
+        self._side_stream: torch.cuda.Stream | None = None
+        self._pending: dict[int, _PendingPrefetch] = {}
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self.prefetched_rows = torch.zeros(cache.num_layers, **i64)  # rows prefetched
+        self.prefetch_hits = torch.zeros(cache.num_layers, **i64)  # ... and then selected
 
     @property
     def graph_safe(self) -> bool:
@@ -80,6 +105,7 @@ class EchoManager:
         """New tokens (host ids not yet resident) -> host rows and fresh device slots."""
         c = self.cache
         self._check_lanes("append", locs.numel())
+        self._join(layer)
         self._write_host(layer, locs, rows)
         alloc = self._allocate(layer, locs.reshape(-1).to(torch.int64), append=True)
         c.rows[layer].index_copy_(0, alloc.slots, rows.to(c.rows.dtype))
@@ -91,8 +117,18 @@ class EchoManager:
         Afterwards every selected token is resident and its device row equals its host row.
         """
         self._check_lanes("resolve", locs.numel())
+        pending = self._pending.pop(layer, None)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if pending is not None and pending.allocated is not None:
+            stream.wait_event(pending.allocated)  # the maps as the prefetch left them
         alloc = self._allocate(layer, locs.reshape(-1).to(torch.int64), append=False)
+        if pending is not None and pending.copied is not None:
+            # Before our copies: a slot the prefetch is still filling may have just been
+            # handed to one of our misses (an unselected prefetch is evictable).
+            stream.wait_event(pending.copied)
         self._recall(layer, alloc)
+        if pending is not None:
+            self._count_prefetch_hits(layer, pending)
         return alloc.slots.view(locs.shape)
 
     def _recall(self, layer: int, alloc: Allocation) -> None:
@@ -111,10 +147,99 @@ class EchoManager:
         slots = torch.where(live, alloc.miss_slots, c.scratch_slot)
         c.rows[layer].index_copy_(0, slots, self._read_host(layer, fetch).to(c.rows.dtype))
 
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(
+        self, layer: int, candidate_ids: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> None:
+        """Map and start copying rows the coming ``resolve`` of ``layer`` will probably ask
+        for: candidate host ids [B, cap] (-1 = none; with ``counts`` [B], lanes at and past
+        counts[b] are ignored too), all of them misses when flagged
+        (kernels/decode_prefetch.py).
+
+        Allocation: the same kernels/reference as append and resolve, in append mode: the
+        candidates are stamped with the layer's current clock (not the resolve's clock + 1)
+        and any resident token may be a victim, oldest bucket first. Nothing needs
+        protection for correctness: the host holds every row and the exact top-k's
+        ``resolve`` looks everything up again afterwards (an evicted token that is selected
+        is a miss and is recalled). Stamped with the current clock, an unselected prefetch
+        looks last used in the previous step: older than this step's selections, so the
+        resolve may evict it at once, and later victim choices take it before those. This
+        keeps the resolve's guarantee: all but this step's selections are evictable, so
+        its misses always find slots (B x top-k <= N_G).
+
+        Copies: on CUDA with the Triton kernels, the allocation and the row copies run on
+        a side stream forked from the current one (event fork/join, so it captures in a
+        CUDA graph); ``resolve`` waits for the allocation before its own, and for the
+        copies before its recall and the attention that follows. Elsewhere everything runs
+        synchronously, on the current stream.
+        """
+        ids = candidate_ids.reshape(-1).to(torch.int64)
+        if counts is not None:
+            cap = candidate_ids.shape[-1]
+            lane = torch.arange(cap, device=ids.device)
+            live = (lane[None, :] < counts.reshape(-1, 1)).reshape(-1)
+            ids = torch.where(live, ids, torch.full_like(ids, -1))
+        self._check_lanes("prefetch", ids.numel())
+        self._join(layer)
+        side = self._prefetch_stream()
+        if side is None:
+            alloc = self._allocate_prefetch(layer, ids)
+            self._recall(layer, alloc)
+            self.prefetched_rows[layer : layer + 1] += alloc.miss_count
+            self._pending[layer] = _PendingPrefetch(alloc, ids.numel(), None, None, ids)
+            return
+        side.wait_stream(torch.cuda.current_stream(self.device))  # fork: maps, rows so far
+        with torch.cuda.stream(side):
+            alloc = self._allocate_prefetch(layer, ids)
+            allocated = torch.cuda.Event()
+            allocated.record(side)
+            self._recall(layer, alloc)
+            self.prefetched_rows[layer : layer + 1] += alloc.miss_count
+            copied = torch.cuda.Event()
+            copied.record(side)
+        self._pending[layer] = _PendingPrefetch(alloc, ids.numel(), allocated, copied, ids)
+
+    def _prefetch_stream(self) -> torch.cuda.Stream | None:
+        """The side stream prefetch copies run on: CUDA with the Triton kernels only (the
+        torch path reads host rows through host-side copies that synchronise anyway)."""
+        if self.device.type != "cuda" or not self.use_kernels:
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.device)
+        return self._side_stream
+
+    def _allocate_prefetch(self, layer: int, ids: torch.Tensor) -> Allocation:
+        """Append-mode allocation with its own workspace: its miss list must survive the
+        resolve's allocation, which runs while the side stream still copies from it."""
+        if not self.use_kernels:
+            return allocate_reference(self.cache, layer, ids, append=True)
+        if self._prefetch_workspace is None:
+            self._prefetch_workspace = AllocWorkspace(self.cache, max_lanes=self.cache.num_slots)
+        return allocate_kernel(self.cache, layer, ids, True, self._prefetch_workspace)
+
+    def _join(self, layer: int) -> None:
+        """Wait (on the device) for a prefetch of ``layer`` that no resolve joined."""
+        pending = self._pending.pop(layer, None)
+        if pending is not None and pending.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(pending.copied)
+
+    def _count_prefetch_hits(self, layer: int, pending: _PendingPrefetch) -> None:
+        """Prefetched rows the resolve then selected: still mapped to their token and
+        stamped with the resolve's clock (an unselected one kept the older stamp or was
+        evicted). Telemetry; one launch with the kernels."""
+        count = count_prefetch_hits if self.use_kernels else count_prefetch_hits_reference
+        c, a = self.cache, pending.alloc
+        count(
+            a.miss_ids, a.miss_slots, a.miss_count, pending.lanes, c.device_to_host[layer],
+            c.priority[layer], c.clock[layer : layer + 1], self.prefetch_hits[layer : layer + 1],
+        )  # fmt: skip
+
     # ------------------------------------------------------------------- release
     def release(self, locs: torch.Tensor) -> None:
         """Host ids being freed: unmap them in every layer and push their slots back."""
         c = self.cache
+        for layer in list(self._pending):
+            self._join(layer)
         for layer in range(c.num_layers):
             slot = c.host_to_device[layer][locs].to(torch.int64)
             resident = slot != ABSENT

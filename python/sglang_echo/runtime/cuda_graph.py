@@ -59,6 +59,7 @@ class CudaGraphDecodeRunner:
             extend_lens=[1] * bs,
             context_lens=[0] * bs,
             is_decode=True,
+            request_rows=torch.zeros(bs, **z),
         )
 
     @staticmethod
@@ -69,6 +70,8 @@ class CudaGraphDecodeRunner:
         width = batch.context_locs.shape[1]
         static.context_locs[:, :width].copy_(batch.context_locs)
         static.context_locs[:, width:].zero_()
+        if batch.request_rows is not None:
+            static.request_rows.copy_(batch.request_rows)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         if not batch.is_decode:

@@ -38,6 +38,11 @@ class StepRunner:
         self.table = RequestTable(max_requests, max_context, self.device)
         self.max_requests = max_requests
         self.max_context = max_context
+        # Per-request state of the KV backend (ECHO's decode-prefetch thresholds) is sized
+        # by the request table, once, before any step.
+        bind = getattr(kv_cache, "bind_request_rows", None)
+        if bind is not None:
+            bind(max_requests)
         self.decode_runner = None
         if use_cuda_graph:
             from sglang_echo.runtime.cuda_graph import CudaGraphDecodeRunner
@@ -49,6 +54,9 @@ class StepRunner:
     # ------------------------------------------------------------- lifecycle
     def admit(self, req: SeqState) -> None:
         req.row = self.table.alloc_row()
+        admit_row = getattr(self.kv_cache, "admit_row", None)
+        if admit_row is not None:
+            admit_row(req.row)
 
     def release(self, req: SeqState) -> None:
         """Return the request's token locations (and ECHO's slots for them) and its row."""
@@ -147,4 +155,5 @@ class StepRunner:
             context_lens=context_lens,
             is_decode=is_decode,
             logits_indices=None if logits_rows is None else as_tensor(logits_rows),
+            request_rows=rows,
         )

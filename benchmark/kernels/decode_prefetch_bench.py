@@ -1,0 +1,473 @@
+"""Decode intra-query prefetch (ECHO Figure 18): batch 16, 128K context, fp8 indexer.
+
+One layer's decode indexer + cache step, through the production code: the model's
+``LightningIndexer.select`` (fp8 logits kernel, exact tie-stable top-k) and
+``EchoManager`` (Triton cache-management and UVA recall kernels) over a 260K-slot device
+cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
+
+- unfused: logits -> top-k -> resolve (look up, evict, allocate, recall the misses);
+- fused (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1): logits + flags (misses scoring above
+  the request's predicted threshold, kernels/decode_prefetch.py) -> EchoManager.prefetch
+  maps them and copies their rows on a side stream while the top-k runs -> the predictor
+  learns the k-th scores -> resolve recalls only what is still missing.
+
+Thresholds come from two earlier steps (queries perturbed by ``--query-noise``) through
+the DecodeThresholdPredictor (EMA, alpha 0.5). Residency: a fraction ``hit`` of the
+step's exact selections is resident (90% of them last used one step ago, as consecutive
+decode steps select mostly the same tokens), the rest of the (full) cache holds
+unselected tokens aged 1..300 steps, so every allocation evicts. Before timing, each case checks that both
+variants select the same tokens and attention would read the same bytes (= host rows),
+eagerly and from CUDA-graph replay. Times: CUDA events, warm-up, medians, cache state
+restored before every run (untimed). ``speedup`` = unfused / fused device time (graph
+replay); eager launches alongside. ``slowdown_at_hit_1.0`` = fused / unfused with
+nothing selected to fetch.
+
+    PYTHONPATH=python python benchmark/kernels/decode_prefetch_bench.py --out benchmark/results
+    python benchmark/kernels/decode_prefetch_bench.py --device cpu --smoke --out /tmp/dp  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--hit-rates", default="0.5,0.9,0.97,1.0")
+    p.add_argument("--dev-slots", type=int, default=260_000, help="N_G")
+    p.add_argument("--row-bytes", type=int, default=656)
+    p.add_argument("--cap", type=int, default=None, help="candidates per request (default: ours)")
+    p.add_argument("--query-noise", type=float, default=0.3)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--stream-priority", choices=("equal", "high"), default="equal")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the bench)")
+    args = p.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.smoke:
+        args.batch, args.context, args.heads, args.dim, args.topk = 2, 512, 16, 32, 64
+        args.dev_slots, args.hit_rates, args.warmup, args.reps = 400, "0.5,1.0", 0, 1
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    return args
+
+
+ARGS = _parse()
+
+from common import save_record, time_us  # noqa: E402
+
+from sglang_echo.kernels.cache_layout import ABSENT  # noqa: E402
+from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch  # noqa: E402
+from sglang_echo.kernels.indexer import fp8_index_logits  # noqa: E402
+from sglang_echo.kernels.recall import recall_rows  # noqa: E402
+from sglang_echo.model import indexer as indexer_module  # noqa: E402
+from sglang_echo.model.forward_batch import ForwardBatch  # noqa: E402
+from sglang_echo.model.indexer import (  # noqa: E402
+    LightningIndexer,
+    pack_fp8_rows,
+    select_topk,
+    unpack_fp8_rows,
+)
+from sglang_echo.offload.decode_prefetcher import (  # noqa: E402
+    DEFAULT_DECODE_PREFETCH_CAP,
+    DecodePrefetcher,
+)
+from sglang_echo.offload.device_cache import DeviceCache  # noqa: E402
+from sglang_echo.offload.host_pool import HostKVPool  # noqa: E402
+from sglang_echo.offload.manager import EchoManager  # noqa: E402
+
+MAPS = ("host_to_device", "device_to_host", "priority", "free_stack", "free_count", "clock")
+
+
+class Bench:
+    """One layer: indexer keys, host pool, device cache, manager, prefetcher, queries."""
+
+    def __init__(self, args: argparse.Namespace, dev: torch.device) -> None:
+        self.args, self.dev = args, dev
+        B, L, H, D = args.batch, args.context, args.heads, args.dim
+        self.cuda = dev.type == "cuda"
+        g = torch.Generator(device=dev).manual_seed(0)
+        n_h = B * L  # host ids 1..n_h; 0 is the sink
+        keys = torch.randn(n_h + 1, D, device=dev, generator=g).to(torch.float8_e4m3fn)
+        scales = torch.rand(n_h + 1, device=dev, generator=g) + 0.5
+        self.key_rows = pack_fp8_rows(keys, scales)  # SGLang's 132-byte index-K rows
+        del keys, scales
+        # Paged like SGLang's index-K cache: each request owns shuffled 64-token pages.
+        pages = -(-L // 64)
+        perm = torch.randperm(B * pages, device=dev, generator=g).view(B, pages)
+        locs = (perm[:, :, None] * 64 + torch.arange(64, device=dev) + 1).reshape(B, -1)[:, :L]
+        self.locs = locs.clamp(max=n_h)
+        base = torch.randn(B, H, D, device=dev, generator=g)
+        self.w = torch.randn(B, H, device=dev, generator=g) / H**0.5
+        self.q = base.to(torch.float8_e4m3fn)
+        noise = args.query_noise
+        self.q_prev = [
+            (base + noise * torch.randn(B, H, D, device=dev, generator=g)).to(torch.float8_e4m3fn)
+            for _ in range(2)
+        ]
+        self.rows_of = torch.arange(B, device=dev)
+        self.batch = ForwardBatch(
+            input_ids=torch.zeros(B, dtype=torch.int64, device=dev),
+            positions=torch.full((B,), L - 1, dtype=torch.int64, device=dev),
+            out_locs=torch.zeros(B, dtype=torch.int64, device=dev),
+            context_locs=self.locs,
+            extend_lens=[1] * B,
+            context_lens=[L] * B,
+            is_decode=True,
+            request_rows=self.rows_of,
+        )
+        cfg = SimpleNamespace(
+            index_n_heads=H,
+            index_head_dim=D,
+            qk_rope_head_dim=min(64, D),
+            index_topk=args.topk,
+            indexer_mode="fp8_hadamard",
+            q_lora_rank=8,
+            hidden_size=8,
+        )
+        self.indexer = LightningIndexer(cfg).to(dev)
+        # Host pool (pinned, read through its UVA alias on CUDA) and the device cache.
+        self.host = HostKVPool(1, n_h, args.row_bytes, torch.uint8, pin=self.cuda)
+        self._fill_host(g)
+        self.cache = DeviceCache(1, args.dev_slots, n_h, args.row_bytes, torch.uint8, dev)
+        self.manager = EchoManager(self.host, self.cache, use_kernels=True)
+        self.prefetcher = DecodePrefetcher(
+            self.manager, max_rows=B, cap=args.cap or DEFAULT_DECODE_PREFETCH_CAP
+        )
+        self.cap = self.prefetcher.cap_for(args.topk)  # candidates per request
+        self._learn_thresholds()
+
+    def _fill_host(self, g: torch.Generator) -> None:
+        rows = self.host.device_view[0] if self.cuda else self.host.rows[0]
+        step = 1 << 18
+        for s in range(0, rows.shape[0], step):
+            n = min(step, rows.shape[0] - s)
+            chunk = torch.randint(0, 256, (n, rows.shape[1]), device=self.dev, generator=g)
+            rows[s : s + n].copy_(chunk.to(torch.uint8))
+
+    def logits(self, q: torch.Tensor) -> torch.Tensor:
+        keys, scales = unpack_fp8_rows(self.key_rows)
+        lens = (self.batch.positions + 1).to(torch.int32)
+        return fp8_index_logits(q, self.w, keys, scales, self.locs, lens)
+
+    def _learn_thresholds(self) -> None:
+        """Two earlier steps' exact k-th scores through the predictor (EMA, alpha 0.5)."""
+        qpos = self.batch.positions.view(-1, 1)
+        for q in self.q_prev:
+            _, kth = select_topk(self.logits(q).unsqueeze(1), qpos, self.args.topk, True)
+            self.prefetcher.observe(0, kth.squeeze(1), self.rows_of)
+        p = self.prefetcher.predictors[0]
+        self.theta0, self.finite0 = p.theta.clone(), p.finite.clone()
+
+    # ------------------------------------------------------------------ residency
+    def set_residency(self, hit: float) -> dict:
+        """A fraction ``hit`` of this step's selections resident, the rest of the cache
+        full of unselected tokens with ages 1..300 steps. Saves the state to restore."""
+        c, n_g = self.cache, self.cache.num_slots
+        sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch)
+        selected = torch.unique(sel[sel >= 0])
+        gen = torch.Generator(device=self.dev).manual_seed(int(hit * 1000))
+        order = torch.randperm(selected.numel(), device=self.dev, generator=gen)
+        keep = selected[order[: round(hit * selected.numel())]]
+        others = torch.ones(c.host_tokens + 1, dtype=torch.bool, device=self.dev)
+        others[0] = False
+        others[selected] = False
+        pool = others.nonzero().squeeze(1)
+        fill = n_g - keep.numel()
+        if fill < 0 or pool.numel() < fill:
+            raise SystemExit("--dev-slots must hold the resident selections and fit the host")
+        extra = pool[torch.randperm(pool.numel(), device=self.dev, generator=gen)[:fill]]
+        ids = torch.cat((keep, extra))
+        slots = torch.randperm(n_g, device=self.dev, generator=gen) + 1
+        clock = 1000
+        # Temporal locality, as in real decode: most resident selections were selected in
+        # the previous step too (age 1); other resident tokens have any age up to 300.
+        ages = torch.randint(1, 301, (n_g,), device=self.dev, generator=gen)
+        recent = torch.rand(keep.numel(), device=self.dev, generator=gen) < 0.9
+        ages[: keep.numel()] = torch.where(recent, 1, ages[: keep.numel()])
+        c.host_to_device[0].fill_(ABSENT)
+        c.host_to_device[0, 0] = 0
+        c.host_to_device[0].index_copy_(0, ids, slots.to(torch.int32))
+        c.device_to_host[0, 1 : n_g + 1].copy_(torch.zeros(n_g, dtype=torch.int32))
+        c.device_to_host[0].index_copy_(0, slots, ids.to(torch.int32))
+        c.priority[0, 1 : n_g + 1].copy_(torch.zeros(n_g, dtype=torch.int64))
+        c.priority[0].index_copy_(0, slots, clock - ages)
+        c.free_count.zero_()
+        c.clock.fill_(clock)
+        host = self.host.device_view[0] if self.cuda else self.host.rows[0]
+        c.rows[0].fill_(0xAB)  # poison: a row never recalled cannot pass the check
+        c.rows[0].index_copy_(0, slots, host.index_select(0, ids))
+        self.saved = {name: getattr(c, name).clone() for name in MAPS}
+        self.saved_rows = c.rows.clone()
+        return {"selected": selected.numel(), "resident_selected": keep.numel()}
+
+    def restore(self, rows: bool = False) -> None:
+        for name in MAPS:
+            getattr(self.cache, name).copy_(self.saved[name])
+        if rows:
+            self.cache.rows.copy_(self.saved_rows)
+        p = self.prefetcher.predictors[0]
+        p.theta.copy_(self.theta0)
+        p.finite.copy_(self.finite0)
+
+    # ------------------------------------------------------------------- variants
+    def unfused(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch)
+        return sel, self.manager.resolve(0, sel)
+
+    def fused(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.prefetcher, 0)
+        return sel, self.manager.resolve(0, sel)
+
+    def counters(self) -> dict:
+        c, m = self.cache, self.manager
+        return {
+            "hits": int(c.hits.sum()),
+            "misses": int(c.misses.sum()),
+            "prefetched": int(m.prefetched_rows.sum()),
+            "prefetch_hits": int(m.prefetch_hits.sum()),
+        }
+
+    def run_checked(self, fn) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Run ``fn`` from the saved state; return the selection, the rows attention would
+        read, and the counter deltas."""
+        self.restore(rows=True)
+        before = self.counters()
+        sel, slots = fn()
+        self.sync()
+        after = self.counters()
+        rows = self.cache.rows[0][slots.clamp(min=0)].cpu()
+        return sel.cpu(), rows, {k: after[k] - before[k] for k in after}
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def expected_rows(self, sel: torch.Tensor) -> torch.Tensor:
+        return self.host.rows[0][sel.clamp(min=0)]
+
+
+def time_ms(bench: Bench, fn, warmup: int, reps: int) -> float:
+    """Median CUDA-event time of ``fn`` with the cache state restored before each run
+    (untimed); one wall-clock run on a CPU."""
+    if not bench.cuda:
+        bench.restore()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1000
+    for _ in range(warmup):
+        bench.restore()
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        bench.restore()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def stateless_ms(bench: Bench, fn, warmup: int, reps: int) -> float:
+    if not bench.cuda:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1000
+    return time_us(fn, warmup=max(1, warmup), reps=reps) / 1000
+
+
+def capture(bench: Bench, fn, stream) -> torch.cuda.CUDAGraph:
+    bench.restore()
+    fn()  # warm (allocations, compilation) before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def run_case(bench: Bench, hit: float, args, stream) -> dict:
+    row = {"hit_rate": hit, **bench.set_residency(hit)}
+    # Correct first: same selections, and the rows attention reads are the host rows.
+    sel_u, rows_u, cnt_u = bench.run_checked(bench.unfused)
+    sel_f, rows_f, cnt_f = bench.run_checked(bench.fused)
+    want = bench.expected_rows(sel_u)
+    ok = torch.equal(sel_u, sel_f) and torch.equal(rows_u, want) and torch.equal(rows_f, want)
+    row.update(
+        hit_rate_measured=cnt_u["hits"] / max(1, cnt_u["hits"] + cnt_u["misses"]),
+        recall_rows=cnt_u["misses"],
+        recall_MB=cnt_u["misses"] * args.row_bytes / 1e6,
+        prefetched=cnt_f["prefetched"],
+        wasted=cnt_f["prefetched"] - cnt_f["prefetch_hits"],
+        remaining_rows=cnt_f["misses"],
+        cap=bench.cap,
+    )
+    w, r = args.warmup, args.reps
+    row["unfused_ms"] = time_ms(bench, bench.unfused, w, r)
+    row["fused_ms"] = time_ms(bench, bench.fused, w, r)
+    row["speedup_eager"] = row["unfused_ms"] / row["fused_ms"]
+    # Components (stateless): logits alone, logits + flags alone, top-k alone, the
+    # unfused recall alone (its miss count, into distinct slots).
+    keys, scales = unpack_fp8_rows(bench.key_rows)
+    lens = (bench.batch.positions + 1).to(torch.int32)
+    bench.restore()
+    theta = bench.prefetcher.theta(0, bench.rows_of)
+    h2d = bench.cache.host_to_device[0]
+    row["logits_ms"] = stateless_ms(bench, lambda: bench.logits(bench.q), w, r)
+    row["fused_logits_ms"] = stateless_ms(
+        bench,
+        lambda: fp8_index_logits_prefetch(
+            bench.q, bench.w, keys, scales, bench.locs, lens, theta, h2d, bench.cap
+        ),
+        w,
+        r,
+    )
+    logits = bench.logits(bench.q).unsqueeze(1)
+    qpos = bench.batch.positions.view(-1, 1)
+    row["topk_ms"] = stateless_ms(bench, lambda: select_topk(logits, qpos, args.topk), w, r)
+    misses = torch.unique(sel_u[sel_u >= 0]).to(bench.dev)
+    misses = misses[bench.saved["host_to_device"][0][misses] == ABSENT]
+    count = torch.tensor([misses.numel()], device=bench.dev)
+    slots = torch.arange(1, misses.numel() + 1, device=bench.dev)
+    host = bench.host.device_view[0] if bench.cuda else bench.host.rows[0]
+    row["recall_ms"] = stateless_ms(
+        bench, lambda: recall_rows(host, bench.cache.rows[0], misses, slots, count), w, r
+    )
+    row["speedup"] = row["speedup_eager"]
+    if args.graphs and bench.cuda:
+        # Device time: both variants replayed from CUDA graphs (side stream inside).
+        for name, fn in (("unfused", bench.unfused), ("fused", bench.fused)):
+            graph = capture(bench, fn, stream)
+            bench.restore(rows=True)
+            graph.replay()
+            torch.cuda.synchronize()
+            sel = sel_u.to(bench.dev)
+            h2d_now = bench.cache.host_to_device[0][sel.clamp(min=0)].long()
+            replay_rows = bench.cache.rows[0][h2d_now].cpu()
+            ok = ok and torch.equal(replay_rows, want)
+            row[f"{name}_graph_ms"] = time_ms(bench, graph.replay, w, r)
+            del graph
+        row["speedup"] = row["unfused_graph_ms"] / row["fused_graph_ms"]
+    row["correct"] = bool(ok)
+    return row
+
+
+def plot(rows: list[dict], path: Path, device: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    graphs = all("unfused_graph_ms" in r for r in rows)
+    suffix = "_graph_ms" if graphs else "_ms"
+    labels = [f"hit {r['hit_rate']}" for r in rows]
+    x = list(range(len(rows)))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.bar([i - 0.2 for i in x], [r["unfused" + suffix] for r in rows], 0.4, label="unfused")
+    a.bar([i + 0.2 for i in x], [r["fused" + suffix] for r in rows], 0.4, label="fused")
+    a.set_xticks(x, labels)
+    a.set_ylabel("ms, indexer + top-k + cache step" + (" (graph)" if graphs else ""))
+    a.legend()
+    b.bar(x, [r["speedup"] for r in rows], label="device time" if graphs else "eager")
+    if graphs:
+        b.plot(x, [r["speedup_eager"] for r in rows], "rx", label="eager")
+    b.axhline(1.0, color="k", lw=0.8)
+    b.set_xticks(x, labels)
+    b.set_ylabel("unfused / fused")
+    b.legend()
+    fig.suptitle(f"Decode intra-query prefetch ({device})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    args = ARGS
+    dev = torch.device(args.device)
+    if dev.type == "cpu":
+        indexer_module.DECODE_KERNELS_ON_CPU = True  # the Triton kernels, interpreted
+    t0 = time.perf_counter()
+    stream = None
+    if dev.type == "cuda":
+        stream = torch.cuda.Stream(priority=-1 if args.stream_priority == "high" else 0)
+        torch.cuda.set_stream(stream)
+    bench = Bench(args, dev)
+    device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter smoke)"
+    print(
+        f"{device}: batch {args.batch} x {args.context} ctx, {args.heads}h x {args.dim}d fp8, "
+        f"top-k {args.topk}, {args.dev_slots} slots, {args.row_bytes} B rows, cap {bench.cap}"
+    )
+    head = (
+        f"{'hit':>5} {'logits':>7} {'recall rows':>11} {'MB':>6} {'recall':>7} {'unfused':>8} "
+        f"{'fused lg':>8} {'prefet':>7} {'wasted':>6} {'remain':>6} {'fused':>8} "
+        f"{'speedup':>7} {'eager x':>7} ok"
+    )
+    print("ms; unfused/fused totals are CUDA-graph replays where available")
+    print(head)
+    rows = []
+    for hit in (float(h) for h in args.hit_rates.split(",")):
+        r = run_case(bench, hit, args, stream)
+        rows.append(r)
+        g = lambda k, r=r: r.get(f"{k}_graph_ms", r[f"{k}_ms"])  # noqa: E731
+        print(
+            f"{hit:>5} {r['logits_ms']:>7.3f} {r['recall_rows']:>11} {r['recall_MB']:>6.2f} "
+            f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {r['fused_logits_ms']:>8.3f} "
+            f"{r['prefetched']:>7} {r['wasted']:>6} {r['remaining_rows']:>6} {g('fused'):>8.3f} "
+            f"{r['speedup']:>7.3f} {r['speedup_eager']:>7.3f} {r['correct']}",
+            flush=True,
+        )
+    by_hit = {r["hit_rate"]: r for r in rows}
+    graphs = all("unfused_graph_ms" in r for r in rows)
+    metrics = {
+        **{f"speedup_at_hit_{h}": r["speedup"] for h, r in by_hit.items() if h < 1.0},
+        "slowdown_at_hit_1.0": 1 / by_hit[1.0]["speedup"] if 1.0 in by_hit else None,
+        "speedup_basis": "CUDA-graph replay (device time)" if graphs else "eager launches",
+        "speedup_eager": {f"hit_{h}": r["speedup_eager"] for h, r in by_hit.items()},
+        "all_correct": all(r["correct"] for r in rows),
+        "batch": args.batch,
+        "context": args.context,
+        "heads": args.heads,
+        "dim": args.dim,
+        "topk": args.topk,
+        "dev_slots": args.dev_slots,
+        "row_bytes": args.row_bytes,
+        "cap": bench.cap,
+        "query_noise": args.query_noise,
+        "stream_priority": args.stream_priority,
+        "seconds": time.perf_counter() - t0,
+    }
+    out = Path(args.out)
+    save_record(out, "decode_prefetch", device, metrics, cases=rows)
+    plot(rows, out / "decode_prefetch.png", device)
+    summary = {k: round(v, 3) for k, v in metrics.items() if k.startswith(("speedup_at", "slow"))}
+    print(f"{summary} ({metrics['speedup_basis']}); all correct {metrics['all_correct']}; "
+          f"{metrics['seconds']:.1f} s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
