@@ -19,7 +19,9 @@ Two launches: the logits kernel also writes a 0/1 flag per position and a count 
 block (the residency map is only read for keys above theta, a few per request); a
 compaction kernel places each block's candidates after the preceding blocks' counts. The
 torch reference does the same from computed scores; it is the CPU path and the path of
-the bf16 indexer.
+the bf16 indexer. Two one-launch kernels serve the step's epilogue: the threshold update
+after the exact top-k (DecodeThresholdPredictor.update's semantics) and the count of
+prefetched rows the resolve then selected (telemetry).
 """
 
 from __future__ import annotations

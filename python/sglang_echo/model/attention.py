@@ -133,11 +133,13 @@ class MLAttention(nn.Module):
             self.indexer.project_key(hidden, cos, sin),
         )
         iq, iw = self.indexer.project_query(hidden, q_resid, cos, sin)
+        keys = kv_cache.index_keys(layer_id)
         # ECHO's decode prefetch, when on (an optional attribute of the KV backend).
         prefetch = getattr(kv_cache, "decode_prefetch", None)
-        selected = self.indexer.select(
-            iq, iw, kv_cache.index_keys(layer_id), batch, prefetch, layer_id
-        )
+        if prefetch is None:  # the plain call (hooks such as topk/tracer.py wrap it)
+            selected = self.indexer.select(iq, iw, keys, batch)
+        else:
+            selected = self.indexer.select(iq, iw, keys, batch, prefetch=prefetch, layer=layer_id)
 
         w_uk, w_uv = self._absorbed_weights()
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)

@@ -76,6 +76,11 @@ def describe_kv_cache(summary: dict) -> str:
             f"kv: evictions {sum(kv['evictions'])}  recalled "
             f"{sum(kv['recalled_bytes']) / 2**20:.2f} MiB"
         )
+        if sum(kv.get("prefetched_rows", [])):
+            lines.append(
+                f"kv: decode prefetch {sum(kv['prefetched_rows'])} rows, "
+                f"{sum(kv['prefetch_hits'])} of them then selected"
+            )
     else:
         lines.append(f"kv: no-offload  {kv['kv_bytes'] / 2**20:.1f} MiB on {summary['device']}")
     return "\n".join(lines)
