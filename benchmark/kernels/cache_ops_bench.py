@@ -54,6 +54,24 @@ def make_trace(
     return torch.stack(out)
 
 
+def _host_tokens(args) -> int:
+    """Trace ids, then the new tokens of every step, then the filler (see _fill)."""
+    return args.batch * args.context + args.batch * (args.steps + 8) + args.slots + 1
+
+
+def _fill(cache: EchoKVCache, args, dev: torch.device) -> None:
+    """Occupy every device slot with filler tokens (ids past the trace's), as in a server's
+    steady state: from the first step on, each miss needs a victim."""
+    first = args.batch * args.context + args.batch * (args.steps + 8) + 1
+    chunk = 8192
+    rows = torch.zeros(chunk, 576, device=dev, dtype=torch.bfloat16)
+    keys = torch.zeros(chunk, 128, device=dev, dtype=torch.bfloat16)
+    for start in range(0, args.slots, chunk):
+        n = min(chunk, args.slots - start)
+        locs = torch.arange(first + start, first + start + n, device=dev)
+        cache.write(0, locs, rows[:n], keys[:n])
+
+
 def _cache(args, dev: torch.device, host_tokens: int, use_kernels: bool) -> EchoKVCache:
     cache = EchoKVCache(
         EchoConfig(offload=True, dev_cache_size=args.slots), 1, host_tokens, 576, 128,
@@ -66,8 +84,8 @@ def _cache(args, dev: torch.device, host_tokens: int, use_kernels: bool) -> Echo
 def measure(args, dev: torch.device, trace: torch.Tensor, use_kernels: bool, part: str) -> dict:
     """Median time per layer-step of ``part`` ("management": the two allocations only;
     "step": append + resolve with the recall), graph-replayed, and the trace's hit rate."""
-    host_tokens = args.batch * args.context + args.batch * (args.steps + 8)
-    cache = _cache(args, dev, host_tokens, use_kernels)
+    cache = _cache(args, dev, _host_tokens(args), use_kernels)
+    _fill(cache, args, dev)
     m = cache.manager
     sel = torch.empty_like(trace[0])
     new_locs = torch.empty(args.batch, dtype=torch.int64, device=dev)
@@ -95,6 +113,7 @@ def measure(args, dev: torch.device, trace: torch.Tensor, use_kernels: bool, par
         step()
     c = cache.cache
     hits0, misses0 = c.hits.sum().item(), c.misses.sum().item()
+    evicted0 = (c.evictions.sum() + c.append_evictions.sum()).item()
     on_gpu = dev.type == "cuda"
     if on_gpu:
         torch.cuda.synchronize()
@@ -120,15 +139,16 @@ def measure(args, dev: torch.device, trace: torch.Tensor, use_kernels: bool, par
         "us": statistics.median(times),
         "us_min": min(times),
         "hit_rate": hits / max(1, hits + misses),
-        "evictions": int(c.evictions.sum()),
+        "evictions_per_step": ((c.evictions.sum() + c.append_evictions.sum()).item() - evicted0)
+        / max(1, args.steps - half),
     }
 
 
 def stage_breakdown(args, dev: torch.device, trace: torch.Tensor) -> dict[str, float]:
     """Median device time of each resolve kernel (kernels/alloc.STAGES). The launches are
     queued behind a sleep kernel so the events measure the kernels, not launch gaps."""
-    host_tokens = args.batch * args.context + args.batch * (args.steps + 8)
-    cache = _cache(args, dev, host_tokens, True)
+    cache = _cache(args, dev, _host_tokens(args), True)
+    _fill(cache, args, dev)
     m = cache.manager
     new_rows = torch.randn(args.batch, 576, device=dev, dtype=torch.bfloat16)
     keys = torch.randn(args.batch, 128, device=dev, dtype=torch.bfloat16)
@@ -203,6 +223,12 @@ def main() -> None:
     p.add_argument("--reuse", type=float, default=0.97)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument(
+        "--policy-slots",
+        type=int,
+        default=0,
+        help="cache slots of the victim-policy study (default 1.25 x batch x top-k)",
+    )
+    p.add_argument(
         "--policy-trace",
         default=None,
         help="npz with a [steps, batch, topk] 'selections' array (e.g. a trained model's "
@@ -226,13 +252,16 @@ def main() -> None:
         "torch_step": measure(args, dev, trace, False, "step"),
     }
     stages = stage_breakdown(args, dev, trace) if on_gpu else None
-    policy_trace, policy_slots, policy_source = trace, args.slots, "synthetic trace above"
+    # The timing runs use a full cache; the policy study needs one smaller than the trace's
+    # working set too, or every policy hits the same (nothing is ever evicted).
+    policy_slots = args.policy_slots or int(1.25 * args.batch * args.topk)
+    policy_trace, policy_source = trace, "synthetic trace above"
     if args.policy_trace:
         import numpy as np
 
         data = np.load(args.policy_trace)
         policy_trace = torch.from_numpy(data["selections"]).to(dev, torch.int64)
-        policy_slots = int(data["slots"]) if "slots" in data else args.slots
+        policy_slots = int(data["slots"]) if "slots" in data else policy_slots
         policy_source = args.policy_trace
     host = int(policy_trace.max()) + 2
     policies = policy_hit_rates(policy_trace, policy_slots, host, policy_trace.shape[0] // 2)
@@ -255,6 +284,8 @@ def main() -> None:
         "target_us": 4.0,
         "victim_policies": policies,
         "victim_policy_trace": policy_source,
+        "victim_policy_slots": policy_slots,
+        "evictions_per_step": runs["kernels_management"]["evictions_per_step"],
         "victim_policy_kept": "lru_bucketed",
         "runs": runs,
     }
