@@ -242,7 +242,7 @@ def test_threshold_kernel_matches_the_predictor_bit_for_bit(alpha):
         rows = torch.randperm(6, generator=g)[:4].to(DEV)
         kth = torch.randn(4, generator=g) * 10
         kth[step % 4] = specials[step % 3]  # fewer than k keys, and back to finite
-        kth = kth.to(DEV)
+        kth = torch.stack((kth, -kth), 1).to(DEV)[:, 0]  # strided, as select_topk gives it
         ref.update(kth, rows)
         update_thresholds(ker.theta, ker.finite, kth, rows, alpha)
         assert torch.equal(ref.theta, ker.theta) and torch.equal(ref.finite, ker.finite)

@@ -258,12 +258,12 @@ def decode_prefetch_reference(
 # these sit on the critical path of every layer's decode step.
 @triton.jit
 def _threshold_kernel(
-    theta_ptr, finite_ptr, kth_ptr, rows_ptr, n, alpha, LANES: tl.constexpr
+    theta_ptr, finite_ptr, kth_ptr, rows_ptr, n, kth_stride, alpha, LANES: tl.constexpr
 ):  # fmt: skip
     lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
     live = lane < n
     row = tl.load(rows_ptr + lane, mask=live, other=0).to(tl.int64)
-    new = tl.load(kth_ptr + lane, mask=live, other=0.0).to(tl.float32)
+    new = tl.load(kth_ptr + lane * kth_stride, mask=live, other=0.0).to(tl.float32)
     old = tl.load(theta_ptr + row, mask=live, other=0.0)
     was_finite = tl.load(finite_ptr + row, mask=live, other=0) != 0
     new_finite = tl.abs(new) < float("inf")
@@ -281,8 +281,9 @@ def update_thresholds(
 ) -> None:
     """DecodeThresholdPredictor.update (its reference) in one launch: for distinct request
     rows, theta[row] = EMA(alpha) of the new k-th score where both are finite, else the
-    new score; finite[row] = whether the new score is finite. Floating-point contraction
-    is off, so the result matches the torch ops bit for bit."""
+    new score; finite[row] = whether the new score is finite. ``kth`` may be strided (a
+    column of the sorted scores: no copy). Floating-point contraction is off, so the
+    result matches the torch ops bit for bit."""
     if theta.dtype != torch.float32 or finite.dtype != torch.bool:
         raise ValueError("theta must be float32 and finite bool (DecodeThresholdPredictor)")
     if kth.shape != rows.shape or kth.dim() != 1:
@@ -294,7 +295,7 @@ def update_thresholds(
         return
     lanes = min(1024, triton.next_power_of_2(n))
     _threshold_kernel[(triton.cdiv(n, lanes),)](
-        theta, finite, kth.contiguous(), rows.contiguous(), n, float(alpha), LANES=lanes,
+        theta, finite, kth, rows.contiguous(), n, kth.stride(0), float(alpha), LANES=lanes,
         enable_fp_fusion=False,
     )  # fmt: skip
 
