@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import save_record, time_us
+from common import pyplot, save_record, time_us
 from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
@@ -182,11 +182,9 @@ def sort_us(slots: int, dev: torch.device) -> float | None:
 
 def plot(record_path: Path) -> Path:
     """Bar chart of the record's per-layer-step times beside the JSON."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        raise ImportError("matplotlib is missing")
     m = json.loads(record_path.read_text())["metrics"]
     bars = {
         "kernels:\nmanagement": m["us_per_layer_step"],

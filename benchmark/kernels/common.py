@@ -44,3 +44,16 @@ def save_record(out_dir: str | Path, name: str, device: str, metrics: dict, **ex
     path = out / f"{name}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def pyplot():
+    """matplotlib's pyplot on a file-only backend, or None where matplotlib is missing
+    (the GPU machine has it; a bare environment may not: the JSON is the record)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

@@ -74,7 +74,7 @@ def _parse() -> argparse.Namespace:
 
 ARGS = _parse()
 
-from common import save_record, time_us  # noqa: E402
+from common import pyplot, save_record, time_us  # noqa: E402
 
 from sglang_echo.kernels.cache_layout import ABSENT  # noqa: E402
 from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch  # noqa: E402
@@ -387,12 +387,8 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
 
 
 def plot(rows: list[dict], path: Path, device: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     graphs = all("unfused_graph_ms" in r for r in rows)
     suffix = "_graph_ms" if graphs else "_ms"

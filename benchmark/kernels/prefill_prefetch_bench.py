@@ -51,7 +51,7 @@ if not torch.cuda.is_available():  # the Triton interpreter runs the kernels on 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import save_record, time_us
+from common import pyplot, save_record, time_us
 
 from sglang_echo.kernels.prefill_prefetch import (
     ABSENT,
@@ -377,12 +377,8 @@ def _measure(wl: Workload, case: Case, args, dev) -> dict:
 
 
 def plot(rows: list[dict], path: Path, device: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     labels = [f"{r['history'] // 1024}K/{r['queries']}q\nhit {r['hit_rate']}" for r in rows]
     x = range(len(rows))
