@@ -45,3 +45,15 @@ def test_topk_kernel_matches_reference(kind, n_cols, topk, block):
 def test_topk_rejects_non_float32():
     with pytest.raises(ValueError, match="float32"):
         topk_positions(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2), 4)
+
+
+def test_topk_kernel_many_blocks_ties_across_blocks():
+    """20 blocks per row: the k-th value's ties spread over many blocks, so the offsets
+    each block takes from the blocks before it decide which tied positions are kept."""
+    g = torch.Generator().manual_seed(7)
+    rows, n_cols, topk = 3, 5000, 300
+    scores = torch.randint(0, 50, (rows, n_cols), generator=g).float()
+    qpos = torch.tensor([n_cols - 1, 3999, 2500])
+    scores, qpos = scores.to(DEV), qpos.to(DEV)
+    got = topk_positions(scores, qpos, topk, block=256)
+    assert torch.equal(_sorted(got), topk_positions_reference(scores, qpos, topk))

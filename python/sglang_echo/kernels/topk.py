@@ -1,15 +1,24 @@
 """Exact top-k per row by radix select, with ties going to the lowest position.
 
-One program per row. Scores become order-preserving 32-bit keys; four passes of a 256-bin
-histogram over the key's bytes (most significant first) find the k-th largest key T and
-how many entries equal to T are needed; a last pass writes, in position order, every
-entry above T and the lowest-positioned entries equal to T. The set is exactly that of
+Scores become order-preserving 32-bit keys; four passes of a 256-bin histogram over the
+key's bytes (most significant first) find the k-th largest key T and how many entries
+equal to T are needed; a last pass writes, in position order, every entry above T and the
+lowest-positioned entries equal to T. The set is exactly that of
 ``model.indexer.select_topk`` (the reference); the order is ascending position instead of
 descending score. Positions whose score is -inf (masked) come back as -1.
 
-Status (benchmark/results/indexer.json, H200, 48 x 100K): exact, but 1.3 ms against
-torch.topk's 0.15 ms: 48 programs cannot fill the GPU. Next: split each row's passes over
-many programs (per-program histograms, then a combine), so it is not yet used by the model.
+Every pass splits each row over many programs (one per BLOCK columns), so 48 rows of
+100K keys run on ~1200 programs: each pass adds its programs' histograms into a per-row,
+per-pass histogram with atomics, and the next pass replays the digit choices of the
+previous ones from those histograms (a few hundred loads) instead of a launch of its own.
+The final pass first counts, per program, the entries above T and equal to T, then
+writes with offsets from the programs before it. Six launches in all, each reading the
+scores once.
+
+Status: the one-program-per-row version of this kernel measured 1.3 ms against
+torch.topk's 0.15 ms at 48 x 100K (benchmark/results/indexer.json); this split version is
+exact on CPU (interpreter) and compiles for sm_90, and is not yet measured on the GPU, so
+the model's decode path still uses the tie-stable sort.
 """
 
 from __future__ import annotations
@@ -32,56 +41,88 @@ def _order_key(scores):
 
 
 @triton.jit
-def _topk_kernel(
-    scores_ptr,
-    out_ptr,
-    query_pos_ptr,
-    scores_stride,
-    out_stride,
-    n_cols,
-    k,
-    MAX_COLS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0)
-    qpos = tl.load(query_pos_ptr + row)
-    bins = tl.arange(0, 512)
+def _replay(hist_ptr, row, n_rows, k, PASSES: tl.constexpr):
+    """The key prefix and the count still wanted at it, after PASSES digit choices."""
+    bins = tl.arange(0, 256)
     prefix = tl.zeros((), dtype=tl.int64)
-    want = tl.zeros((), dtype=tl.int64) + k  # how many still to take at or below the prefix
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.zeros((512,), dtype=tl.int32)
-        for start in range(0, MAX_COLS, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            s = tl.load(scores_ptr + row * scores_stride + cols, mask=cols < n_cols, other=0.0)
-            s = tl.where(cols <= qpos, s, float("-inf"))
-            key = _order_key(s)
-            match = (cols < n_cols) & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            digit = tl.where(match, (key >> shift) & 255, 256)
-            hist += tl.histogram(digit.to(tl.int32), 512)
-        hist = tl.where(bins < 256, hist, 0).to(tl.int64)
-        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # count of digits >= bin
-        chosen = tl.sum(((at_or_above >= want) & (bins < 256)).to(tl.int64)) - 1
-        above = tl.sum(tl.where(bins == chosen, at_or_above - hist, 0))
-        want = want - above
-        prefix = prefix | (chosen << shift)
-    # prefix is the k-th largest key T; take every key > T and the first `want` keys == T.
-    taken = tl.zeros((), dtype=tl.int64)
-    equal_seen = tl.zeros((), dtype=tl.int64)
-    for start in range(0, MAX_COLS, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inside = cols < n_cols
-        s = tl.load(scores_ptr + row * scores_stride + cols, mask=inside, other=0.0)
-        s = tl.where(cols <= qpos, s, float("-inf"))
-        key = _order_key(s)
-        equal = inside & (key == prefix)
-        equal_rank = equal_seen + tl.cumsum(equal.to(tl.int64), 0) - 1
-        pick = inside & ((key > prefix) | (equal & (equal_rank < want)))
-        slot = taken + tl.cumsum(pick.to(tl.int64), 0) - 1
-        value = tl.where(s == float("-inf"), -1, cols.to(tl.int64))
-        tl.store(out_ptr + row * out_stride + slot, value, mask=pick)
-        taken += tl.sum(pick.to(tl.int64))
-        equal_seen += tl.sum(equal.to(tl.int64))
+    want = tl.zeros((), dtype=tl.int64) + k
+    for p in tl.static_range(PASSES):
+        h = tl.load(hist_ptr + (p * n_rows + row) * 256 + bins).to(tl.int64)
+        at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # entries whose digit >= bin
+        chosen = tl.sum((at_or_above >= want).to(tl.int64), 0) - 1
+        want = want - tl.sum(tl.where(bins == chosen, at_or_above - h, 0), 0)
+        prefix = prefix | (chosen << (24 - 8 * p))
+    return prefix, want
+
+
+@triton.jit
+def _row_keys(scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK: tl.constexpr):
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    s = tl.load(scores_ptr + row * scores_stride + cols, mask=inside, other=0.0)
+    s = tl.where(cols <= tl.load(query_pos_ptr + row), s, float("-inf"))
+    return cols, inside, s, _order_key(s)
+
+
+@triton.jit
+def _hist_kernel(
+    scores_ptr, query_pos_ptr, hist_ptr, scores_stride, n_cols, n_rows, k,
+    PASS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Pass PASS: this block's histogram of digit PASS among keys matching the prefix."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    prefix, _want = _replay(hist_ptr, row, n_rows, k, PASS)
+    _cols, inside, _s, key = _row_keys(
+        scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
+    )
+    shift: tl.constexpr = 24 - 8 * PASS
+    match = inside & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+    digit = tl.where(match, (key >> shift) & 255, 256).to(tl.int32)
+    bins = tl.arange(0, 512)
+    counts = tl.histogram(digit, 512)
+    tl.atomic_add(hist_ptr + (PASS * n_rows + row) * 256 + bins, counts, mask=bins < 256)
+
+
+@triton.jit
+def _count_kernel(
+    scores_ptr, query_pos_ptr, hist_ptr, counts_ptr, scores_stride, n_cols, n_rows, k,
+    n_chunks, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Per block: entries above the k-th key T, and entries equal to it."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    threshold, _want = _replay(hist_ptr, row, n_rows, k, 4)
+    _cols, inside, _s, key = _row_keys(
+        scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
+    )
+    base = (row * n_chunks + chunk) * 2
+    tl.store(counts_ptr + base, tl.sum((inside & (key > threshold)).to(tl.int32), 0))
+    tl.store(counts_ptr + base + 1, tl.sum((inside & (key == threshold)).to(tl.int32), 0))
+
+
+@triton.jit
+def _collect_kernel(
+    scores_ptr, query_pos_ptr, hist_ptr, counts_ptr, out_ptr, scores_stride, out_stride,
+    n_cols, n_rows, k, n_chunks, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """Write this block's picks (keys > T, and the first ``want`` keys == T of the row in
+    position order) after the picks of the blocks before it."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    threshold, want = _replay(hist_ptr, row, n_rows, k, 4)
+    c = tl.arange(0, MAX_CHUNKS)
+    earlier = c < chunk
+    base = (row * n_chunks + c) * 2
+    above_before = tl.sum(tl.load(counts_ptr + base, mask=earlier, other=0).to(tl.int64), 0)
+    equal_before = tl.sum(tl.load(counts_ptr + base + 1, mask=earlier, other=0).to(tl.int64), 0)
+    cols, inside, s, key = _row_keys(
+        scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
+    )
+    equal = inside & (key == threshold)
+    equal_rank = equal_before + tl.cumsum(equal.to(tl.int64), 0) - 1
+    pick = inside & ((key > threshold) | (equal & (equal_rank < want)))
+    taken_before = above_before + tl.minimum(equal_before, want)
+    slot = taken_before + tl.cumsum(pick.to(tl.int64), 0) - 1
+    value = tl.where(s == float("-inf"), -1, cols.to(tl.int64))
+    tl.store(out_ptr + row * out_stride + slot, value, mask=pick)
 
 
 def topk_positions(
@@ -93,22 +134,24 @@ def topk_positions(
         raise ValueError("scores must be a float32 [rows, keys] tensor")
     rows, n_cols = scores.shape
     k = min(topk, n_cols)
-    # Compiled per power-of-two width, so a decode context that grows each step
-    # does not recompile every step.
-    max_cols = triton.next_power_of_2(n_cols)
     out = torch.full((rows, topk), -1, dtype=torch.int64, device=scores.device)
+    if rows == 0 or n_cols == 0:
+        return out
     scores = scores.contiguous()
-    _topk_kernel[(rows,)](
-        scores,
-        out,
-        query_pos.to(torch.int64).contiguous(),
-        scores.stride(0),
-        out.stride(0),
-        n_cols,
-        k,
-        MAX_COLS=max_cols,
-        BLOCK=min(block, max_cols),
-    )
+    qpos = query_pos.to(torch.int64).contiguous()
+    block = min(block, triton.next_power_of_2(n_cols))
+    n_chunks = triton.cdiv(n_cols, block)
+    hist = torch.zeros(4, rows, 256, dtype=torch.int32, device=scores.device)
+    counts = torch.empty(rows, n_chunks, 2, dtype=torch.int32, device=scores.device)
+    grid = (rows, n_chunks)
+    common = (scores, qpos, hist)
+    for p in range(4):
+        _hist_kernel[grid](*common, scores.stride(0), n_cols, rows, k, PASS=p, BLOCK=block)
+    _count_kernel[grid](*common, counts, scores.stride(0), n_cols, rows, k, n_chunks, BLOCK=block)
+    _collect_kernel[grid](
+        *common, counts, out, scores.stride(0), out.stride(0), n_cols, rows, k, n_chunks,
+        BLOCK=block, MAX_CHUNKS=triton.next_power_of_2(n_chunks),
+    )  # fmt: skip
     return out
 
 
