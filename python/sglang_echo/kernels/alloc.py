@@ -203,10 +203,10 @@ def _boundary(hist_ptr, need):
 
 @triton.jit
 def _lookup_kernel(
-    ids_ptr, lanes, h2d_ptr, prio_ptr, clock_ptr, hist_ptr, hits_ptr,
+    ids_ptr, lanes, h2d_ptr, prio_ptr, clock_ptr, hist_ptr,
     APPEND: tl.constexpr, LANES: tl.constexpr, HIST: tl.constexpr,
 ):  # fmt: skip
-    """Hits stamp their slot (first stamper counts the hit); misses claim their id."""
+    """Hits stamp their slot; misses claim their id (the lowest lane wins)."""
     pid = tl.program_id(0)
     lane = pid * LANES + tl.arange(0, LANES)
     ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
@@ -214,10 +214,8 @@ def _lookup_kernel(
     stamp = _stamp(clock_ptr, APPEND)
     looked_up = tl.load(h2d_ptr + ids, mask=valid, other=_ABSENT)
     hit = valid & (looked_up >= 0) & (looked_up != _ABSENT)
-    stamps = tl.zeros([LANES], dtype=tl.int64) + stamp
-    old = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit)
-    if not APPEND:
-        tl.atomic_add(hits_ptr, tl.sum((hit & (old != stamp)).to(tl.int64), 0))
+    # A plain store (duplicates write the same stamp); the count kernel counts the hits.
+    tl.store(prio_ptr + looked_up, tl.zeros([LANES], dtype=tl.int64) + stamp, mask=hit)
     claim = (lane + _CLAIM).to(tl.int32)
     tl.atomic_min(h2d_ptr + ids, claim, mask=valid & ~hit)
     if pid == 0:
@@ -234,11 +232,12 @@ def _first_miss(ids_ptr, lanes, h2d_ptr, lane):
 
 @triton.jit
 def _count_kernel(
-    ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr,
+    ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr, hits_ptr,
     num_slots, slot_programs,
     APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, HIST: tl.constexpr,
 ):  # fmt: skip
-    """Slot programs: histogram of evictable ages. Lane programs: first misses per block."""
+    """Slot programs: histogram of evictable ages, and the hits (slots stamped this step).
+    Lane programs: first misses per block."""
     pid = tl.program_id(0)
     stamp = _stamp(clock_ptr, APPEND)
     if pid < slot_programs:
@@ -247,6 +246,9 @@ def _count_kernel(
         counts = tl.histogram(tl.where(bucket >= 0, bucket, _BUCKETS).to(tl.int32), HIST)
         bins = tl.arange(0, HIST)
         tl.atomic_add(hist_ptr + bins, counts, mask=bins < _BUCKETS)
+        if not APPEND:  # slots the look-up stamped = distinct hit tokens (sink included)
+            stamped = tl.load(prio_ptr + slot, mask=slot <= num_slots, other=0) == stamp
+            tl.atomic_add(hits_ptr, tl.sum((stamped & (slot <= num_slots)).to(tl.int64), 0))
     else:
         l_block = pid - slot_programs
         l_lane = l_block * LANES + tl.arange(0, LANES)
@@ -436,14 +438,12 @@ def allocate_kernel(
     flags = dict(APPEND=append, LANES=LANE_BLOCK)
     evictions = (c.append_evictions if append else c.evictions)[layer : layer + 1]
     mark()
-    _lookup_kernel[(lane_programs,)](
-        ids, lanes, h2d, prio, clock, ws.hist, c.hits[layer : layer + 1], HIST=HIST_BINS, **flags
-    )
+    _lookup_kernel[(lane_programs,)](ids, lanes, h2d, prio, clock, ws.hist, HIST=HIST_BINS, **flags)
     mark()
     both = (sp + lane_programs,)
     _count_kernel[both](
-        ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, c.num_slots, sp,
-        SLOTS=SLOT_BLOCK, HIST=HIST_BINS, **flags,
+        ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, c.hits[layer : layer + 1],
+        c.num_slots, sp, SLOTS=SLOT_BLOCK, HIST=HIST_BINS, **flags,
     )  # fmt: skip
     mark()
     _rank_kernel[both](
