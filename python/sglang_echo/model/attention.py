@@ -35,22 +35,45 @@ def sparse_mla(
     return torch.matmul(probs, kv[..., :kv_lora_rank])
 
 
+def resolve_chunk(
+    kv_cache: KVCache, layer_id: int, selected: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Resolve a whole prefill chunk's selections [Q, K] at once -> (buffer, rows [Q, K]).
+
+    Queries of one chunk select heavily overlapping locations (at most the context), so
+    under ECHO their distinct locations are resolved in a single call when they fit the
+    cache: one look-up, one allocation and one recall per layer and chunk, instead of one
+    per block of queries (each with a host read of its distinct count). Rows where
+    ``selected`` is -1 point at row 0 (callers mask them). Returns None when the distinct
+    locations do not fit; ``gather_selected`` then resolves block by block.
+    """
+    n_queries, topk = selected.shape
+    if kv_cache.max_resolve_queries(topk) >= n_queries:
+        buffer, rows = kv_cache.resolve(layer_id, selected)
+        return buffer, rows.clamp(min=0)
+    budget = kv_cache.max_resolve_queries(topk) * topk
+    return _resolve_distinct(kv_cache, layer_id, selected, budget)
+
+
 def gather_selected(
     kv_cache: KVCache, layer_id: int, selected: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
     """Resolve ``selected`` [Q, K] locations and copy their rows into ``out`` [Q, K, D].
 
-    When the cache cannot take every query's selection in one resolve (ECHO in prefill),
-    the queries' selections overlap heavily, so their distinct locations are resolved at
-    once if they fit; otherwise in pieces no larger than the cache can hold (a piece's rows
-    are copied out before the next piece may evict them). The attention that follows sees
-    the same tensor shapes, and so computes bit-identical results, whatever the KV backend.
-    Returns the valid mask [Q, K].
+    The fallback of ``resolve_chunk`` for a block of queries: the block's distinct
+    locations at once if they fit, otherwise in pieces no larger than the cache can hold
+    (a piece's rows are copied out before the next piece may evict them). The attention
+    that follows sees the same tensor shapes, and so computes bit-identical results,
+    whatever the KV backend. Returns the valid mask [Q, K].
     """
     n_queries, topk = selected.shape
     piece = min(n_queries, kv_cache.max_resolve_queries(topk))
-    if piece < n_queries and _gather_union(kv_cache, layer_id, selected, out, piece * topk):
-        return selected >= 0
+    if piece < n_queries:
+        resolved = _resolve_distinct(kv_cache, layer_id, selected, piece * topk)
+        if resolved is not None:
+            buffer, rows = resolved
+            torch.index_select(buffer, 0, rows.view(-1), out=out.view(-1, out.shape[-1]))
+            return selected >= 0
     for s in range(0, n_queries, piece):
         e = min(s + piece, n_queries)
         buffer, rows = kv_cache.resolve(layer_id, selected[s:e])
@@ -58,20 +81,18 @@ def gather_selected(
     return selected >= 0
 
 
-def _gather_union(
-    kv_cache: KVCache, layer_id: int, selected: torch.Tensor, out: torch.Tensor, budget: int
-) -> bool:
-    """Resolve the distinct locations of ``selected`` in one call if at most ``budget``;
-    False (nothing done) if they do not fit. Reads the distinct count on the host: prefill
-    only, never inside a captured decode step."""
+def _resolve_distinct(
+    kv_cache: KVCache, layer_id: int, selected: torch.Tensor, budget: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Resolve the distinct locations of ``selected`` in one call if at most ``budget``
+    -> (buffer, rows [Q, K], -1 entries on row 0); None (nothing done) if they do not fit.
+    Reads the distinct count on the host: prefill only, never inside a captured step."""
     distinct = torch.unique(selected[selected >= 0])
     if distinct.numel() > budget or distinct.numel() == 0:
-        return False
+        return None
     buffer, rows = kv_cache.resolve(layer_id, distinct.view(1, -1))
     where = torch.searchsorted(distinct, selected.clamp(min=0)).clamp(max=distinct.numel() - 1)
-    slot = torch.where(selected >= 0, rows.view(-1)[where], 0)  # padding reads the sink row
-    out.copy_(buffer[slot])
-    return True
+    return buffer, torch.where(selected >= 0, rows.view(-1)[where], 0)
 
 
 class MLAttention(nn.Module):
@@ -167,9 +188,15 @@ class MLAttention(nn.Module):
         block = max(1, GATHER_BLOCK_ELEMENTS // (topk * row_dim))
         out = q_full.new_empty(n_tokens, self.n_heads, self.kv_lora_rank)
         staged = q_full.new_empty(min(block, n_tokens), topk, row_dim)
+        whole = resolve_chunk(kv_cache, layer_id, selected)
         for s in range(0, n_tokens, block):
             e = min(s + block, n_tokens)
             kv = staged[: e - s]
-            valid = gather_selected(kv_cache, layer_id, selected[s:e], kv)
+            if whole is not None:
+                buffer, rows = whole
+                torch.index_select(buffer, 0, rows[s:e].reshape(-1), out=kv.view(-1, row_dim))
+                valid = selected[s:e] >= 0
+            else:
+                valid = gather_selected(kv_cache, layer_id, selected[s:e], kv)
             out[s:e] = sparse_mla(q_full[s:e], kv, valid, self.kv_lora_rank, self.scale)
         return out
