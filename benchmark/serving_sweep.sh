@@ -10,7 +10,8 @@
 # Knobs (environment): LAYERS=4 CONTEXT=16384 NUM_PROMPTS=32 RATES=0.25,1,inf
 #   NO_OFFLOAD_TOKENS=131072 DEV_CACHE=65536 OFFLOAD_TOKENS=(equal-HBM default)
 #   INDEXER_MODE=fp8_hadamard MAX_OUTPUT_LEN=256 SHAREGPT=0 (1: also the ShareGPT sweep)
-#   WARMUP_REQUESTS=8 (sent at once before each rate: Triton kernels compile per shape)
+#   WARMUP_REQUESTS=NUM_PROMPTS (at most 32; sent at once before each rate, so that every
+#   decode batch size up to it has its CUDA graph captured and its kernels compiled)
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
   sed -n '2,14p' "$0"
@@ -78,7 +79,7 @@ echo "model $MODEL: no-offload pool $NO_OFFLOAD_TOKENS tokens; offload host pool
 common=(--request-rates "$RATES" --num-prompts "$NUM_PROMPTS" --context-length "$CONTEXT"
   --max-output-len "$MAX_OUTPUT_LEN" --no-offload-max-total-tokens "$NO_OFFLOAD_TOKENS"
   --offload-max-total-tokens "$OFFLOAD_TOKENS" --offload-nsa-dev-cache-size "$DEV_CACHE"
-  --warmup-requests "${WARMUP_REQUESTS:-8}"
+  --warmup-requests "${WARMUP_REQUESTS:-$((NUM_PROMPTS < 32 ? NUM_PROMPTS : 32))}"
   --chunked-prefill-size "${CHUNKED_PREFILL_SIZE:-$((DEV_CACHE < 8192 ? DEV_CACHE : 8192))}")
 start=$SECONDS
 ENGINE=echo DSV32W4="$MODEL" INFINI_DATASET="${INFINI_DATASET:-}" bash e2e_test_pd_infini.sh \
@@ -91,3 +92,25 @@ if [[ "${SHAREGPT:-0}" == "1" ]]; then
 fi
 echo "sweep took $((SECONDS - start)) s" | tee -a "$OUT/sweep_config.txt"
 "$PYTHON" -m sglang_echo.bench.plot "${roots[@]}" --out-dir "$OUT/plots" || true
+# The record: {name, device, date, command, metrics = the plotted numbers and ratios}.
+"$PYTHON" - "$OUT" "$*" << 'PY' || true
+import json, subprocess, sys, time
+from pathlib import Path
+out, args = Path(sys.argv[1]), sys.argv[2]
+try:
+    device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+except (OSError, subprocess.CalledProcessError):
+    device = "cpu"
+summary = out / "plots" / "summary.json"
+record = {
+    "name": "serving_sweep",
+    "device": device,
+    "date": time.strftime("%Y-%m-%d"),
+    "command": f"bash benchmark/serving_sweep.sh {args}".strip(),
+    "config": (out / "sweep_config.txt").read_text().splitlines(),
+    "metrics": json.loads(summary.read_text()) if summary.is_file() else None,
+}
+(out / "serving_sweep.json").write_text(json.dumps(record, indent=2) + "\n")
+print(f"wrote {out / 'serving_sweep.json'}")
+PY
