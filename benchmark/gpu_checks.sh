@@ -2,26 +2,32 @@
 # One device call (about 7 minutes on an H200): environment facts, the CUDA tests (oracle,
 # lossless with CUDA-graph decode, the cache/recall/indexer kernels and decode prefetch in
 # place, the scheduler with CUDA graphs), the kernel tests under the GPU machine's torch,
-# then every kernel benchmark. Writes JSON, PNG and logs to OUTDIR.
+# then every kernel benchmark. Writes JSON, PNG and logs to OUTDIR, packed into
+# OUTDIR/gpu_checks_all.tgz (unpack with tar -xzf).
 # Usage on the device machine, from the repository root: bash benchmark/gpu_checks.sh "$OUT"
 set -uo pipefail
 out=${1:-/tmp/echo-gpu}
 mkdir -p "$out"
-export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1 ECHO_REPORT_DIR=$out
+res=$(mktemp -d)  # results, packed into OUTDIR at the end
+export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1 ECHO_REPORT_DIR=$res
 SECONDS=0
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-} 2>&1 | tee "$out/env.txt"
+} 2>&1 | tee "$res/env.txt"
 step() { echo "[gpu_checks] ${SECONDS}s: $*"; }
 step "CUDA tests"
-python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py tests/test_serving_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -15
+python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py tests/test_serving_gpu.py 2>&1 | tee "$res/gpu_tests.log" | tail -15
 step "kernel and model tests under this torch"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py tests/test_kernel_recall.py \
   tests/test_kernel_indexer.py tests/test_kernel_decode_prefetch.py tests/test_kernel_prefill_prefetch.py \
-  tests/test_kernel_topk.py tests/test_model_oracle.py tests/test_indexer.py 2>&1 | tee "$out/kernel_tests.log" | tail -5
+  tests/test_kernel_topk.py tests/test_model_oracle.py tests/test_indexer.py 2>&1 | tee "$res/kernel_tests.log" | tail -5
 for bench in cache_ops decode_prefetch prefill_prefetch recall indexer; do
   step "benchmark $bench"
-  python3 benchmark/kernels/${bench}_bench.py --out "$out" 2>&1 | tee "$out/${bench}_bench.log" | tail -14
+  python3 benchmark/kernels/${bench}_bench.py --out "$res" 2>&1 | tee "$res/${bench}_bench.log" | tail -14
 done
 step "done"
+# The device returns a limited number of files: everything travels in one archive.
+tar -czf "$out/gpu_checks_all.tgz" -C "$res" .
+rm -rf "$res"
+ls -la "$out"
