@@ -145,3 +145,26 @@ def test_resolve_after_long_idle_uses_the_log_buckets() -> None:
     assert torch.equal(a.slots, b.slots)
     _assert_same(ref, ker, "log buckets")
     assert int(ker.evictions[0]) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts compiled GPU variants")
+def test_lane_counts_of_any_size_reuse_one_compiled_variant() -> None:
+    """Prefill appends and resolves come in every size: a new lane count must not compile
+    a new kernel variant mid-serving (once seconds per call, seen as 1.4 s decode stalls)."""
+    from sglang_echo.kernels import alloc
+
+    kernels = (alloc._lookup_kernel, alloc._count_kernel, alloc._rank_kernel)
+    kernels += (alloc._assign_kernel, alloc._finish_kernel)
+    cache = DeviceCache(1, 4096, 1 << 16, 4, torch.float32, DEV)
+    ws = AllocWorkspace(cache, max_lanes=cache.num_slots)
+    device = torch.cuda.current_device()
+    before = None
+    for step, lanes in enumerate((1, 17, 1024, 1025, 3000, 4096, 2, 33)):
+        ids = torch.randperm(1 << 16, device=DEV)[:lanes] + 1
+        allocate_kernel(cache, 0, ids, append=step % 2 == 0, ws=ws)
+        torch.cuda.synchronize()
+        counts = [len(k.device_caches[device][0]) for k in kernels]
+        if step == 1:  # both modes (append, resolve) compiled once
+            before = counts
+    assert counts == before, f"variants per kernel grew from {before} to {counts}"

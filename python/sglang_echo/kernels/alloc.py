@@ -158,6 +158,10 @@ _ABSENT = tl.constexpr(ABSENT)
 _CLAIM = tl.constexpr(CLAIM)
 _EXACT = tl.constexpr(EXACT_AGES)
 _BUCKETS = tl.constexpr(NUM_BUCKETS)
+# Arguments that change from call to call (lane counts; prefill appends and resolves have
+# any size). Triton would otherwise compile a variant per value class (== 1, multiple of
+# 16): compiles in the middle of serving, seconds each.
+_PER_CALL = ("lanes", "lane_programs")
 
 
 @triton.jit
@@ -201,7 +205,7 @@ def _boundary(hist_ptr, need):
     return boundary, older, total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def _lookup_kernel(
     ids_ptr, lanes, h2d_ptr, prio_ptr, clock_ptr, hist_ptr,
     APPEND: tl.constexpr, LANES: tl.constexpr, HIST: tl.constexpr,
@@ -230,7 +234,7 @@ def _first_miss(ids_ptr, lanes, h2d_ptr, lane):
     return ids, valid & (entry == (lane + _CLAIM).to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def _count_kernel(
     ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr, hits_ptr,
     num_slots, slot_programs,
@@ -256,7 +260,7 @@ def _count_kernel(
         tl.store(lane_counts_ptr + l_block, tl.sum(l_first.to(tl.int32), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def _rank_kernel(
     ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr,
     slot_counts_ptr, free_count_ptr, miss_ids_ptr, miss_count_ptr, buckets_ptr,
@@ -295,7 +299,7 @@ def _rank_kernel(
         tl.store(miss_ids_ptr + l_pos, l_ids, mask=l_first)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def _assign_kernel(
     h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr, slot_counts_ptr,
     free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, evictions_ptr, buckets_ptr,
@@ -352,7 +356,7 @@ def _assign_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def _finish_kernel(
     ids_ptr, lanes, out_ptr, h2d_ptr, clock_ptr, lane_counts_ptr, free_count_ptr,
     misses_ptr, recalled_ptr, miss_count_ptr, lane_programs, scratch_slot,
@@ -388,6 +392,9 @@ class AllocWorkspace:
         self.max_lanes = max_lanes
         self.slot_programs = triton.cdiv(cache.num_slots + 2, SLOT_BLOCK)
         lane_programs = max(1, triton.cdiv(max_lanes, LANE_BLOCK))
+        # Width of the kernels' scan over per-block lane counts: fixed per workspace (not
+        # per call), so a new lane count never compiles a new kernel variant.
+        self.max_lane_programs_pow2 = triton.next_power_of_2(lane_programs)
         self.hist = torch.zeros(HIST_BINS, dtype=torch.int32, device=dev)
         self.lane_counts = torch.zeros(lane_programs, dtype=torch.int32, device=dev)
         self.slot_counts = torch.zeros(2 * self.slot_programs, dtype=torch.int32, device=dev)
@@ -433,7 +440,7 @@ def allocate_kernel(
     free_count = c.free_count[layer : layer + 1]
     lane_programs = triton.cdiv(lanes, LANE_BLOCK)
     sp = ws.slot_programs
-    maxp = triton.next_power_of_2(lane_programs)
+    maxp = ws.max_lane_programs_pow2
     maxs = triton.next_power_of_2(sp)
     flags = dict(APPEND=append, LANES=LANE_BLOCK)
     evictions = (c.append_evictions if append else c.evictions)[layer : layer + 1]
