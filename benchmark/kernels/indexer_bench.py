@@ -158,7 +158,16 @@ def main() -> None:
     rel = max(rel, ((logits[sub].double() - want).norm() / want.norm()).item())
     torch_topk_us = time_us(lambda: torch.topk(logits, args.topk, dim=-1))
     qpos = lens.long().view(-1, 1) - 1
-    stable_topk_us = time_us(lambda: select_topk(logits.unsqueeze(1), qpos, args.topk), reps=10)
+    stable_topk_us = time_us(
+        lambda: select_topk(logits.unsqueeze(1), qpos, args.topk, method="sort"), reps=10
+    )
+    packed_topk_us = time_us(
+        lambda: select_topk(logits.unsqueeze(1), qpos, args.topk, method="packed"), reps=10
+    )
+    packed_equal = torch.equal(
+        select_topk(logits.unsqueeze(1), qpos, args.topk, True, method="sort")[0],
+        select_topk(logits.unsqueeze(1), qpos, args.topk, True, method="packed")[0],
+    )
     kernel_topk_us = time_us(lambda: topk_positions(logits, qpos.view(-1), args.topk))
     ref_sets = select_topk(logits.unsqueeze(1), qpos, args.topk).squeeze(1)
     got_sets = topk_positions(logits, qpos.view(-1), args.topk)
@@ -192,6 +201,11 @@ def main() -> None:
         "torch_topk_us": torch_topk_us,
         "topk_over_torch_topk": kernel_topk_us / torch_topk_us,
         "reference_stable_sort_topk_us": stable_topk_us,
+        # torch.topk over distinct int64 (score, inverted position) keys: same output as the
+        # stable sort (positions and order), the candidate to replace it in decode.
+        "packed_key_topk_us": packed_topk_us,
+        "packed_key_topk_equals_sort": packed_equal,
+        "packed_over_sort": packed_topk_us / stable_topk_us,
     }
     device = torch.cuda.get_device_name()
     save_record(args.out, "indexer", device, metrics, variants=variants)
@@ -204,7 +218,9 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(7, 4))
         names = ["roofline", "fp8 logits", "torch loop", "torch.topk", "top-k kernel", "sort top-k"]
+        names.append("packed top-k")
         vals = [roofline_us, best["us"], loop_us, torch_topk_us, kernel_topk_us, stable_topk_us]
+        vals.append(packed_topk_us)
         ax.bar(names, vals)
         ax.set_yscale("log")
         ax.set_ylabel("us (log)")
@@ -217,7 +233,7 @@ def main() -> None:
         f"logits {best['us']:.0f} us (roofline {roofline_us:.0f}: mem {roof_mem_us:.0f}, "
         f"fp8 {roof_cmp_us:.0f}; {best['us'] / roofline_us:.2f}x) | torch loop {loop_us:.0f} us "
         f"({loop_us / best['us']:.1f}x slower) | torch.topk {torch_topk_us:.0f} us | top-k kernel "
-        f"{kernel_topk_us:.0f} us (exact {topk_kernel_exact}) | stable sort {stable_topk_us:.0f} us | rel err {rel:.1e}, top-k equal {topk_equal} | best {metrics['best_config']}"
+        f"{kernel_topk_us:.0f} us (exact {topk_kernel_exact}) | stable sort {stable_topk_us:.0f} us | packed-key topk {packed_topk_us:.0f} us (= sort {packed_equal}) | rel err {rel:.1e}, top-k equal {topk_equal} | best {metrics['best_config']}"
     )
 
 
