@@ -2,15 +2,20 @@
 
 Each token caches one row: its normalized 512-d latent and its roped 64-d key. Queries are
 absorbed into latent space (q_nope . W_UK), so attention reads only the selected rows and
-the output is lifted back with W_UV. Prefill and decode take the same sparse path.
+the output is lifted back with W_UV. Prefill and decode take the same sparse path:
+the selected rows are gathered and attended in torch, or, with SGLANG_ECHO_SPARSE_MLA=kernel,
+read in place from the KV buffer by the Triton kernel (kernels/sparse_mla.py).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 from torch import nn
 
-from sglang_echo.model.config import DeepseekV32Config
+from sglang_echo.model.config import DeepseekV32Config, ModelConfigError
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.indexer import LightningIndexer
 from sglang_echo.model.kv_cache import KVCache
@@ -19,6 +24,24 @@ from sglang_echo.model.rope import apply_rope_half, apply_rope_interleaved, atte
 
 # Largest gathered [queries x top-k x row] block materialized at once (elements).
 GATHER_BLOCK_ELEMENTS = 1 << 26
+# Which sparse-MLA implementation attends: "torch" (gather the selected rows, then
+# sparse_mla) or "kernel" (kernels/sparse_mla.py reads them from the buffer, no gather).
+ENV_SPARSE_MLA = "SGLANG_ECHO_SPARSE_MLA"
+SPARSE_MLA_BACKENDS = ("torch", "kernel")
+
+
+@functools.cache
+def sparse_mla_backend() -> str:
+    """``SGLANG_ECHO_SPARSE_MLA`` (default ``torch``), read once per process; a bad value
+    fails when the model is built, naming the allowed values."""
+    raw = os.environ.get(ENV_SPARSE_MLA, "")
+    value = raw.strip().lower() or "torch"
+    if value not in SPARSE_MLA_BACKENDS:
+        raise ModelConfigError(
+            f"{ENV_SPARSE_MLA}={raw!r} is not understood; set it to one of "
+            f"{', '.join(SPARSE_MLA_BACKENDS)} (or leave it unset for torch)."
+        )
+    return value
 
 
 def sparse_mla(
@@ -117,6 +140,7 @@ class MLAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, config.hidden_size, bias=False)
         self.indexer = LightningIndexer(config)
+        self.sparse_mla_backend = sparse_mla_backend()
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rope_interleave:
@@ -179,16 +203,22 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         n_tokens, topk = selected.shape
         row_dim = q_full.shape[-1]
+        kernel = self.sparse_mla_backend == "kernel"
         if batch.is_decode:
             # One resolve for the whole decode step (the config guarantees it fits), so the
             # step keeps fixed shapes and stays capturable in a CUDA graph.
             buffer, rows = kv_cache.resolve(layer_id, selected)
+            if kernel:  # rows are -1 where selected is (KVCache.resolve)
+                return self._kernel(q_full, buffer, rows)
             kv = buffer[rows.clamp(min=0)]
             return sparse_mla(q_full, kv, selected >= 0, self.kv_lora_rank, self.scale)
+        whole = resolve_chunk(kv_cache, layer_id, selected)
+        if kernel and whole is not None:  # the whole chunk straight from the buffer
+            buffer, rows = whole
+            return self._kernel(q_full, buffer, torch.where(selected >= 0, rows, -1))
         block = max(1, GATHER_BLOCK_ELEMENTS // (topk * row_dim))
         out = q_full.new_empty(n_tokens, self.n_heads, self.kv_lora_rank)
         staged = q_full.new_empty(min(block, n_tokens), topk, row_dim)
-        whole = resolve_chunk(kv_cache, layer_id, selected)
         for s in range(0, n_tokens, block):
             e = min(s + block, n_tokens)
             kv = staged[: e - s]
@@ -198,5 +228,16 @@ class MLAttention(nn.Module):
                 valid = selected[s:e] >= 0
             else:
                 valid = gather_selected(kv_cache, layer_id, selected[s:e], kv)
-            out[s:e] = sparse_mla(q_full[s:e], kv, valid, self.kv_lora_rank, self.scale)
+            if kernel:  # the staged copy as the buffer: the same rows in the same order
+                flat = torch.arange(kv.shape[0] * topk, device=kv.device).view(-1, topk)
+                rows = torch.where(valid, flat, -1)
+                out[s:e] = self._kernel(q_full[s:e], kv.view(-1, row_dim), rows)
+            else:
+                out[s:e] = sparse_mla(q_full[s:e], kv, valid, self.kv_lora_rank, self.scale)
         return out
+
+    def _kernel(self, q: torch.Tensor, buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Sparse MLA read through ``rows`` from ``buffer`` (Triton; imported only when used)."""
+        from sglang_echo.kernels.sparse_mla import sparse_mla_from_buffer
+
+        return sparse_mla_from_buffer(q, buffer, rows, self.kv_lora_rank, self.scale)

@@ -1,0 +1,244 @@
+"""Sparse MLA straight from the KV buffer: softmax over each query's selected rows, no gather.
+
+For query t and head h, over the K rows ``buffer[rows[t, k]]`` (k where rows >= 0):
+
+    p = softmax_k(scale * q[t, h] . row_k)   (float32)
+    out[t, h] = sum_k p_k * row_k[:r]        (r = kv_lora_rank, 512 in DeepSeek-V3.2)
+
+The torch path (model/attention.py) first copies the selected rows into a [Q, K, r + d]
+tensor and then runs two batched matmuls; this kernel reads each row from the buffer
+through the index and never materializes the copy. One program serves one query and a
+block of heads, so a row read once feeds BLOCK_H heads (DeepSeek-V3.2 has 128). The row
+(576 = 512 + 64, not a power of two) is split into its latent and rope parts: two dots
+for the scores, and the latent part alone for the output. The softmax is the streaming
+(flash) form over blocks of K, in float32, in a fixed order and without atomics: a
+query's output depends only on its q and on the contents and order of its selected rows,
+never on where the rows live (the lossless property: ECHO's device cache and the plain
+pool present the same rows from different buffers and indices and get the same bits).
+
+A query with no selected row gets zeros. The torch path would give NaN there (softmax
+of an all -inf row); the model never produces such a query (every query selects at
+least its own token), so the two paths agree on every input the model can produce.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Defaults for DeepSeek-V3.2 sizes (H 128, r 512, d 64, bf16), not yet timed on a GPU
+# (benchmark/kernels/sparse_mla_bench.py sweeps the alternatives). Chosen from ptxas's
+# resource report for sm_90: 32 heads x 32 rows with 8 warps is the largest tile that
+# compiles without register spills (237 registers; mma.sync); 64 heads (wgmma) spill
+# 0.5-3 KB per thread with 8 or 16 warps, 32 x 32 with 4 warps spills 0.5 KB.
+DEFAULT_BLOCK_H = 32
+DEFAULT_BLOCK_K = 32
+DEFAULT_NUM_WARPS = 8
+DEFAULT_NUM_STAGES = 2
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    q_ptr,
+    buf_ptr,
+    rows_ptr,
+    out_ptr,
+    scale,
+    n_heads,
+    q_stride_t,
+    q_stride_h,
+    buf_stride,
+    rows_stride,
+    out_stride_t,
+    out_stride_h,
+    LAT: tl.constexpr,
+    ROPE: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_LAT: tl.constexpr,
+    BLOCK_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_live = h < n_heads
+    c = tl.arange(0, BLOCK_LAT)
+    d = tl.arange(0, BLOCK_ROPE)
+    c_live = c < LAT
+    d_live = d < ROPE
+    # The query block stays in registers for the whole walk over the selected rows.
+    q_rows = q_ptr + t * q_stride_t + h[:, None] * q_stride_h
+    q_lat = tl.load(q_rows + c[None, :], mask=h_live[:, None] & c_live[None, :], other=0.0)
+    q_pe = tl.load(q_rows + LAT + d[None, :], mask=h_live[:, None] & d_live[None, :], other=0.0)
+
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)  # running max of the scores
+    total = tl.zeros((BLOCK_H,), tl.float32)  # running sum of exp(score - m)
+    acc = tl.zeros((BLOCK_H, BLOCK_LAT), tl.float32)
+    for k0 in range(0, TOPK, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(rows_ptr + t * rows_stride + k, mask=k < TOPK, other=-1)
+        live = idx >= 0
+        row = buf_ptr + idx.to(tl.int64) * buf_stride
+        kv_lat = tl.load(row[:, None] + c[None, :], mask=live[:, None] & c_live[None, :], other=0.0)
+        kv_pe = tl.load(
+            row[:, None] + LAT + d[None, :], mask=live[:, None] & d_live[None, :], other=0.0
+        )
+        s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
+        s = tl.dot(q_pe, tl.trans(kv_pe), acc=s, input_precision=PRECISION)
+        s = tl.where(live[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # While a head has seen no live row, m_new is -inf: shift by 0 instead (p = 0).
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - shift)
+        p = tl.exp(s - shift[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc=acc, input_precision=PRECISION)
+        m = m_new
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]  # no live row: zeros
+    o_rows = out_ptr + t * out_stride_t + h[:, None] * out_stride_h
+    tl.store(
+        o_rows + c[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=h_live[:, None] & c_live[None, :],
+    )
+
+
+def _fix_interpreter_bf16_dot() -> None:
+    """Make the Triton interpreter's ``tl.dot`` of bfloat16 operands compute in float32.
+
+    Triton 3.6's interpreter keeps bf16 values as their uint16 bit patterns and feeds them
+    to ``np.matmul`` as integers (a nonsense result, ~1e9 off). Widening a bf16 operand to
+    float32 is exact, and bf16 x bf16 products are exact in float32, so this is the GPU's
+    bf16 MMA with float32 accumulation. Patched here, not in the kernel, so the interpreted
+    kernel is the very one compiled for the GPU (tests/test_zz_compile_sm90.py). Only runs
+    under TRITON_INTERPRET=1; idempotent.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_echo_bf16_dot", False):
+        return
+    original = builder.create_dot
+
+    def widen(x):
+        if x.dtype != tl.bfloat16:
+            return x
+        data = (x.data.astype(np.uint32) << 16).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+    builder._echo_bf16_dot = True
+
+
+def _check(q: torch.Tensor, buffer: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int) -> None:
+    if q.dim() != 3 or buffer.dim() != 2 or rows.dim() != 2:
+        raise ValueError(
+            "sparse MLA expects q [Q, H, r + d_rope], buffer [S, r + d_rope], rows [Q, K]; got "
+            f"q {tuple(q.shape)}, buffer {tuple(buffer.shape)}, rows {tuple(rows.shape)}"
+        )
+    if q.shape[2] != buffer.shape[1]:
+        raise ValueError(
+            f"q's last dim ({q.shape[2]}) must equal the buffer's row width ({buffer.shape[1]})"
+        )
+    if rows.shape[0] != q.shape[0]:
+        raise ValueError(f"rows has {rows.shape[0]} queries but q has {q.shape[0]}")
+    if not 0 < kv_lora_rank < q.shape[2]:
+        raise ValueError(
+            f"kv_lora_rank must be in (0, {q.shape[2]}) (the row's latent part), got {kv_lora_rank}"
+        )
+    if q.dtype not in _DTYPES or buffer.dtype != q.dtype:
+        raise ValueError(
+            f"q and buffer must share one dtype of float32/bfloat16; got {q.dtype}, {buffer.dtype}"
+        )
+    if rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rows must be int32 or int64 (-1 = none), got {rows.dtype}")
+    if q.device != buffer.device or rows.device != q.device:
+        raise ValueError(
+            f"q, buffer and rows must be on one device; got {q.device}, {buffer.device}, "
+            f"{rows.device}"
+        )
+
+
+def sparse_mla_from_buffer(
+    q: torch.Tensor,
+    buffer: torch.Tensor,
+    rows: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+    block_h: int = DEFAULT_BLOCK_H,
+    block_k: int = DEFAULT_BLOCK_K,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = DEFAULT_NUM_STAGES,
+) -> torch.Tensor:
+    """q [Q, H, r + d] (absorbed latent query | roped query), buffer [S, r + d] (KV rows),
+    rows [Q, K] int32/int64 indices into the buffer (-1 = none) -> out [Q, H, r] in q's dtype.
+
+    No host synchronisation and fixed shapes: capturable in a CUDA graph. ``block_h`` is
+    capped at the head count (rounded up to 16, the smallest dot); ``block_k`` >= 16.
+    """
+    _check(q, buffer, rows, kv_lora_rank)
+    if q.stride(2) != 1 or buffer.stride(1) != 1:
+        raise ValueError("q and buffer need unit stride along the row (call .contiguous())")
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+    n_queries, n_heads, width = q.shape
+    rope = width - kv_lora_rank
+    out = torch.empty(n_queries, n_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    if n_queries == 0:
+        return out
+    rows = rows if rows.stride(1) == 1 else rows.contiguous()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _fix_interpreter_bf16_dot()
+    block_h = max(16, min(triton.next_power_of_2(block_h), triton.next_power_of_2(n_heads)))
+    grid = (n_queries, triton.cdiv(n_heads, block_h))
+    _sparse_mla_kernel[grid](
+        q,
+        buffer,
+        rows,
+        out,
+        float(scale),
+        n_heads,
+        q.stride(0),
+        q.stride(1),
+        buffer.stride(0),
+        rows.stride(0),
+        out.stride(0),
+        out.stride(1),
+        LAT=kv_lora_rank,
+        ROPE=rope,
+        TOPK=rows.shape[1],  # the model's index_topk: one compile per model
+        BLOCK_LAT=max(16, triton.next_power_of_2(kv_lora_rank)),
+        BLOCK_ROPE=max(16, triton.next_power_of_2(rope)),
+        BLOCK_H=block_h,
+        BLOCK_K=block_k,
+        # float32 dots in IEEE float32 (tf32 would cost ~3e-4 relative error); bf16 MMA
+        # always accumulates in float32 and ignores the choice.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def sparse_mla_reference(
+    q: torch.Tensor, buffer: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int, scale: float
+) -> torch.Tensor:
+    """The torch path: gather the selected rows, then model.attention.sparse_mla.
+
+    Imported here, not at the top: model/ depends on kernels/, not the other way round.
+    """
+    from sglang_echo.model.attention import sparse_mla
+
+    _check(q, buffer, rows, kv_lora_rank)
+    kv = buffer[rows.clamp(min=0).long()]
+    return sparse_mla(q, kv, rows >= 0, kv_lora_rank, scale)
