@@ -17,12 +17,13 @@ SECONDS=0
 } 2>&1 | tee "$res/env.txt"
 step() { echo "[gpu_checks] ${SECONDS}s: $*"; }
 step "CUDA tests"
-python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py tests/test_serving_gpu.py tests/test_kernel_alloc.py 2>&1 | tee "$res/gpu_tests.log" | tail -15
+python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py tests/test_serving_gpu.py tests/test_kernel_alloc.py \
+  tests/test_kernel_sparse_mla.py 2>&1 | tee "$res/gpu_tests.log" | tail -15
 step "kernel and model tests under this torch"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py tests/test_kernel_recall.py \
   tests/test_kernel_indexer.py tests/test_kernel_decode_prefetch.py tests/test_kernel_prefill_prefetch.py \
-  tests/test_kernel_topk.py tests/test_model_oracle.py tests/test_indexer.py 2>&1 | tee "$res/kernel_tests.log" | tail -5
-for bench in cache_ops decode_prefetch prefill_prefetch recall indexer; do
+  tests/test_kernel_topk.py tests/test_kernel_sparse_mla.py tests/test_model_oracle.py tests/test_indexer.py 2>&1 | tee "$res/kernel_tests.log" | tail -5
+for bench in cache_ops decode_prefetch prefill_prefetch recall indexer sparse_mla; do
   step "benchmark $bench"
   python3 benchmark/kernels/${bench}_bench.py --out "$res" 2>&1 | tee "$res/${bench}_bench.log" | tail -14
 done

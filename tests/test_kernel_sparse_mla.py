@@ -150,6 +150,10 @@ def test_switch_reads_the_environment(backend):
         attention_module.sparse_mla_backend()
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="CPU (interpreter) run; test_cuda_lossless_with_kernel on GPUs",
+)
 def test_lossless_with_kernel(checkpoints, backend, monkeypatch):
     """A tiny model end to end with SGLANG_ECHO_SPARSE_MLA=kernel: no-offload vs ECHO at
     the legal minimum cache, token ids and every step's logits torch.equal."""

@@ -1,0 +1,271 @@
+"""Sparse MLA: the Triton kernel (kernels/sparse_mla.py) vs the torch path, with its roofline.
+
+Sizes (DeepSeek-V3.2, bf16): decode = batch 48 x top-k 2048 x 128 heads x 576-wide rows
+(512 latent + 64 rope), and a prefill block of 64 queries x 2048. Rows are drawn at random
+from a 262,144-row buffer (ECHO's device-cache slots are scattered), three index sets
+rotated so no run re-reads the last one's rows from L2.
+
+- kernel: ``sparse_mla_from_buffer`` reads each query's rows through the index, no copy;
+  every block configuration of the sweep is checked and timed, the fastest is reported
+  (and the default's time beside it);
+- torch: ``sparse_mla_reference`` = gather ``buffer[rows]`` into [Q, K, 576] + the model's
+  ``sparse_mla`` (two batched matmuls, float32 softmax): what MLAttention runs today.
+
+Roofline, both ceilings measured in this run: bytes = Q*K*576*2 (the rows, read once) +
+q (Q*H*576*2) + out (Q*H*512*2) + the index (Q*K*8) at the HBM copy bandwidth (a 4 GiB
+device copy, read + write); FLOPs = Q*H*K*(576 + 512)*2 at the bf16 matmul rate (8192^3
+torch.matmul). The larger time is the floor. Correctness: relative L2 error of every
+configuration against the float32 torch path on the same bf16 inputs (bf16 tolerance 1e-2).
+Times: CUDA events, warm-up, medians (common.time_us).
+
+    python benchmark/kernels/sparse_mla_bench.py --out benchmark/results
+    python benchmark/kernels/sparse_mla_bench.py --device cpu --out /tmp/smla   # smoke, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import pyplot, save_record, time_us
+
+LAT, ROPE = 512, 64
+# (block_h, block_k, num_warps, num_stages); the first is the launcher's default.
+CONFIGS = [
+    (32, 32, 8, 2),
+    (32, 32, 8, 3),
+    (32, 16, 4, 2),
+    (32, 16, 4, 3),
+    (16, 32, 4, 2),
+    (16, 16, 4, 2),
+    (64, 32, 8, 2),
+    (64, 16, 8, 2),
+    (64, 32, 16, 2),
+]
+CPU_CONFIGS = [(32, 32, 8, 2), (16, 16, 4, 2)]
+
+
+def cpu_time_us(fn, warmup: int = 1, reps: int = 3) -> float:
+    """Median host time (the CPU smoke run: the Triton interpreter, no device events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def hbm_gbps(dev: torch.device, nbytes: int, timer) -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    us = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / us / 1e3  # read + write
+
+
+def bf16_tflops(dev: torch.device, n: int, timer) -> float:
+    a = torch.randn(n, n, device=dev).to(torch.bfloat16)
+    b = torch.randn(n, n, device=dev).to(torch.bfloat16)
+    us = timer(lambda: torch.matmul(a, b))
+    return 2 * n**3 / us / 1e6
+
+
+def make_inputs(queries, heads, topk, slots, dev, sets=3):
+    """Index sets (rotated), their queries, and one shared buffer; nothing is zero."""
+    g = torch.Generator(device=dev).manual_seed(queries * 7 + topk)
+    buffer = torch.randn(slots, LAT + ROPE, device=dev, generator=g).to(torch.bfloat16)
+    inputs = []
+    for _ in range(sets):
+        q = torch.randn(queries, heads, LAT + ROPE, device=dev, generator=g).to(torch.bfloat16)
+        rows = torch.randint(0, slots, (queries, topk), device=dev, generator=g)
+        inputs.append((q, rows))
+    return buffer, inputs
+
+
+def roofline(queries, heads, topk, bw_gbps, tflops) -> dict:
+    moved = queries * topk * (LAT + ROPE) * 2 + queries * heads * (2 * LAT + ROPE) * 2
+    moved += queries * topk * 8
+    flops = queries * heads * topk * (LAT + ROPE + LAT) * 2
+    mem_us, flop_us = moved / bw_gbps / 1e3, flops / tflops / 1e6
+    return {
+        "bytes": moved,
+        "flops": flops,
+        "mem_us": mem_us,
+        "flop_us": flop_us,
+        "roofline_us": max(mem_us, flop_us),
+    }
+
+
+def measure(name, queries, heads, topk, slots, dev, configs, timer, bw, tflops) -> dict:
+    from sglang_echo.kernels.sparse_mla import sparse_mla_from_buffer, sparse_mla_reference
+
+    scale = (LAT + ROPE) ** -0.5
+    buffer, inputs = make_inputs(queries, heads, topk, slots, dev)
+    q0, rows0 = inputs[0]
+    want = sparse_mla_reference(q0.float(), buffer.float(), rows0, LAT, scale).double()
+    it = iter(range(1 << 30))
+
+    def rotate():
+        return inputs[next(it) % len(inputs)]
+
+    results = []
+    for bh, bk, warps, stages in configs:
+        cfg = {"block_h": bh, "block_k": bk, "num_warps": warps, "num_stages": stages}
+        try:
+            got = sparse_mla_from_buffer(q0, buffer, rows0, LAT, scale, **cfg)
+        except Exception as exc:  # a config this Triton cannot compile: recorded, skipped
+            results.append({**cfg, "error": str(exc).splitlines()[0][:200]})
+            continue
+        err = ((got.double() - want).norm() / want.norm()).item()
+        finite = bool(torch.isfinite(got).all())
+
+        def run(cfg=cfg):
+            q, rows = rotate()
+            sparse_mla_from_buffer(q, buffer, rows, LAT, scale, **cfg)
+
+        results.append({**cfg, "rel_err": err, "finite": finite, "us": timer(run)})
+
+    def run_torch():
+        q, rows = rotate()
+        sparse_mla_reference(q, buffer, rows, LAT, scale)
+
+    torch_err = sparse_mla_reference(q0, buffer, rows0, LAT, scale).double()
+    torch_err = ((torch_err - want).norm() / want.norm()).item()
+    good = [r for r in results if r.get("finite") and r["rel_err"] <= 1e-2]
+    best = min(good, key=lambda r: r["us"]) if good else None
+    out = {
+        "queries": queries,
+        "heads": heads,
+        "topk": topk,
+        "slots": slots,
+        "configs": results,
+        "best": best,
+        "default_us": results[0].get("us"),
+        "torch_us": timer(run_torch),
+        "torch_rel_err": torch_err,
+        "max_rel_err": max((r["rel_err"] for r in results if "rel_err" in r), default=None),
+        "all_correct": len(good) == len(results),
+        **roofline(queries, heads, topk, bw, tflops),
+    }
+    print(
+        f"{name}: kernel {best['us'] if best else float('nan'):.1f} us (best of "
+        f"{len(results)}), torch {out['torch_us']:.1f} us, roofline {out['roofline_us']:.1f} us"
+    )
+    return out
+
+
+def plot(path: Path, metrics: dict, device: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        print("matplotlib missing: no PNG")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, name in zip(axes, ("decode", "prefill"), strict=True):
+        r = metrics["runs"][name]
+        labels = ["kernel (best)", "kernel (default)", "torch gather+matmul", "roofline"]
+        values = [
+            r["best"]["us"] if r["best"] else float("nan"),
+            r["default_us"] or float("nan"),
+            r["torch_us"],
+            r["roofline_us"],
+        ]
+        ax.bar(labels, values, color=["C0", "C9", "C1", "0.6"])
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{name}: {r['queries']} q x top-k {r['topk']} x {r['heads']} heads")
+        ax.set_ylabel("us")
+        ax.tick_params(axis="x", rotation=20, labelsize=8)
+    fig.suptitle(f"sparse MLA, bf16, 576-wide rows ({device})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--device", default="cuda", help="cuda (timed) or cpu (interpreter smoke run)")
+    p.add_argument("--batch", type=int, default=None, help="decode queries (48; cpu 2)")
+    p.add_argument("--prefill-queries", type=int, default=None, help="(64; cpu 3)")
+    p.add_argument("--topk", type=int, default=None, help="(2048; cpu 40)")
+    p.add_argument("--heads", type=int, default=None, help="(128; cpu 40)")
+    p.add_argument("--slots", type=int, default=None, help="buffer rows (262144; cpu 256)")
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    cpu = dev.type == "cpu"
+    if cpu:  # set before the kernel module (and Triton's jit) is imported
+        os.environ["TRITON_INTERPRET"] = "1"
+        torch.set_num_threads(1)
+    elif not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --device cpu for the smoke run")
+
+    def pick(value, gpu, small):
+        return value if value is not None else (small if cpu else gpu)
+
+    batch, pre = pick(args.batch, 48, 2), pick(args.prefill_queries, 64, 3)
+    topk, heads, slots = (
+        pick(args.topk, 2048, 40),
+        pick(args.heads, 128, 40),
+        pick(args.slots, 262_144, 256),
+    )
+    timer = cpu_time_us if cpu else time_us
+    bw = hbm_gbps(dev, 64 << 20 if cpu else 4 << 30, timer)
+    tflops = bf16_tflops(dev, 512 if cpu else 8192, timer)
+    configs = CPU_CONFIGS if cpu else CONFIGS
+    runs = {
+        name: measure(name, q, heads, topk, slots, dev, configs, timer, bw, tflops)
+        for name, q in (("decode", batch), ("prefill", pre))
+    }
+    dec, pf = runs["decode"], runs["prefill"]
+    device = "cpu (Triton interpreter; smoke run)" if cpu else torch.cuda.get_device_name()
+    errs = [r["max_rel_err"] for r in runs.values() if r["max_rel_err"] is not None]
+    metrics = {
+        "decode_us": dec["best"]["us"] if dec["best"] else None,
+        "decode_default_us": dec["default_us"],
+        "decode_torch_us": dec["torch_us"],
+        "decode_roofline_us": dec["roofline_us"],
+        "decode_roofline_mem_us": dec["mem_us"],
+        "decode_roofline_flop_us": dec["flop_us"],
+        "decode_best_config": dec["best"],
+        "prefill_us": pf["best"]["us"] if pf["best"] else None,
+        "prefill_default_us": pf["default_us"],
+        "prefill_torch_us": pf["torch_us"],
+        "prefill_roofline_us": pf["roofline_us"],
+        "prefill_best_config": pf["best"],
+        "max_rel_err": max(errs) if errs else None,
+        "torch_bf16_rel_err": max(r["torch_rel_err"] for r in runs.values()),
+        "all_correct": all(r["all_correct"] for r in runs.values()),
+        "hbm_GBps": bw,
+        "bf16_TFLOPs": tflops,
+        "sizes": {"batch": batch, "prefill_queries": pre, "topk": topk, "heads": heads},
+        "runs": runs,
+    }
+    path = save_record(args.out, "sparse_mla", device, metrics)
+    plot(Path(args.out) / "sparse_mla.png", metrics, device)
+    for name, r in runs.items():  # every configuration first: the summary prints last
+        for c in r["configs"]:
+            print(name, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()})
+    print(f"HBM copy {bw:.0f} GB/s, bf16 matmul {tflops:.1f} TFLOP/s; record {path}")
+    print(f"{'run':8s} {'kernel us':>10s} {'default':>9s} {'torch us':>9s} {'roofline':>9s} "
+          f"{'mem':>7s} {'flop':>7s} {'max err':>8s}")  # fmt: skip
+    for name, r in runs.items():
+        best = r["best"]["us"] if r["best"] else float("nan")
+        print(
+            f"{name:8s} {best:10.1f} {r['default_us'] or float('nan'):9.1f} {r['torch_us']:9.1f} "
+            f"{r['roofline_us']:9.1f} {r['mem_us']:7.1f} {r['flop_us']:7.1f} "
+            f"{r['max_rel_err'] or float('nan'):8.1e}"
+        )
+        print(f"{'':8s} best config {r['best']}")
+
+
+if __name__ == "__main__":
+    main()
