@@ -122,6 +122,14 @@ def test_rejects_bad_input(change, match):
         sparse_mla_from_buffer(q, buffer, rows, 16, 0.1, block_k=24)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors are the point")
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    q, buffer, rows = _case(1, 2, 16, 10, 16, 16, torch.float32, seed=2)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        sparse_mla_from_buffer(q, buffer, rows, 16, 0.1)
+
+
 # ---------------------------------------------------------------- the switch and the model
 @pytest.fixture
 def backend(monkeypatch):

@@ -199,6 +199,11 @@ def sparse_mla_from_buffer(
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     if os.environ.get("TRITON_INTERPRET") == "1":
         _fix_interpreter_bf16_dot()
+    elif not q.is_cuda:
+        raise ValueError(
+            "the sparse-MLA kernel needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU); "
+            "use sparse_mla_reference / SGLANG_ECHO_SPARSE_MLA=torch on the CPU"
+        )
     block_h = max(16, min(triton.next_power_of_2(block_h), triton.next_power_of_2(n_heads)))
     grid = (n_queries, triton.cdiv(n_heads, block_h))
     _sparse_mla_kernel[grid](

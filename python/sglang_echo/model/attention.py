@@ -33,7 +33,8 @@ SPARSE_MLA_BACKENDS = ("torch", "kernel")
 @functools.cache
 def sparse_mla_backend() -> str:
     """``SGLANG_ECHO_SPARSE_MLA`` (default ``torch``), read once per process; a bad value
-    fails when the model is built, naming the allowed values."""
+    fails when the model is built, naming the allowed values. ``kernel`` applies on CUDA
+    (and under TRITON_INTERPRET=1); a CPU run without the interpreter keeps the torch path."""
     raw = os.environ.get(ENV_SPARSE_MLA, "")
     value = raw.strip().lower() or "torch"
     if value not in SPARSE_MLA_BACKENDS:
@@ -203,7 +204,11 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         n_tokens, topk = selected.shape
         row_dim = q_full.shape[-1]
-        kernel = self.sparse_mla_backend == "kernel"
+        # The kernel runs on CUDA, and on the CPU only under the Triton interpreter (tests);
+        # elsewhere the torch path runs, whatever the switch says.
+        kernel = self.sparse_mla_backend == "kernel" and (
+            q_full.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        )
         if batch.is_decode:
             # One resolve for the whole decode step (the config guarantees it fits), so the
             # step keeps fixed shapes and stays capturable in a CUDA graph.
