@@ -38,6 +38,7 @@ DEFAULT_BLOCK_H = 32
 DEFAULT_BLOCK_K = 32
 DEFAULT_NUM_WARPS = 8
 DEFAULT_NUM_STAGES = 2
+DEFAULT_SPLITS = 1
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -47,6 +48,8 @@ def _sparse_mla_kernel(
     buf_ptr,
     rows_ptr,
     out_ptr,
+    part_ptr,
+    stats_ptr,
     scale,
     n_heads,
     q_stride_t,
@@ -62,9 +65,12 @@ def _sparse_mla_kernel(
     BLOCK_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(2)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_live = h < n_heads
     c = tl.arange(0, BLOCK_LAT)
@@ -79,8 +85,8 @@ def _sparse_mla_kernel(
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)  # running max of the scores
     total = tl.zeros((BLOCK_H,), tl.float32)  # running sum of exp(score - m)
     acc = tl.zeros((BLOCK_H, BLOCK_LAT), tl.float32)
-    for k0 in range(0, TOPK, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, CHUNK, BLOCK_K):  # this split's CHUNK rows (all of them: SPLITS 1)
+        k = split * CHUNK + k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(rows_ptr + t * rows_stride + k, mask=k < TOPK, other=-1)
         live = idx >= 0
         row = buf_ptr + idx.to(tl.int64) * buf_stride
@@ -100,13 +106,57 @@ def _sparse_mla_kernel(
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc=acc, input_precision=PRECISION)
         m = m_new
-    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]  # no live row: zeros
+    if SPLITS == 1:
+        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]  # no live row: zeros
+        o_rows = out_ptr + t * out_stride_t + h[:, None] * out_stride_h
+        tl.store(
+            o_rows + c[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=h_live[:, None] & c_live[None, :],
+        )
+    else:  # this split's unnormalized sum and its (max, total); _combine_kernel merges
+        slot = (t * SPLITS + split) * n_heads + h
+        mask = h_live[:, None] & c_live[None, :]
+        tl.store(part_ptr + slot[:, None] * LAT + c[None, :], acc, mask=mask)
+        tl.store(stats_ptr + slot * 2, m, mask=h_live)
+        tl.store(stats_ptr + slot * 2 + 1, total, mask=h_live)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr,
+    stats_ptr,
+    out_ptr,
+    n_heads,
+    out_stride_t,
+    out_stride_h,
+    LAT: tl.constexpr,
+    BLOCK_LAT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """Merge the SPLITS partial results of one query and block of heads, in split order."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_live = h < n_heads
+    c = tl.arange(0, BLOCK_LAT)
+    mask = h_live[:, None] & (c[None, :] < LAT)
+    top = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        slot = (t * SPLITS + s) * n_heads + h
+        top = tl.maximum(top, tl.load(stats_ptr + slot * 2, mask=h_live, other=float("-inf")))
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_LAT), tl.float32)
+    for s in tl.static_range(SPLITS):
+        slot = (t * SPLITS + s) * n_heads + h
+        weight = tl.exp(tl.load(stats_ptr + slot * 2, mask=h_live, other=float("-inf")) - shift)
+        total += weight * tl.load(stats_ptr + slot * 2 + 1, mask=h_live, other=0.0)
+        part = tl.load(part_ptr + slot[:, None] * LAT + c[None, :], mask=mask, other=0.0)
+        acc += part * weight[:, None]
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
     o_rows = out_ptr + t * out_stride_t + h[:, None] * out_stride_h
-    tl.store(
-        o_rows + c[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=h_live[:, None] & c_live[None, :],
-    )
+    tl.store(o_rows + c[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _fix_interpreter_bf16_dot() -> None:
@@ -179,18 +229,25 @@ def sparse_mla_from_buffer(
     block_k: int = DEFAULT_BLOCK_K,
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
+    splits: int = DEFAULT_SPLITS,
 ) -> torch.Tensor:
     """q [Q, H, r + d] (absorbed latent query | roped query), buffer [S, r + d] (KV rows),
     rows [Q, K] int32/int64 indices into the buffer (-1 = none) -> out [Q, H, r] in q's dtype.
 
     No host synchronisation and fixed shapes: capturable in a CUDA graph. ``block_h`` is
     capped at the head count (rounded up to 16, the smallest dot); ``block_k`` >= 16.
+    ``splits`` > 1 divides each query's K rows among that many programs (more programs
+    when queries x head blocks do not fill the GPU) and merges their partial softmaxes in
+    a second launch, in split order: still deterministic, but the bits depend on
+    ``splits`` (as on the block sizes), so offload and no-offload must use the same.
     """
     _check(q, buffer, rows, kv_lora_rank)
     if q.stride(2) != 1 or buffer.stride(1) != 1:
         raise ValueError("q and buffer need unit stride along the row (call .contiguous())")
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
     n_queries, n_heads, width = q.shape
     rope = width - kv_lora_rank
     out = torch.empty(n_queries, n_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
@@ -205,12 +262,22 @@ def sparse_mla_from_buffer(
             "use sparse_mla_reference / SGLANG_ECHO_SPARSE_MLA=torch on the CPU"
         )
     block_h = max(16, min(triton.next_power_of_2(block_h), triton.next_power_of_2(n_heads)))
-    grid = (n_queries, triton.cdiv(n_heads, block_h))
+    topk = rows.shape[1]
+    chunk = triton.cdiv(triton.cdiv(topk, block_k), splits) * block_k
+    block_lat = max(16, triton.next_power_of_2(kv_lora_rank))
+    if splits > 1:  # float32 partials: [Q, splits, H, r] sums and [Q, splits, H, 2] stats
+        part = torch.empty(n_queries, splits, n_heads, kv_lora_rank, device=q.device)
+        stats = torch.empty(n_queries, splits, n_heads, 2, device=q.device)
+    else:
+        part = stats = torch.empty(1, device=q.device)  # unused
+    grid = (n_queries, triton.cdiv(n_heads, block_h), splits)
     _sparse_mla_kernel[grid](
         q,
         buffer,
         rows,
         out,
+        part,
+        stats,
         float(scale),
         n_heads,
         q.stride(0),
@@ -221,17 +288,33 @@ def sparse_mla_from_buffer(
         out.stride(1),
         LAT=kv_lora_rank,
         ROPE=rope,
-        TOPK=rows.shape[1],  # the model's index_topk: one compile per model
-        BLOCK_LAT=max(16, triton.next_power_of_2(kv_lora_rank)),
+        TOPK=topk,  # the model's index_topk: one compile per model
+        BLOCK_LAT=block_lat,
         BLOCK_ROPE=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=block_h,
         BLOCK_K=block_k,
+        SPLITS=splits,
+        CHUNK=chunk,
         # float32 dots in IEEE float32 (tf32 would cost ~3e-4 relative error); bf16 MMA
         # always accumulates in float32 and ignores the choice.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if splits > 1:
+        _combine_kernel[grid[:2]](
+            part,
+            stats,
+            out,
+            n_heads,
+            out.stride(0),
+            out.stride(1),
+            LAT=kv_lora_rank,
+            BLOCK_LAT=block_lat,
+            BLOCK_H=block_h,
+            SPLITS=splits,
+            num_warps=num_warps,
+        )
     return out
 
 
