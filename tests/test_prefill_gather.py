@@ -66,3 +66,51 @@ def test_prefill_gathers_match_no_offload(slots: int, distinct: int) -> None:
     assert torch.equal(torch.where(valid, out, 0.0), expected)
     if slots < TOKENS:  # appends evicted rows: some really came back from the host pool
         assert echo.telemetry()["misses"][0] > 0
+
+
+@pytest.mark.parametrize("cache_factor", [1, 3, 8])
+def test_prefill_splits_chunks_into_ranges_that_fit_and_stays_lossless(
+    small_checkpoint, monkeypatch, cache_factor: int
+) -> None:
+    """With blocks of 2 queries, a 24-token chunk is resolved whole, by halves, quarters...
+    or block by block in pieces, depending on the cache size; output ids and every step's
+    logits stay identical to no-offload, and the smaller caches really split."""
+    from sglang_echo.model import attention
+    from sglang_echo.model.loader import load_model
+    from sglang_echo.runtime.engine import Engine
+    from sglang_echo.runtime.kv_factory import echo_cache_for_model
+
+    model = load_model(small_checkpoint, dtype=torch.float32)
+    cfg = model.config
+    monkeypatch.setattr(attention, "GATHER_BLOCK_ELEMENTS", 2 * cfg.index_topk * cfg.kv_row_dim)
+    outcomes: list[tuple[int, bool]] = []
+    original = attention.resolve_chunk
+
+    def recording(kv_cache, layer_id, selected):
+        result = original(kv_cache, layer_id, selected)
+        if isinstance(kv_cache, EchoKVCache):
+            outcomes.append((selected.shape[0], result is not None))
+        return result
+
+    monkeypatch.setattr(attention, "resolve_chunk", recording)
+    gen = torch.Generator().manual_seed(cache_factor)
+    prompts = [torch.randint(3, 259, (n,), generator=gen).tolist() for n in (70, 45)]
+    capacity, chunk, new_tokens = sum(len(p) for p in prompts) + 16, 24, 6
+    slots = max(2 * cfg.index_topk, chunk) * cache_factor
+    runs = {}
+    for name, cache in {
+        "plain": PlainKVCache.for_model(cfg, capacity, torch.float32, "cpu"),
+        "echo": echo_cache_for_model(
+            EchoConfig(offload=True, dev_cache_size=slots), cfg, capacity, torch.float32, "cpu"
+        ),
+    }.items():
+        engine = Engine(model, cache, capacity, 2, 90, chunk, ignore_eos=True)
+        runs[name] = engine.generate(prompts, new_tokens, record_logits=True)
+    for a, b in zip(runs["plain"], runs["echo"], strict=True):
+        assert a.output == b.output
+        for x, y in zip(a.step_logits, b.step_logits, strict=True):
+            assert torch.equal(x, y)
+    assert any(n == chunk for n, _ in outcomes)  # whole chunks were tried
+    if cache_factor == 1:  # the legal minimum: whole chunks do not fit, smaller ranges do
+        assert any(n == chunk and not ok for n, ok in outcomes)
+        assert any(n < chunk and ok for n, ok in outcomes)

@@ -69,7 +69,7 @@ def resolve_chunk(
     cache: one look-up, one allocation and one recall per layer and chunk, instead of one
     per block of queries (each with a host read of its distinct count). Rows where
     ``selected`` is -1 point at row 0 (callers mask them). Returns None when the distinct
-    locations do not fit; ``gather_selected`` then resolves block by block.
+    locations do not fit; the caller then tries smaller ranges of queries.
     """
     n_queries, topk = selected.shape
     if kv_cache.max_resolve_queries(topk) >= n_queries:
@@ -82,22 +82,13 @@ def resolve_chunk(
 def gather_selected(
     kv_cache: KVCache, layer_id: int, selected: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """Resolve ``selected`` [Q, K] locations and copy their rows into ``out`` [Q, K, D].
-
-    The fallback of ``resolve_chunk`` for a block of queries: the block's distinct
-    locations at once if they fit, otherwise in pieces no larger than the cache can hold
-    (a piece's rows are copied out before the next piece may evict them). The attention
-    that follows sees the same tensor shapes, and so computes bit-identical results,
-    whatever the KV backend. Returns the valid mask [Q, K].
+    """Resolve ``selected`` [Q, K] locations and copy their rows into ``out`` [Q, K, D], in
+    pieces of as many queries as one resolve may carry; a piece's rows are copied out before
+    the next piece may evict them. For a block of queries whose distinct locations exceed
+    the cache. Returns the valid mask [Q, K].
     """
     n_queries, topk = selected.shape
     piece = min(n_queries, kv_cache.max_resolve_queries(topk))
-    if piece < n_queries:
-        resolved = _resolve_distinct(kv_cache, layer_id, selected, piece * topk)
-        if resolved is not None:
-            buffer, rows = resolved
-            torch.index_select(buffer, 0, rows.view(-1), out=out.view(-1, out.shape[-1]))
-            return selected >= 0
     for s in range(0, n_queries, piece):
         e = min(s + piece, n_queries)
         buffer, rows = kv_cache.resolve(layer_id, selected[s:e])
@@ -202,8 +193,6 @@ class MLAttention(nn.Module):
         kv_cache: KVCache,
         layer_id: int,
     ) -> torch.Tensor:
-        n_tokens, topk = selected.shape
-        row_dim = q_full.shape[-1]
         # The kernel runs on CUDA, and on the CPU only under the Triton interpreter (tests);
         # elsewhere the torch path runs, whatever the switch says.
         kernel = self.sparse_mla_backend == "kernel" and (
@@ -217,28 +206,60 @@ class MLAttention(nn.Module):
                 return self._kernel(q_full, buffer, rows)
             kv = buffer[rows.clamp(min=0)]
             return sparse_mla(q_full, kv, selected >= 0, self.kv_lora_rank, self.scale)
-        whole = resolve_chunk(kv_cache, layer_id, selected)
-        if kernel and whole is not None:  # the whole chunk straight from the buffer
-            buffer, rows = whole
-            return self._kernel(q_full, buffer, torch.where(selected >= 0, rows, -1))
+        return self._attend_prefill(q_full, selected, kv_cache, layer_id, kernel)
+
+    def _attend_prefill(
+        self,
+        q_full: torch.Tensor,
+        selected: torch.Tensor,
+        kv_cache: KVCache,
+        layer_id: int,
+        kernel: bool,
+    ) -> torch.Tensor:
+        """Prefill attention in blocks of queries on a grid fixed from query 0, so every
+        block has the same shape whatever the KV backend (batched matmuls may round
+        differently at other shapes: the blocks keep offload bit-identical).
+
+        Resolves go by ranges of whole blocks: the whole chunk if its distinct locations
+        fit the cache (always, without ECHO), otherwise halves, quarters... A range's rows
+        are used before the next range is resolved, since that may evict them. A single
+        block that does not fit is gathered piece by piece (``gather_selected``).
+        """
+        n_tokens, topk = selected.shape
+        row_dim = q_full.shape[-1]
         block = max(1, GATHER_BLOCK_ELEMENTS // (topk * row_dim))
         out = q_full.new_empty(n_tokens, self.n_heads, self.kv_lora_rank)
         staged = q_full.new_empty(min(block, n_tokens), topk, row_dim)
-        for s in range(0, n_tokens, block):
-            e = min(s + block, n_tokens)
-            kv = staged[: e - s]
-            if whole is not None:
-                buffer, rows = whole
-                torch.index_select(buffer, 0, rows[s:e].reshape(-1), out=kv.view(-1, row_dim))
-                valid = selected[s:e] >= 0
-            else:
-                valid = gather_selected(kv_cache, layer_id, selected[s:e], kv)
-            if kernel:  # the staged copy as the buffer: the same rows in the same order
-                flat = torch.arange(kv.shape[0] * topk, device=kv.device).view(-1, topk)
-                rows = torch.where(valid, flat, -1)
-                out[s:e] = self._kernel(q_full[s:e], kv.view(-1, row_dim), rows)
-            else:
-                out[s:e] = sparse_mla(q_full[s:e], kv, valid, self.kv_lora_rank, self.scale)
+        ranges = [(0, -(-n_tokens // block))]  # [first block, end block), a stack
+        while ranges:
+            b0, b1 = ranges.pop()
+            s0, e0 = b0 * block, min(b1 * block, n_tokens)
+            resolved = resolve_chunk(kv_cache, layer_id, selected[s0:e0])
+            if resolved is None and b1 - b0 > 1:
+                mid = (b0 + b1) // 2
+                ranges += [(mid, b1), (b0, mid)]  # the lower half first
+                continue
+            if kernel and resolved is not None:  # straight from the buffer, no staging
+                buffer, rows = resolved
+                rows = torch.where(selected[s0:e0] >= 0, rows, -1)
+                out[s0:e0] = self._kernel(q_full[s0:e0], buffer, rows)
+                continue
+            for s in range(s0, e0, block):
+                e = min(s + block, e0)
+                kv = staged[: e - s]
+                if resolved is None:
+                    valid = gather_selected(kv_cache, layer_id, selected[s:e], kv)
+                else:
+                    buffer, rows = resolved
+                    flat_rows = rows[s - s0 : e - s0].reshape(-1)
+                    torch.index_select(buffer, 0, flat_rows, out=kv.view(-1, row_dim))
+                    valid = selected[s:e] >= 0
+                if kernel:  # the staged copy as the buffer: the same rows in the same order
+                    flat = torch.arange(kv.shape[0] * topk, device=kv.device).view(-1, topk)
+                    rows_in_stage = torch.where(valid, flat, -1)
+                    out[s:e] = self._kernel(q_full[s:e], kv.view(-1, row_dim), rows_in_stage)
+                else:
+                    out[s:e] = sparse_mla(q_full[s:e], kv, valid, self.kv_lora_rank, self.scale)
         return out
 
     def _kernel(self, q: torch.Tensor, buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
