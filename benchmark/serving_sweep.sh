@@ -7,14 +7,15 @@
 # Usage (on the GPU machine, repository root): bash benchmark/serving_sweep.sh [OUTDIR]
 # fastapi/uvicorn missing there? Run bash benchmark/fetch_server_wheels.sh here first and
 # carry .whl/ along; they are installed offline into a private folder on PYTHONPATH.
-# Knobs (environment): LAYERS=4 CONTEXT=16384 NUM_PROMPTS=32 RATES=0.25,1,inf
+# Knobs (environment): LAYERS=4 CONTEXT=16384 NUM_PROMPTS=16 RATES=0.5,1,2,inf (defaults fit
+#   one 10-minute device call: the last H200 run of 16 prompts at 2 rates took 250 s)
 #   NO_OFFLOAD_TOKENS=131072 DEV_CACHE=65536 OFFLOAD_TOKENS=(equal-HBM default)
 #   INDEXER_MODE=fp8_hadamard MAX_OUTPUT_LEN=256 SHAREGPT=0 (1: also the ShareGPT sweep)
 #   WARMUP_REQUESTS=NUM_PROMPTS (at most 32; sent at once before each rate, so that every
 #   decode batch size up to it has its CUDA graph captured and its kernels compiled)
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,14p' "$0"
+  sed -n '2,15p' "$0"
   exit 0
 fi
 cd "$(dirname "$0")/.."
@@ -24,8 +25,8 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 LAYERS="${LAYERS:-4}"
 CONTEXT="${CONTEXT:-16384}"
-NUM_PROMPTS="${NUM_PROMPTS:-32}"
-RATES="${RATES:-0.25,1,inf}"
+NUM_PROMPTS="${NUM_PROMPTS:-16}"
+RATES="${RATES:-0.5,1,2,inf}"
 NO_OFFLOAD_TOKENS="${NO_OFFLOAD_TOKENS:-131072}"
 DEV_CACHE="${DEV_CACHE:-65536}"
 INDEXER_MODE="${INDEXER_MODE:-fp8_hadamard}"
