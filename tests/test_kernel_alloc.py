@@ -72,12 +72,23 @@ def program_order(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_kernels_match_reference_over_a_random_life(seed: int, program_order: str) -> None:
+SMALL_BLOCKS = {"lane_block": 16, "slot_block": 16, "num_warps": 1}
+
+
+@pytest.mark.parametrize(
+    ("seed", "shape"),
+    [(0, {}), (1, {}), (2, {}), (3, SMALL_BLOCKS)],
+    ids=["seed0", "seed1", "seed2", "seed3-16-lane-16-slot-blocks"],
+)
+def test_kernels_match_reference_over_a_random_life(
+    seed: int, program_order: str, shape: dict
+) -> None:
+    """Any launch shape (many programs per launch with small blocks) leaves the state the
+    reference leaves."""
     rng = random.Random(seed)
     num_slots, host_tokens = 40, 200
     ref, ker = _pair(num_slots, host_tokens)
-    ws = AllocWorkspace(ker, max_lanes=num_slots)
+    ws = AllocWorkspace(ker, max_lanes=num_slots, **shape)
     live: list[int] = []
     next_id = 1
     for step in range(60):
@@ -168,3 +179,13 @@ def test_lane_counts_of_any_size_reuse_one_compiled_variant() -> None:
         if step == 1:  # both modes (append, resolve) compiled once
             before = counts
     assert counts == before, f"variants per kernel grew from {before} to {counts}"
+
+
+def test_workspace_rejects_launch_shapes_the_kernels_cannot_take() -> None:
+    cache = DeviceCache(1, 32, 64, 4, torch.float32, DEV)
+    with pytest.raises(ValueError, match="lane_block must be a power of two"):
+        AllocWorkspace(cache, 32, lane_block=48)
+    with pytest.raises(ValueError, match="slot_block"):
+        AllocWorkspace(cache, 32, slot_block=8)
+    with pytest.raises(ValueError, match="num_warps"):
+        AllocWorkspace(cache, 32, num_warps=3)

@@ -28,7 +28,7 @@ from common import pyplot, save_record, time_us
 from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
-from sglang_echo.kernels.alloc import STAGES, allocate_kernel
+from sglang_echo.kernels.alloc import STAGES, AllocWorkspace, allocate_kernel
 from sglang_echo.offload.echo_cache import EchoKVCache
 
 
@@ -72,19 +72,68 @@ def _fill(cache: EchoKVCache, args, dev: torch.device) -> None:
         cache.write(0, locs, rows[:n], keys[:n])
 
 
-def _cache(args, dev: torch.device, host_tokens: int, use_kernels: bool) -> EchoKVCache:
+def _cache(
+    args, dev: torch.device, host_tokens: int, use_kernels: bool, shape: dict | None = None
+) -> EchoKVCache:
     cache = EchoKVCache(
         EchoConfig(offload=True, dev_cache_size=args.slots), 1, host_tokens, 576, 128,
         torch.bfloat16, dev,
     )  # fmt: skip
     cache.manager.use_kernels = use_kernels and cache.manager.host_view is not None
+    if shape:
+        cache.manager._workspace = AllocWorkspace(cache.cache, cache.cache.num_slots, **shape)
     return cache
 
 
-def measure(args, dev: torch.device, trace: torch.Tensor, use_kernels: bool, part: str) -> dict:
+# Launch shapes timed by --sweep (lanes per program, slots per program, warps): more
+# programs hide the random-access latency of look-ups; fewer cut the per-program scans.
+SWEEP_SHAPES = [
+    {"lane_block": lane, "slot_block": slot, "num_warps": warps}
+    for lane in (256, 1024)
+    for slot in (512, 2048)
+    for warps in (4, 8)
+]
+STATE = ("host_to_device", "device_to_host", "priority", "free_stack", "free_count", "clock")
+
+
+def shape_is_exact(args, dev: torch.device, trace: torch.Tensor, shape: dict, steps: int) -> bool:
+    """Correct first: ``steps`` resolves with the kernels at ``shape`` leave the state the
+    torch reference leaves (on a full cache, so victims are chosen)."""
+    states = []
+    for use_kernels in (True, False):
+        cache = _cache(args, dev, _host_tokens(args), use_kernels, shape if use_kernels else None)
+        _fill(cache, args, dev)
+        for t in range(steps):
+            cache.resolve(0, trace[t])
+        states.append([getattr(cache.cache, name)[0].clone() for name in STATE])
+    return all(torch.equal(a, b) for a, b in zip(*states, strict=True))
+
+
+def shape_sweep(args, dev: torch.device, trace: torch.Tensor) -> list[dict]:
+    rows = []
+    for shape in SWEEP_SHAPES:
+        exact = shape_is_exact(args, dev, trace, shape, steps=4)
+        timing = measure(args, dev, trace, True, "management", shape) if exact else {}
+        rows.append({**shape, "exact": exact, **timing})
+        us = f"{timing['us']:8.1f} us" if exact else "   (not exact: not timed)"
+        print(f"shape lanes {shape['lane_block']:5d} slots {shape['slot_block']:5d} "
+              f"warps {shape['num_warps']}: {us}")  # fmt: skip
+    return rows
+
+
+def measure(
+    args,
+    dev: torch.device,
+    trace: torch.Tensor,
+    use_kernels: bool,
+    part: str,
+    shape: dict | None = None,
+) -> dict:
     """Median time per layer-step of ``part`` ("management": the two allocations only;
-    "step": append + resolve with the recall), graph-replayed, and the trace's hit rate."""
-    cache = _cache(args, dev, _host_tokens(args), use_kernels)
+    "step": append + resolve with the recall), graph-replayed, and the trace's hit rate.
+    ``shape``: the kernels' launch shape (AllocWorkspace's lane_block, slot_block,
+    num_warps) instead of the default."""
+    cache = _cache(args, dev, _host_tokens(args), use_kernels, shape)
     _fill(cache, args, dev)
     m = cache.manager
     sel = torch.empty_like(trace[0])
@@ -235,6 +284,12 @@ def main() -> None:
     p.add_argument(
         "--device", default="cuda", help="cuda (timed, graph-replayed) or cpu (smoke run)"
     )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help=f"also time the kernels at {len(SWEEP_SHAPES)} launch shapes (each checked "
+        "against the reference first) and report the best",
+    )
     p.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
     args = p.parse_args()
     if args.plot_only:
@@ -250,6 +305,7 @@ def main() -> None:
         "torch_step": measure(args, dev, trace, False, "step"),
     }
     stages = stage_breakdown(args, dev, trace) if on_gpu else None
+    sweep = shape_sweep(args, dev, trace) if args.sweep and on_gpu else None
     # The timing runs use a full cache; the policy study needs one smaller than the trace's
     # working set too, or every policy hits the same (nothing is ever evicted).
     policy_slots = args.policy_slots or int(1.25 * args.batch * args.topk)
@@ -285,6 +341,10 @@ def main() -> None:
         "victim_policy_slots": policy_slots,
         "evictions_per_step": runs["kernels_management"]["evictions_per_step"],
         "victim_policy_kept": "lru_bucketed",
+        "launch_shape_sweep": sweep,
+        "best_launch_shape": min((r for r in sweep if r["exact"]), key=lambda r: r["us"])
+        if sweep
+        else None,
         "runs": runs,
     }
     path = save_record(

@@ -385,13 +385,28 @@ def _finish_kernel(
 # ---------------------------------------------------------------------------- launcher
 class AllocWorkspace:
     """Scratch buffers of the kernels, allocated once per cache (fixed addresses, so a
-    captured graph replays against the same memory)."""
+    captured graph replays against the same memory), and their launch shape: lanes and
+    slots per program and warps. The shape changes speed only, never the state (tests run
+    several); benchmark/kernels/cache_ops_bench.py --sweep times them."""
 
-    def __init__(self, cache: DeviceCache, max_lanes: int) -> None:
+    def __init__(
+        self,
+        cache: DeviceCache,
+        max_lanes: int,
+        lane_block: int = LANE_BLOCK,
+        slot_block: int = SLOT_BLOCK,
+        num_warps: int = 4,
+    ) -> None:
+        for name, value in (("lane_block", lane_block), ("slot_block", slot_block)):
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
         dev = cache.device
         self.max_lanes = max_lanes
-        self.slot_programs = triton.cdiv(cache.num_slots + 2, SLOT_BLOCK)
-        lane_programs = max(1, triton.cdiv(max_lanes, LANE_BLOCK))
+        self.lane_block, self.slot_block, self.num_warps = lane_block, slot_block, num_warps
+        self.slot_programs = triton.cdiv(cache.num_slots + 2, slot_block)
+        lane_programs = max(1, triton.cdiv(max_lanes, lane_block))
         # Width of the kernels' scan over per-block lane counts: fixed per workspace (not
         # per call), so a new lane count never compiles a new kernel variant.
         self.max_lane_programs_pow2 = triton.next_power_of_2(lane_programs)
@@ -438,11 +453,11 @@ def allocate_kernel(
     h2d, d2h = c.host_to_device[layer], c.device_to_host[layer]
     prio, clock = c.priority[layer], c.clock[layer : layer + 1]
     free_count = c.free_count[layer : layer + 1]
-    lane_programs = triton.cdiv(lanes, LANE_BLOCK)
+    lane_programs = triton.cdiv(lanes, ws.lane_block)
     sp = ws.slot_programs
     maxp = ws.max_lane_programs_pow2
     maxs = triton.next_power_of_2(sp)
-    flags = dict(APPEND=append, LANES=LANE_BLOCK)
+    flags = dict(APPEND=append, LANES=ws.lane_block, num_warps=ws.num_warps)
     evictions = (c.append_evictions if append else c.evictions)[layer : layer + 1]
     mark()
     _lookup_kernel[(lane_programs,)](ids, lanes, h2d, prio, clock, ws.hist, HIST=HIST_BINS, **flags)
@@ -450,19 +465,19 @@ def allocate_kernel(
     both = (sp + lane_programs,)
     _count_kernel[both](
         ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, c.hits[layer : layer + 1],
-        c.num_slots, sp, SLOTS=SLOT_BLOCK, HIST=HIST_BINS, **flags,
+        c.num_slots, sp, SLOTS=ws.slot_block, HIST=HIST_BINS, **flags,
     )  # fmt: skip
     mark()
     _rank_kernel[both](
         ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, ws.slot_counts,
         free_count, ws.miss_ids, ws.miss_count, ws.buckets, c.num_slots, sp, lane_programs,
-        SLOTS=SLOT_BLOCK, MAXP=maxp, **flags,
+        SLOTS=ws.slot_block, MAXP=maxp, **flags,
     )  # fmt: skip
     mark()
     _assign_kernel[both](
         h2d, d2h, prio, clock, ws.hist, ws.lane_counts, ws.slot_counts, free_count,
         c.free_stack[layer], ws.miss_ids, ws.miss_slots, evictions, ws.buckets, c.num_slots, sp,
-        lane_programs, c.scratch_slot, SLOTS=SLOT_BLOCK, MAXP=maxp, MAXS=maxs, **flags,
+        lane_programs, c.scratch_slot, SLOTS=ws.slot_block, MAXP=maxp, MAXS=maxs, **flags,
     )  # fmt: skip
     mark()
     _finish_kernel[(lane_programs,)](
