@@ -119,8 +119,11 @@ def _lossless_pair(
     cap = sum(len(p) + new_tokens for p in prompts)
     width = max(len(p) for p in prompts) + new_tokens
     n_g = EchoConfig().min_dev_cache_size(batch_size, cfg.index_topk, min(chunk, cap))
-    # fuse_decode: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 (decode prefetch on a side stream).
-    echo_cfg = EchoConfig(offload=True, dev_cache_size=n_g, fuse_decode=fuse_decode)
+    # fuse_decode: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 (decode prefetch on a side stream)
+    # and, with it, SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1 (prefill prefetch, same stream).
+    echo_cfg = EchoConfig(
+        offload=True, dev_cache_size=n_g, fuse_decode=fuse_decode, fuse_extend=fuse_decode
+    )
     echo = echo_cache_for_model(echo_cfg, cfg, cap, dtype, "cuda")
     assert echo.host.pinned and echo.manager.graph_safe, "pinned host pool must have a UVA view"
     plain = PlainKVCache.for_model(cfg, cap, dtype, "cuda")

@@ -63,6 +63,7 @@ def run_pair(
     fuse_decode: bool = False,
     use_kernels: bool | None = None,
     echo_baseline: bool = True,
+    fuse_extend: bool = False,
 ) -> dict:
     """No-offload vs ECHO (and, with ``fuse_decode``, vs ECHO with decode prefetch; without
     ``echo_baseline`` only that): identical token ids and every step's logits.
@@ -85,8 +86,8 @@ def run_pair(
     caches = {"plain": PlainKVCache.for_model(cfg, capacity, w.dtype, "cpu")}
     if echo_baseline:
         caches["echo"] = echo_cache_for_model(echo, cfg, capacity, w.dtype, "cpu", **kw)
-    if fuse_decode:
-        fused = replace(echo, fuse_decode=True)
+    if fuse_decode or fuse_extend:
+        fused = replace(echo, fuse_decode=fuse_decode, fuse_extend=fuse_extend)
         caches["prefetch"] = echo_cache_for_model(fused, cfg, capacity, w.dtype, "cpu", **kw)
     results = {}
     for name, cache in caches.items():
@@ -111,7 +112,7 @@ def run_pair(
         "misses": sum(tel["misses"]),
         "dev_cache": legal_min,
     }
-    if fuse_decode:
+    if fuse_decode or fuse_extend:
         ptel = caches["prefetch"].telemetry()
         report["prefetched"] = sum(ptel["prefetched_rows"])
         report["prefetch_hits"] = sum(ptel["prefetch_hits"])
@@ -155,11 +156,11 @@ def test_lossless_1000_randomized_workloads(models):
     assert sum(1 for r in reports if r["resolve_evictions"] > 0) >= 850
 
 
-def _prefetch_summary(reports: list[dict]) -> str:
+def _prefetch_summary(reports: list[dict], kind: str = "decode") -> str:
     prefetched = sum(r["prefetched"] for r in reports)
     hits = sum(r["prefetch_hits"] for r in reports)
     return (
-        f"{len(reports)} workloads identical with decode prefetch; prefetched {prefetched} "
+        f"{len(reports)} workloads identical with {kind} prefetch; prefetched {prefetched} "
         f"rows, {hits} then selected; misses after the top-k "
         f"{sum(r['misses_with_prefetch'] for r in reports)} vs {sum(r['misses'] for r in reports)}"
         " without prefetch"
@@ -179,6 +180,19 @@ def test_lossless_with_decode_prefetch(models):
     assert sum(r["resolve_evictions"] for r in reports) > 0
 
 
+def test_lossless_with_prefill_prefetch(models):
+    """SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1 (histogram candidates, torch reference):
+    output identical to no-offload and to ECHO without prefetch, and prefetch does fire."""
+    reports = []
+    for seed in range(400, 412):
+        w = make_workload(seed)
+        reports.append(run_pair(models(w.config, w.dtype), w, fuse_extend=True))
+    print("\n" + _prefetch_summary(reports, "prefill"))
+    assert sum(r["prefetched"] for r in reports) > 0
+    assert sum(r["prefetch_hits"] for r in reports) > 0
+    assert sum(r["resolve_evictions"] for r in reports) > 0
+
+
 def test_lossless_with_decode_prefetch_kernels(models, monkeypatch):
     """The GPU code path on the CPU: the fused fp8 logits + flag kernels and the cache
     kernels (Triton interpreter) under the same equality, for an fp8-indexer workload."""
@@ -195,3 +209,19 @@ def test_lossless_with_decode_prefetch_kernels(models, monkeypatch):
     report = run_pair(model, w, fuse_decode=True, use_kernels=True, echo_baseline=False)
     print(f"\nkernels: prefetched {report['prefetched']} rows, {report['prefetch_hits']} selected")
     assert report["prefetched"] > 0 and report["prefetch_hits"] > 0
+
+
+def test_lossless_with_prefill_prefetch_kernels(models):
+    """Prefill prefetch's GPU code path on the CPU: the histogram kernels and the cache
+    kernels (Triton interpreter), chunks of several query blocks, under the same equality."""
+    w = Workload(
+        config="default-rope",
+        dtype=torch.float32,
+        batch_size=2,
+        chunk=12,
+        prompts=[[(5 * i + 11 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((50, 37))],
+        new_tokens=3,
+    )
+    report = run_pair(models(w.config, w.dtype), w, use_kernels=True, fuse_extend=True)
+    print(f"\nkernels: prefetched {report['prefetched']} rows")
+    assert report["prefetched"] > 0

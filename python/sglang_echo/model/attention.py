@@ -171,12 +171,16 @@ class MLAttention(nn.Module):
         )
         iq, iw = self.indexer.project_query(hidden, q_resid, cos, sin)
         keys = kv_cache.index_keys(layer_id)
-        # ECHO's decode prefetch, when on (an optional attribute of the KV backend).
+        # ECHO's decode and prefill prefetch, when on (optional attributes of the backend).
         prefetch = getattr(kv_cache, "decode_prefetch", None)
-        if prefetch is None:  # the plain call (hooks such as topk/tracer.py wrap it)
+        extend_prefetch = getattr(kv_cache, "prefill_prefetch", None)
+        if prefetch is None and extend_prefetch is None:
+            # The plain call (hooks such as topk/tracer.py wrap it).
             selected = self.indexer.select(iq, iw, keys, batch)
         else:
-            selected = self.indexer.select(iq, iw, keys, batch, prefetch=prefetch, layer=layer_id)
+            selected = self.indexer.select(
+                iq, iw, keys, batch, prefetch, layer_id, extend_prefetch=extend_prefetch
+            )
 
         w_uk, w_uv = self._absorbed_weights()
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)

@@ -25,6 +25,7 @@ from sglang_echo.model.rope import apply_rope_half
 
 if TYPE_CHECKING:  # the model only calls it; offload/ is not a dependency of model/
     from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
+    from sglang_echo.offload.prefill_prefetcher import PrefillPrefetcher
 
 FP8_E4M3_MAX = 448.0
 # Largest [queries x heads x keys] float32 score block materialized at once (elements).
@@ -263,12 +264,15 @@ class LightningIndexer(nn.Module):
         batch: ForwardBatch,
         prefetch: DecodePrefetcher | None = None,
         layer: int = 0,
+        extend_prefetch: PrefillPrefetcher | None = None,
     ) -> torch.Tensor:
         """Top-k token locations [T, topk] (-1 none) for every query token of the batch.
 
         ``prefetch`` (ECHO's decode prefetch, decode batches with request rows only): the
         misses scoring above each request's threshold are handed to it before the top-k,
-        and each request's exact k-th score after it. The selection itself is unchanged.
+        and each request's exact k-th score after it. ``extend_prefetch`` (prefill, with
+        request rows): each query block's scores go to its histogram before the block's
+        top-k, and the block's k-th scores after it. The selection itself is unchanged.
         """
         if batch.is_decode:
             if batch.request_rows is None:
@@ -279,6 +283,10 @@ class LightningIndexer(nn.Module):
             return positions_to_locs(pos, batch.context_locs).squeeze(1)
 
         out = torch.empty(q.shape[0], self.topk, dtype=torch.int64, device=q.device)
+        if batch.request_rows is None:
+            extend_prefetch = None
+        if extend_prefetch is not None:
+            extend_prefetch.begin_chunk(q.shape[0])
         for r, start in enumerate(batch.extend_starts()):
             n, length = batch.extend_lens[r], batch.context_lens[r]
             ctx = batch.context_locs[r, :length].unsqueeze(0)
@@ -287,6 +295,13 @@ class LightningIndexer(nn.Module):
             for s in range(start, start + n, block):
                 e = min(s + block, start + n)
                 scores = self._scores(q[s:e].unsqueeze(0), weights[s:e].unsqueeze(0), keys)
-                pos = select_topk(scores, batch.positions[s:e].unsqueeze(0), self.topk)
+                query_pos = batch.positions[s:e]
+                if extend_prefetch is None:
+                    pos = select_topk(scores, query_pos.unsqueeze(0), self.topk)
+                else:
+                    row = batch.request_rows[r]
+                    extend_prefetch.launch(layer, scores[0], ctx[0], query_pos, row, self.topk)
+                    pos, kth = select_topk(scores, query_pos.unsqueeze(0), self.topk, True)
+                    extend_prefetch.observe(layer, kth[0], row)
                 out[s:e] = positions_to_locs(pos, ctx).squeeze(0)
         return out

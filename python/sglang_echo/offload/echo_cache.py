@@ -14,6 +14,7 @@ from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
+from sglang_echo.offload.prefill_prefetcher import PrefillPrefetcher
 
 
 class EchoKVCache:
@@ -52,17 +53,23 @@ class EchoKVCache:
         # Decode prefetch (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1): built once the runtime
         # says how many request rows there are (bind_request_rows); None = off.
         self.decode_prefetch: DecodePrefetcher | None = None
+        # Prefill prefetch (SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1), built the same way.
+        self.prefill_prefetch: PrefillPrefetcher | None = None
 
     def bind_request_rows(self, max_rows: int) -> None:
         """The request table has ``max_rows`` rows: size the per-request prefetch state
         (once, before any step, so captured CUDA graphs keep their tensors)."""
         if self.config.fuse_decode and self.decode_prefetch is None:
             self.decode_prefetch = DecodePrefetcher(self.manager, max_rows)
+        if self.config.fuse_extend and self.prefill_prefetch is None:
+            self.prefill_prefetch = PrefillPrefetcher(self.manager, max_rows)
 
     def admit_row(self, row: int) -> None:
-        """A new request takes request-table row ``row``: forget the old one's thresholds."""
-        if self.decode_prefetch is not None:
-            self.decode_prefetch.reset_rows([row])
+        """A new request takes request-table row ``row``: forget the old one's thresholds
+        and score offsets."""
+        for prefetcher in (self.decode_prefetch, self.prefill_prefetch):
+            if prefetcher is not None:
+                prefetcher.reset_rows([row])
 
     def write(
         self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
