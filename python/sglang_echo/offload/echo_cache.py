@@ -115,5 +115,13 @@ class EchoKVCache:
             "host_pinned": self.host.pinned,
             "device_bytes": self.cache.nbytes + self.index.nbytes,
             "graph_safe": self.manager.graph_safe,
+            "prefetch": [
+                name
+                for name, on in (
+                    ("decode", self.decode_prefetch),
+                    ("prefill", self.prefill_prefetch),
+                )
+                if on is not None
+            ],
             **self.telemetry(),
         }

@@ -77,9 +77,13 @@ def describe_kv_cache(summary: dict) -> str:
             f"{sum(kv['recalled_bytes']) / 2**20:.2f} MiB"
         )
         if sum(kv.get("prefetched_rows", [])):
+            modes = " + ".join(kv.get("prefetch", [])) or "decode"
+            # A resolve checks only the latest prefetch of its layer: with several prefill
+            # blocks per chunk, the selected count is a lower bound.
+            bound = "at least " if "prefill" in modes else ""
             lines.append(
-                f"kv: decode prefetch {sum(kv['prefetched_rows'])} rows, "
-                f"{sum(kv['prefetch_hits'])} of them then selected"
+                f"kv: {modes} prefetch {sum(kv['prefetched_rows'])} rows, "
+                f"{bound}{sum(kv['prefetch_hits'])} of them then selected"
             )
     else:
         lines.append(f"kv: no-offload  {kv['kv_bytes'] / 2**20:.1f} MiB on {summary['device']}")
