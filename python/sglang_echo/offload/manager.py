@@ -36,7 +36,8 @@ class _PendingPrefetch:
     lanes: int
     allocated: torch.cuda.Event | None  # side stream: maps updated (None: synchronous)
     copied: torch.cuda.Event | None  # side stream: rows copied
-    inputs: torch.Tensor  # kept alive until the side stream is joined
+    inputs: tuple  # candidate tensors (also of chained earlier prefetches), kept alive
+    # until the side stream is joined
 
 
 class EchoManager:
@@ -180,13 +181,19 @@ class EchoManager:
             live = (lane[None, :] < counts.reshape(-1, 1)).reshape(-1)
             ids = torch.where(live, ids, torch.full_like(ids, -1))
         self._check_lanes("prefetch", ids.numel())
-        self._join(layer)
+        # A prefetch of this layer that no resolve has joined yet (prefill: one per query
+        # block) is chained, not waited for: the side stream runs prefetches in order, so
+        # the next resolve's join covers them all, and the main stream keeps scoring.
+        # Nothing on the main stream changes this layer's maps in between (append and
+        # release join first).
+        previous = self._pending.pop(layer, None)
+        kept = (ids,) if previous is None else (ids, previous.inputs)
         side = self._prefetch_stream()
         if side is None:
             alloc = self._allocate_prefetch(layer, ids)
             self._recall(layer, alloc)
             self.prefetched_rows[layer : layer + 1] += alloc.miss_count
-            self._pending[layer] = _PendingPrefetch(alloc, ids.numel(), None, None, ids)
+            self._pending[layer] = _PendingPrefetch(alloc, ids.numel(), None, None, kept)
             return
         side.wait_stream(torch.cuda.current_stream(self.device))  # fork: maps, rows so far
         with torch.cuda.stream(side):
@@ -197,7 +204,7 @@ class EchoManager:
             self.prefetched_rows[layer : layer + 1] += alloc.miss_count
             copied = torch.cuda.Event()
             copied.record(side)
-        self._pending[layer] = _PendingPrefetch(alloc, ids.numel(), allocated, copied, ids)
+        self._pending[layer] = _PendingPrefetch(alloc, ids.numel(), allocated, copied, kept)
 
     def _prefetch_stream(self) -> torch.cuda.Stream | None:
         """The side stream prefetch copies run on: CUDA with the Triton kernels only (the
