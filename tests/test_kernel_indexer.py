@@ -67,6 +67,11 @@ def test_fp8_logits_on_packed_rows_match_unpacked():
     got = fp8_index_logits(q, w, k_view, s_view, locs, lens)
     want = fp8_index_logits(q, w, keys, scales, locs, lens)
     assert torch.equal(got, want)
+    # Rows padded to 144 bytes (16-byte aligned key rows): the same logits.
+    padded = pack_fp8_rows(keys, scales, 144)
+    assert padded.shape[-1] == 144 and int(padded[:, 132:].abs().sum()) == 0
+    k_pad, s_pad = unpack_fp8_rows(padded, keys.shape[-1])
+    assert torch.equal(fp8_index_logits(q, w, k_pad, s_pad, locs, lens), want)
 
 
 def test_kernel_matches_the_models_torch_fp8_path():

@@ -62,14 +62,28 @@ def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale.unsqueeze(-1)).to(x.dtype)
 
 
-def pack_fp8_rows(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """e4m3 [T, D] + fp32 [T] -> uint8 [T, D + 4]: one row per key, scale last."""
-    return torch.cat((values.view(torch.uint8), scales.float().view(torch.uint8).view(-1, 4)), 1)
+def pack_fp8_rows(
+    values: torch.Tensor, scales: torch.Tensor, row_bytes: int | None = None
+) -> torch.Tensor:
+    """e4m3 [T, D] + fp32 [T] -> uint8 [T, row_bytes]: one row per key, scale after it,
+    zero padding up to ``row_bytes`` (default D + 4, none). Padding to a multiple of 16
+    bytes lets kernels read key rows with aligned vector loads (indexer_bench times both)."""
+    dim = values.shape[-1]
+    row_bytes = dim + 4 if row_bytes is None else row_bytes
+    if row_bytes < dim + 4 or row_bytes % 4:
+        raise ValueError(f"row_bytes must be >= {dim + 4} and a multiple of 4, got {row_bytes}")
+    parts = [values.view(torch.uint8), scales.float().view(torch.uint8).view(-1, 4)]
+    if row_bytes > dim + 4:
+        parts.append(values.new_zeros(values.shape[0], row_bytes - dim - 4, dtype=torch.uint8))
+    return torch.cat(parts, 1)
 
 
-def unpack_fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 [..., D + 4] -> (e4m3 [..., D], fp32 [...]) views of the same bytes."""
-    dim = rows.shape[-1] - 4
+def unpack_fp8_rows(
+    rows: torch.Tensor, dim: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [..., row_bytes] -> (e4m3 [..., D], fp32 [...]) views of the same bytes; D
+    defaults to row_bytes - 4 (unpadded rows)."""
+    dim = rows.shape[-1] - 4 if dim is None else dim
     values = rows[..., :dim].view(torch.float8_e4m3fn)
     scales = rows.view(torch.float32)[..., dim // 4]  # strided view, no copy
     return values, scales
