@@ -101,13 +101,23 @@ def _resolve_distinct(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Resolve the distinct locations of ``selected`` in one call if at most ``budget``
     -> (buffer, rows [Q, K], -1 entries on row 0); None (nothing done) if they do not fit.
-    Reads the distinct count on the host: prefill only, never inside a captured step."""
-    distinct = torch.unique(selected[selected >= 0])
+    Reads the distinct count on the host: prefill only, never inside a captured step.
+
+    Distinct locations come from a mark per pool location (location 0 is never a token),
+    not a sort of all Q x K selections, and each selection finds its row through a table
+    over the pool, not a binary search."""
+    pool = kv_cache.index_keys(layer_id).shape[0]  # every location, + the unused 0
+    flat = selected.clamp(min=0).view(-1)
+    mark = torch.zeros(pool, dtype=torch.bool, device=selected.device)
+    mark.index_fill_(0, flat, True)
+    mark[0] = False
+    distinct = mark.nonzero().squeeze(1)  # ascending
     if distinct.numel() > budget or distinct.numel() == 0:
         return None
     buffer, rows = kv_cache.resolve(layer_id, distinct.view(1, -1))
-    where = torch.searchsorted(distinct, selected.clamp(min=0)).clamp(max=distinct.numel() - 1)
-    return buffer, torch.where(selected >= 0, rows.view(-1)[where], 0)
+    row_of = torch.zeros(pool, dtype=rows.dtype, device=rows.device)
+    row_of.index_copy_(0, distinct, rows.view(-1))  # location 0 keeps row 0
+    return buffer, row_of[flat].view(selected.shape)
 
 
 class MLAttention(nn.Module):
