@@ -300,7 +300,7 @@ def update_thresholds(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("lanes",))
 def _prefetch_hits_kernel(
     ids_ptr, slots_ptr, count_ptr, d2h_ptr, prio_ptr, clock_ptr, hits_ptr, lanes,
     LANES: tl.constexpr,
@@ -331,7 +331,7 @@ def count_prefetch_hits(
     same in torch."""
     if lanes == 0:
         return
-    block = min(1024, triton.next_power_of_2(lanes))
+    block = 1024  # fixed: prefetch sizes vary (prefill), one compiled variant
     _prefetch_hits_kernel[(triton.cdiv(lanes, block),)](
         miss_ids, miss_slots, miss_count, device_to_host, priority, clock, hits, lanes,
         LANES=block,

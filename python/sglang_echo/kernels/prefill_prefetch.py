@@ -106,7 +106,7 @@ def _tile_bins(
     return b, valid
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_cols",))
 def _hist_kernel(
     scores_ptr,
     offsets_ptr,
@@ -134,7 +134,7 @@ def _hist_kernel(
     tl.atomic_add(hist_ptr + row * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_cols", "n_rows"))
 def _flag_kernel(
     scores_ptr,
     offsets_ptr,
@@ -148,6 +148,7 @@ def _flag_kernel(
     n_cols,
     stride,
     k,
+    n_rows,
     ROWS: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     ABSENT_ID: tl.constexpr,
@@ -162,10 +163,11 @@ def _flag_kernel(
     cols = tile * TILE + tl.arange(0, TILE)
     bins = tl.arange(0, 256)
     flag = tl.zeros((TILE,), dtype=tl.int32)
-    # A constexpr trip count (the interpreter needs one); the loop is not unrolled.
+    # A constexpr trip count (the interpreter needs one): ROWS is n_rows rounded up to a
+    # power of two, so blocks of any size share a few compiled variants.
     for r0 in range(0, ROWS, ROW_BLOCK):
         row = r0 + tl.arange(0, ROW_BLOCK).to(tl.int64)
-        row_ok = row < ROWS
+        row_ok = row < n_rows
         h = tl.load(hist_ptr + row[:, None] * 256 + bins[None, :], mask=row_ok[:, None], other=0)
         at_or_above = tl.sum(h, 1)[:, None] - tl.cumsum(h, 1) + h  # tokens in bins >= b
         # Highest bin whose suffix count reaches k; -1 when the row has fewer than k.
@@ -195,7 +197,7 @@ def _flag_kernel(
     tl.store(tile_count_ptr + tile, tl.sum(fetch.to(tl.int32), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_cols", "n_tiles", "cap"))
 def _compact_kernel(
     flags_ptr,
     tile_count_ptr,
@@ -328,7 +330,8 @@ def prefill_prefetch(
         cols,
         stride,
         topk,
-        ROWS=rows,
+        rows,
+        ROWS=triton.next_power_of_2(max(rows, row_block)),
         ROW_BLOCK=row_block,
         ABSENT_ID=ABSENT,
         TILE=tile,
