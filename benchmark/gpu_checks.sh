@@ -8,7 +8,7 @@
 #   bash benchmark/gpu_checks.sh "$OUT" [all|tests|benches] [BENCH...]
 # `tests` or `benches` alone fit a call comfortably if both together come near the 10-minute
 # limit; BENCH names (cache_ops decode_prefetch prefill_prefetch recall indexer sparse_mla)
-# pick benchmarks.
+# pick benchmarks; CACHE_OPS_SWEEP=0 skips cache_ops' launch-shape sweep (~40 s).
 set -uo pipefail
 out=${1:-/tmp/echo-gpu}
 part=${2:-all}
@@ -36,7 +36,8 @@ fi
 [ "$part" = tests ] && benches=()
 for bench in ${benches[@]+"${benches[@]}"}; do
   step "benchmark $bench"
-  extra=""; [ "$bench" = cache_ops ] && extra=--sweep  # launch shapes, each checked first
+  extra=""  # cache_ops also sweeps launch shapes, each checked first (CACHE_OPS_SWEEP=0: not)
+  [ "$bench" = cache_ops ] && [ "${CACHE_OPS_SWEEP:-1}" = 1 ] && extra=--sweep
   python3 benchmark/kernels/${bench}_bench.py --out "$res" $extra 2>&1 | tee "$res/${bench}_bench.log" | tail -14
 done
 step "done"

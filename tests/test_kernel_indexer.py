@@ -101,3 +101,26 @@ def test_kernel_matches_the_models_torch_fp8_path():
         for key in set(a[r].tolist()) ^ set(b[r].tolist()):
             gap = (torch_scores[r, key] - kth).abs()
             assert DEV == "cuda" and gap <= 10 * REL_TOL * scale
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_model_caches_16_byte_aligned_index_rows(dim):
+    """The model's fp8 index rows are padded to a multiple of 16 bytes (144 for D 128), and
+    the CPU scoring formula reads them exactly as it reads SGLang's unpadded rows."""
+    from sglang_echo.model.config import fp8_row_bytes
+    from sglang_echo.model.indexer import fp8_index_scores, pack_fp8_rows, quantize_fp8
+
+    row_bytes = fp8_row_bytes(dim)
+    assert row_bytes % 16 == 0 and dim + 4 <= row_bytes < dim + 20
+    assert fp8_row_bytes(128) == 144
+    g = torch.Generator().manual_seed(dim)
+    keys, scales = quantize_fp8(torch.randn(30, dim, generator=g))
+    q, _ = quantize_fp8(torch.randn(1, 2, 4, dim, generator=g).view(-1, dim))
+    q = q.view(1, 2, 4, dim)
+    w = torch.randn(1, 2, 4, generator=g)
+    padded = pack_fp8_rows(keys, scales, row_bytes)
+    plain = pack_fp8_rows(keys, scales)
+    assert padded.shape == (30, row_bytes)
+    assert torch.equal(
+        fp8_index_scores(q, w, padded.unsqueeze(0)), fp8_index_scores(q, w, plain.unsqueeze(0))
+    )

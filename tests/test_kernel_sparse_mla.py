@@ -168,11 +168,15 @@ def backend(monkeypatch):
 
 def test_switch_reads_the_environment(backend):
     backend(None)
+    assert attention_module.sparse_mla_backend() == "auto"
+    backend("torch")
     assert attention_module.sparse_mla_backend() == "torch"
     backend(" Kernel ")
     assert attention_module.sparse_mla_backend() == "kernel"
     backend("triton")
-    with pytest.raises(ModelConfigError, match=r"SGLANG_ECHO_SPARSE_MLA='triton'.*torch, kernel"):
+    with pytest.raises(
+        ModelConfigError, match=r"SGLANG_ECHO_SPARSE_MLA='triton'.*auto, torch, kernel"
+    ):
         attention_module.sparse_mla_backend()
 
 

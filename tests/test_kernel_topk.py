@@ -57,3 +57,25 @@ def test_topk_kernel_many_blocks_ties_across_blocks():
     scores, qpos = scores.to(DEV), qpos.to(DEV)
     got = topk_positions(scores, qpos, topk, block=256)
     assert torch.equal(_sorted(got), topk_positions_reference(scores, qpos, topk))
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "short"])
+def test_exact_topk_kernel_matches_sort_path(kind, monkeypatch):
+    """The model's top-k entry point: kernel and sort pick the same set and report the
+    same k-th score (the decode prefetcher's EMA input), ties and short rows included."""
+    from sglang_echo.model.indexer import exact_topk
+
+    g = torch.Generator().manual_seed(7)
+    n_cols, topk = (40, 64) if kind == "short" else (500, 48)
+    if kind == "ties":
+        scores = torch.randint(0, 3, (4, n_cols), generator=g).float()
+    else:
+        scores = torch.randn(4, n_cols, generator=g)
+    qpos = torch.tensor([n_cols - 1, 30, n_cols // 2, 60]).clamp(max=n_cols - 1)
+    scores, qpos = scores.to(DEV), qpos.to(DEV)
+    pos_k, kth_k = exact_topk(scores, qpos, topk, use_kernel=True)
+    pos_s, kth_s = exact_topk(scores, qpos, topk, use_kernel=False)
+    assert torch.equal(_sorted(pos_k), _sorted(pos_s))
+    assert torch.equal(kth_k, kth_s)
+    if kind == "short":
+        assert bool((kth_k == float("-inf")).all())

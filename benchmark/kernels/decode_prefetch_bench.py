@@ -81,6 +81,7 @@ from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch  # noq
 from sglang_echo.kernels.indexer import fp8_index_logits  # noqa: E402
 from sglang_echo.kernels.recall import recall_rows  # noqa: E402
 from sglang_echo.model import indexer as indexer_module  # noqa: E402
+from sglang_echo.model.config import fp8_row_bytes  # noqa: E402
 from sglang_echo.model.forward_batch import ForwardBatch  # noqa: E402
 from sglang_echo.model.indexer import (  # noqa: E402
     LightningIndexer,
@@ -110,7 +111,8 @@ class Bench:
         n_h = B * L  # host ids 1..n_h; 0 is the sink
         keys = torch.randn(n_h + 1, D, device=dev, generator=g).to(torch.float8_e4m3fn)
         scales = torch.rand(n_h + 1, device=dev, generator=g) + 0.5
-        self.key_rows = pack_fp8_rows(keys, scales)  # SGLang's 132-byte index-K rows
+        # The model's index-K rows: SGLang's 132 bytes padded to 144 (config.fp8_row_bytes).
+        self.key_rows = pack_fp8_rows(keys, scales, fp8_row_bytes(D))
         del keys, scales
         # Paged like SGLang's index-K cache: each request owns shuffled 64-token pages.
         pages = -(-L // 64)
@@ -166,7 +168,7 @@ class Bench:
             rows[s : s + n].copy_(chunk.to(torch.uint8))
 
     def logits(self, q: torch.Tensor) -> torch.Tensor:
-        keys, scales = unpack_fp8_rows(self.key_rows)
+        keys, scales = unpack_fp8_rows(self.key_rows, self.args.dim)
         lens = (self.batch.positions + 1).to(torch.int32)
         return fp8_index_logits(q, self.w, keys, scales, self.locs, lens)
 
@@ -349,7 +351,7 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     row["speedup_eager"] = row["unfused_ms"] / row["fused_ms"]
     # Components (stateless): logits alone, logits + flags alone, top-k alone, the
     # unfused recall alone (its miss count, into distinct slots).
-    keys, scales = unpack_fp8_rows(bench.key_rows)
+    keys, scales = unpack_fp8_rows(bench.key_rows, bench.args.dim)
     lens = (bench.batch.positions + 1).to(torch.int32)
     bench.restore()
     theta = bench.prefetcher.theta(0, bench.rows_of)

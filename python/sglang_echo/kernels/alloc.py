@@ -35,8 +35,12 @@ CLAIM = -(2**31)  # host_to_device value CLAIM + lane: lane is the id's first mi
 EXACT_AGES = 224  # ages below this are exact buckets; older ones share log2 buckets
 NUM_BUCKETS = 256
 HIST_BINS = 512  # histogram width; bin 256 collects non-evictable slots
+# The default launch shape: the fastest of the 8 that cache_ops_bench --sweep timed on an
+# H200 (69 us per layer-step against 77-82 us for the others with 4 warps;
+# benchmark/results/cache_ops.json, launch_shape_sweep).
 LANE_BLOCK = 1024
 SLOT_BLOCK = 2048
+NUM_WARPS = 8
 
 
 # --------------------------------------------------------------------------- reference
@@ -395,7 +399,7 @@ class AllocWorkspace:
         max_lanes: int,
         lane_block: int = LANE_BLOCK,
         slot_block: int = SLOT_BLOCK,
-        num_warps: int = 4,
+        num_warps: int = NUM_WARPS,
     ) -> None:
         for name, value in (("lane_block", lane_block), ("slot_block", slot_block)):
             if value < 16 or value & (value - 1):

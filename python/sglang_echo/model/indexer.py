@@ -4,7 +4,8 @@ score(t, s) = sum_h w[t, h] * relu(q[t, h] . k[s] * d^-1/2), over s <= t; w = we
 times H^-1/2. Keys are LayerNorm'ed, and the first rope dims of q and k are roped half-split.
 ``indexer_mode = "fp8_hadamard"`` is DeepSeek's deployed indexer: q and k are rotated by a
 Hadamard matrix and stored in float8 e4m3 with per-row fp32 scales; each key is one packed
-row of D + 4 bytes (SGLang's 132-byte index-K layout), the query scale and d^-1/2 fold into
+row of D + 4 bytes padded to 144 (SGLang's 132-byte index-K row, 16-byte aligned; see
+``config.fp8_row_bytes``), the query scale and d^-1/2 fold into
 the head weights. On CUDA, decode scores these rows with the Triton kernel
 (kernels/indexer.py); the torch functions here compute the same formula and are the CPU path.
 """
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_echo.model.config import DeepseekV32Config
+from sglang_echo.model.config import DeepseekV32Config, fp8_row_bytes
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.rope import apply_rope_half
 
@@ -30,9 +31,13 @@ if TYPE_CHECKING:  # the model only calls it; offload/ is not a dependency of mo
 FP8_E4M3_MAX = 448.0
 # Largest [queries x heads x keys] float32 score block materialized at once (elements).
 SCORE_BLOCK_ELEMENTS = 1 << 25
-# The fp8 decode kernels (kernels/indexer.py, kernels/decode_prefetch.py) run on CUDA; tests
-# set this to run them through the Triton interpreter on the CPU too.
+# The indexer's kernels (fp8 decode logits, decode prefetch, top-k) run on CUDA; tests set
+# this to run them through the Triton interpreter on the CPU too.
 DECODE_KERNELS_ON_CPU = False
+
+
+def use_kernels(q: torch.Tensor) -> bool:
+    return q.is_cuda or DECODE_KERNELS_ON_CPU
 
 
 @functools.lru_cache(maxsize=16)
@@ -66,8 +71,8 @@ def pack_fp8_rows(
     values: torch.Tensor, scales: torch.Tensor, row_bytes: int | None = None
 ) -> torch.Tensor:
     """e4m3 [T, D] + fp32 [T] -> uint8 [T, row_bytes]: one row per key, scale after it,
-    zero padding up to ``row_bytes`` (default D + 4, none). Padding to a multiple of 16
-    bytes lets kernels read key rows with aligned vector loads (indexer_bench times both)."""
+    zero padding up to ``row_bytes`` (default D + 4, none; the model uses
+    ``fp8_row_bytes``)."""
     dim = values.shape[-1]
     row_bytes = dim + 4 if row_bytes is None else row_bytes
     if row_bytes < dim + 4 or row_bytes % 4:
@@ -92,9 +97,9 @@ def unpack_fp8_rows(
 def fp8_index_scores(
     q: torch.Tensor, weights: torch.Tensor, key_rows: torch.Tensor
 ) -> torch.Tensor:
-    """q [G, Q, H, D] e4m3, weights [G, Q, H] (scales folded in), packed key rows [G, L, D+4]
-    -> [G, Q, L] fp32: k_scale * sum_h w_h relu(q_h . k)."""
-    keys, scales = unpack_fp8_rows(key_rows)
+    """q [G, Q, H, D] e4m3, weights [G, Q, H] (scales folded in), packed key rows
+    [G, L, row_bytes >= D + 4] -> [G, Q, L] fp32: k_scale * sum_h w_h relu(q_h . k)."""
+    keys, scales = unpack_fp8_rows(key_rows, q.shape[-1])
     logits = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)))
     return torch.matmul(weights.unsqueeze(-2), logits).squeeze(-2) * scales.unsqueeze(1)
 
@@ -151,6 +156,27 @@ def select_topk(
     return idx, values.new_full(values.shape[:-1], float("-inf"))  # rows narrower than top-k
 
 
+def exact_topk(
+    scores: torch.Tensor, query_pos: torch.Tensor, topk: int, use_kernel: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_topk`` with the k-th score, for scores [R, L] and query_pos [R]: positions
+    [R, topk] and k-th scores [R]. With ``use_kernel`` (CUDA, or the interpreter in tests)
+    the radix-select kernel picks the same set, listed by ascending position instead of by
+    score (offload and no-offload both take this path, so their outputs stay equal); the
+    k-th score is the smallest picked score, -inf where fewer than ``topk`` keys are
+    visible, exactly as ``select_topk`` reports it."""
+    if not use_kernel:
+        pos, kth = select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk, True)
+        return pos.squeeze(1), kth.squeeze(1)
+    from sglang_echo.kernels.topk import topk_positions
+
+    pos = topk_positions(scores.float(), query_pos, topk)
+    missing = pos < 0
+    picked = torch.gather(scores.float(), 1, pos.clamp(min=0)).masked_fill(missing, float("inf"))
+    kth = picked.amin(dim=1).masked_fill(missing.any(dim=1), float("-inf"))
+    return pos, kth
+
+
 TOPK_METHODS = ("sort", "packed")
 # The decode and prefill selection; both methods are exact and give identical output.
 TOPK_METHOD = "sort"
@@ -199,11 +225,12 @@ class LightningIndexer(nn.Module):
     def project_key(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        """[T, hidden] -> the cached key row: [T, D] (bf16 mode) or packed uint8 [T, D + 4]."""
+        """[T, hidden] -> the cached key row: [T, D] (bf16 mode) or packed uint8
+        [T, fp8_row_bytes(D)]."""
         k = self._rope(self.k_norm(self.wk(hidden)), cos, sin)
         if self.mode != "fp8_hadamard":
             return k
-        return pack_fp8_rows(*quantize_fp8(self._rotate(k)))
+        return pack_fp8_rows(*quantize_fp8(self._rotate(k)), fp8_row_bytes(self.head_dim))
 
     def project_query(
         self, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -244,10 +271,10 @@ class LightningIndexer(nn.Module):
             theta = prefetch.theta(layer, batch.request_rows)
             h2d = prefetch.host_to_device(layer)
             cap = prefetch.cap_for(self.topk)
-        if self.mode == "fp8_hadamard" and (q.is_cuda or DECODE_KERNELS_ON_CPU):
+        if self.mode == "fp8_hadamard" and use_kernels(q):
             from sglang_echo.kernels.indexer import fp8_index_logits
 
-            keys, scales = unpack_fp8_rows(all_keys)
+            keys, scales = unpack_fp8_rows(all_keys, self.head_dim)
             lens32 = lens.to(torch.int32)
             if prefetch is not None:
                 from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch
@@ -266,9 +293,8 @@ class LightningIndexer(nn.Module):
         if prefetch is not None:
             # Rows start moving (a side stream on CUDA) while the exact top-k runs.
             prefetch.launch(layer, cand.ids, cand.counts)
-        # kernels/topk.py computes the same set but, one program per row, measured 1.3 ms
-        # against this sort's 0.48 ms at 48 x 100K on an H200: not wired in yet.
-        return select_topk(scores.unsqueeze(1), batch.positions.unsqueeze(1), self.topk, True)
+        pos, kth = exact_topk(scores, batch.positions, self.topk, use_kernels(q))
+        return pos.unsqueeze(1), kth.unsqueeze(1)
 
     def select(
         self,
@@ -310,12 +336,11 @@ class LightningIndexer(nn.Module):
                 e = min(s + block, start + n)
                 scores = self._scores(q[s:e].unsqueeze(0), weights[s:e].unsqueeze(0), keys)
                 query_pos = batch.positions[s:e]
-                if extend_prefetch is None:
-                    pos = select_topk(scores, query_pos.unsqueeze(0), self.topk)
-                else:
+                if extend_prefetch is not None:
                     row = batch.request_rows[r]
                     extend_prefetch.launch(layer, scores[0], ctx[0], query_pos, row, self.topk)
-                    pos, kth = select_topk(scores, query_pos.unsqueeze(0), self.topk, True)
-                    extend_prefetch.observe(layer, kth[0], row)
-                out[s:e] = positions_to_locs(pos, ctx).squeeze(0)
+                pos, kth = exact_topk(scores[0], query_pos, self.topk, use_kernels(q))
+                if extend_prefetch is not None:
+                    extend_prefetch.observe(layer, kth, row)
+                out[s:e] = positions_to_locs(pos.unsqueeze(0), ctx).squeeze(0)
         return out
