@@ -79,3 +79,26 @@ def test_exact_topk_kernel_matches_sort_path(kind, monkeypatch):
     assert torch.equal(kth_k, kth_s)
     if kind == "short":
         assert bool((kth_k == float("-inf")).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts compiled GPU variants")
+def test_contexts_and_row_counts_of_any_size_reuse_one_compiled_variant() -> None:
+    """Decode widths grow and prefill query blocks come in every size: neither may compile
+    a new top-k kernel variant mid-serving."""
+    from sglang_echo.kernels import topk as topk_module
+
+    kernels = (topk_module._hist_kernel, topk_module._count_kernel)
+    kernels += (topk_module._collect_kernel,)
+    device = torch.cuda.current_device()
+    before = None
+    for step, (rows, n_cols) in enumerate(((3, 5000), (17, 9000), (1, 70000), (48, 100_003))):
+        scores = torch.randn(rows, n_cols, device=DEV)
+        qpos = torch.full((rows,), n_cols - 1, device=DEV)
+        got = topk_positions(scores, qpos, 2048)
+        assert torch.equal(_sorted(got), topk_positions_reference(scores, qpos, 2048))
+        torch.cuda.synchronize()
+        counts = [len(k.device_caches[device][0]) for k in kernels]  # hist: one per PASS
+        if step == 0:
+            before = counts
+    assert counts == before, f"variants per kernel grew from {before} to {counts}"
