@@ -196,7 +196,7 @@ def test_lossless_with_prefill_prefetch(models):
 def test_lossless_with_decode_prefetch_kernels(models, monkeypatch):
     """The GPU code path on the CPU: the fused fp8 logits + flag kernels and the cache
     kernels (Triton interpreter) under the same equality, for an fp8-indexer workload."""
-    monkeypatch.setattr(indexer_module, "DECODE_KERNELS_ON_CPU", True)
+    monkeypatch.setattr(indexer_module, "INDEXER_KERNELS_ON_CPU", True)
     w = Workload(
         config="fp8-indexer",
         dtype=torch.float32,

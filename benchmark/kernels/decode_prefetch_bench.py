@@ -418,7 +418,7 @@ def main() -> None:
     args = ARGS
     dev = torch.device(args.device)
     if dev.type == "cpu":
-        indexer_module.DECODE_KERNELS_ON_CPU = True  # the Triton kernels, interpreted
+        indexer_module.INDEXER_KERNELS_ON_CPU = True  # the Triton kernels, interpreted
     t0 = time.perf_counter()
     stream = None
     if dev.type == "cuda":

@@ -33,11 +33,12 @@ FP8_E4M3_MAX = 448.0
 SCORE_BLOCK_ELEMENTS = 1 << 25
 # The indexer's kernels (fp8 decode logits, decode prefetch, top-k) run on CUDA; tests set
 # this to run them through the Triton interpreter on the CPU too.
-DECODE_KERNELS_ON_CPU = False
+INDEXER_KERNELS_ON_CPU = False
 
 
 def use_kernels(q: torch.Tensor) -> bool:
-    return q.is_cuda or DECODE_KERNELS_ON_CPU
+    """Whether the indexer's Triton kernels run for this query tensor."""
+    return q.is_cuda or INDEXER_KERNELS_ON_CPU
 
 
 @functools.lru_cache(maxsize=16)
@@ -178,7 +179,8 @@ def exact_topk(
 
 
 TOPK_METHODS = ("sort", "packed")
-# The decode and prefill selection; both methods are exact and give identical output.
+# select_topk's method, the CPU path's decode and prefill selection (CUDA runs the
+# radix-select kernel through exact_topk); both methods are exact and give identical output.
 TOPK_METHOD = "sort"
 
 
