@@ -29,6 +29,31 @@ def time_us(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn: Callable[[], object], warmup: int = 3, reps: int = 20, chain: int = 10) -> float:
+    """Median device time of ``fn`` replayed from a CUDA graph, in microseconds: ``chain``
+    replays back to back between two events, divided by ``chain``. This is what a decode
+    step (captured in a graph) pays. ``time_us`` also counts the CPU's launch overhead
+    whenever launches take longer than the GPU work they start, which inflates functions
+    of several short launches (the radix top-k: six)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compiles, allocator) off the capture
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+
+    def replays() -> None:
+        for _ in range(chain):
+            graph.replay()
+
+    return time_us(replays, warmup=1, reps=reps) / chain
+
+
 def save_record(out_dir: str | Path, name: str, device: str, metrics: dict, **extra) -> Path:
     """Write ``<out_dir>/<name>.json`` = {name, device, date, command, metrics, ...extra}."""
     record = {
