@@ -15,9 +15,9 @@ The final pass first counts, per program, the entries above T and equal to T, th
 writes with offsets from the programs before it. Six launches in all, each reading the
 scores once.
 
-Measured on an H200 at 48 x 100K (benchmark/results/indexer.json): 326 us, against
-torch.topk's 193 us (which breaks ties however its radix pass falls) and the tie-stable
-sort's 564 us that the model used before. On CUDA the model's decode and prefill top-k
+Measured on an H200 at 48 x 100K, replayed from a CUDA graph as decode runs it
+(benchmark/results/indexer.json): 254 us, against torch.topk's 120 us (which breaks ties
+however its radix pass falls) and the tie-stable sort's 452 us that the model used before. On CUDA the model's decode and prefill top-k
 run this kernel (``model.indexer.exact_topk``); the sort stays the CPU path and reference.
 Every block is DEFAULT_BLOCK wide and the collect pass sums a fixed MIN_MAX_CHUNKS block
 counts, so contexts up to 256K keys share one compiled variant per kernel.

@@ -28,8 +28,8 @@ GATHER_BLOCK_ELEMENTS = 1 << 26
 # Which sparse-MLA implementation attends: "torch" (gather the selected rows, then
 # sparse_mla), "kernel" (kernels/sparse_mla.py reads them from the buffer, no gather), or
 # "auto" (the default): the kernel on CUDA, where an H200 measured it 1.2x (decode) and
-# 1.5x (prefill) faster than the torch path (benchmark/results/sparse_mla.json), torch
-# on the CPU.
+# 1.5-1.65x (prefill) faster than the torch path (benchmark/results/sparse_mla.json),
+# torch on the CPU.
 ENV_SPARSE_MLA = "SGLANG_ECHO_SPARSE_MLA"
 SPARSE_MLA_BACKENDS = ("auto", "torch", "kernel")
 
