@@ -158,22 +158,32 @@ def select_topk(
 
 
 def exact_topk(
-    scores: torch.Tensor, query_pos: torch.Tensor, topk: int, use_kernel: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+    scores: torch.Tensor,
+    query_pos: torch.Tensor,
+    topk: int,
+    use_kernel: bool,
+    with_kth: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``select_topk`` with the k-th score, for scores [R, L] and query_pos [R]: positions
     [R, topk] and k-th scores [R]. With ``use_kernel`` (CUDA, or the interpreter in tests)
     the radix-select kernel picks the same set, listed by ascending position instead of by
     score (offload and no-offload both take this path, so their outputs stay equal); the
     k-th score is the smallest picked score, -inf where fewer than ``topk`` keys are
-    visible, exactly as ``select_topk`` reports it."""
+    visible, exactly as ``select_topk`` reports it. Only the prefetchers read the k-th
+    score: without ``with_kth`` it is not computed (None)."""
     if not use_kernel:
+        if not with_kth:
+            return select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk).squeeze(1), None
         pos, kth = select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk, True)
         return pos.squeeze(1), kth.squeeze(1)
     from sglang_echo.kernels.topk import topk_positions
 
-    pos = topk_positions(scores.float(), query_pos, topk)
+    scores = scores.float()
+    pos = topk_positions(scores, query_pos, topk)
+    if not with_kth:
+        return pos, None
     missing = pos < 0
-    picked = torch.gather(scores.float(), 1, pos.clamp(min=0)).masked_fill(missing, float("inf"))
+    picked = torch.gather(scores, 1, pos.clamp(min=0)).masked_fill(missing, float("inf"))
     kth = picked.amin(dim=1).masked_fill(missing.any(dim=1), float("-inf"))
     return pos, kth
 
@@ -262,9 +272,9 @@ class LightningIndexer(nn.Module):
         batch: ForwardBatch,
         prefetch: DecodePrefetcher | None,
         layer: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One query per request; context padded to the table width: fixed shapes only.
-        Returns top-k positions [B, 1, topk] and k-th scores [B, 1]."""
+        Returns top-k positions [B, 1, topk] and k-th scores [B, 1] (None without prefetch)."""
         ctx = batch.context_locs
         lens = batch.positions + 1
         theta = h2d = None
@@ -295,8 +305,10 @@ class LightningIndexer(nn.Module):
         if prefetch is not None:
             # Rows start moving (a side stream on CUDA) while the exact top-k runs.
             prefetch.launch(layer, cand.ids, cand.counts)
-        pos, kth = exact_topk(scores, batch.positions, self.topk, use_kernels(q))
-        return pos.unsqueeze(1), kth.unsqueeze(1)
+        pos, kth = exact_topk(
+            scores, batch.positions, self.topk, use_kernels(q), with_kth=prefetch is not None
+        )
+        return pos.unsqueeze(1), None if kth is None else kth.unsqueeze(1)
 
     def select(
         self,
@@ -341,7 +353,9 @@ class LightningIndexer(nn.Module):
                 if extend_prefetch is not None:
                     row = batch.request_rows[r]
                     extend_prefetch.launch(layer, scores[0], ctx[0], query_pos, row, self.topk)
-                pos, kth = exact_topk(scores[0], query_pos, self.topk, use_kernels(q))
+                pos, kth = exact_topk(
+                    scores[0], query_pos, self.topk, use_kernels(q), extend_prefetch is not None
+                )
                 if extend_prefetch is not None:
                     extend_prefetch.observe(layer, kth, row)
                 out[s:e] = positions_to_locs(pos.unsqueeze(0), ctx).squeeze(0)
