@@ -9,6 +9,14 @@ its run folders. Writes:
   per_task_throughput.png per-task bars at the highest request rate (Fig. 14)
   latency_vs_rate.png     TTFT, ITL and E2E latency vs request rate (Fig. 15)
   summary.json            the plotted numbers and the offload / no-offload ratios
+
+``--record PATH`` writes, instead of summary.json, the sweep's record: {name, device, date,
+command (this command as run), sweeps (the commands that wrote the inputs, from
+``--sweep-command``), config (each ``--config`` file's lines), metrics (what summary.json
+holds)}. The device is read from the ``--config`` files (``serving_sweep.sh`` writes the
+GPU's nvidia-smi line there), the date from ``--date`` (the day the sweeps ran; default
+today). That is how the runs of several sweeps over one model and config are merged into one
+record by a command instead of by hand.
 """
 
 from __future__ import annotations
@@ -17,7 +25,9 @@ import argparse
 import json
 import math
 import re
+import shlex
 import sys
+import time
 from pathlib import Path
 
 RATE_FILE = re.compile(r"^req_rate_(.+)\.jsonl$")
@@ -228,7 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sglang_echo.bench.plot", description=__doc__)
     p.add_argument("result_dirs", nargs="+", type=Path)
     p.add_argument("--out-dir", type=Path, default=None, help="default: plots/ in the cwd")
+    p.add_argument("--record", type=Path, default=None, help="write the sweep record here")
+    p.add_argument(
+        "--config", type=Path, action="append", default=[], help="a sweep's sweep_config.txt"
+    )
+    p.add_argument(
+        "--sweep-command",
+        action="append",
+        default=[],
+        help="a command that wrote the inputs (recorded as given)",
+    )
+    p.add_argument("--date", default=None, help="YYYY-MM-DD the sweeps ran (default: today)")
     args = p.parse_args(argv)
+    if args.record is not None and not args.config:
+        p.error("--record needs --config (the device is read from it)")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -255,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                         "median_ttft_ms",
                         "median_itl_ms",
                         "median_e2e_latency_ms",
+                        "p99_ttft_ms",
+                        "p99_itl_ms",
                         "completed",
                     )
                 }
@@ -267,10 +292,40 @@ def main(argv: list[str] | None = None) -> int:
         path, table = plot_tasks(tasks, out, plt)
         written.append(path)
         summary["tasks"] = table
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    for w in [*written, out / "summary.json"]:
+    if args.record is None:
+        target = out / "summary.json"
+        target.write_text(json.dumps(summary, indent=2))
+    else:
+        target = args.record
+        record = sweep_record(summary, args, argv if argv is not None else sys.argv[1:])
+        target.write_text(json.dumps(record, indent=2) + "\n")
+    for w in [*written, target]:
         print(f"wrote {w}")
     return 0
+
+
+GPU_LINE = re.compile(r"^(?P<name>[^,]+), \d+ MiB$")
+
+
+def sweep_record(summary: dict, args: argparse.Namespace, argv: list[str]) -> dict:
+    """The record of the sweeps whose results ``summary`` holds (see ``--record``)."""
+    configs = []
+    devices = set()
+    for path in args.config:
+        lines = path.read_text().splitlines()
+        configs.append({"file": str(path), "lines": lines})
+        devices.update(m["name"] for ln in lines if (m := GPU_LINE.match(ln.strip())))
+    if len(devices) != 1:
+        raise SystemExit(f"error: the --config files name {len(devices)} GPUs: {sorted(devices)}")
+    return {
+        "name": "serving_sweep",
+        "device": devices.pop(),
+        "date": args.date or time.strftime("%Y-%m-%d"),
+        "command": shlex.join(["python", "-m", "sglang_echo.bench.plot", *argv]),
+        "sweeps": list(args.sweep_command),
+        "config": configs,
+        "metrics": summary,
+    }
 
 
 if __name__ == "__main__":
