@@ -1,4 +1,5 @@
-"""Stateful property tests of the ECHO memory system (DESIGN.md section 3), on CPU.
+"""Stateful property tests of the ECHO memory system (docs/ARCHITECTURE.md section 8),
+on CPU.
 
 A model of live requests drives ``EchoKVCache``: requests start (prefill writes), decode
 (append one token each, then one top-k resolve per layer), run prefill-like resolves whose

@@ -7,7 +7,8 @@ import shutil
 
 import torch
 
-from sglang_echo.model.indexer import fp8_round_trip, hadamard_matrix, select_topk
+from sglang_echo.kernels.topk import select_topk
+from sglang_echo.model.indexer import fp8_round_trip, hadamard_matrix
 from sglang_echo.model.loader import load_model
 
 from oracle_utils import prefill_all_logits

@@ -17,7 +17,7 @@ from sglang_echo.kernels.decode_prefetch import (
     fp8_index_logits_prefetch,
 )
 from sglang_echo.kernels.indexer import fp8_index_logits
-from sglang_echo.model.indexer import select_topk
+from sglang_echo.kernels.topk import select_topk
 from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sglang_echo.kernels.indexer import fp8_index_logits, fp8_index_logits_reference
-from sglang_echo.model.indexer import select_topk
+from sglang_echo.kernels.topk import select_topk
 
 # Real kernels on a GPU machine, the Triton interpreter elsewhere (conftest sets it).
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,7 +16,7 @@ from sglang_echo.kernels.prefill_prefetch import (
     prefill_prefetch,
     prefill_prefetch_reference,
 )
-from sglang_echo.model.indexer import select_topk
+from sglang_echo.kernels.topk import select_topk
 from sglang_echo.offload.predictor import PrefillOffsetPredictor
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -20,16 +20,13 @@ grid fixed by shapes, so the whole sequence can be captured in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from sglang_echo.kernels.cache_layout import ABSENT, FREE
-
-if TYPE_CHECKING:  # the cache lives in offload/, which depends on kernels/, not back
-    from sglang_echo.offload.device_cache import DeviceCache
+# The cache is typed by its protocol: it lives in offload/, which depends on kernels/.
+from sglang_echo.kernels.cache_layout import ABSENT, FREE, CacheState
 
 CLAIM = -(2**31)  # host_to_device value CLAIM + lane: lane is the id's first miss lane
 EXACT_AGES = 224  # ages below this are exact buckets; older ones share log2 buckets
@@ -79,7 +76,7 @@ def victim_mask(bucket: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
 
 
 def allocate_reference(
-    cache: DeviceCache, layer: int, ids: torch.Tensor, append: bool
+    cache: CacheState, layer: int, ids: torch.Tensor, append: bool
 ) -> Allocation:
     """Plain-torch semantics of the kernels (fixed shapes, no host synchronisation)."""
     c = cache
@@ -395,7 +392,7 @@ class AllocWorkspace:
 
     def __init__(
         self,
-        cache: DeviceCache,
+        cache: CacheState,
         max_lanes: int,
         lane_block: int = LANE_BLOCK,
         slot_block: int = SLOT_BLOCK,
@@ -427,7 +424,7 @@ STAGES = ("lookup", "count", "rank", "assign", "finish")
 
 
 def allocate_kernel(
-    cache: DeviceCache,
+    cache: CacheState,
     layer: int,
     ids: torch.Tensor,
     append: bool,

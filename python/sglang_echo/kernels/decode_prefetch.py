@@ -13,7 +13,7 @@ leaves the same cache state with the Triton kernels as with the torch reference.
 Lossless by construction: the flags only decide which rows move early. The logits are
 computed by the same code as the plain kernel (kernels/indexer.py ``_fp8_logits_block``),
 so they are bit-identical to it, and the exact top-k over them decides what attention
-reads (DESIGN.md section 4).
+reads (docs/ARCHITECTURE.md section 6).
 
 Two launches: the logits kernel also writes a 0/1 flag per position and a count per key
 block (the residency map is only read for keys above theta, a few per request); a

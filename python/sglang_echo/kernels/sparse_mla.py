@@ -5,8 +5,9 @@ For query t and head h, over the K rows ``buffer[rows[t, k]]`` (k where rows >= 
     p = softmax_k(scale * q[t, h] . row_k)   (float32)
     out[t, h] = sum_k p_k * row_k[:r]        (r = kv_lora_rank, 512 in DeepSeek-V3.2)
 
-The torch path (model/attention.py) first copies the selected rows into a [Q, K, r + d]
-tensor and then runs two batched matmuls; this kernel reads each row from the buffer
+The torch path (``sparse_mla`` at the end of this file, which model/attention.py runs on
+the CPU and under SGLANG_ECHO_SPARSE_MLA=torch) first copies the selected rows into a [Q, K, r + d] tensor and then runs two
+batched matmuls; this kernel reads each row from the buffer
 through the index and never materializes the copy. One program serves one query and a
 block of heads, so a row read once feeds BLOCK_H heads (DeepSeek-V3.2 has 128). The row
 (576 = 512 + 64, not a power of two) is split into its latent and rope parts: two dots
@@ -318,15 +319,28 @@ def sparse_mla_from_buffer(
     return out
 
 
+# --------------------------------------------------------------------------- reference
+# The plain-torch attention lives here, beside the kernel it must match: the model imports
+# it from kernels/ (its CPU path and SGLANG_ECHO_SPARSE_MLA=torch), and kernels/ never
+# imports the model.
+def sparse_mla(
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, kv_lora_rank: int, scale: float
+) -> torch.Tensor:
+    """Attention over gathered selected rows.
+
+    q [Q, H, r + d_rope] (absorbed latent query | roped query), kv [Q, K, r + d_rope] (the
+    selected rows), valid [Q, K] -> latent output [Q, H, r]. Softmax runs in float32.
+    """
+    scores = torch.matmul(q, kv.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, kv[..., :kv_lora_rank])
+
+
 def sparse_mla_reference(
     q: torch.Tensor, buffer: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int, scale: float
 ) -> torch.Tensor:
-    """The torch path: gather the selected rows, then model.attention.sparse_mla.
-
-    Imported here, not at the top: model/ depends on kernels/, not the other way round.
-    """
-    from sglang_echo.model.attention import sparse_mla
-
+    """The torch path from the buffer: gather the selected rows, then ``sparse_mla``."""
     _check(q, buffer, rows, kv_lora_rank)
     kv = buffer[rows.clamp(min=0).long()]
     return sparse_mla(q, kv, rows >= 0, kv_lora_rank, scale)

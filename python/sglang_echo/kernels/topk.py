@@ -3,9 +3,10 @@
 Scores become order-preserving 32-bit keys; four passes of a 256-bin histogram over the
 key's bytes (most significant first) find the k-th largest key T and how many entries
 equal to T are needed; a last pass writes, in position order, every entry above T and the
-lowest-positioned entries equal to T. The set is exactly that of
-``model.indexer.select_topk`` (the reference); the order is ascending position instead of
-descending score. Positions whose score is -inf (masked) come back as -1.
+lowest-positioned entries equal to T. The set is exactly that of ``select_topk`` (the
+plain-torch reference at the end of this file, also the model's CPU path); the order is
+ascending position instead of descending score. Positions whose score is -inf (masked)
+come back as -1.
 
 Every pass splits each row over many programs (one per BLOCK columns), so 48 rows of
 100K keys run on ~1200 programs: each pass adds its programs' histograms into a per-row,
@@ -28,10 +29,9 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from sglang_echo.model.indexer import select_topk
 
 DEFAULT_BLOCK = 4096
 # Blocks per row the collect pass sums over at compile time: 64 x 4096 covers 256K keys, so
@@ -167,10 +167,75 @@ def topk_positions(
     return out
 
 
+# --------------------------------------------------------------------------- reference
+# The plain-torch selection lives here, beside the kernel it defines: the model imports it
+# from kernels/ (its CPU path), and kernels/ never imports the model.
+def select_topk(
+    scores: torch.Tensor,
+    query_pos: torch.Tensor,
+    topk: int,
+    return_kth: bool = False,
+    method: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k over key positions <= each query's position; ties to the lower position.
+
+    scores [G, Q, L] (key position = column), query_pos [G, Q] -> positions [G, Q, topk],
+    -1 where a query has fewer than ``topk`` visible keys. With ``return_kth`` also the
+    k-th largest visible score [G, Q] (-inf with fewer than ``topk`` visible keys), which
+    decode prefetch's threshold predictor learns from.
+
+    ``method`` (default: ``TOPK_METHOD``): ``sort``, a stable descending sort; or ``packed``,
+    ``torch.topk`` over int64 keys (order-preserving score bits, then the inverted
+    position), which are all distinct, so the tie order is fixed without a full sort. Both
+    return the same positions in the same order.
+    """
+    method = method or TOPK_METHOD
+    if method not in TOPK_METHODS:
+        raise ValueError(f"unknown top-k method {method!r}; choose one of {TOPK_METHODS}")
+    length = scores.shape[-1]
+    key_pos = torch.arange(length, device=scores.device)
+    masked = scores.masked_fill(key_pos > query_pos.unsqueeze(-1), float("-inf"))
+    k = min(topk, length)
+    # Ties (e.g. keys whose every head logit is clipped to 0 by relu) go to the lowest
+    # position, so the selection never depends on padding or batch composition.
+    if method == "sort":
+        values, idx = torch.sort(masked, dim=-1, descending=True, stable=True)
+        values, idx = values[..., :k], idx[..., :k]
+    else:
+        idx = torch.topk(_packed_keys(masked), k, dim=-1, sorted=True).indices
+        values = torch.gather(masked, -1, idx)
+    idx = torch.where(values == float("-inf"), torch.full_like(idx, -1), idx)
+    if k < topk:
+        idx = F.pad(idx, (0, topk - k), value=-1)
+    if not return_kth:
+        return idx
+    if k == topk:
+        return idx, values[..., k - 1]
+    return idx, values.new_full(values.shape[:-1], float("-inf"))  # rows narrower than top-k
+
+
+TOPK_METHODS = ("sort", "packed")
+# select_topk's method, the CPU path's decode and prefill selection (CUDA runs the
+# radix-select kernel through model.indexer.exact_topk); both methods are exact and give
+# identical output.
+TOPK_METHOD = "sort"
+
+
+def _packed_keys(scores: torch.Tensor) -> torch.Tensor:
+    """float32 scores [..., L] -> int64 keys, distinct along the last dim and ordered like
+    (score, then lower position first). -0.0 is folded into +0.0 first: a sort calls them
+    equal, and so must the key."""
+    bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in the float value
+    length = scores.shape[-1]
+    inverted_pos = (length - 1) - torch.arange(length, device=scores.device)
+    return ordered * (1 << 32) + inverted_pos
+
+
 def topk_positions_reference(
     scores: torch.Tensor, query_pos: torch.Tensor, topk: int
 ) -> torch.Tensor:
-    """The reference set (model.indexer.select_topk), sorted ascending with -1 last."""
+    """The reference set (``select_topk``), sorted ascending with -1 last."""
     pos = select_topk(scores.unsqueeze(1), query_pos.view(-1, 1), topk).squeeze(1)
     ordered = torch.where(pos < 0, torch.full_like(pos, 1 << 62), pos).sort(dim=-1).values
     return torch.where(ordered == 1 << 62, -1, ordered)

@@ -16,6 +16,7 @@ import os
 import torch
 from torch import nn
 
+from sglang_echo.kernels.sparse_mla import sparse_mla, sparse_mla_from_buffer
 from sglang_echo.model.config import DeepseekV32Config, ModelConfigError
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.indexer import LightningIndexer
@@ -48,20 +49,6 @@ def sparse_mla_backend() -> str:
             f"{', '.join(SPARSE_MLA_BACKENDS)} (or leave it unset for auto)."
         )
     return value
-
-
-def sparse_mla(
-    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, kv_lora_rank: int, scale: float
-) -> torch.Tensor:
-    """Attention over gathered selected rows.
-
-    q [Q, H, r + d_rope] (absorbed latent query | roped query), kv [Q, K, r + d_rope] (the
-    selected rows), valid [Q, K] -> latent output [Q, H, r]. Softmax runs in float32.
-    """
-    scores = torch.matmul(q, kv.transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, kv[..., :kv_lora_rank])
 
 
 def resolve_chunk(
@@ -283,7 +270,5 @@ class MLAttention(nn.Module):
         return out
 
     def _kernel(self, q: torch.Tensor, buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Sparse MLA read through ``rows`` from ``buffer`` (Triton; imported only when used)."""
-        from sglang_echo.kernels.sparse_mla import sparse_mla_from_buffer
-
+        """Sparse MLA read through ``rows`` from ``buffer`` (the Triton kernel)."""
         return sparse_mla_from_buffer(q, buffer, rows, self.kv_lora_rank, self.scale)

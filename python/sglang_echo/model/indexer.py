@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang_echo.kernels.topk import select_topk, topk_positions
 from sglang_echo.model.config import DeepseekV32Config, fp8_row_bytes
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.rope import apply_rope_half
@@ -113,50 +114,6 @@ def index_scores(
     return torch.matmul(weights.unsqueeze(-2), F.relu(logits)).squeeze(-2)
 
 
-def select_topk(
-    scores: torch.Tensor,
-    query_pos: torch.Tensor,
-    topk: int,
-    return_kth: bool = False,
-    method: str | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k over key positions <= each query's position; ties to the lower position.
-
-    scores [G, Q, L] (key position = column), query_pos [G, Q] -> positions [G, Q, topk],
-    -1 where a query has fewer than ``topk`` visible keys. With ``return_kth`` also the
-    k-th largest visible score [G, Q] (-inf with fewer than ``topk`` visible keys), which
-    decode prefetch's threshold predictor learns from.
-
-    ``method`` (default: ``TOPK_METHOD``): ``sort``, a stable descending sort; or ``packed``,
-    ``torch.topk`` over int64 keys (order-preserving score bits, then the inverted
-    position), which are all distinct, so the tie order is fixed without a full sort. Both
-    return the same positions in the same order.
-    """
-    method = method or TOPK_METHOD
-    if method not in TOPK_METHODS:
-        raise ValueError(f"unknown top-k method {method!r}; choose one of {TOPK_METHODS}")
-    length = scores.shape[-1]
-    key_pos = torch.arange(length, device=scores.device)
-    masked = scores.masked_fill(key_pos > query_pos.unsqueeze(-1), float("-inf"))
-    k = min(topk, length)
-    # Ties (e.g. keys whose every head logit is clipped to 0 by relu) go to the lowest
-    # position, so the selection never depends on padding or batch composition.
-    if method == "sort":
-        values, idx = torch.sort(masked, dim=-1, descending=True, stable=True)
-        values, idx = values[..., :k], idx[..., :k]
-    else:
-        idx = torch.topk(_packed_keys(masked), k, dim=-1, sorted=True).indices
-        values = torch.gather(masked, -1, idx)
-    idx = torch.where(values == float("-inf"), torch.full_like(idx, -1), idx)
-    if k < topk:
-        idx = F.pad(idx, (0, topk - k), value=-1)
-    if not return_kth:
-        return idx
-    if k == topk:
-        return idx, values[..., k - 1]
-    return idx, values.new_full(values.shape[:-1], float("-inf"))  # rows narrower than top-k
-
-
 def exact_topk(
     scores: torch.Tensor,
     query_pos: torch.Tensor,
@@ -176,8 +133,6 @@ def exact_topk(
             return select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk).squeeze(1), None
         pos, kth = select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk, True)
         return pos.squeeze(1), kth.squeeze(1)
-    from sglang_echo.kernels.topk import topk_positions
-
     scores = scores.float()
     pos = topk_positions(scores, query_pos, topk)
     if not with_kth:
@@ -186,23 +141,6 @@ def exact_topk(
     picked = torch.gather(scores, 1, pos.clamp(min=0)).masked_fill(missing, float("inf"))
     kth = picked.amin(dim=1).masked_fill(missing.any(dim=1), float("-inf"))
     return pos, kth
-
-
-TOPK_METHODS = ("sort", "packed")
-# select_topk's method, the CPU path's decode and prefill selection (CUDA runs the
-# radix-select kernel through exact_topk); both methods are exact and give identical output.
-TOPK_METHOD = "sort"
-
-
-def _packed_keys(scores: torch.Tensor) -> torch.Tensor:
-    """float32 scores [..., L] -> int64 keys, distinct along the last dim and ordered like
-    (score, then lower position first). -0.0 is folded into +0.0 first: a sort calls them
-    equal, and so must the key."""
-    bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in the float value
-    length = scores.shape[-1]
-    inverted_pos = (length - 1) - torch.arange(length, device=scores.device)
-    return ordered * (1 << 32) + inverted_pos
 
 
 def positions_to_locs(positions: torch.Tensor, context_locs: torch.Tensor) -> torch.Tensor:

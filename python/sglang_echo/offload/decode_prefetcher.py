@@ -1,4 +1,5 @@
-"""Decode intra-query prefetch as the model's indexer sees it (DESIGN.md section 4).
+"""Decode intra-query prefetch as the model's indexer sees it (docs/ARCHITECTURE.md
+section 6).
 
 Per decode step and layer, the indexer (model/indexer.py) asks for each request's
 threshold, flags the misses that score above it while computing the logits

@@ -7,8 +7,9 @@ CPU, bit-identical to each other. ``append`` and ``resolve`` use fixed shapes an
 every count on the device: no host synchronisation, so a decode step can be captured in a
 CUDA graph. Masked-off lanes write to scratch entries (slot N_G + 1, host id N_H + 1).
 
-``prefetch`` (decode intra-query prefetch, DESIGN.md section 4) maps and starts copying
-rows the exact top-k will probably select before it is known; see its docstring.
+``prefetch`` (decode intra-query prefetch, docs/ARCHITECTURE.md section 6) maps and
+starts copying rows the exact top-k will probably select before it is known; see its
+docstring.
 """
 
 from __future__ import annotations

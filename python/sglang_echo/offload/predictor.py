@@ -1,8 +1,8 @@
 """Score predictions that let prefetch start before the exact top-k is known.
 
-Prefetch is lossless by construction (DESIGN.md section 4): the exact top-k always
-decides what attention reads, so a prediction only changes *when* bytes move. A bad
-prediction costs bandwidth (decode: fetching tokens that lose) or coverage (prefill:
+Prefetch is lossless by construction (docs/ARCHITECTURE.md section 6): the exact top-k
+always decides what attention reads, so a prediction only changes *when* bytes move. A
+bad prediction costs bandwidth (decode: fetching tokens that lose) or coverage (prefill:
 fewer tokens certain enough to fetch early), never correctness.
 
 Both predictors keep per-request state in fixed-shape device tensors indexed by the

@@ -1,5 +1,5 @@
-"""Prefill inter-query prefetch as the model's indexer sees it (DESIGN.md section 4;
-``SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1``).
+"""Prefill inter-query prefetch as the model's indexer sees it (docs/ARCHITECTURE.md
+section 6; ``SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1``).
 
 Per layer and prefill chunk, the indexer scores the chunk's queries block by block. After
 each block's scores, ``launch`` runs the one-round 256-bin histogram

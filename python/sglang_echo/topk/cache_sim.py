@@ -1,11 +1,12 @@
 """Exact LRU simulations of a device KV cache over traced top-k selections (one layer).
 
-Semantics follow ECHO's decode step (DESIGN.md section 3): first each request's new token
-is appended into the cache, then the step's selections are looked up (the new token is a
-hit if selected), hits are stamped with the step's clock, and just enough victims are
-evicted among slots not used this step, least recently used first (ties: lower token id),
-to admit the misses. ``shared`` = ECHO's one cache per layer for all requests; a
-per-request buffer (HiSparse) is the same simulation run for each request alone.
+Semantics follow ECHO's decode step (docs/ARCHITECTURE.md section 4): first each
+request's new token is appended into the cache, then the step's selections are looked up
+(the new token is a hit if selected), hits are stamped with the step's clock, and just
+enough victims are evicted among slots not used this step, least recently used first
+(ties: lower token id), to admit the misses. ``shared`` = ECHO's one cache per layer for
+all requests; a per-request buffer (HiSparse) is the same simulation run for each
+request alone.
 """
 
 from __future__ import annotations
