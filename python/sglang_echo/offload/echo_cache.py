@@ -77,6 +77,16 @@ class EchoKVCache:
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
         self.manager.append(layer, locs, kv_rows)
 
+    def write_prompt(
+        self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
+    ) -> None:
+        """A decode node's transferred prompt: index keys on the device and MLA rows in the
+        host pool only, no device slots. A prompt of 100K tokens would otherwise take 100K
+        slots per layer through ``append`` (evicting every other request's working set, or
+        not fitting at all); the first decode step recalls what the top-k selects."""
+        self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
+        self.manager.write_host(layer, locs, kv_rows)
+
     def index_keys(self, layer: int) -> torch.Tensor:
         return self.index[layer]
 

@@ -78,6 +78,12 @@ class EchoManager:
         else:
             self.host.rows[layer].index_copy_(0, locs.cpu(), rows.to("cpu", self.host.rows.dtype))
 
+    def write_host(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Host rows only (no device slot, maps untouched): tokens whose KV arrives from
+        elsewhere (a decode node's transferred prompt). Through the UVA view on CUDA."""
+        self._join(layer)
+        self._write_host(layer, locs, rows)
+
     def _read_host(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         if self.host_view is not None:
             return self.host_view[layer].index_select(0, ids)

@@ -1,0 +1,831 @@
+"""The end-to-end study on one GPU (issue 14): a fake-transfer PD decode node holding
+100K-110K-token requests, ECHO vs no-offload, at DeepSeek-V3.2's per-layer dimensions.
+
+    PYTHONUNBUFFERED=1 python3 benchmark/e2e_study.py --out DIR      # the H200 run
+    python benchmark/e2e_study.py --smoke --out DIR                  # tiny, on the CPU
+
+The model (sglang_echo/study/worker.py) is random, built in memory: DeepSeek-V3.2's real
+attention and indexer dimensions (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope
+64, v_head 128, indexer 64 x 128 fp8, top-k 2048), bf16 KV, and in every layer one DP
+worker's share of the 4-bit MoE at equal bytes (study/moe.py: 32 local experts touched by
+a global batch of 8 x b tokens). Requests are admitted by the decode node
+(study/decode_node.py) as their engine's capacity rules allow (no-offload: pool //
+context; ECHO: min(N_G // top-k, host pool // context)), with synthetic prompt KV
+(study/synthetic_kv.py) whose top-k locality is set by one knob (study/locality.py;
+every result carries ``locality_source``). Decode steps run from CUDA graphs after a
+warm-up; per-step device time is measured with CUDA events (medians), host time with
+the wall clock; output tokens/s = batch / device step time.
+
+Settings: the paper's (no-offload pool 380K tokens vs NSA_DEV_CACHE_SIZE 260K with a host
+pool of 1.8M; then both at 200K and at 110K), equal HBM at 380K (every byte of KV state
+counted: ECHO's device rows and metadata, the index keys and host->device map of every
+host token), and batch 1-4 without pressure. Ratios are per layer: every layer is the
+same (attention + MoE) and the step's fixed part (embedding, a 4096-entry LM head,
+sampling) is small, so a 61-layer model's step is ~61/L times these steps for both
+backends and its ratio is the same, up to the 3 dense layers DeepSeek-V3.2 has first and
+its 129K-entry LM head (neither modelled). The record
+(<out>/e2e_study.json) is rewritten after every engine, so a timeout still leaves data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from sglang_echo.config import EchoConfig
+from sglang_echo.model.kv_cache import PlainKVCache
+from sglang_echo.runtime.kv_factory import echo_cache_for_model
+from sglang_echo.runtime.step_runner import StepRunner
+from sglang_echo.study.decode_node import DecodeNode
+from sglang_echo.study.locality import Locality
+from sglang_echo.study.moe import LocalRoutedMoE, bytes_table
+from sglang_echo.study.synthetic_kv import SyntheticKV
+from sglang_echo.study.worker import (
+    DSV32_DIMS,
+    DSV32_MOE,
+    SMOKE_DIMS,
+    SMOKE_MOE,
+    build_worker,
+    study_config,
+)
+
+T0 = time.perf_counter()
+# Per-token bytes of ECHO state per layer besides the MLA rows: device_to_host (int32),
+# priority (int64) and the free stack (int32) per slot; host_to_device (int32) per host
+# token (offload/device_cache.py).
+SLOT_META_BYTES = 4 + 8 + 4
+HOST_META_BYTES = 4
+
+
+def log(msg: str) -> None:
+    stamp = time.strftime("%H:%M:%S")
+    print(f"[{stamp} +{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- plan
+@dataclass
+class Plan:
+    """Sizes of one run: the GPU study or its CPU smoke miniature."""
+
+    dims: dict
+    moe: dict
+    layers: int
+    vocab: int
+    ctx_min: int
+    ctx_max: int
+    paper_pool: int  # no-offload pool of the paper's all-HBM setting (380K)
+    paper_dev_cache: int  # NSA_DEV_CACHE_SIZE of that setting (260K)
+    host_pool: int  # 1.8M
+    same_pools: list[int]  # both backends at these sizes (200K, 110K)
+    equal_hbm_batches: list[int]  # ECHO batch targets sized into the 380K pool's bytes
+    low_load_batches: list[int]
+    dtype: torch.dtype = torch.bfloat16
+    indexer_mode: str = "fp8_hadamard"
+    moe_batches: list[int] = field(default_factory=list)
+
+
+def gpu_plan(layers: int) -> Plan:
+    return Plan(
+        dims=DSV32_DIMS,
+        moe=DSV32_MOE,
+        layers=layers,
+        vocab=4096,
+        ctx_min=100_000,
+        ctx_max=108_000,
+        paper_pool=380_000,
+        paper_dev_cache=260_000,
+        host_pool=1_800_000,
+        same_pools=[200_000, 110_000],
+        equal_hbm_batches=[24],
+        low_load_batches=[1, 2, 3, 4],
+        moe_batches=[1, 2, 3, 4, 8, 16, 24, 32, 64],
+    )
+
+
+def smoke_plan() -> Plan:
+    return Plan(
+        dims=SMOKE_DIMS,
+        moe=SMOKE_MOE,
+        layers=2,
+        vocab=64,
+        ctx_min=200,
+        ctx_max=240,
+        paper_pool=760,
+        paper_dev_cache=160,
+        host_pool=3600,
+        same_pools=[400, 250],
+        equal_hbm_batches=[6],
+        low_load_batches=[1, 2],
+        dtype=torch.float32,
+    )
+
+
+def prompt_len(plan: Plan, seed: int) -> int:
+    return random.Random(seed).randrange(plan.ctx_min, plan.ctx_max + 1)
+
+
+# ------------------------------------------------------------------ accounting
+def row_bytes(cfg, dtype: torch.dtype) -> tuple[int, int]:
+    """(MLA row bytes, index-key row bytes) per token per layer."""
+    kv = cfg.kv_row_dim * torch.empty((), dtype=dtype).element_size()
+    idx_dtype = cfg.index_row_dtype(dtype)
+    idx = cfg.index_row_dim * torch.empty((), dtype=idx_dtype).element_size()
+    return kv, idx
+
+
+def equal_hbm_split(cfg, plan: Plan, pool: int, batch: int, max_new: int) -> tuple[int, int]:
+    """(N_G, host tokens) for ECHO in the device bytes of a ``pool``-token no-offload pool:
+    the host pool holds ``batch`` requests of the longest budget; the remaining bytes buy
+    device slots (row + metadata). Per layer: pool x (kv + idx) = N_G x (kv + slot meta)
+    + H x (idx + host meta)."""
+    kv, idx = row_bytes(cfg, plan.dtype)
+    host = batch * (plan.ctx_max + max_new)
+    budget = pool * (kv + idx) - host * (idx + HOST_META_BYTES)
+    return budget // (kv + SLOT_META_BYTES), host
+
+
+def kv_device_bytes(kv_cache) -> int:
+    """Every device byte of KV state the backend holds (all layers)."""
+    if isinstance(kv_cache, PlainKVCache):
+        return kv_cache.nbytes
+    total = kv_cache.cache.nbytes + kv_cache.index.nbytes
+    ws = getattr(kv_cache.manager, "_workspace", None)
+    if ws is not None:
+        total += sum(t.nbytes for t in vars(ws).values() if isinstance(t, torch.Tensor))
+    return total
+
+
+# ---------------------------------------------------------------------- timing
+class EventTimer:
+    """Wraps the runner's CUDA-graph decode call: device time by events around it, and
+    the host clock at its entry and exit (the rest of a step is host work)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.entered = self.left = 0.0
+
+    def __call__(self, batch):
+        self.entered = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.inner(batch)
+        end.record()
+        self.events.append((start, end))
+        self.left = time.perf_counter()
+        return out
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def graph_us(fn, reps: int = 20, chain: int = 10) -> float:
+    """Median device time of ``fn`` replayed from a CUDA graph (benchmark/kernels/common.py
+    does the same; kept here so this script runs alone)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(chain):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / chain)
+    del graph
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------- breakdown
+# Kernel name -> part of the step (Triton kernels are named by their function).
+CATEGORY_RULES = (
+    ("indexer_logits", ("fp8_index_logits", "fp8_logits")),
+    ("topk", ("topk", "_hist_kernel", "_collect_kernel")),
+    ("cache_mgmt", ("_lookup_kernel", "_rank_kernel", "_assign_kernel", "_finish_kernel")),
+    ("recall", ("recall",)),
+    ("sparse_mla", ("sparse_mla", "_combine_kernel")),
+    ("moe_grouped_gemm", ("grouped", "group")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "gemv", "matmul")),
+)
+AMBIGUOUS = ("_count_kernel",)  # in both the top-k and the allocation kernels
+
+
+def categorize(names: list[str]) -> list[str]:
+    """Category per kernel, in launch order; an ambiguous name takes the category of the
+    nearest earlier top-k or cache-management kernel (they run in separate phases)."""
+    out, last = [], "topk"
+    for name in names:
+        low = name.lower()
+        cat = "other"
+        if any(a in name for a in AMBIGUOUS):
+            cat = last
+        else:
+            for label, keys in CATEGORY_RULES:
+                if any(k in low for k in keys):
+                    cat = label
+                    break
+        if cat in ("topk", "cache_mgmt"):
+            last = cat
+        out.append(cat)
+    return out
+
+
+def profile_breakdown(node: DecodeNode, steps: int) -> dict:
+    """Device time per step by kernel category, from the profiler over ``steps`` graph-
+    replayed decode steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            node.step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.elapsed_us(), e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    )
+    cats = categorize([k[2] for k in kernels])
+    per: dict[str, float] = {}
+    for (_, us, _), cat in zip(kernels, cats, strict=True):
+        per[cat] = per.get(cat, 0.0) + us
+    total = sum(per.values())
+    top: dict[str, float] = {}
+    for _, us, name in kernels:
+        top[name] = top.get(name, 0.0) + us
+    heavy = sorted(top.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "ms_per_step": {k: round(v / steps / 1000, 4) for k, v in sorted(per.items())},
+        "fraction": {k: round(v / total, 4) for k, v in sorted(per.items())} if total else {},
+        "kernels": len(kernels) // max(1, steps),
+        "top_kernels_ms_per_step": {n[:120]: round(us / steps / 1000, 4) for n, us in heavy},
+    }
+
+
+# ------------------------------------------------------------------- engines
+@dataclass
+class Phase:
+    label: str
+    batch: int | None  # None: as many as the capacity rules admit
+    locality: Locality
+    profile: bool = False
+
+
+@dataclass
+class Engine:
+    label: str
+    backend: str  # "no-offload" | "echo"
+    pool: int = 0  # no-offload pool tokens
+    dev_cache: int = 0  # ECHO N_G
+    host: int = 0  # ECHO host pool tokens
+    max_batch: int = 256
+    phases: list[Phase] = field(default_factory=list)
+
+
+class Study:
+    def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
+        self.args = args
+        self.argv = argv
+        self.plan = smoke_plan() if args.smoke else gpu_plan(args.layers)
+        self.device = torch.device(
+            "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+        )
+        self.cuda = self.device.type == "cuda"
+        self.max_new = args.warmup + args.steps + args.profile_steps + 2
+        p = self.plan
+        self.cfg = study_config(
+            p.dims, p.layers, p.vocab, p.ctx_max + self.max_new + 64, p.indexer_mode
+        )
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.runs: list[dict] = []
+        self.components: dict = {}
+        self.errors: list[str] = []
+        self.node: DecodeNode | None = None
+
+    # ---------------------------------------------------------------- record
+    def record(self, final: bool = False) -> dict:
+        metrics = self.metrics()
+        rec = {
+            "name": "e2e_study",
+            "device": torch.cuda.get_device_name() if self.cuda else "cpu",
+            "date": time.strftime("%Y-%m-%d"),
+            "command": "python3 benchmark/e2e_study.py " + shlex.join(self.argv),
+            "metrics": metrics,
+            "config": self.config(),
+            "complete": final,
+            "errors": self.errors,
+            "runs": self.runs,
+            "components": self.components,
+        }
+        (self.out / "e2e_study.json").write_text(json.dumps(rec, indent=2) + "\n")
+        return rec
+
+    def config(self) -> dict:
+        p, a = self.plan, self.args
+        kv, idx = row_bytes(self.cfg, p.dtype)
+        return {
+            "smoke": a.smoke,
+            "layers": p.layers,
+            "dims": p.dims,
+            "moe": p.moe,
+            "vocab": p.vocab,
+            "dtype": str(p.dtype),
+            "indexer_mode": p.indexer_mode,
+            "kv_row_bytes": kv,
+            "index_row_bytes": idx,
+            "prompt_tokens": [p.ctx_min, p.ctx_max],
+            "warmup_steps": a.warmup,
+            "measured_steps": a.steps,
+            "profile_steps": a.profile_steps,
+            "stable_fraction": a.locality,
+            "cuda_graphs": self.cuda,
+            "torch": torch.__version__,
+            "engines": [
+                {k: v for k, v in vars(e).items() if k != "phases"} for e in self.engines()
+            ],
+            "notes": (
+                "device times: CUDA events around each graph-replayed decode step (medians); "
+                "throughput = batch / device step time; wall = host clock per step (the step "
+                "is not overlapped with host work). HiSparse-like backend not built yet."
+            ),
+        }
+
+    # --------------------------------------------------------------- engines
+    def engines(self) -> list[Engine]:
+        p, a = self.plan, self.args
+        loc = Locality(a.locality)
+        rand = Locality(0.0)
+        full = [Phase("full", None, loc, profile=a.profile_steps > 0)]
+        low = [Phase(f"b{b}", b, loc) for b in p.low_load_batches]
+        out = [
+            Engine("noff_paper", "no-offload", pool=p.paper_pool, phases=list(full)),
+            Engine(
+                "echo_paper",
+                "echo",
+                dev_cache=p.paper_dev_cache,
+                host=p.host_pool,
+                phases=[*full, *([Phase("random", None, rand)] if a.random_keys else []), *low],
+            ),
+            Engine(
+                "noff_low",
+                "no-offload",
+                pool=max(p.low_load_batches) * (p.ctx_max + self.max_new),
+                phases=low,
+            ),
+        ]
+        for b in p.equal_hbm_batches:
+            n_g, host = equal_hbm_split(self.cfg, p, p.paper_pool, b, self.max_new)
+            out.append(
+                Engine(f"echo_equal_hbm_b{b}", "echo", dev_cache=n_g, host=host, phases=full)
+            )
+        for pool in p.same_pools:
+            out.append(Engine(f"noff_{pool}", "no-offload", pool=pool, phases=full))
+            out.append(
+                Engine(f"echo_{pool}", "echo", dev_cache=pool, host=p.host_pool, phases=full)
+            )
+        if a.only:
+            keep = set(a.only.split(","))
+            out = [e for e in out if e.label in keep]
+        return out
+
+    def build(self, eng: Engine):
+        cfg, p, topk = self.cfg, self.plan, self.cfg.index_topk
+        if eng.backend == "no-offload":
+            kv = PlainKVCache.for_model(cfg, eng.pool, p.dtype, self.device)
+            tokens, rows = eng.pool, eng.max_batch
+        else:
+            echo = EchoConfig(offload=True, dev_cache_size=eng.dev_cache)
+            kv = echo_cache_for_model(echo, cfg, eng.host, p.dtype, self.device)
+            tokens, rows = eng.host, min(eng.max_batch, eng.dev_cache // topk)
+        runner = StepRunner(
+            self.model,
+            kv,
+            tokens,
+            max_requests=rows,
+            max_context=p.ctx_max + self.max_new + 8,
+            use_cuda_graph=self.cuda,
+        )
+        timer = None
+        if self.cuda:
+            timer = EventTimer(runner.decode_runner)
+            runner.decode_runner = timer
+        return kv, runner, timer
+
+    def run_engine(self, eng: Engine) -> None:
+        log(
+            f"engine {eng.label}: building ({eng.backend}, pool {eng.pool}, N_G {eng.dev_cache}, host {eng.host})"
+        )
+        kv, runner, timer = self.build(eng)
+        dev_bytes = kv_device_bytes(kv)
+        if self.cuda:
+            log(f"  built: KV state {dev_bytes / 2**30:.2f} GiB on the GPU, "
+                f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")  # fmt: skip
+        for phase in eng.phases:
+            try:
+                res = self.run_phase(eng, phase, kv, runner, timer)
+            except Exception as exc:  # keep what the other phases measure
+                msg = f"{eng.label}/{phase.label}: {type(exc).__name__}: {exc}"
+                log("ERROR " + msg)
+                self.errors.append(msg)
+                if self.node is not None:
+                    self.node.release_all()
+                continue
+            res["kv_device_bytes"] = kv_device_bytes(kv) if eng.backend == "echo" else dev_bytes
+            self.runs.append(res)
+            self.record()
+        del kv, runner, timer, self.node
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def run_phase(self, eng: Engine, phase: Phase, kv, runner: StepRunner, timer) -> dict:
+        a = self.args
+        synth = SyntheticKV(self.cfg, self.directions, phase.locality, self.plan.dtype, self.device)
+        node = self.node = DecodeNode(runner, synth, self.cfg.vocab_size)
+        admit_s = []
+        seed = 0
+        while phase.batch is None or len(node.running) < phase.batch:
+            n = prompt_len(self.plan, seed)
+            if not node.fits(n, self.max_new):
+                break
+            t = time.perf_counter()
+            node.admit(n, seed, self.max_new)
+            if self.cuda:
+                torch.cuda.synchronize()
+            admit_s.append(time.perf_counter() - t)
+            seed += 1
+        b = len(node.running)
+        if b == 0 or (phase.batch is not None and b < phase.batch):
+            raise RuntimeError(f"admitted {b} requests, wanted {phase.batch or '>= 1'}")
+        ctx = [r.cached_len for r in node.running]
+        log(f"  {eng.label}/{phase.label}: admitted {b} requests (context {min(ctx)}-{max(ctx)}), "
+            f"admission {max(admit_s):.3f}s max each")  # fmt: skip
+        for _ in range(a.warmup):
+            node.step()
+        moes = [m for m in self.model.modules() if isinstance(m, LocalRoutedMoE)]
+        if eng.backend == "echo":
+            kv.cache.reset_telemetry()
+        for m in moes:
+            m.touched.zero_()
+            m.forwards.zero_()
+        if timer is not None:
+            timer.events.clear()
+        wall, prep, post = [], [], []
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            node.step()
+            t1 = time.perf_counter()
+            wall.append((t1 - t0) * 1e3)
+            if timer is not None:
+                prep.append((timer.entered - t0) * 1e3)
+                post.append((t1 - timer.left) * 1e3)
+        if self.cuda:
+            torch.cuda.synchronize()
+            device_ms = [s.elapsed_time(e) for s, e in timer.events]
+        else:
+            device_ms = list(wall)
+        step_ms = median(device_ms)
+        res = {
+            "engine": eng.label,
+            "backend": eng.backend,
+            "phase": phase.label,
+            "pool": eng.pool,
+            "dev_cache": eng.dev_cache,
+            "host_pool": eng.host,
+            "batch": b,
+            "context": [min(ctx), max(ctx)],
+            "locality_source": phase.locality.source,
+            "admission_s": {"median": median(admit_s), "max": max(admit_s)},
+            "step_ms_device": step_ms,
+            "step_ms_device_p10_p90": _spread(device_ms),
+            "step_ms_wall": median(wall),
+            "host_ms": {
+                "before_launch": median(prep),
+                "after_graph_launch": median(post),
+                "wall_minus_device": median(wall) - step_ms if self.cuda else None,
+            },
+            "layer_us_device": step_ms * 1e3 / self.plan.layers,
+            "tokens_per_s_device": b / step_ms * 1e3,
+            "tokens_per_s_wall": b / median(wall) * 1e3,
+            "experts_touched_per_layer": _touched(moes),
+        }
+        if eng.backend == "echo":
+            tel = kv.telemetry()
+            res["hit_rate_per_layer"] = [round(h, 4) for h in tel["hit_rate"]]
+            res["evictions_per_step"] = sum(tel["evictions"]) / a.steps
+            res["recalled_mb_per_step"] = sum(tel["recalled_bytes"]) / a.steps / 2**20
+        if phase.profile and self.cuda:
+            try:
+                res["breakdown"] = profile_breakdown(node, a.profile_steps)
+            except Exception as exc:
+                res["breakdown"] = {"error": f"{type(exc).__name__}: {exc}"}
+        # Greedy outputs of the first requests: backends that ran the same seeds at the same
+        # batch must agree token for token (ECHO is lossless).
+        res["outputs_head"] = [list(r.output) for r in node.running[:4]]
+        node.release_all()
+        res["leak_free"] = _leak_free(eng, kv, runner)
+        hit = res.get("hit_rate_per_layer")
+        log(f"  {eng.label}/{phase.label}: b={b} step {step_ms:.3f} ms device, "
+            f"{res['step_ms_wall']:.3f} ms wall, {res['tokens_per_s_device']:.1f} tok/s"
+            + (f", hit {min(hit):.3f}-{max(hit):.3f}, evict/step {res['evictions_per_step']:.0f}"
+               if hit else "") + f", leak_free {res['leak_free']}")  # fmt: skip
+        return res
+
+    # ----------------------------------------------------------- components
+    def measure_components(self) -> None:
+        """Graph-replayed parts of one layer at each batch: the MoE (against the bytes
+        table) and the attention-side weight GEMMs; the HBM copy bandwidth as ceiling."""
+        if not self.cuda:
+            return
+        hbm = _hbm_copy_gbps(self.device)
+        layer = self.model.model.layers[0]
+        moe, attn = layer.mlp, layer.self_attn
+        table = {r["batch"]: r for r in bytes_table(self.plan.moe_batches)}
+        rows = []
+        for b in self.plan.moe_batches:
+            x = torch.randn(b, self.cfg.hidden_size, device=self.device, dtype=self.plan.dtype)
+            moe_us = graph_us(lambda x=x: moe(x))
+            proj_us = graph_us(lambda x=x: _attention_weights(attn, x))
+            t = table[b]
+            rows.append(
+                {
+                    "batch": b,
+                    "moe_us": round(moe_us, 2),
+                    "moe_bytes": t["moe_bytes"],
+                    "moe_roofline_us": round(t["moe_bytes"] / hbm / 1e3, 2),
+                    "moe_gbps": round(t["moe_bytes"] / moe_us / 1e3, 1),
+                    "attn_weights_us": round(proj_us, 2),
+                    "attn_weight_bytes": t["attention_weight_bytes"],
+                    "attn_gbps": round(t["attention_weight_bytes"] / proj_us / 1e3, 1),
+                    "experts_touched_formula": t["experts_touched"],
+                    "layer_weights_us": round(moe_us + proj_us, 2),
+                    "layer_roofline_us": round(t["layer_weight_bytes"] / hbm / 1e3, 2),
+                }
+            )
+            log(f"  components b={b}: moe {moe_us:.1f} us ({rows[-1]['moe_gbps']} GB/s), "
+                f"attention weights {proj_us:.1f} us")  # fmt: skip
+        moe.touched.zero_()
+        moe.forwards.zero_()
+        self.components = {"hbm_copy_gbps": round(hbm, 1), "per_batch": rows}
+
+    def component_at(self, batch: int) -> dict | None:
+        rows = self.components.get("per_batch") or []
+        if not rows:
+            return None
+        return min(rows, key=lambda r: abs(r["batch"] - batch))
+
+    # -------------------------------------------------------------- metrics
+    def find(self, engine: str, phase: str = "full") -> dict | None:
+        for r in self.runs:
+            if r["engine"] == engine and r["phase"] == phase:
+                return r
+        return None
+
+    def ratio(self, echo: str, noff: str, phase: str = "full") -> dict | None:
+        e, n = self.find(echo, phase), self.find(noff)
+        if e is None or n is None:
+            return None
+        return {
+            "ratio": round(e["tokens_per_s_device"] / n["tokens_per_s_device"], 3),
+            "ratio_wall": round(e["tokens_per_s_wall"] / n["tokens_per_s_wall"], 3),
+            "echo_batch": e["batch"],
+            "no_offload_batch": n["batch"],
+            "echo_step_ms": round(e["step_ms_device"], 3),
+            "no_offload_step_ms": round(n["step_ms_device"], 3),
+            "echo_hit_rate_mean": round(statistics.mean(e["hit_rate_per_layer"]), 4),
+        }
+
+    def breakdown(self, run: dict | None) -> dict | None:
+        if run is None:
+            return None
+        layer_us = run["layer_us_device"]
+        comp = self.component_at(run["batch"])
+        out = {
+            "batch": run["batch"],
+            "step_ms_device": run["step_ms_device"],
+            "layer_us_device": round(layer_us, 2),
+            "host_ms": run["host_ms"],
+            "step_ms_wall": run["step_ms_wall"],
+        }
+        if comp is not None:
+            out["per_layer_us_by_difference"] = {
+                "moe_ffn": comp["moe_us"],
+                "attention_weights": comp["attn_weights_us"],
+                "attention_side_rest": round(layer_us - comp["moe_us"] - comp["attn_weights_us"], 2),
+                "component_batch": comp["batch"],
+            }  # fmt: skip
+        if "breakdown" in run:
+            out["profiler"] = run["breakdown"]
+        return out
+
+    def metrics(self) -> dict:
+        paper = self.ratio("echo_paper", "noff_paper")
+        pools = {pool: self.ratio(f"echo_{pool}", f"noff_{pool}") for pool in self.plan.same_pools}
+        equal = {
+            b: self.ratio(f"echo_equal_hbm_b{b}", "noff_paper") for b in self.plan.equal_hbm_batches
+        }
+        equal_best = max((v for v in equal.values() if v), key=lambda v: v["ratio"], default=None)
+        low = {}
+        for b in self.plan.low_load_batches:
+            e, n = self.find("echo_paper", f"b{b}"), self.find("noff_low", f"b{b}")
+            if e and n:
+                low[b] = round(1 - e["tokens_per_s_device"] / n["tokens_per_s_device"], 4)
+        echo_run = self.find("echo_paper")
+        lossless = {}
+        for b in self.plan.low_load_batches:
+            e, n = self.find("echo_paper", f"b{b}"), self.find("noff_low", f"b{b}")
+            if e and n:
+                lossless[b] = e["outputs_head"] == n["outputs_head"]
+        rand = self.ratio("echo_paper", "noff_paper", phase="random")
+        same = self.plan.same_pools
+        p200 = pools.get(same[0]) if same else None
+        p110 = pools.get(same[1]) if len(same) > 1 else None
+        return {
+            "ratio_paper_all_hbm": paper and paper["ratio"],
+            "ratio_paper_200k": p200 and p200["ratio"],
+            "ratio_paper_110k": p110 and p110["ratio"],
+            "ratio_equal_hbm_380k": equal_best and equal_best["ratio"],
+            "hisparse_ratio_equal_hbm_380k": None,
+            "hisparse_reason": "the HiSparse-like per-request buffer backend (issue 14 Build "
+            "item 4) is not built yet",
+            "low_load_cost": {
+                "per_batch": low,
+                "mean": round(statistics.mean(low.values()), 4) if low else None,
+            },
+            "hit_rate_per_layer": echo_run and echo_run["hit_rate_per_layer"],
+            "locality_source": echo_run and echo_run["locality_source"],
+            "breakdown": {
+                "no_offload": self.breakdown(self.find("noff_paper")),
+                "echo": self.breakdown(echo_run),
+            },
+            "details": {
+                "paper_all_hbm": paper,
+                "same_pools": pools,
+                "equal_hbm_380k": equal,
+                "greedy_outputs_equal_at_low_load": lossless,
+                "random_keys_paper_all_hbm": rand
+                and {
+                    **rand,
+                    "locality_source": "random",
+                    "hit_rate_per_layer": self.find("echo_paper", "random")["hit_rate_per_layer"],
+                },
+            },
+            "per_layer_note": "ratios are per layer (all layers identical, the step's fixed "
+            "part is small); a 61-layer DeepSeek-V3.2 step is ~61/L times these steps for both "
+            "backends, so its ratio is the same up to the 3 dense layers and the LM head",
+        }
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> dict:
+        p = self.plan
+        log(f"device {self.device}, torch {torch.__version__}, layers {p.layers}, "
+            f"prompts {p.ctx_min}-{p.ctx_max}, stable fraction {self.args.locality}")  # fmt: skip
+        self.model, self.directions = build_worker(self.cfg, p.moe, p.dtype, self.device)
+        if self.cuda:
+            log(f"model built: {torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU")
+            with torch.inference_mode():
+                self.check_moe()
+        # The model of issue 14's Build item 2: bytes per layer per step at batch 1..64.
+        self.components["bytes_table"] = bytes_table(list(range(1, 65)))
+        self.record()
+        if not self.args.skip_components:
+            with torch.inference_mode():
+                self.measure_components()
+            self.record()
+        for eng in self.engines():
+            elapsed = time.perf_counter() - T0
+            if self.args.deadline_s and elapsed > self.args.deadline_s:
+                msg = f"{eng.label}: skipped, {elapsed:.0f}s past the {self.args.deadline_s}s deadline"
+                log(msg)
+                self.errors.append(msg)
+                continue
+            try:
+                self.run_engine(eng)
+            except Exception as exc:
+                msg = f"{eng.label}: {type(exc).__name__}: {exc}"
+                log("ERROR " + msg)
+                self.errors.append(msg)
+                gc.collect()
+                if self.cuda:
+                    torch.cuda.empty_cache()
+            self.record()
+        rec = self.record(final=True)
+        log(
+            "metrics: "
+            + json.dumps({k: v for k, v in rec["metrics"].items() if k.startswith("ratio")})
+        )
+        return rec
+
+    def check_moe(self) -> None:
+        """The grouped-GEMM MoE against its dense reference on this device (bf16)."""
+        moe = self.model.model.layers[0].mlp
+        x = torch.randn(4, self.cfg.hidden_size, device=self.device, dtype=self.plan.dtype)
+        ref = moe.reference(x)
+        err = ((moe(x).float() - ref).norm() / ref.norm()).item()
+        moe.touched.zero_()
+        moe.forwards.zero_()
+        self.components["moe_check_rel_err"] = err
+        log(f"MoE grouped GEMM vs dense reference: rel err {err:.2e}")
+        if not err < 2e-2:
+            raise RuntimeError(f"MoE grouped GEMM disagrees with its reference ({err:.3e})")
+
+
+def _hbm_copy_gbps(device: torch.device) -> float:
+    """Device-to-device copy of 2 GiB, counting bytes read + written: the HBM ceiling."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    copy_us = graph_us(lambda: dst.copy_(src), reps=5, chain=2)
+    return 2 * src.numel() / copy_us / 1e3
+
+
+def _attention_weights(attn, x: torch.Tensor) -> torch.Tensor:
+    """The weight-reading GEMMs of one attention layer at batch b (no KV): q/kv
+    projections, the absorbed W_UK / W_UV products, o_proj, the indexer's projections."""
+    n = x.shape[0]
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+    q = attn.q_b_proj(q_resid).view(n, attn.n_heads, attn.nope_dim + attn.rope_dim)
+    latent = attn.kv_a_proj_with_mqa(x)[:, : attn.kv_lora_rank]
+    w_uk, w_uv = attn._absorbed_weights()
+    q_lat = torch.einsum("thd,hdr->thr", q[..., : attn.nope_dim], w_uk)
+    out = torch.einsum("thr,hvr->thv", q_lat + latent.unsqueeze(1), w_uv)
+    idx = attn.indexer
+    extra = idx.wq_b(q_resid).sum() + idx.wk(x).sum() + idx.weights_proj(x).sum()
+    return attn.o_proj(out.reshape(n, -1)) + extra
+
+
+def _spread(values: list[float]) -> list[float] | None:
+    if len(values) < 2:
+        return None
+    q = statistics.quantiles(values, n=10)
+    return [round(q[0], 4), round(q[-1], 4)]
+
+
+def _touched(moes: list[LocalRoutedMoE]) -> float | None:
+    calls = sum(int(m.forwards) for m in moes)
+    if not calls:
+        return None
+    return round(sum(int(m.touched) for m in moes) / calls, 3)
+
+
+def _leak_free(eng: Engine, kv, runner: StepRunner) -> bool:
+    ok = runner.allocator.num_free == runner.allocator.capacity
+    ok = ok and runner.table.num_free_rows == runner.max_requests
+    if eng.backend == "echo":
+        ok = ok and kv.cache.free_count.tolist() == [eng.dev_cache] * kv.num_layers
+    return bool(ok)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="benchmark/results")
+    ap.add_argument("--smoke", action="store_true", help="tiny configuration on the CPU")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=8, help="decode steps before measuring")
+    ap.add_argument("--steps", type=int, default=32, help="measured decode steps")
+    ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps (0: none)")
+    ap.add_argument("--locality", type=float, default=0.9, help="stable fraction of the top-k")
+    ap.add_argument("--random-keys", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the random-keys run (the pessimistic bound)")  # fmt: skip
+    ap.add_argument("--only", default="", help="comma-separated engine labels to run")
+    ap.add_argument("--skip-components", action="store_true")
+    ap.add_argument("--deadline-s", type=float, default=0.0,
+                    help="start no engine after this many seconds (0: no limit)")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.warmup, args.steps, args.profile_steps = min(args.warmup, 2), min(args.steps, 3), 0
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    return Study(parse_args(argv), argv).run()
+
+
+if __name__ == "__main__":
+    main()
