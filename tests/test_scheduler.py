@@ -68,7 +68,7 @@ def _drain(sched: Scheduler, max_steps: int = 10_000) -> list[int]:
 def _assert_all_free(sched: Scheduler, cache, n_g: int) -> None:
     assert sched.steps.allocator.num_free == sched.capacity
     assert sched.steps.table.num_free_rows == sched.steps.max_requests
-    assert sched.reserved == 0
+    assert not sched.live
     assert cache.cache.free_count.tolist() == [n_g] * cache.num_layers
 
 

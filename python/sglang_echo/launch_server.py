@@ -17,6 +17,24 @@ import threading
 import time
 
 READY_LINE = "The server is fired up and ready to roll!"
+SHUTDOWN_GRACE_S = 10
+
+
+def _draining_server_class(uvicorn):
+    class DrainingServer(uvicorn.Server):
+        """On SIGTERM/SIGINT, end the running requests first (their clients get an abort
+        with the reason), so uvicorn's graceful shutdown does not wait for every open
+        stream to generate its last token."""
+
+        def __init__(self, config, engine) -> None:
+            super().__init__(config)
+            self.engine = engine
+
+        def handle_exit(self, sig, frame) -> None:
+            self.engine.drain("server shutting down")
+            super().handle_exit(sig, frame)
+
+    return DrainingServer
 
 
 def _import_web():
@@ -64,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     uvicorn = _import_web()
+    server_class = _draining_server_class(uvicorn)
     logging.basicConfig(
         level=args.log_level.upper(), format="[%(asctime)s] %(name)s %(levelname)s %(message)s"
     )
@@ -86,9 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     app = create_app(serving)
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    server = uvicorn.Server(config)
+    server = server_class(config, app.state.engine)
 
     def announce() -> None:
         while not server.started and not server.should_exit:

@@ -5,6 +5,7 @@ Ids 0-2 are <|bos|>, <|eos|>, <|pad|>; ids 3-258 are the 256 bytes, so any text 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -28,6 +29,11 @@ def build_byte_tokenizer() -> Tokenizer:
 
 def _byte_of(ch: str) -> int:
     """Inverse of the GPT-2 byte->printable map that ByteLevel uses."""
+    return _printable_to_byte()[ch]
+
+
+@functools.cache
+def _printable_to_byte() -> dict[str, int]:
     printable = (
         list(range(ord("!"), ord("~") + 1))
         + list(range(ord("¡"), ord("¬") + 1))
@@ -39,8 +45,40 @@ def _byte_of(ch: str) -> int:
         if b not in mapping:
             mapping[b] = 256 + extra
             extra += 1
-    inverse = {chr(v): k for k, v in mapping.items()}
-    return inverse[ch]
+    return {chr(v): k for k, v in mapping.items()}
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+    """The raw bytes one token stands for (a byte-level token may be part of a character).
+
+    Log-probability answers name each token; decoding a lone byte of a multi-byte
+    character gives U+FFFD, which would make different tokens look alike.
+    """
+    piece = tokenizer.id_to_token(token_id)
+    if piece is None:
+        return b""
+    table = _printable_to_byte()
+    if all(c in table for c in piece):
+        return bytes(table[c] for c in piece)
+    return piece.encode("utf-8")
+
+
+def token_label(tokenizer: Tokenizer, token_id: int) -> str:
+    """A token as OpenAI writes it: its text, or ``bytes:\\xNN...`` when it is no whole
+    UTF-8 text on its own. Special tokens keep their name."""
+    if token_id in _special_ids(tokenizer):
+        return tokenizer.id_to_token(token_id)
+    raw = token_bytes(tokenizer, token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _special_ids(tokenizer: Tokenizer) -> set[int]:
+    return {
+        i for i, t in tokenizer.get_added_tokens_decoder().items() if getattr(t, "special", False)
+    }
 
 
 def load_tokenizer(model_path: str | Path) -> Tokenizer | None:

@@ -97,8 +97,7 @@ class Engine:
         while any(not r.prefill_done for r in batch):
             pending = [r for r in batch if not r.prefill_done]
             done, logits = self.steps.prefill_chunk(pending, self.chunked_prefill_size)
-            for req, row in zip(done, logits, strict=True):
-                self._accept(req, row, record_logits, on_done)
+            self._accept_all(done, logits, record_logits, on_done)
         t1 = self._now()
         self.stats.prefill_s += t1 - t0
         while True:
@@ -106,28 +105,31 @@ class Engine:
             if not active:
                 break
             logits = self.steps.decode(active)
-            for req, row in zip(active, logits, strict=True):
-                self._accept(req, row, record_logits, on_done)
+            self._accept_all(active, logits, record_logits, on_done)
             self.stats.decode_steps += 1
         self.stats.decode_s += self._now() - t1
 
-    def _accept(
+    def _accept_all(
         self,
-        req: Request,
+        reqs: Sequence[Request],
         logits: torch.Tensor,
         record_logits: bool,
         on_done: Callable[[Request], None] | None,
     ) -> None:
-        token = int(torch.argmax(logits).item())
-        req.output.append(token)
-        self.stats.output_tokens += 1
-        if record_logits:
-            req.step_logits.append(logits.detach().to("cpu", copy=True))
-        if len(req.output) >= req.max_new_tokens or token in self.eos_ids:
-            req.finished = True
-            self.steps.release(req)
-            if on_done is not None:
-                on_done(req)
+        """Greedy tokens for the batch: one argmax and one host read per step."""
+        if not reqs:
+            return
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
+            req.output.append(token)
+            self.stats.output_tokens += 1
+            if record_logits:
+                req.step_logits.append(logits[i].detach().to("cpu", copy=True))
+            if len(req.output) >= req.max_new_tokens or token in self.eos_ids:
+                req.finished = True
+                self.steps.release(req)
+                if on_done is not None:
+                    on_done(req)
 
     def _now(self) -> float:
         if self.device.type == "cuda":

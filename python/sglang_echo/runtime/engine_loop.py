@@ -28,6 +28,7 @@ class EngineLoop:
         self.idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._draining = threading.Event()
         self._thread = threading.Thread(target=self._run, name="echo-engine", daemon=True)
         self.last_error: str | None = None
 
@@ -41,9 +42,18 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def drain(self, message: str = "server shutting down") -> None:
+        """Refuse new requests and end every queued and running one with ``message``.
+
+        Called on SIGTERM, so that open streams end at once and the HTTP server can stop
+        instead of waiting for every generation to run to its end.
+        """
+        self._draining.set()
+        self._commands.put(("fail_all", message))
+
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        return self._thread.is_alive() and not (self._stop.is_set() or self._draining.is_set())
 
     def submit(self, req: ServeRequest) -> None:
         """Queue ``req``; its ``on_output`` gets the events (from the engine thread).
@@ -74,6 +84,8 @@ class EngineLoop:
                 sched.reject(arg, str(exc))
         elif kind == "abort":
             sched.abort(arg)
+        elif kind == "fail_all":
+            sched.fail_all(arg)
         elif kind == "call":
             fn, fut = arg
             if fut.set_running_or_notify_cancel():
@@ -98,7 +110,8 @@ class EngineLoop:
                 if not self._stop.is_set():
                     self.scheduler.step()
             except Exception as exc:
-                # A failed step leaves its requests in an unknown state: end them all with
+                # The scheduler ends a failed phase's requests itself; an error that escapes
+                # it (admission, release) leaves every request in doubt: end them all with
                 # the reason and keep serving new ones.
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.error("engine step failed:\n%s", traceback.format_exc())

@@ -3,23 +3,88 @@
 Three shapes: SGLang's native ``/generate`` (``text`` or ``input_ids``, ``sampling_params``),
 OpenAI's ``/v1/completions`` (``prompt``, ``max_tokens``...) and ``/v1/chat/completions``
 (``messages``). Anything malformed raises ``BadRequest`` with a message naming the field;
-the server turns it into HTTP 400. Unknown fields are ignored, as SGLang does, so real
-clients that send extra options (``return_logprob``, ``lora_path``...) still work.
+the server turns it into HTTP 400. Every number is checked for NaN, infinities and range
+before it can reach the sampler. Options this runtime does not implement (penalties,
+``echo``, ``logit_bias``, constrained decoding...) get a 400 that names them instead of
+being silently ignored; unknown fields that do not change the output (``user``,
+``lora_path``...) are ignored, as SGLang does.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from sglang_echo.runtime.request import SamplingParams
+from sglang_echo.runtime.sampling import MAX_TOP_LOGPROBS
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what a 64-bit seed can hold, signed or unsigned
+
+# Options that would change the output but are not implemented: (field, value that means
+# "off"). A request that turns one on is refused rather than answered as if it were off.
+_UNSUPPORTED_OFF = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "repetition_penalty": 1,
+    "min_new_tokens": 0,
+    "min_tokens": 0,
+    "logit_bias": None,
+    "echo": False,
+    "suffix": None,
+    "best_of": 1,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "tools": None,
+    "functions": None,
+    "guided_json": None,
+    "guided_regex": None,
+}
 
 
 class BadRequest(ValueError):
     """The request cannot be served as sent; the message says which field and why."""
+
+    status = 400
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(
+            f"the request body has {size} bytes or more; this server takes at most {limit} "
+            "(--max-request-bytes)"
+        )
+
+
+class BoundedTokenizer:
+    """The checkpoint's tokenizer, refusing text certainly too long before encoding it.
+
+    No vocabulary entry spans more than ``max_chars`` characters of input, so a text of
+    more than limit x max_chars characters has more than ``limit`` tokens: it is refused
+    at once instead of after seconds of tokenising.
+    """
+
+    def __init__(self, tokenizer, max_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.max_chars = max((len(t) for t in vocab), default=1)
+
+    def encode(self, text: str):
+        if len(text) > self.max_tokens * self.max_chars:
+            raise BadRequest(
+                f"the prompt has {len(text)} characters, more than the {self.max_tokens} "
+                f"tokens this server takes can hold; shorten it"
+            )
+        return self.tokenizer.encode(text)
 
 
 @dataclass
@@ -63,23 +128,70 @@ def _get_float(d: dict, key: str, default: float, lo: float, hi: float, lo_open:
     value = d.get(key)
     if value is None:
         return default
-    if not _is_num(value) or value > hi or value < lo or (lo_open and value == lo):
+    ok = _is_num(value) and math.isfinite(value) and lo <= value <= hi
+    if not ok or (lo_open and value == lo):
         span = f"{'(' if lo_open else '['}{lo}, {hi}]"
         raise BadRequest(f"{key} must be a number in {span}, got {value!r}")
     return float(value)
 
 
-def _stop_list(value: object) -> list[str]:
+def check_text(value: str, field: str) -> str:
+    """Refuse text that has no UTF-8 form (a lone surrogate such as "\\ud800")."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(
+            f"{field} holds invalid Unicode at character {exc.start} (a lone surrogate "
+            f"{value[exc.start]!r}); send valid UTF-8 text"
+        ) from None
+    return value
+
+
+def _refuse_unsupported(d: dict, where: str = "") -> None:
+    for key, off in _UNSUPPORTED_OFF.items():
+        value = d.get(key)
+        if value is None or value == off or (off is None and value in ({}, [], "")):
+            continue
+        raise BadRequest(
+            f"{where}{key}={value!r} is not supported by this server (it would change the "
+            f"output); leave it out{'' if off is None else f' or set it to {off!r}'}"
+        )
+
+
+def _seed(d: dict) -> int | None:
+    seed = d.get("seed")
+    if seed is None:
+        return None
+    lo, hi = SEED_RANGE
+    if not _is_int(seed) or not lo <= seed < hi:
+        raise BadRequest(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+    return seed
+
+
+def _stop_list(value: object, tokenizer) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value] if value else []
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return [s for s in value if s]
-    raise BadRequest("stop must be a string or a list of strings")
+        value = [value]
+    if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+        raise BadRequest("stop must be a string or a list of strings")
+    stops = [check_text(s, "stop") for s in value if s]
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise BadRequest(
+            f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+            "characters each"
+        )
+    if stops and tokenizer is None:
+        raise BadRequest(
+            "stop strings need text, but the checkpoint ships no tokenizer.json; use stop_token_ids"
+        )
+    return stops
 
 
-def _sampling(d: dict, max_key: str, default_max: int | None) -> tuple[SamplingParams, bool]:
+def _sampling(
+    d: dict, max_key: str, default_max: int | None, tokenizer
+) -> tuple[SamplingParams, bool]:
+    _refuse_unsupported(d)
     given = d.get(max_key) is not None
     max_new = _get_int(d, max_key, default_max, 1)
     top_k = d.get("top_k", -1)
@@ -88,25 +200,39 @@ def _sampling(d: dict, max_key: str, default_max: int | None) -> tuple[SamplingP
     if not _is_int(top_k) or (top_k < 1 and top_k != -1):
         raise BadRequest(f"top_k must be -1 (all) or an integer >= 1, got {top_k!r}")
     stop_ids = d.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-        raise BadRequest("stop_token_ids must be a list of integers")
+    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        raise BadRequest("stop_token_ids must be a list of integers >= 0")
     ignore_eos = d.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest(f"ignore_eos must be true or false, got {ignore_eos!r}")
-    seed = d.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise BadRequest(f"seed must be an integer, got {seed!r}")
     params = SamplingParams(
         max_new_tokens=max_new if max_new is not None else 0,
         temperature=_get_float(d, "temperature", 1.0, 0.0, 100.0, lo_open=False),
         top_p=_get_float(d, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=top_k,
         ignore_eos=ignore_eos,
-        stop=_stop_list(d.get("stop")),
+        stop=_stop_list(d.get("stop"), tokenizer),
         stop_token_ids=list(stop_ids),
-        seed=seed,
+        seed=_seed(d),
     )
     return params, given
+
+
+def _top_logprobs(value: object, field: str) -> int:
+    if value is None:
+        return 0
+    if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
+    return value
+
+
+def _flag(d: dict, key: str) -> bool:
+    value = d.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 def _token_ids(value: object, field: str) -> list[int]:
@@ -122,7 +248,7 @@ def _encode(text: object, tokenizer, field: str) -> list[int]:
         raise BadRequest(
             f"{field} is text but the checkpoint ships no tokenizer.json; send token ids"
         )
-    return tokenizer.encode(text).ids
+    return tokenizer.encode(check_text(text, field)).ids
 
 
 def _single(value: object, field: str) -> object:
@@ -152,11 +278,17 @@ def parse_generate(d: dict, tokenizer) -> ParsedRequest:
     sp = d.get("sampling_params") or {}
     if not isinstance(sp, dict):
         raise BadRequest("sampling_params must be a JSON object")
-    params, given = _sampling(sp, "max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS)
+    params, given = _sampling(sp, "max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS, tokenizer)
+    params.logprobs = _flag(d, "return_logprob")
+    params.top_logprobs = _top_logprobs(d.get("top_logprobs_num"), "top_logprobs_num")
+    if _flag(d, "return_text_in_logprobs") and not params.logprobs:
+        raise BadRequest("return_text_in_logprobs needs return_logprob: true")
+    if d.get("logprob_start_len", -1) not in (-1, None):
+        raise BadRequest("logprob_start_len (prompt logprobs) is not supported; leave it out")
     rid = d.get("rid")
-    return ParsedRequest(
-        ids, params, _stream(d), given, rid=rid if isinstance(rid, str) and rid else None
-    )
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise BadRequest(f"rid must be a non-empty string, got {rid!r}")
+    return ParsedRequest(ids, params, _stream(d), given, rid=rid)
 
 
 def _n_is_one(d: dict) -> None:
@@ -181,7 +313,10 @@ def parse_completion(d: dict, tokenizer) -> ParsedRequest:
         ids = _token_ids(prompt, "prompt")
     else:
         ids = _encode(prompt, tokenizer, "prompt")
-    params, given = _sampling(d, "max_tokens", OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS)
+    params, given = _sampling(d, "max_tokens", OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, tokenizer)
+    n = _top_logprobs(d.get("logprobs"), "logprobs")
+    params.logprobs = d.get("logprobs") is not None
+    params.top_logprobs = n
     return ParsedRequest(ids, params, _stream(d), given, _usage_flag(d))
 
 
@@ -206,6 +341,7 @@ def render_chat(messages: object) -> str:
             content = ""
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts")
+        check_text(content, f"messages[{i}].content")
         parts.append(f"<|{m['role']}|>\n{content}\n")
     parts.append("<|assistant|>\n")
     return "".join(parts)
@@ -217,7 +353,14 @@ def parse_chat(d: dict, tokenizer) -> ParsedRequest:
     _n_is_one(d)
     ids = _encode(render_chat(d.get("messages")), tokenizer, "messages")
     key = "max_completion_tokens" if d.get("max_completion_tokens") is not None else "max_tokens"
-    params, given = _sampling(d, key, None)
+    fmt = d.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        raise BadRequest(f"response_format type {fmt.get('type')!r} is not supported; leave it out")
+    params, given = _sampling(d, key, None, tokenizer)
+    params.logprobs = _flag(d, "logprobs")
+    params.top_logprobs = _top_logprobs(d.get("top_logprobs"), "top_logprobs")
+    if params.top_logprobs and not params.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true")
     return ParsedRequest(ids, params, _stream(d), given, _usage_flag(d))
 
 

@@ -11,7 +11,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
+from sglang_echo.runtime.detokenizer import IncrementalText
 
 
 @dataclass
@@ -21,15 +21,31 @@ class SeqState:
     locs: list[int] = field(default_factory=list)  # token location of each cached position
     row: int = -1  # row in the request table; -1 = not admitted / released
     cached_len: int = 0  # positions whose KV rows are in the cache
+    # Tokens a prefill must cache: the prompt, or prompt + outputs for a request that was
+    # preempted and is recomputed (None = the prompt).
+    recompute_ids: list[int] | None = None
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        return self.prompt if self.recompute_ids is None else self.recompute_ids
 
     @property
     def prefill_done(self) -> bool:
-        return self.cached_len >= len(self.prompt)
+        return self.cached_len >= len(self.prefill_ids)
+
+
+# Below this temperature sampling is greedy, as in SGLang: dividing logits by a tiny
+# temperature overflows float32 (1e-320 would give inf/NaN probabilities).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    """SGLang's sampling parameters that this runtime honours (temperature 0 = greedy)."""
+    """SGLang's sampling parameters that this runtime honours (temperature 0 = greedy).
+
+    ``protocol`` validates every field before a request reaches the engine, so the
+    sampler never sees NaN, infinities or out-of-range values.
+    """
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -39,10 +55,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    # Log-probabilities of each chosen token (and of the ``top_logprobs`` likeliest).
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 class ReqStatus(enum.Enum):
@@ -60,10 +79,13 @@ class ServeRequest(SeqState):
     status: ReqStatus = ReqStatus.WAITING
     # None while running; then {"type": "length" | "stop" | "abort", ...} as SGLang reports it.
     finish_reason: dict | None = None
-    generator: torch.Generator | None = None  # per-request RNG for sampled decoding
-    reserved_tokens: int = 0  # token locations held back for this request at admission
+    # 64-bit key of the request's sampling noise (its seed, or drawn at admission): with the
+    # output index it fixes every sampled token, whatever the batch or a preemption does.
+    sample_key: int = 0
+    text: IncrementalText | None = None  # output text, kept by the engine thread
     on_output: Callable[[OutputEvent], None] | None = None  # called from the engine thread
     arrival_s: float = 0.0
+    preemptions: int = 0  # times this request was retracted and recomputed
 
     @property
     def finished(self) -> bool:
@@ -72,6 +94,19 @@ class ServeRequest(SeqState):
     def token_budget(self) -> int:
         """Token locations this request can ever occupy (its last token is never cached)."""
         return len(self.prompt) + self.params.max_new_tokens - 1
+
+    def remaining_tokens(self) -> int:
+        """Tokens it may still generate."""
+        return self.params.max_new_tokens - len(self.output)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the likeliest alternatives (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,6 +121,10 @@ class OutputEvent:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: dict | None = None  # set on the last event of a request
+    # Output text that can no longer change (stop strings cut, partial characters and
+    # possible stop-string prefixes held back); empty without a tokenizer.
+    text_delta: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when the request asked
 
     @property
     def finished(self) -> bool:

@@ -1,39 +1,132 @@
-"""Next-token choice per request: greedy (argmax, as the offline engine does) or sampled
-with temperature / top-k / top-p from the request's own seeded generator, so a seeded
-request gives the same tokens whatever else shares its batch."""
+"""Next tokens for a whole batch on the device, in float32, with one host read per step.
+
+Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p, then draw
+by an exponential race: token = argmax(p / E) with E ~ Exp(1) per vocabulary entry, which
+picks each token with probability p. The race's uniforms come from a counter-based hash
+of (request key, output index, token id), not from a stateful generator, so a request's
+draw depends on nothing else in the batch, and a preempted request recomputed later draws
+exactly the tokens it would have drawn (the same logits give the same token).
+
+Rows whose logits are not finite are reported, not sampled: the scheduler ends only those
+requests with an error instead of letting one bad row break the step for everyone.
+"""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from sglang_echo.runtime.request import SamplingParams
+from sglang_echo.runtime.request import SamplingParams, TokenLogprob
+
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2**27: products with 32-bit values stay inside int64
+_GOLDEN = 0x9E3779B9
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    if params.greedy:
-        return None
-    gen = torch.Generator(device="cpu")
+def new_sample_key(params: SamplingParams) -> int:
+    """The request's 64-bit noise key: its seed, or fresh randomness when it has none."""
     if params.seed is not None:
-        gen.manual_seed(params.seed)
-    else:
-        gen.seed()
-    return gen
+        return params.seed % (1 << 64)
+    return random.SystemRandom().getrandbits(64)
 
 
-def sample_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> int:
-    """``logits`` [vocab] float32 -> token id."""
-    if params.greedy or generator is None:
-        return int(torch.argmax(logits).item())
-    scores = logits.detach().to("cpu", torch.float64) / params.temperature
-    if 0 < params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, 0) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+def _signed64(key: int) -> int:
+    """An unsigned 64-bit key as the int64 with the same bits."""
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer on int64 tensors holding values in [0, 2**32)."""
+    x = ((x ^ (x >> 16)) * _MIX) & _M32
+    x = ((x ^ (x >> 16)) * _MIX) & _M32
+    return x ^ (x >> 16)
+
+
+def race_uniforms(keys: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1), float32 [rows, vocab], a pure function of (key, counter, token)."""
+    lo = keys & _M32
+    hi = (keys >> 32) & _M32
+    row = _mix32(lo ^ _mix32(hi ^ _mix32((counters & _M32) ^ _GOLDEN)))
+    tok = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    bits = _mix32(row[:, None] ^ _mix32(tok * _GOLDEN & _M32)[None, :])
+    # 24 bits: exactly representable in float32, never 0 or 1.
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _filter_top_k_top_p(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Zero what top-k and top-p exclude (rows sorted once; ties kept by position)."""
+    vocab = probs.shape[-1]
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab, device=probs.device)[None, :]
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    drop = (ranks >= top_k[:, None]) | ((before >= top_p[:, None]) & (ranks > 0))
+    return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+
+
+@dataclass
+class SampledBatch:
+    tokens: list[int]
+    finite: list[bool]  # False: the row's logits held NaN or inf; its token is meaningless
+    logprobs: list[TokenLogprob | None]
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    keys: Sequence[int],
+    counters: Sequence[int],
+) -> SampledBatch:
+    """``logits`` [rows, vocab] -> one token per row (see the module docstring)."""
+    rows, vocab = logits.shape
+    dev = logits.device
+    x = logits.float()
+    finite = torch.isfinite(x).all(dim=-1)
+    x = torch.where(finite[:, None], x, torch.zeros_like(x))
+    tokens = torch.argmax(x, dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        idx = torch.tensor(sampled, dtype=torch.int64, device=dev)
+        sp = [params[i] for i in sampled]
+        temp = torch.tensor([p.temperature for p in sp], dtype=torch.float32, device=dev)
+        probs = torch.softmax(x.index_select(0, idx) / temp[:, None], dim=-1)
+        if any(p.top_p < 1.0 or 0 < p.top_k < vocab for p in sp):
+            top_k = torch.tensor(
+                [p.top_k if 0 < p.top_k < vocab else vocab for p in sp], device=dev
+            )
+            top_p = torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=dev)
+            probs = _filter_top_k_top_p(probs, top_k, top_p)
+        u = race_uniforms(
+            torch.tensor([_signed64(keys[i]) for i in sampled], dtype=torch.int64, device=dev),
+            torch.tensor([counters[i] for i in sampled], dtype=torch.int64, device=dev),
+            vocab,
+        )
+        choice = torch.argmax(probs / -torch.log(u), dim=-1)
+        tokens = tokens.index_copy(0, idx, choice)
+    want = [i for i, p in enumerate(params) if p.logprobs]
+    top_n = max((params[i].top_logprobs for i in want), default=0)
+    lp_rows = None
+    if want:
+        idx = torch.tensor(want, dtype=torch.int64, device=dev)
+        lsm = torch.log_softmax(x.index_select(0, idx), dim=-1)
+        chosen = lsm.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
+        top = torch.topk(lsm, top_n, dim=-1) if top_n > 0 else None
+        lp_rows = (chosen, top)
+    # The step's one host read (the rest are already computed when it returns).
+    token_list = tokens.tolist()
+    finite_list = finite.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * rows
+    if lp_rows is not None:
+        chosen_list = lp_rows[0].tolist()
+        top_vals = lp_rows[1].values.tolist() if lp_rows[1] is not None else None
+        top_ids = lp_rows[1].indices.tolist() if lp_rows[1] is not None else None
+        for j, i in enumerate(want):
+            n = params[i].top_logprobs
+            top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else ()
+            logprobs[i] = TokenLogprob(token_list[i], chosen_list[j], top)
+    return SampledBatch(token_list, finite_list, logprobs)

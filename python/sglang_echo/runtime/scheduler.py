@@ -3,9 +3,20 @@
 Each step: admit waiting requests while capacity allows (first come, first served; the
 head of the queue is never skipped, so long prompts do not starve), run one chunked
 prefill forward over running requests whose prompt is not yet cached, then one decode
-forward over all requests that have a token to extend, choose tokens, and release the
-requests that ended. Admission reserves a request's whole budget (prompt + new tokens)
-of token locations, so a step never runs out of them: requests queue instead.
+forward over all requests that have a token to extend, choose tokens for the batch on the
+device, and release the requests that ended.
+
+Admission counts what a request holds now (its prompt) plus a few steps of growth for
+every running request, never its whole budget, so a chat request without max_tokens does
+not block the queue. When the pool runs out anyway, the newest running requests are
+preempted as in SGLang: their token slots and host rows (and ECHO's device slots) go back,
+they return to the head of the queue with their outputs, and are recomputed (prompt +
+outputs prefilled) when room comes back. Tokens already streamed stay; greedy outputs
+equal those of a run without preemption, and sampled ones too (the sampler's noise is a
+function of the request's key and output index).
+
+A step that raises ends the requests of the phase that raised (prefill or decode) with
+the error; a row of non-finite logits ends only its request. Everything else goes on.
 
 Capacity is the token pool (``--max-total-tokens``; the host pool under ECHO) and the
 request rows (``--max-running-requests``). Under ECHO the device cache must also hold one
@@ -15,6 +26,7 @@ at start-up through ``EchoConfig.validate``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -22,13 +34,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_echo.runtime.request import OutputEvent, ReqStatus, ServeRequest
-from sglang_echo.runtime.sampling import make_generator, sample_token
+from sglang_echo.runtime.detokenizer import IncrementalText
+from sglang_echo.runtime.request import OutputEvent, ReqStatus, ServeRequest, TokenLogprob
+from sglang_echo.runtime.sampling import new_sample_key, sample_batch
 from sglang_echo.runtime.step_runner import StepRunner
+
+log = logging.getLogger("sglang_echo.scheduler")
+
+# Admission leaves every running request room for this many more tokens, so a preemption
+# (a recompute) is rare and a retracted request is not re-admitted only to be retracted
+# again at the next step.
+DECODE_RESERVE_STEPS = 32
 
 
 class RequestRejected(ValueError):
-    """A request that can never run here (too long for the context or the pool)."""
+    """A request that can never run here (too long for the context or the pool, or a
+    request id already in use)."""
 
 
 @dataclass
@@ -37,6 +58,8 @@ class SchedulerStats:
     generation_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
+    failed_requests: int = 0  # ended by a step error or non-finite logits
+    preemptions: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
     # (time, generation_tokens) samples of the last few seconds, for a throughput gauge.
@@ -52,6 +75,7 @@ class Scheduler:
         context_length: int,
         eos_token_ids: list[int],
         detokenize: Callable[[list[int]], str] | None = None,
+        reserve_steps: int = DECODE_RESERVE_STEPS,
     ) -> None:
         self.steps = steps
         self.capacity = steps.allocator.capacity
@@ -60,9 +84,10 @@ class Scheduler:
         self.context_length = context_length
         self.eos_ids = set(eos_token_ids)
         self.detokenize = detokenize
+        self.reserve_steps = reserve_steps
         self.waiting: deque[ServeRequest] = deque()
-        self.running: list[ServeRequest] = []
-        self.reserved = 0  # token locations promised to running requests
+        self.running: list[ServeRequest] = []  # in admission order: newest last
+        self.live: dict[str, ServeRequest] = {}  # rid -> request, waiting or running
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------ requests
@@ -81,30 +106,36 @@ class Scheduler:
                 f"the request needs {req.token_budget()} KV token slots but the pool holds "
                 f"{self.capacity} (--max-total-tokens); shorten it or raise --max-total-tokens"
             )
+        if req.rid in self.live:
+            raise RequestRejected(
+                f"request id {req.rid!r} belongs to a request that is still running; "
+                "give each request its own rid"
+            )
 
     def add(self, req: ServeRequest) -> None:
         self.check(req)
         req.status = ReqStatus.WAITING
-        req.generator = make_generator(req.params)
+        req.sample_key = new_sample_key(req.params)
+        if self.detokenize is not None:
+            req.text = IncrementalText(self.detokenize, req.params.stop)
         self.waiting.append(req)
+        self.live[req.rid] = req
 
-    def abort(self, rid: str) -> bool:
+    def abort(self, rid: str, message: str = "aborted") -> bool:
         """End a request wherever it is; its slots and host rows go back at once."""
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                self._finish(req, {"type": "abort", "message": "aborted"})
-                return True
-        for req in self.running:
-            if req.rid == rid:
-                self._finish(req, {"type": "abort", "message": "aborted"})
-                self.running.remove(req)
-                return True
-        return False
+        req = self.live.get(rid)
+        if req is None:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+        self._finish(req, {"type": "abort", "message": message})
+        return True
 
     def reject(self, req: ServeRequest, message: str) -> None:
         """End a request that was never admitted (its ``on_output`` hears why)."""
-        self._finish(req, {"type": "abort", "message": message})
+        self._emit(req, (), {"type": "abort", "message": message})
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -115,88 +146,180 @@ class Scheduler:
         self._admit()
         if not self.running:
             return False
-        prefilling = [r for r in self.running if not r.prefill_done]
-        if prefilling:
-            before = sum(r.cached_len for r in prefilling)
-            done, logits = self.steps.prefill_chunk(prefilling, self.chunk)
-            self.stats.prompt_tokens += sum(r.cached_len for r in prefilling) - before
-            self.stats.prefill_steps += 1
-            for req, row in zip(done, logits, strict=True):
-                self._accept(req, row)
-        decoding = [r for r in self.running if r.prefill_done and r.output and not r.finished]
-        if decoding:
-            logits = self.steps.decode(decoding)
-            self.stats.decode_steps += 1
-            for req, row in zip(decoding, logits, strict=True):
-                self._accept(req, row)
+        if any(not r.prefill_done for r in self.running):
+            self._make_room(lambda: min(self.chunk, self._pending_prefill()))
+            prefilling = [r for r in self.running if not r.prefill_done]
+            if prefilling:
+                self._prefill(prefilling)
+        if any(self._decodable(r) for r in self.running):
+            self._make_room(lambda: sum(1 for r in self.running if self._decodable(r)))
+            decoding = [r for r in self.running if self._decodable(r)]
+            if decoding:
+                self._decode(decoding)
         self.running = [r for r in self.running if not r.finished]
         self.stats.recent.append((time.perf_counter(), self.stats.generation_tokens))
         return True
 
     def fail_all(self, message: str) -> None:
-        """After an engine error: end every request with an abort that carries the message."""
+        """Shutdown, or an error outside any step: end every request with the message."""
         for req in [*self.waiting, *self.running]:
             self._finish(req, {"type": "abort", "message": message})
         self.waiting.clear()
         self.running = []
 
-    # ------------------------------------------------------------- helpers
+    # ---------------------------------------------------------- the phases
+    def _prefill(self, prefilling: list[ServeRequest]) -> None:
+        before = sum(r.cached_len for r in prefilling)
+        try:
+            done, logits = self.steps.prefill_chunk(prefilling, self.chunk)
+        except Exception as exc:  # the phase's requests end, the rest go on
+            self._fail(prefilling, "prefill", exc)
+            return
+        self.stats.prompt_tokens += sum(r.cached_len for r in prefilling) - before
+        self.stats.prefill_steps += 1
+        if done:
+            self._accept_batch(done, logits)
+
+    def _decode(self, decoding: list[ServeRequest]) -> None:
+        try:
+            logits = self.steps.decode(decoding)
+        except Exception as exc:  # the phase's requests end, the rest go on
+            self._fail(decoding, "decode", exc)
+            return
+        self.stats.decode_steps += 1
+        self._accept_batch(decoding, logits)
+
+    def _fail(self, reqs: list[ServeRequest], phase: str, exc: Exception) -> None:
+        log.exception("%s step failed for %d request(s)", phase, len(reqs))
+        message = f"engine error in the {phase} step: {type(exc).__name__}: {exc}"
+        for req in reqs:
+            if not req.finished:
+                self.stats.failed_requests += 1
+                self._finish(req, {"type": "abort", "message": message})
+
+    # ------------------------------------------------------------ capacity
+    @staticmethod
+    def _decodable(req: ServeRequest) -> bool:
+        return req.prefill_done and bool(req.output) and not req.finished
+
+    def _pending_prefill(self) -> int:
+        return sum(len(r.prefill_ids) - r.cached_len for r in self.running if not r.prefill_done)
+
+    def _growth(self, req: ServeRequest) -> int:
+        """Token locations set aside for a request's next few decode steps."""
+        return max(0, min(req.remaining_tokens() - 1, self.reserve_steps))
+
     def _admit(self) -> None:
+        alloc = self.steps.allocator
         while (
             self.waiting
             and len(self.running) < self.max_running
             and self.steps.table.num_free_rows > 0
         ):
             req = self.waiting[0]
-            need = req.token_budget()
-            if self.reserved + need > self.capacity:
+            held_back = self._pending_prefill() + sum(self._growth(r) for r in self.running)
+            need = len(req.prefill_ids) + self._growth(req)
+            if alloc.num_free - held_back < need:
                 break
             self.waiting.popleft()
-            req.reserved_tokens = need
-            self.reserved += need
             self.steps.admit(req)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
 
-    def _accept(self, req: ServeRequest, logits: torch.Tensor) -> None:
-        token = sample_token(logits, req.params, req.generator)
+    def _make_room(self, tokens_needed: Callable[[], int]) -> None:
+        """Preempt the newest running requests until the next phase's tokens fit."""
+        while self.steps.allocator.num_free < tokens_needed() and len(self.running) > 1:
+            self._retract(self.running[-1])
+
+    def _retract(self, req: ServeRequest) -> None:
+        self.steps.release(req)
+        self.running.remove(req)
+        req.recompute_ids = req.prompt + req.output
+        req.cached_len = 0
+        req.status = ReqStatus.WAITING
+        req.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+        log.info(
+            "preempted request %s (%d tokens cached); it is recomputed when room comes back",
+            req.rid,
+            len(req.recompute_ids),
+        )
+
+    # -------------------------------------------------------------- tokens
+    def _accept_batch(self, reqs: list[ServeRequest], logits: torch.Tensor) -> None:
+        out = sample_batch(
+            logits,
+            [r.params for r in reqs],
+            [r.sample_key for r in reqs],
+            [len(r.output) for r in reqs],
+        )
+        for req, token, ok, lp in zip(reqs, out.tokens, out.finite, out.logprobs, strict=True):
+            if not ok:
+                self.stats.failed_requests += 1
+                message = "the model produced non-finite logits for this request"
+                self._finish(req, {"type": "abort", "message": message})
+                continue
+            try:
+                self._accept(req, token, lp)
+            except Exception as exc:  # one request's stop check, not the batch
+                log.exception("request %s failed while accepting a token", req.rid)
+                self.stats.failed_requests += 1
+                self._finish(req, {"type": "abort", "message": f"{type(exc).__name__}: {exc}"})
+
+    def _accept(self, req: ServeRequest, token: int, lp: TokenLogprob | None) -> None:
         req.output.append(token)
         self.stats.generation_tokens += 1
         p = req.params
+        matched = req.text.push(token) if req.text is not None else None
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             reason = {"type": "stop", "matched": token}
-        elif p.stop and self.detokenize is not None:
-            text = self.detokenize(req.output)
-            matched = next((s for s in p.stop if s in text), None)
-            if matched is not None:
-                reason = {"type": "stop", "matched": matched}
-        if reason is None and len(req.output) >= p.max_new_tokens:
+        elif matched is not None:
+            reason = {"type": "stop", "matched": matched}
+        elif len(req.output) >= p.max_new_tokens:
             reason = {"type": "length", "length": p.max_new_tokens}
+        lps = (lp,) if lp is not None else ()
         if reason is not None:
-            self._finish(req, reason, new_tokens=(token,))
+            self._finish(req, reason, new_tokens=(token,), logprobs=lps)
         else:
-            self._emit(req, (token,), None)
+            self._emit(req, (token,), None, lps)
 
-    def _finish(self, req: ServeRequest, reason: dict, new_tokens: tuple[int, ...] = ()) -> None:
+    def _finish(
+        self,
+        req: ServeRequest,
+        reason: dict,
+        new_tokens: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> None:
         if req.status is ReqStatus.RUNNING:
             self.steps.release(req)
-            self.reserved -= req.reserved_tokens
-            req.reserved_tokens = 0
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
+        self.live.pop(req.rid, None)
         if reason["type"] == "abort":
             self.stats.aborted_requests += 1
         else:
             self.stats.finished_requests += 1
-        self._emit(req, new_tokens, reason)
+        if req.text is not None:
+            req.text.finish()
+        self._emit(req, new_tokens, reason, logprobs)
 
     @staticmethod
-    def _emit(req: ServeRequest, new_tokens: tuple[int, ...], reason: dict | None) -> None:
-        if req.on_output is not None:
-            req.on_output(
-                OutputEvent(req.rid, new_tokens, len(req.prompt), len(req.output), reason)
+    def _emit(
+        req: ServeRequest,
+        new_tokens: tuple[int, ...],
+        reason: dict | None,
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> None:
+        if req.on_output is None:
+            return
+        delta = req.text.take_stream_delta(final=reason is not None) if req.text else ""
+        req.on_output(
+            OutputEvent(
+                req.rid, new_tokens, len(req.prompt), len(req.output), reason, delta, logprobs
             )
+        )
 
     # ------------------------------------------------------------- metrics
     def gen_throughput(self, window_s: float = 5.0) -> float:

@@ -5,13 +5,18 @@
 Handlers never touch the model: they validate the body, hand a ``ServeRequest`` to the
 engine thread (``EngineLoop``) and read its ``OutputEvent``s from an asyncio queue the
 engine thread fills through ``call_soon_threadsafe``. A client that goes away mid-request
-gets its request aborted, which returns every token slot and ECHO slot at once.
+(streaming or not) gets its own request aborted, which returns every token slot and ECHO
+slot at once; a request id that is still live is refused, so one client can never end
+another's request. Bodies are bounded (``--max-request-bytes``) and parsed and tokenised
+off the event loop, so one huge prompt does not stall every other stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,15 +24,19 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from sglang_echo.runtime import metrics, protocol
 from sglang_echo.runtime.engine_loop import EngineLoop
 from sglang_echo.runtime.protocol import BadRequest, ParsedRequest
-from sglang_echo.runtime.request import OutputEvent, ServeRequest
+from sglang_echo.runtime.request import OutputEvent, ServeRequest, TokenLogprob
 from sglang_echo.runtime.serving import Serving
+from sglang_echo.tokenizer import token_bytes, token_label
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DISCONNECT_POLL_S = 0.5
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+log = logging.getLogger("sglang_echo.server")
 
 
 def error_response(message: str, status: int = 400) -> JSONResponse:
@@ -62,46 +71,50 @@ class EventStream:
         return events
 
 
-class TextTracker:
-    """Cumulative output ids -> text, holding back an incomplete UTF-8 tail and cutting at a
-    matched stop string (which, as in SGLang, is not part of the output)."""
+class OutputSoFar:
+    """What a client has been sent of one request: ids, text, log-probabilities.
 
-    def __init__(self, detok: Callable[[list[int]], str] | None) -> None:
-        self.detok = detok
+    The engine thread already turned tokens into text incrementally (stop strings cut,
+    partial characters held back), so this only concatenates the events' deltas.
+    """
+
+    def __init__(self) -> None:
         self.ids: list[int] = []
-        self.sent = ""  # text already streamed
+        self.text = ""
+        self.logprobs: list[TokenLogprob] = []
 
-    def add(self, events: list[OutputEvent]) -> tuple[str, str]:
-        """-> (full text so far, new text since the last call)."""
+    def add(self, events: list[OutputEvent]) -> tuple[str, list[TokenLogprob]]:
+        """-> (new text, new log-probabilities) of these events."""
+        delta = "".join(ev.text_delta for ev in events)
+        new_lps = [lp for ev in events for lp in ev.logprobs]
         for ev in events:
             self.ids.extend(ev.new_token_ids)
-        text = self.detok(self.ids) if self.detok is not None else ""
-        final = events[-1].finish_reason
-        if final is not None and isinstance(final.get("matched"), str):
-            cut = text.find(final["matched"])
-            if cut >= 0:
-                text = text[:cut]
-        elif final is None and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")  # wait for the rest of the character
-        if not text.startswith(self.sent):
-            self.sent = text[: len(self.sent)]  # decoding changed an earlier char: resync
-        delta = text[len(self.sent) :]
-        self.sent = text
-        return text, delta
+        self.text += delta
+        self.logprobs.extend(new_lps)
+        return delta, new_lps
 
 
 def openai_finish(reason: dict | None) -> str | None:
+    """OpenAI's finish_reason values; an aborted request is answered with an error."""
     if reason is None:
         return None
-    return {"length": "length", "stop": "stop"}.get(reason["type"], "abort")
+    return "length" if reason["type"] == "length" else "stop"
+
+
+def abort_status(reason: dict) -> int:
+    message = reason.get("message", "")
+    return 503 if "shutting down" in message else 500 if "error" in message else 499
 
 
 def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
     engine = engine or EngineLoop(serving.scheduler)
     info = serving.info
     tokenizer = serving.tokenizer
-    detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
     model_name = info["served_model_name"]
+    max_body = getattr(serving.args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
+    prompt_limit = min(info["context_length"], info["max_total_tokens"] + 1) - 1
+    encoder = protocol.BoundedTokenizer(tokenizer, prompt_limit) if tokenizer else None
+    live: set[str] = set()  # request ids in flight (touched on the event loop only)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -114,12 +127,30 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
     app = FastAPI(title="sglang-echo", lifespan=lifespan)
     app.state.engine = engine
     app.state.serving = serving
+    app.state.live_rids = live
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        # Never a plain-text 500: clients (the openai SDK) parse the error body.
+        log.exception("unhandled error in a request handler")
+        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
 
     # ------------------------------------------------------------ plumbing
-    async def read_body(request: Request) -> dict:
-        return protocol.parse_json(await request.body())
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with 413 as soon as it passes ``--max-request-bytes``."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body:
+            raise protocol.PayloadTooLarge(int(declared), max_body)
+        size, chunks = 0, []
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise protocol.PayloadTooLarge(size, max_body)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
-    def validated(parsed: ParsedRequest) -> ParsedRequest:
+    def parse_and_check(parse: Callable[[dict], ParsedRequest], body: bytes) -> ParsedRequest:
+        parsed = parse(protocol.parse_json(body))
         protocol.check_prompt(
             parsed, info["vocab_size"], info["context_length"], info["max_total_tokens"]
         )
@@ -127,7 +158,7 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
 
     def submit(parsed: ParsedRequest, rid: str) -> EventStream:
         if not engine.alive:
-            raise RuntimeError("the engine thread is not running")
+            raise RuntimeError("the server is shutting down or its engine thread stopped")
         stream = EventStream(asyncio.get_running_loop())
         req = ServeRequest(
             list(parsed.prompt_ids),
@@ -139,27 +170,33 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
         engine.submit(req)
         return stream
 
+    def release(rid: str, finished: bool) -> None:
+        if rid in live:
+            live.discard(rid)
+            if not finished:
+                engine.abort(rid)  # client gone (or the stream was cancelled)
+
     async def events_of(
-        stream: EventStream, rid: str, request: Request, watch_disconnect: bool
+        stream: EventStream, rid: str, request: Request
     ) -> AsyncIterator[list[OutputEvent]]:
-        """Yield event batches until the request ends; abort it if the caller leaves."""
+        """Yield event batches until the request ends; abort it if the caller leaves.
+
+        The disconnect is polled in both modes: a streaming request that waits in the queue
+        sends nothing, so a failed write would not reveal that its client is gone.
+        """
         done = False
         try:
             while not done:
-                if watch_disconnect:
-                    try:
-                        batch = await asyncio.wait_for(stream.next_batch(), DISCONNECT_POLL_S)
-                    except TimeoutError:
-                        if await request.is_disconnected():
-                            return
-                        continue
-                else:
-                    batch = await stream.next_batch()
+                try:
+                    batch = await asyncio.wait_for(stream.next_batch(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
                 done = batch[-1].finished
                 yield batch
         finally:
-            if not done:
-                engine.abort(rid)  # client gone (or the stream was cancelled)
+            release(rid, done)
 
     async def handle(
         request: Request,
@@ -168,19 +205,46 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
         prefix: str,
     ):
         try:
-            parsed = validated(parse(await read_body(request)))
+            body = await read_body(request)
+            # JSON parsing and tokenisation of a large prompt run off the event loop, so
+            # other clients' streams keep flowing meanwhile.
+            parsed = await asyncio.to_thread(parse_and_check, parse, body)
         except BadRequest as exc:
-            return error_response(str(exc))
+            return error_response(str(exc), exc.status)
         rid = parsed.rid or f"{prefix}-{uuid.uuid4().hex}"
+        if rid in live:
+            return error_response(
+                f"request id {rid!r} belongs to a request that is still running; give each "
+                "request its own rid"
+            )
+        live.add(rid)
         try:
             stream = submit(parsed, rid)
         except RuntimeError as exc:
+            live.discard(rid)
             return error_response(str(exc), 503)
         return await respond(parsed, stream, rid, request)
 
+    def streaming(body: AsyncIterator[bytes], rid: str) -> StreamingResponse:
+        # The background task runs after the response ends, also when the client left
+        # before the body started (then the generator's own cleanup never ran).
+        return StreamingResponse(
+            body,
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+            background=BackgroundTask(release, rid, False),
+        )
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def token_text(token_id: int) -> str:
+        return token_label(tokenizer, token_id) if tokenizer is not None else str(token_id)
+
+    def token_raw(token_id: int) -> list[int]:
+        return list(token_bytes(tokenizer, token_id)) if tokenizer is not None else []
+
     # ------------------------------------------------------- SGLang native
-    def meta(rid: str, ev: OutputEvent, started: float) -> dict:
-        return {
+    def meta(rid: str, ev: OutputEvent, started: float, out: OutputSoFar, params) -> dict:
+        m = {
             "id": rid,
             "prompt_tokens": ev.prompt_tokens,
             "completion_tokens": ev.completion_tokens,
@@ -188,36 +252,43 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
             "finish_reason": ev.finish_reason,
             "e2e_latency": time.perf_counter() - started,
         }
+        if params.logprobs:
+            m["output_token_logprobs"] = [[lp.logprob, lp.token_id, None] for lp in out.logprobs]
+            if params.top_logprobs:
+                m["output_top_logprobs"] = [
+                    [[v, t, None] for t, v in lp.top] for lp in out.logprobs
+                ]
+        return m
 
     async def respond_generate(parsed, stream, rid, request):
         started = time.perf_counter()
-        text = TextTracker(detok)
+        out = OutputSoFar()
         if parsed.stream:
 
             async def body() -> AsyncIterator[bytes]:
-                async for batch in events_of(stream, rid, request, watch_disconnect=False):
-                    full, _ = text.add(batch)
-                    out = {
-                        "text": full,
-                        "output_ids": list(text.ids),
-                        "meta_info": meta(rid, batch[-1], started),
-                    }
-                    yield sse(out)
+                async for batch in events_of(stream, rid, request):
+                    out.add(batch)
+                    info_ = meta(rid, batch[-1], started, out, parsed.params)
+                    yield sse({"text": out.text, "output_ids": list(out.ids), "meta_info": info_})
                 yield sse("[DONE]")
 
-            return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+            return streaming(body(), rid)
         last = None
-        async for batch in events_of(stream, rid, request, watch_disconnect=True):
-            full, _ = text.add(batch)
+        async for batch in events_of(stream, rid, request):
+            out.add(batch)
             last = batch[-1]
         if last is None:
             return Response(status_code=499)
-        return {"text": full, "output_ids": text.ids, "meta_info": meta(rid, last, started)}
+        return {
+            "text": out.text,
+            "output_ids": out.ids,
+            "meta_info": meta(rid, last, started, out, parsed.params),
+        }
 
     @app.post("/generate")
     async def generate(request: Request):
         return await handle(
-            request, lambda d: protocol.parse_generate(d, tokenizer), respond_generate, "gen"
+            request, lambda d: protocol.parse_generate(d, encoder), respond_generate, "gen"
         )
 
     # ------------------------------------------------------------ OpenAI
@@ -228,12 +299,49 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
             "total_tokens": ev.prompt_tokens + ev.completion_tokens,
         }
 
+    def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict:
+        tokens = [token_text(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{token_text(t): v for t, v in lp.top} for lp in lps]
+            if any(lp.top for lp in lps)
+            else None,
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(lps: list[TokenLogprob]) -> dict:
+        def entry(token_id: int, value: float) -> dict:
+            return {"token": token_text(token_id), "logprob": value, "bytes": token_raw(token_id)}
+
+        return {
+            "content": [
+                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                for lp in lps
+            ]
+        }
+
+    def abort_error(reason: dict) -> JSONResponse:
+        return error_response(
+            f"the request was aborted: {reason.get('message', '')}", abort_status(reason)
+        )
+
     def make_openai_responder(chat: bool):
         obj = "chat.completion" if chat else "text_completion"
 
-        def choice(text: str, reason: dict | None, streaming: bool, first: bool = False) -> dict:
-            c: dict = {"index": 0, "finish_reason": openai_finish(reason), "logprobs": None}
-            if chat and streaming:
+        def choice(
+            text: str,
+            reason: dict | None,
+            streaming_: bool,
+            lps: dict | None,
+            first: bool = False,
+        ) -> dict:
+            c: dict = {"index": 0, "finish_reason": openai_finish(reason), "logprobs": lps}
+            if chat and streaming_:
                 c["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
             elif chat:
                 c["message"] = {"role": "assistant", "content": text}
@@ -241,22 +349,41 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
                 c["text"] = text
             return c
 
+        def logprobs_of(params, lps: list[TokenLogprob], offset: int) -> dict | None:
+            if not params.logprobs:
+                return None
+            return chat_logprobs(lps) if chat else completion_logprobs(lps, offset)
+
         async def respond(parsed, stream, rid, request):
             created = int(time.time())
             head = {"id": rid, "created": created, "model": model_name}
-            text = TextTracker(detok)
+            out = OutputSoFar()
             if parsed.stream:
 
                 async def body() -> AsyncIterator[bytes]:
                     first = True
                     last = None
-                    async for batch in events_of(stream, rid, request, watch_disconnect=False):
-                        _, delta = text.add(batch)
+                    async for batch in events_of(stream, rid, request):
+                        offset = len(out.text)
+                        delta, lps = out.add(batch)
                         last = batch[-1]
+                        reason = last.finish_reason
+                        if reason is not None and reason["type"] == "abort":
+                            err = {"message": f"the request was aborted: {reason['message']}"}
+                            yield sse({"error": {**err, "code": abort_status(reason)}})
+                            break
                         chunk = {
                             **head,
                             "object": obj + ".chunk" if chat else obj,
-                            "choices": [choice(delta, last.finish_reason, True, first)],
+                            "choices": [
+                                choice(
+                                    delta,
+                                    reason,
+                                    True,
+                                    logprobs_of(parsed.params, lps, offset),
+                                    first,
+                                )
+                            ],
                         }
                         first = False
                         yield sse(chunk)
@@ -265,20 +392,26 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
                         yield sse({**tail, "choices": [], "usage": usage(last)})
                     yield sse("[DONE]")
 
-                return StreamingResponse(
-                    body(), media_type="text/event-stream", headers=SSE_HEADERS
-                )
+                return streaming(body(), rid)
             last = None
-            full = ""
-            async for batch in events_of(stream, rid, request, watch_disconnect=True):
-                full, _ = text.add(batch)
+            async for batch in events_of(stream, rid, request):
+                out.add(batch)
                 last = batch[-1]
             if last is None:
                 return Response(status_code=499)
+            if last.finish_reason["type"] == "abort":
+                return abort_error(last.finish_reason)
             return {
                 **head,
                 "object": obj,
-                "choices": [choice(full, last.finish_reason, False)],
+                "choices": [
+                    choice(
+                        out.text,
+                        last.finish_reason,
+                        False,
+                        logprobs_of(parsed.params, out.logprobs, 0),
+                    )
+                ],
                 "usage": usage(last),
             }
 
@@ -288,7 +421,7 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
     async def completions(request: Request):
         return await handle(
             request,
-            lambda d: protocol.parse_completion(d, tokenizer),
+            lambda d: protocol.parse_completion(d, encoder),
             make_openai_responder(chat=False),
             "cmpl",
         )
@@ -297,7 +430,7 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
     async def chat_completions(request: Request):
         return await handle(
             request,
-            lambda d: protocol.parse_chat(d, tokenizer),
+            lambda d: protocol.parse_chat(d, encoder),
             make_openai_responder(chat=True),
             "chatcmpl",
         )
@@ -346,9 +479,9 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
     @app.post("/abort_request")
     async def abort_request(request: Request):
         try:
-            body = await read_body(request)
+            body = protocol.parse_json(await read_body(request))
         except BadRequest as exc:
-            return error_response(str(exc))
+            return error_response(str(exc), exc.status)
         rid = body.get("rid")
         if not isinstance(rid, str):
             return error_response("rid (a string) is required")

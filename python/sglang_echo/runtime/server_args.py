@@ -69,6 +69,7 @@ class ServerArgs:
     served_model_name: str | None = None
     log_level: str = "info"
     skip_server_warmup: bool = False
+    max_request_bytes: int = 32 << 20
 
 
 def _size(text: str) -> int:
@@ -140,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-server-warmup",
         action="store_true",
         help="announce readiness without first serving one short warmup request",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=_size,
+        default=32 << 20,
+        help="largest request body accepted (default 32 MiB); larger ones get HTTP 413",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p

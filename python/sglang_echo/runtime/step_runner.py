@@ -74,6 +74,7 @@ class StepRunner:
     ) -> tuple[list[SeqState], torch.Tensor]:
         """Up to ``budget`` prompt tokens of ``pending`` (in order) in one forward.
 
+        A preempted request's "prompt" here is its prompt + outputs (``prefill_ids``).
         Returns the requests whose prompt is now fully cached and their next-token logits
         ([len(done), vocab]); the others only advanced ``cached_len``.
         """
@@ -81,7 +82,7 @@ class StepRunner:
         for req in pending:
             if budget <= 0:
                 break
-            n = min(len(req.prompt) - req.cached_len, budget)
+            n = min(len(req.prefill_ids) - req.cached_len, budget)
             members.append((req, n))
             budget -= n
         ids, positions, out_locs = [], [], []
@@ -91,7 +92,7 @@ class StepRunner:
             self.table.assign(req.row, start, locs)
             req.locs.extend(locs)
             req.cached_len += n
-            ids.extend(req.prompt[start : start + n])
+            ids.extend(req.prefill_ids[start : start + n])
             positions.extend(range(start, start + n))
             out_locs.extend(locs)
         done_rows: list[int] = []

@@ -1,0 +1,327 @@
+"""The HTTP server under odd and hostile input, on the CPU with ECHO at its smallest legal
+cache: nothing a client sends can end another client's request or the server.
+
+Sampling values that used to crash a step (temperature 1e-320, NaN) are normalised or
+refused; a live request id is refused; a client that leaves (streaming or not) ends only
+its own request; bodies are bounded; invalid Unicode and out-of-range seeds get a 400;
+streamed text never shows part of a stop string; logprobs are returned; options that are
+not implemented are refused by name; SIGTERM ends running requests and the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from server_utils import free_port, make_serving, running_server
+from sglang_echo.config import EchoConfig
+
+MAX_RUNNING = 4
+CHUNK = 32
+POOL = 600
+CONTEXT = 512
+BODY_LIMIT = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def server(small_checkpoint):
+    topk = json.loads((Path(small_checkpoint) / "config.json").read_text())["index_topk"]
+    legal_min = EchoConfig(offload=True).min_dev_cache_size(MAX_RUNNING, topk, CHUNK)
+    serving = make_serving(
+        small_checkpoint,
+        EchoConfig(offload=True, dev_cache_size=legal_min),
+        max_total_tokens=POOL,
+        max_running_requests=MAX_RUNNING,
+        chunked_prefill_size=CHUNK,
+        context_length=CONTEXT,
+        max_request_bytes=BODY_LIMIT,
+    )
+    with running_server(serving) as (url, app):
+        yield url, app, serving
+
+
+def _post(url: str, path: str, body, timeout: float = 120) -> tuple[int, dict]:
+    async def go():
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(url + path, data=data, timeout=aiohttp.ClientTimeout(total=timeout)) as r,
+        ):
+            return r.status, await r.json(content_type=None)
+
+    return asyncio.run(go())
+
+
+def _stream(url: str, path: str, body: dict) -> list[dict]:
+    async def go():
+        chunks = []
+        async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+            assert r.status == 200
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+        return chunks
+
+    return asyncio.run(go())
+
+
+def _idle_state(app, timeout: float = 30.0) -> dict:
+    def read(sched):
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "live": len(sched.live),
+            "free_tokens": sched.steps.allocator.num_free,
+            "aborted": sched.stats.aborted_requests,
+        }
+
+    deadline = time.monotonic() + timeout
+    while True:
+        state = app.state.engine.call(read).result(timeout=30)
+        if state["running"] + state["waiting"] == 0 or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
+def _greedy_body(ids: list[int], n: int, **sp) -> dict:
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "ignore_eos": True, **sp}}
+
+
+def test_tiny_and_invalid_temperatures(server):
+    url, app, _ = server
+    ids = list(range(20, 50))
+    status, greedy = _post(url, "/generate", _greedy_body(ids, 8, temperature=0.0))
+    assert status == 200
+    for t in (1e-320, 1e-308, 1e-6):
+        status, out = _post(url, "/generate", _greedy_body(ids, 8, temperature=t))
+        assert status == 200 and out["output_ids"] == greedy["output_ids"]
+    for field, raw in (("temperature", "NaN"), ("top_p", "NaN"), ("temperature", "Infinity")):
+        body = b'{"input_ids": [5, 6], "sampling_params": {"%s": %s}}' % (
+            field.encode(),
+            raw.encode(),
+        )
+        status, err = _post(url, "/generate", body)
+        assert status == 400 and field in err["error"]["message"]
+    assert _idle_state(app)["live"] == 0
+
+
+def test_live_rid_is_refused_and_a_disconnect_ends_only_its_own_request(server):
+    url, app, _ = server
+
+    async def go():
+        body = {**_greedy_body(list(range(30, 60)), 150), "rid": "shared-id", "stream": True}
+        async with aiohttp.ClientSession() as s:
+            first = await s.post(url + "/generate", json=body)
+            await first.content.readline()  # it is running
+            second = await s.post(url + "/generate", json=body)
+            status2, err2 = second.status, await second.json()
+            text = ""
+            async for raw in first.content:
+                text = raw.decode().strip() or text
+            return status2, err2, text
+
+    status2, err2, last = asyncio.run(go())
+    assert status2 == 400 and "still running" in err2["error"]["message"]
+    assert last == "data: [DONE]"  # the first request ran to its end
+
+
+def test_non_streaming_disconnect_aborts_the_request(server):
+    url, app, _ = server
+    before = _idle_state(app)["aborted"]
+    # Hold the engine thread, so the request cannot finish before its client leaves.
+    release = threading.Event()
+    held = app.state.engine.call(lambda _s: release.wait(30))
+
+    async def leave():
+        body = _greedy_body(list(range(40, 70)), 400)
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(asyncio.TimeoutError):
+                timeout = aiohttp.ClientTimeout(total=0.5)
+                await s.post(url + "/generate", json=body, timeout=timeout)
+        await asyncio.sleep(1.5)  # the server polls for the disconnect every 0.5 s
+
+    asyncio.run(leave())
+    release.set()
+    held.result(timeout=30)
+    state = _idle_state(app)
+    assert state["running"] == 0 and state["live"] == 0
+    assert state["aborted"] == before + 1
+    assert state["free_tokens"] == POOL
+
+
+def test_bodies_and_text_are_bounded_and_checked(server):
+    url, _, _ = server
+    status, err = _post(url, "/generate", {"text": "x" * (BODY_LIMIT + 10)})
+    assert status == 413 and "max-request-bytes" in err["error"]["message"]
+    # Certainly more tokens than the context holds: refused before tokenising.
+    status, err = _post(url, "/generate", {"text": "y" * (BODY_LIMIT // 2)})
+    assert status == 400 and "characters" in err["error"]["message"]
+    status, err = _post(url, "/generate", b'{"text": "ab\\ud800cd"}')
+    assert status == 400 and "surrogate" in err["error"]["message"]
+    status, err = _post(
+        url, "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}'
+    )
+    assert status == 400 and "surrogate" in err["error"]["message"]
+
+
+@pytest.mark.parametrize(("seed", "ok"), [(2**64, False), (-(2**63) - 1, False), (2**64 - 1, True)])
+def test_seed_range(server, seed, ok):
+    url = server[0]
+    status, out = _post(url, "/generate", _greedy_body([5, 6, 7], 4, temperature=1.0, seed=seed))
+    if ok:
+        assert status == 200 and len(out["output_ids"]) == 4
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+    else:
+        assert status == 400 and "seed" in out["error"]["message"]
+
+
+def test_streamed_text_never_shows_part_of_a_stop_string(server):
+    url = server[0]
+    base = {
+        "text": "def main():\n    ",
+        "sampling_params": {"max_new_tokens": 40, "temperature": 0},
+    }
+    base["sampling_params"]["ignore_eos"] = True
+    status, free = _post(url, "/generate", base)
+    assert status == 200
+    text = free["text"]
+    assert len(text) >= 12
+    stop = text[6:10]
+    expected = text[: text.find(stop)]
+    body = {**base, "sampling_params": {**base["sampling_params"], "stop": [stop]}}
+    status, whole = _post(url, "/generate", body)
+    assert status == 200 and whole["text"] == expected
+    assert whole["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    chunks = _stream(url, "/generate", {**body, "stream": True})
+    assert chunks[-1]["text"] == expected
+    assert all(expected.startswith(c["text"]) for c in chunks)  # never more than the answer
+    # OpenAI streaming: the deltas add up to the non-streamed text.
+    comp = {"prompt": base["text"], "max_tokens": 40, "temperature": 0, "stop": stop}
+    comp["ignore_eos"] = True
+    pieces = _stream(url, "/v1/completions", {**comp, "stream": True})
+    assert "".join(p["choices"][0]["text"] for p in pieces) == expected
+    assert pieces[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_logprobs_on_every_endpoint(server):
+    url = server[0]
+    status, out = _post(
+        url,
+        "/v1/completions",
+        {"prompt": [5, 6, 7, 8], "max_tokens": 5, "temperature": 0, "logprobs": 3},
+    )
+    assert status == 200
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 5
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert len(top) <= 3 and chosen <= 0.0
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the likeliest
+    status, chat = _post(
+        url,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    )
+    assert status == 200
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(c["top_logprobs"]) == 2 for c in content)
+    status, native = _post(
+        url, "/generate", {**_greedy_body([9, 10, 11], 3, temperature=0), "return_logprob": True}
+    )
+    assert status == 200
+    rows = native["meta_info"]["output_token_logprobs"]
+    assert [r[1] for r in rows] == native["output_ids"]
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "needle"),
+    [
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+        ("/v1/completions", {"presence_penalty": -1}, "presence_penalty"),
+        ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"logprobs": 50}, "logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "logprobs: true"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_unsupported_options_are_refused_by_name(server, path, extra, needle):
+    url = server[0]
+    body = (
+        {"prompt": "hi"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    status, err = _post(url, path, {**body, "max_tokens": 2, **extra})
+    assert status == 400 and needle in err["error"]["message"]
+
+
+def test_finish_reasons_follow_openai(server):
+    url = server[0]
+    status, out = _post(url, "/v1/completions", {"prompt": [5, 6], "max_tokens": 3})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "length"
+
+
+def test_sigterm_ends_running_requests_and_the_process(small_checkpoint, tmp_path):
+    port = free_port()
+    env = {
+        **os.environ,
+        "NSA_KV_OFFLOAD": "1",
+        "NSA_DEV_CACHE_SIZE": "256",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        sys.executable, "-m", "sglang_echo.launch_server", "--model-path", str(small_checkpoint),
+        "--port", str(port), "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4000",
+        "--context-length", "2048", "--skip-server-warmup",
+    ]  # fmt: skip
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - read after the process ends
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while "ready to roll" not in (tmp_path / "server.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+
+        async def stream_then_term():
+            body = {**_greedy_body(list(range(5, 25)), 1500), "stream": True}
+            lines = []
+            async with aiohttp.ClientSession() as s, s.post(url + "/generate", json=body) as r:
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if line:
+                        lines.append(line)
+                    if len(lines) == 2:
+                        proc.send_signal(signal.SIGTERM)
+            return lines
+
+        lines = asyncio.run(stream_then_term())
+        # uvicorn re-raises the signal once it has shut down: the exit says SIGTERM.
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert "Finished server process" in (tmp_path / "server.log").read_text()
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2][6:])
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "shutting down" in last["meta_info"]["finish_reason"]["message"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
