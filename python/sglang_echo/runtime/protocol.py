@@ -152,9 +152,11 @@ def _refuse_unsupported(d: dict, where: str = "") -> None:
         value = d.get(key)
         if value is None or value == off or (off is None and value in ({}, [], "")):
             continue
+        shown = json.dumps(value, ensure_ascii=False)
+        reset = "" if off is None else f" or set it to {json.dumps(off)}"
         raise BadRequest(
-            f"{where}{key}={value!r} is not supported by this server (it would change the "
-            f"output); leave it out{'' if off is None else f' or set it to {off!r}'}"
+            f"{where}{key}={shown} is not supported by this server (it would change the "
+            f"output); leave it out{reset}"
         )
 
 
@@ -374,7 +376,7 @@ def check_prompt(
     """
     ids = req.prompt_ids
     if not ids:
-        raise BadRequest("the prompt is empty")
+        raise BadRequest("the prompt is empty; send at least one token or character")
     bad = next((t for t in ids if t < 0 or t >= vocab_size), None)
     if bad is not None:
         raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
