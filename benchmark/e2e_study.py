@@ -122,10 +122,10 @@ def smoke_plan() -> Plan:
         vocab=64,
         ctx_min=200,
         ctx_max=240,
-        paper_pool=760,
+        paper_pool=820,
         paper_dev_cache=160,
         host_pool=3600,
-        same_pools=[400, 250],
+        same_pools=[400, 280],
         equal_hbm_batches=[6],
         low_load_batches=[1, 2],
         dtype=torch.float32,
@@ -286,6 +286,33 @@ def profile_breakdown(node: DecodeNode, steps: int) -> dict:
     }
 
 
+def profile_graph(fn, replays: int = 5) -> dict:
+    """Device time per replay of ``fn``'s CUDA graph by kernel name (microseconds): where a
+    component's time goes (e.g. the MoE's grouped GEMMs against its routing and gathers)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            per[e.name[:100]] = per.get(e.name[:100], 0.0) + e.time_range.elapsed_us()
+    ranked = sorted(per.items(), key=lambda kv: -kv[1])
+    return {name: round(us / replays, 2) for name, us in ranked}
+
+
 # ------------------------------------------------------------------- engines
 @dataclass
 class Phase:
@@ -293,6 +320,7 @@ class Phase:
     batch: int | None  # None: as many as the capacity rules admit
     locality: Locality
     profile: bool = False
+    fill: bool = False  # ECHO: keep warming up until the device cache evicts (steady state)
 
 
 @dataclass
@@ -315,7 +343,7 @@ class Study:
             "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
         )
         self.cuda = self.device.type == "cuda"
-        self.max_new = args.warmup + args.steps + args.profile_steps + 2
+        self.max_new = args.warmup + args.fill_max + args.steps + args.profile_steps + 2
         p = self.plan
         self.cfg = study_config(
             p.dims, p.layers, p.vocab, p.ctx_max + self.max_new + 64, p.indexer_mode
@@ -380,8 +408,12 @@ class Study:
         p, a = self.plan, self.args
         loc = Locality(a.locality)
         rand = Locality(0.0)
-        full = [Phase("full", None, loc, profile=a.profile_steps > 0)]
-        low = [Phase(f"b{b}", b, loc) for b in p.low_load_batches]
+        full = [Phase("full", None, loc, profile=a.profile_steps > 0, fill=True)]
+        low = [Phase(f"b{b}", b, loc) for b in p.low_load_batches]  # no pressure: no fill
+        sweep = [
+            Phase(f"p{x:g}", None, Locality(x), fill=True)
+            for x in (float(v) for v in a.locality_sweep.split(",") if v)
+        ]
         out = [
             Engine("noff_paper", "no-offload", pool=p.paper_pool, phases=list(full)),
             Engine(
@@ -389,7 +421,12 @@ class Study:
                 "echo",
                 dev_cache=p.paper_dev_cache,
                 host=p.host_pool,
-                phases=[*full, *([Phase("random", None, rand)] if a.random_keys else []), *low],
+                phases=[
+                    *full,
+                    *([Phase("random", None, rand, fill=True)] if a.random_keys else []),
+                    *sweep,
+                    *low,
+                ],
             ),
             Engine(
                 "noff_low",
@@ -488,6 +525,14 @@ class Study:
             f"admission {max(admit_s):.3f}s max each")  # fmt: skip
         for _ in range(a.warmup):
             node.step()
+        filled = 0
+        if eng.backend == "echo" and phase.fill:
+            # Steady state: a cache that has not filled yet never evicts. Warm up on until
+            # it does (or fill_max steps), so the measured steps pay evictions.
+            start = int(kv.cache.evictions.sum())
+            while filled < a.fill_max and int(kv.cache.evictions.sum()) == start:
+                node.step()
+                filled += 1
         moes = [m for m in self.model.modules() if isinstance(m, LocalRoutedMoE)]
         if eng.backend == "echo":
             kv.cache.reset_telemetry()
@@ -520,6 +565,7 @@ class Study:
             "host_pool": eng.host,
             "batch": b,
             "context": [min(ctx), max(ctx)],
+            "fill_steps": filled,
             "locality_source": phase.locality.source,
             "admission_s": {"median": median(admit_s), "max": max(admit_s)},
             "step_ms_device": step_ms,
@@ -590,9 +636,18 @@ class Study:
             )
             log(f"  components b={b}: moe {moe_us:.1f} us ({rows[-1]['moe_gbps']} GB/s), "
                 f"attention weights {proj_us:.1f} us")  # fmt: skip
+        kernels = {}
+        for b in (3, 16):
+            x = torch.randn(b, self.cfg.hidden_size, device=self.device, dtype=self.plan.dtype)
+            try:
+                kernels[f"moe_b{b}"] = profile_graph(lambda x=x: moe(x))
+            except Exception as exc:
+                kernels[f"moe_b{b}"] = {"error": f"{type(exc).__name__}: {exc}"}
         moe.touched.zero_()
         moe.forwards.zero_()
-        self.components = {"hbm_copy_gbps": round(hbm, 1), "per_batch": rows}
+        self.components.update(
+            {"hbm_copy_gbps": round(hbm, 1), "per_batch": rows, "moe_kernels_us": kernels}
+        )
 
     def component_at(self, batch: int) -> dict | None:
         rows = self.components.get("per_batch") or []
@@ -620,6 +675,24 @@ class Study:
             "no_offload_step_ms": round(n["step_ms_device"], 3),
             "echo_hit_rate_mean": round(statistics.mean(e["hit_rate_per_layer"]), 4),
         }
+
+    def sweep(self) -> dict:
+        """Ratio and hit rate against the stable fraction (the knob's calibration)."""
+        out = {}
+        for r in self.runs:
+            phase = r["phase"]
+            swept = phase in ("full", "random") or phase.startswith("p")
+            if r["engine"] != "echo_paper" or not swept:
+                continue
+            ratio = self.ratio("echo_paper", "noff_paper", phase=r["phase"])
+            out[r["locality_source"]] = ratio and {
+                "hit_rate_mean": ratio["echo_hit_rate_mean"],
+                "hit_rate_min": min(r["hit_rate_per_layer"]),
+                "ratio": ratio["ratio"],
+                "echo_step_ms": ratio["echo_step_ms"],
+                "evictions_per_step": r["evictions_per_step"],
+            }
+        return out
 
     def breakdown(self, run: dict | None) -> dict | None:
         if run is None:
@@ -689,6 +762,7 @@ class Study:
                 "same_pools": pools,
                 "equal_hbm_380k": equal,
                 "greedy_outputs_equal_at_low_load": lossless,
+                "locality_sweep_paper_all_hbm": self.sweep(),
                 "random_keys_paper_all_hbm": rand
                 and {
                     **rand,
@@ -813,12 +887,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--random-keys", action=argparse.BooleanOptionalAction, default=True,
                     help="also the random-keys run (the pessimistic bound)")  # fmt: skip
     ap.add_argument("--only", default="", help="comma-separated engine labels to run")
+    ap.add_argument(
+        "--fill-max",
+        type=int,
+        default=150,
+        help="ECHO: at most this many extra warm-up steps until the cache evicts",
+    )
+    ap.add_argument("--locality-sweep", default="0.5,0.7",
+                    help="extra stable fractions run at the paper's all-HBM setting")  # fmt: skip
     ap.add_argument("--skip-components", action="store_true")
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="start no engine after this many seconds (0: no limit)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.smoke:
         args.warmup, args.steps, args.profile_steps = min(args.warmup, 2), min(args.steps, 3), 0
+        args.fill_max = min(args.fill_max, 20)
     return args
 
 
