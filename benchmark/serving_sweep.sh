@@ -92,26 +92,8 @@ if [[ "${SHAREGPT:-0}" == "1" ]]; then
   roots+=("$OUT/sharegpt")
 fi
 echo "sweep took $((SECONDS - start)) s" | tee -a "$OUT/sweep_config.txt"
-"$PYTHON" -m sglang_echo.bench.plot "${roots[@]}" --out-dir "$OUT/plots" || true
-# The record: {name, device, date, command, metrics = the plotted numbers and ratios}.
-"$PYTHON" - "$OUT" "$*" << 'PY' || true
-import json, subprocess, sys, time
-from pathlib import Path
-out, args = Path(sys.argv[1]), sys.argv[2]
-try:
-    device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                            capture_output=True, text=True, check=True).stdout.strip()
-except (OSError, subprocess.CalledProcessError):
-    device = "cpu"
-summary = out / "plots" / "summary.json"
-record = {
-    "name": "serving_sweep",
-    "device": device,
-    "date": time.strftime("%Y-%m-%d"),
-    "command": f"bash benchmark/serving_sweep.sh {args}".strip(),
-    "config": (out / "sweep_config.txt").read_text().splitlines(),
-    "metrics": json.loads(summary.read_text()) if summary.is_file() else None,
-}
-(out / "serving_sweep.json").write_text(json.dumps(record, indent=2) + "\n")
-print(f"wrote {out / 'serving_sweep.json'}")
-PY
+# The record {name, device, date, command, sweeps, config, metrics}, written by the plot
+# tool (the same command merges several sweeps' folders into one record).
+"$PYTHON" -m sglang_echo.bench.plot "${roots[@]}" --out-dir "$OUT/plots" \
+  --record "$OUT/serving_sweep.json" --config "$OUT/sweep_config.txt" \
+  --sweep-command "bash benchmark/serving_sweep.sh $*" || true
