@@ -480,7 +480,9 @@ def test_echo_invariants_stateful_heavy(machine):
     run_state_machine_as_test(machine, settings=SLOW)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_long_random_run_then_release_all_frees_everything(seed):
     """A long plain random run (no shrinking, many more steps than the stateful runs),
     checked after every step; releasing every live request then empties the cache."""

@@ -77,7 +77,13 @@ SMALL_BLOCKS = {"lane_block": 16, "slot_block": 16, "num_warps": 1}
 
 @pytest.mark.parametrize(
     ("seed", "shape"),
-    [(0, {}), (1, {}), (2, {}), (3, SMALL_BLOCKS)],
+    [
+        (0, {}),
+        # More seeds of the default launch shape (the same compiled variants): -m slow.
+        pytest.param(1, {}, marks=pytest.mark.slow),
+        pytest.param(2, {}, marks=pytest.mark.slow),
+        (3, SMALL_BLOCKS),
+    ],
     ids=["seed0", "seed1", "seed2", "seed3-16-lane-16-slot-blocks"],
 )
 def test_kernels_match_reference_over_a_random_life(

@@ -19,7 +19,7 @@ from sglang_echo.config import EchoConfig
 from sglang_echo.generate import main as generate_main
 
 N_REQUESTS = 32
-NEW_TOKENS = 10
+NEW_TOKENS = 24  # long enough that the running requests overflow the device cache: ECHO evicts
 MAX_RUNNING = 32
 CHUNK = 32
 POOL = 1200  # smaller than the 32 requests' total: some of them queue
@@ -59,7 +59,7 @@ def _engine_state(app, serving) -> dict:
             "free_tokens": sched.steps.allocator.num_free,
             "free_rows": sched.steps.table.num_free_rows,
             "free_slots": cache.free_count.tolist(),
-            "reserved": sched.reserved,
+            "live": len(sched.live),
         }
 
     return app.state.engine.call(read).result(timeout=30)
@@ -78,7 +78,7 @@ def _assert_all_free(state: dict, serving, legal_min: int) -> None:
     layers = serving.info["num_layers"]
     assert state["free_tokens"] == POOL  # every host row back
     assert state["free_rows"] == MAX_RUNNING
-    assert state["reserved"] == 0
+    assert state["live"] == 0
     assert state["free_slots"] == [legal_min] * layers  # every device slot back
 
 
@@ -107,8 +107,22 @@ async def _stream_generate(session, url: str, ids: list[int], max_new: int) -> d
 
 
 def test_32_concurrent_streams_match_offline_generate(echo_server, tmp_path, small_checkpoint):
+    from prometheus_client.parser import text_string_to_metric_families
+
     url, app, serving, legal_min = echo_server
     prompts = _prompts()
+
+    async def echo_evictions() -> float:
+        """ECHO's resolve evictions so far, summed over layers, from /metrics."""
+        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+            assert resp.status == 200
+            text = await resp.text()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        samples = families["sglang:echo_evictions"].samples
+        assert len(samples) == serving.info["num_layers"]
+        return sum(s.value for s in samples)
+
+    evictions_before = asyncio.run(echo_evictions())
     # Offline reference: the generate CLI with the plain (no-offload) pool, batches of 8.
     pfile = tmp_path / "p.jsonl"
     pfile.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
@@ -148,6 +162,8 @@ def test_32_concurrent_streams_match_offline_generate(echo_server, tmp_path, sma
         assert counts == sorted(counts) and counts[-1] == NEW_TOKENS
         assert r["chunks"][-1]["meta_info"]["finish_reason"]["type"] == "length"
     _assert_all_free(_wait_idle(app, serving), serving, legal_min)
+    # Lossless under real cache pressure: the streams made ECHO evict.
+    assert asyncio.run(echo_evictions()) > evictions_before
 
 
 def test_abort_mid_stream_frees_every_slot_and_host_row(echo_server):

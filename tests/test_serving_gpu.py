@@ -1,6 +1,8 @@
 """CUDA: the serving scheduler with CUDA-graph decode (batch sizes up to the graph limit,
 larger ones eager) is lossless under ECHO at its smallest legal cache: the same arrival
-sequence gives the same tokens as with the plain pool, and every slot comes back.
+sequence gives the same tokens and bit-identical (torch.equal) logits at every step as with
+the plain pool, the ECHO run evicts (the cache is really under pressure), and every slot
+comes back.
 
 On the GPU, float32 GEMMs of different batch shapes round differently, so tokens are not
 compared with the offline engine's fixed batches here (the CPU tests do that); the
@@ -29,10 +31,37 @@ pytestmark = [
 NEW, MAX_RUNNING, CHUNK, GRAPH_BS = 12, 6, 32, 4
 
 
+def _record_logits(steps: StepRunner) -> dict[str, list[torch.Tensor]]:
+    """Wraps the step runner's prefill and decode to keep, per request id, every logits row
+    the scheduler samples a token from. Copied at once: under CUDA graphs a decode row is a
+    view of the graph's output buffer, which the next replay overwrites."""
+    rows: dict[str, list[torch.Tensor]] = {}
+    prefill_chunk, decode = steps.prefill_chunk, steps.decode
+
+    def keep(reqs, logits: torch.Tensor) -> None:
+        for req, row in zip(reqs, logits, strict=True):
+            rows.setdefault(req.rid, []).append(row.detach().to("cpu", copy=True))
+
+    def recording_prefill_chunk(*args, **kwargs):
+        done, logits = prefill_chunk(*args, **kwargs)
+        keep(done, logits)
+        return done, logits
+
+    def recording_decode(active, *args, **kwargs):
+        logits = decode(active, *args, **kwargs)
+        keep(active, logits)
+        return logits
+
+    steps.prefill_chunk, steps.decode = recording_prefill_chunk, recording_decode
+    return rows
+
+
 def _serve(model, cache, cap: int, prompts: list[list[int]]):
+    """-> (each request's output ids, each request's per-token logits rows)."""
     steps = StepRunner(
         model, cache, cap, MAX_RUNNING, 128, use_cuda_graph=True, cuda_graph_max_bs=GRAPH_BS
     )
+    step_logits = _record_logits(steps)
     sched = Scheduler(steps, MAX_RUNNING, CHUNK, 128, list(model.config.eos_token_ids))
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
     reqs = [ServeRequest(p, rid=str(i), params=params) for i, p in enumerate(prompts)]
@@ -43,8 +72,10 @@ def _serve(model, cache, cap: int, prompts: list[list[int]]):
     while sched.has_work():
         sched.step()
     assert steps.decode_runner.graphs and max(steps.decode_runner.graphs) <= GRAPH_BS
-    assert steps.allocator.num_free == cap and sched.reserved == 0
-    return [r.output for r in reqs]
+    assert steps.allocator.num_free == cap and not sched.live
+    logits = [step_logits[r.rid] for r in reqs]
+    assert all(len(rows) == NEW for rows in logits)
+    return [r.output for r in reqs], logits
 
 
 @pytest.mark.parametrize("name", ["default-rope", "fp8-indexer"])
@@ -54,13 +85,21 @@ def test_scheduler_with_cuda_graphs_is_lossless(checkpoints, name):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(5, 80))] for _ in range(14)]
     cap = sum(len(p) + NEW for p in prompts)
-    plain = _serve(model, PlainKVCache.for_model(cfg, cap, torch.float32, "cuda"), cap, prompts)
+    plain_cache = PlainKVCache.for_model(cfg, cap, torch.float32, "cuda")
+    plain, plain_logits = _serve(model, plain_cache, cap, prompts)
     n_g = EchoConfig(offload=True).min_dev_cache_size(MAX_RUNNING, cfg.index_topk, CHUNK)
     echo_cache = echo_cache_for_model(
         EchoConfig(offload=True, dev_cache_size=n_g), cfg, cap, torch.float32, "cuda"
     )
-    echo = _serve(model, echo_cache, cap, prompts)
+    echo, echo_logits = _serve(model, echo_cache, cap, prompts)
     assert echo == plain
+    for i, (a, b) in enumerate(zip(plain_logits, echo_logits, strict=True)):
+        for step, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), f"{name}: request {i}: logits differ at token {step}"
+    tel = echo_cache.telemetry()
+    assert sum(tel["evictions"]) > 0, (
+        f"{name}: no resolve eviction, the cache was not under pressure"
+    )
     assert echo_cache.cache.free_count.tolist() == [n_g] * cfg.num_hidden_layers
     model.set_graph_safe(False)
     offline_cache = PlainKVCache.for_model(cfg, cap, torch.float32, "cuda")
