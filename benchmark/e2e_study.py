@@ -4,6 +4,9 @@
     PYTHONUNBUFFERED=1 python3 benchmark/e2e_study.py --out DIR      # the H200 run
     python benchmark/e2e_study.py --smoke --out DIR                  # tiny, on the CPU
 
+benchmark/results/e2e_study.json (+ .log) came from
+``python3 benchmark/e2e_study.py --out $OUT --deadline-s 420`` on one H200 (152 s).
+
 The model (sglang_echo/study/worker.py) is random, built in memory: DeepSeek-V3.2's real
 attention and indexer dimensions (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope
 64, v_head 128, indexer 64 x 128 fp8, top-k 2048), bf16 KV, and in every layer one DP
