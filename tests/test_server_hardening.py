@@ -134,6 +134,8 @@ def test_live_rid_is_refused_and_a_disconnect_ends_only_its_own_request(server):
     status2, err2, last = asyncio.run(go())
     assert status2 == 400 and "still running" in err2["error"]["message"]
     assert last == "data: [DONE]"  # the first request ran to its end
+    state = _idle_state(app)
+    assert state["live"] == 0 and state["free_tokens"] == POOL
 
 
 def test_non_streaming_disconnect_aborts_the_request(server):
