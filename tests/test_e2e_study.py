@@ -167,3 +167,25 @@ def test_e2e_study_smoke_writes_the_record(tmp_path: Path) -> None:
     assert all(r["leak_free"] for r in rec["runs"])
     batches = {r["engine"]: r["batch"] for r in rec["runs"] if r["phase"] == "full"}
     assert batches["noff_paper"] == 3 and batches["echo_paper"] == 10  # the capacity rules
+
+
+def test_decode_node_echo_equals_no_offload_under_eviction(worker) -> None:
+    """Same seeds, same batch: ECHO at its smallest legal cache (evicting every step) gives
+    the no-offload node's greedy tokens."""
+    cfg, model, directions = worker
+    outputs = []
+    for backend in ("no-offload", "echo"):
+        if backend == "echo":
+            kv, runner, node = _echo_node(cfg, model, directions, 0.5, n_g=48, host=2000)
+        else:
+            kv = PlainKVCache.for_model(cfg, 2000, torch.float32, "cpu")
+            runner = StepRunner(model, kv, 2000, max_requests=3, max_context=900)
+            synth = SyntheticKV(cfg, directions, Locality(0.5), torch.float32, "cpu")
+            node = DecodeNode(runner, synth, cfg.vocab_size)
+        reqs = [node.admit(500 + 7 * i, seed=i, max_new_tokens=12) for i in range(3)]
+        while node.running:
+            node.step()
+        outputs.append([r.output for r in reqs])
+        if backend == "echo":
+            assert sum(kv.telemetry()["evictions"]) > 0
+    assert outputs[0] == outputs[1]
