@@ -75,8 +75,10 @@ def test_plan_sizes_pools_from_the_users_numbers():
         (dict(enable_unified_memory=True), "--enable-unified-memory"),
         (dict(enable_kv_cache_sharding=True), "--enable-kv-cache-sharding"),
         (dict(dcp_size=2), "--dcp-size 2"),
-        (dict(attn_dp_size=4), "--attention-data-parallel-size 4"),
-        (dict(enable_dp_attention=True), "--enable-dp-attention"),
+        (dict(attn_cp_size=2), "--attention-context-parallel-size 2"),
+        (dict(dp_size=2), "--dp-size 2 without --enable-dp-attention"),
+        (dict(attn_dp_size=8, max_running_requests=40), "between 8 and 39"),
+        (dict(attn_dp_size=8, max_running_requests=7), "7 // 8 ranks = 0 per rank"),
         (dict(page_size=1), "--page-size 1"),
         (dict(kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_sparse"), "flashmla_kv"),
         (dict(dsa_decode_backend="trtllm"), "--dsa-decode-backend trtllm"),
@@ -91,6 +93,33 @@ def test_plan_rejects_with_the_flag_to_change(fields, needle):
         plan_echo(view(**fields), EchoConfig(dev_cache_size=10_000), top_k=2048, context_len=None)
     assert needle in str(info.value)
     assert "NSA_KV_OFFLOAD=1" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "dp_fields",
+    [dict(attn_dp_size=8), dict(dp_size=8, enable_dp_attention=True)],
+    ids=["attn_dp_size", "deprecated_spelling"],
+)
+def test_plan_under_dp_attention_is_per_rank(dp_fields):
+    """--tp 8 --dp 8 --enable-dp-attention: each rank runs max_running // 8 requests
+    against its own N_G, and its own pools get the single-rank sizes."""
+    config = EchoConfig(dev_cache_size=10_000)
+    single = plan_echo(view(), config, top_k=2048, context_len=None)
+    plan = plan_echo(view(**dp_fields), config, top_k=2048, context_len=None)
+    assert plan.attn_dp_size == 8 and plan.per_rank_running == 4
+    assert plan.max_running_requests == 32  # sglang divides it by attn_dp_size again
+    assert plan.device_rows == single.device_rows == 10_048 + 4 * 64
+    assert plan.host_to_device_ratio == single.host_to_device_ratio
+    capped = plan_echo(
+        view(**dp_fields, max_running_requests=19), config, top_k=2048, context_len=None
+    )
+    assert capped.per_rank_running == 2 and capped.max_running_requests == 16
+    assert capped.device_rows == 10_048 + 2 * 64
+    local = plan_echo(
+        view(**dp_fields, disaggregation_mode="null"), config, top_k=2048, context_len=5000
+    )
+    assert local.device_rows == 10_048 + 4 * 64 + 5056  # one prompt per rank
+    assert local.max_running_requests == 32
 
 
 def test_plan_lists_every_problem_and_small_caches():

@@ -59,6 +59,7 @@ MODEL_CONFIG = {
 }
 
 ECHO_ENV = {"NSA_DEV_CACHE_SIZE": "260_000"}
+DP_ATTENTION = ["--tp-size", "8", "--dp-size", "8", "--enable-dp-attention"]
 GOOD = {
     "pd_decode": ["--disaggregation-mode", "decode", "--max-total-tokens", "1000000"],
     "server": ["--max-total-tokens", "600000", "--context-length", "8192"],
@@ -66,7 +67,18 @@ GOOD = {
         "--max-total-tokens", "600000", "--context-length", "8192",
         "--max-running-requests", "4",
     ],
+    # The ECHO artifact's deployment: every size below is per attention-DP rank.
+    "pd_decode_dp8": [
+        "--disaggregation-mode", "decode", "--max-total-tokens", "1000000", *DP_ATTENTION,
+    ],
+    "server_dp8": ["--max-total-tokens", "600000", "--context-length", "8192", *DP_ATTENTION],
+    "pd_decode_dp8_capped": [
+        "--disaggregation-mode", "decode", "--max-total-tokens", "1000000", *DP_ATTENTION,
+        "--max-running-requests", "70",
+    ],
 }  # fmt: skip
+# Per-rank running requests each GOOD case must resolve to (N_G // top-k unless capped).
+PER_RANK_RUNNING = {"server_capped": 4, "pd_decode_dp8_capped": 70 // 8}
 # (extra argv, extra env, text every error message must contain)
 BAD = {
     "speculative": (["--speculative-algorithm", "EAGLE"], {}, "--speculative-algorithm"),
@@ -170,12 +182,15 @@ def test_env_on_resolves_what_echo_needs(launches, name):
     assert launches["on_state"]["coordinator"] == "EchoCoordinator"
     result = launches["good"][name]
     assert result.get("pickle_stable"), result.get("error")
-    pd = name == "pd_decode"
+    pd = name.startswith("pd_decode")
     host = 1_000_000 if pd else 600_000
-    running = 4 if name == "server_capped" else N_G // TOP_K
+    running = PER_RANK_RUNNING.get(name, N_G // TOP_K)  # per attention-DP rank
+    ranks = 8 if "dp8" in name else 1
+    assert field(result, "attn_dp_size") == ranks
     assert field(result, "enable_hisparse") is True
     assert field(result, "disable_radix_cache") is True
-    assert field(result, "max_running_requests") == running
+    # sglang gives each rank max_running_requests // attn_dp_size.
+    assert field(result, "max_running_requests") == running * ranks
     assert field(result, "page_size") == 64
     assert field(result, "dsa_decode_backend") == "flashmla_sparse"
     rows = field(result, "max_total_tokens")

@@ -6,12 +6,19 @@ layer). SGLang's HiSparse sizes its pools differently: ``max_total_tokens`` = S 
 rows, and ``hisparse_config.host_to_device_ratio`` = R, giving S x R logical (= host)
 tokens. So the plan is
 
-    S = ceil64(N_G + 1) + 64 x max_running + (non-PD: one longest prompt, ceil64)
+    S = ceil64(N_G + 1) + 64 x running per rank + (non-PD: one longest prompt, ceil64)
     R = ceil(T / S)
 
 where each running request owns one 64-row page for its newest token, and a local
 prefill keeps its prompt's rows on the device until the prompt is on the host. Running
 requests are bounded by N_G // top-k: one decode step's selections must all be resident.
+
+Under DP attention (``--tp-size 8 --dp-size 8 --enable-dp-attention``, the ECHO
+artifact's deployment; sglang 0.5.23 turns it into ``attn_dp_size = 8``) every
+attention-DP rank is a scheduler of its own with its own KV pools: sglang caps each
+rank at ``max_running_requests // attn_dp_size`` requests and each rank's pool at
+``--max-total-tokens``. So N_G, T and S are per rank, the N_G // top-k bound applies to
+each rank's share, and the global ``max_running_requests`` is that share x attn_dp_size.
 
 Plain Python: reads an attribute view of the arguments (SGLang's resolving view, or any
 namespace in tests) and returns declarations; ``install`` wires it into SGLang.
@@ -47,10 +54,16 @@ class EchoPlan:
     dev_cache_size: int  # N_G, ECHO slots per layer
     host_tokens: int  # T, the user's --max-total-tokens
     top_k: int
-    max_running_requests: int
+    max_running_requests: int  # sglang's global cap: per_rank_running x attn_dp_size
     prefill_rows: int  # device rows kept for local prefills (0 on a PD decode node)
     device_rows: int  # S, HiSparse's max_total_tokens
     host_to_device_ratio: int  # R
+    attn_dp_size: int = 1  # attention-DP ranks; each has its own pools of these sizes
+
+    @property
+    def per_rank_running(self) -> int:
+        """Requests one attention-DP rank runs at once (what N_G // top-k bounds)."""
+        return self.max_running_requests // self.attn_dp_size
 
     def hisparse_config(self) -> str:
         return json.dumps(
@@ -116,15 +129,21 @@ def incompatible_flags(view: Any) -> list[str]:
     for flag, name in (
         ("--pp-size", "pp_size"),
         ("--dcp-size", "dcp_size"),
-        ("--dp-size", "dp_size"),
-        ("--attention-data-parallel-size", "attn_dp_size"),
         ("--attention-context-parallel-size", "attn_cp_size"),
     ):
         value = get(name, 1)
         if value is not None and int(value) > 1:
-            problems.append(f"{flag} {value}: ECHO supports tensor parallelism only; set {flag} 1.")
-    if get("enable_dp_attention"):
-        problems.append(f"--enable-dp-attention: ECHO supports tensor parallelism only; {off}.")
+            problems.append(
+                f"{flag} {value}: ECHO supports tensor parallelism and DP attention only; "
+                f"set {flag} 1."
+            )
+    replicas = get("dp_size", 1)
+    if replicas is not None and int(replicas) > 1 and not get("enable_dp_attention"):
+        problems.append(
+            f"--dp-size {replicas} without --enable-dp-attention starts {replicas} server "
+            "replicas, which ECHO does not support; add --enable-dp-attention (attention "
+            "DP, the ECHO deployment) or set --dp-size 1."
+        )
     if get("hisparse_config") is not None:
         problems.append(
             "--hisparse-config: sglang-echo writes HiSparse's configuration itself; "
@@ -151,6 +170,15 @@ def backend_problems(kv_cache_dtype: str | None, decode_backend: str | None) -> 
             f"{' or '.join(allowed)} (kv cache {dtype}); use one of them or omit the flag."
         ]
     return []
+
+
+def attention_dp_size(view: Any) -> int:
+    """Attention-DP ranks: ``attn_dp_size``, or the deprecated ``--dp-size N
+    --enable-dp-attention`` spelling before sglang's first step translates it."""
+    attn_dp = int(getattr(view, "attn_dp_size", 1) or 1)
+    if attn_dp == 1 and getattr(view, "enable_dp_attention", False):
+        attn_dp = int(getattr(view, "dp_size", 1) or 1)
+    return attn_dp
 
 
 def plan_echo(
@@ -181,34 +209,45 @@ def plan_echo(
     if problems:
         raise ConfigError(format_problems(problems))
 
-    cap = config.dev_cache_size // top_k
-    running = getattr(view, "max_running_requests", None)
-    running = cap if running is None else int(running)
+    attn_dp = attention_dp_size(view)
+    cap = config.dev_cache_size // top_k  # per attention-DP rank
+    asked = getattr(view, "max_running_requests", None)
+    per_rank = cap if asked is None else int(asked) // attn_dp
     if cap < 1:
         problems.append(
             f"{ENV_DEV_CACHE}={config.dev_cache_size} cannot hold one request's "
             f"top-{top_k} selection; set {ENV_DEV_CACHE} >= {top_k}."
         )
-    elif not 1 <= running <= cap:
-        problems.append(
-            f"--max-running-requests {running}: one decode step selects up to {running} x "
-            f"top-k {top_k} = {running * top_k} tokens per layer and all must fit the "
-            f"{ENV_DEV_CACHE}={config.dev_cache_size} slots; set --max-running-requests "
-            f"between 1 and {cap}, or {ENV_DEV_CACHE} >= {max(running, 1) * top_k}."
-        )
+    elif not 1 <= per_rank <= cap:
+        problems.append(running_problem(int(asked), attn_dp, cap, top_k, config.dev_cache_size))
     if problems:
         raise ConfigError(format_problems(problems))
     device_rows = (
-        _ceil(config.dev_cache_size + 1, DSA_PAGE_SIZE) + running * DSA_PAGE_SIZE + prefill_rows
+        _ceil(config.dev_cache_size + 1, DSA_PAGE_SIZE) + per_rank * DSA_PAGE_SIZE + prefill_rows
     )
     return EchoPlan(
         dev_cache_size=config.dev_cache_size,
         host_tokens=int(host_tokens),
         top_k=top_k,
-        max_running_requests=running,
+        max_running_requests=per_rank * attn_dp,
         prefill_rows=prefill_rows,
         device_rows=device_rows,
         host_to_device_ratio=max(1, math.ceil(int(host_tokens) / device_rows)),
+        attn_dp_size=attn_dp,
+    )
+
+
+def running_problem(asked: int, attn_dp: int, cap: int, top_k: int, dev_cache: int) -> str:
+    """--max-running-requests outside what each rank's N_G slots can serve."""
+    per_rank = asked // attn_dp
+    where = "" if attn_dp == 1 else f" on each of the {attn_dp} attention-DP ranks"
+    share = "" if attn_dp == 1 else f" ({asked} // {attn_dp} ranks = {per_rank} per rank)"
+    low, high = attn_dp, cap * attn_dp + attn_dp - 1
+    return (
+        f"--max-running-requests {asked}{share}: one decode step{where} selects up to "
+        f"{per_rank} x top-k {top_k} = {per_rank * top_k} tokens per layer and all must fit "
+        f"the {ENV_DEV_CACHE}={dev_cache} slots; set --max-running-requests between {low} "
+        f"and {high}, or {ENV_DEV_CACHE} >= {max(per_rank, 1) * top_k}."
     )
 
 

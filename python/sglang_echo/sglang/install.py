@@ -58,13 +58,15 @@ def plan_step(server_args: Any, previous) -> None:
     declare_resolution(server_args, SOURCE, **plan.declarations())
     _plans[id(server_args)] = plan
     logger.info(
-        "%s: ECHO on: device cache %d slots/layer, host pool %d tokens, top-k %d, "
-        "<= %d running requests; HiSparse pool %d device rows x ratio %d",
+        "%s: ECHO on, per attention-DP rank (%d rank(s)): device cache %d slots/layer, "
+        "host pool %d tokens, top-k %d, <= %d running requests; HiSparse pool %d device "
+        "rows x ratio %d",
         SOURCE,
+        plan.attn_dp_size,
         plan.dev_cache_size,
         plan.host_tokens,
         plan.top_k,
-        plan.max_running_requests,
+        plan.per_rank_running,
         plan.device_rows,
         plan.host_to_device_ratio,
     )
