@@ -10,8 +10,9 @@ usage() {
 Usage: [ENGINE=echo|sglang] [DSV32W4=ckpt] [INFINI_DATASET=file.jsonl] e2e_test_pd_infini.sh [options]
 
 Runs the InfiniteBench sweep twice: no-offload, then offload (NSA_KV_OFFLOAD=1).
-ENGINE=echo (default) serves with this project's runtime; ENGINE=sglang deploys SGLang
-prefill + decode (ECHO plugin on decode) + router as the ECHO artifact does (8 GPUs).
+ENGINE=echo (default) serves with this project's runtime; ENGINE=sglang runs SGLang 0.5.23's
+decode-only benchmark on 8 GPUs (TP 8, DP attention 8): one decode node with the fake
+transfer backend, ECHO plugin on it when offloading.
 Without INFINI_DATASET (default /workspace/infini-100K-110K.jsonl when present), the
 benchmark uses a labelled synthetic workload of the same lengths, scaled to the context.
 

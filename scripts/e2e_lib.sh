@@ -36,7 +36,7 @@ COMMON_USAGE='  --request-rates LIST              comma-separated request rates,
   --chunked-prefill-size N          server chunked prefill size
   --cuda-graph-max-bs N             server CUDA-graph batch-size limit
   --max-running-requests N          server max running requests
-  --port N                          server (or router) port (default 30000)
+  --port N                          server port (default 30000)
   -h, --help                        this help
 Environment: ENGINE=echo|sglang (default echo); DSV32W4=checkpoint (ENGINE=echo without it
 uses a generated tiny DeepSeek-V3.2 model); PYTHON; E2E_WORK (scratch, default .e2e/).'
@@ -144,23 +144,20 @@ launch_echo() {
     "http://127.0.0.1:$PORT/health"
 }
 
-# launch_sglang_pd MODE RES_DIR: SGLang prefill + decode (ECHO on the decode node when
-# offloading) + router, as the ECHO artifact deploys DeepSeek-V3.2 on 8 GPUs.
+# sglang 0.5.23's spelling of the ECHO artifact's deployment (8 GPUs, DP attention).
+SGLANG_PARALLEL=(--tp-size 8 --dp-size 8 --enable-dp-attention --quantization moe_wna16)
+
+# launch_sglang_pd MODE RES_DIR: the decode-only benchmark as SGLang 0.5.23 runs it: one
+# decode node with the fake transfer backend serves requests directly (their prompt KV is
+# not computed; a 0.5.23 prefill node refuses the fake backend, so the artifact's
+# fake-prefill + decode + router topology no longer starts). ECHO on it when offloading;
+# --max-total-tokens is then each attention-DP rank's host pool.
 launch_sglang_pd() {
   local mode="$1" res="$2"
-  local ready="The server is fired up and ready to roll!"
-  start_bg "sglang-prefill" "$res/prefill.log" FAKE_P_NODE=1 DS_DEBUG_LAYERS=1 -- \
-    python3 -m sglang.launch_server --model-path "$MODEL" --disaggregation-mode prefill \
-    --host 127.0.0.1 --port 1111 --tp 8 --dp 8 --enable-dp-attention \
-    --disaggregation-bootstrap-port 8998 --quantization moe_wna16 --mem-fraction-static 0.03 \
-    --chunked-prefill-size "${CHUNKED_PREFILL_SIZE:-16384}" --disaggregation-transfer-backend fake \
-    --load-balance-method round_robin
-  wait_ready "sglang-prefill" "$res/prefill.log" "$ready"
   local decode=(python3 -m sglang.launch_server --model-path "$MODEL" --disaggregation-mode decode
-    --host 127.0.0.1 --port 2233 --tp 8 --dp 8 --enable-dp-attention --speculative-num-steps 0
-    --disable-radix-cache --disable-overlap-schedule --quantization moe_wna16
-    --prefill-round-robin-balance --cuda-graph-max-bs "${CUDA_GRAPH_MAX_BS:-48}"
-    --disaggregation-transfer-backend fake)
+    --disaggregation-transfer-backend fake --host 127.0.0.1 --port "$PORT" "${SGLANG_PARALLEL[@]}"
+    --disable-radix-cache --disable-overlap-schedule --cuda-graph-max-bs-decode "${CUDA_GRAPH_MAX_BS:-48}")
+  [[ -n "${MAX_RUNNING_REQUESTS:-}" ]] && decode+=(--max-running-requests "$MAX_RUNNING_REQUESTS")
   local envs=(NSA_KV_OFFLOAD=0)
   if [[ "$mode" == "offload" ]]; then
     envs=(NSA_KV_OFFLOAD=1 "NSA_DEV_CACHE_SIZE=$OFFLOAD_NSA_DEV_CACHE_SIZE")
@@ -170,21 +167,17 @@ launch_sglang_pd() {
     [[ -n "${NO_OFFLOAD_MAX_TOTAL_TOKENS:-}" ]] && decode+=(--max-total-tokens "$NO_OFFLOAD_MAX_TOTAL_TOKENS")
   fi
   start_bg "sglang-decode" "$res/decode.log" "${envs[@]}" -- "${decode[@]}"
-  wait_ready "sglang-decode" "$res/decode.log" "$ready"
-  start_bg "sglang-router" "$res/router.log" -- python3 -m sglang_router.launch_router \
-    --pd-disaggregation --prefill http://127.0.0.1:1111 8998 --decode http://127.0.0.1:2233 \
-    --host 127.0.0.1 --port "$PORT"
-  wait_ready "sglang-router" "$res/router.log" "Router ready"
+  wait_ready "sglang-decode" "$res/decode.log" "The server is fired up and ready to roll!"
 }
 
 # launch_sglang_single MODE RES_DIR: one SGLang server (the ShareGPT mix runs this way).
 launch_sglang_single() {
   local mode="$1" res="$2"
-  local cmd=(python3 -m sglang.launch_server --model "$MODEL" --host 127.0.0.1 --port "$PORT"
-    --mem-fraction-static 0.8 --speculative-num-steps 0 --disable-radix-cache
-    --disable-overlap-schedule --chunked-prefill-size "${CHUNKED_PREFILL_SIZE:--1}"
-    --cuda-graph-max-bs "${CUDA_GRAPH_MAX_BS:-32}" --tp 8 --dp 8 --enable-dp-attention
-    --quantization moe_wna16)
+  local cmd=(python3 -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --port "$PORT"
+    --mem-fraction-static 0.8 --disable-radix-cache --disable-overlap-schedule
+    --chunked-prefill-size "${CHUNKED_PREFILL_SIZE:--1}"
+    --cuda-graph-max-bs-decode "${CUDA_GRAPH_MAX_BS:-32}" "${SGLANG_PARALLEL[@]}")
+  [[ -n "${MAX_RUNNING_REQUESTS:-}" ]] && cmd+=(--max-running-requests "$MAX_RUNNING_REQUESTS")
   local envs=(NSA_KV_OFFLOAD=0)
   if [[ "$mode" == "offload" ]]; then
     envs=(NSA_KV_OFFLOAD=1 "NSA_DEV_CACHE_SIZE=$OFFLOAD_NSA_DEV_CACHE_SIZE")

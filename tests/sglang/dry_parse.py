@@ -9,6 +9,8 @@ error. Only the device-capability query is stubbed (no GPU here).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pickle
@@ -34,12 +36,16 @@ def run_case(case: dict) -> dict:
 
     saved = {k: os.environ.get(k) for k in case.get("env", {})}
     os.environ.update(case.get("env", {}))
+    stderr = io.StringIO()
     try:
-        server_args = prepare_server_args(case["argv"])
+        with contextlib.redirect_stderr(stderr):  # argparse reports there, then exits
+            server_args = prepare_server_args(case["argv"])
         server_args.resolve_once()
         before = resolved_fields(server_args)
         after = resolved_fields(pickle.loads(pickle.dumps(server_args)))
         return {"fields": after, "pickle_stable": before == after}
+    except SystemExit as exc:  # the parser refused the command line
+        return {"error": f"SystemExit({exc.code}): {stderr.getvalue().strip()[-2000:]}"}
     except Exception as exc:  # reported to the test, which decides
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
