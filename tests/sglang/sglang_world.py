@@ -237,9 +237,25 @@ class DecodeNode:
         token = self.running.pop(rid)
         req = token.req
         self.coord.request_finished(req)
+        self._release_kv(req)
+
+    def _release_kv(self, req) -> None:
         locs = self.req_to_token.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len]
         self.allocator.free(locs.to(torch.int64))
         self.req_to_token.free(req)
+
+    def retract(self, rid: str, backup: str) -> bool:
+        """sglang's release_req on a PD decode node: the coordinator's retract_req, then
+        the retraction backup (sglang's own backup_kv_cache with ``backup``), then
+        release_kv_cache. Returns whether a backup was kept (False: sglang aborts it)."""
+        from sglang.srt.mem_cache.common import backup_kv_cache
+
+        req = self.running.pop(rid).req
+        self.coord.retract_req(req)
+        try:
+            return backup_kv_cache(req, None, self.req_to_token, self.allocator, backup)
+        finally:
+            self._release_kv(req)
 
     # ------------------------------------------------------------ decode step
     def step(self, rids: list[str], padded_bs: int, topk_for) -> list[torch.Tensor]:

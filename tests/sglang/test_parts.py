@@ -62,6 +62,10 @@ def test_plan_sizes_pools_from_the_users_numbers():
         context_len=5000,
     )
     assert local.device_rows == 10_048 + 2 * 64 + 5056  # + one longest prompt
+    # PD decode retraction keeps no KV copy (sglang's would crash on the DSA pool);
+    # a local server's retraction re-prefills, so nothing is declared there.
+    assert plan.declarations()["disaggregation_decode_retraction_backup"] == "none"
+    assert "disaggregation_decode_retraction_backup" not in local.declarations()
 
 
 @pytest.mark.parametrize(
@@ -76,6 +80,10 @@ def test_plan_sizes_pools_from_the_users_numbers():
         (dict(enable_kv_cache_sharding=True), "--enable-kv-cache-sharding"),
         (dict(dcp_size=2), "--dcp-size 2"),
         (dict(attn_cp_size=2), "--attention-context-parallel-size 2"),
+        (
+            dict(disaggregation_decode_retraction_backup="cpu_tensor"),
+            "--disaggregation-decode-retraction-backup cpu_tensor",
+        ),
         (dict(dp_size=2), "--dp-size 2 without --enable-dp-attention"),
         (dict(attn_dp_size=8, max_running_requests=40), "between 8 and 39"),
         (dict(attn_dp_size=8, max_running_requests=7), "7 // 8 ranks = 0 per rank"),

@@ -95,6 +95,16 @@ BAD = {
     "pipeline": (["--pp-size", "2"], {}, "--pp-size 2"),
     "data_parallel": (["--dp-size", "2"], {}, "--dp-size 2"),
     "own_hisparse_config": (["--hisparse-config", "{}"], {}, "--hisparse-config"),
+    "retraction_backup": (
+        [
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-decode-retraction-backup",
+            "cpu_tensor",
+        ],
+        {},
+        "--disaggregation-decode-retraction-backup cpu_tensor",
+    ),
     "too_many_running": (["--max-running-requests", "200"], {}, "NSA_DEV_CACHE_SIZE"),
     "bad_cache_size": ([], {"NSA_DEV_CACHE_SIZE": "12k"}, "NSA_DEV_CACHE_SIZE='12k'"),
     "no_host_pool": (None, {}, "--max-total-tokens is required"),
@@ -201,6 +211,9 @@ def test_env_on_resolves_what_echo_needs(launches, name):
     assert rows * ratio >= host > rows * (ratio - 1)  # the host pool holds T tokens
     assert config["top_k"] == TOP_K and config["echo_dev_cache"] == N_G
     assert config["device_buffer_size"] >= TOP_K
+    # PD decode: a retraction keeps no KV copy (test_retraction.py); a local server's
+    # retraction re-prefills, and sglang's own choice stays.
+    assert field(result, "disaggregation_decode_retraction_backup") == ("none" if pd else None)
 
 
 @pytest.mark.parametrize("name", list(BAD))

@@ -43,6 +43,7 @@ DECODE_BACKENDS = {
     "fp8_e4m3": ("flashmla_kv", "flashinfer_sparse_mla"),
 }
 KV_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
+RETRACTION_BACKUP = "none"  # PD decode retraction keeps no KV copy (see declarations)
 
 
 def _ceil(n: int, multiple: int) -> int:
@@ -59,6 +60,7 @@ class EchoPlan:
     device_rows: int  # S, HiSparse's max_total_tokens
     host_to_device_ratio: int  # R
     attn_dp_size: int = 1  # attention-DP ranks; each has its own pools of these sizes
+    pd_decode: bool = False  # a PD decode node (prompt KV arrives in the host pool)
 
     @property
     def per_rank_running(self) -> int:
@@ -80,13 +82,21 @@ class EchoPlan:
         )
 
     def declarations(self) -> dict[str, Any]:
-        return {
+        fields: dict[str, Any] = {
             "enable_hisparse": True,
             "disable_radix_cache": True,
             "hisparse_config": self.hisparse_config(),
             "max_total_tokens": self.device_rows,
             "max_running_requests": self.max_running_requests,
         }
+        if self.pd_decode:
+            # Retraction on a PD decode node: sglang would back the request's KV up with
+            # the device pool's get_cpu_copy (not implemented by the DSA pools; the
+            # scheduler crashes) after the coordinator has already freed its host KV.
+            # "none": the retracted request is aborted with 503 "Retry later" and the
+            # client (or router) submits it again; its host and device rows are freed.
+            fields["disaggregation_decode_retraction_backup"] = RETRACTION_BACKUP
+        return fields
 
 
 def _is_set(value: Any) -> bool:
@@ -117,6 +127,14 @@ def incompatible_flags(view: Any) -> list[str]:
         problems.append(
             "--disaggregation-decode-enable-radix-cache: the decode radix cache is not "
             f"supported with ECHO; {off}."
+        )
+    backup = get("disaggregation_decode_retraction_backup")
+    if backup not in (None, RETRACTION_BACKUP):
+        problems.append(
+            f"--disaggregation-decode-retraction-backup {backup}: ECHO's KV lives in its "
+            "host pool, which sglang's retraction backups cannot copy; drop the flag "
+            f"(sglang-echo sets {RETRACTION_BACKUP!r}: a retracted request is aborted with "
+            "503 for the client to retry)."
         )
     if get("enable_hierarchical_cache"):
         problems.append(
@@ -234,6 +252,7 @@ def plan_echo(
         device_rows=device_rows,
         host_to_device_ratio=max(1, math.ceil(int(host_tokens) / device_rows)),
         attn_dp_size=attn_dp,
+        pd_decode=pd_decode,
     )
 
 
