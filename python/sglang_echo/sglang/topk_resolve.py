@@ -10,8 +10,12 @@ sequence length (the current token included) and the indexer's top-k token posit
 - ``row_base + slot`` for every earlier token: its host id (SGLang's
   ``req_to_host_pool``) resolved by EchoManager, which protects hits, evicts and recalls
   misses, so the row holds that token's bytes for this layer;
-- -1 for padding lanes, for rows past ``num_real_reqs`` (CUDA-graph padding) and for
-  requests that hold no ECHO state (the capture-time dummy request 0).
+- -1 for padding lanes, for rows past ``num_real_reqs`` (CUDA-graph padding), for
+  requests that hold no ECHO state (the capture-time dummy request 0), and for top-k
+  rows past the batch's requests: sglang's DSA backend pads the top-k tensor with -1
+  rows to the number of q rows (``_pad_topk_indices``), which can exceed the number of
+  requests, so rows are matched to requests by position and the rest are padding. An
+  IDLE batch (a DP-attention rank with nothing to run) has zero rows.
 
 Every shape is fixed by the batch; counts stay on the device; so the call can be captured
 in a CUDA graph whenever EchoManager's resolve can.
@@ -60,11 +64,15 @@ class TopkToRows:
         topk: torch.Tensor,
         num_real_reqs: torch.Tensor,
     ) -> torch.Tensor:
-        bs, width = topk.shape
-        out = self.out[:bs, :width]
-        n = min(bs, self.max_rows)  # rows past max_rows can only be padding
-        if n < bs:
+        num_rows, width = topk.shape
+        out = self._output(num_rows, width, topk.device)
+        # Row i is request i; rows past the requests (sglang's padding to the q rows) and
+        # past max_rows (only padding can be there) select nothing.
+        n = min(num_rows, req_pool_indices.shape[0], self.max_rows)
+        if n < num_rows:
             out[n:].fill_(-1)
+        if n == 0:
+            return out
         device = topk.device
         positions = topk[:n].to(torch.int64)
         req = req_pool_indices[:n].to(torch.int64)
@@ -85,3 +93,10 @@ class TopkToRows:
         rows = torch.where(is_newest, newest.unsqueeze(1).expand_as(rows), rows)
         out[:n].copy_(rows)
         return out
+
+    def _output(self, rows: int, width: int, device: torch.device) -> torch.Tensor:
+        """The static table's first ``rows`` rows; a fresh table for an eager batch padded
+        past it (a CUDA graph never is: its rows are the captured batch sizes)."""
+        if rows <= self.out.shape[0] and width <= self.out.shape[1]:
+            return self.out[:rows, :width]
+        return torch.full((rows, width), -1, dtype=self.out.dtype, device=device)
