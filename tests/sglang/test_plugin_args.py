@@ -208,7 +208,8 @@ def test_env_on_resolves_what_echo_needs(launches, name):
     assert rows == math.ceil((N_G + 1) / 64) * 64 + 64 * running + prefill
     config = json.loads(field(result, "hisparse_config"))
     ratio = config["host_to_device_ratio"]
-    assert rows * ratio >= host > rows * (ratio - 1)  # the host pool holds T tokens
+    # sglang's host pool has rows x ratio + 64 slots; ECHO keeps two pages: T fit.
+    assert rows * ratio - 64 >= host > rows * (ratio - 1) - 64
     assert config["top_k"] == TOP_K and config["echo_dev_cache"] == N_G
     assert config["device_buffer_size"] >= TOP_K
     # PD decode: a retraction keeps no KV copy (test_retraction.py); a local server's

@@ -7,7 +7,10 @@ rows, and ``hisparse_config.host_to_device_ratio`` = R, giving S x R logical (= 
 tokens. So the plan is
 
     S = ceil64(N_G + 1) + 64 x running per rank + (non-PD: one longest prompt, ceil64)
-    R = ceil(T / S)
+    R = ceil((T + 64) / S)
+
+(sglang's host pool has S x R + 64 slots, of which ECHO keeps two pages, so S x R - 64
+slots hold tokens: at least T.)
 
 where each running request owns one 64-row page for its newest token, and a local
 prefill keeps its prompt's rows on the device until the prompt is on the host. Running
@@ -43,6 +46,9 @@ DECODE_BACKENDS = {
     "fp8_e4m3": ("flashmla_kv", "flashinfer_sparse_mla"),
 }
 KV_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
+# Host slots lost to ECHO: sglang adds one page to the host pool, ECHO keeps two (its
+# sink and scratch rows), and the coordinator holds the logical ids they cannot serve.
+HOST_KEPT = DSA_PAGE_SIZE
 RETRACTION_BACKUP = "none"  # PD decode retraction keeps no KV copy (see declarations)
 
 
@@ -250,7 +256,7 @@ def plan_echo(
         max_running_requests=per_rank * attn_dp,
         prefill_rows=prefill_rows,
         device_rows=device_rows,
-        host_to_device_ratio=max(1, math.ceil(int(host_tokens) / device_rows)),
+        host_to_device_ratio=max(1, math.ceil((int(host_tokens) + HOST_KEPT) / device_rows)),
         attn_dp_size=attn_dp,
         pd_decode=pd_decode,
     )

@@ -103,6 +103,7 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         self._drop_per_request_buffers()
         self.num_slots = configured_cache_size()
         self.reserved_host_ids = self._reserve_host_pages()
+        self.reserved_logical_ids = self._match_logical_to_host()
         self.reserved_device_rows, self.row_base = self._reserve_device_rows()
 
         device_rows = device_layer_rows(
@@ -216,6 +217,27 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         if reserved.numel() != 2 * page:
             raise ConfigError("sglang-echo: could not reserve the host pool's first and last page")
         return reserved
+
+    def _match_logical_to_host(self) -> torch.Tensor:
+        """Every logical token id must be able to get a host slot (PD pre-allocation and
+        each decode backup take one per token). sglang sizes the host pool one page above
+        the logical pool, and ECHO keeps two host pages, so the logical pool would be one
+        page larger than the host pool can serve: once it filled, the host allocation
+        would raise. Hold the excess logical pages for good instead, so that admission
+        and retraction see the capacity the host pool really has."""
+        logical = self.token_to_kv_pool_allocator.logical_attn_allocator
+        page = self.page_size
+        excess = logical.available_size() - self.mem_pool_host.available_size()
+        if excess <= 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        excess = -(-excess // page) * page
+        ids = logical.alloc(excess)
+        if ids is None:
+            raise ConfigError(
+                f"sglang-echo: could not hold {excess} logical token ids to match the host "
+                "pool; the pool was used before the coordinator."
+            )
+        return ids
 
     def _reserve_device_rows(self) -> tuple[torch.Tensor, int]:
         """Reserve N_G + 1 contiguous device rows right after the padding page; ECHO's
