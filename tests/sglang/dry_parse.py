@@ -64,8 +64,12 @@ def main() -> None:
 
     with open(sys.argv[1]) as f:
         cases = json.load(f)
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
     state = {
         "coordinator": hisparse.HiSparseCoordinator.__qualname__,
+        # ECHO's AFTER hook (guards.runner_guard) wraps the coordinator's construction.
+        "runner_guarded": hasattr(ModelRunner.maybe_init_hisparse_coordinator, "__wrapped__"),
         "echo_installed": "sglang_echo.sglang.install" in sys.modules,
         "echo_plugin_loaded": "sglang_echo.plugin" in sys.modules,
     }

@@ -43,6 +43,35 @@ def ceil_page(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+def build_pools(rows, ratio, layers, max_running, max_context, dtype, fp8=False):
+    """sglang's HiSparse DSA device pool (fp8 rows or ``dtype``), its allocator and the
+    request table, on the CPU."""
+    from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    pool = HiSparseDSATokenToKVPool(
+        size=rows,
+        page_size=PAGE,
+        kv_lora_rank=KV_LORA,
+        dtype=torch.float8_e4m3fn if fp8 else dtype,
+        qk_rope_head_dim=ROPE,
+        layer_num=layers,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=FP8_ROW_BYTES if fp8 else KV_LORA + ROPE,
+        host_to_device_ratio=ratio,
+    )
+    allocator = HiSparseTokenToKVPoolAllocator(
+        rows, PAGE, dtype, "cpu", pool, need_sort=False, host_to_device_ratio=ratio
+    )
+    req_to_token = ReqToTokenPool(
+        size=max_running, max_context_len=max_context, device="cpu", enable_memory_saver=False
+    )
+    return pool, allocator, req_to_token
+
+
 @dataclass
 class Token:
     req: object
@@ -70,35 +99,15 @@ class DecodeNode:
     next_rid: int = 0
 
     def __post_init__(self) -> None:
-        from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
-        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
         from sglang_echo.sglang.coordinator import EchoCoordinator
 
         self.gen = torch.Generator().manual_seed(self.seed)
         rows = ceil_page(self.dev_cache + 1) + self.max_running * PAGE
         rows += ceil_page(self.prefill_rows)
         ratio = -(-self.host_tokens // rows)
-        self.pool = HiSparseDSATokenToKVPool(
-            size=rows,
-            page_size=PAGE,
-            kv_lora_rank=KV_LORA,
-            dtype=torch.float8_e4m3fn if self.fp8 else self.dtype,
-            qk_rope_head_dim=ROPE,
-            layer_num=self.layers,
-            device="cpu",
-            index_head_dim=128,
-            enable_memory_saver=False,
-            kv_cache_dim=FP8_ROW_BYTES if self.fp8 else KV_LORA + ROPE,
-            host_to_device_ratio=ratio,
-        )
-        self.allocator = HiSparseTokenToKVPoolAllocator(
-            rows, PAGE, self.dtype, "cpu", self.pool, need_sort=False, host_to_device_ratio=ratio
-        )
-        self.req_to_token = ReqToTokenPool(
-            size=self.max_running, max_context_len=self.max_context, device="cpu",
-            enable_memory_saver=False,
+        self.pool, self.allocator, self.req_to_token = build_pools(
+            rows, ratio, self.layers, self.max_running, self.max_context,
+            self.dtype, self.fp8,
         )  # fmt: skip
         self.start = self.counters()
         os.environ["NSA_DEV_CACHE_SIZE"] = str(self.dev_cache)

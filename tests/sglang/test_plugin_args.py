@@ -178,6 +178,7 @@ def test_env_off_changes_nothing(launches):
     assert off_state["echo_plugin_loaded"] and not base_state["echo_plugin_loaded"]
     assert not off_state["echo_installed"]
     assert off_state["coordinator"] == base_state["coordinator"] == "HiSparseCoordinator"
+    assert not off_state["runner_guarded"] and not base_state["runner_guarded"]
     assert off_cases == base_cases  # every resolved field, or the same error
     assert all("fields" in case for case in off_cases)
 
@@ -190,6 +191,7 @@ def field(result: dict, name: str):
 @pytest.mark.parametrize("name", list(GOOD))
 def test_env_on_resolves_what_echo_needs(launches, name):
     assert launches["on_state"]["coordinator"] == "EchoCoordinator"
+    assert launches["on_state"]["runner_guarded"]  # a failed REPLACE stops the start
     result = launches["good"][name]
     assert result.get("pickle_stable"), result.get("error")
     pd = name.startswith("pd_decode")
@@ -211,6 +213,7 @@ def test_env_on_resolves_what_echo_needs(launches, name):
     # sglang's host pool has rows x ratio + 64 slots; ECHO keeps two pages: T fit.
     assert rows * ratio - 64 >= host > rows * (ratio - 1) - 64
     assert config["top_k"] == TOP_K and config["echo_dev_cache"] == N_G
+    assert config["echo_device_rows"] == rows and config["echo_host_tokens"] == host
     assert config["device_buffer_size"] >= TOP_K
     # PD decode: a retraction keeps no KV copy (test_retraction.py); a local server's
     # retraction re-prefills, and sglang's own choice stays.

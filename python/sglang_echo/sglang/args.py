@@ -39,7 +39,10 @@ from sglang_echo.config import ENV_DEV_CACHE, ENV_OFFLOAD, ConfigError, EchoConf
 DSA_PAGE_SIZE = 64  # SGLang forces 64-token pages for DSA models
 DEFAULT_TOP_K = 2048  # DeepSeek-V3.2's index_topk, when the model config is not readable
 SOURCE = "sglang-echo"
-ECHO_EXTRA_KEY = "echo_dev_cache"
+# ECHO's entries in hisparse_config (sglang passes unknown keys on as sparse_extra_config):
+ECHO_EXTRA_KEY = "echo_dev_cache"  # N_G
+HOST_TOKENS_KEY = "echo_host_tokens"  # T, checked against the host pool sglang builds
+DEVICE_ROWS_KEY = "echo_device_rows"  # S, checked against the rows left after profiling
 # HiSparse's decode backends on CUDA, by KV cache dtype (sglang 0.5.23 hisparse_hook).
 DECODE_BACKENDS = {
     "bfloat16": ("flashmla_sparse",),
@@ -82,7 +85,8 @@ class EchoPlan:
                 "device_buffer_size": _ceil(self.top_k, DSA_PAGE_SIZE),
                 "host_to_device_ratio": self.host_to_device_ratio,
                 ECHO_EXTRA_KEY: self.dev_cache_size,
-                "echo_host_tokens": self.host_tokens,
+                HOST_TOKENS_KEY: self.host_tokens,
+                DEVICE_ROWS_KEY: self.device_rows,
             },
             sort_keys=True,
         )

@@ -29,6 +29,7 @@ import torch
 from sglang_echo.config import ENV_DEV_CACHE, ConfigError, EchoConfig
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.sglang.args import ECHO_EXTRA_KEY
+from sglang_echo.sglang.guards import capacity_problems, decode_graphs_enabled, graph_problem
 from sglang_echo.sglang.storage import (
     ExternalHostRows,
     ExternalRowsCache,
@@ -40,17 +41,17 @@ from sglang_echo.sglang.topk_resolve import TopkToRows
 logger = logging.getLogger(__name__)
 
 
-def configured_cache_size() -> int:
-    """N_G as resolved in the launcher (hisparse_config), else from the environment."""
+def echo_settings() -> dict:
+    """ECHO's plan as resolved in the launcher (hisparse_config's extra keys: N_G, T, S);
+    N_G from the environment when nothing is published (a coordinator built by hand)."""
     from sglang.srt.mem_cache.sparsity import parse_hisparse_config
 
     try:
-        extra = parse_hisparse_config().sparse_extra_config
-    except ValueError:  # no published server args: a coordinator built by hand (tests)
+        extra = dict(parse_hisparse_config().sparse_extra_config)
+    except ValueError:  # no published server args
         extra = {}
-    if ECHO_EXTRA_KEY in extra:
-        return int(extra[ECHO_EXTRA_KEY])
-    return EchoConfig.from_env().dev_cache_size
+    extra.setdefault(ECHO_EXTRA_KEY, EchoConfig.from_env().dev_cache_size)
+    return extra
 
 
 class _CpuStream(torch.cpu.Stream):
@@ -101,9 +102,17 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         if not self.is_cuda:
             self._use_torch_transfers()
         self._drop_per_request_buffers()
-        self.num_slots = configured_cache_size()
+        settings = echo_settings()
+        self.num_slots = int(settings[ECHO_EXTRA_KEY])
         self.reserved_host_ids = self._reserve_host_pages()
         self.reserved_logical_ids = self._match_logical_to_host()
+        problems = capacity_problems(
+            settings,
+            device_rows=self.mem_pool_device.size,
+            host_tokens=self.mem_pool_host.available_size(),
+        )
+        if problems:
+            raise ConfigError("\n".join(problems))
         self.reserved_device_rows, self.row_base = self._reserve_device_rows()
 
         device_rows = device_layer_rows(
@@ -119,11 +128,17 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         self.host_rows = ExternalHostRows(host_rows)
         self.cache = ExternalRowsCache(device_rows, self.host_rows.num_tokens)
         self.manager = EchoManager(self.host_rows, self.cache)
+        problem = graph_problem(
+            is_cuda=self.is_cuda,
+            graph_safe=self.manager.graph_safe,
+            decode_graphs=decode_graphs_enabled(),
+        )
+        if problem:
+            raise ConfigError(problem)
         if self.is_cuda and not self.manager.graph_safe:
             logger.warning(
-                "sglang-echo: the host pool is not addressable from the GPU (no UVA alias of "
-                "its pinned memory); recalls copy through the host and cannot be captured "
-                "in CUDA graphs: launch with --disable-cuda-graph."
+                "sglang-echo: the host pool has no UVA alias on the GPU; recalls copy "
+                "through the host (decode CUDA graphs are off, so this is correct, slower)."
             )
 
         max_reqs = self.req_to_token_pool.req_to_token.shape[0]

@@ -7,6 +7,9 @@
    - late (``handle_other_validations``): check that SGLang's own defaults kept them.
 2. ``HiSparseCoordinator`` -> ``EchoCoordinator`` (class REPLACE; ModelRunner imports
    the name lazily, and the registry also rebinds earlier ``from ... import`` copies).
+   SGLang only logs a hook that fails to apply, so the late resolution step checks the
+   class in the launcher, and an AFTER hook on ``ModelRunner.maybe_init_hisparse_
+   coordinator`` checks what each scheduler process built (``guards``).
 3. The fused decode prefetch seam at ``Indexer._get_topk_paged`` (``prefetch``).
 """
 
@@ -24,6 +27,7 @@ from sglang_echo.sglang.args import (
     format_problems,
     plan_echo,
 )
+from sglang_echo.sglang.guards import RUNNER_TARGET, class_replace_problem, runner_guard
 from sglang_echo.sglang.prefetch import TARGET, decode_prefetch_hook, log_extend_prefetch
 
 logger = logging.getLogger(__name__)
@@ -80,8 +84,20 @@ def check_step(server_args: Any, previous) -> None:
     if plan is None:
         return  # resolved by a process that did not plan it (cannot happen in a launch)
     problems = check_resolved(resolving_view(server_args), plan)
+    problem = replaced_class_problem()
+    if problem:
+        problems.append(problem)
     if problems:
         raise ConfigError(format_problems(problems))
+
+
+def replaced_class_problem() -> str | None:
+    """The class REPLACE of HiSparseCoordinator must have applied in this process."""
+    import sglang.srt.managers.hisparse_coordinator as hisparse
+
+    from sglang_echo.sglang.coordinator import EchoCoordinator
+
+    return class_replace_problem(hisparse.HiSparseCoordinator, EchoCoordinator)
 
 
 def install() -> None:
@@ -93,6 +109,7 @@ def install() -> None:
     register_resolution_hook(PLAN_STEP)(plan_step)
     register_resolution_hook(CHECK_STEP)(check_step)
     HookRegistry.register(COORDINATOR_TARGET, EchoCoordinator, HookType.REPLACE)
+    HookRegistry.register(RUNNER_TARGET, runner_guard, HookType.AFTER)
 
     config = EchoConfig.from_env()
     hook = decode_prefetch_hook(config.fuse_decode)
