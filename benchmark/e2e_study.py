@@ -348,6 +348,10 @@ class Study:
         self.cuda = self.device.type == "cuda"
         self.max_new = args.warmup + args.fill_max + args.steps + args.profile_steps + 2
         p = self.plan
+        # The largest low-load batch the paper's no-offload pool holds (3 at 100K-108K).
+        self.pressure_batch = max(
+            b for b in p.low_load_batches if b * (p.ctx_max + self.max_new) <= p.paper_pool
+        )
         self.cfg = study_config(
             p.dims, p.layers, p.vocab, p.ctx_max + self.max_new + 64, p.indexer_mode
         )
@@ -438,6 +442,19 @@ class Study:
                 phases=low,
             ),
         ]
+        # Lossless at scale: the batch no-offload holds in the paper's pool, under a device
+        # cache of one slot set more than the batch's selections, so every step evicts;
+        # greedy outputs must equal noff_low's at the same batch and seeds.
+        b_p = self.pressure_batch
+        out.append(
+            Engine(
+                "echo_pressure",
+                "echo",
+                dev_cache=(b_p + 1) * self.cfg.index_topk,
+                host=p.host_pool,
+                phases=[Phase(f"b{b_p}", b_p, loc)],
+            )
+        )
         for b in p.equal_hbm_batches:
             n_g, host = equal_hbm_split(self.cfg, p, p.paper_pool, b, self.max_new)
             out.append(
@@ -738,6 +755,18 @@ class Study:
             e, n = self.find("echo_paper", f"b{b}"), self.find("noff_low", f"b{b}")
             if e and n:
                 lossless[b] = e["outputs_head"] == n["outputs_head"]
+        pressure = None
+        e = self.find("echo_pressure", f"b{self.pressure_batch}")
+        n = self.find("noff_low", f"b{self.pressure_batch}")
+        if e and n:
+            pressure = {
+                "batch": e["batch"],
+                "dev_cache": e["dev_cache"],
+                "evictions_per_step": e["evictions_per_step"],
+                "hit_rate_per_layer": e["hit_rate_per_layer"],
+                "tokens_compared": sum(len(o) for o in e["outputs_head"]),
+                "greedy_outputs_equal": e["outputs_head"] == n["outputs_head"],
+            }
         rand = self.ratio("echo_paper", "noff_paper", phase="random")
         same = self.plan.same_pools
         p200 = pools.get(same[0]) if same else None
@@ -765,6 +794,7 @@ class Study:
                 "same_pools": pools,
                 "equal_hbm_380k": equal,
                 "greedy_outputs_equal_at_low_load": lossless,
+                "lossless_under_eviction": pressure,
                 "locality_sweep_paper_all_hbm": self.sweep(),
                 "random_keys_paper_all_hbm": rand
                 and {
