@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_echo.kernels.sparse_mla import auto_splits, sparse_mla_from_buffer, sparse_mla_reference
+from sglang_echo.kernels.sparse_mla import sparse_mla_from_buffer, sparse_mla_reference
 from sglang_echo.model import attention as attention_module
 from sglang_echo.model.config import ModelConfigError
 
@@ -94,32 +94,6 @@ def test_split_rows_merge_to_the_reference(splits):
     assert torch.equal(got[2], torch.zeros_like(got[2]))
     again = sparse_mla_from_buffer(q, buffer, rows, 24, 0.3, block_k=16, splits=splits)
     assert torch.equal(again, got)
-
-
-def test_auto_splits_fill_idle_sms_only():
-    """DeepSeek-V3.2 decode shapes (2 head blocks of 64, 2048 rows of 1152 B, 132 SMs):
-    small batches split K (they leave most SMs idle), batch 48 and prefill do not (the H200
-    sweep measured two splits 13% slower at 48); a short top-k splits less (4 blocks at least,
-    and a split partial must cost less than the rows it saves)."""
-
-    def pick(queries: int, topk: int = 2048) -> int:
-        return auto_splits(2 * queries, topk, 32, 1152, 64 * 514 * 4, 132)
-
-    assert [pick(b) for b in (1, 3, 8, 17, 32)] == [16, 16, 8, 8, 2]
-    assert pick(48) == 1 and pick(8192) == 1
-    assert pick(1, topk=512) == 4 and pick(1, topk=256) == 1  # partials cost as much as rows
-
-
-def test_auto_split_launch_equals_the_explicit_one():
-    """splits=None takes auto_splits' choice (here 2: one query, 8 row blocks) and computes
-    the same function as the reference; the same bits as asking for that split by hand."""
-    q, buffer, rows = _case(1, 4, 128, 160, 32, 16, FP32, seed=11)
-    chosen = auto_splits(1, 128, 16, buffer.shape[1] * 4, 16 * 34 * 4, 132)
-    assert chosen == 2
-    got = sparse_mla_from_buffer(q, buffer, rows, 32, 0.2, block_k=16)
-    assert _rel(got, sparse_mla_reference(q, buffer, rows, 32, 0.2)) <= TOL[FP32]
-    explicit = sparse_mla_from_buffer(q, buffer, rows, 32, 0.2, block_k=16, splits=chosen)
-    assert torch.equal(got, explicit)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])  # float32: test_lossless_with_kernel

@@ -39,53 +39,8 @@ DEFAULT_BLOCK_H = 64
 DEFAULT_BLOCK_K = 32
 DEFAULT_NUM_WARPS = 8
 DEFAULT_NUM_STAGES = 2
-DEFAULT_SPLITS = None  # chosen per launch by ``auto_splits``
+DEFAULT_SPLITS = 1
 _DTYPES = (torch.float32, torch.bfloat16)
-# Splitting K pays while queries x head blocks leave SMs idle: a decode batch of 3 runs 6
-# programs of 2048 rows each, and a program takes about as long alone as in a full batch
-# (the end-to-end study measured ~225 us per layer at batch 3 with one split). Each split's
-# program also writes a float32 partial [block_h, r] that a second launch merges.
-MIN_ROW_BLOCKS_PER_SPLIT = 4
-MAX_SPLITS = 16
-SPLIT_MIN_GAIN = 0.85
-_FALLBACK_SMS = 132  # an H200's; used off CUDA (the interpreter) so choices match
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _FALLBACK_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
-def auto_splits(
-    programs: int, topk: int, block_k: int, row_bytes: int, partial_bytes: int, sms: int
-) -> int:
-    """The K split with the fewest bytes moved per SM: waves x (a program's share of its
-    query's rows + its partial when split), one program per SM at a time.
-
-    ``programs`` = queries x head blocks; ``row_bytes`` = one selected row; ``partial_bytes``
-    = a split program's float32 partial. At batch 48 (96 programs of 2048 rows of 1152 B on
-    132 SMs) this keeps one split, as the H200 sweep measured (two splits ran 13% slower);
-    at batch 3 it takes 16, at 17 eight. The choice depends on shapes only, never on the data or on
-    which buffer holds the rows, so offload and no-offload (same batch, same shapes) always
-    split alike and stay bit-identical.
-    """
-
-    def cost(s: int) -> float:
-        waves = triton.cdiv(programs * s, sms)
-        return waves * (topk * row_bytes / s + (partial_bytes if s > 1 else 0))
-
-    best, s = 1, 2
-    while s <= MAX_SPLITS and topk >= s * MIN_ROW_BLOCKS_PER_SPLIT * block_k:
-        if cost(s) < cost(best):
-            best = s
-        s *= 2
-    # The merge is a second launch and the model is rough: split only for a clear gain.
-    return best if cost(best) < SPLIT_MIN_GAIN * cost(1) else 1
 
 
 @triton.jit
@@ -275,7 +230,7 @@ def sparse_mla_from_buffer(
     block_k: int = DEFAULT_BLOCK_K,
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
-    splits: int | None = DEFAULT_SPLITS,
+    splits: int = DEFAULT_SPLITS,
 ) -> torch.Tensor:
     """q [Q, H, r + d] (absorbed latent query | roped query), buffer [S, r + d] (KV rows),
     rows [Q, K] int32/int64 indices into the buffer (-1 = none) -> out [Q, H, r] in q's dtype.
@@ -286,14 +241,13 @@ def sparse_mla_from_buffer(
     when queries x head blocks do not fill the GPU) and merges their partial softmaxes in
     a second launch, in split order: still deterministic, but the bits depend on
     ``splits`` (as on the block sizes), so offload and no-offload must use the same.
-    ``splits=None`` picks it from the shapes (``auto_splits``).
     """
     _check(q, buffer, rows, kv_lora_rank)
     if q.stride(2) != 1 or buffer.stride(1) != 1:
         raise ValueError("q and buffer need unit stride along the row (call .contiguous())")
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
-    if splits is not None and splits < 1:
+    if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     n_queries, n_heads, width = q.shape
     rope = width - kv_lora_rank
@@ -310,15 +264,6 @@ def sparse_mla_from_buffer(
         )
     block_h = max(16, min(triton.next_power_of_2(block_h), triton.next_power_of_2(n_heads)))
     topk = rows.shape[1]
-    if splits is None:
-        splits = auto_splits(
-            n_queries * triton.cdiv(n_heads, block_h),
-            topk,
-            block_k,
-            width * buffer.element_size(),
-            block_h * (kv_lora_rank + 2) * 4,
-            _sm_count(q.device),
-        )
     chunk = triton.cdiv(triton.cdiv(topk, block_k), splits) * block_k
     block_lat = max(16, triton.next_power_of_2(kv_lora_rank))
     if splits > 1:  # float32 partials: [Q, splits, H, r] sums and [Q, splits, H, 2] stats
