@@ -30,6 +30,7 @@ from sglang_echo.config import ENV_DEV_CACHE, ConfigError, EchoConfig
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.sglang.args import ECHO_EXTRA_KEY
 from sglang_echo.sglang.guards import capacity_problems, decode_graphs_enabled, graph_problem
+from sglang_echo.sglang.prefill_budget import EchoPrefillBudget
 from sglang_echo.sglang.storage import (
     ExternalHostRows,
     ExternalRowsCache,
@@ -158,6 +159,7 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         # admission budget divides the free device rows by this.
         self.padded_buffer_size = self.page_size
         self._patch_decode_capacity()
+        self._patch_prefill_budget()
         logger.info(
             "sglang-echo: ECHO cache of %d slots x %d layers (device rows [%d, %d)); host "
             "pool of %d tokens; %d device rows left for newest pages and prefills; recall "
@@ -294,6 +296,19 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             return logical.available_size() >= num_tokens
 
         allocator.check_decode_capacity = check_decode_capacity
+
+    def _patch_prefill_budget(self) -> None:
+        """A non-PD server's prefill admission: logical ids and device rows are separate
+        ledgers (EchoPrefillBudget), or running requests' future decode tokens, which
+        never take a device row, would starve every new prompt."""
+        allocator = self.token_to_kv_pool_allocator
+
+        def create_prefill_budget(tree_cache, *, num_mixed_decode_tokens=0):
+            return EchoPrefillBudget(
+                allocator, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens
+            )
+
+        allocator.create_prefill_budget = create_prefill_budget
 
     # ------------------------------------------------------------- admission
     def alloc_device_buffer(self, req) -> None:
