@@ -148,3 +148,31 @@ def test_context_length_prompt_admitted_beside_running_requests(scheduler_contex
     for rid in rids:
         node.finish(rid)
     assert_back_to_start(node)
+
+
+def test_decode_prealloc_budget_is_exactly_cap():
+    """A PD decode node's pre-allocation queue admits at most
+    ``hisparse_attn_allocator.available_size() // (padded_buffer_size +
+    spec_swap.scratch_capacity)`` requests beyond those already admitted (sglang 0.5.23,
+    DecodePreallocQueue.pop_preallocated). The queue itself needs a live transfer backend;
+    here the quantities it reads, from the real coordinator and allocator: exactly
+    ``cap`` at start, one fewer per admitted request, none left at ``cap``."""
+    node = DecodeNode(
+        layers=1, top_k=TOP_K, dev_cache=DEV_CACHE, max_running=CAP, host_tokens=4096,
+        max_context=CONTEXT,
+    )  # fmt: skip
+    coord = node.coord
+
+    def budget() -> int:
+        per_request = coord.padded_buffer_size + coord.spec_swap.scratch_capacity
+        return node.allocator.hisparse_attn_allocator.available_size() // per_request
+
+    assert budget() == CAP
+    rids = []
+    for admitted in range(1, CAP + 1):
+        rids.append(node.arrive(40))
+        assert budget() == CAP - admitted
+    for rid in rids:
+        node.finish(rid)
+    assert budget() == CAP
+    assert_back_to_start(node)
