@@ -353,7 +353,38 @@ def row_serving_history(r: Records) -> tuple[str, str, str]:
     return "serving, earlier runs (history)", "; ".join(texts), ", ".join(srcs)
 
 
+def row_e2e_study(r: Records) -> tuple[str, str, str]:
+    rel = "benchmark/results/e2e_study.json"
+    d = r(rel)
+    m, c = d["metrics"], d["config"]
+    det = m["details"]
+    paper = det["paper_all_hbm"]
+    hit = m["hit_rate_per_layer"]
+    low = m["low_load_cost"]["per_batch"]
+    press = det["lossless_under_eviction"]
+    bo, be = m["breakdown"]["no_offload"], m["breakdown"]["echo"]
+    text = (
+        f"{c['layers']} layers at DeepSeek-V3.2's attention dims + one DP worker's routed MoE "
+        f"at equal bytes, bf16 KV, fake-transfer decode node, prompts "
+        f"{count(c['prompt_tokens'][0])}-{count(c['prompt_tokens'][1])} tokens, locality "
+        f"`{m['locality_source']}` (real indexer + exact top-k), rate inf (closed batch). "
+        f"ECHO / no-offload output throughput: paper settings {ratio(m['ratio_paper_all_hbm'])} "
+        f"(batch {paper['echo_batch']} vs {paper['no_offload_batch']}), pools of 200K "
+        f"{ratio(m['ratio_paper_200k'])}, 110K {ratio(m['ratio_paper_110k'])}, equal HBM at "
+        f"380K {ratio(m['ratio_equal_hbm_380k'])}; random keys (pessimistic, hit "
+        f"{f2(det['random_keys_paper_all_hbm']['echo_hit_rate_mean'])}) "
+        f"{ratio(det['random_keys_paper_all_hbm']['ratio'])}; ECHO hit rate per layer "
+        f"{span(hit, f3)}; batch 1-4 cost {slashed([low[k] for k in sorted(low)], f3)}; "
+        f"step {ms(bo['step_ms_device'])} ms (no-offload, batch {bo['batch']}) vs "
+        f"{ms(be['step_ms_device'])} ms (ECHO, batch {be['batch']}); greedy outputs equal under "
+        f"eviction ({count(press['evictions_per_step'])} evictions per step, "
+        f"{press['tokens_compared']} tokens): {yes(press['greedy_outputs_equal'])}"
+    )
+    return "end-to-end decode study (issue 14)", text, source(d, rel)
+
+
 ROWS = (
+    row_e2e_study,
     row_oracle,
     row_indexer,
     row_topk,
