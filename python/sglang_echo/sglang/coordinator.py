@@ -147,6 +147,7 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         # request 0 that CUDA-graph capture and padded replays use).
         self.newest_row = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self._newest_page: dict[int, torch.Tensor] = {}
+        self._backup_issued = False  # a decode backup recorded and not yet waited on
         self.resolver = TopkToRows(
             self.manager,
             self.row_base,
@@ -391,6 +392,7 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
                 self.mem_pool_device, host_locs, device_rows, io_backend="kernel"
             )
             self._backup_done_event.record()
+            self._backup_issued = True
             if self.is_cuda:
                 host_locs.record_stream(self.decode_backup_stream)
                 device_rows.record_stream(self.decode_backup_stream)
@@ -441,10 +443,22 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         # prompt rows through the mapping, as in HiSparse.
         host_ids = self._release_host_ids(idx)
         if host_ids.numel() > 0:
+            self._finish_backup_on_host()
             self.mem_pool_host.free(host_ids)
         self.req_to_host_pool[idx, :] = -1
         self.req_to_host_pool_allocated_len[idx] = 0
         self._skip_first_backup[idx] = False
+
+    def _finish_backup_on_host(self) -> None:
+        """Block the host until the last decode backup has landed, before host ids go
+        back to the allocator. wait_for_pending_backup only orders the device streams;
+        a freed host id can be handed at once to a PD transfer, whose RDMA write into
+        pinned memory follows no stream, and an in-flight backup of this request's
+        previous token would then land on the new owner's row. (A device sync on a
+        boolean mask happens to wait for it today; this does not rely on that.)"""
+        if self._backup_issued:
+            self._backup_done_event.synchronize()
+            self._backup_issued = False
 
     def abort_staging_request(self, req) -> None:
         self._release_host_ids(req.kv.req_pool_idx)
