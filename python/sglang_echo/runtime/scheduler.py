@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from sglang_echo.runtime.detokenizer import IncrementalText
 from sglang_echo.runtime.request import OutputEvent, ReqStatus, ServeRequest, TokenLogprob
 from sglang_echo.runtime.sampling import new_sample_key, sample_batch
 from sglang_echo.runtime.step_runner import StepRunner
+
+if TYPE_CHECKING:
+    from sglang_echo.runtime.fake_transfer import FakeTransfer
 
 log = logging.getLogger("sglang_echo.scheduler")
 
@@ -76,6 +80,7 @@ class Scheduler:
         eos_token_ids: list[int],
         detokenize: Callable[[list[int]], str] | None = None,
         reserve_steps: int = DECODE_RESERVE_STEPS,
+        prompt_source: FakeTransfer | None = None,
     ) -> None:
         self.steps = steps
         self.capacity = steps.allocator.capacity
@@ -84,7 +89,10 @@ class Scheduler:
         self.context_length = context_length
         self.eos_ids = set(eos_token_ids)
         self.detokenize = detokenize
-        self.reserve_steps = reserve_steps
+        # A PD decode node (fake transfer): prompts arrive cached, so nothing is prefilled
+        # and nothing could be recomputed: admission reserves each request's whole budget.
+        self.prompt_source = prompt_source
+        self.reserve_steps = context_length if prompt_source is not None else reserve_steps
         self.waiting: deque[ServeRequest] = deque()
         self.running: list[ServeRequest] = []  # in admission order: newest last
         self.live: dict[str, ServeRequest] = {}  # rid -> request, waiting or running
@@ -225,6 +233,10 @@ class Scheduler:
             self.steps.admit(req)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
+            if self.prompt_source is not None:
+                first = self.prompt_source.receive(req)
+                self.stats.prompt_tokens += len(req.prompt)
+                self._accept(req, first, None)
 
     def _make_room(self, tokens_needed: Callable[[], int]) -> None:
         """Preempt the newest running requests until the next phase's tokens fit."""

@@ -23,9 +23,7 @@ _SINGLE_DEVICE_ONLY = {"--tp": "1", "--tp-size": "1", "--dp": "1", "--dp-size": 
 _SINGLE_DEVICE_ONLY |= {"--pp-size": "1", "--ep-size": "1", "--nnodes": "1"}
 # SGLang flags this runtime does not implement (with or without a value).
 _UNSUPPORTED_WITH_VALUE = {
-    "--disaggregation-mode",
     "--disaggregation-bootstrap-port",
-    "--disaggregation-transfer-backend",
     "--quantization",
     "--speculative-algorithm",
     "--speculative-draft-model-path",
@@ -70,6 +68,11 @@ class ServerArgs:
     log_level: str = "info"
     skip_server_warmup: bool = False
     max_request_bytes: int = 32 << 20
+    # A PD decode node benchmarked alone (SGLang's --disaggregation-transfer-backend fake):
+    # prompts' KV is synthesized on the node instead of transferred from a prefill node.
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str | None = None
+    fake_kv_locality: float = 0.0
 
 
 def _size(text: str) -> int:
@@ -148,6 +151,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=32 << 20,
         help="largest request body accepted (default 32 MiB); larger ones get HTTP 413",
     )
+    p.add_argument(
+        "--disaggregation-mode",
+        default="null",
+        help="null (serve prefill and decode) or decode: a PD decode node; this runtime has "
+        "no prefill node or transfer engine, so decode needs --disaggregation-transfer-backend "
+        "fake (each prompt's KV is synthesized on the node, deterministic by prompt, and the "
+        "request decodes at once; its output is meaningless, its speed is the point)",
+    )
+    p.add_argument(
+        "--disaggregation-transfer-backend",
+        default=None,
+        help="fake (with --disaggregation-mode decode); real transfer engines need SGLang",
+    )
+    p.add_argument(
+        "--fake-kv-locality",
+        type=float,
+        default=0.0,
+        help="with the fake backend: the fraction of each step's top-k that a fixed set of "
+        "prompt tokens holds (0 = random keys; 0.9 gives hit rates near DeepSeek-V3.2's). "
+        "Above 0 it biases the served model's indexers toward the synthetic keys",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -185,4 +209,28 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
         raise ServerArgError(f"--port {args.port} is not a TCP port (1-65535)")
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static <= 1:
         raise ServerArgError(f"--mem-fraction-static {args.mem_fraction_static} must be in (0, 1]")
+    _check_disaggregation(args)
     return args
+
+
+def _check_disaggregation(args: ServerArgs) -> None:
+    mode, backend = args.disaggregation_mode, args.disaggregation_transfer_backend
+    if mode == "prefill":
+        flag = "--disaggregation-mode prefill"
+        raise ServerArgError(f"{flag} is not supported: " + PLUGIN_HINT.format(flag=flag))
+    if mode not in ("null", "decode"):
+        raise ServerArgError(f"--disaggregation-mode {mode!r} must be null or decode")
+    if mode == "decode" and backend != "fake":
+        raise ServerArgError(
+            "--disaggregation-mode decode needs --disaggregation-transfer-backend fake here "
+            f"(got {backend!r}): this runtime has no transfer engine; for a real PD "
+            "deployment run SGLang with the ECHO plugin"
+        )
+    if mode == "null" and backend is not None:
+        raise ServerArgError(
+            f"--disaggregation-transfer-backend {backend} needs --disaggregation-mode decode"
+        )
+    if not 0.0 <= args.fake_kv_locality <= 1.0:
+        raise ServerArgError(f"--fake-kv-locality {args.fake_kv_locality} must be in [0, 1]")
+    if args.fake_kv_locality and mode != "decode":
+        raise ServerArgError("--fake-kv-locality needs --disaggregation-mode decode")

@@ -141,7 +141,14 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     )
     tokenizer = load_tokenizer(args.model_path)
     detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
-    scheduler = Scheduler(steps, max_running, chunk, context, list(cfg.eos_token_ids), detok)
+    fake = None
+    if args.disaggregation_mode == "decode":
+        from sglang_echo.runtime.fake_transfer import FakeTransfer
+
+        fake = FakeTransfer(model, kv_cache, steps, args.fake_kv_locality, dtype)
+    scheduler = Scheduler(
+        steps, max_running, chunk, context, list(cfg.eos_token_ids), detok, prompt_source=fake
+    )
     info = {
         "model_path": args.model_path,
         "served_model_name": args.served_model_name or args.model_path,
@@ -160,5 +167,7 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         "index_topk": topk,
         "vocab_size": cfg.vocab_size,
         "num_layers": cfg.num_hidden_layers,
+        "disaggregation_mode": args.disaggregation_mode,
+        "locality_source": fake.locality.source if fake is not None else None,
     }
     return Serving(args, model, kv_cache, scheduler, tokenizer, echo, info)
