@@ -124,11 +124,18 @@ wait_ready() {
   echo "$name ready" >&2
 }
 
-# launch_echo MODE RES_DIR: this project's server; MODE is no-offload or offload.
+# launch_echo MODE RES_DIR [TOPOLOGY]: this project's server; MODE is no-offload or offload.
+# TOPOLOGY pd: a PD decode node with the fake transfer backend (prompt KV synthesized on the
+# node, as SGLang benchmarks a decode node alone; FAKE_KV_LOCALITY sets the locality knob,
+# default 0.9); single: one server that prefills and decodes.
 launch_echo() {
-  local mode="$1" res="$2"
+  local mode="$1" res="$2" topology="${3:-single}"
   local args=(-m sglang_echo.launch_server --model-path "$MODEL" --host 127.0.0.1 --port "$PORT"
     --disable-radix-cache --cuda-graph-max-bs "${CUDA_GRAPH_MAX_BS:-48}")
+  if [[ "$topology" == "pd" ]]; then
+    args+=(--disaggregation-mode decode --disaggregation-transfer-backend fake
+      --fake-kv-locality "${FAKE_KV_LOCALITY:-0.9}")
+  fi
   [[ -n "${CONTEXT_LENGTH:-}" ]] && args+=(--context-length "$CONTEXT_LENGTH")
   [[ -n "${CHUNKED_PREFILL_SIZE:-}" ]] && args+=(--chunked-prefill-size "$CHUNKED_PREFILL_SIZE")
   [[ -n "${MAX_RUNNING_REQUESTS:-}" ]] && args+=(--max-running-requests "$MAX_RUNNING_REQUESTS")
@@ -189,12 +196,12 @@ launch_sglang_single() {
   wait_ready "sglang-server" "$res/server.log" "The server is fired up and ready to roll!"
 }
 
-# launch MODE RES_DIR TOPOLOGY: TOPOLOGY pd or single (ENGINE=echo is always one server).
+# launch MODE RES_DIR TOPOLOGY: TOPOLOGY pd (a decode node, fake transfer) or single.
 launch() {
   local mode="$1" res="$2" topology="$3"
   mkdir -p "$res"
   if [[ "$ENGINE" == "echo" ]]; then
-    launch_echo "$mode" "$res"
+    launch_echo "$mode" "$res" "$topology"
   elif [[ "$topology" == "pd" ]]; then
     launch_sglang_pd "$mode" "$res"
   else
@@ -202,15 +209,12 @@ launch() {
   fi
 }
 
-# bench RES_FILE_STEM RATE ARGS...: one benchmark run -> STEM.jsonl (+ STEM.log).
+# bench RES_FILE_STEM RATE ARGS...: one benchmark run -> STEM.jsonl (+ STEM.log). The same
+# client for both engines: it speaks SGLang's /generate protocol, and sglang 0.5.23's own
+# bench_serving has no infinitebench dataset or --sort-len.
 bench() {
   local stem="$1" rate="$2"; shift 2
-  local cmd
-  if [[ "$ENGINE" == "echo" ]]; then
-    cmd=("$PYTHON" -m sglang_echo.bench_serving --max-output-len "${MAX_OUTPUT_LEN:-256}" --disable-tqdm)
-  else
-    cmd=(python3 -m sglang.bench_serving)
-  fi
+  local cmd=("$PYTHON" -m sglang_echo.bench_serving --max-output-len "${MAX_OUTPUT_LEN:-256}" --disable-tqdm)
   cmd+=(--backend sglang --host 127.0.0.1 --port "$PORT" --model "$MODEL"
     --num-prompts "$NUM_PROMPTS" --warmup-requests "$WARMUP_REQUESTS"
     --request-rate "$rate" --output-file "$stem.jsonl" "$@")
