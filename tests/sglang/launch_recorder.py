@@ -1,6 +1,7 @@
-"""Stands in for ``python3`` on PATH while an e2e script runs with ENGINE=sglang: records
-each command line (and the ECHO/SGLang environment it got) instead of starting a server,
-then answers as the real process would, so the script carries on to its next launch.
+"""Stands in for ``python3`` on PATH (and ``$PYTHON``) while an e2e script runs with
+ENGINE=sglang: records each command line (and the ECHO/SGLang environment it got) instead
+of starting a server or a benchmark, then answers as the real process would, so the
+script carries on to its next launch.
 
 Run as ``launch_recorder.py ARGS...`` (what the script passed to python3); writes one
 JSON file per call into $E2E_RECORD_DIR.
@@ -16,7 +17,7 @@ import time
 READY = {
     "sglang.launch_server": "The server is fired up and ready to roll!",
     "sglang_router.launch_router": "Router ready",
-    "sglang.bench_serving": None,
+    "sglang_echo.bench_serving": None,  # the benchmark client (as $PYTHON)
 }
 
 

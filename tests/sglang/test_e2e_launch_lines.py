@@ -54,7 +54,7 @@ def run_script(script: str, tmp: Path, model: Path) -> list[dict]:
         ENGINE="sglang",
         DSV32W4=str(model),
         PATH=f"{stub}:{env['PATH']}",
-        PYTHON=sys.executable,
+        PYTHON=str(python3),  # the benchmark client is recorded too
         E2E_WORK=str(tmp / "work" / script),
         E2E_PID_DIR=str(tmp / "pids" / script),
         E2E_RECORD_DIR=str(records),
@@ -122,7 +122,7 @@ def test_scripts_launch_one_server_per_mode(launch_lines, script):
     servers = [c for c in calls if c["module"] == "sglang.launch_server"]
     assert [c["env"].get("NSA_KV_OFFLOAD") for c in servers] == ["0", "1"]
     assert not [c for c in calls if c["module"] == "sglang_router.launch_router"]
-    assert any(c["module"] == "sglang.bench_serving" for c in calls)
+    assert any(c["module"] == "sglang_echo.bench_serving" for c in calls)
     for call in servers:
         argv = call["argv"]
         assert "--enable-dp-attention" in argv  # the artifact's deployment
