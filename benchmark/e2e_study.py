@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.model.kv_cache import PlainKVCache
+from sglang_echo.offload.hisparse_cache import DEFAULT_DEVICE_BUFFER_SIZE, HiSparseKVCache
 from sglang_echo.runtime.kv_factory import echo_cache_for_model
 from sglang_echo.runtime.step_runner import StepRunner
 from sglang_echo.study.decode_node import DecodeNode
@@ -163,6 +164,9 @@ def kv_device_bytes(kv_cache) -> int:
     """Every device byte of KV state the backend holds (all layers)."""
     if isinstance(kv_cache, PlainKVCache):
         return kv_cache.nbytes
+    if isinstance(kv_cache, HiSparseKVCache):
+        maps = (kv_cache.host_to_slot, kv_cache.slot_to_host, kv_cache.stamp, kv_cache.owner)
+        return kv_cache.rows.nbytes + kv_cache.index.nbytes + sum(t.nbytes for t in maps)
     total = kv_cache.cache.nbytes + kv_cache.index.nbytes
     ws = getattr(kv_cache.manager, "_workspace", None)
     if ws is not None:
@@ -329,10 +333,10 @@ class Phase:
 @dataclass
 class Engine:
     label: str
-    backend: str  # "no-offload" | "echo"
+    backend: str  # "no-offload" | "echo" | "hisparse"
     pool: int = 0  # no-offload pool tokens
-    dev_cache: int = 0  # ECHO N_G
-    host: int = 0  # ECHO host pool tokens
+    dev_cache: int = 0  # ECHO N_G; HiSparse-like: device slots (requests x buffer)
+    host: int = 0  # host pool tokens (ECHO and HiSparse-like)
     max_batch: int = 256
     phases: list[Phase] = field(default_factory=list)
 
@@ -347,6 +351,9 @@ class Study:
         )
         self.cuda = self.device.type == "cuda"
         self.max_new = args.warmup + args.fill_max + args.steps + args.profile_steps + 2
+        self.buffer_size = args.hisparse_buffer or (
+            DEFAULT_DEVICE_BUFFER_SIZE if not args.smoke else 2 * smoke_plan().dims["index_topk"]
+        )
         p = self.plan
         # The largest low-load batch the paper's no-offload pool holds (3 at 100K-108K).
         self.pressure_batch = max(
@@ -460,6 +467,12 @@ class Study:
             out.append(
                 Engine(f"echo_equal_hbm_b{b}", "echo", dev_cache=n_g, host=host, phases=full)
             )
+            # HiSparse's policy in the same device bytes: requests of a private buffer each.
+            out.append(
+                Engine(
+                    f"hisparse_equal_hbm_b{b}", "hisparse", dev_cache=n_g, host=host, phases=full
+                )
+            )
         for pool in p.same_pools:
             out.append(Engine(f"noff_{pool}", "no-offload", pool=pool, phases=full))
             out.append(
@@ -475,6 +488,12 @@ class Study:
         if eng.backend == "no-offload":
             kv = PlainKVCache.for_model(cfg, eng.pool, p.dtype, self.device)
             tokens, rows = eng.pool, eng.max_batch
+        elif eng.backend == "hisparse":
+            rows = min(eng.max_batch, eng.dev_cache // self.buffer_size)
+            kv = HiSparseKVCache.for_model(
+                cfg, eng.host, rows, self.buffer_size, p.dtype, self.device
+            )
+            tokens = eng.host
         else:
             echo = EchoConfig(offload=True, dev_cache_size=eng.dev_cache)
             kv = echo_cache_for_model(echo, cfg, eng.host, p.dtype, self.device)
@@ -512,7 +531,9 @@ class Study:
                 if self.node is not None:
                     self.node.release_all()
                 continue
-            res["kv_device_bytes"] = kv_device_bytes(kv) if eng.backend == "echo" else dev_bytes
+            res["kv_device_bytes"] = (
+                kv_device_bytes(kv) if eng.backend != "no-offload" else dev_bytes
+            )
             self.runs.append(res)
             self.record()
         del kv, runner, timer, self.node
@@ -546,16 +567,17 @@ class Study:
         for _ in range(a.warmup):
             node.step()
         filled = 0
-        if eng.backend == "echo" and phase.fill:
+        counters = _eviction_counter(kv)
+        if counters is not None and phase.fill:
             # Steady state: a cache that has not filled yet never evicts. Warm up on until
             # it does (or fill_max steps), so the measured steps pay evictions.
-            start = int(kv.cache.evictions.sum())
-            while filled < a.fill_max and int(kv.cache.evictions.sum()) == start:
+            start = int(counters.sum())
+            while filled < a.fill_max and int(counters.sum()) == start:
                 node.step()
                 filled += 1
         moes = [m for m in self.model.modules() if isinstance(m, LocalRoutedMoE)]
-        if eng.backend == "echo":
-            kv.cache.reset_telemetry()
+        if counters is not None:
+            (kv.cache if eng.backend == "echo" else kv).reset_telemetry()
         for m in moes:
             m.touched.zero_()
             m.forwards.zero_()
@@ -601,7 +623,7 @@ class Study:
             "tokens_per_s_wall": b / median(wall) * 1e3,
             "experts_touched_per_layer": _touched(moes),
         }
-        if eng.backend == "echo":
+        if counters is not None:
             tel = kv.telemetry()
             res["hit_rate_per_layer"] = [round(h, 4) for h in tel["hit_rate"]]
             res["evictions_per_step"] = sum(tel["evictions"]) / a.steps
@@ -744,6 +766,13 @@ class Study:
             b: self.ratio(f"echo_equal_hbm_b{b}", "noff_paper") for b in self.plan.equal_hbm_batches
         }
         equal_best = max((v for v in equal.values() if v), key=lambda v: v["ratio"], default=None)
+        hisparse = {
+            b: self.ratio(f"hisparse_equal_hbm_b{b}", "noff_paper")
+            for b in self.plan.equal_hbm_batches
+        }
+        hisparse_best = max(
+            (v for v in hisparse.values() if v), key=lambda v: v["ratio"], default=None
+        )
         low = {}
         for b in self.plan.low_load_batches:
             e, n = self.find("echo_paper", f"b{b}"), self.find("noff_low", f"b{b}")
@@ -776,9 +805,8 @@ class Study:
             "ratio_paper_200k": p200 and p200["ratio"],
             "ratio_paper_110k": p110 and p110["ratio"],
             "ratio_equal_hbm_380k": equal_best and equal_best["ratio"],
-            "hisparse_ratio_equal_hbm_380k": None,
-            "hisparse_reason": "the HiSparse-like per-request buffer backend (issue 14 Build "
-            "item 4) is not built yet",
+            "hisparse_ratio_equal_hbm_380k": hisparse_best and hisparse_best["ratio"],
+            "hisparse_device_buffer_size": self.buffer_size,
             "low_load_cost": {
                 "per_batch": low,
                 "mean": round(statistics.mean(low.values()), 4) if low else None,
@@ -793,6 +821,7 @@ class Study:
                 "paper_all_hbm": paper,
                 "same_pools": pools,
                 "equal_hbm_380k": equal,
+                "hisparse_equal_hbm_380k": hisparse,
                 "greedy_outputs_equal_at_low_load": lossless,
                 "lossless_under_eviction": pressure,
                 "locality_sweep_paper_all_hbm": self.sweep(),
@@ -900,11 +929,21 @@ def _touched(moes: list[LocalRoutedMoE]) -> float | None:
     return round(sum(int(m.touched) for m in moes) / calls, 3)
 
 
+def _eviction_counter(kv) -> torch.Tensor | None:
+    """The backend's per-layer eviction counts (None for the plain pool)."""
+    if isinstance(kv, HiSparseKVCache):
+        return kv.evictions
+    cache = getattr(kv, "cache", None)
+    return cache.evictions if cache is not None else None
+
+
 def _leak_free(eng: Engine, kv, runner: StepRunner) -> bool:
     ok = runner.allocator.num_free == runner.allocator.capacity
     ok = ok and runner.table.num_free_rows == runner.max_requests
     if eng.backend == "echo":
         ok = ok and kv.cache.free_count.tolist() == [eng.dev_cache] * kv.num_layers
+    if eng.backend == "hisparse":
+        ok = ok and kv.free_slots() == [kv.max_requests * kv.buffer_size] * kv.num_layers
     return bool(ok)
 
 
@@ -929,6 +968,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--locality-sweep", default="0.5,0.7",
                     help="extra stable fractions run at the paper's all-HBM setting")  # fmt: skip
     ap.add_argument("--skip-components", action="store_true")
+    ap.add_argument(
+        "--hisparse-buffer",
+        type=int,
+        default=0,
+        help="the HiSparse-like backend's device_buffer_size per request and layer "
+        f"(default {DEFAULT_DEVICE_BUFFER_SIZE}, HiSparse's)",
+    )
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="start no engine after this many seconds (0: no limit)")  # fmt: skip
     args = ap.parse_args(argv)

@@ -167,6 +167,9 @@ def test_e2e_study_smoke_writes_the_record(tmp_path: Path) -> None:
     assert all(r["leak_free"] for r in rec["runs"])
     batches = {r["engine"]: r["batch"] for r in rec["runs"] if r["phase"] == "full"}
     assert batches["noff_paper"] == 3 and batches["echo_paper"] == 10  # the capacity rules
+    assert m["hisparse_ratio_equal_hbm_380k"] is not None  # the per-request-buffer baseline
+    hisparse = next(r for r in rec["runs"] if r["engine"].startswith("hisparse"))
+    assert hisparse["evictions_per_step"] > 0 and hisparse["leak_free"]
     pressure = m["details"]["lossless_under_eviction"]
     assert pressure["evictions_per_step"] > 0 and pressure["greedy_outputs_equal"]
 

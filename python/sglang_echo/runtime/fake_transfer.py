@@ -57,8 +57,7 @@ class FakeTransfer:
         return its first output token."""
         n = len(req.prompt)
         locs = self.steps.allocator.alloc(n)
-        self.steps.table.assign(req.row, 0, locs)
-        req.locs.extend(locs)
+        self.steps.place(req, 0, locs)
         seed = prompt_seed(req.prompt)
         loc_t = torch.tensor(locs, dtype=torch.int64, device=self.steps.device)
         self.synth.write(self.kv_cache, loc_t, seed)

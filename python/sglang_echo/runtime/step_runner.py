@@ -43,6 +43,8 @@ class StepRunner:
         bind = getattr(kv_cache, "bind_request_rows", None)
         if bind is not None:
             bind(max_requests)
+        # A backend that partitions by request (HiSparse-like) learns each token's owner.
+        self._note_owner = getattr(kv_cache, "note_owner", None)
         self.decode_runner = None
         if use_cuda_graph:
             from sglang_echo.runtime.cuda_graph import CudaGraphDecodeRunner
@@ -89,8 +91,7 @@ class StepRunner:
         for req, n in members:
             start = req.cached_len
             locs = self.allocator.alloc(n)
-            self.table.assign(req.row, start, locs)
-            req.locs.extend(locs)
+            self.place(req, start, locs)
             req.cached_len += n
             ids.extend(req.prefill_ids[start : start + n])
             positions.extend(range(start, start + n))
@@ -119,7 +120,10 @@ class StepRunner:
         out_locs = self.allocator.alloc(len(active))
         positions = [req.cached_len for req in active]
         ids = [req.output[-1] for req in active]
-        self.table.assign_next([req.row for req in active], positions, out_locs)
+        rows = [req.row for req in active]
+        self.table.assign_next(rows, positions, out_locs)
+        if self._note_owner is not None:
+            self._note_owner(self._ints(rows), self._ints(out_locs))
         for req, loc in zip(active, out_locs, strict=True):
             req.locs.append(loc)
             req.cached_len += 1
@@ -130,7 +134,17 @@ class StepRunner:
             return self.decode_runner(batch)
         return self.model(batch, self.kv_cache)
 
+    def place(self, req: SeqState, start: int, locs: list[int]) -> None:
+        """Token locations ``locs`` hold ``req``'s positions start.. (not yet cached)."""
+        self.table.assign(req.row, start, locs)
+        req.locs.extend(locs)
+        if self._note_owner is not None:
+            self._note_owner(self._ints([req.row] * len(locs)), self._ints(locs))
+
     # --------------------------------------------------------------- helpers
+    def _ints(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
     def _make_batch(
         self,
         ids: list[int],

@@ -68,8 +68,7 @@ class DecodeNode:
         runner = self.runner
         runner.admit(req)
         locs = runner.allocator.alloc(prompt_len)
-        runner.table.assign(req.row, 0, locs)
-        req.locs = locs
+        runner.place(req, 0, locs)
         req.cached_len = prompt_len
         loc_t = torch.tensor(locs, dtype=torch.int64).to(runner.device)
         self.synth.write(runner.kv_cache, loc_t, seed)

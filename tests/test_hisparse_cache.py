@@ -1,0 +1,84 @@
+"""The HiSparse-like backend (a private LRU buffer per request and layer) on the CPU.
+
+Lossless: greedy tokens and every step's logits equal the plain pool's (torch.equal) with
+buffers barely larger than top-k, so every step evicts. Partitions: a resident token sits
+only in its own request's slots, maps are inverse, and release frees everything.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sglang_echo.model.kv_cache import PlainKVCache
+from sglang_echo.model.loader import load_model
+from sglang_echo.offload.hisparse_cache import ABSENT, HiSparseKVCache
+from sglang_echo.runtime.engine import Engine
+
+BATCH, CONTEXT, CHUNK = 4, 256, 32
+
+
+@pytest.fixture(scope="module")
+def model(small_checkpoint):
+    return load_model(small_checkpoint)
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 259) for _ in range(rng.randint(20, 90))] for _ in range(n)]
+
+
+def _run(model, cache, prompts, new: int):
+    cap = sum(len(p) + new for p in prompts)
+    engine = Engine(model, cache, cap, BATCH, CONTEXT, CHUNK, ignore_eos=True)
+    return engine.generate(prompts, new, record_logits=True)
+
+
+def _check_partitions(cache: HiSparseKVCache) -> None:
+    b = cache.buffer_size
+    for layer in range(cache.num_layers):
+        s2h, h2s = cache.slot_to_host[layer], cache.host_to_slot[layer]
+        used = (s2h[1:] > 0).nonzero().squeeze(1) + 1
+        hosts = s2h[used]
+        assert torch.equal(h2s[hosts], used)  # inverse maps over resident tokens
+        assert torch.equal(cache.owner[hosts], (used - 1) // b)  # each in its own partition
+        mapped = (h2s[1:] != ABSENT).nonzero().squeeze(1) + 1
+        assert mapped.numel() == used.numel()
+
+
+@pytest.mark.parametrize("buffer_size", [20, 40])
+def test_hisparse_like_is_lossless_under_eviction(model, buffer_size):
+    cfg = model.config
+    assert buffer_size >= cfg.index_topk
+    prompts = _prompts(buffer_size, 6)
+    new = 24
+    cap = sum(len(p) + new for p in prompts)
+    plain = _run(model, PlainKVCache.for_model(cfg, cap, torch.float32, "cpu"), prompts, new)
+    cache = HiSparseKVCache.for_model(cfg, cap, BATCH, buffer_size, torch.float32, "cpu")
+    got = _run(model, cache, prompts, new)
+    assert [r.output for r in got] == [r.output for r in plain]
+    for a, b in zip(got, plain, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a.step_logits, b.step_logits, strict=True))
+    tel = cache.telemetry()
+    assert sum(tel["evictions"]) > 0 and 0 < min(tel["hit_rate"]) < 1
+    # Every request ended: every slot is free and nothing stays mapped.
+    assert cache.free_slots() == [BATCH * buffer_size] * cfg.num_hidden_layers
+    assert bool((cache.host_to_slot[:, 1:] == ABSENT).all())
+
+
+def test_partitions_hold_only_their_own_tokens(model):
+    cfg = model.config
+    prompts = _prompts(5, 4)
+    cap = sum(len(p) + 8 for p in prompts)
+    cache = HiSparseKVCache.for_model(cfg, cap, BATCH, 24, torch.float32, "cpu")
+    engine = Engine(model, cache, cap, BATCH, CONTEXT, CHUNK, ignore_eos=True)
+    checked = []
+
+    def inspect(_req) -> None:  # called as each request ends, others still resident
+        _check_partitions(cache)
+        checked.append(True)
+
+    engine.generate(prompts, 8, on_request_done=inspect)
+    assert len(checked) == len(prompts)
