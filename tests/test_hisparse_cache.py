@@ -48,15 +48,22 @@ def _check_partitions(cache: HiSparseKVCache) -> None:
         assert mapped.numel() == used.numel()
 
 
-@pytest.mark.parametrize("buffer_size", [20, 40])
-def test_hisparse_like_is_lossless_under_eviction(model, buffer_size):
+@pytest.mark.parametrize(
+    ("buffer_size", "kernel"), [(20, False), (40, False), (20, True)], ids=["b20", "b40", "kernel"]
+)
+def test_hisparse_like_is_lossless_under_eviction(model, buffer_size, kernel, monkeypatch):
+    if kernel:  # the recall kernel, as on CUDA, under the Triton interpreter
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg = model.config
     assert buffer_size >= cfg.index_topk
     prompts = _prompts(buffer_size, 6)
     new = 24
     cap = sum(len(p) + new for p in prompts)
     plain = _run(model, PlainKVCache.for_model(cfg, cap, torch.float32, "cpu"), prompts, new)
-    cache = HiSparseKVCache.for_model(cfg, cap, BATCH, buffer_size, torch.float32, "cpu")
+    cache = HiSparseKVCache.for_model(
+        cfg, cap, BATCH, buffer_size, torch.float32, "cpu", use_kernels=kernel
+    )
+    assert cache.use_kernels == kernel
     got = _run(model, cache, prompts, new)
     assert [r.output for r in got] == [r.output for r in plain]
     for a, b in zip(got, plain, strict=True):

@@ -43,6 +43,7 @@ class HiSparseKVCache:
         device: torch.device | str,
         index_dtype: torch.dtype | None = None,
         pin: bool | None = None,
+        use_kernels: bool | None = None,
     ) -> None:
         device = torch.device(device)
         if buffer_size < 1 or max_requests < 1:
@@ -61,6 +62,11 @@ class HiSparseKVCache:
             pin=(device.type == "cuda") if pin is None else pin,
         )
         self.host_view = self.host.view_for(device)
+        # The recall kernel on CUDA (and under the Triton interpreter when asked), an index
+        # copy elsewhere; both copy the same rows.
+        self.use_kernels = (
+            use_kernels if use_kernels is not None else device.type == "cuda"
+        ) and self.host_view is not None
         slots = max_requests * buffer_size + 1
         i64 = dict(dtype=torch.int64, device=device)
         self.rows = torch.zeros(num_layers, slots, kv_row_dim, dtype=dtype, device=device)
@@ -78,7 +84,7 @@ class HiSparseKVCache:
 
     @classmethod
     def for_model(
-        cls, config, host_tokens: int, max_requests: int, buffer_size: int, dtype, device
+        cls, config, host_tokens: int, max_requests: int, buffer_size: int, dtype, device, **kw
     ):
         return cls(
             config.num_hidden_layers,
@@ -90,6 +96,7 @@ class HiSparseKVCache:
             dtype,
             device,
             index_dtype=config.index_row_dtype(dtype),
+            **kw,
         )
 
     # --------------------------------------------------------------- writes
@@ -172,7 +179,7 @@ class HiSparseKVCache:
     def _recall(self, layer: int, ids: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor):
         """Copy the misses' rows host -> buffer: the recall kernel over a compacted list on
         CUDA (as ECHO's), an index copy elsewhere."""
-        if self.host_view is not None and self.device.type == "cuda":
+        if self.use_kernels:
             from sglang_echo.kernels.recall import recall_rows
 
             n = ids.numel()
@@ -181,7 +188,7 @@ class HiSparseKVCache:
             miss_slots = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
             miss_ids.scatter_(0, at, ids.clamp(min=0))
             miss_slots.scatter_(0, at, slots)
-            count = miss.sum().to(torch.int32).reshape(1)
+            count = miss.sum().reshape(1)  # int64 [1], as ECHO's allocation hands it over
             recall_rows(
                 self.host_view[layer], self.rows[layer], miss_ids[:n], miss_slots[:n], count
             )
