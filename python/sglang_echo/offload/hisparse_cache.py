@@ -139,41 +139,42 @@ class HiSparseKVCache:
         r, b = self.max_requests, self.buffer_size
         h2s, s2h, stamp = self.host_to_slot[layer], self.slot_to_host[layer], self.stamp[layer]
         valid = ids >= 0
-        safe = torch.where(valid, ids, 0)
+        safe = ids.clamp(min=0)  # -1 (none) reads location 0, never a token
         slot = h2s[safe]
         hit = valid & (slot != ABSENT)
         miss = valid & ~hit
         self.clock[layer : layer + 1] += 1
         now = self.clock[layer]
-        stamp.index_put_((torch.where(hit, slot, 0),), now.expand(n))  # protect the hits
+        zero = torch.zeros_like(ids)
+        stamp.index_put_((torch.where(hit, slot, zero),), now.expand(n))  # protect the hits
         # Each partition's slots, least recently used first (free slots, stamped -1, lead).
         col = torch.arange(b, device=self.device)
         keys = stamp[1:].view(r, b) * b + col
         order = torch.argsort(keys, dim=1)
         # Rank of each miss among its request's misses (in selection order).
         owner = self.owner[safe]
-        group = torch.where(miss, owner, r)
+        group = torch.where(miss, owner, torch.full_like(owner, r))
         pos = torch.arange(n, device=self.device)
         by_group = torch.argsort(group * n + pos)
         g_sorted = group[by_group]
         start = torch.ones_like(g_sorted, dtype=torch.bool)
         start[1:] = g_sorted[1:] != g_sorted[:-1]
-        first = torch.cummax(torch.where(start, pos, 0), dim=0).values
+        first = torch.cummax(torch.where(start, pos, zero), dim=0).values
         rank = torch.empty_like(pos).scatter_(0, by_group, pos - first)
         victim = 1 + owner * b + order[owner.clamp(max=r - 1), rank.clamp(max=b - 1)]
-        new_slot = torch.where(miss, victim, 0)
+        new_slot = torch.where(miss, victim, zero)
         old = s2h[new_slot]
         evicted = miss & (old > 0)
-        h2s.index_put_((torch.where(evicted, old, 0),), torch.full_like(old, ABSENT))
-        h2s.index_put_((torch.where(miss, ids, 0),), new_slot)
-        s2h.index_put_((new_slot,), torch.where(miss, ids, 0))
+        h2s.index_put_((torch.where(evicted, old, zero),), torch.full_like(old, ABSENT))
+        h2s.index_put_((torch.where(miss, ids, zero),), new_slot)
+        s2h.index_put_((new_slot,), torch.where(miss, ids, zero))
         stamp.index_put_((new_slot,), now.expand(n))
-        h2s[0] = ABSENT  # location 0 absorbed the masked writes; it is never a token
+        h2s[:1].fill_(ABSENT)  # location 0 absorbed the masked writes; it is never a token
         self.hits[layer : layer + 1] += hit.sum()
         self.misses[layer : layer + 1] += miss.sum()
         self.evictions[layer : layer + 1] += evicted.sum()
         self._recall(layer, ids, new_slot, miss)
-        out = torch.where(hit, slot, torch.where(miss, new_slot, -1))
+        out = torch.where(hit, slot, torch.where(miss, new_slot, torch.full_like(ids, -1)))
         return self.rows[layer], out.view(locs.shape)
 
     def _recall(self, layer: int, ids: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor):
@@ -183,7 +184,9 @@ class HiSparseKVCache:
             from sglang_echo.kernels.recall import recall_rows
 
             n = ids.numel()
-            at = torch.where(miss, torch.cumsum(miss.to(torch.int64), 0) - 1, n)
+            at = torch.where(
+                miss, torch.cumsum(miss.to(torch.int64), 0) - 1, torch.full_like(ids, n)
+            )
             miss_ids = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
             miss_slots = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
             miss_ids.scatter_(0, at, ids.clamp(min=0))
@@ -204,11 +207,11 @@ class HiSparseKVCache:
         for layer in range(self.num_layers):
             slot = self.host_to_slot[layer][locs]
             resident = slot != ABSENT
-            freed = torch.where(resident, slot, 0)
+            freed = torch.where(resident, slot, torch.zeros_like(slot))
             self.slot_to_host[layer].index_fill_(0, freed, 0)
             self.stamp[layer].index_fill_(0, freed, -1)
             self.host_to_slot[layer].index_fill_(0, locs, ABSENT)
-            self.slot_to_host[layer][0] = 0
+            self.slot_to_host[layer][:1].fill_(0)
 
     # ------------------------------------------------------------ telemetry
     def free_slots(self) -> list[int]:
