@@ -383,8 +383,29 @@ def row_e2e_study(r: Records) -> tuple[str, str, str]:
     return "end-to-end decode study (issue 14)", text, source(d, rel)
 
 
+def row_e2e_hisparse(r: Records) -> tuple[str, str, str]:
+    rel = "benchmark/results/e2e_study_hisparse/e2e_study.json"
+    d = r(rel)
+    m = d["metrics"]
+    runs = {x["engine"]: x for x in d["runs"]}
+    e, h, n = runs["echo_equal_hbm_b24"], runs["hisparse_equal_hbm_b24"], runs["noff_paper"]
+    text = (
+        "one run, equal HBM to a 380K-token no-offload pool: ECHO (shared cache of "
+        f"{count(e['dev_cache'])} slots per layer) {ratio(m['ratio_equal_hbm_380k'])} at batch "
+        f"{e['batch']}, hit {span(e['hit_rate_per_layer'], f3)}; HiSparse-like (private "
+        f"{count(m['hisparse_device_buffer_size'])}-row buffers per request and layer, LRU "
+        f"inside; cache management in torch ops, not a fused kernel) "
+        f"{ratio(m['hisparse_ratio_equal_hbm_380k'])} at batch {h['batch']}, hit "
+        f"{span(h['hit_rate_per_layer'], f3)}; steps {ms(e['step_ms_device'])} / "
+        f"{ms(h['step_ms_device'])} / {ms(n['step_ms_device'])} ms (ECHO / HiSparse-like / "
+        f"no-offload batch {n['batch']})"
+    )
+    return "ECHO vs a HiSparse-like per-request buffer (issue 14)", text, source(d, rel)
+
+
 ROWS = (
     row_e2e_study,
+    row_e2e_hisparse,
     row_oracle,
     row_indexer,
     row_topk,
