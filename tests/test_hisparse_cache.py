@@ -89,3 +89,78 @@ def test_partitions_hold_only_their_own_tokens(model):
 
     engine.generate(prompts, 8, on_request_done=inspect)
     assert len(checked) == len(prompts)
+
+
+def test_server_with_enable_hisparse_matches_the_plain_pool(small_checkpoint):
+    """``--enable-hisparse --hisparse-config '{"device_buffer_size": 20}'``: the served
+    greedy tokens equal the plain pool's (buffers of 20 rows for top-k 16: evictions)."""
+    import asyncio
+
+    import aiohttp
+
+    from server_utils import make_serving, running_server
+    from sglang_echo.config import EchoConfig
+
+    prompts = _prompts(9, 6)
+
+    async def run_all(url):
+        async with aiohttp.ClientSession() as s:
+
+            async def one(ids):
+                sp = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+                async with s.post(
+                    url + "/generate", json={"input_ids": ids, "sampling_params": sp}
+                ) as r:
+                    assert r.status == 200, await r.text()
+                    return (await r.json())["output_ids"]
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    outs = {}
+    for name, flags in (
+        ("plain", {}),
+        ("hisparse", {"enable_hisparse": True, "hisparse_config": '{"device_buffer_size": 20}'}),
+    ):
+        serving = make_serving(
+            small_checkpoint, EchoConfig(offload=False), max_total_tokens=1500,
+            max_running_requests=BATCH, chunked_prefill_size=CHUNK, context_length=CONTEXT, **flags,
+        )  # fmt: skip
+        with running_server(serving) as (url, _app):
+            outs[name] = asyncio.run(run_all(url))
+        if name == "hisparse":
+            assert serving.info["kv_backend"] == "hisparse"
+            assert sum(serving.kv_cache.telemetry()["evictions"]) > 0
+    assert outs["hisparse"] == outs["plain"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--hisparse-config", '{"device_buffer_size": 64}'], "needs --enable-hisparse"),
+        (["--enable-hisparse", "--hisparse-config", "{bad"], "not valid JSON"),
+        (["--enable-hisparse", "--hisparse-config", '{"top_k": 3}'], "device_buffer_size"),
+        (["--enable-hisparse", "--hisparse-config", '{"device_buffer_size": 0}'], "positive"),
+    ],
+)
+def test_bad_hisparse_flags(argv, needle):
+    from sglang_echo.runtime.server_args import ServerArgError, parse_server_args
+
+    with pytest.raises(ServerArgError) as err:
+        parse_server_args(["--model-path", "m", *argv])
+    assert needle in str(err.value)
+
+
+def test_hisparse_buffer_must_hold_top_k_and_excludes_echo(small_checkpoint):
+    from server_utils import make_serving
+    from sglang_echo.config import ConfigError, EchoConfig
+
+    with pytest.raises(ConfigError, match="at least 16"):
+        make_serving(
+            small_checkpoint, EchoConfig(offload=False), max_total_tokens=500,
+            enable_hisparse=True, hisparse_config='{"device_buffer_size": 8}',
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match="keep one"):
+        make_serving(
+            small_checkpoint, EchoConfig(offload=True, dev_cache_size=4096),
+            max_total_tokens=500, enable_hisparse=True,
+        )  # fmt: skip

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from sglang_echo.config import EchoConfig
+from sglang_echo.config import ConfigError, EchoConfig
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.kv_cache import KVCache, PlainKVCache
 from sglang_echo.offload.echo_cache import EchoKVCache
+from sglang_echo.offload.hisparse_cache import HiSparseKVCache
 
 
 def echo_cache_for_model(
@@ -51,6 +52,31 @@ def build_kv_cache(
         chunk_size=min(chunked_prefill_size, token_capacity),
     )
     return echo_cache_for_model(echo, model_config, token_capacity, dtype, device)
+
+
+def build_hisparse_cache(
+    echo: EchoConfig,
+    model_config: DeepseekV32Config,
+    host_tokens: int,
+    max_running_requests: int,
+    buffer_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> HiSparseKVCache:
+    """The HiSparse-like backend; each request's buffer must hold one step's top-k."""
+    if echo.offload:
+        raise ConfigError(
+            "NSA_KV_OFFLOAD=1 and --enable-hisparse pick two different offload policies; keep one"
+        )
+    topk = model_config.index_topk
+    if buffer_size < topk:
+        raise ConfigError(
+            f"device_buffer_size {buffer_size} is smaller than one step's top-k ({topk}): a "
+            f"request's buffer must hold its selections; set it to at least {topk}"
+        )
+    return HiSparseKVCache.for_model(
+        model_config, host_tokens, max_running_requests, buffer_size, dtype, device
+    )
 
 
 def describe_kv_cache(summary: dict) -> str:

@@ -9,6 +9,7 @@ at start-up, with the flag to change.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 
 from sglang_echo.config import ConfigError, parse_size
@@ -32,11 +33,9 @@ _UNSUPPORTED_WITH_VALUE = {
     "--node-rank",
     "--attention-backend",
     "--kv-cache-dtype",
-    "--hisparse-config",
 }
 _UNSUPPORTED_SWITCHES = {
     "--enable-dp-attention",
-    "--enable-hisparse",
     "--enable-hierarchical-cache",
     "--enable-mixed-chunk",
     "--prefill-round-robin-balance",
@@ -73,6 +72,9 @@ class ServerArgs:
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str | None = None
     fake_kv_locality: float = 0.0
+    # HiSparse's policy as a third KV backend (offload/hisparse_cache.py), SGLang's flags.
+    enable_hisparse: bool = False
+    hisparse_config: str | None = None
 
 
 def _size(text: str) -> int:
@@ -172,6 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt tokens holds (0 = random keys; 0.9 gives hit rates near DeepSeek-V3.2's). "
         "Above 0 it biases the served model's indexers toward the synthetic keys",
     )
+    p.add_argument(
+        "--enable-hisparse",
+        action="store_true",
+        help="HiSparse's policy instead of ECHO's: every token's MLA rows in the host pool "
+        "(--max-total-tokens), a private LRU device buffer per request and layer; not with "
+        "NSA_KV_OFFLOAD=1",
+    )
+    p.add_argument(
+        "--hisparse-config",
+        default=None,
+        help='JSON, as SGLang\'s: {"device_buffer_size": 4096} (rows per request and layer; '
+        "at least the model's index_topk)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -210,7 +225,32 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static <= 1:
         raise ServerArgError(f"--mem-fraction-static {args.mem_fraction_static} must be in (0, 1]")
     _check_disaggregation(args)
+    hisparse_buffer_size(args)  # a malformed --hisparse-config fails here, at start-up
     return args
+
+
+def hisparse_buffer_size(args: ServerArgs) -> int | None:
+    """The HiSparse-like backend's rows per request and layer, or None when it is off."""
+    if args.hisparse_config is not None and not args.enable_hisparse:
+        raise ServerArgError("--hisparse-config needs --enable-hisparse")
+    if not args.enable_hisparse:
+        return None
+    from sglang_echo.offload.hisparse_cache import DEFAULT_DEVICE_BUFFER_SIZE
+
+    if args.hisparse_config is None:
+        return DEFAULT_DEVICE_BUFFER_SIZE
+    try:
+        cfg = json.loads(args.hisparse_config)
+    except json.JSONDecodeError as exc:
+        raise ServerArgError(f"--hisparse-config is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict) or set(cfg) - {"device_buffer_size"}:
+        raise ServerArgError(
+            '--hisparse-config takes {"device_buffer_size": N}; got ' + args.hisparse_config
+        )
+    size = cfg.get("device_buffer_size", DEFAULT_DEVICE_BUFFER_SIZE)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ServerArgError(f"device_buffer_size must be a positive integer, got {size!r}")
+    return size
 
 
 def _check_disaggregation(args: ServerArgs) -> None:

@@ -19,9 +19,9 @@ from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.model.loader import load_model, model_dtype
-from sglang_echo.runtime.kv_factory import build_kv_cache
+from sglang_echo.runtime.kv_factory import build_hisparse_cache, build_kv_cache
 from sglang_echo.runtime.scheduler import Scheduler
-from sglang_echo.runtime.server_args import ServerArgError, ServerArgs
+from sglang_echo.runtime.server_args import ServerArgError, ServerArgs, hisparse_buffer_size
 from sglang_echo.runtime.step_runner import StepRunner
 from sglang_echo.tokenizer import load_tokenizer
 
@@ -128,7 +128,11 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         capacity = min(memory_token_budget(cfg, dtype, device, echo, frac), context * max_running)
     if capacity < 2:
         raise ServerArgError(f"the KV pool of {capacity} tokens is too small to serve")
-    kv_cache = build_kv_cache(echo, cfg, capacity, max_running, chunk, dtype, device)
+    buffer = hisparse_buffer_size(args)
+    if buffer is None:
+        kv_cache = build_kv_cache(echo, cfg, capacity, max_running, chunk, dtype, device)
+    else:
+        kv_cache = build_hisparse_cache(echo, cfg, capacity, max_running, buffer, dtype, device)
     use_graph = device.type == "cuda" and not args.disable_cuda_graph
     steps = StepRunner(
         model,
@@ -162,7 +166,8 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         "chunked_prefill_size": chunk,
         "cuda_graph": use_graph,
         "cuda_graph_max_bs": args.cuda_graph_max_bs if use_graph else 0,
-        "kv_backend": "echo" if echo.offload else "no-offload",
+        "kv_backend": "hisparse" if buffer else "echo" if echo.offload else "no-offload",
+        "device_buffer_size": buffer,
         "nsa_dev_cache_size": echo.dev_cache_size if echo.offload else None,
         "index_topk": topk,
         "vocab_size": cfg.vocab_size,
