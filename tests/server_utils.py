@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.runtime.server_args import ServerArgs
@@ -22,6 +24,28 @@ def free_port() -> int:
 def make_serving(model_path, echo: EchoConfig, **flags) -> Serving:
     args = ServerArgs(model_path=str(model_path), device="cpu", dtype="float32", **flags)
     return build_serving(args, echo=echo)
+
+
+def legal_min_cache(model_path, max_running: int, chunk: int) -> int:
+    """ECHO's smallest legal NSA_DEV_CACHE_SIZE for the checkpoint (one step's selections)."""
+    topk = json.loads((Path(model_path) / "config.json").read_text())["index_topk"]
+    return EchoConfig(offload=True).min_dev_cache_size(max_running, topk, chunk)
+
+
+def min_cache_echo_serving(
+    model_path, max_running: int, chunk: int, pool: int, context: int, **flags
+) -> Serving:
+    """A server with ECHO at its smallest legal device cache: every layer evicts."""
+    n_g = legal_min_cache(model_path, max_running, chunk)
+    return make_serving(
+        model_path,
+        EchoConfig(offload=True, dev_cache_size=n_g),
+        max_total_tokens=pool,
+        max_running_requests=max_running,
+        chunked_prefill_size=chunk,
+        context_length=context,
+        **flags,
+    )
 
 
 @contextlib.contextmanager

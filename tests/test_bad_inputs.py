@@ -18,8 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from server_utils import make_serving, running_server
-from sglang_echo.config import EchoConfig
+from server_utils import min_cache_echo_serving, running_server
 from sglang_echo.generate import main as generate_main
 from sglang_echo.launch_server import main as launch_main
 
@@ -85,16 +84,8 @@ CLI_CASES: list[tuple[str, str, list[str], dict[str, str]]] = [
 
 @pytest.fixture(scope="module")
 def server(small_checkpoint):
-    topk = json.loads((Path(small_checkpoint) / "config.json").read_text())["index_topk"]
-    legal_min = EchoConfig(offload=True).min_dev_cache_size(MAX_RUNNING, topk, CHUNK)
-    serving = make_serving(
-        small_checkpoint,
-        EchoConfig(offload=True, dev_cache_size=legal_min),
-        max_total_tokens=POOL,
-        max_running_requests=MAX_RUNNING,
-        chunked_prefill_size=CHUNK,
-        context_length=CONTEXT,
-        max_request_bytes=BODY_LIMIT,
+    serving = min_cache_echo_serving(
+        small_checkpoint, MAX_RUNNING, CHUNK, POOL, CONTEXT, max_request_bytes=BODY_LIMIT
     )
     with running_server(serving) as (url, _app):
         yield url

@@ -15,14 +15,12 @@ import os
 import random
 import time
 from collections import Counter
-from pathlib import Path
 
 import aiohttp
 import pytest
 import torch
 
-from server_utils import make_serving, running_server
-from sglang_echo.config import EchoConfig
+from server_utils import legal_min_cache, min_cache_echo_serving, running_server
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.model.loader import load_model
 from sglang_echo.runtime.engine import Engine
@@ -119,16 +117,8 @@ def _offline(model, log: list) -> list[list[int]]:
 
 
 def _soak(checkpoint, seconds: float) -> Counter:
-    topk = json.loads((Path(checkpoint) / "config.json").read_text())["index_topk"]
-    legal_min = EchoConfig(offload=True).min_dev_cache_size(MAX_RUNNING, topk, CHUNK)
-    serving = make_serving(
-        checkpoint,
-        EchoConfig(offload=True, dev_cache_size=legal_min),
-        max_total_tokens=POOL,
-        max_running_requests=MAX_RUNNING,
-        chunked_prefill_size=CHUNK,
-        context_length=CONTEXT,
-    )
+    legal_min = legal_min_cache(checkpoint, MAX_RUNNING, CHUNK)
+    serving = min_cache_echo_serving(checkpoint, MAX_RUNNING, CHUNK, POOL, CONTEXT)
     serving.scheduler.reserve_steps = 4  # admit eagerly: the pool runs out, preemption runs
     log: list = []
     counts: Counter = Counter()
