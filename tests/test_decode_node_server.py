@@ -111,3 +111,26 @@ def test_bad_disaggregation_flags(argv, needle):
     with pytest.raises(ServerArgError, match=None) as err:
         parse_server_args(["--model-path", "m", *argv])
     assert needle in str(err.value)
+
+
+def test_study_worker_folder_serves_as_a_decode_node(tmp_path):
+    """``python -m sglang_echo.study.worker_spec --out DIR --smoke``: the server builds the
+    study's worker (routed MoE) from the folder; as a decode node with the locality knob,
+    no-offload and ECHO at its smallest legal cache give the same tokens."""
+    from sglang_echo.study.worker_spec import main as spec_main
+
+    folder = tmp_path / "worker"
+    assert spec_main(["--out", str(folder), "--smoke", "--layers", "2", "--vocab", "300"]) == 0
+    assert spec_main(["--out", str(tmp_path / "bad"), "--layers", "0"]) == 2
+    flags = dict(
+        max_total_tokens=POOL, max_running_requests=MAX_RUNNING, context_length=CONTEXT,
+        chunked_prefill_size=32, disaggregation_mode="decode",
+        disaggregation_transfer_backend="fake", fake_kv_locality=0.9,
+    )  # fmt: skip
+    prompts = _prompts()[:6]
+    plain, _ = _serve_all(make_serving(folder, EchoConfig(offload=False), **flags), prompts)
+    n_g = EchoConfig(offload=True).min_dev_cache_size(MAX_RUNNING, 16, 32)
+    serving = make_serving(folder, EchoConfig(offload=True, dev_cache_size=n_g), **flags)
+    assert serving.info["vocab_size"] == 300 and serving.info["num_layers"] == 2
+    echo, state = _serve_all(serving, prompts)
+    assert echo == plain and state["evictions"] > 0

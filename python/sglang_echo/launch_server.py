@@ -99,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         f"sglang-echo: {i['kv_backend']} on {i['device']} ({i['dtype']}), KV pool "
         f"{i['max_total_tokens']} tokens, max running {i['max_running_requests']}, chunk "
         f"{i['chunked_prefill_size']}, context {i['context_length']}"
-        + (f", NSA_DEV_CACHE_SIZE {i['nsa_dev_cache_size']}" if i["nsa_dev_cache_size"] else ""),
+        + (f", NSA_DEV_CACHE_SIZE {i['nsa_dev_cache_size']}" if i["nsa_dev_cache_size"] else "")
+        + (f", device_buffer_size {i['device_buffer_size']}" if i["device_buffer_size"] else "")
+        + (
+            f"; PD decode node, fake transfer (locality {i['locality_source']})"
+            if i["disaggregation_mode"] == "decode"
+            else ""
+        ),
         file=sys.stderr,
         flush=True,
     )

@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-GPU_LINE = re.compile(r"^(?P<name>[^,]+), \d+ MiB$")
+# nvidia-smi's "name, memory" line, or "device: NAME" where there is no GPU (a CPU check).
+GPU_LINE = re.compile(r"^(?:(?P<name>[^,]+), \d+ MiB|device: (?P<other>\S.*))$")
 
 
 def sweep_record(summary: dict, args: argparse.Namespace, argv: list[str]) -> dict:
@@ -314,7 +315,7 @@ def sweep_record(summary: dict, args: argparse.Namespace, argv: list[str]) -> di
     for path in args.config:
         lines = path.read_text().splitlines()
         configs.append({"file": str(path), "lines": lines})
-        devices.update(m["name"] for ln in lines if (m := GPU_LINE.match(ln.strip())))
+        devices.update(m["name"] or m["other"] for ln in lines if (m := GPU_LINE.match(ln.strip())))
     if len(devices) != 1:
         raise SystemExit(f"error: the --config files name {len(devices)} GPUs: {sorted(devices)}")
     return {

@@ -96,6 +96,16 @@ def memory_token_budget(
     return max(1, min(on_device, on_host))
 
 
+def _load(model_path: str, device: torch.device, dtype: torch.dtype) -> DeepseekV32ForCausalLM:
+    """A checkpoint, or the end-to-end study's worker (a folder with study_worker.json:
+    DeepSeek-V3.2 attention dimensions and one DP worker's MoE, built in memory)."""
+    from sglang_echo.study.worker_spec import is_study_worker, load_study_worker
+
+    if is_study_worker(model_path):
+        return load_study_worker(model_path, device, dtype)
+    return load_model(model_path, device=device, dtype=dtype)
+
+
 def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     """``echo`` overrides the environment's ECHO settings (tests build both kinds)."""
     device = resolve_device(args.device)
@@ -104,7 +114,7 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         dtype_name = "bfloat16" if device.type == "cuda" else "float32"
     dtype = model_dtype(dtype_name)
     echo = echo if echo is not None else EchoConfig.from_env()
-    model = load_model(args.model_path, device=device, dtype=dtype)
+    model = _load(args.model_path, device, dtype)
     cfg = model.config
     context = args.context_length or cfg.max_position_embeddings
     if context > cfg.max_position_embeddings:

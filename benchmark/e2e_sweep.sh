@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The end-to-end request-rate sweep through the HTTP server (ECHO Figures 12-13), on one GPU:
+# the study's worker (DeepSeek-V3.2 attention dimensions, one DP worker's routed MoE,
+# LAYERS layers; python -m sglang_echo.study.worker_spec) served as a PD decode node with
+# the fake transfer backend (prompt KV synthesized on the node, FAKE_KV_LOCALITY top-k
+# locality), no-offload then ECHO, InfiniteBench-like 100K-110K prompts at each rate, then
+# the plot tool writes OUTDIR/e2e_sweep.json (command, device, date, metrics) and plots.
+#
+# Usage (GPU machine, repository root): bash benchmark/e2e_sweep.sh [OUTDIR]
+# Knobs (environment): LAYERS=8 RATES=0.5,1,2,inf NUM_PROMPTS=32 CONTEXT=110592
+#   NO_OFFLOAD_TOKENS=380000 (the paper's per-worker pool) DEV_CACHE=260000
+#   OFFLOAD_TOKENS=1800000 FAKE_KV_LOCALITY=0.9 MAX_OUTPUT_LEN=256 WARMUP_REQUESTS=16
+#   SMOKE=1: tiny dimensions and sizes (a CPU check of the whole pipeline)
+# fastapi/uvicorn missing there? bash benchmark/fetch_server_wheels.sh here, carry .whl/.
+set -euo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  sed -n '2,13p' "$0"
+  exit 0
+fi
+cd "$(dirname "$0")/.."
+OUT="$(mkdir -p "${1:-benchmark/results/e2e_sweep}" && cd "${1:-benchmark/results/e2e_sweep}" && pwd)"
+export PYTHON="${PYTHON:-python3}"
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+WORK="${E2E_WORK:-/tmp/echo-e2e-sweep}"
+export E2E_WORK="$WORK"
+if [[ "${SMOKE:-0}" == "1" ]]; then
+  LAYERS="${LAYERS:-2}" RATES="${RATES:-inf}" NUM_PROMPTS="${NUM_PROMPTS:-4}"
+  CONTEXT="${CONTEXT:-512}" NO_OFFLOAD_TOKENS="${NO_OFFLOAD_TOKENS:-1200}"
+  DEV_CACHE="${DEV_CACHE:-64}" OFFLOAD_TOKENS="${OFFLOAD_TOKENS:-4000}"
+  MAX_OUTPUT_LEN="${MAX_OUTPUT_LEN:-8}" WARMUP_REQUESTS="${WARMUP_REQUESTS:-0}"
+  spec_flags=(--smoke --vocab 300 --max-position 1024)
+fi
+LAYERS="${LAYERS:-8}"
+RATES="${RATES:-0.5,1,2,inf}"
+NUM_PROMPTS="${NUM_PROMPTS:-32}"
+CONTEXT="${CONTEXT:-110592}"
+NO_OFFLOAD_TOKENS="${NO_OFFLOAD_TOKENS:-380000}"
+DEV_CACHE="${DEV_CACHE:-260000}"
+OFFLOAD_TOKENS="${OFFLOAD_TOKENS:-1800000}"
+MAX_OUTPUT_LEN="${MAX_OUTPUT_LEN:-256}"
+WARMUP_REQUESTS="${WARMUP_REQUESTS:-16}"
+export FAKE_KV_LOCALITY="${FAKE_KV_LOCALITY:-0.9}"
+
+if ! "$PYTHON" -c "import fastapi, uvicorn" 2> /dev/null; then
+  site="$WORK/site"
+  "$PYTHON" -m pip install -q --no-index --find-links "${SERVER_WHEELS:-.whl/serve}" \
+    --target "$site" fastapi uvicorn
+  export PYTHONPATH="$PYTHONPATH:$site"
+fi
+
+MODEL="$WORK/study-l$LAYERS"
+"$PYTHON" -m sglang_echo.study.worker_spec --out "$MODEL" --layers "$LAYERS" "${spec_flags[@]}"
+{
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2> /dev/null || echo "device: cpu"
+  "$PYTHON" -c "import torch; print('torch', torch.__version__)"
+  echo "study worker: LAYERS=$LAYERS (DeepSeek-V3.2 attention dims unless SMOKE=1), decode node with fake transfer, FAKE_KV_LOCALITY=$FAKE_KV_LOCALITY"
+  echo "no-offload pool $NO_OFFLOAD_TOKENS tokens; ECHO host pool $OFFLOAD_TOKENS tokens, NSA_DEV_CACHE_SIZE $DEV_CACHE"
+  echo "RATES=$RATES NUM_PROMPTS=$NUM_PROMPTS CONTEXT=$CONTEXT MAX_OUTPUT_LEN=$MAX_OUTPUT_LEN"
+} > "$OUT/sweep_config.txt"
+cat "$OUT/sweep_config.txt"
+
+start=$SECONDS
+ENGINE=echo DSV32W4="$MODEL" bash e2e_test_pd_infini.sh --request-rates "$RATES" \
+  --num-prompts "$NUM_PROMPTS" --warmup-requests "$WARMUP_REQUESTS" --context-length "$CONTEXT" \
+  --max-output-len "$MAX_OUTPUT_LEN" --no-offload-max-total-tokens "$NO_OFFLOAD_TOKENS" \
+  --offload-max-total-tokens "$OFFLOAD_TOKENS" --offload-nsa-dev-cache-size "$DEV_CACHE" \
+  --no-offload-res-dir "$OUT/infini/no-offload" --offload-res-dir "$OUT/infini/offload"
+echo "sweep took $((SECONDS - start)) s" | tee -a "$OUT/sweep_config.txt"
+"$PYTHON" -m sglang_echo.bench.plot "$OUT/infini" --out-dir "$OUT/plots" \
+  --record "$OUT/e2e_sweep.json" --config "$OUT/sweep_config.txt" \
+  --sweep-command "bash benchmark/e2e_sweep.sh $*"
