@@ -43,9 +43,13 @@ def ceil_page(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
-def build_pools(rows, ratio, layers, max_running, max_context, dtype, fp8=False):
+def build_pools(
+    rows, ratio, layers, max_running, max_context, dtype, fp8=False, pre_alloc_size=None
+):
     """sglang's HiSparse DSA device pool (fp8 rows or ``dtype``), its allocator and the
-    request table, on the CPU."""
+    request table, on the CPU. ``pre_alloc_size`` (a PD decode node's extra request
+    slots for pre-allocated and in-transfer requests) builds sglang's
+    DecodeReqToTokenPool instead of the plain ReqToTokenPool."""
     from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -66,9 +70,20 @@ def build_pools(rows, ratio, layers, max_running, max_context, dtype, fp8=False)
     allocator = HiSparseTokenToKVPoolAllocator(
         rows, PAGE, dtype, "cpu", pool, need_sort=False, host_to_device_ratio=ratio
     )
-    req_to_token = ReqToTokenPool(
-        size=max_running, max_context_len=max_context, device="cpu", enable_memory_saver=False
-    )
+    if pre_alloc_size is None:
+        req_to_token = ReqToTokenPool(
+            size=max_running, max_context_len=max_context, device="cpu", enable_memory_saver=False
+        )
+    else:
+        from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+
+        req_to_token = DecodeReqToTokenPool(
+            size=max_running,
+            max_context_len=max_context,
+            device="cpu",
+            enable_memory_saver=False,
+            pre_alloc_size=pre_alloc_size,
+        )
     return pool, allocator, req_to_token
 
 

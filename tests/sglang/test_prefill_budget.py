@@ -154,9 +154,9 @@ def test_decode_prealloc_budget_is_exactly_cap():
     """A PD decode node's pre-allocation queue admits at most
     ``hisparse_attn_allocator.available_size() // (padded_buffer_size +
     spec_swap.scratch_capacity)`` requests beyond those already admitted (sglang 0.5.23,
-    DecodePreallocQueue.pop_preallocated). The queue itself needs a live transfer backend;
-    here the quantities it reads, from the real coordinator and allocator: exactly
-    ``cap`` at start, one fewer per admitted request, none left at ``cap``."""
+    DecodePreallocQueue.pop_preallocated). Here the quantities it reads, from the real
+    coordinator and allocator: exactly ``cap`` at start, one fewer per admitted request,
+    none left at ``cap``; test_decode_prealloc.py runs the real queue itself."""
     node = DecodeNode(
         layers=1, top_k=TOP_K, dev_cache=DEV_CACHE, max_running=CAP, host_tokens=4096,
         max_context=CONTEXT,
