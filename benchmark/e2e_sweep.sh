@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The end-to-end request-rate sweep through the HTTP server (ECHO Figures 12-13), on one GPU:
+# The end-to-end request-rate sweeps through the HTTP server (ECHO Figures 12-15), on one GPU:
 # the study's worker (DeepSeek-V3.2 attention dimensions, one DP worker's routed MoE,
 # LAYERS layers; python -m sglang_echo.study.worker_spec) served as a PD decode node with
 # the fake transfer backend (prompt KV synthesized on the node, FAKE_KV_LOCALITY top-k
 # locality), no-offload then ECHO, InfiniteBench-like 100K-110K prompts at each rate, then
 # the plot tool writes OUTDIR/e2e_sweep.json (command, device, date, metrics) and plots.
+# TASKS=1 adds Figure 14 (per task: code_debug, code_run, longbook_choice_eng,
+# longbook_qa_eng; synthetic files of InfiniteBench's published task lengths unless
+# TASK_DATASET_DIR holds real ones), SHAREGPT=1 Figure 15 (ShareGPT-like chats on one
+# server that prefills and decodes: TTFT, ITL, E2E latency).
 #
 # Usage (GPU machine, repository root): bash benchmark/e2e_sweep.sh [OUTDIR]
 # Knobs (environment): LAYERS=8 RATES=0.5,1,2,inf NUM_PROMPTS=32 CONTEXT=110592
@@ -14,7 +18,7 @@
 # fastapi/uvicorn missing there? bash benchmark/fetch_server_wheels.sh here, carry .whl/.
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,13p' "$0"
+  sed -n '2,18p' "$0"
   exit 0
 fi
 cd "$(dirname "$0")/.."
@@ -56,7 +60,7 @@ MODEL="$WORK/study-l$LAYERS"
   "$PYTHON" -c "import torch; print('torch', torch.__version__)"
   echo "study worker: LAYERS=$LAYERS (DeepSeek-V3.2 attention dims unless SMOKE=1), decode node with fake transfer, FAKE_KV_LOCALITY=$FAKE_KV_LOCALITY"
   echo "no-offload pool $NO_OFFLOAD_TOKENS tokens; ECHO host pool $OFFLOAD_TOKENS tokens, NSA_DEV_CACHE_SIZE $DEV_CACHE"
-  echo "RATES=$RATES NUM_PROMPTS=$NUM_PROMPTS CONTEXT=$CONTEXT MAX_OUTPUT_LEN=$MAX_OUTPUT_LEN"
+  echo "RATES=$RATES NUM_PROMPTS=$NUM_PROMPTS CONTEXT=$CONTEXT MAX_OUTPUT_LEN=$MAX_OUTPUT_LEN TASKS=${TASKS:-0} SHAREGPT=${SHAREGPT:-0}"
 } > "$OUT/sweep_config.txt"
 cat "$OUT/sweep_config.txt"
 
@@ -66,7 +70,22 @@ ENGINE=echo DSV32W4="$MODEL" bash e2e_test_pd_infini.sh --request-rates "$RATES"
   --max-output-len "$MAX_OUTPUT_LEN" --no-offload-max-total-tokens "$NO_OFFLOAD_TOKENS" \
   --offload-max-total-tokens "$OFFLOAD_TOKENS" --offload-nsa-dev-cache-size "$DEV_CACHE" \
   --no-offload-res-dir "$OUT/infini/no-offload" --offload-res-dir "$OUT/infini/offload"
+roots=("$OUT/infini")
+common=(--request-rates "$RATES" --num-prompts "$NUM_PROMPTS" --warmup-requests "$WARMUP_REQUESTS"
+  --context-length "$CONTEXT" --max-output-len "$MAX_OUTPUT_LEN"
+  --no-offload-max-total-tokens "$NO_OFFLOAD_TOKENS" --offload-max-total-tokens "$OFFLOAD_TOKENS"
+  --offload-nsa-dev-cache-size "$DEV_CACHE")
+if [[ "${TASKS:-0}" == "1" ]]; then
+  ENGINE=echo DSV32W4="$MODEL" bash e2e_test_pd_infini_task.sh "${common[@]}" \
+    --no-offload-res-dir "$OUT/tasks/no-offload" --offload-res-dir "$OUT/tasks/offload"
+  roots+=("$OUT/tasks")
+fi
+if [[ "${SHAREGPT:-0}" == "1" ]]; then
+  ENGINE=echo DSV32W4="$MODEL" bash e2e_test_mix_sharegpt.sh "${common[@]}" \
+    --no-offload-res-dir "$OUT/sharegpt/no-offload" --offload-res-dir "$OUT/sharegpt/offload"
+  roots+=("$OUT/sharegpt")
+fi
 echo "sweep took $((SECONDS - start)) s" | tee -a "$OUT/sweep_config.txt"
-"$PYTHON" -m sglang_echo.bench.plot "$OUT/infini" --out-dir "$OUT/plots" \
+"$PYTHON" -m sglang_echo.bench.plot "${roots[@]}" --out-dir "$OUT/plots" \
   --record "$OUT/e2e_sweep.json" --config "$OUT/sweep_config.txt" \
   --sweep-command "bash benchmark/e2e_sweep.sh $*"

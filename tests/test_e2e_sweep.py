@@ -1,7 +1,8 @@
-"""``SMOKE=1 bash benchmark/e2e_sweep.sh OUT`` on the CPU: the study's worker served as a
-decode node with the fake transfer backend, no-offload then ECHO, one benchmark rate,
-and a record with command, device and date naming both runs (the GPU sweep's pipeline,
-end to end, at tiny sizes)."""
+"""``SMOKE=1 TASKS=1 SHAREGPT=1 bash benchmark/e2e_sweep.sh OUT`` on the CPU: the study's
+worker served as a decode node with the fake transfer backend (InfiniteBench-like prompts,
+then the four Figure-14 tasks) and as one prefill + decode server (ShareGPT-like),
+no-offload then ECHO, one benchmark rate each, and a record with command, device and
+date (the GPU sweeps' pipeline, end to end, at tiny sizes)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sglang_echo.bench.make_tasks import FIGURE_14_TASKS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_e2e_sweep_smoke(tmp_path):
-    env = {**os.environ, "SMOKE": "1", "PYTHON": sys.executable, "E2E_WORK": str(tmp_path / "w")}
+    env = {**os.environ, "SMOKE": "1", "TASKS": "1", "SHAREGPT": "1", "PYTHON": sys.executable}
+    env["E2E_WORK"] = str(tmp_path / "w")
     out = tmp_path / "out"
     proc = subprocess.run(
         ["bash", "benchmark/e2e_sweep.sh", str(out)],
@@ -25,9 +29,13 @@ def test_e2e_sweep_smoke(tmp_path):
     record = json.loads((out / "e2e_sweep.json").read_text())
     assert record["device"] == "cpu" and record["command"].startswith("python -m sglang_echo")
     assert record["sweeps"] == [f"bash benchmark/e2e_sweep.sh {out}"]
-    for mode in ("no-offload", "offload"):
-        line = (out / "infini" / mode / "req_rate_inf.jsonl").read_text().splitlines()[-1]
-        assert json.loads(line)["completed"] == 4
+    runs = [("infini", "")] + [("tasks", t) for t in FIGURE_14_TASKS] + [("sharegpt", "")]
+    for root, task in runs:
+        for mode in ("no-offload", "offload"):
+            path = out / root / mode / task / "req_rate_inf.jsonl"
+            assert json.loads(path.read_text().splitlines()[-1])["completed"] == 4, path
+    assert set(record["metrics"]["tasks"]) == set(FIGURE_14_TASKS)
+    assert (out / "plots" / "per_task_throughput.png").is_file()
     for mode, backend in (("no-offload", "no-offload"), ("offload", "echo")):
         first = (out / "infini" / mode / "server.log").read_text().splitlines()[0]
         assert first.startswith(f"sglang-echo: {backend} on cpu")
