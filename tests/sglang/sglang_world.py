@@ -39,6 +39,22 @@ def init_process_group(tmp_dir: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/pg", rank=0, world_size=1)
 
 
+def assert_coordinator_clean(coord, allocator) -> None:
+    """No request left in the EchoCoordinator, its maps or ECHO's device cache."""
+    from sglang_echo.offload.device_cache import ABSENT, FREE
+
+    assert torch.all(coord.newest_row == 0)
+    assert torch.all(coord.req_to_host_pool == -1)
+    assert torch.all(coord.req_to_host_pool_allocated_len == 0)
+    assert torch.all(allocator.full_to_hisparse_device_index_mapping[:-1] == 0)
+    cache = coord.cache
+    assert torch.all(cache.free_count == cache.num_slots)
+    assert torch.all(cache.device_to_host[:, 1 : cache.num_slots + 1] == FREE)
+    assert torch.all(cache.host_to_device[:, 1:] == ABSENT)
+    stats = coord.get_token_stats()
+    assert stats.device_tokens == 0 and stats.host_tokens == 0
+
+
 def ceil_page(n: int) -> int:
     return -(-n // PAGE) * PAGE
 

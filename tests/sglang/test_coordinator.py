@@ -11,9 +11,12 @@ import torch
 
 plugin_testenv.require_sglang()
 
-from sglang_world import DecodeNode, apply_cpu_shims, init_process_group  # noqa: E402
-
-from sglang_echo.offload.device_cache import ABSENT, FREE  # noqa: E402
+from sglang_world import (  # noqa: E402
+    DecodeNode,
+    apply_cpu_shims,
+    assert_coordinator_clean,
+    init_process_group,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,16 +109,7 @@ def assert_back_to_start(node: DecodeNode) -> None:
     assert node.start["req_slots"] == node.after_init["req_slots"]
     # The coordinator holds only the logical pages the host pool could not serve.
     assert node.after_init["logical"] == min(node.start["logical"], node.after_init["host"])
-    assert torch.all(coord.newest_row == 0)
-    assert torch.all(coord.req_to_host_pool == -1)
-    assert torch.all(coord.req_to_host_pool_allocated_len == 0)
-    assert torch.all(node.allocator.full_to_hisparse_device_index_mapping[:-1] == 0)
-    cache = coord.cache
-    assert torch.all(cache.free_count == cache.num_slots)
-    assert torch.all(cache.device_to_host[:, 1 : cache.num_slots + 1] == FREE)
-    assert torch.all(cache.host_to_device[:, 1:] == ABSENT)
-    stats = coord.get_token_stats()
-    assert stats.device_tokens == 0 and stats.host_tokens == 0
+    assert_coordinator_clean(coord, node.allocator)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -44,6 +44,7 @@ plugin_testenv.require_sglang()
 from sglang_world import (  # noqa: E402
     PAGE,
     apply_cpu_shims,
+    assert_coordinator_clean,
     build_pools,
     ceil_page,
     init_process_group,
@@ -51,7 +52,6 @@ from sglang_world import (  # noqa: E402
 from test_plugin_args import MODEL_CONFIG  # noqa: E402
 
 from sglang_echo.config import ENV_DEV_CACHE, EchoConfig  # noqa: E402
-from sglang_echo.offload.device_cache import ABSENT, FREE  # noqa: E402
 from sglang_echo.sglang.args import EchoPlan, plan_echo  # noqa: E402
 
 TOP_K, DEV_CACHE, LAYERS, CONTEXT = 16, 64, 2, 512
@@ -266,16 +266,7 @@ def assert_nothing_leaked(rank: DecodeRank) -> None:
     coord = rank.coord
     assert rank.counters() == rank.start
     assert rank.queued() == 0 and not rank.sched.running_batch.reqs
-    assert torch.all(coord.newest_row == 0)
-    assert torch.all(coord.req_to_host_pool == -1)
-    assert torch.all(coord.req_to_host_pool_allocated_len == 0)
-    assert torch.all(rank.allocator.full_to_hisparse_device_index_mapping[:-1] == 0)
-    cache = coord.cache
-    assert torch.all(cache.free_count == cache.num_slots)
-    assert torch.all(cache.device_to_host[:, 1 : cache.num_slots + 1] == FREE)
-    assert torch.all(cache.host_to_device[:, 1:] == ABSENT)
-    stats = coord.get_token_stats()
-    assert stats.device_tokens == 0 and stats.host_tokens == 0
+    assert_coordinator_clean(coord, rank.allocator)
 
 
 def assert_only_device_rows_bind(rank: DecodeRank) -> None:
