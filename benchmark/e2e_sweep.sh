@@ -28,6 +28,7 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 WORK="${E2E_WORK:-/tmp/echo-e2e-sweep}"
 export E2E_WORK="$WORK"
+spec_flags=()  # worker_spec options (SMOKE=1: tiny dimensions)
 if [[ "${SMOKE:-0}" == "1" ]]; then
   LAYERS="${LAYERS:-2}" RATES="${RATES:-inf}" NUM_PROMPTS="${NUM_PROMPTS:-4}"
   CONTEXT="${CONTEXT:-512}" NO_OFFLOAD_TOKENS="${NO_OFFLOAD_TOKENS:-1200}"
@@ -46,12 +47,8 @@ MAX_OUTPUT_LEN="${MAX_OUTPUT_LEN:-256}"
 WARMUP_REQUESTS="${WARMUP_REQUESTS:-16}"
 export FAKE_KV_LOCALITY="${FAKE_KV_LOCALITY:-0.9}"
 
-if ! "$PYTHON" -c "import fastapi, uvicorn" 2> /dev/null; then
-  site="$WORK/site"
-  "$PYTHON" -m pip install -q --no-index --find-links "${SERVER_WHEELS:-.whl/serve}" \
-    --target "$site" fastapi uvicorn
-  export PYTHONPATH="$PYTHONPATH:$site"
-fi
+source benchmark/web_stack.sh
+ensure_web_stack "$WORK"
 
 MODEL="$WORK/study-l$LAYERS"
 "$PYTHON" -m sglang_echo.study.worker_spec --out "$MODEL" --layers "$LAYERS" "${spec_flags[@]}"

@@ -34,12 +34,8 @@ MAX_OUTPUT_LEN="${MAX_OUTPUT_LEN:-256}"
 WORK="${E2E_WORK:-/tmp/echo-serving-sweep}"
 export E2E_WORK="$WORK"
 
-if ! "$PYTHON" -c "import fastapi, uvicorn" 2> /dev/null; then
-  site="$WORK/site"
-  "$PYTHON" -m pip install -q --no-index --find-links "${SERVER_WHEELS:-.whl/serve}" \
-    --target "$site" fastapi uvicorn
-  export PYTHONPATH="$PYTHONPATH:$site"
-fi
+source benchmark/web_stack.sh
+ensure_web_stack "$WORK"
 
 MODEL="${MODEL:-$WORK/dsv32-l$LAYERS}"
 if [[ ! -f "$MODEL/config.json" ]]; then
