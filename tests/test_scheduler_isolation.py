@@ -138,6 +138,7 @@ def test_non_finite_logits_end_only_that_request(model):  # noqa: F811
     _drain(sched)
     assert reqs[1].finish_reason["type"] == "abort"
     assert "non-finite" in reqs[1].finish_reason["message"]
+    assert reqs[1].finish_reason["status_code"] == 500
     assert [reqs[0].output, reqs[2].output] == [expected[0], expected[2]]
     _assert_all_free(sched, cache, n_g)
 

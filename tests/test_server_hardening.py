@@ -313,6 +313,7 @@ def test_sigterm_ends_running_requests_and_the_process(small_checkpoint, tmp_pat
         last = json.loads(lines[-2][6:])
         assert last["meta_info"]["finish_reason"]["type"] == "abort"
         assert "shutting down" in last["meta_info"]["finish_reason"]["message"]
+        assert last["meta_info"]["finish_reason"]["status_code"] == 503
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -116,7 +116,7 @@ class EngineLoop:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 try:
-                    self.scheduler.fail_all(f"engine error: {self.last_error}")
+                    self.scheduler.fail_all(f"engine error: {self.last_error}", 500)
                 except Exception:
                     log.error("could not clean up after the failed step")
         self.scheduler.fail_all("server shutting down")

@@ -51,6 +51,12 @@ log = logging.getLogger("sglang_echo.scheduler")
 DECODE_RESERVE_STEPS = 32
 
 
+def abort_reason(message: str, status_code: int) -> dict:
+    """How an aborted request ends, as SGLang reports it: with the HTTP status a client
+    should see (499 aborted by a client, 400 refused, 500 engine error, 503 shutting down)."""
+    return {"type": "abort", "message": message, "status_code": status_code}
+
+
 class RequestRejected(ValueError):
     """A request that can never run here (too long for the context or the pool, or a
     request id already in use)."""
@@ -138,12 +144,12 @@ class Scheduler:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
-        self._finish(req, {"type": "abort", "message": message})
+        self._finish(req, abort_reason(message, 499))
         return True
 
     def reject(self, req: ServeRequest, message: str) -> None:
         """End a request that was never admitted (its ``on_output`` hears why)."""
-        self._emit(req, (), {"type": "abort", "message": message})
+        self._emit(req, (), abort_reason(message, 400))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -168,10 +174,10 @@ class Scheduler:
         self.stats.recent.append((time.perf_counter(), self.stats.generation_tokens))
         return True
 
-    def fail_all(self, message: str) -> None:
-        """Shutdown, or an error outside any step: end every request with the message."""
+    def fail_all(self, message: str, status_code: int = 503) -> None:
+        """Shutdown (503), or an error outside any step (500): end every request."""
         for req in [*self.waiting, *self.running]:
-            self._finish(req, {"type": "abort", "message": message})
+            self._finish(req, abort_reason(message, status_code))
         self.waiting.clear()
         self.running = []
 
@@ -203,7 +209,7 @@ class Scheduler:
         for req in reqs:
             if not req.finished:
                 self.stats.failed_requests += 1
-                self._finish(req, {"type": "abort", "message": message})
+                self._finish(req, abort_reason(message, 500))
 
     # ------------------------------------------------------------ capacity
     @staticmethod
@@ -270,14 +276,14 @@ class Scheduler:
             if not ok:
                 self.stats.failed_requests += 1
                 message = "the model produced non-finite logits for this request"
-                self._finish(req, {"type": "abort", "message": message})
+                self._finish(req, abort_reason(message, 500))
                 continue
             try:
                 self._accept(req, token, lp)
             except Exception as exc:  # one request's stop check, not the batch
                 log.exception("request %s failed while accepting a token", req.rid)
                 self.stats.failed_requests += 1
-                self._finish(req, {"type": "abort", "message": f"{type(exc).__name__}: {exc}"})
+                self._finish(req, abort_reason(f"{type(exc).__name__}: {exc}", 500))
 
     def _accept(self, req: ServeRequest, token: int, lp: TokenLogprob | None) -> None:
         req.output.append(token)

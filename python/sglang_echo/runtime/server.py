@@ -102,8 +102,8 @@ def openai_finish(reason: dict | None) -> str | None:
 
 
 def abort_status(reason: dict) -> int:
-    message = reason.get("message", "")
-    return 503 if "shutting down" in message else 500 if "error" in message else 499
+    """The HTTP status the scheduler gave an aborted request (scheduler.abort_reason)."""
+    return int(reason.get("status_code", 500))
 
 
 def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
