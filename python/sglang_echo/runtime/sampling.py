@@ -86,8 +86,9 @@ def sample_batch(
     rows, vocab = logits.shape
     dev = logits.device
     x = logits.float()
+    # A non-finite row still yields some token (argmax and the race do not raise on NaN);
+    # it is flagged and its request ended, so no pass over the logits cleans it first.
     finite = torch.isfinite(x).all(dim=-1)
-    x = torch.where(finite[:, None], x, torch.zeros_like(x))
     tokens = torch.argmax(x, dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
