@@ -318,3 +318,27 @@ def test_sigterm_ends_running_requests_and_the_process(small_checkpoint, tmp_pat
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+def test_reusing_a_finished_rid_at_once_is_safe(server):
+    """A stream's late cleanup (Starlette's background task after the response) must not
+    abort a newer request that took the same rid the moment the first one ended."""
+    url, app, _ = server
+
+    async def go():
+        ends = []
+        async with aiohttp.ClientSession() as s:
+            for _ in range(6):
+                body = {**_greedy_body([7, 8, 9], 6), "rid": "reused", "stream": True}
+                last = None
+                async with s.post(url + "/generate", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    async for raw in r.content:
+                        line = raw.decode().strip()
+                        if line.startswith("data: {"):
+                            last = json.loads(line[6:])
+                ends.append(last["meta_info"]["finish_reason"]["type"])
+        return ends
+
+    assert asyncio.run(go()) == ["length"] * 6
+    assert _idle_state(app)["live"] == 0

@@ -114,7 +114,10 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
     max_body = getattr(serving.args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
     prompt_limit = min(info["context_length"], info["max_total_tokens"] + 1) - 1
     encoder = protocol.BoundedTokenizer(tokenizer, prompt_limit) if tokenizer else None
-    live: set[str] = set()  # request ids in flight (touched on the event loop only)
+    # Request id -> the stream of the request that holds it (event loop only). Keyed to the
+    # stream so that a late cleanup of a finished request can never touch a newer request
+    # that reuses its id.
+    live: dict[str, EventStream] = {}
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -156,10 +159,9 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
         )
         return parsed
 
-    def submit(parsed: ParsedRequest, rid: str) -> EventStream:
+    def submit(parsed: ParsedRequest, rid: str, stream: EventStream) -> None:
         if not engine.alive:
             raise RuntimeError("the server is shutting down or its engine thread stopped")
-        stream = EventStream(asyncio.get_running_loop())
         req = ServeRequest(
             list(parsed.prompt_ids),
             rid=rid,
@@ -168,11 +170,10 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
             arrival_s=time.perf_counter(),
         )
         engine.submit(req)
-        return stream
 
-    def release(rid: str, finished: bool) -> None:
-        if rid in live:
-            live.discard(rid)
+    def release(rid: str, stream: EventStream, finished: bool) -> None:
+        if live.get(rid) is stream:
+            del live[rid]
             if not finished:
                 engine.abort(rid)  # client gone (or the stream was cancelled)
 
@@ -196,7 +197,7 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
                 done = batch[-1].finished
                 yield batch
         finally:
-            release(rid, done)
+            release(rid, stream, done)
 
     async def handle(
         request: Request,
@@ -217,22 +218,22 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
                 f"request id {rid!r} belongs to a request that is still running; give each "
                 "request its own rid"
             )
-        live.add(rid)
+        stream = live[rid] = EventStream(asyncio.get_running_loop())
         try:
-            stream = submit(parsed, rid)
+            submit(parsed, rid, stream)
         except RuntimeError as exc:
-            live.discard(rid)
+            del live[rid]
             return error_response(str(exc), 503)
         return await respond(parsed, stream, rid, request)
 
-    def streaming(body: AsyncIterator[bytes], rid: str) -> StreamingResponse:
+    def streaming(body: AsyncIterator[bytes], rid: str, stream: EventStream) -> StreamingResponse:
         # The background task runs after the response ends, also when the client left
         # before the body started (then the generator's own cleanup never ran).
         return StreamingResponse(
             body,
             media_type="text/event-stream",
             headers=SSE_HEADERS,
-            background=BackgroundTask(release, rid, False),
+            background=BackgroundTask(release, rid, stream, False),
         )
 
     @functools.lru_cache(maxsize=1 << 16)
@@ -272,7 +273,7 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
                     yield sse({"text": out.text, "output_ids": list(out.ids), "meta_info": info_})
                 yield sse("[DONE]")
 
-            return streaming(body(), rid)
+            return streaming(body(), rid, stream)
         last = None
         async for batch in events_of(stream, rid, request):
             out.add(batch)
@@ -392,7 +393,7 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
                         yield sse({**tail, "choices": [], "usage": usage(last)})
                     yield sse("[DONE]")
 
-                return streaming(body(), rid)
+                return streaming(body(), rid, stream)
             last = None
             async for batch in events_of(stream, rid, request):
                 out.add(batch)
