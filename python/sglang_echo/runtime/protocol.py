@@ -147,7 +147,7 @@ def check_text(value: str, field: str) -> str:
     return value
 
 
-def _refuse_unsupported(d: dict, where: str = "") -> None:
+def _refuse_unsupported(d: dict) -> None:
     for key, off in _UNSUPPORTED_OFF.items():
         value = d.get(key)
         if value is None or value == off or (off is None and value in ({}, [], "")):
@@ -155,7 +155,7 @@ def _refuse_unsupported(d: dict, where: str = "") -> None:
         shown = json.dumps(value, ensure_ascii=False)
         reset = "" if off is None else f" or set it to {json.dumps(off)}"
         raise BadRequest(
-            f"{where}{key}={shown} is not supported by this server (it would change the "
+            f"{key}={shown} is not supported by this server (it would change the "
             f"output); leave it out{reset}"
         )
 
