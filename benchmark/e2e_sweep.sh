@@ -8,7 +8,9 @@
 # TASKS=1 adds Figure 14 (per task: code_debug, code_run, longbook_choice_eng,
 # longbook_qa_eng; synthetic files of InfiniteBench's published task lengths unless
 # TASK_DATASET_DIR holds real ones), SHAREGPT=1 Figure 15 (ShareGPT-like chats on one
-# server that prefills and decodes: TTFT, ITL, E2E latency).
+# server that prefills and decodes: TTFT, ITL, E2E latency). INFINI=0 skips Figures 12-13
+# (to split the sweeps over several device calls); TASK_RATES and SHAREGPT_RATES default
+# to RATES. The record's command names every knob's value, so it reruns as it ran.
 #
 # Usage (GPU machine, repository root): bash benchmark/e2e_sweep.sh [OUTDIR]
 # Knobs (environment): LAYERS=8 RATES=0.5,1,2,inf NUM_PROMPTS=32 CONTEXT=110592
@@ -18,7 +20,7 @@
 # fastapi/uvicorn missing there? bash benchmark/fetch_server_wheels.sh here, carry .whl/.
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,18p' "$0"
+  sed -n '2,21p' "$0"
   exit 0
 fi
 cd "$(dirname "$0")/.."
@@ -46,6 +48,17 @@ OFFLOAD_TOKENS="${OFFLOAD_TOKENS:-1800000}"
 MAX_OUTPUT_LEN="${MAX_OUTPUT_LEN:-256}"
 WARMUP_REQUESTS="${WARMUP_REQUESTS:-16}"
 export FAKE_KV_LOCALITY="${FAKE_KV_LOCALITY:-0.9}"
+INFINI="${INFINI:-1}" TASKS="${TASKS:-0}" SHAREGPT="${SHAREGPT:-0}"
+TASK_RATES="${TASK_RATES:-$RATES}" SHAREGPT_RATES="${SHAREGPT_RATES:-$RATES}"
+knobs="SMOKE=${SMOKE:-0} LAYERS=$LAYERS RATES=$RATES NUM_PROMPTS=$NUM_PROMPTS CONTEXT=$CONTEXT"
+knobs+=" NO_OFFLOAD_TOKENS=$NO_OFFLOAD_TOKENS DEV_CACHE=$DEV_CACHE OFFLOAD_TOKENS=$OFFLOAD_TOKENS"
+knobs+=" FAKE_KV_LOCALITY=$FAKE_KV_LOCALITY MAX_OUTPUT_LEN=$MAX_OUTPUT_LEN"
+knobs+=" WARMUP_REQUESTS=$WARMUP_REQUESTS INFINI=$INFINI TASKS=$TASKS TASK_RATES=$TASK_RATES"
+knobs+=" SHAREGPT=$SHAREGPT SHAREGPT_RATES=$SHAREGPT_RATES"
+if [[ "$INFINI$TASKS$SHAREGPT" != *1* ]]; then
+  echo "nothing to run: INFINI=0 and neither TASKS=1 nor SHAREGPT=1" >&2
+  exit 2
+fi
 
 source benchmark/web_stack.sh
 ensure_web_stack "$WORK"
@@ -57,32 +70,34 @@ MODEL="$WORK/study-l$LAYERS"
   "$PYTHON" -c "import torch; print('torch', torch.__version__)"
   echo "study worker: LAYERS=$LAYERS (DeepSeek-V3.2 attention dims unless SMOKE=1), decode node with fake transfer, FAKE_KV_LOCALITY=$FAKE_KV_LOCALITY"
   echo "no-offload pool $NO_OFFLOAD_TOKENS tokens; ECHO host pool $OFFLOAD_TOKENS tokens, NSA_DEV_CACHE_SIZE $DEV_CACHE"
-  echo "RATES=$RATES NUM_PROMPTS=$NUM_PROMPTS CONTEXT=$CONTEXT MAX_OUTPUT_LEN=$MAX_OUTPUT_LEN TASKS=${TASKS:-0} SHAREGPT=${SHAREGPT:-0}"
+  echo "$knobs"
 } > "$OUT/sweep_config.txt"
 cat "$OUT/sweep_config.txt"
 
 start=$SECONDS
-ENGINE=echo DSV32W4="$MODEL" bash e2e_test_pd_infini.sh --request-rates "$RATES" \
-  --num-prompts "$NUM_PROMPTS" --warmup-requests "$WARMUP_REQUESTS" --context-length "$CONTEXT" \
-  --max-output-len "$MAX_OUTPUT_LEN" --no-offload-max-total-tokens "$NO_OFFLOAD_TOKENS" \
-  --offload-max-total-tokens "$OFFLOAD_TOKENS" --offload-nsa-dev-cache-size "$DEV_CACHE" \
-  --no-offload-res-dir "$OUT/infini/no-offload" --offload-res-dir "$OUT/infini/offload"
-roots=("$OUT/infini")
-common=(--request-rates "$RATES" --num-prompts "$NUM_PROMPTS" --warmup-requests "$WARMUP_REQUESTS"
+common=(--num-prompts "$NUM_PROMPTS" --warmup-requests "$WARMUP_REQUESTS"
   --context-length "$CONTEXT" --max-output-len "$MAX_OUTPUT_LEN"
   --no-offload-max-total-tokens "$NO_OFFLOAD_TOKENS" --offload-max-total-tokens "$OFFLOAD_TOKENS"
   --offload-nsa-dev-cache-size "$DEV_CACHE")
-if [[ "${TASKS:-0}" == "1" ]]; then
+roots=()
+if [[ "$INFINI" == "1" ]]; then
+  ENGINE=echo DSV32W4="$MODEL" bash e2e_test_pd_infini.sh "${common[@]}" --request-rates "$RATES" \
+    --no-offload-res-dir "$OUT/infini/no-offload" --offload-res-dir "$OUT/infini/offload"
+  roots+=("$OUT/infini")
+fi
+if [[ "$TASKS" == "1" ]]; then
   ENGINE=echo DSV32W4="$MODEL" bash e2e_test_pd_infini_task.sh "${common[@]}" \
+    --request-rates "$TASK_RATES" \
     --no-offload-res-dir "$OUT/tasks/no-offload" --offload-res-dir "$OUT/tasks/offload"
   roots+=("$OUT/tasks")
 fi
-if [[ "${SHAREGPT:-0}" == "1" ]]; then
+if [[ "$SHAREGPT" == "1" ]]; then
   ENGINE=echo DSV32W4="$MODEL" bash e2e_test_mix_sharegpt.sh "${common[@]}" \
+    --request-rates "$SHAREGPT_RATES" \
     --no-offload-res-dir "$OUT/sharegpt/no-offload" --offload-res-dir "$OUT/sharegpt/offload"
   roots+=("$OUT/sharegpt")
 fi
 echo "sweep took $((SECONDS - start)) s" | tee -a "$OUT/sweep_config.txt"
 "$PYTHON" -m sglang_echo.bench.plot "${roots[@]}" --out-dir "$OUT/plots" \
   --record "$OUT/e2e_sweep.json" --config "$OUT/sweep_config.txt" \
-  --sweep-command "bash benchmark/e2e_sweep.sh $*"
+  --sweep-command "$knobs bash benchmark/e2e_sweep.sh $*"

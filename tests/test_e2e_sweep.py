@@ -28,7 +28,9 @@ def test_e2e_sweep_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     record = json.loads((out / "e2e_sweep.json").read_text())
     assert record["device"] == "cpu" and record["command"].startswith("python -m sglang_echo")
-    assert record["sweeps"] == [f"bash benchmark/e2e_sweep.sh {out}"]
+    (sweep,) = record["sweeps"]  # every knob's value, then the command
+    assert sweep.startswith("SMOKE=1 LAYERS=2 RATES=inf ") and "TASKS=1" in sweep
+    assert sweep.endswith(f" bash benchmark/e2e_sweep.sh {out}")
     runs = [("infini", "")] + [("tasks", t) for t in FIGURE_14_TASKS] + [("sharegpt", "")]
     for root, task in runs:
         for mode in ("no-offload", "offload"):
