@@ -5,7 +5,8 @@
     python benchmark/e2e_study.py --smoke --out DIR                  # tiny, on the CPU
 
 benchmark/results/e2e_study.json (+ .log) came from
-``python3 benchmark/e2e_study.py --out $OUT --deadline-s 420`` on one H200 (152 s).
+``python3 benchmark/e2e_study.py --out $OUT --deadline-s 300`` on one H200 (before
+--repeats: one measurement per phase).
 
 The model (sglang_echo/study/worker.py) is random, built in memory: DeepSeek-V3.2's real
 attention and indexer dimensions (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope
@@ -22,12 +23,20 @@ the wall clock; output tokens/s = batch / device step time.
 Settings: the paper's (no-offload pool 380K tokens vs NSA_DEV_CACHE_SIZE 260K with a host
 pool of 1.8M; then both at 200K and at 110K), equal HBM at 380K (every byte of KV state
 counted: ECHO's device rows and metadata, the index keys and host->device map of every
-host token), and batch 1-4 without pressure. Ratios are per layer: every layer is the
-same (attention + MoE) and the step's fixed part (embedding, a 4096-entry LM head,
-sampling) is small, so a 61-layer model's step is ~61/L times these steps for both
-backends and its ratio is the same, up to the 3 dense layers DeepSeek-V3.2 has first and
-its 129K-entry LM head (neither modelled). The record
-(<out>/e2e_study.json) is rewritten after every engine, so a timeout still leaves data.
+host token), and batch 1-4 without pressure.
+
+Noise: one H200's step times drift ~15% from run to run, so a ratio of two measurements
+taken minutes apart says little. Each ratio's phases are measured ``--repeats`` times in
+one run, ECHO and its no-offload baseline interleaved (baseline, ECHO, baseline, ECHO: the
+engines of such a block live together), and the metrics take each side's median; the
+spread (``ratio_min``/``ratio_max`` over every pair, ``details.repeats``) comes with them.
+
+Depth: the measured steps have L layers (8). ``estimate_61_layers`` is an estimate, not a
+measurement: the step's fixed part (embedding, final norm, the 4096-entry LM head,
+sampling) is timed alone at each batch, the rest of the step is L identical layers, and
+a 61-layer step is the fixed part plus 61 such layers (DeepSeek-V3.2's 3 dense-FFN layers
+counted as MoE layers); on a GPU also with a timed 129,280-entry LM head. The record
+(<out>/e2e_study.json) is rewritten after every phase, so a timeout still leaves data.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -71,6 +80,13 @@ T0 = time.perf_counter()
 # token (offload/device_cache.py).
 SLOT_META_BYTES = 4 + 8 + 4
 HOST_META_BYTES = 4
+# DeepSeek-V3.2's depth and vocabulary, for the 61-layer estimate.
+DSV32_LAYERS = 61
+DSV32_VOCAB = 129_280
+# Repeats of each baseline/ECHO pair when --repeats is not given: two on the GPU (the
+# noise there is ~15% run to run), two in the smoke run too so its record has spreads.
+GPU_REPEATS = 2
+SMOKE_REPEATS = 2
 
 
 def log(msg: str) -> None:
@@ -328,6 +344,18 @@ class Phase:
     locality: Locality
     profile: bool = False
     fill: bool = False  # ECHO: keep warming up until the device cache evicts (steady state)
+    repeated: bool = True  # measured --repeats times (a ratio's input), else once
+    repeat: int = 0  # which measurement of this phase (0 first)
+
+
+def _nth(phase: Phase, r: int) -> Phase:
+    """The r-th measurement of ``phase``: profiled only the first time (the profiler slows
+    the steps and its breakdown needs one run)."""
+    return replace(phase, repeat=r, profile=phase.profile and r == 0)
+
+
+def _tag(phase: Phase) -> str:
+    return phase.label + (f"#{phase.repeat}" if phase.repeat else "")
 
 
 @dataclass
@@ -339,6 +367,10 @@ class Engine:
     host: int = 0  # host pool tokens (ECHO and HiSparse-like)
     max_batch: int = 256
     phases: list[Phase] = field(default_factory=list)
+    # Baseline engines measured in this engine's block, each phase of theirs just before
+    # this engine's phase of the same label, once per repeat (A B A B ...): both sides of
+    # a ratio then see the same drift of the GPU's clocks and temperature.
+    partners: list[str] = field(default_factory=list)
 
 
 class Study:
@@ -405,6 +437,8 @@ class Study:
             "measured_steps": a.steps,
             "profile_steps": a.profile_steps,
             "stable_fraction": a.locality,
+            "repeats": a.repeats,
+            "order": [f"{e.label}/{_tag(ph)}" for block in self.schedule() for e, ph in block],
             "cuda_graphs": self.cuda,
             "torch": torch.__version__,
             "engines": [
@@ -413,7 +447,9 @@ class Study:
             "notes": (
                 "device times: CUDA events around each graph-replayed decode step (medians); "
                 "throughput = batch / device step time; wall = host clock per step (the step "
-                "is not overlapped with host work). HiSparse-like backend not built yet."
+                "is not overlapped with host work). Repeated phases (config.order, '#r' the "
+                "r-th repeat) alternate with their baseline in one block; metrics use each "
+                "side's median. estimate_61_layers is an estimate, not a measurement."
             ),
         }
 
@@ -425,9 +461,10 @@ class Study:
         full = [Phase("full", None, loc, profile=a.profile_steps > 0, fill=True)]
         low = [Phase(f"b{b}", b, loc) for b in p.low_load_batches]  # no pressure: no fill
         sweep = [
-            Phase(f"p{x:g}", None, Locality(x), fill=True)
+            Phase(f"p{x:g}", None, Locality(x), fill=True, repeated=False)
             for x in (float(v) for v in a.locality_sweep.split(",") if v)
         ]
+        random_phase = Phase("random", None, rand, fill=True, repeated=False)
         out = [
             Engine("noff_paper", "no-offload", pool=p.paper_pool, phases=list(full)),
             Engine(
@@ -435,12 +472,8 @@ class Study:
                 "echo",
                 dev_cache=p.paper_dev_cache,
                 host=p.host_pool,
-                phases=[
-                    *full,
-                    *([Phase("random", None, rand, fill=True)] if a.random_keys else []),
-                    *sweep,
-                    *low,
-                ],
+                phases=[*full, *([random_phase] if a.random_keys else []), *sweep, *low],
+                partners=["noff_paper", "noff_low"],
             ),
             Engine(
                 "noff_low",
@@ -459,7 +492,7 @@ class Study:
                 "echo",
                 dev_cache=(b_p + 1) * self.cfg.index_topk,
                 host=p.host_pool,
-                phases=[Phase(f"b{b_p}", b_p, loc)],
+                phases=[Phase(f"b{b_p}", b_p, loc, repeated=False)],  # a lossless check
             )
         )
         for b in p.equal_hbm_batches:
@@ -476,7 +509,14 @@ class Study:
         for pool in p.same_pools:
             out.append(Engine(f"noff_{pool}", "no-offload", pool=pool, phases=full))
             out.append(
-                Engine(f"echo_{pool}", "echo", dev_cache=pool, host=p.host_pool, phases=full)
+                Engine(
+                    f"echo_{pool}",
+                    "echo",
+                    dev_cache=pool,
+                    host=p.host_pool,
+                    phases=full,
+                    partners=[f"noff_{pool}"],
+                )
             )
         if a.only:
             keep = set(a.only.split(","))
@@ -512,35 +552,103 @@ class Study:
             runner.decode_runner = timer
         return kv, runner, timer
 
-    def run_engine(self, eng: Engine) -> None:
-        log(
-            f"engine {eng.label}: building ({eng.backend}, pool {eng.pool}, N_G {eng.dev_cache}, host {eng.host})"
-        )
+    def schedule(self) -> list[list[tuple[Engine, Phase]]]:
+        """Blocks of (engine, phase) in run order. An engine's block also measures its
+        partners (the no-offload baselines), interleaved phase by phase and repeat by
+        repeat; a partner left without its host engine (``--only``) gets a block of its
+        own. Engines of a block live together, built at their first step."""
+        engines = self.engines()
+        by_label = {e.label: e for e in engines}
+        absorbed = {p for e in engines for p in e.partners if p in by_label}
+        blocks = []
+        for eng in engines:
+            if eng.label in absorbed:
+                continue
+            partners = [by_label[p] for p in eng.partners if p in by_label]
+            steps: list[tuple[Engine, Phase]] = []
+            paired: set[tuple[str, str]] = set()
+            for ph in eng.phases:
+                mates = [(pe, pp) for pe in partners for pp in pe.phases if pp.label == ph.label]
+                paired.update((pe.label, pp.label) for pe, pp in mates)
+                for r in range(self.args.repeats if ph.repeated else 1):
+                    steps += [(pe, _nth(pp, r)) for pe, pp in mates]
+                    steps.append((eng, _nth(ph, r)))
+            for pe in partners:
+                for pp in pe.phases:
+                    if (pe.label, pp.label) not in paired:
+                        steps += [
+                            (pe, _nth(pp, r))
+                            for r in range(self.args.repeats if pp.repeated else 1)
+                        ]
+            blocks.append(steps)
+        return blocks
+
+    def past_deadline(self) -> float | None:
+        elapsed = time.perf_counter() - T0
+        return elapsed if self.args.deadline_s and elapsed > self.args.deadline_s else None
+
+    def run_block(self, steps: list[tuple[Engine, Phase]]) -> None:
+        built: dict[str, tuple] = {}
+        dropped: set[str] = set()
+        for eng, phase in steps:
+            if eng.label in dropped:
+                continue
+            late = self.past_deadline()
+            if eng.label not in built:
+                if late is not None:
+                    msg = f"{eng.label}: skipped at {late:.0f}s, past the {self.args.deadline_s}s deadline"
+                    log(msg)
+                    self.errors.append(msg)
+                    dropped.add(eng.label)
+                    continue
+                try:
+                    built[eng.label] = self.build_logged(eng)
+                except Exception as exc:
+                    msg = f"{eng.label}: {type(exc).__name__}: {exc}"
+                    log("ERROR " + msg)
+                    self.errors.append(msg)
+                    dropped.add(eng.label)
+                    gc.collect()
+                    if self.cuda:
+                        torch.cuda.empty_cache()
+                    continue
+            elif phase.repeat and late is not None:
+                msg = (f"{eng.label}/{_tag(phase)}: repeat skipped at {late:.0f}s, past the "
+                       f"{self.args.deadline_s}s deadline")  # fmt: skip
+                log(msg)
+                self.errors.append(msg)
+                continue
+            self.run_step(eng, phase, *built[eng.label])
+        built.clear()
+        self.node = None
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def build_logged(self, eng: Engine) -> tuple:
+        log(f"engine {eng.label}: building ({eng.backend}, pool {eng.pool}, "
+            f"N_G {eng.dev_cache}, host {eng.host})")  # fmt: skip
         kv, runner, timer = self.build(eng)
         dev_bytes = kv_device_bytes(kv)
         if self.cuda:
             log(f"  built: KV state {dev_bytes / 2**30:.2f} GiB on the GPU, "
                 f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")  # fmt: skip
-        for phase in eng.phases:
-            try:
-                res = self.run_phase(eng, phase, kv, runner, timer)
-            except Exception as exc:  # keep what the other phases measure
-                msg = f"{eng.label}/{phase.label}: {type(exc).__name__}: {exc}"
-                log("ERROR " + msg)
-                self.errors.append(msg)
-                if self.node is not None:
-                    self.node.release_all()
-                continue
-            res["kv_device_bytes"] = (
-                kv_device_bytes(kv) if eng.backend != "no-offload" else dev_bytes
-            )
-            self.runs.append(res)
-            self.record()
-        del kv, runner, timer, self.node
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        return kv, runner, timer, dev_bytes
+
+    def run_step(self, eng: Engine, phase: Phase, kv, runner, timer, dev_bytes: int) -> None:
+        try:
+            res = self.run_phase(eng, phase, kv, runner, timer)
+        except Exception as exc:  # keep what the other phases measure
+            msg = f"{eng.label}/{_tag(phase)}: {type(exc).__name__}: {exc}"
+            log("ERROR " + msg)
+            self.errors.append(msg)
+            if self.node is not None:
+                self.node.release_all()
+            return
+        res["kv_device_bytes"] = kv_device_bytes(kv) if eng.backend != "no-offload" else dev_bytes
+        self.runs.append(res)
+        self.record()
 
     def run_phase(self, eng: Engine, phase: Phase, kv, runner: StepRunner, timer) -> dict:
         a = self.args
@@ -562,7 +670,7 @@ class Study:
         if b == 0 or (phase.batch is not None and b < phase.batch):
             raise RuntimeError(f"admitted {b} requests, wanted {phase.batch or '>= 1'}")
         ctx = [r.cached_len for r in node.running]
-        log(f"  {eng.label}/{phase.label}: admitted {b} requests (context {min(ctx)}-{max(ctx)}), "
+        log(f"  {eng.label}/{_tag(phase)}: admitted {b} requests (context {min(ctx)}-{max(ctx)}), "
             f"admission {max(admit_s):.3f}s max each")  # fmt: skip
         for _ in range(a.warmup):
             node.step()
@@ -602,6 +710,7 @@ class Study:
             "engine": eng.label,
             "backend": eng.backend,
             "phase": phase.label,
+            "repeat": phase.repeat,
             "pool": eng.pool,
             "dev_cache": eng.dev_cache,
             "host_pool": eng.host,
@@ -639,7 +748,7 @@ class Study:
         node.release_all()
         res["leak_free"] = _leak_free(eng, kv, runner)
         hit = res.get("hit_rate_per_layer")
-        log(f"  {eng.label}/{phase.label}: b={b} step {step_ms:.3f} ms device, "
+        log(f"  {eng.label}/{_tag(phase)}: b={b} step {step_ms:.3f} ms device, "
             f"{res['step_ms_wall']:.3f} ms wall, {res['tokens_per_s_device']:.1f} tok/s"
             + (f", hit {min(hit):.3f}-{max(hit):.3f}, evict/step {res['evictions_per_step']:.0f}"
                if hit else "") + f", leak_free {res['leak_free']}")  # fmt: skip
@@ -691,6 +800,70 @@ class Study:
             {"hbm_copy_gbps": round(hbm, 1), "per_batch": rows, "moe_kernels_us": kernels}
         )
 
+    def measure_fixed_part(self) -> None:
+        """What a decode step does besides its layers, timed alone at each batch a ratio
+        measured: the embedding and rotary table, the final norm and the LM head (inside
+        the measured step), and greedy sampling (DecodeNode's argmax, outside it). On a
+        GPU also with a 129,280-entry LM head, DeepSeek-V3.2's vocabulary. The 61-layer
+        estimate scales the rest of the step."""
+        batches = sorted({r["batch"] for r in self.runs if r["phase"] == "full"})
+        if not batches:
+            return
+        model, dev, dtype = self.model, self.device, self.plan.dtype
+        big = None
+        if self.cuda:
+            big = torch.empty(DSV32_VOCAB, self.cfg.hidden_size, device=dev, dtype=dtype)
+            big.normal_(std=0.02)
+        rows: dict[int, dict] = {}
+        for b in batches:
+            ids = torch.randint(0, self.cfg.vocab_size, (b,), device=dev)
+            pos = torch.randint(self.plan.ctx_min, self.plan.ctx_max, (b,), device=dev)
+
+            def head(
+                w: torch.Tensor = model.lm_head.weight,
+                ids: torch.Tensor = ids,
+                pos: torch.Tensor = pos,
+            ) -> torch.Tensor:
+                hidden = model.model.embed_tokens(ids)
+                model.rotary().cos_sin(pos, hidden.dtype)
+                return torch.nn.functional.linear(model.model.norm(hidden), w).float()
+
+            logits = head()
+            row = {
+                "embed_norm_lm_head_ms": round(self.time_ms(head), 5),
+                "sampling_ms": round(self.time_ms(lambda x=logits: x.argmax(dim=-1)), 5),
+            }
+            if big is not None:
+                big_logits = head(big)
+                row["embed_norm_lm_head_129k_ms"] = round(self.time_ms(lambda w=big: head(w)), 5)
+                row["sampling_129k_ms"] = round(
+                    self.time_ms(lambda x=big_logits: x.argmax(dim=-1)), 5
+                )
+                del big_logits
+            rows[b] = row
+            log(f"  fixed part b={b}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items()))
+        del big
+        how = "CUDA-graph replays (median)" if self.cuda else "wall clock (median of 20)"
+        self.components["fixed_part"] = {
+            "per_batch": rows,
+            "source": "measured in this run: embedding + rotary + final norm + LM head "
+            f"({self.plan.vocab} entries, as modelled) and greedy sampling, timed alone "
+            f"at each batch by {how}",
+        }
+        self.record()
+
+    def time_ms(self, fn) -> float:
+        if self.cuda:
+            return graph_us(fn) / 1e3
+        for _ in range(2):
+            fn()
+        times = []
+        for _ in range(20):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
     def component_at(self, batch: int) -> dict | None:
         rows = self.components.get("per_batch") or []
         if not rows:
@@ -698,24 +871,35 @@ class Study:
         return min(rows, key=lambda r: abs(r["batch"] - batch))
 
     # -------------------------------------------------------------- metrics
+    def find_all(self, engine: str, phase: str = "full") -> list[dict]:
+        """Every measurement of (engine, phase), in run order (repeat 0 first)."""
+        return [r for r in self.runs if r["engine"] == engine and r["phase"] == phase]
+
     def find(self, engine: str, phase: str = "full") -> dict | None:
-        for r in self.runs:
-            if r["engine"] == engine and r["phase"] == phase:
-                return r
-        return None
+        runs = self.find_all(engine, phase)
+        return runs[0] if runs else None
 
     def ratio(self, echo: str, noff: str, phase: str = "full") -> dict | None:
-        e, n = self.find(echo, phase), self.find(noff)
-        if e is None or n is None:
+        """ECHO's throughput over no-offload's (at its "full" phase), each side the median
+        of its repeats, with the range over every (ECHO, no-offload) pair of measurements:
+        it holds the median ratio and shows how far one pair alone could have strayed."""
+        es, ns = self.find_all(echo, phase), self.find_all(noff)
+        if not es or not ns:
             return None
+        mid, lo, hi = _ratio_range(es, ns)
         return {
-            "ratio": round(e["tokens_per_s_device"] / n["tokens_per_s_device"], 3),
-            "ratio_wall": round(e["tokens_per_s_wall"] / n["tokens_per_s_wall"], 3),
-            "echo_batch": e["batch"],
-            "no_offload_batch": n["batch"],
-            "echo_step_ms": round(e["step_ms_device"], 3),
-            "no_offload_step_ms": round(n["step_ms_device"], 3),
-            "echo_hit_rate_mean": round(statistics.mean(e["hit_rate_per_layer"]), 4),
+            "ratio": round(mid, 3),
+            "ratio_min": round(lo, 3),
+            "ratio_max": round(hi, 3),
+            "ratio_wall": round(_med(es, "tokens_per_s_wall") / _med(ns, "tokens_per_s_wall"), 3),
+            "repeats": {"echo": len(es), "no_offload": len(ns)},
+            "echo_batch": es[0]["batch"],
+            "no_offload_batch": ns[0]["batch"],
+            "echo_step_ms": round(_med(es, "step_ms_device"), 3),
+            "no_offload_step_ms": round(_med(ns, "step_ms_device"), 3),
+            "echo_hit_rate_mean": round(
+                statistics.median(statistics.mean(e["hit_rate_per_layer"]) for e in es), 4
+            ),
         }
 
     def sweep(self) -> dict:
@@ -724,7 +908,7 @@ class Study:
         for r in self.runs:
             phase = r["phase"]
             swept = phase in ("full", "random") or phase.startswith("p")
-            if r["engine"] != "echo_paper" or not swept:
+            if r["engine"] != "echo_paper" or not swept or r["locality_source"] in out:
                 continue
             ratio = self.ratio("echo_paper", "noff_paper", phase=r["phase"])
             out[r["locality_source"]] = ratio and {
@@ -736,14 +920,17 @@ class Study:
             }
         return out
 
-    def breakdown(self, run: dict | None) -> dict | None:
-        if run is None:
+    def breakdown(self, runs: list[dict]) -> dict | None:
+        """Step and per-layer times from the median of the repeats; host times and the
+        profiler from the first (the only profiled) measurement."""
+        if not runs:
             return None
-        layer_us = run["layer_us_device"]
+        run, step = runs[0], _med(runs, "step_ms_device")
+        layer_us = step * 1e3 / self.plan.layers
         comp = self.component_at(run["batch"])
         out = {
             "batch": run["batch"],
-            "step_ms_device": run["step_ms_device"],
+            "step_ms_device": step,
             "layer_us_device": round(layer_us, 2),
             "host_ms": run["host_ms"],
             "step_ms_wall": run["step_ms_wall"],
@@ -759,6 +946,138 @@ class Study:
             out["profiler"] = run["breakdown"]
         return out
 
+    def repeats(self) -> dict[str, list[float]]:
+        """Device step ms of every measurement of each repeated phase, in run order; keyed
+        by engine for its "full" phase, else engine/phase."""
+        out = {}
+        for eng in self.engines():
+            for ph in eng.phases:
+                runs = self.find_all(eng.label, ph.label) if ph.repeated else []
+                if runs:
+                    key = eng.label if ph.label == "full" else f"{eng.label}/{ph.label}"
+                    out[key] = [round(r["step_ms_device"], 4) for r in runs]
+        return out
+
+    def estimate_settings(self) -> dict[str, tuple[str, str]]:
+        """Headline metric -> (offloading engine, no-offload engine) of its ratio; the
+        equal-HBM ones per batch target (the metric is the best of them)."""
+        same = self.plan.same_pools
+        out = {"ratio_paper_all_hbm": ("echo_paper", "noff_paper")}
+        for key, pool in zip(("ratio_paper_200k", "ratio_paper_110k"), same, strict=False):
+            out[key] = (f"echo_{pool}", f"noff_{pool}")
+        for b in self.plan.equal_hbm_batches:
+            out[f"ratio_equal_hbm_380k_b{b}"] = (f"echo_equal_hbm_b{b}", "noff_paper")
+            out[f"hisparse_ratio_equal_hbm_380k_b{b}"] = (f"hisparse_equal_hbm_b{b}", "noff_paper")
+        return out
+
+    def estimate_side(self, label: str) -> dict | None:
+        """One backend's 61-layer step: its fixed part (timed alone at its batch) plus 61
+        times the per-layer time left when that fixed part is taken off the measured step
+        (median of the repeats). Without a timed fixed part, the whole step is layers."""
+        runs = self.find_all(label)
+        if not runs:
+            return None
+        b, step, layers = runs[0]["batch"], _med(runs, "step_ms_device"), self.plan.layers
+        fixed = (self.components.get("fixed_part") or {}).get("per_batch", {}).get(b)
+        in_step = fixed["embed_norm_lm_head_ms"] if fixed else 0.0
+        layer = (step - in_step) / layers
+        if layer <= 0:
+            return {"batch": b, "step_ms_measured": round(step, 4), "error": "fixed part >= step"}
+        out = {
+            "batch": b,
+            "step_ms_measured": round(step, 4),
+            "layer_ms": round(layer, 4),
+            "fixed_ms": fixed and round(in_step + fixed["sampling_ms"], 4),
+        }
+        step61 = DSV32_LAYERS * layer + (in_step + fixed["sampling_ms"] if fixed else 0.0)
+        out["step_ms_61"] = round(step61, 3)
+        out["tokens_per_s_61"] = round(b / step61 * 1e3, 1)
+        if fixed and "embed_norm_lm_head_129k_ms" in fixed:
+            big = fixed["embed_norm_lm_head_129k_ms"] + fixed["sampling_129k_ms"]
+            out["step_ms_61_lm_head_129k"] = round(DSV32_LAYERS * layer + big, 3)
+        return out
+
+    def capacity_61(self, label: str) -> dict | None:
+        """Token capacity and KV bytes of one engine at 61 layers: a pool token is one row
+        in every layer, so the tokens (and the batches they admit) do not change, the
+        bytes grow 61/L times."""
+        eng = next((e for e in self.engines() if e.label == label), None)
+        if eng is None:
+            return None
+        kv, idx = row_bytes(self.cfg, self.plan.dtype)
+        gib = DSV32_LAYERS / 2**30
+        if eng.backend == "no-offload":
+            return {
+                "pool_tokens": eng.pool,
+                "device_kv_gib_61": round(eng.pool * (kv + idx) * gib, 2),
+            }
+        device = eng.dev_cache * (kv + SLOT_META_BYTES) + eng.host * (idx + HOST_META_BYTES)
+        return {
+            "device_cache_tokens": eng.dev_cache,
+            "host_pool_tokens": eng.host,
+            "device_kv_gib_61": round(device * gib, 2),
+            "host_kv_gib_61": round(eng.host * kv * gib, 2),
+        }  # fmt: skip
+
+    def estimate_61_layers(self) -> dict:
+        fixed = self.components.get("fixed_part")
+        settings, ratios, ratios_big = {}, {}, {}
+        for key, (echo, noff) in self.estimate_settings().items():
+            e, n = self.estimate_side(echo), self.estimate_side(noff)
+            if not e or not n or "step_ms_61" not in e or "step_ms_61" not in n:
+                continue
+            entry = {
+                "offload_engine": echo,
+                "offload": e,
+                "no_offload_engine": noff,
+                "no_offload": n,
+            }
+            entry["ratio"] = round(e["tokens_per_s_61"] / n["tokens_per_s_61"], 3)
+            ratios[key] = entry["ratio"]
+            if "step_ms_61_lm_head_129k" in e and "step_ms_61_lm_head_129k" in n:
+                big = (e["batch"] / e["step_ms_61_lm_head_129k"]) / (
+                    n["batch"] / n["step_ms_61_lm_head_129k"]
+                )
+                entry["ratio_lm_head_129k"] = ratios_big[key] = round(big, 3)
+            entry["capacity"] = {
+                "offload": self.capacity_61(echo),
+                "no_offload": self.capacity_61(noff),
+            }
+            settings[key] = entry
+        for best in ("ratio_equal_hbm_380k", "hisparse_ratio_equal_hbm_380k"):
+            for table in (ratios, ratios_big):
+                vals = [v for k, v in table.items() if k.startswith(best + "_b")]
+                if vals:
+                    table[best] = max(vals)
+        return {
+            "estimate": True,
+            "label": "ESTIMATE, not measured: a 61-layer step from this run's "
+            f"{self.plan.layers}-layer device times",
+            "formula": "step_ms_61 = fixed_ms + 61 x layer_ms; layer_ms = (median measured "
+            "step - embedding/norm/LM head timed alone at that batch) / L; fixed_ms = that "
+            "embedding/norm/LM head time + greedy sampling (argmax) timed alone",
+            "fixed_part": fixed["source"]
+            if fixed
+            else "left out (not measured in this run): step_ms_61 = 61 x step / L",
+            "ratios": ratios,
+            "ratios_lm_head_129k": ratios_big,
+            "settings": settings,
+            "notes": [
+                "DeepSeek-V3.2's first 3 layers have a dense FFN; they are counted here as MoE "
+                "layers (the approximation: every one of the 61 layers costs the measured "
+                "attention + MoE layer).",
+                f"the LM head is the study's {self.plan.vocab}-entry one; "
+                "ratios_lm_head_129k swap in a timed 129,280-entry LM head (DeepSeek-V3.2's, "
+                "replicated on the worker: an upper bound on a vocab-parallel head) when the "
+                "run is on a GPU",
+                "token capacities: the pools are per worker and count tokens of all layers "
+                "(one row per layer each), so the admitted batch sizes are the same at 61 "
+                "layers; the bytes they take grow 61/L times (capacity: KV GiB at 61 layers)",
+                "the fixed part is timed alone (its own CUDA graph), not inside the step's "
+                "graph; the per-layer time absorbs any difference",
+            ],
+        }
+
     def metrics(self) -> dict:
         paper = self.ratio("echo_paper", "noff_paper")
         pools = {pool: self.ratio(f"echo_{pool}", f"noff_{pool}") for pool in self.plan.same_pools}
@@ -773,17 +1092,20 @@ class Study:
         hisparse_best = max(
             (v for v in hisparse.values() if v), key=lambda v: v["ratio"], default=None
         )
-        low = {}
+        low, low_range = {}, {}
         for b in self.plan.low_load_batches:
-            e, n = self.find("echo_paper", f"b{b}"), self.find("noff_low", f"b{b}")
-            if e and n:
-                low[b] = round(1 - e["tokens_per_s_device"] / n["tokens_per_s_device"], 4)
-        echo_run = self.find("echo_paper")
+            es, ns = self.find_all("echo_paper", f"b{b}"), self.find_all("noff_low", f"b{b}")
+            if es and ns:
+                mid, lo, hi = _ratio_range(es, ns)
+                low[b] = round(1 - mid, 4)
+                low_range[b] = [round(1 - hi, 4), round(1 - lo, 4)]
+        echo_runs = self.find_all("echo_paper")
+        echo_run = echo_runs[0] if echo_runs else None
         lossless = {}
         for b in self.plan.low_load_batches:
-            e, n = self.find("echo_paper", f"b{b}"), self.find("noff_low", f"b{b}")
-            if e and n:
-                lossless[b] = e["outputs_head"] == n["outputs_head"]
+            es, ns = self.find_all("echo_paper", f"b{b}"), self.find_all("noff_low", f"b{b}")
+            if es and ns:
+                lossless[b] = all(r["outputs_head"] == ns[0]["outputs_head"] for r in es + ns)
         pressure = None
         e = self.find("echo_pressure", f"b{self.pressure_batch}")
         n = self.find("noff_low", f"b{self.pressure_batch}")
@@ -800,6 +1122,9 @@ class Study:
         same = self.plan.same_pools
         p200 = pools.get(same[0]) if same else None
         p110 = pools.get(same[1]) if len(same) > 1 else None
+        hit = None
+        if echo_runs:  # per layer, the median over the repeats
+            hit = [round(statistics.median(v), 4) for v in zip(*(r["hit_rate_per_layer"] for r in echo_runs), strict=True)]  # fmt: skip
         return {
             "ratio_paper_all_hbm": paper and paper["ratio"],
             "ratio_paper_200k": p200 and p200["ratio"],
@@ -810,14 +1135,29 @@ class Study:
             "low_load_cost": {
                 "per_batch": low,
                 "mean": round(statistics.mean(low.values()), 4) if low else None,
+                "per_batch_range": low_range,
             },
-            "hit_rate_per_layer": echo_run and echo_run["hit_rate_per_layer"],
+            "hit_rate_per_layer": hit,
             "locality_source": echo_run and echo_run["locality_source"],
             "breakdown": {
-                "no_offload": self.breakdown(self.find("noff_paper")),
-                "echo": self.breakdown(echo_run),
+                "no_offload": self.breakdown(self.find_all("noff_paper")),
+                "echo": self.breakdown(echo_runs),
             },
+            "repeats": self.args.repeats,
+            "spread": {
+                key: {"ratio_min": v["ratio_min"], "ratio_max": v["ratio_max"], **v["repeats"]}
+                for key, v in (
+                    ("ratio_paper_all_hbm", paper),
+                    ("ratio_paper_200k", p200),
+                    ("ratio_paper_110k", p110),
+                    ("ratio_equal_hbm_380k", equal_best),
+                    ("hisparse_ratio_equal_hbm_380k", hisparse_best),
+                )
+                if v
+            },
+            "estimate_61_layers": self.estimate_61_layers(),
             "details": {
+                "repeats": self.repeats(),
                 "paper_all_hbm": paper,
                 "same_pools": pools,
                 "equal_hbm_380k": equal,
@@ -832,9 +1172,9 @@ class Study:
                     "hit_rate_per_layer": self.find("echo_paper", "random")["hit_rate_per_layer"],
                 },
             },
-            "per_layer_note": "ratios are per layer (all layers identical, the step's fixed "
-            "part is small); a 61-layer DeepSeek-V3.2 step is ~61/L times these steps for both "
-            "backends, so its ratio is the same up to the 3 dense layers and the LM head",
+            "per_layer_note": "ratios are of the measured L-layer steps (all layers identical, "
+            "the step's fixed part small); estimate_61_layers scales the per-layer device time "
+            "to DeepSeek-V3.2's 61 layers",
         }
 
     # ------------------------------------------------------------------ main
@@ -854,23 +1194,17 @@ class Study:
             with torch.inference_mode():
                 self.measure_components()
             self.record()
-        for eng in self.engines():
-            elapsed = time.perf_counter() - T0
-            if self.args.deadline_s and elapsed > self.args.deadline_s:
-                msg = f"{eng.label}: skipped, {elapsed:.0f}s past the {self.args.deadline_s}s deadline"
-                log(msg)
-                self.errors.append(msg)
-                continue
+        for steps in self.schedule():
+            self.run_block(steps)
+            self.record()
+        if not self.args.skip_fixed:
             try:
-                self.run_engine(eng)
+                with torch.inference_mode():
+                    self.measure_fixed_part()
             except Exception as exc:
-                msg = f"{eng.label}: {type(exc).__name__}: {exc}"
+                msg = f"fixed part: {type(exc).__name__}: {exc}"
                 log("ERROR " + msg)
                 self.errors.append(msg)
-                gc.collect()
-                if self.cuda:
-                    torch.cuda.empty_cache()
-            self.record()
         rec = self.record(final=True)
         log(
             "metrics: "
@@ -913,6 +1247,18 @@ def _attention_weights(attn, x: torch.Tensor) -> torch.Tensor:
     idx = attn.indexer
     extra = idx.wq_b(q_resid).sum() + idx.wk(x).sum() + idx.weights_proj(x).sum()
     return attn.o_proj(out.reshape(n, -1)) + extra
+
+
+def _med(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _ratio_range(echo: list[dict], noff: list[dict]) -> tuple[float, float, float]:
+    """(median ratio, min, max) of device tokens/s, ECHO side over no-offload side. The
+    min and max are over every cross pair, so they bound the ratio of the medians."""
+    pairs = [e["tokens_per_s_device"] / n["tokens_per_s_device"] for e in echo for n in noff]
+    mid = _med(echo, "tokens_per_s_device") / _med(noff, "tokens_per_s_device")
+    return mid, min(pairs), max(pairs)
 
 
 def _spread(values: list[float]) -> list[float] | None:
@@ -976,8 +1322,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"(default {DEFAULT_DEVICE_BUFFER_SIZE}, HiSparse's)",
     )
     ap.add_argument("--deadline-s", type=float, default=0.0,
-                    help="start no engine after this many seconds (0: no limit)")  # fmt: skip
+                    help="start no engine and no repeat after this many seconds (0: no limit)")  # fmt: skip
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="measurements of each ratio's phases, ECHO and its baseline interleaved "
+        f"(A B A B); ratios use the medians (default {GPU_REPEATS}, smoke {SMOKE_REPEATS})",
+    )
+    ap.add_argument("--skip-fixed", action="store_true",
+                    help="do not time the fixed part (the 61-layer estimate then leaves it out)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = SMOKE_REPEATS if args.smoke else GPU_REPEATS
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if args.smoke:
         args.warmup, args.steps, args.profile_steps = min(args.warmup, 2), min(args.steps, 3), 0
         args.fill_max = min(args.fill_max, 20)

@@ -147,12 +147,42 @@ def test_locality_knob_moves_the_hit_rate(worker) -> None:
     assert rates[0.0] < 0.4
 
 
-def test_e2e_study_smoke_writes_the_record(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def e2e_study():
     spec = importlib.util.spec_from_file_location("e2e_study", ROOT / "benchmark/e2e_study.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["e2e_study"] = module  # dataclasses resolve annotations through it
     spec.loader.exec_module(module)
-    module.main(["--smoke", "--out", str(tmp_path)])
+    return module
+
+
+def test_e2e_study_schedule_interleaves_baselines(e2e_study, tmp_path: Path) -> None:
+    """Each ratio's two sides alternate within one block, repeat by repeat; a baseline
+    whose ECHO engine is not selected still gets its repeats."""
+    args = e2e_study.parse_args(["--smoke", "--out", str(tmp_path), "--repeats", "3"])
+    args.profile_steps = 3  # as on the GPU (the smoke run profiles nothing)
+    blocks = e2e_study.Study(args, []).schedule()
+    order = [[f"{e.label}/{e2e_study._tag(ph)}" for e, ph in block] for block in blocks]
+    paper = order[0]
+    assert paper[:6] == [
+        "noff_paper/full", "echo_paper/full", "noff_paper/full#1", "echo_paper/full#1",
+        "noff_paper/full#2", "echo_paper/full#2",
+    ]  # fmt: skip
+    assert paper.count("echo_paper/random") == 1  # unrepeated phases run once
+    i = paper.index("noff_low/b1")
+    assert paper[i : i + 4] == ["noff_low/b1", "echo_paper/b1", "noff_low/b1#1", "echo_paper/b1#1"]
+    assert ["echo_pressure/b2"] in order and order[-2][:2] == ["noff_400/full", "echo_400/full"]
+    profiled = {ph.repeat for block in blocks for e, ph in block if ph.profile}
+    assert profiled == {0}  # the profiler only ever slows the first measurement
+    args = e2e_study.parse_args(["--smoke", "--out", str(tmp_path), "--only", "noff_paper"])
+    alone = e2e_study.Study(args, []).schedule()
+    assert [[f"{e.label}/{e2e_study._tag(ph)}" for e, ph in b] for b in alone] == [
+        ["noff_paper/full", "noff_paper/full#1"]
+    ]
+
+
+def test_e2e_study_smoke_writes_the_record(e2e_study, tmp_path: Path) -> None:
+    e2e_study.main(["--smoke", "--out", str(tmp_path)])
     rec = json.loads((tmp_path / "e2e_study.json").read_text())
     assert {"name", "device", "date", "command", "metrics", "config"} <= rec.keys()
     assert rec["complete"] and not rec["errors"]
@@ -172,6 +202,43 @@ def test_e2e_study_smoke_writes_the_record(tmp_path: Path) -> None:
     assert hisparse["evictions_per_step"] > 0 and hisparse["leak_free"]
     pressure = m["details"]["lossless_under_eviction"]
     assert pressure["evictions_per_step"] > 0 and pressure["greedy_outputs_equal"]
+
+    # Repeats: every repeated phase measured --repeats times; medians inside their range.
+    repeats = rec["config"]["repeats"]
+    assert m["repeats"] == repeats >= 2
+    series = m["details"]["repeats"]
+    assert {"noff_paper", "echo_paper", "noff_low/b1", "echo_paper/b1", "noff_400"} <= series.keys()
+    assert all(len(v) == repeats and min(v) > 0 for v in series.values())
+    d = m["details"]
+    pairs = [d["paper_all_hbm"], *d["same_pools"].values(), *d["equal_hbm_380k"].values()]
+    for r in [*pairs, *d["hisparse_equal_hbm_380k"].values()]:
+        assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
+        assert r["repeats"] == {"echo": repeats, "no_offload": repeats}
+    for key, spread in m["spread"].items():
+        assert spread["ratio_min"] <= m[key] <= spread["ratio_max"], key
+    assert m["spread"].keys() >= {"ratio_paper_all_hbm", "ratio_paper_200k", "ratio_equal_hbm_380k"}
+    low = m["low_load_cost"]
+    assert low["per_batch"].keys() == low["per_batch_range"].keys() == {"1", "2"}
+    for b, (lo, hi) in low["per_batch_range"].items():
+        assert lo <= low["per_batch"][b] <= hi
+    assert all(d["greedy_outputs_equal_at_low_load"].values())  # every repeat, both sides
+
+    # The 61-layer estimate: labelled, from a fixed part timed in this run, same batches.
+    est = m["estimate_61_layers"]
+    assert est["estimate"] is True and "ESTIMATE" in est["label"]
+    assert est["fixed_part"].startswith("measured in this run")
+    for key in ("ratio_paper_all_hbm", "ratio_paper_200k", "ratio_paper_110k",
+                "ratio_equal_hbm_380k", "hisparse_ratio_equal_hbm_380k"):  # fmt: skip
+        assert est["ratios"][key] > 0, key
+    paper = est["settings"]["ratio_paper_all_hbm"]
+    assert paper["offload"]["batch"] == 10 and paper["no_offload"]["batch"] == 3
+    for side in (paper["offload"], paper["no_offload"]):
+        assert 0 < side["fixed_ms"] < side["step_ms_measured"] < side["step_ms_61"]
+        assert side["step_ms_61"] == pytest.approx(
+            side["fixed_ms"] + 61 * side["layer_ms"], abs=1e-2
+        )
+    assert paper["capacity"]["no_offload"]["pool_tokens"] == 820
+    assert any("dense" in note for note in est["notes"])
 
 
 def test_decode_node_echo_equals_no_offload_under_eviction(worker) -> None:
