@@ -9,8 +9,8 @@
 # longbook_qa_eng; synthetic files of InfiniteBench's published task lengths unless
 # TASK_DATASET_DIR holds real ones), SHAREGPT=1 Figure 15 (ShareGPT-like chats on one
 # server that prefills and decodes: TTFT, ITL, E2E latency). INFINI=0 skips Figures 12-13
-# (to split the sweeps over several device calls); TASK_RATES and SHAREGPT_RATES default
-# to RATES. The record's command names every knob's value, so it reruns as it ran.
+# (to split the sweeps over several device calls); TASK_RATES, SHAREGPT_RATES and
+# TASK_NUM_PROMPTS (per task) default to RATES and NUM_PROMPTS. The record's command names every knob's value, so it reruns as it ran.
 #
 # Usage (GPU machine, repository root): bash benchmark/e2e_sweep.sh [OUTDIR]
 # Knobs (environment): LAYERS=8 RATES=0.5,1,2,inf NUM_PROMPTS=32 CONTEXT=110592
@@ -50,10 +50,12 @@ WARMUP_REQUESTS="${WARMUP_REQUESTS:-16}"
 export FAKE_KV_LOCALITY="${FAKE_KV_LOCALITY:-0.9}"
 INFINI="${INFINI:-1}" TASKS="${TASKS:-0}" SHAREGPT="${SHAREGPT:-0}"
 TASK_RATES="${TASK_RATES:-$RATES}" SHAREGPT_RATES="${SHAREGPT_RATES:-$RATES}"
+TASK_NUM_PROMPTS="${TASK_NUM_PROMPTS:-$NUM_PROMPTS}"
 knobs="SMOKE=${SMOKE:-0} LAYERS=$LAYERS RATES=$RATES NUM_PROMPTS=$NUM_PROMPTS CONTEXT=$CONTEXT"
 knobs+=" NO_OFFLOAD_TOKENS=$NO_OFFLOAD_TOKENS DEV_CACHE=$DEV_CACHE OFFLOAD_TOKENS=$OFFLOAD_TOKENS"
 knobs+=" FAKE_KV_LOCALITY=$FAKE_KV_LOCALITY MAX_OUTPUT_LEN=$MAX_OUTPUT_LEN"
 knobs+=" WARMUP_REQUESTS=$WARMUP_REQUESTS INFINI=$INFINI TASKS=$TASKS TASK_RATES=$TASK_RATES"
+knobs+=" TASK_NUM_PROMPTS=$TASK_NUM_PROMPTS"
 knobs+=" SHAREGPT=$SHAREGPT SHAREGPT_RATES=$SHAREGPT_RATES"
 if [[ "$INFINI$TASKS$SHAREGPT" != *1* ]]; then
   echo "nothing to run: INFINI=0 and neither TASKS=1 nor SHAREGPT=1" >&2
@@ -87,7 +89,7 @@ if [[ "$INFINI" == "1" ]]; then
 fi
 if [[ "$TASKS" == "1" ]]; then
   ENGINE=echo DSV32W4="$MODEL" bash e2e_test_pd_infini_task.sh "${common[@]}" \
-    --request-rates "$TASK_RATES" \
+    --request-rates "$TASK_RATES" --num-prompts "$TASK_NUM_PROMPTS" \
     --no-offload-res-dir "$OUT/tasks/no-offload" --offload-res-dir "$OUT/tasks/offload"
   roots+=("$OUT/tasks")
 fi

@@ -108,3 +108,65 @@ def test_scheduler_with_cuda_graphs_is_lossless(checkpoints, name):
         a == b for r, e in zip(offline, echo, strict=True) for a, b in zip(r.output, e, strict=True)
     )
     print(f"{name}: {same}/{len(prompts) * NEW} tokens equal to offline fixed batches")
+
+
+def _serve_decode_node(checkpoint: str, echo: EchoConfig | None, cap: int, prompts):
+    """A PD decode node (fake transfer) on CUDA: prompts' KV synthesized on the side stream
+    while the running batch decodes. -> (outputs, logits rows, decode steps that ran while
+    a transfer was in flight, the KV cache)."""
+    from sglang_echo.runtime.fake_transfer import FakeTransfer
+
+    model = load_model(checkpoint, device="cuda", dtype=torch.float32)  # fresh: the knob
+    cfg = model.config  # installs the indexers' preference into the model's weights
+    if echo is None:
+        cache = PlainKVCache.for_model(cfg, cap, torch.float32, "cuda")
+    else:
+        cache = echo_cache_for_model(echo, cfg, cap, torch.float32, "cuda")
+    steps = StepRunner(
+        model, cache, cap, MAX_RUNNING, 512, use_cuda_graph=True, cuda_graph_max_bs=GRAPH_BS
+    )
+    fake = FakeTransfer(model, cache, steps, 0.9, torch.float32)
+    step_logits = _record_logits(steps)
+    overlapped = 0
+    decode = steps.decode
+
+    def counting_decode(active, *args, **kwargs):
+        nonlocal overlapped
+        overlapped += fake.pending > 0
+        return decode(active, *args, **kwargs)
+
+    steps.decode = counting_decode
+    sched = Scheduler(steps, MAX_RUNNING, CHUNK, 512, list(cfg.eos_token_ids), prompt_source=fake)
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    reqs = [ServeRequest(p, rid=str(i), params=params) for i, p in enumerate(prompts)]
+    for i, r in enumerate(reqs):  # arrivals while others decode
+        sched.add(r)
+        if i % 2 == 0:
+            sched.step()
+    while sched.has_work():
+        sched.step()
+    assert fake.pending == 0 and sched.stats.prefill_steps == 0
+    assert steps.allocator.num_free == cap and not sched.live
+    return [r.output for r in reqs], [step_logits[r.rid] for r in reqs], overlapped, cache
+
+
+def test_decode_node_transfers_beside_decoding_are_lossless(checkpoints):
+    """The side-stream transfer (runtime/fake_transfer.py) under CUDA graphs: ECHO at its
+    smallest legal cache (evicting) gives the plain pool's tokens and logits bits, and
+    every transfer is waited for before its rows are read or its locations reused."""
+    ckpt = checkpoints["default-rope"]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(200, 400))] for _ in range(12)]
+    cap = sum(len(p) + NEW for p in prompts)
+    plain, plain_logits, overlap_plain, _ = _serve_decode_node(ckpt, None, cap, prompts)
+    topk = load_model(ckpt, device="cpu", dtype=torch.float32).config.index_topk
+    n_g = EchoConfig(offload=True).min_dev_cache_size(MAX_RUNNING, topk, CHUNK)
+    echo_cfg = EchoConfig(offload=True, dev_cache_size=n_g)
+    echo, echo_logits, overlap_echo, cache = _serve_decode_node(ckpt, echo_cfg, cap, prompts)
+    assert echo == plain and all(len(o) == NEW for o in echo)
+    for i, (a, b) in enumerate(zip(plain_logits, echo_logits, strict=True)):
+        assert len(a) == len(b) == NEW - 1  # the first token came with the "transfer"
+        for step, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), f"request {i}: logits differ at decode step {step}"
+    assert sum(cache.telemetry()["evictions"]) > 0, "the cache was not under pressure"
+    print(f"decode steps with a transfer in flight: plain {overlap_plain}, echo {overlap_echo}")

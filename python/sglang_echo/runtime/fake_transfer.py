@@ -7,13 +7,23 @@ keys for every layer (``study.synthetic_kv``), seeded by the prompt's token ids,
 same prompt gets the same KV on a no-offload and an ECHO server and their outputs can be
 compared token for token. Rows go where a transfer would put them: the device pool
 without offload, the host pool (index keys on the device, no cache slots) under ECHO.
-The request then decodes at once; its first token stands in for the prefill node's.
+Its first token stands in for the prefill node's.
+
+On CUDA the "transfer" runs as a real one does, beside decoding: the rows are generated
+and written on a side stream while the running batch keeps stepping, and the request joins
+the batch (its first token emitted) once its transfer's event has fired. Synthesizing a
+100K-token prompt's 8 layers takes tens of milliseconds of GPU time; on the decode stream
+that stalled every running request once per admission, which a decode node that admits a
+request every ~100 ms cannot afford (it cut the measured HTTP throughput, not the model's).
+The engine thread's share is kept to the bookkeeping: locations, the table row, a seed.
 """
 
 from __future__ import annotations
 
 import random
 import zlib
+from array import array
+from dataclasses import dataclass
 
 import torch
 
@@ -24,8 +34,16 @@ from sglang_echo.runtime.step_runner import StepRunner
 
 
 def prompt_seed(ids: list[int]) -> int:
-    """A stable seed from the prompt's ids (the same on every server and run)."""
-    return zlib.crc32(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+    """A stable seed from the prompt's ids (the same on every server and run): the CRC-32
+    of their little-endian int64 bytes."""
+    return zlib.crc32(array("q", ids).tobytes())
+
+
+@dataclass
+class _Transfer:
+    req: SeqState
+    first_token: int
+    done: torch.cuda.Event | None  # None: written synchronously (CPU)
 
 
 class FakeTransfer:
@@ -51,15 +69,59 @@ class FakeTransfer:
         self.kv_cache = kv_cache
         self.steps = steps
         self.vocab_size = cfg.vocab_size
+        device = steps.device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._transfers: list[_Transfer] = []  # started, first token not yet taken
 
-    def receive(self, req: SeqState) -> int:
-        """Place ``req``'s prompt KV (the request is admitted: it has a table row) and
-        return its first output token."""
+    @property
+    def pending(self) -> int:
+        return len(self._transfers)
+
+    def start(self, req: SeqState) -> None:
+        """Begin placing ``req``'s prompt KV (the request is admitted: it has a table row).
+        ``arrived`` hands its first output token back once the rows are in place."""
         n = len(req.prompt)
         locs = self.steps.allocator.alloc(n)
         self.steps.place(req, 0, locs)
-        seed = prompt_seed(req.prompt)
-        loc_t = torch.tensor(locs, dtype=torch.int64, device=self.steps.device)
-        self.synth.write(self.kv_cache, loc_t, seed)
         req.cached_len = n
-        return random.Random(seed).randrange(self.vocab_size)
+        seed = prompt_seed(req.prompt)
+        first = random.Random(seed).randrange(self.vocab_size)
+        if self.stream is None:
+            loc_t = torch.tensor(locs, dtype=torch.int64, device=self.steps.device)
+            self.synth.write(self.kv_cache, loc_t, seed)
+            self._transfers.append(_Transfer(req, first, None))
+            return
+        # After everything the decode stream has queued: the locations may have belonged
+        # to a request whose last step still reads them. Tensors made under the side
+        # stream belong to its allocator pool, so none is reused while the stream runs.
+        self.stream.wait_stream(torch.cuda.current_stream(self.steps.device))
+        with torch.cuda.stream(self.stream):
+            loc_t = torch.tensor(locs, dtype=torch.int64).to(self.steps.device)
+            self.synth.write(self.kv_cache, loc_t, seed)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._transfers.append(_Transfer(req, first, done))
+
+    def arrived(self, wait: bool = False) -> list[tuple[SeqState, int]]:
+        """(request, first token) of every transfer that has finished, in admission
+        order. ``wait``: block until the oldest has (the caller has nothing else to run)."""
+        if wait and self._transfers and self._transfers[0].done is not None:
+            self._transfers[0].done.synchronize()
+        ready = [t for t in self._transfers if t.done is None or t.done.query()]
+        if not ready:
+            return []
+        self._transfers = [t for t in self._transfers if t not in ready]
+        for t in ready:  # the decode stream reads these rows from the next step on
+            if t.done is not None:
+                torch.cuda.current_stream(self.steps.device).wait_event(t.done)
+        return [(t.req, t.first_token) for t in ready]
+
+    def forget(self, req: SeqState) -> None:
+        """``req`` ends before its first token (an abort): let its transfer finish writing
+        before its locations go back to the pool."""
+        for t in self._transfers:
+            if t.req is req:
+                if t.done is not None:
+                    t.done.synchronize()
+                self._transfers.remove(t)
+                return

@@ -158,6 +158,7 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduling round; returns False when there was nothing to do."""
         self._admit()
+        self._receive_arrived()
         if not self.running:
             return False
         if any(not r.prefill_done for r in self.running):
@@ -170,6 +171,8 @@ class Scheduler:
             decoding = [r for r in self.running if self._decodable(r)]
             if decoding:
                 self._decode(decoding)
+        elif self.prompt_source is not None and self.prompt_source.pending:
+            self._receive_arrived(wait=True)  # nothing to step: wait, do not spin
         self.running = [r for r in self.running if not r.finished]
         self.stats.recent.append((time.perf_counter(), self.stats.generation_tokens))
         return True
@@ -240,8 +243,16 @@ class Scheduler:
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             if self.prompt_source is not None:
-                first = self.prompt_source.receive(req)
+                self.prompt_source.start(req)
                 self.stats.prompt_tokens += len(req.prompt)
+
+    def _receive_arrived(self, wait: bool = False) -> None:
+        """A decode node's requests whose prompt KV is in place: their first token (the
+        prefill node's) is emitted, and they decode from the next step on."""
+        if self.prompt_source is None:
+            return
+        for req, first in self.prompt_source.arrived(wait=wait):
+            if not req.finished:
                 self._accept(req, first, None)
 
     def _make_room(self, tokens_needed: Callable[[], int]) -> None:
@@ -311,6 +322,8 @@ class Scheduler:
         logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
         if req.status is ReqStatus.RUNNING:
+            if self.prompt_source is not None:
+                self.prompt_source.forget(req)
             self.steps.release(req)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
