@@ -240,10 +240,14 @@ def print_summary(rec: dict, out=sys.stdout) -> None:
 async def run(args) -> dict:
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    # The server's facts in a session of their own: building a large workload (96 prompts
+    # of 100K tokens) takes longer than uvicorn keeps an idle connection open, and a
+    # pooled connection it closed meanwhile failed the first request (broken pipe).
+    async with aiohttp.ClientSession(timeout=timeout) as probe:
+        facts = await server_facts(probe, base, args)
+    workload = build_workload(args, facts)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        facts = await server_facts(session, base, args)
-        workload = build_workload(args, facts)
         reqs = workload.requests
         if args.sort_len:
             reqs = sorted(reqs, key=lambda r: r.prompt_len)
