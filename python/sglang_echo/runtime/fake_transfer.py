@@ -96,7 +96,8 @@ class FakeTransfer:
         # stream belong to its allocator pool, so none is reused while the stream runs.
         self.stream.wait_stream(torch.cuda.current_stream(self.steps.device))
         with torch.cuda.stream(self.stream):
-            loc_t = torch.tensor(locs, dtype=torch.int64).to(self.steps.device)
+            loc_t = torch.tensor(locs, dtype=torch.int64).pin_memory()
+            loc_t = loc_t.to(self.steps.device, non_blocking=True)  # the host never waits
             self.synth.write(self.kv_cache, loc_t, seed)
             done = torch.cuda.Event()
             done.record(self.stream)

@@ -38,7 +38,11 @@ class SyntheticKV:
         device: torch.device | str,
     ) -> None:
         self.config = config
-        self.directions = directions  # [L, D], from locality.favoured_directions
+        # [L, D], from locality.favoured_directions; on the device once, so that writing a
+        # prompt makes no blocking host-to-device copy (the decode node writes on a side
+        # stream, and a blocking copy there would hold the engine thread until the stream
+        # drained, stalling the running batch as before).
+        self.directions = directions.to(device)
         self.locality = locality
         self.dtype = dtype
         self.device = torch.device(device)
@@ -47,7 +51,10 @@ class SyntheticKV:
         """Sorted prompt positions whose keys carry the favoured direction."""
         m = self.locality.hot_count(self.config.index_topk, length)
         gen = _generator(torch.device("cpu"), seed, layer, 0)
-        return torch.randperm(length, generator=gen)[:m].sort().values.to(self.device)
+        hot = torch.randperm(length, generator=gen)[:m].sort().values
+        if self.device.type != "cuda":
+            return hot
+        return hot.pin_memory().to(self.device, non_blocking=True)  # no wait on the stream
 
     def encode_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Unrotated float keys [n, D] -> the rows the model caches (``index_row_dim``)."""
