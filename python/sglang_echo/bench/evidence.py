@@ -363,13 +363,20 @@ def row_e2e_study(r: Records) -> tuple[str, str, str]:
     low = m["low_load_cost"]["per_batch"]
     press = det["lossless_under_eviction"]
     bo, be = m["breakdown"]["no_offload"], m["breakdown"]["echo"]
+    spread = m.get("spread", {}).get("ratio_paper_all_hbm")
+    within = (
+        f" (range {f2(spread['ratio_min'])}-{f2(spread['ratio_max'])}x over {m['repeats']} "
+        "interleaved repeats of each side)"
+        if spread
+        else ""
+    )
     text = (
         f"{c['layers']} layers at DeepSeek-V3.2's attention dims + one DP worker's routed MoE "
         f"at equal bytes, bf16 KV, fake-transfer decode node, prompts "
         f"{count(c['prompt_tokens'][0])}-{count(c['prompt_tokens'][1])} tokens, locality "
         f"`{m['locality_source']}` (real indexer + exact top-k), rate inf (closed batch). "
-        f"ECHO / no-offload output throughput: paper settings {ratio(m['ratio_paper_all_hbm'])} "
-        f"(batch {paper['echo_batch']} vs {paper['no_offload_batch']}), pools of 200K "
+        f"ECHO / no-offload output throughput: paper settings {ratio(m['ratio_paper_all_hbm'])}"
+        f"{within} (batch {paper['echo_batch']} vs {paper['no_offload_batch']}), pools of 200K "
         f"{ratio(m['ratio_paper_200k'])}, 110K {ratio(m['ratio_paper_110k'])}, equal HBM at "
         f"380K {ratio(m['ratio_equal_hbm_380k'])}; random keys (pessimistic, hit "
         f"{f2(det['random_keys_paper_all_hbm']['echo_hit_rate_mean'])}) "
@@ -384,28 +391,82 @@ def row_e2e_study(r: Records) -> tuple[str, str, str]:
 
 
 def row_e2e_hisparse(r: Records) -> tuple[str, str, str]:
-    rel = "benchmark/results/e2e_study_hisparse/e2e_study.json"
+    rel = "benchmark/results/e2e_study.json"
     d = r(rel)
-    m = d["metrics"]
-    runs = {x["engine"]: x for x in d["runs"]}
-    e, h, n = runs["echo_equal_hbm_b24"], runs["hisparse_equal_hbm_b24"], runs["noff_paper"]
+    m, det = d["metrics"], d["metrics"]["details"]
+    best = max(det["equal_hbm_380k"].values(), key=lambda v: v["ratio"])
+    hs = max(det["hisparse_equal_hbm_380k"].values(), key=lambda v: v["ratio"])
     text = (
-        "one run, equal HBM to a 380K-token no-offload pool: ECHO (shared cache of "
-        f"{count(e['dev_cache'])} slots per layer) {ratio(m['ratio_equal_hbm_380k'])} at batch "
-        f"{e['batch']}, hit {span(e['hit_rate_per_layer'], f3)}; HiSparse-like (private "
+        "same run, equal HBM to a 380K-token no-offload pool: ECHO (one shared cache per "
+        f"layer) {ratio(best['ratio'])} at batch {best['echo_batch']}, hit "
+        f"{f3(best['echo_hit_rate_mean'])}; HiSparse-like (private "
         f"{count(m['hisparse_device_buffer_size'])}-row buffers per request and layer, LRU "
-        f"inside; cache management in torch ops, not a fused kernel) "
-        f"{ratio(m['hisparse_ratio_equal_hbm_380k'])} at batch {h['batch']}, hit "
-        f"{span(h['hit_rate_per_layer'], f3)}; steps {ms(e['step_ms_device'])} / "
-        f"{ms(h['step_ms_device'])} / {ms(n['step_ms_device'])} ms (ECHO / HiSparse-like / "
-        f"no-offload batch {n['batch']})"
+        f"inside; cache management in torch ops, not a fused kernel) {ratio(hs['ratio'])} at "
+        f"batch {hs['echo_batch']}, hit {f3(hs['echo_hit_rate_mean'])}; steps "
+        f"{ms(best['echo_step_ms'])} / {ms(hs['echo_step_ms'])} / "
+        f"{ms(best['no_offload_step_ms'])} ms (ECHO / HiSparse-like / no-offload batch "
+        f"{best['no_offload_batch']})"
     )
     return "ECHO vs a HiSparse-like per-request buffer (issue 14)", text, source(d, rel)
+
+
+def _sweep_latency(d: dict, rate: str) -> str:
+    runs = d["metrics"]["runs"]
+    off, base = runs["offload"][rate], runs["no-offload"][rate]
+    return (
+        f"at rate {rate}: median TTFT {ms(off['median_ttft_ms'])} vs "
+        f"{ms(base['median_ttft_ms'])} ms, median E2E {ms(off['median_e2e_latency_ms'])} vs "
+        f"{ms(base['median_e2e_latency_ms'])} ms"
+    )
+
+
+def row_e2e_sweep(r: Records) -> tuple[str, str, str]:
+    rel = "benchmark/results/e2e_sweep/e2e_sweep.json"
+    d = r(rel)
+    text = (
+        "the study's 8-layer worker through the HTTP server as a fake-transfer decode node, "
+        f"96 InfiniteBench-like prompts (synthetic, 100K-110K tokens): {_serving(d)}"
+    )
+    return "request-rate sweep, decode node (issue 14, Figures 12)", text, source(d, rel)
+
+
+def row_e2e_sweep_sharegpt(r: Records) -> tuple[str, str, str]:
+    rel = "benchmark/results/e2e_sweep_sharegpt/e2e_sweep.json"
+    d = r(rel)
+    text = (
+        "the same worker on one server that prefills and decodes, 48 ShareGPT-like chats "
+        f"(synthetic): {_serving(d)}; {_sweep_latency(d, 'inf')}"
+    )
+    return "ShareGPT-like latency sweep (issue 14, Figure 15)", text, source(d, rel)
+
+
+def row_e2e_sweep_tasks(r: Records) -> tuple[str, str, str]:
+    rel = "benchmark/results/history/2026-12-01-sweep-tasks/e2e_sweep.json"
+    d = r(rel)
+    tasks = d["metrics"]["tasks"]
+    parts = []
+    for name, runs in tasks.items():
+        off, base = runs["tasks offload"]["tok_s"], runs["tasks no-offload"]["tok_s"]
+        parts.append(f"{name} {ratio(off / base)}")
+    text = (
+        "Figure 14's four task mixes (synthetic at InfiniteBench's task lengths, 32 prompts "
+        f"each, rate inf), ECHO / no-offload output throughput: {', '.join(parts)}; same run, "
+        f"InfiniteBench-like mix: {_serving_runs(d, 'infini')}"
+    )
+    return "task mixes (issue 14, Figure 14; history)", text, source(d, rel, "measured, superseded")
+
+
+def _serving_runs(d: dict, root: str) -> str:
+    ratios = d["metrics"]["offload_over_no_offload_output_throughput"][root]
+    return f"{' / '.join(ratio(v) for v in ratios.values())} at rates {' / '.join(ratios)}"
 
 
 ROWS = (
     row_e2e_study,
     row_e2e_hisparse,
+    row_e2e_sweep,
+    row_e2e_sweep_sharegpt,
+    row_e2e_sweep_tasks,
     row_oracle,
     row_indexer,
     row_topk,
