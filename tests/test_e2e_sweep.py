@@ -35,7 +35,14 @@ def test_e2e_sweep_smoke(tmp_path):
     for root, task in runs:
         for mode in ("no-offload", "offload"):
             path = out / root / mode / task / "req_rate_inf.jsonl"
-            assert json.loads(path.read_text().splitlines()[-1])["completed"] == 4, path
+            run = json.loads(path.read_text().splitlines()[-1])
+            assert run["completed"] == 4, path
+            # The server's engine clock over the run: model steps took time; on the decode
+            # node every request came by a transfer, and nothing was prefilled.
+            engine = run["server_engine"]
+            assert engine["engine_seconds.decode"] > 0 and engine["decode_steps"] > 0, path
+            if root != "sharegpt":
+                assert engine["transfers"] == 4 and engine["engine_seconds.prefill"] == 0, path
     assert set(record["metrics"]["tasks"]) == set(FIGURE_14_TASKS)
     assert (out / "plots" / "per_task_throughput.png").is_file()
     for mode, backend in (("no-offload", "no-offload"), ("offload", "echo")):

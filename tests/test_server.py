@@ -17,6 +17,7 @@ import pytest
 from server_utils import make_serving, running_server
 from sglang_echo.config import EchoConfig
 from sglang_echo.generate import main as generate_main
+from sglang_echo.runtime.scheduler import ENGINE_PHASES
 
 N_REQUESTS = 32
 NEW_TOKENS = 24  # long enough that the running requests overflow the device cache: ECHO evicts
@@ -249,6 +250,11 @@ def test_metrics_parse_with_prometheus_client(echo_server):
     assert len(recalled) == layers and all(s.value >= 0 for s in recalled)
     for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput"):
         assert families[name].samples
+    # Where the engine thread's time went: every phase, the model steps took some of it.
+    phases = {s.labels["phase"]: s.value for s in families["sglang:engine_seconds"].samples}
+    assert set(phases) == set(ENGINE_PHASES) and min(phases.values()) >= 0
+    assert phases["decode"] > 0 and phases["prefill"] > 0
+    assert families["sglang:decode_steps"].samples[0].value >= 2
 
 
 def test_official_openai_client(echo_server):

@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -85,6 +86,38 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> dict | None:
     except (aiohttp.ClientError, ValueError, TimeoutError):
         return None
     return None
+
+
+# The engine's own clock (this project's /metrics; absent on SGLang): sample name (labels
+# folded in, e.g. engine_seconds_total{phase="decode"} -> engine_seconds.decode) -> value.
+ENGINE_SAMPLE = re.compile(
+    r"^sglang:(engine_seconds|decode_steps|graph_captures|graph_capture_seconds|transfers|"
+    r'transfer_seconds)_total(?:\{[^}]*?phase="(\w+)"[^}]*\})?(?:\{[^}]*\})? (\S+)$'
+)
+
+
+async def engine_counters(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    """The server's engine-time counters now ({} when it exposes none)."""
+    try:
+        async with session.get(base + "/metrics") as resp:
+            if resp.status != 200:
+                return {}
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if m := ENGINE_SAMPLE.match(line):
+            name, phase, value = m.groups()
+            out[f"{name}.{phase}" if phase else name] = float(value)
+    return out
+
+
+def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """What the run cost the server's engine thread, by phase (None: not exposed)."""
+    if not after:
+        return None
+    return {k: round(v - before.get(k, 0.0), 4) for k, v in sorted(after.items())}
 
 
 def _load_tokenizer(path: str | None):
@@ -231,6 +264,14 @@ def print_summary(rec: dict, out=sys.stdout) -> None:
         ("Median ITL (ms):", f"{rec['median_itl_ms']:.2f}"),
         ("P99 ITL (ms):", f"{rec['p99_itl_ms']:.2f}"),
     ]
+    engine = rec.get("server_engine")
+    if engine:
+        rows.append(
+            (
+                "Server engine thread (s):",
+                ", ".join(f"{k.split('.', 1)[-1]} {v:.2f}" for k, v in engine.items()),
+            )
+        )
     print("{:=^50}".format(" Serving Benchmark Result "), file=out)
     for k, v in rows:
         print(f"{k:<40} {v}", file=out)
@@ -268,6 +309,7 @@ async def run(args) -> dict:
             bad = [r.error for r in done if not r.success]
             if bad:
                 raise SystemExit(f"error: warmup request failed: {bad[0]}")
+        engine_before = await engine_counters(session, base)
         results, duration = await run_requests(
             session,
             url,
@@ -278,6 +320,7 @@ async def run(args) -> dict:
             args.seed,
             progress=not args.disable_tqdm,
         )
+        server_engine = engine_delta(engine_before, await engine_counters(session, base))
     record = {
         "backend": args.backend,
         "dataset_name": args.dataset_name,
@@ -299,6 +342,8 @@ async def run(args) -> dict:
         "output_lens": [r.output_len for r in results],
         "ttfts": [r.ttft for r in results],
         "errors": [r.error for r in results if r.error][:20],
+        # The server engine thread's seconds by phase over the run (this project's server).
+        "server_engine": server_engine,
     }
     return record
 

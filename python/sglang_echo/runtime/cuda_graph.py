@@ -10,6 +10,7 @@ indexer over a fixed context width, MoE's dense dispatch, ECHO's graph-safe ops.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,8 @@ class CudaGraphDecodeRunner:
         self.max_batch_size = max_batch_size  # larger decode batches run eagerly; None = all
         self.device = model.lm_head.weight.device
         self.graphs: dict[int, _Captured] = {}
+        self.captures = 0  # batch sizes captured so far (each once, at its first step)
+        self.capture_s = 0.0  # their eager first steps and captures, host seconds
         model.set_graph_safe(True)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -84,6 +87,7 @@ class CudaGraphDecodeRunner:
             self._load(captured.batch, batch)
             captured.graph.replay()
             return captured.logits.clone()
+        t0 = time.perf_counter()
         static = self._static_batch(bs)
         self._load(static, batch)
         result = self.model(static, self.kv_cache).clone()  # the real step, eager
@@ -92,4 +96,6 @@ class CudaGraphDecodeRunner:
         with torch.cuda.graph(graph):
             logits = self.model(static, self.kv_cache)  # recorded, not executed
         self.graphs[bs] = _Captured(graph, static, logits)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0  # the eager step included
         return result

@@ -95,18 +95,23 @@ class EngineLoop:
                     fut.set_exception(exc)
 
     def _run(self) -> None:
+        stats = self.scheduler.stats
         while not self._stop.is_set():
             try:
                 if not self.scheduler.has_work():
                     try:
-                        self._apply(self._commands.get(timeout=self.idle_wait_s))
+                        with stats.timed("idle"):
+                            cmd = self._commands.get(timeout=self.idle_wait_s)
                     except queue.Empty:
                         continue
-                while True:
-                    try:
-                        self._apply(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
+                    with stats.timed("commands"):
+                        self._apply(cmd)
+                with stats.timed("commands"):
+                    while True:
+                        try:
+                            self._apply(self._commands.get_nowait())
+                        except queue.Empty:
+                            break
                 if not self._stop.is_set():
                     self.scheduler.step()
             except Exception as exc:
@@ -120,3 +125,19 @@ class EngineLoop:
                 except Exception:
                     log.error("could not clean up after the failed step")
         self.scheduler.fail_all("server shutting down")
+        log.info("engine thread time: %s", engine_time_summary(self.scheduler))
+
+
+def engine_time_summary(sched: Scheduler) -> str:
+    """One line for the server log: where the engine thread's time went, the model steps
+    beside the host work around them, graph captures and a decode node's transfers."""
+    s = sched.stats
+    parts = [f"{k} {v:.2f} s" for k, v in s.phase_s.items()]
+    parts.append(f"{s.decode_steps} decode steps")
+    runner = sched.steps.decode_runner
+    if runner is not None:
+        parts.append(f"{runner.captures} graph captures {runner.capture_s:.2f} s")
+    source = sched.prompt_source
+    if source is not None:
+        parts.append(f"{source.transfers} transfers {source.transfer_s:.2f} s start to arrival")
+    return ", ".join(parts)

@@ -21,6 +21,7 @@ The engine thread's share is kept to the bookkeeping: locations, the table row, 
 from __future__ import annotations
 
 import random
+import time
 import zlib
 from array import array
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ class _Transfer:
     req: SeqState
     first_token: int
     done: torch.cuda.Event | None  # None: written synchronously (CPU)
+    started: float  # time.perf_counter() at the start
 
 
 class FakeTransfer:
@@ -72,6 +74,8 @@ class FakeTransfer:
         device = steps.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._transfers: list[_Transfer] = []  # started, first token not yet taken
+        self.transfers = 0  # arrived so far
+        self.transfer_s = 0.0  # their start-to-arrival times (seen at the step's poll), summed
 
     @property
     def pending(self) -> int:
@@ -80,6 +84,7 @@ class FakeTransfer:
     def start(self, req: SeqState) -> None:
         """Begin placing ``req``'s prompt KV (the request is admitted: it has a table row).
         ``arrived`` hands its first output token back once the rows are in place."""
+        started = time.perf_counter()
         n = len(req.prompt)
         locs = self.steps.allocator.alloc(n)
         self.steps.place(req, 0, locs)
@@ -89,7 +94,7 @@ class FakeTransfer:
         if self.stream is None:
             loc_t = torch.tensor(locs, dtype=torch.int64, device=self.steps.device)
             self.synth.write(self.kv_cache, loc_t, seed)
-            self._transfers.append(_Transfer(req, first, None))
+            self._transfers.append(_Transfer(req, first, None, started))
             return
         # After everything the decode stream has queued: the locations may have belonged
         # to a request whose last step still reads them. Tensors made under the side
@@ -101,7 +106,7 @@ class FakeTransfer:
             self.synth.write(self.kv_cache, loc_t, seed)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._transfers.append(_Transfer(req, first, done))
+        self._transfers.append(_Transfer(req, first, done, started))
 
     def arrived(self, wait: bool = False) -> list[tuple[SeqState, int]]:
         """(request, first token) of every transfer that has finished, in admission
@@ -112,6 +117,9 @@ class FakeTransfer:
         if not ready:
             return []
         self._transfers = [t for t in self._transfers if t not in ready]
+        now = time.perf_counter()
+        self.transfers += len(ready)
+        self.transfer_s += sum(now - t.started for t in ready)
         for t in ready:  # the decode stream reads these rows from the next step on
             if t.done is not None:
                 torch.cuda.current_stream(self.steps.device).wait_event(t.done)

@@ -32,6 +32,15 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
         "token_usage": (sched.capacity - free) / sched.capacity,
         "max_total_num_tokens": sched.capacity,
     }
+    snap["engine_seconds"] = dict(s.phase_s)
+    runner = sched.steps.decode_runner
+    if runner is not None:
+        snap["graph_captures_total"] = runner.captures
+        snap["graph_capture_seconds_total"] = runner.capture_s
+    source = sched.prompt_source
+    if source is not None:
+        snap["transfers_total"] = source.transfers
+        snap["transfer_seconds_total"] = source.transfer_s
     telemetry = getattr(kv_cache, "telemetry", None)
     if telemetry is not None:
         snap["echo"] = telemetry()
@@ -68,6 +77,21 @@ def render(snap: dict, model_name: str) -> str:
     one("gen_throughput", "gauge", "Generated tokens per second (last 5 s).", "gen_throughput")
     one("token_usage", "gauge", "Share of the KV token pool in use.", "token_usage")
     one("max_total_num_tokens", "gauge", "KV token pool size.", "max_total_num_tokens")
+    one("decode_steps", "counter", "Decode steps run.", "decode_steps_total")
+    metric(
+        "engine_seconds",
+        "counter",
+        "Engine-thread wall time by phase (runtime/scheduler.py ENGINE_PHASES).",
+        [({"phase": k}, v) for k, v in snap["engine_seconds"].items()],
+    )
+    for key, kind, text in (
+        ("graph_captures_total", "counter", "Decode batch sizes captured in CUDA graphs."),
+        ("graph_capture_seconds_total", "counter", "Host time of those first steps + captures."),
+        ("transfers_total", "counter", "Decode-node transfers arrived (fake backend)."),
+        ("transfer_seconds_total", "counter", "Their start-to-arrival times, summed."),
+    ):
+        if key in snap:
+            one(key.removesuffix("_total"), kind, text, key)
     echo = snap.get("echo")
     if echo is not None:
         layers = range(len(echo["hit_rate"]))

@@ -29,7 +29,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,14 @@ class RequestRejected(ValueError):
     request id already in use)."""
 
 
+# Where the engine thread's time goes (seconds, cumulative): ``commands`` applying queued
+# submissions and aborts, ``idle`` waiting for work (both counted by the engine loop),
+# ``admit`` admission (a decode node's transfer start included), ``receive`` taking a
+# decode node's arrived transfers, ``prefill`` and ``decode`` the model steps (the host
+# waits for the device there), ``accept`` sampling, emitting and finishing requests.
+ENGINE_PHASES = ("commands", "idle", "admit", "receive", "prefill", "decode", "accept")
+
+
 @dataclass
 class SchedulerStats:
     prompt_tokens: int = 0
@@ -74,6 +83,16 @@ class SchedulerStats:
     decode_steps: int = 0
     # (time, generation_tokens) samples of the last few seconds, for a throughput gauge.
     recent: deque = field(default_factory=lambda: deque(maxlen=256))
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ENGINE_PHASES, 0.0))
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Adds the block's wall time to ``phase_s[phase]`` (a few hundred ns per use)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_s[phase] += time.perf_counter() - t0
 
 
 class Scheduler:
@@ -157,8 +176,10 @@ class Scheduler:
     # ---------------------------------------------------------------- step
     def step(self) -> bool:
         """One scheduling round; returns False when there was nothing to do."""
-        self._admit()
-        self._receive_arrived()
+        with self.stats.timed("admit"):
+            self._admit()
+        with self.stats.timed("receive"):
+            self._receive_arrived()
         if not self.running:
             return False
         if any(not r.prefill_done for r in self.running):
@@ -172,7 +193,8 @@ class Scheduler:
             if decoding:
                 self._decode(decoding)
         elif self.prompt_source is not None and self.prompt_source.pending:
-            self._receive_arrived(wait=True)  # nothing to step: wait, do not spin
+            with self.stats.timed("receive"):
+                self._receive_arrived(wait=True)  # nothing to step: wait, do not spin
         self.running = [r for r in self.running if not r.finished]
         self.stats.recent.append((time.perf_counter(), self.stats.generation_tokens))
         return True
@@ -188,23 +210,27 @@ class Scheduler:
     def _prefill(self, prefilling: list[ServeRequest]) -> None:
         before = sum(r.cached_len for r in prefilling)
         try:
-            done, logits = self.steps.prefill_chunk(prefilling, self.chunk)
+            with self.stats.timed("prefill"):
+                done, logits = self.steps.prefill_chunk(prefilling, self.chunk)
         except Exception as exc:  # the phase's requests end, the rest go on
             self._fail(prefilling, "prefill", exc)
             return
         self.stats.prompt_tokens += sum(r.cached_len for r in prefilling) - before
         self.stats.prefill_steps += 1
         if done:
-            self._accept_batch(done, logits)
+            with self.stats.timed("accept"):
+                self._accept_batch(done, logits)
 
     def _decode(self, decoding: list[ServeRequest]) -> None:
         try:
-            logits = self.steps.decode(decoding)
+            with self.stats.timed("decode"):
+                logits = self.steps.decode(decoding)
         except Exception as exc:  # the phase's requests end, the rest go on
             self._fail(decoding, "decode", exc)
             return
         self.stats.decode_steps += 1
-        self._accept_batch(decoding, logits)
+        with self.stats.timed("accept"):
+            self._accept_batch(decoding, logits)
 
     def _fail(self, reqs: list[ServeRequest], phase: str, exc: Exception) -> None:
         log.exception("%s step failed for %d request(s)", phase, len(reqs))
