@@ -358,6 +358,9 @@ def _tag(phase: Phase) -> str:
     return phase.label + (f"#{phase.repeat}" if phase.repeat else "")
 
 
+PRESSURE_SPARE = 8  # the HiSparse-like pressure check's buffer: top-k + top-k / this
+
+
 @dataclass
 class Engine:
     label: str
@@ -371,6 +374,7 @@ class Engine:
     # this engine's phase of the same label, once per repeat (A B A B ...): both sides of
     # a ratio then see the same drift of the GPU's clocks and temperature.
     partners: list[str] = field(default_factory=list)
+    buffer: int = 0  # HiSparse-like: rows per request and layer (0: --hisparse-buffer)
 
 
 class Study:
@@ -495,6 +499,20 @@ class Study:
                 phases=[Phase(f"b{b_p}", b_p, loc, repeated=False)],  # a lossless check
             )
         )
+        # The same check for the HiSparse-like backend: private buffers of one step's
+        # selections plus an eighth, fewer rows than a step's new selections at this
+        # locality, so every request evicts from about its second step.
+        buffer = self.cfg.index_topk + self.cfg.index_topk // PRESSURE_SPARE
+        out.append(
+            Engine(
+                "hisparse_pressure",
+                "hisparse",
+                dev_cache=b_p * buffer,
+                host=p.host_pool,
+                phases=[Phase(f"b{b_p}", b_p, loc, repeated=False)],
+                buffer=buffer,
+            )
+        )
         for b in p.equal_hbm_batches:
             n_g, host = equal_hbm_split(self.cfg, p, p.paper_pool, b, self.max_new)
             out.append(
@@ -529,10 +547,9 @@ class Study:
             kv = PlainKVCache.for_model(cfg, eng.pool, p.dtype, self.device)
             tokens, rows = eng.pool, eng.max_batch
         elif eng.backend == "hisparse":
-            rows = min(eng.max_batch, eng.dev_cache // self.buffer_size)
-            kv = HiSparseKVCache.for_model(
-                cfg, eng.host, rows, self.buffer_size, p.dtype, self.device
-            )
+            buffer = eng.buffer or self.buffer_size
+            rows = min(eng.max_batch, eng.dev_cache // buffer)
+            kv = HiSparseKVCache.for_model(cfg, eng.host, rows, buffer, p.dtype, self.device)
             tokens = eng.host
         else:
             echo = EchoConfig(offload=True, dev_cache_size=eng.dev_cache)
@@ -1106,18 +1123,8 @@ class Study:
             es, ns = self.find_all("echo_paper", f"b{b}"), self.find_all("noff_low", f"b{b}")
             if es and ns:
                 lossless[b] = all(r["outputs_head"] == ns[0]["outputs_head"] for r in es + ns)
-        pressure = None
-        e = self.find("echo_pressure", f"b{self.pressure_batch}")
-        n = self.find("noff_low", f"b{self.pressure_batch}")
-        if e and n:
-            pressure = {
-                "batch": e["batch"],
-                "dev_cache": e["dev_cache"],
-                "evictions_per_step": e["evictions_per_step"],
-                "hit_rate_per_layer": e["hit_rate_per_layer"],
-                "tokens_compared": sum(len(o) for o in e["outputs_head"]),
-                "greedy_outputs_equal": e["outputs_head"] == n["outputs_head"],
-            }
+        pressure = self.lossless_check("echo_pressure")
+        pressure_hisparse = self.lossless_check("hisparse_pressure")
         rand = self.ratio("echo_paper", "noff_paper", phase="random")
         same = self.plan.same_pools
         p200 = pools.get(same[0]) if same else None
@@ -1164,6 +1171,7 @@ class Study:
                 "hisparse_equal_hbm_380k": hisparse,
                 "greedy_outputs_equal_at_low_load": lossless,
                 "lossless_under_eviction": pressure,
+                "lossless_under_eviction_hisparse": pressure_hisparse,
                 "locality_sweep_paper_all_hbm": self.sweep(),
                 "random_keys_paper_all_hbm": rand
                 and {
@@ -1175,6 +1183,22 @@ class Study:
             "per_layer_note": "ratios are of the measured L-layer steps (all layers identical, "
             "the step's fixed part small); estimate_61_layers scales the per-layer device time "
             "to DeepSeek-V3.2's 61 layers",
+        }
+
+    def lossless_check(self, engine: str) -> dict | None:
+        """``engine``'s greedy outputs at the pressure batch against the plain pool's
+        (noff_low, same batch and seeds), with its eviction count."""
+        e = self.find(engine, f"b{self.pressure_batch}")
+        n = self.find("noff_low", f"b{self.pressure_batch}")
+        if not (e and n):
+            return None
+        return {
+            "batch": e["batch"],
+            "dev_cache": e["dev_cache"],
+            "evictions_per_step": e["evictions_per_step"],
+            "hit_rate_per_layer": e["hit_rate_per_layer"],
+            "tokens_compared": sum(len(o) for o in e["outputs_head"]),
+            "greedy_outputs_equal": e["outputs_head"] == n["outputs_head"],
         }
 
     # ------------------------------------------------------------------ main
