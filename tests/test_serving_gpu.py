@@ -56,6 +56,20 @@ def _record_logits(steps: StepRunner) -> dict[str, list[torch.Tensor]]:
     return rows
 
 
+def _arrive_and_run(sched: Scheduler, prompts, step_every: int) -> list[ServeRequest]:
+    """Greedy requests arriving between steps (one step after every ``step_every``
+    arrivals), then steps until all are done."""
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    reqs = [ServeRequest(p, rid=str(i), params=params) for i, p in enumerate(prompts)]
+    for i, r in enumerate(reqs):
+        sched.add(r)
+        if i % step_every == 0:
+            sched.step()
+    while sched.has_work():
+        sched.step()
+    return reqs
+
+
 def _serve(model, cache, cap: int, prompts: list[list[int]]):
     """-> (each request's output ids, each request's per-token logits rows)."""
     steps = StepRunner(
@@ -63,14 +77,7 @@ def _serve(model, cache, cap: int, prompts: list[list[int]]):
     )
     step_logits = _record_logits(steps)
     sched = Scheduler(steps, MAX_RUNNING, CHUNK, 128, list(model.config.eos_token_ids))
-    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
-    reqs = [ServeRequest(p, rid=str(i), params=params) for i, p in enumerate(prompts)]
-    for i, r in enumerate(reqs):  # arrivals interleaved with steps
-        sched.add(r)
-        if i % 3 == 0:
-            sched.step()
-    while sched.has_work():
-        sched.step()
+    reqs = _arrive_and_run(sched, prompts, step_every=3)
     assert steps.decode_runner.graphs and max(steps.decode_runner.graphs) <= GRAPH_BS
     assert steps.allocator.num_free == cap and not sched.live
     logits = [step_logits[r.rid] for r in reqs]
@@ -137,14 +144,7 @@ def _serve_decode_node(checkpoint: str, echo: EchoConfig | None, cap: int, promp
 
     steps.decode = counting_decode
     sched = Scheduler(steps, MAX_RUNNING, CHUNK, 512, list(cfg.eos_token_ids), prompt_source=fake)
-    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
-    reqs = [ServeRequest(p, rid=str(i), params=params) for i, p in enumerate(prompts)]
-    for i, r in enumerate(reqs):  # arrivals while others decode
-        sched.add(r)
-        if i % 2 == 0:
-            sched.step()
-    while sched.has_work():
-        sched.step()
+    reqs = _arrive_and_run(sched, prompts, step_every=2)  # arrivals while others decode
     assert fake.pending == 0 and sched.stats.prefill_steps == 0
     assert steps.allocator.num_free == cap and not sched.live
     return [r.output for r in reqs], [step_logits[r.rid] for r in reqs], overlapped, cache

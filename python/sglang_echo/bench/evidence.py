@@ -438,24 +438,31 @@ def _sweep_latency(d: dict, rate: str) -> str:
     )
 
 
-def row_e2e_sweep(r: Records) -> tuple[str, str, str]:
-    rel = "benchmark/results/e2e_sweep/e2e_sweep.json"
+def _sweep_row(r: Records, rel: str, claim: str, lead: str, latency_at: str = "") -> tuple:
     d = r(rel)
-    text = (
+    text = f"{lead}: {_serving(d)}" + (f"; {_sweep_latency(d, latency_at)}" if latency_at else "")
+    return claim, text, source(d, rel)
+
+
+def row_e2e_sweep(r: Records) -> tuple[str, str, str]:
+    return _sweep_row(
+        r,
+        "benchmark/results/e2e_sweep/e2e_sweep.json",
+        "request-rate sweep, decode node (issue 14, Figure 12)",
         "the study's 8-layer worker through the HTTP server as a fake-transfer decode node, "
-        f"96 InfiniteBench-like prompts (synthetic, 100K-110K tokens): {_serving(d)}"
+        "96 InfiniteBench-like prompts (synthetic, 100K-110K tokens)",
     )
-    return "request-rate sweep, decode node (issue 14, Figures 12)", text, source(d, rel)
 
 
 def row_e2e_sweep_sharegpt(r: Records) -> tuple[str, str, str]:
-    rel = "benchmark/results/e2e_sweep_sharegpt/e2e_sweep.json"
-    d = r(rel)
-    text = (
+    return _sweep_row(
+        r,
+        "benchmark/results/e2e_sweep_sharegpt/e2e_sweep.json",
+        "ShareGPT-like latency sweep (issue 14, Figure 15)",
         "the same worker on one server that prefills and decodes, 48 ShareGPT-like chats "
-        f"(synthetic): {_serving(d)}; {_sweep_latency(d, 'inf')}"
+        "(synthetic)",
+        latency_at="inf",
     )
-    return "ShareGPT-like latency sweep (issue 14, Figure 15)", text, source(d, rel)
 
 
 def row_e2e_sweep_tasks(r: Records) -> tuple[str, str, str]:
