@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_echo.kernels.fp8_kv import dequantize_kv_rows, fp8_row_bytes, quantize_kv_rows
 from sglang_echo.kernels.sparse_mla import sparse_mla_from_buffer, sparse_mla_reference
 from sglang_echo.model import attention as attention_module
 from sglang_echo.model.config import ModelConfigError
@@ -115,6 +116,62 @@ def test_same_rows_through_another_buffer_are_bit_identical(dtype):
     alone = sparse_mla_from_buffer(q[2:3], moved, moved_rows[2:3], 512, 0.1)
     assert torch.equal(alone[0], a[2])
     assert torch.equal(sparse_mla_from_buffer(q, buffer, rows, 512, 0.1), a)  # deterministic
+
+
+# ---------------------------------------------------------------- fp8 rows
+@pytest.mark.parametrize(
+    ("dtype", "lat", "splits"), [(BF16, 512, 1), (BF16, 256, 2), (FP32, 128, 1)]
+)
+def test_fp8_rows_equal_the_kernel_on_their_dequantized_rows(dtype, lat, splits):
+    """kernels/fp8_kv.py rows, dequantized in registers, give the bits the same kernel
+    gives on the rows dequantized by the torch path (the one rounding to the query dtype
+    is the same; the interpreter rounds float32 -> bf16 to nearest even, as the GPU does),
+    and land near the float32 attention on those rows."""
+    q, buffer, rows = _case(3, 40, 40, 70, lat, 64, FP32, seed=lat + splits)
+    packed = quantize_kv_rows(buffer, lat)
+    deq = dequantize_kv_rows(packed, lat, dtype)
+    scale = (lat + 64) ** -0.5
+    got = sparse_mla_from_buffer(q.to(dtype), packed, rows, lat, scale, splits=splits)
+    same = sparse_mla_from_buffer(q.to(dtype), deq, rows, lat, scale, splits=splits)
+    assert torch.equal(got, same)
+    want = sparse_mla_reference(q.to(dtype).float(), deq.float(), rows, lat, scale)
+    assert _rel(got, want) <= TOL[dtype]
+    ref = sparse_mla_reference(q.to(dtype), packed, rows, lat, scale)  # the torch path
+    assert _rel(ref, want) <= TOL[dtype]
+
+
+def test_fp8_rows_through_another_buffer_are_bit_identical():
+    """The lossless property at the fp8 KV dtype: the same fp8 rows moved to other slots."""
+    q, buffer, rows = _case(3, 40, 40, 50, 512, 64, BF16, seed=21)
+    packed = quantize_kv_rows(buffer, 512)
+    g = torch.Generator().manual_seed(4)
+    perm = torch.randperm(90, generator=g).to(DEV)
+    moved = quantize_kv_rows(torch.randn(90, 576, generator=g).to(DEV), 512)
+    moved[perm[:50]] = packed
+    moved_rows = torch.where(rows >= 0, perm[rows.clamp(min=0)], -1).to(torch.int32)
+    a = sparse_mla_from_buffer(q, packed, rows, 512, 0.1)
+    assert torch.equal(sparse_mla_from_buffer(q, moved, moved_rows, 512, 0.1), a)
+
+
+def test_fp8_row_format():
+    """656 bytes at DeepSeek-V3.2's widths; the rope key exact, the latent within e4m3's
+    precision per tile; an all-zero tile stays zero; widths the tiles cannot cover and
+    buffers of the wrong row size are refused."""
+    assert fp8_row_bytes(512, 64) == 656
+    rows = torch.randn(7, 576) * torch.logspace(-3, 2, 7).unsqueeze(1)  # tiles of any range
+    rows[2, :128] = 0
+    packed = quantize_kv_rows(rows, 512)
+    assert packed.dtype == torch.uint8 and packed.shape == (7, 656)
+    back = dequantize_kv_rows(packed, 512, torch.float32)
+    assert torch.equal(back[:, 512:], rows[:, 512:].bfloat16().float())
+    assert torch.equal(back[2, :128], torch.zeros(128))
+    err = (back[:, :512] - rows[:, :512]).view(7, 4, 128).abs().amax(-1)
+    assert (err <= rows[:, :512].view(7, 4, 128).abs().amax(-1) / 16 + 1e-12).all()
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8_row_bytes(200, 64)
+    q, _, r = _case(2, 4, 16, 10, 512, 64, BF16, seed=1)
+    with pytest.raises(ValueError, match="656-byte rows"):
+        sparse_mla_from_buffer(q, packed[:, :-16].to(DEV), r, 512, 0.1)
 
 
 @pytest.mark.parametrize(
@@ -239,6 +296,29 @@ def test_cuda_decode_size_matches_reference(dtype):
         assert torch.equal(sparse_mla_from_buffer(q, buffer, rows, 512, scale, splits=splits), got)
         again = sparse_mla_from_buffer(q, moved, moved_rows, 512, scale, splits=splits)
         assert torch.equal(again, got), splits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp8_decode_size_equals_its_dequantized_rows():
+    """DeepSeek-V3.2 decode at fp8 KV (656-byte rows): the bits of the bf16 kernel on the
+    dequantized rows, one pass and split in 4, and the same through a permuted buffer."""
+    q, buffer, rows = _case(8, 128, 2048, 65_536, 512, 64, BF16, seed=6)
+    packed = quantize_kv_rows(buffer, 512)
+    deq = dequantize_kv_rows(packed, 512, BF16)
+    scale = 576**-0.5
+    want = sparse_mla_reference(q.float(), deq.float(), rows, 512, scale)
+    perm = torch.randperm(packed.shape[0], device=DEV)
+    moved = torch.empty_like(packed)
+    moved[perm] = packed
+    moved_rows = torch.where(rows >= 0, perm[rows.clamp(min=0)], -1).to(torch.int32)
+    for splits in (1, 4):
+        got = sparse_mla_from_buffer(q, packed, rows, 512, scale, splits=splits)
+        assert torch.equal(got, sparse_mla_from_buffer(q, deq, rows, 512, scale, splits=splits))
+        assert _rel(got, want) <= TOL[BF16], splits
+        assert torch.equal(
+            sparse_mla_from_buffer(q, moved, moved_rows, 512, scale, splits=splits), got
+        )
 
 
 @pytest.mark.gpu

@@ -57,9 +57,10 @@ def ptxas_path() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_config(config: tuple[int, int, int, int, int]) -> dict:
+def compile_config(config: tuple[int, int, int, int, int], fp8: bool = False) -> dict:
     """Compile the sparse-MLA kernel for sm_90a at one (block_h, block_k, warps, stages,
-    splits) config, DeepSeek-V3.2's row widths, bf16; -> its resource facts."""
+    splits) config, DeepSeek-V3.2's row widths, bf16 (``fp8``: 656-byte fp8 KV rows,
+    dequantized in registers); -> its resource facts."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -70,9 +71,9 @@ def compile_config(config: tuple[int, int, int, int, int]) -> dict:
     chunk = triton.cdiv(triton.cdiv(TOPK, block_k), splits) * block_k
     const = dict(
         LAT=LAT, ROPE=ROPE, TOPK=TOPK, BLOCK_LAT=LAT, BLOCK_ROPE=ROPE, BLOCK_H=block_h,
-        BLOCK_K=block_k, SPLITS=splits, CHUNK=chunk, PRECISION="tf32",
+        BLOCK_K=block_k, SPLITS=splits, CHUNK=chunk, PRECISION="tf32", FP8=fp8,
     )  # fmt: skip
-    sig = {**SIGNATURE, **dict.fromkeys(const, "constexpr")}
+    sig = {**SIGNATURE, "buf_ptr": "*u8" if fp8 else "*bf16", **dict.fromkeys(const, "constexpr")}
     names = list(sig)
     src = ASTSource(
         fn=_sparse_mla_kernel,
@@ -96,6 +97,7 @@ def compile_config(config: tuple[int, int, int, int, int]) -> dict:
     row_loads = [ln for ln in ttgir if ROW_TILE.search(ln)]
     return {
         **dict(zip(CONFIG_KEYS, config, strict=True)),
+        "kv": "fp8_e4m3" if fp8 else "bfloat16",
         "registers": int(regs.group(1)) if regs else None,
         "spill_store_bytes": int(spill.group(1)) if spill else None,
         "spill_load_bytes": int(spill.group(2)) if spill else None,
@@ -120,10 +122,13 @@ def main(argv: list[str] | None = None) -> dict:
     for i, config in enumerate(configs, 1):
         rows.append(compile_config(config))
         print(f"[{i}/{len(configs)}]", rows[-1], flush=True)
+    fp8_default = compile_config(default, fp8=True)
+    print("[fp8]", fp8_default, flush=True)
     metrics = {
         "kernel": "kernels/sparse_mla.py _sparse_mla_kernel (bf16, 576/512 rows, top-k 2048)",
         "target": "sm_90a",
         "default": rows[0],
+        "fp8_default": fp8_default,
         "configs": rows,
         "spill_free": [r for r in rows if r["spill_store_bytes"] == 0],
     }

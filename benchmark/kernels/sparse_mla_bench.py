@@ -166,6 +166,20 @@ def measure(name, queries, heads, topk, slots, dev, configs, timer, bw, tflops) 
         q, rows = rotate()
         sparse_mla_reference(q, buffer, rows, LAT, scale)
 
+    # fp8 KV rows (kernels/fp8_kv.py, 656 bytes), dequantized in registers, at the default
+    # config: checked against the float32 attention on the same dequantized rows.
+    from sglang_echo.kernels.fp8_kv import dequantize_kv_rows, quantize_kv_rows
+
+    packed = quantize_kv_rows(buffer, LAT)
+    deq = dequantize_kv_rows(packed, LAT, buffer.dtype)
+    want_fp8 = sparse_mla_reference(q0.float(), deq.float(), rows0, LAT, scale).double()
+    got_fp8 = sparse_mla_from_buffer(q0, packed, rows0, LAT, scale)
+    fp8_err = ((got_fp8.double() - want_fp8).norm() / want_fp8.norm()).item()
+
+    def run_fp8():
+        q, rows = rotate()
+        sparse_mla_from_buffer(q, packed, rows, LAT, scale)
+
     torch_err = sparse_mla_reference(q0, buffer, rows0, LAT, scale).double()
     torch_err = ((torch_err - want).norm() / want.norm()).item()
     good = [r for r in results if r.get("finite") and r["rel_err"] <= 1e-2]
@@ -182,6 +196,9 @@ def measure(name, queries, heads, topk, slots, dev, configs, timer, bw, tflops) 
             (r.get("us") for r in results if tuple(r[k] for k in CONFIG_KEYS) == default), None
         ),
         "torch_us": timer(run_torch),
+        "fp8_us": timer(run_fp8),
+        "fp8_rel_err": fp8_err,
+        "fp8_row_bytes": packed.shape[1],
         "torch_rel_err": torch_err,
         "max_rel_err": max((r["rel_err"] for r in results if "rel_err" in r), default=None),
         "all_correct": len(good) == len(results),
@@ -262,6 +279,9 @@ def main() -> None:
         "decode_us": dec["best"]["us"] if dec["best"] else None,
         "decode_default_us": dec["default_us"],
         "decode_torch_us": dec["torch_us"],
+        "decode_fp8_us": dec["fp8_us"],
+        "prefill_fp8_us": pf["fp8_us"],
+        "fp8_rel_err": max(r["fp8_rel_err"] for r in runs.values()),
         "decode_roofline_us": dec["roofline_us"],
         "decode_roofline_mem_us": dec["mem_us"],
         "decode_roofline_flop_us": dec["flop_us"],
@@ -273,7 +293,8 @@ def main() -> None:
         "prefill_best_config": pf["best"],
         "max_rel_err": max(errs) if errs else None,
         "torch_bf16_rel_err": max(r["torch_rel_err"] for r in runs.values()),
-        "all_correct": all(r["all_correct"] for r in runs.values()),
+        "all_correct": all(r["all_correct"] for r in runs.values())
+        and all(r["fp8_rel_err"] <= 1e-2 for r in runs.values()),
         "hbm_GBps": bw,
         "bf16_TFLOPs": tflops,
         "sizes": {"batch": batch, "prefill_queries": pre, "topk": topk, "heads": heads},

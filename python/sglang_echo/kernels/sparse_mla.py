@@ -30,6 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_echo.kernels.fp8_kv import FP8_TILE as FP8_TILE_VALUES
+from sglang_echo.kernels.fp8_kv import dequantize_kv_rows, fp8_row_bytes
+
 # Defaults for DeepSeek-V3.2 sizes (H 128, r 512, d 64, bf16), the fastest of the 12
 # launch configurations benchmark/kernels/sparse_mla_bench.py swept on an H200
 # (benchmark/results/sparse_mla.json): 64 heads x 32 rows, 8 warps, 2 stages, one split
@@ -41,6 +44,7 @@ DEFAULT_NUM_WARPS = 8
 DEFAULT_NUM_STAGES = 2
 DEFAULT_SPLITS = 1
 _DTYPES = (torch.float32, torch.bfloat16)
+FP8_TILE: tl.constexpr = tl.constexpr(FP8_TILE_VALUES)
 
 
 @triton.jit
@@ -69,6 +73,7 @@ def _sparse_mla_kernel(
     SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
@@ -91,10 +96,22 @@ def _sparse_mla_kernel(
         idx = tl.load(rows_ptr + t * rows_stride + k, mask=k < TOPK, other=-1)
         live = idx >= 0
         row = buf_ptr + idx.to(tl.int64) * buf_stride
-        kv_lat = tl.load(row[:, None] + c[None, :], mask=live[:, None] & c_live[None, :], other=0.0)
-        kv_pe = tl.load(
-            row[:, None] + LAT + d[None, :], mask=live[:, None] & d_live[None, :], other=0.0
-        )
+        lat_mask = live[:, None] & c_live[None, :]
+        pe_mask = live[:, None] & d_live[None, :]
+        if FP8:  # kernels/fp8_kv.py rows: e4m3 latent | float32 tile scales | bf16 rope
+            codes = tl.load(row[:, None] + c[None, :], mask=lat_mask, other=0)
+            scales = (row + LAT).to(tl.pointer_type(tl.float32))
+            tile_scale = tl.load(
+                scales[:, None] + (c // FP8_TILE)[None, :], mask=lat_mask, other=0.0
+            )
+            dequant = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tile_scale
+            kv_lat = dequant.to(q_ptr.dtype.element_ty)  # rounded once, as fp8_kv does
+            rope = (row + LAT + 4 * (LAT // FP8_TILE)).to(tl.pointer_type(tl.bfloat16))
+            kv_pe = tl.load(rope[:, None] + d[None, :], mask=pe_mask, other=0.0)
+            kv_pe = kv_pe.to(q_ptr.dtype.element_ty)
+        else:
+            kv_lat = tl.load(row[:, None] + c[None, :], mask=lat_mask, other=0.0)
+            kv_pe = tl.load(row[:, None] + LAT + d[None, :], mask=pe_mask, other=0.0)
         s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
         s = tl.dot(q_pe, tl.trans(kv_pe), acc=s, input_precision=PRECISION)
         s = tl.where(live[None, :], s * scale, float("-inf"))
@@ -161,7 +178,8 @@ def _combine_kernel(
 
 
 def _fix_interpreter_bf16_dot() -> None:
-    """Make the Triton interpreter's ``tl.dot`` of bfloat16 operands compute in float32.
+    """Make the Triton interpreter's bfloat16 behave as the GPU's: ``tl.dot`` of bfloat16
+    operands computes in float32, and float32 -> bfloat16 rounds to nearest even.
 
     Triton 3.6's interpreter keeps bf16 values as their uint16 bit patterns and feeds them
     to ``np.matmul`` as integers (a nonsense result, ~1e9 off). Widening a bf16 operand to
@@ -187,7 +205,23 @@ def _fix_interpreter_bf16_dot() -> None:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
+    def round_to_bf16(self, src, dst_type):
+        # Triton's interpreter truncates float32 -> bfloat16; the GPU (cvt.rn.bf16.f32), and
+        # torch, round to nearest even. Rounded here as the GPU does, so that a value the
+        # kernel converts (fp8 rows dequantized in registers, the output) has the bits the
+        # torch path gives it.
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            nan = np.isnan(src.data)
+            rounded[nan] = 0x7FC0
+            return interpreter.TensorHandle(rounded, tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    original_cast = builder.cast_impl
     builder.create_dot = create_dot
+    builder.cast_impl = round_to_bf16
+    builder.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
     builder._echo_bf16_dot = True
 
 
@@ -197,19 +231,28 @@ def _check(q: torch.Tensor, buffer: torch.Tensor, rows: torch.Tensor, kv_lora_ra
             "sparse MLA expects q [Q, H, r + d_rope], buffer [S, r + d_rope], rows [Q, K]; got "
             f"q {tuple(q.shape)}, buffer {tuple(buffer.shape)}, rows {tuple(rows.shape)}"
         )
-    if q.shape[2] != buffer.shape[1]:
+    if not 0 < kv_lora_rank < q.shape[2]:
+        raise ValueError(
+            f"kv_lora_rank must be in (0, {q.shape[2]}) (the row's latent part), got {kv_lora_rank}"
+        )
+    if buffer.dtype == torch.uint8:  # fp8 rows (kernels/fp8_kv.py)
+        want = fp8_row_bytes(kv_lora_rank, q.shape[2] - kv_lora_rank)
+        if buffer.shape[1] != want:
+            raise ValueError(
+                f"an fp8 KV buffer holds {want}-byte rows for q's {q.shape[2]}-wide rows; got "
+                f"rows of {buffer.shape[1]} bytes"
+            )
+    elif q.shape[2] != buffer.shape[1]:
         raise ValueError(
             f"q's last dim ({q.shape[2]}) must equal the buffer's row width ({buffer.shape[1]})"
         )
     if rows.shape[0] != q.shape[0]:
         raise ValueError(f"rows has {rows.shape[0]} queries but q has {q.shape[0]}")
-    if not 0 < kv_lora_rank < q.shape[2]:
+    if q.dtype not in _DTYPES or buffer.dtype not in (q.dtype, torch.uint8):
         raise ValueError(
-            f"kv_lora_rank must be in (0, {q.shape[2]}) (the row's latent part), got {kv_lora_rank}"
-        )
-    if q.dtype not in _DTYPES or buffer.dtype != q.dtype:
-        raise ValueError(
-            f"q and buffer must share one dtype of float32/bfloat16; got {q.dtype}, {buffer.dtype}"
+            "q and the buffer must share one dtype of float32/bfloat16, or the buffer hold fp8 "
+            "rows (uint8); "
+            f"got {q.dtype}, {buffer.dtype}"
         )
     if rows.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rows must be int32 or int64 (-1 = none), got {rows.dtype}")
@@ -251,6 +294,7 @@ def sparse_mla_from_buffer(
         raise ValueError(f"splits must be >= 1, got {splits}")
     n_queries, n_heads, width = q.shape
     rope = width - kv_lora_rank
+    fp8 = buffer.dtype == torch.uint8
     out = torch.empty(n_queries, n_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if n_queries == 0:
         return out
@@ -299,6 +343,7 @@ def sparse_mla_from_buffer(
         # float32 dots in IEEE float32 (tf32 would cost ~3e-4 relative error); bf16 MMA
         # always accumulates in float32 and ignores the choice.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -343,4 +388,6 @@ def sparse_mla_reference(
     """The torch path from the buffer: gather the selected rows, then ``sparse_mla``."""
     _check(q, buffer, rows, kv_lora_rank)
     kv = buffer[rows.clamp(min=0).long()]
+    if kv.dtype == torch.uint8:  # fp8 rows: the same bf16 (or float32) values the kernel sees
+        kv = dequantize_kv_rows(kv, kv_lora_rank, q.dtype)
     return sparse_mla(q, kv, rows >= 0, kv_lora_rank, scale)
