@@ -57,6 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from sglang_echo.config import EchoConfig
+from sglang_echo.kernels.fp8_kv import kv_storage
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.offload.hisparse_cache import DEFAULT_DEVICE_BUFFER_SIZE, HiSparseKVCache
 from sglang_echo.runtime.kv_factory import echo_cache_for_model
@@ -114,6 +115,7 @@ class Plan:
     dtype: torch.dtype = torch.bfloat16
     indexer_mode: str = "fp8_hadamard"
     moe_batches: list[int] = field(default_factory=list)
+    kv_cache_dtype: str = "auto"  # or fp8_e4m3: 656-byte KV rows (kernels/fp8_kv.py)
 
 
 def gpu_plan(layers: int) -> Plan:
@@ -157,9 +159,10 @@ def prompt_len(plan: Plan, seed: int) -> int:
 
 
 # ------------------------------------------------------------------ accounting
-def row_bytes(cfg, dtype: torch.dtype) -> tuple[int, int]:
-    """(MLA row bytes, index-key row bytes) per token per layer."""
-    kv = cfg.kv_row_dim * torch.empty((), dtype=dtype).element_size()
+def row_bytes(cfg, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> tuple[int, int]:
+    """(MLA row bytes as stored, index-key row bytes) per token per layer."""
+    width, stored = kv_storage(cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, kv_cache_dtype)
+    kv = width * torch.empty((), dtype=stored).element_size()
     idx_dtype = cfg.index_row_dtype(dtype)
     idx = cfg.index_row_dim * torch.empty((), dtype=idx_dtype).element_size()
     return kv, idx
@@ -170,7 +173,7 @@ def equal_hbm_split(cfg, plan: Plan, pool: int, batch: int, max_new: int) -> tup
     the host pool holds ``batch`` requests of the longest budget; the remaining bytes buy
     device slots (row + metadata). Per layer: pool x (kv + idx) = N_G x (kv + slot meta)
     + H x (idx + host meta)."""
-    kv, idx = row_bytes(cfg, plan.dtype)
+    kv, idx = row_bytes(cfg, plan.dtype, plan.kv_cache_dtype)
     host = batch * (plan.ctx_max + max_new)
     budget = pool * (kv + idx) - host * (idx + HOST_META_BYTES)
     return budget // (kv + SLOT_META_BYTES), host
@@ -382,6 +385,9 @@ class Study:
         self.args = args
         self.argv = argv
         self.plan = smoke_plan() if args.smoke else gpu_plan(args.layers)
+        self.plan.kv_cache_dtype = args.kv_cache_dtype
+        if args.smoke and args.kv_cache_dtype == "fp8_e4m3":  # fp8 tiles are 128 wide
+            self.plan.dims = {**self.plan.dims, "kv_lora_rank": 128}
         self.device = torch.device(
             "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
         )
@@ -425,7 +431,7 @@ class Study:
 
     def config(self) -> dict:
         p, a = self.plan, self.args
-        kv, idx = row_bytes(self.cfg, p.dtype)
+        kv, idx = row_bytes(self.cfg, p.dtype, p.kv_cache_dtype)
         return {
             "smoke": a.smoke,
             "layers": p.layers,
@@ -433,6 +439,7 @@ class Study:
             "moe": p.moe,
             "vocab": p.vocab,
             "dtype": str(p.dtype),
+            "kv_cache_dtype": p.kv_cache_dtype,
             "indexer_mode": p.indexer_mode,
             "kv_row_bytes": kv,
             "index_row_bytes": idx,
@@ -544,16 +551,20 @@ class Study:
     def build(self, eng: Engine):
         cfg, p, topk = self.cfg, self.plan, self.cfg.index_topk
         if eng.backend == "no-offload":
-            kv = PlainKVCache.for_model(cfg, eng.pool, p.dtype, self.device)
+            kv = PlainKVCache.for_model(cfg, eng.pool, p.dtype, self.device, p.kv_cache_dtype)
             tokens, rows = eng.pool, eng.max_batch
         elif eng.backend == "hisparse":
             buffer = eng.buffer or self.buffer_size
             rows = min(eng.max_batch, eng.dev_cache // buffer)
-            kv = HiSparseKVCache.for_model(cfg, eng.host, rows, buffer, p.dtype, self.device)
+            kv = HiSparseKVCache.for_model(
+                cfg, eng.host, rows, buffer, p.dtype, self.device, p.kv_cache_dtype
+            )
             tokens = eng.host
         else:
             echo = EchoConfig(offload=True, dev_cache_size=eng.dev_cache)
-            kv = echo_cache_for_model(echo, cfg, eng.host, p.dtype, self.device)
+            kv = echo_cache_for_model(
+                echo, cfg, eng.host, p.dtype, self.device, kv_cache_dtype=p.kv_cache_dtype
+            )
             tokens, rows = eng.host, min(eng.max_batch, eng.dev_cache // topk)
         runner = StepRunner(
             self.model,
@@ -1021,7 +1032,7 @@ class Study:
         eng = next((e for e in self.engines() if e.label == label), None)
         if eng is None:
             return None
-        kv, idx = row_bytes(self.cfg, self.plan.dtype)
+        kv, idx = row_bytes(self.cfg, self.plan.dtype, self.plan.kv_cache_dtype)
         gib = DSV32_LAYERS / 2**30
         if eng.backend == "no-offload":
             return {
@@ -1322,6 +1333,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default="benchmark/results")
     ap.add_argument("--smoke", action="store_true", help="tiny configuration on the CPU")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3"],
+        help="KV rows as stored by every backend: auto = the model dtype (bf16 on the GPU); "
+        "fp8_e4m3 = 656-byte rows (with --smoke the tiny latent becomes one 128-wide tile)",
+    )
     ap.add_argument("--warmup", type=int, default=8, help="decode steps before measuring")
     ap.add_argument("--steps", type=int, default=32, help="measured decode steps")
     ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps (0: none)")

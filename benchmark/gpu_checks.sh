@@ -26,7 +26,7 @@ SECONDS=0
 step() { echo "[gpu_checks] ${SECONDS}s: $*"; }
 if [ "$part" != benches ]; then
 step "CUDA tests"
-python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py tests/test_serving_gpu.py tests/test_kernel_alloc.py \
+python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py tests/test_serving_gpu.py tests/test_fp8_kv.py tests/test_kernel_alloc.py \
   tests/test_kernel_sparse_mla.py tests/test_kernel_topk.py 2>&1 | tee "$res/gpu_tests.log" | tail -15
 step "kernel and model tests under this torch"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py tests/test_kernel_recall.py \

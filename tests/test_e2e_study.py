@@ -243,6 +243,23 @@ def test_e2e_study_smoke_writes_the_record(e2e_study, tmp_path: Path) -> None:
     assert any("dense" in note for note in est["notes"])
 
 
+def test_e2e_study_smoke_at_fp8_kv(e2e_study, tmp_path: Path) -> None:
+    """``--kv-cache-dtype fp8_e4m3``: every backend stores fp8 rows (the smoke latent
+    becomes one 128-wide tile), the equal-HBM split counts their bytes, and ECHO and the
+    HiSparse-like backend stay lossless under eviction at that KV dtype."""
+    only = "noff_low,echo_pressure,hisparse_pressure,noff_paper,echo_equal_hbm_b6"
+    e2e_study.main(["--smoke", "--out", str(tmp_path), "--kv-cache-dtype", "fp8_e4m3",
+                    "--only", only, "--no-random-keys", "--locality-sweep", "", "--repeats", "1"])  # fmt: skip
+    rec = json.loads((tmp_path / "e2e_study.json").read_text())
+    cfg = rec["config"]
+    assert rec["complete"] and not rec["errors"]
+    assert cfg["kv_cache_dtype"] == "fp8_e4m3" and cfg["kv_row_bytes"] == 128 + 4 + 2 * 16
+    det = rec["metrics"]["details"]
+    for key in ("lossless_under_eviction", "lossless_under_eviction_hisparse"):
+        assert det[key]["evictions_per_step"] > 0 and det[key]["greedy_outputs_equal"], key
+    assert rec["metrics"]["ratio_equal_hbm_380k"] is not None
+
+
 def test_decode_node_echo_equals_no_offload_under_eviction(worker) -> None:
     """Same seeds, same batch: ECHO at its smallest legal cache (evicting every step) gives
     the no-offload node's greedy tokens."""

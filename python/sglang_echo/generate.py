@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from sglang_echo.config import ConfigError, EchoConfig
+from sglang_echo.kernels.fp8_kv import KV_CACHE_DTYPES, kv_storage
 from sglang_echo.model.config import ModelConfigError
 from sglang_echo.model.loader import load_model, model_dtype
 from sglang_echo.runtime.engine import Engine
@@ -114,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         help="model dtype (default float32)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="how the MLA KV rows are stored: auto = the model dtype; fp8_e4m3 = fp8 rows "
+        "(e4m3 latent in tiles of 128 with float32 scales, bf16 rope; SGLang's layout)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="prompts per batch (default 8)")
     p.add_argument(
         "--max-total-tokens",
@@ -198,7 +206,13 @@ def run(args: argparse.Namespace) -> dict:
             f"--max-total-tokens {capacity} cannot hold one batch of {batch} requests "
             f"({per_batch} tokens); raise it or lower --batch-size"
         )
-    kv_cache = build_kv_cache(echo, cfg, capacity, batch, args.chunked_prefill_size, dtype, device)
+    try:  # a KV dtype the model's widths cannot take: refused before anything is built
+        kv_storage(cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, args.kv_cache_dtype)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    kv_cache = build_kv_cache(
+        echo, cfg, capacity, batch, args.chunked_prefill_size, dtype, device, args.kv_cache_dtype
+    )
     engine = Engine(
         model,
         kv_cache,
@@ -236,6 +250,7 @@ def run(args: argparse.Namespace) -> dict:
         else None,
         "device": str(device),
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "cuda_graph": engine.decode_runner is not None,
         "kv": kv_cache.stats(),
     }

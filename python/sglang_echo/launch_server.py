@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     i = serving.info
     print(
-        f"sglang-echo: {i['kv_backend']} on {i['device']} ({i['dtype']}), KV pool "
+        f"sglang-echo: {i['kv_backend']} on {i['device']} ({i['dtype']}, KV "
+        f"{i['kv_cache_dtype']}), KV pool "
         f"{i['max_total_tokens']} tokens, max running {i['max_running_requests']}, chunk "
         f"{i['chunked_prefill_size']}, context {i['context_length']}"
         + (f", NSA_DEV_CACHE_SIZE {i['nsa_dev_cache_size']}" if i["nsa_dev_cache_size"] else "")

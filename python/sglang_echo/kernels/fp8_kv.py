@@ -67,3 +67,36 @@ def dequantize_kv_rows(
     rope = flat[:, kv_lora_rank + 4 * n_tiles :].contiguous().view(torch.bfloat16)
     out = torch.cat((lat.to(dtype), rope.to(dtype)), dim=-1)
     return out.view(*lead, out.shape[-1])
+
+
+def kv_storage(
+    kv_lora_rank: int, rope_dim: int, model_dtype: torch.dtype, kv_cache_dtype: str
+) -> tuple[int, torch.dtype]:
+    """(row width, tensor dtype) a KV pool stores for ``--kv-cache-dtype``: the model's
+    rows as they are ("auto"/"bfloat16": the model dtype), or fp8 rows as bytes."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    if kv_cache_dtype == "fp8_e4m3":
+        return fp8_row_bytes(kv_lora_rank, rope_dim), torch.uint8
+    if kv_cache_dtype == "bfloat16" and model_dtype != torch.bfloat16:
+        raise ValueError(
+            f"--kv-cache-dtype bfloat16 needs a bfloat16 model, this one runs in {model_dtype}; "
+            "use auto (the model's dtype) or fp8_e4m3"
+        )
+    return kv_lora_rank + rope_dim, model_dtype
+
+
+def encode_kv_rows(rows: torch.Tensor, kv_lora_rank: int, storage: torch.dtype) -> torch.Tensor:
+    """Model rows -> what a pool of ``storage`` dtype keeps (fp8 rows for uint8)."""
+    if storage == torch.uint8:
+        return quantize_kv_rows(rows, kv_lora_rank)
+    return rows.to(storage)
+
+
+def decode_kv_rows(stored: torch.Tensor, kv_lora_rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stored rows (a gather of them) -> the model's rows in ``dtype``."""
+    if stored.dtype == torch.uint8:
+        return dequantize_kv_rows(stored, kv_lora_rank, dtype)
+    return stored

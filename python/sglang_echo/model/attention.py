@@ -16,6 +16,7 @@ import os
 import torch
 from torch import nn
 
+from sglang_echo.kernels.fp8_kv import decode_kv_rows
 from sglang_echo.kernels.sparse_mla import sparse_mla, sparse_mla_from_buffer
 from sglang_echo.model.config import DeepseekV32Config, ModelConfigError
 from sglang_echo.model.forward_batch import ForwardBatch
@@ -69,6 +70,12 @@ def resolve_chunk(
         return buffer, rows.clamp(min=0)
     budget = kv_cache.max_resolve_queries(topk) * topk
     return _resolve_distinct(kv_cache, layer_id, selected, budget)
+
+
+def kv_storage_dtype(kv_cache: KVCache, q: torch.Tensor) -> torch.dtype:
+    """The dtype the pool keeps KV rows in: its row buffer's (uint8 for fp8 rows); the
+    query's for a backend that does not say."""
+    return getattr(kv_cache, "kv_dtype", None) or q.dtype
 
 
 def gather_selected(
@@ -211,7 +218,7 @@ class MLAttention(nn.Module):
             buffer, rows = kv_cache.resolve(layer_id, selected)
             if kernel:  # rows are -1 where selected is (KVCache.resolve)
                 return self._kernel(q_full, buffer, rows)
-            kv = buffer[rows.clamp(min=0)]
+            kv = decode_kv_rows(buffer[rows.clamp(min=0)], self.kv_lora_rank, q_full.dtype)
             return sparse_mla(q_full, kv, selected >= 0, self.kv_lora_rank, self.scale)
         return self._attend_prefill(q_full, selected, kv_cache, layer_id, kernel)
 
@@ -233,10 +240,14 @@ class MLAttention(nn.Module):
         block that does not fit is gathered piece by piece (``gather_selected``).
         """
         n_tokens, topk = selected.shape
-        row_dim = q_full.shape[-1]
-        block = max(1, GATHER_BLOCK_ELEMENTS // (topk * row_dim))
+        block = max(1, GATHER_BLOCK_ELEMENTS // (topk * q_full.shape[-1]))
         out = q_full.new_empty(n_tokens, self.n_heads, self.kv_lora_rank)
-        staged = q_full.new_empty(min(block, n_tokens), topk, row_dim)
+        # Staged rows as the pool stores them (fp8 rows are bytes), decoded after the copy.
+        row_dim = kv_cache.kv_row_dim
+        staged = torch.empty(
+            min(block, n_tokens), topk, row_dim, dtype=kv_storage_dtype(kv_cache, q_full),
+            device=q_full.device,
+        )  # fmt: skip
         ranges = [(0, -(-n_tokens // block))]  # [first block, end block), a stack
         while ranges:
             b0, b1 = ranges.pop()
@@ -266,7 +277,8 @@ class MLAttention(nn.Module):
                     rows_in_stage = torch.where(valid, flat, -1)
                     out[s:e] = self._kernel(q_full[s:e], kv.view(-1, row_dim), rows_in_stage)
                 else:
-                    out[s:e] = sparse_mla(q_full[s:e], kv, valid, self.kv_lora_rank, self.scale)
+                    rows_e = decode_kv_rows(kv, self.kv_lora_rank, q_full.dtype)
+                    out[s:e] = sparse_mla(q_full[s:e], rows_e, valid, self.kv_lora_rank, self.scale)
         return out
 
     def _kernel(self, q: torch.Tensor, buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from sglang_echo.kernels.fp8_kv import encode_kv_rows, kv_storage
 from sglang_echo.model.config import DeepseekV32Config
 
 
@@ -61,8 +62,10 @@ class PlainKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         index_dtype: torch.dtype | None = None,
+        kv_lora_rank: int | None = None,
     ) -> None:
         self.num_layers = num_layers
+        self.kv_lora_rank = kv_lora_rank  # needed to store fp8 rows (dtype uint8)
         self.capacity = capacity
         self.kv_row_dim = kv_row_dim
         self.index_dim = index_dim
@@ -78,17 +81,28 @@ class PlainKVCache:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_cache_dtype: str = "auto",
     ) -> PlainKVCache:
-        """Row widths and the index-key dtype as the model's indexer mode needs them."""
+        """Row widths and the index-key dtype as the model's indexer mode needs them; KV
+        rows as ``--kv-cache-dtype`` stores them (kernels/fp8_kv.py)."""
+        width, stored = kv_storage(
+            config.kv_lora_rank, config.qk_rope_head_dim, dtype, kv_cache_dtype
+        )
         return cls(
             config.num_hidden_layers,
             capacity,
-            config.kv_row_dim,
+            width,
             config.index_row_dim,
-            dtype,
+            stored,
             device,
             index_dtype=config.index_row_dtype(dtype),
+            kv_lora_rank=config.kv_lora_rank,
         )
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV rows are stored as (uint8: fp8 rows, kernels/fp8_kv.py)."""
+        return self.kv.dtype
 
     @property
     def nbytes(self) -> int:
@@ -97,7 +111,9 @@ class PlainKVCache:
     def write(
         self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
     ) -> None:
-        self.kv[layer].index_copy_(0, locs, kv_rows.to(self.kv.dtype))
+        self.kv[layer].index_copy_(
+            0, locs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv.dtype)
+        )
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
 
     def index_keys(self, layer: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from sglang_echo.config import EchoConfig
+from sglang_echo.kernels.fp8_kv import encode_kv_rows
 from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
@@ -30,9 +31,11 @@ class EchoKVCache:
         pin: bool | None = None,
         use_kernels: bool | None = None,
         index_dtype: torch.dtype | None = None,
+        kv_lora_rank: int | None = None,
     ) -> None:
         device = torch.device(device)
         self.config = config
+        self.kv_lora_rank = kv_lora_rank  # needed to store fp8 rows (dtype uint8)
         self.num_layers = num_layers
         self.kv_row_dim = kv_row_dim
         self.index_dim = index_dim
@@ -75,7 +78,7 @@ class EchoKVCache:
         self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
     ) -> None:
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        self.manager.append(layer, locs, kv_rows)
+        self.manager.append(layer, locs, self._stored(kv_rows))
 
     def write_prompt(
         self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
@@ -85,7 +88,16 @@ class EchoKVCache:
         slots per layer through ``append`` (evicting every other request's working set, or
         not fitting at all); the first decode step recalls what the top-k selects."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        self.manager.write_host(layer, locs, kv_rows)
+        self.manager.write_host(layer, locs, self._stored(kv_rows))
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV rows are stored as (uint8: fp8 rows, kernels/fp8_kv.py)."""
+        return self.cache.rows.dtype
+
+    def _stored(self, kv_rows: torch.Tensor) -> torch.Tensor:
+        """The rows as the pools keep them (fp8 rows when they hold bytes)."""
+        return encode_kv_rows(kv_rows, self.kv_lora_rank, self.cache.rows.dtype)
 
     def index_keys(self, layer: int) -> torch.Tensor:
         return self.index[layer]

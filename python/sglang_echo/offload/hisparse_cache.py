@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_echo.kernels.fp8_kv import encode_kv_rows, kv_storage
 from sglang_echo.offload.host_pool import HostKVPool
 
 ABSENT = -1
@@ -44,8 +45,10 @@ class HiSparseKVCache:
         index_dtype: torch.dtype | None = None,
         pin: bool | None = None,
         use_kernels: bool | None = None,
+        kv_lora_rank: int | None = None,
     ) -> None:
         device = torch.device(device)
+        self.kv_lora_rank = kv_lora_rank  # needed to store fp8 rows (dtype uint8)
         if buffer_size < 1 or max_requests < 1:
             raise ValueError("the per-request buffer and the request count must be >= 1")
         self.num_layers = num_layers
@@ -84,18 +87,30 @@ class HiSparseKVCache:
 
     @classmethod
     def for_model(
-        cls, config, host_tokens: int, max_requests: int, buffer_size: int, dtype, device, **kw
+        cls,
+        config,
+        host_tokens: int,
+        max_requests: int,
+        buffer_size: int,
+        dtype,
+        device,
+        kv_cache_dtype: str = "auto",
+        **kw,
     ):
+        width, stored = kv_storage(
+            config.kv_lora_rank, config.qk_rope_head_dim, dtype, kv_cache_dtype
+        )
         return cls(
             config.num_hidden_layers,
             host_tokens,
             max_requests,
             buffer_size,
-            config.kv_row_dim,
+            width,
             config.index_row_dim,
-            dtype,
+            stored,
             device,
             index_dtype=config.index_row_dtype(dtype),
+            kv_lora_rank=config.kv_lora_rank,
             **kw,
         )
 
@@ -120,9 +135,14 @@ class HiSparseKVCache:
         """New tokens: index keys on the device, MLA rows to the host only; a token enters
         its request's buffer when a top-k first selects it (every query selects its own)."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        self._write_host(layer, locs, kv_rows)
+        self._write_host(layer, locs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.rows.dtype))
 
     write_prompt = write  # a decode node's transferred prompt goes the same way
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV rows are stored as (uint8: fp8 rows, kernels/fp8_kv.py)."""
+        return self.rows.dtype
 
     def index_keys(self, layer: int) -> torch.Tensor:
         return self.index[layer]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sglang_echo.config import ConfigError, EchoConfig
+from sglang_echo.kernels.fp8_kv import kv_storage
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.kv_cache import KVCache, PlainKVCache
 from sglang_echo.offload.echo_cache import EchoKVCache
@@ -17,19 +18,23 @@ def echo_cache_for_model(
     host_tokens: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    kv_cache_dtype: str = "auto",
     **kwargs,
 ) -> EchoKVCache:
-    """ECHO sized for the model: row widths and index-key dtype from its indexer mode."""
+    """ECHO sized for the model: row widths and index-key dtype from its indexer mode, KV
+    rows as ``--kv-cache-dtype`` stores them (kernels/fp8_kv.py)."""
     cfg = model_config
+    width, stored = kv_storage(cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, kv_cache_dtype)
     return EchoKVCache(
         echo,
         cfg.num_hidden_layers,
         host_tokens,
-        cfg.kv_row_dim,
+        width,
         cfg.index_row_dim,
-        dtype,
+        stored,
         device,
         index_dtype=cfg.index_row_dtype(dtype),
+        kv_lora_rank=cfg.kv_lora_rank,
         **kwargs,
     )
 
@@ -42,16 +47,19 @@ def build_kv_cache(
     chunked_prefill_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> KVCache:
     if not echo.offload:
-        return PlainKVCache.for_model(model_config, token_capacity, dtype, device)
+        return PlainKVCache.for_model(model_config, token_capacity, dtype, device, kv_cache_dtype)
     echo.validate(
         host_tokens=token_capacity,
         max_running_requests=max_running_requests,
         topk=model_config.index_topk,
         chunk_size=min(chunked_prefill_size, token_capacity),
     )
-    return echo_cache_for_model(echo, model_config, token_capacity, dtype, device)
+    return echo_cache_for_model(
+        echo, model_config, token_capacity, dtype, device, kv_cache_dtype=kv_cache_dtype
+    )
 
 
 def build_hisparse_cache(
@@ -62,6 +70,7 @@ def build_hisparse_cache(
     buffer_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> HiSparseKVCache:
     """The HiSparse-like backend; each request's buffer must hold one step's top-k."""
     if echo.offload:
@@ -75,7 +84,13 @@ def build_hisparse_cache(
             f"request's buffer must hold its selections; set it to at least {topk}"
         )
     return HiSparseKVCache.for_model(
-        model_config, host_tokens, max_running_requests, buffer_size, dtype, device
+        model_config,
+        host_tokens,
+        max_running_requests,
+        buffer_size,
+        dtype,
+        device,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 

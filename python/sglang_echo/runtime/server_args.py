@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 
 from sglang_echo.config import ConfigError, parse_size
+from sglang_echo.kernels.fp8_kv import KV_CACHE_DTYPES
 
 PLUGIN_HINT = (
     "this single-node runtime serves one model on one device; for {flag} run SGLang with "
@@ -32,7 +33,6 @@ _UNSUPPORTED_WITH_VALUE = {
     "--dist-init-addr",
     "--node-rank",
     "--attention-backend",
-    "--kv-cache-dtype",
 }
 _UNSUPPORTED_SWITCHES = {
     "--enable-dp-attention",
@@ -55,6 +55,7 @@ class ServerArgs:
     port: int = 30000
     device: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     context_length: int | None = None
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
@@ -107,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "float32", "bfloat16"],
         help="auto = bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="how the MLA KV rows are stored (SGLang's names): auto = the model dtype; "
+        "fp8_e4m3 = 656-byte rows at DeepSeek-V3.2's widths (e4m3 latent in tiles of 128 "
+        "with float32 scales, bf16 rope), on the device pool and ECHO's host pool and cache alike",
     )
     p.add_argument(
         "--context-length", type=_size, default=None, help="default: max_position_embeddings"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_echo.config import EchoConfig
+from sglang_echo.kernels.fp8_kv import kv_storage
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
@@ -48,9 +49,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _token_bytes(cfg: DeepseekV32Config, dtype: torch.dtype) -> tuple[int, int]:
-    """(MLA row bytes, indexer-key row bytes) of one token, summed over layers."""
-    kv = cfg.kv_row_dim * torch.empty(0, dtype=dtype).element_size()
+def _token_bytes(
+    cfg: DeepseekV32Config, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> tuple[int, int]:
+    """(MLA row bytes as stored, indexer-key row bytes) of one token, summed over layers."""
+    width, stored = kv_storage(cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, kv_cache_dtype)
+    kv = width * torch.empty(0, dtype=stored).element_size()
     idx = cfg.index_row_dim * torch.empty(0, dtype=cfg.index_row_dtype(dtype)).element_size()
     return kv * cfg.num_hidden_layers, idx * cfg.num_hidden_layers
 
@@ -72,9 +76,10 @@ def memory_token_budget(
     device: torch.device,
     echo: EchoConfig,
     mem_fraction: float,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Tokens the KV pool may hold given the memory left for it (as SGLang sizes it)."""
-    kv_b, idx_b = _token_bytes(cfg, dtype)
+    kv_b, idx_b = _token_bytes(cfg, dtype, kv_cache_dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - total * (1.0 - mem_fraction)
@@ -116,6 +121,10 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     echo = echo if echo is not None else EchoConfig.from_env()
     model = _load(args.model_path, device, dtype)
     cfg = model.config
+    try:  # a KV dtype the model's widths cannot take: refused before anything is sized
+        kv_storage(cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, args.kv_cache_dtype)
+    except ValueError as exc:
+        raise ServerArgError(str(exc)) from None
     context = args.context_length or cfg.max_position_embeddings
     if context > cfg.max_position_embeddings:
         raise ServerArgError(
@@ -135,14 +144,19 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     frac = args.mem_fraction_static or (0.88 if device.type == "cuda" else 0.25)
     capacity = args.max_total_tokens
     if capacity is None:
-        capacity = min(memory_token_budget(cfg, dtype, device, echo, frac), context * max_running)
+        budget = memory_token_budget(cfg, dtype, device, echo, frac, args.kv_cache_dtype)
+        capacity = min(budget, context * max_running)
     if capacity < 2:
         raise ServerArgError(f"the KV pool of {capacity} tokens is too small to serve")
     buffer = hisparse_buffer_size(args)
     if buffer is None:
-        kv_cache = build_kv_cache(echo, cfg, capacity, max_running, chunk, dtype, device)
+        kv_cache = build_kv_cache(
+            echo, cfg, capacity, max_running, chunk, dtype, device, args.kv_cache_dtype
+        )
     else:
-        kv_cache = build_hisparse_cache(echo, cfg, capacity, max_running, buffer, dtype, device)
+        kv_cache = build_hisparse_cache(
+            echo, cfg, capacity, max_running, buffer, dtype, device, args.kv_cache_dtype
+        )
     use_graph = device.type == "cuda" and not args.disable_cuda_graph
     steps = StepRunner(
         model,
@@ -170,6 +184,7 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         "is_generation": True,
         "device": str(device),
         "dtype": dtype_name,
+        "kv_cache_dtype": args.kv_cache_dtype if args.kv_cache_dtype != "auto" else dtype_name,
         "context_length": context,
         "max_total_tokens": capacity,
         "max_running_requests": max_running,
