@@ -77,6 +77,7 @@ CLI_CASES: list[tuple[str, str, list[str], dict[str, str]]] = [
     ("--mem-fraction-static 2", "launch_server", ["--model-path", "{model}", "--mem-fraction-static", "2"], {}),
     ("an unknown flag", "launch_server", ["--model-path", "{model}", "--frobnicate"], {}),
     ("a context longer than the model's", "launch_server", ["--model-path", "{model}", "--context-length", "999999", "--device", "cpu"], {}),
+    ("fp8 KV for a latent that is not whole 128-wide tiles", "launch_server", ["--model-path", "{model}", "--kv-cache-dtype", "fp8_e4m3", "--device", "cpu"], {}),
     ("a missing checkpoint", "generate", ["--model-path", "no/such/model", "--prompts-file", "{prompts}", "--max-new-tokens", "4", "--output", "{out}"], {}),
     ("an empty prompts file", "generate", ["--model-path", "{model}", "--prompts-file", "{empty}", "--max-new-tokens", "4", "--output", "{out}"], {}),
 ]  # fmt: skip
