@@ -276,6 +276,15 @@ def test_lossless_with_kernel(checkpoints, backend, monkeypatch):
 
 
 # ---------------------------------------------------------------- CUDA
+def _permuted(buffer: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rows at other slots (a random permutation) and the indices that find them:
+    what offload and no-offload hand the kernel."""
+    perm = torch.randperm(buffer.shape[0], device=DEV)
+    moved = torch.empty_like(buffer)
+    moved[perm] = buffer
+    return moved, torch.where(rows >= 0, perm[rows.clamp(min=0)], -1).to(torch.int32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -285,10 +294,7 @@ def test_cuda_decode_size_matches_reference(dtype):
     q, buffer, rows = _case(8, 128, 2048, 65_536, 512, 64, dtype, seed=5)
     scale = 576**-0.5
     want = sparse_mla_reference(q.float(), buffer.float(), rows, 512, scale)
-    perm = torch.randperm(buffer.shape[0], device=DEV)
-    moved = torch.empty_like(buffer)
-    moved[perm] = buffer
-    moved_rows = torch.where(rows >= 0, perm[rows.clamp(min=0)], -1).to(torch.int32)
+    moved, moved_rows = _permuted(buffer, rows)
     for splits in (1, 4):
         got = sparse_mla_from_buffer(q, buffer, rows, 512, scale, splits=splits)
         assert torch.isfinite(got).all()
@@ -308,10 +314,7 @@ def test_cuda_fp8_decode_size_equals_its_dequantized_rows():
     deq = dequantize_kv_rows(packed, 512, BF16)
     scale = 576**-0.5
     want = sparse_mla_reference(q.float(), deq.float(), rows, 512, scale)
-    perm = torch.randperm(packed.shape[0], device=DEV)
-    moved = torch.empty_like(packed)
-    moved[perm] = packed
-    moved_rows = torch.where(rows >= 0, perm[rows.clamp(min=0)], -1).to(torch.int32)
+    moved, moved_rows = _permuted(packed, rows)
     for splits in (1, 4):
         got = sparse_mla_from_buffer(q, packed, rows, 512, scale, splits=splits)
         assert torch.equal(got, sparse_mla_from_buffer(q, deq, rows, 512, scale, splits=splits))
