@@ -10,7 +10,8 @@
 # TASK_DATASET_DIR holds real ones), SHAREGPT=1 Figure 15 (ShareGPT-like chats on one
 # server that prefills and decodes: TTFT, ITL, E2E latency). INFINI=0 skips Figures 12-13
 # (to split the sweeps over several device calls); TASK_RATES, SHAREGPT_RATES and
-# TASK_NUM_PROMPTS (per task) default to RATES and NUM_PROMPTS. The record's command names every knob's value, so it reruns as it ran.
+# TASK_NUM_PROMPTS (per task) default to RATES and NUM_PROMPTS. KV_CACHE_DTYPE=fp8_e4m3
+# stores 656-byte fp8 KV rows on both servers (default auto: the model dtype). The record's command names every knob's value, so it reruns as it ran.
 #
 # Usage (GPU machine, repository root): bash benchmark/e2e_sweep.sh [OUTDIR]
 # Knobs (environment): LAYERS=8 RATES=0.5,1,2,inf NUM_PROMPTS=32 CONTEXT=110592
@@ -48,12 +49,13 @@ OFFLOAD_TOKENS="${OFFLOAD_TOKENS:-1800000}"
 MAX_OUTPUT_LEN="${MAX_OUTPUT_LEN:-256}"
 WARMUP_REQUESTS="${WARMUP_REQUESTS:-16}"
 export FAKE_KV_LOCALITY="${FAKE_KV_LOCALITY:-0.9}"
+export KV_CACHE_DTYPE="${KV_CACHE_DTYPE:-auto}"
 INFINI="${INFINI:-1}" TASKS="${TASKS:-0}" SHAREGPT="${SHAREGPT:-0}"
 TASK_RATES="${TASK_RATES:-$RATES}" SHAREGPT_RATES="${SHAREGPT_RATES:-$RATES}"
 TASK_NUM_PROMPTS="${TASK_NUM_PROMPTS:-$NUM_PROMPTS}"
 knobs="SMOKE=${SMOKE:-0} LAYERS=$LAYERS RATES=$RATES NUM_PROMPTS=$NUM_PROMPTS CONTEXT=$CONTEXT"
 knobs+=" NO_OFFLOAD_TOKENS=$NO_OFFLOAD_TOKENS DEV_CACHE=$DEV_CACHE OFFLOAD_TOKENS=$OFFLOAD_TOKENS"
-knobs+=" FAKE_KV_LOCALITY=$FAKE_KV_LOCALITY MAX_OUTPUT_LEN=$MAX_OUTPUT_LEN"
+knobs+=" FAKE_KV_LOCALITY=$FAKE_KV_LOCALITY KV_CACHE_DTYPE=$KV_CACHE_DTYPE MAX_OUTPUT_LEN=$MAX_OUTPUT_LEN"
 knobs+=" WARMUP_REQUESTS=$WARMUP_REQUESTS INFINI=$INFINI TASKS=$TASKS TASK_RATES=$TASK_RATES"
 knobs+=" TASK_NUM_PROMPTS=$TASK_NUM_PROMPTS"
 knobs+=" SHAREGPT=$SHAREGPT SHAREGPT_RATES=$SHAREGPT_RATES"

@@ -137,6 +137,7 @@ launch_echo() {
       --fake-kv-locality "${FAKE_KV_LOCALITY:-0.9}")
   fi
   [[ -n "${CONTEXT_LENGTH:-}" ]] && args+=(--context-length "$CONTEXT_LENGTH")
+  [[ -n "${KV_CACHE_DTYPE:-}" ]] && args+=(--kv-cache-dtype "$KV_CACHE_DTYPE")
   [[ -n "${CHUNKED_PREFILL_SIZE:-}" ]] && args+=(--chunked-prefill-size "$CHUNKED_PREFILL_SIZE")
   [[ -n "${MAX_RUNNING_REQUESTS:-}" ]] && args+=(--max-running-requests "$MAX_RUNNING_REQUESTS")
   local envs=(NSA_KV_OFFLOAD=0)
