@@ -32,6 +32,7 @@ import triton.language as tl
 
 from sglang_echo.kernels.fp8_kv import FP8_TILE as FP8_TILE_VALUES
 from sglang_echo.kernels.fp8_kv import dequantize_kv_rows, fp8_row_bytes
+from sglang_echo.kernels.interpreter import fix_interpreter_bf16
 
 # Defaults for DeepSeek-V3.2 sizes (H 128, r 512, d 64, bf16), the fastest of the 12
 # launch configurations benchmark/kernels/sparse_mla_bench.py swept on an H200
@@ -177,54 +178,6 @@ def _combine_kernel(
     tl.store(o_rows + c[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _fix_interpreter_bf16_dot() -> None:
-    """Make the Triton interpreter's bfloat16 behave as the GPU's: ``tl.dot`` of bfloat16
-    operands computes in float32, and float32 -> bfloat16 rounds to nearest even.
-
-    Triton 3.6's interpreter keeps bf16 values as their uint16 bit patterns and feeds them
-    to ``np.matmul`` as integers (a nonsense result, ~1e9 off). Widening a bf16 operand to
-    float32 is exact, and bf16 x bf16 products are exact in float32, so this is the GPU's
-    bf16 MMA with float32 accumulation. Patched here, not in the kernel, so the interpreted
-    kernel is the very one compiled for the GPU (tests/test_zz_compile_sm90.py). Only runs
-    under TRITON_INTERPRET=1; idempotent.
-    """
-    import numpy as np
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder, "_echo_bf16_dot", False):
-        return
-    original = builder.create_dot
-
-    def widen(x):
-        if x.dtype != tl.bfloat16:
-            return x
-        data = (x.data.astype(np.uint32) << 16).view(np.float32)
-        return interpreter.TensorHandle(data, tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    def round_to_bf16(self, src, dst_type):
-        # Triton's interpreter truncates float32 -> bfloat16; the GPU (cvt.rn.bf16.f32), and
-        # torch, round to nearest even. Rounded here as the GPU does, so that a value the
-        # kernel converts (fp8 rows dequantized in registers, the output) has the bits the
-        # torch path gives it.
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-            nan = np.isnan(src.data)
-            rounded[nan] = 0x7FC0
-            return interpreter.TensorHandle(rounded, tl.bfloat16)
-        return original_cast(self, src, dst_type)
-
-    original_cast = builder.cast_impl
-    builder.create_dot = create_dot
-    builder.cast_impl = round_to_bf16
-    builder.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
-    builder._echo_bf16_dot = True
-
-
 def _check(q: torch.Tensor, buffer: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int) -> None:
     if q.dim() != 3 or buffer.dim() != 2 or rows.dim() != 2:
         raise ValueError(
@@ -300,7 +253,7 @@ def sparse_mla_from_buffer(
         return out
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     if os.environ.get("TRITON_INTERPRET") == "1":
-        _fix_interpreter_bf16_dot()
+        fix_interpreter_bf16()
     elif not q.is_cuda:
         raise ValueError(
             "the sparse-MLA kernel needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU); "
