@@ -13,8 +13,9 @@ normal), so the tile's largest value maps to the top of the range; an all-zero t
 scale 1. Dequantizing is exact arithmetic given the bytes (e4m3 -> float32, times the
 float32 scale, rounded once to bfloat16), so every reader of a row (the torch path, the
 kernel in registers) sees the same bf16 values, and offload stays bit-identical to
-no-offload at the same KV dtype. The row width is a multiple of 16 bytes for r a multiple
-of 128 and d a multiple of 8, so rows stay 16-byte aligned.
+no-offload at the same KV dtype. At r = 512 and d = 64 a row is 41 x 16 bytes, so rows
+stay 16-byte aligned; narrower test models get rows that are only 4-byte aligned (the
+scales' float32 loads need no more), which the kernels handle at narrower vectors.
 """
 
 from __future__ import annotations
