@@ -279,15 +279,17 @@ def _rank_kernel(
         free = tl.load(free_count_ptr).to(tl.int64)
         need = tl.maximum(misses - free, 0)
         boundary, _older, evictable = _boundary(hist_ptr, need)
-        slot = pid * SLOTS + tl.arange(0, SLOTS)
-        bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
-        # Saved for the assign kernel: there the free-stack programs fill free slots while
-        # victim programs run, and re-reading owner and priority could see one half of it.
-        tl.store(buckets_ptr + slot, bucket.to(tl.int16), mask=slot < num_slots + 2)
-        older_here = (bucket >= 0) & (bucket > boundary)
-        at_here = (bucket >= 0) & (bucket == boundary)
-        tl.store(slot_counts_ptr + 2 * pid, tl.sum(older_here.to(tl.int32), 0))
-        tl.store(slot_counts_ptr + 2 * pid + 1, tl.sum(at_here.to(tl.int32), 0))
+        if need > 0:  # nothing is evicted otherwise: the assign kernel reads none of this
+            slot = pid * SLOTS + tl.arange(0, SLOTS)
+            bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
+            # Saved for the assign kernel: there the free-stack programs fill free slots
+            # while victim programs run, and re-reading owner and priority could see one
+            # half of it.
+            tl.store(buckets_ptr + slot, bucket.to(tl.int16), mask=slot < num_slots + 2)
+            older_here = (bucket >= 0) & (bucket > boundary)
+            at_here = (bucket >= 0) & (bucket == boundary)
+            tl.store(slot_counts_ptr + 2 * pid, tl.sum(older_here.to(tl.int32), 0))
+            tl.store(slot_counts_ptr + 2 * pid + 1, tl.sum(at_here.to(tl.int32), 0))
         if pid == 0:
             served = tl.minimum(misses, free) + tl.minimum(need, evictable)
             tl.store(miss_count_ptr, served)
@@ -318,7 +320,7 @@ def _assign_kernel(
     free = tl.load(free_count_ptr).to(tl.int64)
     need = tl.maximum(misses - free, 0)
     boundary, older, evictable = _boundary(hist_ptr, need)
-    if pid < slot_programs:
+    if pid < slot_programs and need > 0:  # victims only when the free slots fall short
         q = tl.arange(0, MAXS)
         earlier = q < pid
         older_before = tl.sum(tl.load(slot_counts_ptr + 2 * q, mask=earlier, other=0), 0)
@@ -340,7 +342,7 @@ def _assign_kernel(
         tl.store(prio_ptr + slot, tl.zeros([SLOTS], dtype=tl.int64) + stamp, mask=victim)
         tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=victim)
         tl.atomic_add(evictions_ptr, tl.sum(victim.to(tl.int64), 0))
-    else:
+    elif pid >= slot_programs:
         l_rank = (pid - slot_programs) * LANES + tl.arange(0, LANES)
         l_live = l_rank < misses
         l_from_stack = l_live & (l_rank < free)
