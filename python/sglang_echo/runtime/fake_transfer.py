@@ -40,7 +40,7 @@ def prompt_seed(ids: list[int]) -> int:
     return zlib.crc32(array("q", ids).tobytes())
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in` and `remove` must not compare 100K-id prompts
 class _Transfer:
     req: SeqState
     first_token: int
