@@ -57,7 +57,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from sglang_echo.config import EchoConfig
-from sglang_echo.kernels.fp8_kv import kv_storage
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.offload.hisparse_cache import DEFAULT_DEVICE_BUFFER_SIZE, HiSparseKVCache
 from sglang_echo.runtime.kv_factory import echo_cache_for_model
@@ -161,7 +160,7 @@ def prompt_len(plan: Plan, seed: int) -> int:
 # ------------------------------------------------------------------ accounting
 def row_bytes(cfg, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> tuple[int, int]:
     """(MLA row bytes as stored, index-key row bytes) per token per layer."""
-    width, stored = kv_storage(cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, kv_cache_dtype)
+    width, stored = cfg.kv_storage(dtype, kv_cache_dtype)
     kv = width * torch.empty((), dtype=stored).element_size()
     idx_dtype = cfg.index_row_dtype(dtype)
     idx = cfg.index_row_dim * torch.empty((), dtype=idx_dtype).element_size()

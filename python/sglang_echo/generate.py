@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from sglang_echo.config import ConfigError, EchoConfig
-from sglang_echo.kernels.fp8_kv import KV_CACHE_DTYPES, kv_storage
+from sglang_echo.kernels.fp8_kv import KV_CACHE_DTYPES
 from sglang_echo.model.config import ModelConfigError
 from sglang_echo.model.loader import load_model, model_dtype
 from sglang_echo.runtime.engine import Engine
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> dict:
             f"({per_batch} tokens); raise it or lower --batch-size"
         )
     try:  # a KV dtype the model's widths cannot take: refused before anything is built
-        kv_storage(cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, args.kv_cache_dtype)
+        cfg.kv_storage(dtype, args.kv_cache_dtype)
     except ValueError as exc:
         raise InputError(str(exc)) from None
     kv_cache = build_kv_cache(

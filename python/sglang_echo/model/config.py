@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from sglang_echo.kernels.fp8_kv import kv_storage
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
 SUPPORTED_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
 INDEXER_MODES = ("bf16", "fp8_hadamard")
@@ -102,6 +104,11 @@ class DeepseekV32Config:
 
     def index_row_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return torch.uint8 if self.indexer_mode == "fp8_hadamard" else model_dtype
+
+    def kv_storage(self, model_dtype: torch.dtype, kv_cache_dtype: str) -> tuple[int, torch.dtype]:
+        """(row width, tensor dtype) of a KV pool for ``--kv-cache-dtype`` (fp8 rows are
+        bytes); raises ValueError, saying what to use, for widths fp8 tiles cannot cover."""
+        return kv_storage(self.kv_lora_rank, self.qk_rope_head_dim, model_dtype, kv_cache_dtype)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config") -> DeepseekV32Config:

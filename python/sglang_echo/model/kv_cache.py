@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from sglang_echo.kernels.fp8_kv import encode_kv_rows, kv_storage
+from sglang_echo.kernels.fp8_kv import encode_kv_rows
 from sglang_echo.model.config import DeepseekV32Config
 
 
@@ -85,9 +85,7 @@ class PlainKVCache:
     ) -> PlainKVCache:
         """Row widths and the index-key dtype as the model's indexer mode needs them; KV
         rows as ``--kv-cache-dtype`` stores them (kernels/fp8_kv.py)."""
-        width, stored = kv_storage(
-            config.kv_lora_rank, config.qk_rope_head_dim, dtype, kv_cache_dtype
-        )
+        width, stored = config.kv_storage(dtype, kv_cache_dtype)
         return cls(
             config.num_hidden_layers,
             capacity,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_echo.kernels.fp8_kv import encode_kv_rows, kv_storage
+from sglang_echo.kernels.fp8_kv import encode_kv_rows
 from sglang_echo.offload.host_pool import HostKVPool
 
 ABSENT = -1
@@ -97,9 +97,7 @@ class HiSparseKVCache:
         kv_cache_dtype: str = "auto",
         **kw,
     ):
-        width, stored = kv_storage(
-            config.kv_lora_rank, config.qk_rope_head_dim, dtype, kv_cache_dtype
-        )
+        width, stored = config.kv_storage(dtype, kv_cache_dtype)
         return cls(
             config.num_hidden_layers,
             host_tokens,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from sglang_echo.config import ConfigError, EchoConfig
-from sglang_echo.kernels.fp8_kv import kv_storage
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.kv_cache import KVCache, PlainKVCache
 from sglang_echo.offload.echo_cache import EchoKVCache
@@ -24,7 +23,7 @@ def echo_cache_for_model(
     """ECHO sized for the model: row widths and index-key dtype from its indexer mode, KV
     rows as ``--kv-cache-dtype`` stores them (kernels/fp8_kv.py)."""
     cfg = model_config
-    width, stored = kv_storage(cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, kv_cache_dtype)
+    width, stored = cfg.kv_storage(dtype, kv_cache_dtype)
     return EchoKVCache(
         echo,
         cfg.num_hidden_layers,

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_echo.config import EchoConfig
-from sglang_echo.kernels.fp8_kv import kv_storage
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
@@ -53,7 +52,7 @@ def _token_bytes(
     cfg: DeepseekV32Config, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> tuple[int, int]:
     """(MLA row bytes as stored, indexer-key row bytes) of one token, summed over layers."""
-    width, stored = kv_storage(cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, kv_cache_dtype)
+    width, stored = cfg.kv_storage(dtype, kv_cache_dtype)
     kv = width * torch.empty(0, dtype=stored).element_size()
     idx = cfg.index_row_dim * torch.empty(0, dtype=cfg.index_row_dtype(dtype)).element_size()
     return kv * cfg.num_hidden_layers, idx * cfg.num_hidden_layers
@@ -122,7 +121,7 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     model = _load(args.model_path, device, dtype)
     cfg = model.config
     try:  # a KV dtype the model's widths cannot take: refused before anything is sized
-        kv_storage(cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, args.kv_cache_dtype)
+        cfg.kv_storage(dtype, args.kv_cache_dtype)
     except ValueError as exc:
         raise ServerArgError(str(exc)) from None
     context = args.context_length or cfg.max_position_embeddings
