@@ -254,6 +254,9 @@ def test_metrics_parse_with_prometheus_client(echo_server):
     phases = {s.labels["phase"]: s.value for s in families["sglang:engine_seconds"].samples}
     assert set(phases) == set(ENGINE_PHASES) and min(phases.values()) >= 0
     assert phases["decode"] > 0 and phases["prefill"] > 0
+    cpu = {s.labels["phase"]: s.value for s in families["sglang:engine_cpu_seconds"].samples}
+    assert set(cpu) == set(ENGINE_PHASES) and cpu["decode"] > 0  # the steps' host work
+    assert all(0 <= cpu[k] <= phases[k] + 1e-3 for k in ENGINE_PHASES)  # CPU never above wall
     assert families["sglang:decode_steps"].samples[0].value >= 2
 
 

@@ -91,7 +91,7 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> dict | None:
 # The engine's own clock (this project's /metrics; absent on SGLang): sample name (labels
 # folded in, e.g. engine_seconds_total{phase="decode"} -> engine_seconds.decode) -> value.
 ENGINE_SAMPLE = re.compile(
-    r"^sglang:(engine_seconds|decode_steps|graph_captures|graph_capture_seconds|transfers|"
+    r"^sglang:(engine_seconds|engine_cpu_seconds|decode_steps|graph_captures|graph_capture_seconds|transfers|"
     r'transfer_seconds)_total(?:\{[^}]*?phase="(\w+)"[^}]*\})?(?:\{[^}]*\})? (\S+)$'
 )
 

@@ -8,7 +8,10 @@ scheduler and the caches are only ever touched by that one thread.
 
 from __future__ import annotations
 
+import cProfile
 import logging
+import os
+import pstats
 import queue
 import threading
 import traceback
@@ -20,6 +23,12 @@ from sglang_echo.runtime.request import ServeRequest
 from sglang_echo.runtime.scheduler import Scheduler
 
 log = logging.getLogger("sglang_echo.engine")
+
+# A path: the engine thread runs under cProfile and writes PATH (pstats) and PATH.txt (the
+# top functions by cumulative time) when it stops; "{pid}" in it becomes the process id
+# (several servers, one setting). For finding where a phase of the engine
+# clock goes; it slows the host side, so not for timed runs.
+PROFILE_ENV = "ECHO_ENGINE_PROFILE"
 
 
 class EngineLoop:
@@ -95,6 +104,19 @@ class EngineLoop:
                     fut.set_exception(exc)
 
     def _run(self) -> None:
+        path = os.environ.get(PROFILE_ENV)
+        if not path:
+            self._serve()
+            return
+        profile = cProfile.Profile()
+        profile.enable()
+        try:
+            self._serve()
+        finally:
+            profile.disable()
+            write_profile(profile, path.replace("{pid}", str(os.getpid())))
+
+    def _serve(self) -> None:
         stats = self.scheduler.stats
         while not self._stop.is_set():
             try:
@@ -132,7 +154,7 @@ def engine_time_summary(sched: Scheduler) -> str:
     """One line for the server log: where the engine thread's time went, the model steps
     beside the host work around them, graph captures and a decode node's transfers."""
     s = sched.stats
-    parts = [f"{k} {v:.2f} s" for k, v in s.phase_s.items()]
+    parts = [f"{k} {v:.2f} s (cpu {s.phase_cpu_s[k]:.2f})" for k, v in s.phase_s.items()]
     parts.append(f"{s.decode_steps} decode steps")
     runner = sched.steps.decode_runner
     if runner is not None:
@@ -141,3 +163,13 @@ def engine_time_summary(sched: Scheduler) -> str:
     if source is not None:
         parts.append(f"{source.transfers} transfers {source.transfer_s:.2f} s start to arrival")
     return ", ".join(parts)
+
+
+def write_profile(profile: cProfile.Profile, path: str) -> None:
+    """PATH (pstats, for snakeviz or pstats.Stats) and PATH.txt (readable)."""
+    profile.dump_stats(path)
+    with open(path + ".txt", "w") as f:
+        stats = pstats.Stats(profile, stream=f).sort_stats("cumulative")
+        stats.print_stats(60)
+        stats.sort_stats("tottime").print_stats(30)
+    log.info("engine thread profile written to %s (and .txt)", path)

@@ -37,7 +37,7 @@ from sglang_echo.runtime.step_runner import StepRunner
 def prompt_seed(ids: list[int]) -> int:
     """A stable seed from the prompt's ids (the same on every server and run): the CRC-32
     of their little-endian int64 bytes."""
-    return zlib.crc32(array("q", ids).tobytes())
+    return zlib.crc32(array("q", ids))
 
 
 @dataclass(eq=False)  # identity: `in` and `remove` must not compare 100K-id prompts
@@ -87,13 +87,12 @@ class FakeTransfer:
         started = time.perf_counter()
         n = len(req.prompt)
         locs = self.steps.allocator.alloc(n)
-        self.steps.place(req, 0, locs)
+        host_locs = self.steps.place(req, 0, locs)
         req.cached_len = n
         seed = prompt_seed(req.prompt)
         first = random.Random(seed).randrange(self.vocab_size)
         if self.stream is None:
-            loc_t = torch.tensor(locs, dtype=torch.int64, device=self.steps.device)
-            self.synth.write(self.kv_cache, loc_t, seed)
+            self.synth.write(self.kv_cache, host_locs.to(self.steps.device), seed)
             self._transfers.append(_Transfer(req, first, None, started))
             return
         # After everything the decode stream has queued: the locations may have belonged
@@ -101,8 +100,7 @@ class FakeTransfer:
         # stream belong to its allocator pool, so none is reused while the stream runs.
         self.stream.wait_stream(torch.cuda.current_stream(self.steps.device))
         with torch.cuda.stream(self.stream):
-            loc_t = torch.tensor(locs, dtype=torch.int64).pin_memory()
-            loc_t = loc_t.to(self.steps.device, non_blocking=True)  # the host never waits
+            loc_t = host_locs.pin_memory().to(self.steps.device, non_blocking=True)  # no wait
             self.synth.write(self.kv_cache, loc_t, seed)
             done = torch.cuda.Event()
             done.record(self.stream)

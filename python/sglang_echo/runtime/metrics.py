@@ -33,6 +33,7 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
         "max_total_num_tokens": sched.capacity,
     }
     snap["engine_seconds"] = dict(s.phase_s)
+    snap["engine_cpu_seconds"] = dict(s.phase_cpu_s)
     runner = sched.steps.decode_runner
     if runner is not None:
         snap["graph_captures_total"] = runner.captures
@@ -83,6 +84,12 @@ def render(snap: dict, model_name: str) -> str:
         "counter",
         "Engine-thread wall time by phase (runtime/scheduler.py ENGINE_PHASES).",
         [({"phase": k}, v) for k, v in snap["engine_seconds"].items()],
+    )
+    metric(
+        "engine_cpu_seconds",
+        "counter",
+        "Engine-thread CPU time by phase (wall minus CPU: waits on the device or the GIL).",
+        [({"phase": k}, v) for k, v in snap["engine_cpu_seconds"].items()],
     )
     for key, kind, text in (
         ("graph_captures_total", "counter", "Decode batch sizes captured in CUDA graphs."),

@@ -16,6 +16,7 @@ import torch
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.kv_cache import KVCache
+from sglang_echo.runtime.host_ints import int64_tensor
 from sglang_echo.runtime.request import SeqState
 from sglang_echo.runtime.token_table import RequestTable, TokenSlotAllocator
 
@@ -63,7 +64,7 @@ class StepRunner:
     def release(self, req: SeqState) -> None:
         """Return the request's token locations (and ECHO's slots for them) and its row."""
         if req.locs:
-            self.kv_cache.release(torch.tensor(req.locs, dtype=torch.int64, device=self.device))
+            self.kv_cache.release(int64_tensor(req.locs, self.device))
             self.allocator.free(req.locs)
         if req.row >= 0:
             self.table.free_row(req.row)
@@ -134,16 +135,21 @@ class StepRunner:
             return self.decode_runner(batch)
         return self.model(batch, self.kv_cache)
 
-    def place(self, req: SeqState, start: int, locs: list[int]) -> None:
-        """Token locations ``locs`` hold ``req``'s positions start.. (not yet cached)."""
-        self.table.assign(req.row, start, locs)
+    def place(self, req: SeqState, start: int, locs: list[int]) -> torch.Tensor:
+        """Token locations ``locs`` hold ``req``'s positions start.. (not yet cached).
+        Returns them as a host int64 tensor (converted once; a decode node's transfer
+        reuses it)."""
+        host = int64_tensor(locs)
+        self.table.assign(req.row, start, host)
         req.locs.extend(locs)
         if self._note_owner is not None:
-            self._note_owner(self._ints([req.row] * len(locs)), self._ints(locs))
+            on_device = host.to(self.device)
+            self._note_owner(torch.full_like(on_device, req.row), on_device)
+        return host
 
     # --------------------------------------------------------------- helpers
     def _ints(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return int64_tensor(values, self.device)
 
     def _make_batch(
         self,
@@ -156,7 +162,7 @@ class StepRunner:
         logits_rows: list[int] | None,
     ) -> ForwardBatch:
         def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
+            return int64_tensor(values, self.device)
 
         context_lens = [r.cached_len for r in reqs]
         rows = as_tensor([r.row for r in reqs])

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang_echo.runtime.host_ints import int64_tensor
+
 
 class CapacityError(RuntimeError):
     """Not enough free token locations or request rows; the caller should queue or fail."""
@@ -60,14 +62,14 @@ class RequestTable:
         self.table[row].zero_()
         self._free_rows.append(row)
 
-    def assign(self, row: int, start: int, locs: list[int]) -> None:
+    def assign(self, row: int, start: int, locs: list[int] | torch.Tensor) -> None:
         if start + len(locs) > self.max_context:
             raise CapacityError(
                 f"request needs {start + len(locs)} positions, table width is {self.max_context}"
             )
-        self.table[row, start : start + len(locs)] = torch.tensor(
-            locs, dtype=torch.int64, device=self.table.device
-        )
+        if not isinstance(locs, torch.Tensor):
+            locs = int64_tensor(locs)
+        self.table[row, start : start + len(locs)] = locs.to(self.table.device)
 
     def assign_next(self, rows: list[int], positions: list[int], locs: list[int]) -> None:
         """One new position per request (a decode step) in a single device write."""
