@@ -200,3 +200,46 @@ def test_sglang_own_bench_serving_against_our_echo_server(small_checkpoint, tmp_
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["completed"] == 8 and rec["total_output_tokens"] == 8 * 16
+
+
+def test_client_drops_idle_connections_before_uvicorn_does(plain_server):
+    """A pooled connection is reused while fresh, never after the client's keep-alive: the
+    server (uvicorn, 5 s) must not be the one to close it under a request."""
+    import asyncio
+
+    import aiohttp
+    import uvicorn
+
+    from sglang_echo.bench import serving as bs
+
+    assert bs.CLIENT_KEEP_ALIVE_S < bs.UVICORN_KEEP_ALIVE_S
+    assert uvicorn.Config(app=None).timeout_keep_alive == bs.UVICORN_KEEP_ALIVE_S
+
+    async def connection_events() -> list[str]:
+        events: list[str] = []
+        trace = aiohttp.TraceConfig()
+
+        async def created(*_):
+            events.append("new")
+
+        async def reused(*_):
+            events.append("reused")
+
+        trace.on_connection_create_end.append(created)
+        trace.on_connection_reuseconn.append(reused)
+        async with aiohttp.ClientSession(
+            connector=bs.bench_connector(), trace_configs=[trace]
+        ) as session:
+
+            async def get() -> None:
+                async with session.get(plain_server + "/health") as resp:
+                    await resp.read()
+
+            await get()
+            await get()
+            await asyncio.sleep(bs.CLIENT_KEEP_ALIVE_S + 0.5)
+            await get()
+        return events
+
+    # reused while fresh, a new connection after the idle time
+    assert asyncio.run(connection_events()) == ["new", "reused", "new"]

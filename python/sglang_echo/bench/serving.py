@@ -278,6 +278,19 @@ def print_summary(rec: dict, out=sys.stdout) -> None:
     print("=" * 50, file=out, flush=True)
 
 
+# uvicorn (this server's and SGLang's) closes a connection idle for 5 s; a pooled one kept
+# longer can be reused just as the server closes it, and the request fails with
+# ServerDisconnectedError (one request per run at rate 4 on the H200, after the warm-up).
+# The client drops idle connections first.
+UVICORN_KEEP_ALIVE_S = 5.0
+CLIENT_KEEP_ALIVE_S = 2.0
+
+
+def bench_connector() -> aiohttp.TCPConnector:
+    """Unlimited connections, none reused after CLIENT_KEEP_ALIVE_S idle."""
+    return aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEP_ALIVE_S)
+
+
 async def run(args) -> dict:
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
@@ -287,8 +300,7 @@ async def run(args) -> dict:
     async with aiohttp.ClientSession(timeout=timeout) as probe:
         facts = await server_facts(probe, base, args)
     workload = build_workload(args, facts)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=bench_connector()) as session:
         reqs = workload.requests
         if args.sort_len:
             reqs = sorted(reqs, key=lambda r: r.prompt_len)
