@@ -5,8 +5,9 @@
     python benchmark/e2e_study.py --smoke --out DIR                  # tiny, on the CPU
 
 benchmark/results/e2e_study.json (+ .log) came from
-``python3 benchmark/e2e_study.py --out $OUT --deadline-s 300`` on one H200 (before
---repeats: one measurement per phase).
+``python3 benchmark/e2e_study.py --out $OUT --repeats 2 --deadline-s 160`` on one H200, and
+e2e_study_fp8.json from the same with ``--kv-cache-dtype fp8_e4m3 --deadline-s 150``
+(benchmark/results/PROVENANCE.md names the code).
 
 The model (sglang_echo/study/worker.py) is random, built in memory: DeepSeek-V3.2's real
 attention and indexer dimensions (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope

@@ -162,10 +162,14 @@ def row_cache_ops(r: Records) -> tuple[str, str, str]:
         f"{us(m['us_per_layer_step'])} us per layer-step replayed "
         f"({us(m['us_per_layer_step_with_recall'])} us with recall); torch reference "
         f"{us(m['torch_reference_us_per_layer_step'])} us; one sort of all priorities "
-        f"{us(m['exact_lru_sort_us'])} us; stages {stages} us; fastest of "
-        f"{len(m['launch_shape_sweep'])} launch shapes: {best['lane_block']} lanes / "
-        f"{best['slot_block']} slots per program, {best['num_warps']} warps ({us(best['us'])} us)"
+        f"{us(m['exact_lru_sort_us'])} us; stages {stages} us"
     )
+    if best is not None:  # the launch-shape sweep ran (--sweep)
+        text += (
+            f"; fastest of {len(m['launch_shape_sweep'])} launch shapes: {best['lane_block']} "
+            f"lanes / {best['slot_block']} slots per program, {best['num_warps']} warps "
+            f"({us(best['us'])} us)"
+        )
     return "cache-management kernels", text, source(d, rel)
 
 
@@ -265,6 +269,13 @@ def row_sparse_mla(r: Records) -> tuple[str, str, str]:
         f"bf16 rel. error to float64 {sci(m['max_rel_err'])} vs torch's bf16 "
         f"{sci(m['torch_bf16_rel_err'])}; all correct: {yes(m['all_correct'])}"
     )
+    if "decode_fp8_us" in m:
+        text += (
+            f"; fp8 KV rows (656 bytes, dequantized in registers): decode "
+            f"{us(m['decode_fp8_us'])} us, {ratio(m['decode_fp8_us'] / m['decode_default_us'])} "
+            f"the bf16 default's {us(m['decode_default_us'])} us (slower, not faster; "
+            f"issue 15), rel. error {sci(m['fp8_rel_err'])}"
+        )
     return "sparse MLA kernel", text, source(d, rel)
 
 
@@ -348,6 +359,12 @@ def _serving(d: dict) -> str:
     ]
     if all(v.get("p99_itl_ms") is not None for v in [*off.values(), *base.values()]):
         parts.append(f"p99 ITL {over('p99_itl_ms', lambda x: f'{x:.0f}')}")
+    done = [v.get("completed") for v in [*off.values(), *base.values()]]
+    if None not in done and len(set(done)) > 1:  # some run lost requests: say which
+        parts.append(
+            f"requests completed per rate: ECHO {slashed([v['completed'] for v in off.values()], count)}, "
+            f"no-offload {slashed([v['completed'] for v in base.values()], count)}"
+        )
     return "; ".join(parts)
 
 
@@ -408,6 +425,28 @@ def row_e2e_study(r: Records) -> tuple[str, str, str]:
     return "end-to-end decode study (issue 14)", text, source(d, rel)
 
 
+def row_e2e_study_fp8(r: Records) -> tuple[str, str, str]:
+    rel = "benchmark/results/e2e_study_fp8.json"
+    d = r(rel)
+    m = d["metrics"]
+    bo, be = m["breakdown"]["no_offload"], m["breakdown"]["echo"]
+    bf16 = r("benchmark/results/e2e_study.json")["metrics"]["breakdown"]["no_offload"]
+    low = m["low_load_cost"]["per_batch"]
+    text = (
+        f"the same study with `--kv-cache-dtype fp8_e4m3` (656-byte rows in every pool): ECHO / "
+        f"no-offload paper settings {ratio(m['ratio_paper_all_hbm'])}, 200K "
+        f"{ratio(m['ratio_paper_200k'])}, 110K {ratio(m['ratio_paper_110k'])}; hit rate per "
+        f"layer {span(m['hit_rate_per_layer'], f3)}; batch 1-4 cost "
+        f"{slashed([low[k] for k in sorted(low)], f3)}. Not a result for fp8 serving: the step "
+        f"is {ms(bo['step_ms_device'])} ms (no-offload, batch {bo['batch']}) against "
+        f"{ms(bf16['step_ms_device'])} ms at bf16 (ECHO batch {be['batch']}: "
+        f"{ms(be['step_ms_device'])} ms), the fp8 sparse-MLA kernel being slow "
+        "(see the sparse MLA kernel row), which inflates every ratio and shrinks the batch 1-4 "
+        "cost"
+    )
+    return "end-to-end study at fp8 KV (issues 14, 15)", text, source(d, rel)
+
+
 def row_e2e_hisparse(r: Records) -> tuple[str, str, str]:
     rel = "benchmark/results/e2e_study.json"
     d = r(rel)
@@ -454,15 +493,29 @@ def row_e2e_sweep(r: Records) -> tuple[str, str, str]:
     )
 
 
-def row_e2e_sweep_sharegpt(r: Records) -> tuple[str, str, str]:
+def row_e2e_sweep_200k(r: Records) -> tuple[str, str, str]:
     return _sweep_row(
         r,
-        "benchmark/results/e2e_sweep_sharegpt/e2e_sweep.json",
-        "ShareGPT-like latency sweep (issue 14, Figure 15)",
+        "benchmark/results/e2e_sweep_200k/e2e_sweep.json",
+        "request-rate sweep at pools of 200K (issue 14, Figure 13)",
+        "the same decode node with both KV pools at 200K tokens (no-offload pool, ECHO's "
+        "NSA_DEV_CACHE_SIZE; ECHO's host pool 1.8M), 48 prompts",
+    )
+
+
+def row_e2e_sweep_sharegpt(r: Records) -> tuple[str, str, str]:
+    claim, text, _ = _sweep_row(
+        r,
+        SHAREGPT_REL,
+        "ShareGPT-like latency sweep (issue 14, Figure 15; history)",
         "the same worker on one server that prefills and decodes, 48 ShareGPT-like chats "
-        "(synthetic)",
+        "(synthetic), on older server code",
         latency_at="inf",
     )
+    return claim, text, source(r(SHAREGPT_REL), SHAREGPT_REL, "measured, superseded")
+
+
+SHAREGPT_REL = "benchmark/results/history/2026-12-01-sweep-sharegpt/e2e_sweep.json"
 
 
 def row_e2e_sweep_tasks(r: Records) -> tuple[str, str, str]:
@@ -488,8 +541,10 @@ def _serving_runs(d: dict, root: str) -> str:
 
 ROWS = (
     row_e2e_study,
+    row_e2e_study_fp8,
     row_e2e_hisparse,
     row_e2e_sweep,
+    row_e2e_sweep_200k,
     row_e2e_sweep_sharegpt,
     row_e2e_sweep_tasks,
     row_oracle,
