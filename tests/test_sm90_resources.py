@@ -28,3 +28,7 @@ def test_default_config_resources_are_reported(tmp_path):
     assert 0 < row["registers"] <= 255 and row["spill_store_bytes"] >= 0
     assert row["shared_bytes"] > 0 and row["wgmma"] >= 0
     assert row["row_loads_async"] + row["row_loads_sync"] > 0  # the KV-row gathers were found
+    # the KV tiles reach shared memory for the MMA, and the bf16 ones as 16-byte vectors
+    assert row["shared_stores_v4"] > 0 and row["shared_stores_scalar"] == 0
+    fp8 = record["metrics"]["fp8_default"]
+    assert fp8["kv"] == "fp8_e4m3" and fp8["shared_stores_v4"] + fp8["shared_stores_scalar"] > 0

@@ -1,11 +1,14 @@
 """What the sparse-MLA kernel's launch configs cost in registers, on the CPU, before any
 device time is spent: each config compiled for an H200 (sm_90a) by triton with its own
-ptxas, which reports registers per thread and bytes spilled to local memory.
+ptxas, which reports registers per thread and bytes spilled to local memory. Compiled as
+the JIT specializes the real decode launch (16-byte alignment and multiples of 16 on every
+pointer and integer argument), since that changes what is measured.
 
 Why: a decode-kernel config that spills, or whose gathered row loads are not software-
 pipelined, is latency-bound however it is tuned on the GPU; both show at compile time. The
 report gives per config: registers, spill stores/loads (bytes per thread), shared memory,
-wgmma instructions (Hopper's warpgroup MMA; 0 = the older mma.sync path), and whether
+how the KV tiles are stored to shared memory (16-byte vectors or element by element), wgmma
+instructions (Hopper's warpgroup MMA; 0 = the older mma.sync path), and whether
 the loop's 2-D gathered loads of KV rows went through asynchronous copies
 (``ttg.async_copy_global_to_local``) or are plain loads into registers that the loop waits
 for (``tt.load``). Compile-only facts; speed is for sparse_mla_bench.py on the GPU.
@@ -46,6 +49,12 @@ SIGNATURE = {
     "out_stride_t": "i32",
     "out_stride_h": "i32",
 }
+# What Triton's JIT specializes at the real decode launch: every pointer is 16-byte aligned
+# and every integer argument a multiple of 16 at DeepSeek-V3.2's widths (128 heads, strides
+# 128 x 576, 576, 2048, 128 x 512, 512; row strides 576 elements or 656 bytes), so it compiles
+# with tt.divisibility 16 on each, which changes vectorization, spills and shared memory. A
+# compile without it describes a kernel that is never launched.
+SPECIALIZED_DIV16 = tuple(k for k, v in SIGNATURE.items() if v != "fp32")
 PTXAS_USAGE = re.compile(r"Used (\d+) registers")
 PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 ROW_TILE = re.compile(r"tensor<\d+x\d+x!tt\.ptr<bf16>")  # a 2-D tile of KV-row pointers
@@ -79,6 +88,7 @@ def compile_config(config: tuple[int, int, int, int, int], fp8: bool = False) ->
         fn=_sparse_mla_kernel,
         signature=sig,
         constexprs={(names.index(k),): v for k, v in const.items()},
+        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in SPECIALIZED_DIV16},
     )
     kernel = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
@@ -102,6 +112,10 @@ def compile_config(config: tuple[int, int, int, int, int], fp8: bool = False) ->
         "spill_store_bytes": int(spill.group(1)) if spill else None,
         "spill_load_bytes": int(spill.group(2)) if spill else None,
         "shared_bytes": kernel.metadata.shared,
+        # How the loop's KV tiles reach shared memory for the MMA: 16-byte vector stores, or
+        # element by element (a per-element gather in the tile's math forces that layout).
+        "shared_stores_v4": kernel.asm["ptx"].count("st.shared.v4."),
+        "shared_stores_scalar": len(re.findall(r"st\.shared\.b(?:8|16) ", kernel.asm["ptx"])),
         "wgmma": kernel.asm["ptx"].count("wgmma.mma_async"),
         "row_loads_async": sum("async_copy_global_to_local" in ln for ln in row_loads),
         "row_loads_sync": sum(" tt.load " in ln for ln in row_loads),

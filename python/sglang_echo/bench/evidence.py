@@ -286,14 +286,22 @@ def row_sm90_resources(r: Records) -> tuple[str, str, str]:
     dft, rows = m["default"], m["configs"]
     free = [r for r in rows if r["spill_store_bytes"] == 0]
     text = (
-        f"{len(rows)} launch configs compiled for {m['target']} (compile only): the default "
-        f"({dft['block_h']} heads x {dft['block_k']} rows, {dft['num_warps']} warps) uses "
-        f"{dft['registers']} registers and spills {dft['spill_store_bytes']} B per thread; "
-        f"{len(free)} configs are spill-free, {sum(r['wgmma'] > 0 for r in free)} of them "
-        f"with wgmma; in {sum(r['row_loads_async'] == 0 for r in rows)} of {len(rows)} the "
-        "gathered KV-row loads are plain loads the loop waits for (no asynchronous copies), "
-        "consistent with the GPU times tracking row blocks rather than bytes"
+        f"{len(rows)} launch configs compiled for {m['target']} as the JIT specializes the "
+        f"decode launch (compile only): the default ({dft['block_h']} heads x "
+        f"{dft['block_k']} rows, {dft['num_warps']} warps) uses {dft['registers']} registers, "
+        f"spills {dft['spill_store_bytes']} B per thread, {count(dft['shared_bytes'])} B of "
+        f"shared memory, {dft['wgmma']} wgmma; {len(free)} configs are spill-free, "
+        f"{sum(r['wgmma'] > 0 for r in free)} of them with wgmma; KV-row tile loads in the "
+        f"default: {dft['row_loads_async']} asynchronous copies, {dft['row_loads_sync']} plain"
     )
+    fp8 = m.get("fp8_default")
+    if fp8 is not None and "shared_stores_scalar" in fp8:
+        text += (
+            f"; at fp8 KV the default stores its dequantized tiles to shared memory element "
+            f"by element ({fp8['shared_stores_scalar']} scalar stores against "
+            f"{dft['shared_stores_scalar']} at bf16) in {count(fp8['shared_bytes'])} B of "
+            "shared memory"
+        )
     return "sparse MLA kernel resources (issue 15)", text, source(d, rel)
 
 
