@@ -296,11 +296,15 @@ def row_sm90_resources(r: Records) -> tuple[str, str, str]:
     )
     fp8 = m.get("fp8_default")
     if fp8 is not None and "shared_stores_scalar" in fp8:
+        how = (
+            f"element by element ({fp8['shared_stores_scalar']} scalar stores against "
+            f"{dft['shared_stores_scalar']} at bf16)"
+            if fp8["shared_stores_scalar"]
+            else f"as 16-byte vectors ({fp8['shared_stores_v4']} vector stores, as at bf16)"
+        )
         text += (
-            f"; at fp8 KV the default stores its dequantized tiles to shared memory element "
-            f"by element ({fp8['shared_stores_scalar']} scalar stores against "
-            f"{dft['shared_stores_scalar']} at bf16) in {count(fp8['shared_bytes'])} B of "
-            "shared memory"
+            f"; at fp8 KV the default stores its dequantized tiles to shared memory {how}, "
+            f"in {count(fp8['shared_bytes'])} B of shared memory"
         )
     return "sparse MLA kernel resources (issue 15)", text, source(d, rel)
 
