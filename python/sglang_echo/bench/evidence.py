@@ -279,6 +279,35 @@ def row_sparse_mla(r: Records) -> tuple[str, str, str]:
     return "sparse MLA kernel", text, source(d, rel)
 
 
+def row_per_request_cost(r: Records) -> tuple[str, str, str]:
+    """Issue 15's table: each decode op's cost per request and layer, from the kernel records
+    (each timed at batch 48, 100K context, top-k 2048, graph-replayed), divided by the batch."""
+    rels = {
+        "indexer": "benchmark/results/indexer.json",
+        "sparse_mla": "benchmark/results/sparse_mla.json",
+        "cache_ops": "benchmark/results/cache_ops.json",
+    }
+    ix, mla, co = (r(rel)["metrics"] for rel in rels.values())
+    batch = ix["batch"]
+    if not (mla["sizes"]["batch"] == co["batch"] == batch):
+        raise ValueError("the kernel records were timed at different batches")
+    ops = {
+        "indexer logits": ix["logits_us"],
+        "top-k": ix["topk_us"],
+        "sparse MLA (the default config)": mla["decode_default_us"],
+        "cache management": co["us_per_layer_step"],
+        "recall": co["us_per_layer_step_with_recall"] - co["us_per_layer_step"],
+    }
+    parts = [f"{name} {us(v / batch)}" for name, v in ops.items()]
+    text = (
+        f"us per request per layer at batch {batch} (each op's batch time / {batch}; recall = "
+        f"cache management with recall minus without): {', '.join(parts)}; total "
+        f"{us(sum(ops.values()) / batch)}"
+    )
+    srcs = ", ".join(source(r(rel), rel) for rel in rels.values())
+    return "per-request decode cost per layer (issue 15)", text, srcs
+
+
 def row_sm90_resources(r: Records) -> tuple[str, str, str]:
     rel = "benchmark/results/sm90_resources.json"
     d = r(rel)
@@ -568,6 +597,7 @@ ROWS = (
     row_decode_prefetch,
     row_recall,
     row_sparse_mla,
+    row_per_request_cost,
     row_sm90_resources,
     row_trained,
     row_serving,
