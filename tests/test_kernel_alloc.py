@@ -195,3 +195,25 @@ def test_workspace_rejects_launch_shapes_the_kernels_cannot_take() -> None:
         AllocWorkspace(cache, 32, slot_block=8)
     with pytest.raises(ValueError, match="num_warps"):
         AllocWorkspace(cache, 32, num_warps=3)
+
+
+def test_slots_are_scanned_only_when_misses_could_outnumber_free_slots() -> None:
+    """Before the cache fills a step's misses fit the free slots: the count kernel leaves
+    the age histogram empty (no slot scanned) and the state is still the reference's; once
+    the misses exceed the free slots the histogram is built and victims are taken."""
+    ref, ker = _pair(16, 100)
+    ws = AllocWorkspace(ker, max_lanes=16)
+    first = torch.arange(1, 11, dtype=torch.int64, device=DEV)  # 10 of 16 slots
+    allocate_reference(ref, 0, first, True)
+    allocate_kernel(ker, 0, first, True, ws)
+    fits = torch.tensor([1, 2, 11, 12, 3], dtype=torch.int64, device=DEV)  # 2 misses, 6 free
+    allocate_reference(ref, 0, fits, False)
+    allocate_kernel(ker, 0, fits, False, ws)
+    _assert_same(ref, ker, "misses fit the free slots")
+    assert int(ws.hist.sum()) == 0 and int(ker.evictions[0]) == 0
+    evicts = torch.arange(20, 30, dtype=torch.int64, device=DEV)  # 10 misses, 4 free
+    allocate_reference(ref, 0, evicts, False)
+    allocate_kernel(ker, 0, evicts, False, ws)
+    _assert_same(ref, ker, "misses outnumber the free slots")
+    assert int(ws.hist.sum()) > 0 and int(ker.evictions[0]) > 0
+    assert int(ws.miss_bound) == 0  # zeroed for the next call

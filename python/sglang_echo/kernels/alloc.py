@@ -208,10 +208,13 @@ def _boundary(hist_ptr, need):
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _lookup_kernel(
-    ids_ptr, lanes, h2d_ptr, prio_ptr, clock_ptr, hist_ptr,
+    ids_ptr, lanes, h2d_ptr, prio_ptr, clock_ptr, hist_ptr, hits_ptr, miss_bound_ptr,
     APPEND: tl.constexpr, LANES: tl.constexpr, HIST: tl.constexpr,
 ):  # fmt: skip
-    """Hits stamp their slot; misses claim their id (the lowest lane wins)."""
+    """Hits stamp their slot; misses claim their id (the lowest lane wins). A resolve
+    counts its distinct hit slots here (the lane whose exchange found an older stamp: no
+    slot carries this step's stamp before its look-up), and every call bounds its misses
+    from above (miss lanes, duplicates included) for the count kernel."""
     pid = tl.program_id(0)
     lane = pid * LANES + tl.arange(0, LANES)
     ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
@@ -219,10 +222,16 @@ def _lookup_kernel(
     stamp = _stamp(clock_ptr, APPEND)
     looked_up = tl.load(h2d_ptr + ids, mask=valid, other=_ABSENT)
     hit = valid & (looked_up >= 0) & (looked_up != _ABSENT)
-    # A plain store (duplicates write the same stamp); the count kernel counts the hits.
-    tl.store(prio_ptr + looked_up, tl.zeros([LANES], dtype=tl.int64) + stamp, mask=hit)
+    stamps = tl.zeros([LANES], dtype=tl.int64) + stamp
+    if APPEND:  # a plain store (duplicates write the same stamp); appends count no hits
+        tl.store(prio_ptr + looked_up, stamps, mask=hit)
+    else:
+        before = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit)
+        tl.atomic_add(hits_ptr, tl.sum((hit & (before != stamp)).to(tl.int64), 0))
     claim = (lane + _CLAIM).to(tl.int32)
-    tl.atomic_min(h2d_ptr + ids, claim, mask=valid & ~hit)
+    missed = valid & ~hit
+    tl.atomic_min(h2d_ptr + ids, claim, mask=missed)
+    tl.atomic_add(miss_bound_ptr, tl.sum(missed.to(tl.int32), 0))
     if pid == 0:
         tl.store(hist_ptr + tl.arange(0, HIST), tl.zeros([HIST], dtype=tl.int32))
 
@@ -237,23 +246,24 @@ def _first_miss(ids_ptr, lanes, h2d_ptr, lane):
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _count_kernel(
-    ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr, hits_ptr,
-    num_slots, slot_programs,
+    ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr,
+    free_count_ptr, miss_bound_ptr, num_slots, slot_programs,
     APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, HIST: tl.constexpr,
 ):  # fmt: skip
-    """Slot programs: histogram of evictable ages, and the hits (slots stamped this step).
-    Lane programs: first misses per block."""
+    """Slot programs: histogram of evictable ages, only where the misses could outnumber
+    the free slots (only then is anything evicted, and only then do the rank and assign
+    kernels read it; before the cache fills, no step scans its slots). Lane programs:
+    first misses per block."""
     pid = tl.program_id(0)
     stamp = _stamp(clock_ptr, APPEND)
     if pid < slot_programs:
-        slot = pid * SLOTS + tl.arange(0, SLOTS)
-        bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
-        counts = tl.histogram(tl.where(bucket >= 0, bucket, _BUCKETS).to(tl.int32), HIST)
-        bins = tl.arange(0, HIST)
-        tl.atomic_add(hist_ptr + bins, counts, mask=bins < _BUCKETS)
-        if not APPEND:  # slots the look-up stamped = distinct hit tokens (sink included)
-            stamped = tl.load(prio_ptr + slot, mask=slot <= num_slots, other=0) == stamp
-            tl.atomic_add(hits_ptr, tl.sum((stamped & (slot <= num_slots)).to(tl.int64), 0))
+        could_evict = tl.load(miss_bound_ptr) > tl.load(free_count_ptr)
+        if could_evict:
+            slot = pid * SLOTS + tl.arange(0, SLOTS)
+            bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
+            counts = tl.histogram(tl.where(bucket >= 0, bucket, _BUCKETS).to(tl.int32), HIST)
+            bins = tl.arange(0, HIST)
+            tl.atomic_add(hist_ptr + bins, counts, mask=bins < _BUCKETS)
     else:
         l_block = pid - slot_programs
         l_lane = l_block * LANES + tl.arange(0, LANES)
@@ -362,7 +372,7 @@ def _assign_kernel(
 @triton.jit(do_not_specialize=_PER_CALL)
 def _finish_kernel(
     ids_ptr, lanes, out_ptr, h2d_ptr, clock_ptr, lane_counts_ptr, free_count_ptr,
-    misses_ptr, recalled_ptr, miss_count_ptr, lane_programs, scratch_slot,
+    misses_ptr, recalled_ptr, miss_count_ptr, miss_bound_ptr, lane_programs, scratch_slot,
     APPEND: tl.constexpr, LANES: tl.constexpr, MAXP: tl.constexpr,
 ):  # fmt: skip
     """Every lane reads its slot; program 0 updates the layer's scalars."""
@@ -379,6 +389,7 @@ def _finish_kernel(
         misses = tl.sum(per_block.to(tl.int64), 0)
         free = tl.load(free_count_ptr).to(tl.int64)
         tl.store(free_count_ptr, tl.maximum(free - misses, 0).to(tl.int32))
+        tl.store(miss_bound_ptr, 0)  # for the next call's look-up to count into
         if not APPEND:
             tl.store(clock_ptr, tl.load(clock_ptr) + 1)
             tl.atomic_add(misses_ptr, misses)
@@ -419,6 +430,8 @@ class AllocWorkspace:
         self.miss_ids = torch.zeros(max_lanes + 1, dtype=torch.int64, device=dev)
         self.miss_slots = torch.zeros(max_lanes + 1, dtype=torch.int64, device=dev)
         self.miss_count = torch.zeros(1, dtype=torch.int64, device=dev)
+        # Miss lanes of the call in progress (the look-up adds, the finish kernel zeroes).
+        self.miss_bound = torch.zeros(1, dtype=torch.int32, device=dev)
         self.buckets = torch.full((cache.num_slots + 2,), -1, dtype=torch.int16, device=dev)
 
 
@@ -463,11 +476,14 @@ def allocate_kernel(
     flags = dict(APPEND=append, LANES=ws.lane_block, num_warps=ws.num_warps)
     evictions = (c.append_evictions if append else c.evictions)[layer : layer + 1]
     mark()
-    _lookup_kernel[(lane_programs,)](ids, lanes, h2d, prio, clock, ws.hist, HIST=HIST_BINS, **flags)
+    _lookup_kernel[(lane_programs,)](
+        ids, lanes, h2d, prio, clock, ws.hist, c.hits[layer : layer + 1], ws.miss_bound,
+        HIST=HIST_BINS, **flags,
+    )  # fmt: skip
     mark()
     both = (sp + lane_programs,)
     _count_kernel[both](
-        ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, c.hits[layer : layer + 1],
+        ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, free_count, ws.miss_bound,
         c.num_slots, sp, SLOTS=ws.slot_block, HIST=HIST_BINS, **flags,
     )  # fmt: skip
     mark()
@@ -485,7 +501,8 @@ def allocate_kernel(
     mark()
     _finish_kernel[(lane_programs,)](
         ids, lanes, out, h2d, clock, ws.lane_counts, free_count, c.misses[layer : layer + 1],
-        c.recalled_rows[layer : layer + 1], ws.miss_count, lane_programs, c.scratch_slot,
+        c.recalled_rows[layer : layer + 1], ws.miss_count, ws.miss_bound, lane_programs,
+        c.scratch_slot,
         MAXP=maxp, **flags,
     )  # fmt: skip
     mark()
