@@ -36,8 +36,10 @@ STATE = (
 )
 
 
-def _pair(num_slots: int, host_tokens: int) -> tuple[DeviceCache, DeviceCache]:
-    make = lambda: DeviceCache(2, num_slots, host_tokens, 4, torch.float32, DEV)  # noqa: E731
+def _pair(num_slots: int, host_tokens: int, reserve: int = 0) -> tuple[DeviceCache, DeviceCache]:
+    def make() -> DeviceCache:
+        return DeviceCache(2, num_slots, host_tokens, 4, torch.float32, DEV, reserve)
+
     return make(), make()
 
 
@@ -86,14 +88,15 @@ SMALL_BLOCKS = {"lane_block": 16, "slot_block": 16, "num_warps": 1}
     ],
     ids=["seed0", "seed1", "seed2", "seed3-16-lane-16-slot-blocks"],
 )
+@pytest.mark.parametrize("reserve", [0, 5], ids=["no-reserve", "reserve-5"])
 def test_kernels_match_reference_over_a_random_life(
-    seed: int, program_order: str, shape: dict
+    seed: int, program_order: str, shape: dict, reserve: int
 ) -> None:
     """Any launch shape (many programs per launch with small blocks) leaves the state the
-    reference leaves."""
+    reference leaves, with and without an eviction reserve."""
     rng = random.Random(seed)
     num_slots, host_tokens = 40, 200
-    ref, ker = _pair(num_slots, host_tokens)
+    ref, ker = _pair(num_slots, host_tokens, reserve)
     ws = AllocWorkspace(ker, max_lanes=num_slots, **shape)
     live: list[int] = []
     next_id = 1
@@ -217,3 +220,33 @@ def test_slots_are_scanned_only_when_misses_could_outnumber_free_slots() -> None
     _assert_same(ref, ker, "misses outnumber the free slots")
     assert int(ws.hist.sum()) > 0 and int(ker.evictions[0]) > 0
     assert int(ws.miss_bound) == 0  # zeroed for the next call
+
+
+def test_an_eviction_takes_the_reserve_and_the_next_steps_scan_nothing() -> None:
+    """With a reserve, a step that must evict also frees the reserve's oldest slots onto the
+    free stack (unmapped), so the following steps' misses fit the free slots and no slot
+    is scanned; the state stays the reference's throughout."""
+    ref, ker = _pair(16, 100, reserve=4)
+    ws = AllocWorkspace(ker, max_lanes=16)
+
+    def both(ids: list[int], append: bool) -> None:
+        t = torch.tensor(ids, dtype=torch.int64, device=DEV)
+        allocate_reference(ref, 0, t, append)
+        allocate_kernel(ker, 0, t, append, ws)
+        _assert_same(ref, ker, f"{ids} {append}")
+
+    both(list(range(1, 17)), True)  # the cache is full
+    both([1, 2, 3, 20, 21], False)  # 2 misses: 2 victims + the reserve's 4
+    assert int(ker.evictions[0]) == 6 and int(ker.free_count[0]) == 4
+    h2d = ker.host_to_device[0]
+    assert sum(int(h2d[i]) == ABSENT for i in range(4, 17)) == 6  # unmapped, not recalled
+    both([1, 2, 30, 31], False)  # 2 misses fit the 4 free slots: no scan, no eviction
+    assert int(ws.hist.sum()) == 0 and int(ker.evictions[0]) == 6
+    assert int(ker.free_count[0]) == 2
+
+
+def test_workspace_must_match_the_cache_reserve() -> None:
+    _, ker = _pair(16, 100, reserve=4)
+    ws = AllocWorkspace(_pair(16, 100)[1], max_lanes=16)
+    with pytest.raises(ValueError, match="eviction reserve"):
+        allocate_kernel(ker, 0, torch.tensor([1], device=DEV), True, ws)

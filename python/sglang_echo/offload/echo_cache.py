@@ -49,8 +49,9 @@ class EchoKVCache:
             pin=(device.type == "cuda") if pin is None else pin,
         )
         self.cache = DeviceCache(
-            num_layers, config.dev_cache_size, host_tokens, kv_row_dim, dtype, device
-        )
+            num_layers, config.dev_cache_size, host_tokens, kv_row_dim, dtype, device,
+            eviction_reserve=config.eviction_reserve,
+        )  # fmt: skip
         self.manager = EchoManager(self.host, self.cache, use_kernels=use_kernels)
         self.index = torch.zeros(
             num_layers, host_tokens + 1, index_dim, dtype=index_dtype or dtype, device=device
