@@ -31,7 +31,7 @@ from sglang_echo.kernels.cache_layout import ABSENT, FREE, CacheState
 CLAIM = -(2**31)  # host_to_device value CLAIM + lane: lane is the id's first miss lane
 EXACT_AGES = 224  # ages below this are exact buckets; older ones share log2 buckets
 NUM_BUCKETS = 256
-HIST_BINS = 512  # histogram width; bin 256 collects non-evictable slots
+HIST_BINS = NUM_BUCKETS  # the age histogram: one bin per bucket (unevictable: masked out)
 # The default launch shape: the fastest of the 8 that cache_ops_bench --sweep timed on an
 # H200 (69 us per layer-step against 77-82 us for the others with 4 warps;
 # benchmark/results/cache_ops.json, launch_shape_sweep).
@@ -273,7 +273,7 @@ def _first_miss(ids_ptr, lanes, h2d_ptr, lane):
 def _count_kernel(
     ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr,
     free_count_ptr, miss_bound_ptr, num_slots, slot_programs,
-    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, HIST: tl.constexpr,
+    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr,
 ):  # fmt: skip
     """Slot programs: histogram of evictable ages, only where the misses could outnumber
     the free slots (only then is anything evicted, and only then do the rank and assign
@@ -286,9 +286,9 @@ def _count_kernel(
         if could_evict:
             slot = pid * SLOTS + tl.arange(0, SLOTS)
             bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
-            counts = tl.histogram(tl.where(bucket >= 0, bucket, _BUCKETS).to(tl.int32), HIST)
-            bins = tl.arange(0, HIST)
-            tl.atomic_add(hist_ptr + bins, counts, mask=bins < _BUCKETS)
+            # 256 masked bins, not 512 with the unevictable slots in the upper half.
+            counts = tl.histogram(bucket.to(tl.int32), _BUCKETS, mask=bucket >= 0)
+            tl.atomic_add(hist_ptr + tl.arange(0, _BUCKETS), counts)
     else:
         l_block = pid - slot_programs
         l_lane = l_block * LANES + tl.arange(0, LANES)
@@ -533,7 +533,7 @@ def allocate_kernel(
     both = (sp + lane_programs,)
     _count_kernel[both](
         ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, free_count, ws.miss_bound,
-        c.num_slots, sp, SLOTS=ws.slot_block, HIST=HIST_BINS, **flags,
+        c.num_slots, sp, SLOTS=ws.slot_block, **flags,
     )  # fmt: skip
     mark()
     _rank_kernel[both](
