@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every H200 measurement behind the README, in two device calls of under ten minutes each,
+# each stage under its own time limit and packed into OUTDIR as it finishes (a call cut
+# short still returns what ran). Records keep the commands that made them.
+#   bash benchmark/device_session.sh OUTDIR checks   # CUDA tests + kernel benchmarks (~9 min)
+#   bash benchmark/device_session.sh OUTDIR e2e      # decode-node sweep + the study, bf16 and fp8 (~9 min)
+# Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack.
+set -uo pipefail
+out=${1:?usage: device_session.sh OUTDIR checks|e2e}
+part=${2:?usage: device_session.sh OUTDIR checks|e2e}
+mkdir -p "$out"
+export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1
+SECONDS=0
+stage() {  # stage NAME LIMIT_S COMMAND...: run, log, pack NAME.tgz from /tmp/ds/NAME
+  local name=$1 limit=$2
+  shift 2
+  mkdir -p "/tmp/ds/$name"
+  echo "[device_session] ${SECONDS}s: $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "/tmp/ds/$name/$name.log" 2>&1
+  echo "[device_session] $name exit $?"
+  tail -6 "/tmp/ds/$name/$name.log"
+  tar -czf "$out/$name.tgz" -C /tmp/ds "$name"
+}
+case "$part" in
+  checks)
+    stage tests 390 bash benchmark/gpu_checks.sh /tmp/ds/tests tests
+    stage kernels 150 bash -c 'for b in sparse_mla cache_ops indexer; do
+      python3 benchmark/kernels/${b}_bench.py --out /tmp/ds/kernels; done'
+    if python3 benchmark/kernels/cache_ops_bench.py --help | grep -q -- --eviction-reserve; then
+      stage reserve 45 python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/reserve \
+        --eviction-reserve 8192
+    fi
+    ;;
+  e2e)
+    stage sweep 250 env RATES=4,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 \
+      bash benchmark/e2e_sweep.sh /tmp/ds/sweep/e2e_sweep
+    stage study 150 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 2 --deadline-s 140
+    stage study_fp8 150 python3 benchmark/e2e_study.py --out /tmp/ds/study_fp8 \
+      --kv-cache-dtype fp8_e4m3 --repeats 2 --deadline-s 140
+    ;;
+  *) echo "part must be checks or e2e, got $part" >&2; exit 2 ;;
+esac
+echo "[device_session] done in ${SECONDS}s"
+ls -la "$out"
