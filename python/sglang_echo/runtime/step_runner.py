@@ -140,10 +140,10 @@ class StepRunner:
         Returns them as a host int64 tensor (converted once; a decode node's transfer
         reuses it)."""
         host = int64_tensor(locs)
-        self.table.assign(req.row, start, host)
+        on_device = host.to(self.device)  # one host-to-device copy, for the table and owner
+        self.table.assign(req.row, start, on_device)
         req.locs.extend(locs)
         if self._note_owner is not None:
-            on_device = host.to(self.device)
             self._note_owner(torch.full_like(on_device, req.row), on_device)
         return host
 
@@ -161,20 +161,17 @@ class StepRunner:
         is_decode: bool,
         logits_rows: list[int] | None,
     ) -> ForwardBatch:
-        def as_tensor(values: list[int]) -> torch.Tensor:
-            return int64_tensor(values, self.device)
-
         context_lens = [r.cached_len for r in reqs]
-        rows = as_tensor([r.row for r in reqs])
+        rows = self._ints([r.row for r in reqs])
         width = max(context_lens)
         return ForwardBatch(
-            input_ids=as_tensor(ids),
-            positions=as_tensor(positions),
-            out_locs=as_tensor(out_locs),
+            input_ids=self._ints(ids),
+            positions=self._ints(positions),
+            out_locs=self._ints(out_locs),
             context_locs=self.table.table[rows, :width],
             extend_lens=extend_lens,
             context_lens=context_lens,
             is_decode=is_decode,
-            logits_indices=None if logits_rows is None else as_tensor(logits_rows),
+            logits_indices=None if logits_rows is None else self._ints(logits_rows),
             request_rows=rows,
         )
