@@ -247,3 +247,15 @@ def test_host_pool_allocation_failure(
     assert "GiB" in msg
     assert f"{tokens} tokens x {layers} layers x {row_dim} values" in msg
     assert "--max-total-tokens" in msg
+
+
+def test_eviction_reserve_from_the_environment_and_its_bound():
+    from sglang_echo.config import ENV_EVICTION_RESERVE
+
+    assert EchoConfig.from_env({}).eviction_reserve == 0
+    assert EchoConfig.from_env({ENV_EVICTION_RESERVE: "8_192"}).eviction_reserve == 8192
+    with pytest.raises(ConfigError, match=ENV_EVICTION_RESERVE):
+        EchoConfig.from_env({ENV_EVICTION_RESERVE: "-3"})
+    too_many = EchoConfig(offload=True, dev_cache_size=4096, eviction_reserve=3000)
+    with pytest.raises(ConfigError, match="at most 2048"):
+        too_many.validate(host_tokens=10_000, max_running_requests=1, topk=2048, chunk_size=512)

@@ -36,8 +36,10 @@ STATE = (
 )
 
 
-def _pair(num_slots: int, host_tokens: int) -> tuple[DeviceCache, DeviceCache]:
-    make = lambda: DeviceCache(2, num_slots, host_tokens, 4, torch.float32, DEV)  # noqa: E731
+def _pair(num_slots: int, host_tokens: int, reserve: int = 0) -> tuple[DeviceCache, DeviceCache]:
+    def make() -> DeviceCache:
+        return DeviceCache(2, num_slots, host_tokens, 4, torch.float32, DEV, reserve)
+
     return make(), make()
 
 
@@ -86,14 +88,15 @@ SMALL_BLOCKS = {"lane_block": 16, "slot_block": 16, "num_warps": 1}
     ],
     ids=["seed0", "seed1", "seed2", "seed3-16-lane-16-slot-blocks"],
 )
+@pytest.mark.parametrize("reserve", [0, 5], ids=["no-reserve", "reserve-5"])
 def test_kernels_match_reference_over_a_random_life(
-    seed: int, program_order: str, shape: dict
+    seed: int, program_order: str, shape: dict, reserve: int
 ) -> None:
     """Any launch shape (many programs per launch with small blocks) leaves the state the
-    reference leaves."""
+    reference leaves, with and without an eviction reserve."""
     rng = random.Random(seed)
     num_slots, host_tokens = 40, 200
-    ref, ker = _pair(num_slots, host_tokens)
+    ref, ker = _pair(num_slots, host_tokens, reserve)
     ws = AllocWorkspace(ker, max_lanes=num_slots, **shape)
     live: list[int] = []
     next_id = 1
@@ -195,3 +198,55 @@ def test_workspace_rejects_launch_shapes_the_kernels_cannot_take() -> None:
         AllocWorkspace(cache, 32, slot_block=8)
     with pytest.raises(ValueError, match="num_warps"):
         AllocWorkspace(cache, 32, num_warps=3)
+
+
+def test_slots_are_scanned_only_when_misses_could_outnumber_free_slots() -> None:
+    """Before the cache fills a step's misses fit the free slots: the count kernel leaves
+    the age histogram empty (no slot scanned) and the state is still the reference's; once
+    the misses exceed the free slots the histogram is built and victims are taken."""
+    ref, ker = _pair(16, 100)
+    ws = AllocWorkspace(ker, max_lanes=16)
+    first = torch.arange(1, 11, dtype=torch.int64, device=DEV)  # 10 of 16 slots
+    allocate_reference(ref, 0, first, True)
+    allocate_kernel(ker, 0, first, True, ws)
+    fits = torch.tensor([1, 2, 11, 12, 3], dtype=torch.int64, device=DEV)  # 2 misses, 6 free
+    allocate_reference(ref, 0, fits, False)
+    allocate_kernel(ker, 0, fits, False, ws)
+    _assert_same(ref, ker, "misses fit the free slots")
+    assert int(ws.hist.sum()) == 0 and int(ker.evictions[0]) == 0
+    evicts = torch.arange(20, 30, dtype=torch.int64, device=DEV)  # 10 misses, 4 free
+    allocate_reference(ref, 0, evicts, False)
+    allocate_kernel(ker, 0, evicts, False, ws)
+    _assert_same(ref, ker, "misses outnumber the free slots")
+    assert int(ws.hist.sum()) > 0 and int(ker.evictions[0]) > 0
+    assert int(ws.miss_bound) == 0  # zeroed for the next call
+
+
+def test_an_eviction_takes_the_reserve_and_the_next_steps_scan_nothing() -> None:
+    """With a reserve, a step that must evict also frees the reserve's oldest slots onto the
+    free stack (unmapped), so the following steps' misses fit the free slots and no slot
+    is scanned; the state stays the reference's throughout."""
+    ref, ker = _pair(16, 100, reserve=4)
+    ws = AllocWorkspace(ker, max_lanes=16)
+
+    def both(ids: list[int], append: bool) -> None:
+        t = torch.tensor(ids, dtype=torch.int64, device=DEV)
+        allocate_reference(ref, 0, t, append)
+        allocate_kernel(ker, 0, t, append, ws)
+        _assert_same(ref, ker, f"{ids} {append}")
+
+    both(list(range(1, 17)), True)  # the cache is full
+    both([1, 2, 3, 20, 21], False)  # 2 misses: 2 victims + the reserve's 4
+    assert int(ker.evictions[0]) == 6 and int(ker.free_count[0]) == 4
+    h2d = ker.host_to_device[0]
+    assert sum(int(h2d[i]) == ABSENT for i in range(4, 17)) == 6  # unmapped, not recalled
+    both([1, 2, 30, 31], False)  # 2 misses fit the 4 free slots: no scan, no eviction
+    assert int(ws.hist.sum()) == 0 and int(ker.evictions[0]) == 6
+    assert int(ker.free_count[0]) == 2
+
+
+def test_workspace_must_match_the_cache_reserve() -> None:
+    _, ker = _pair(16, 100, reserve=4)
+    ws = AllocWorkspace(_pair(16, 100)[1], max_lanes=16)
+    with pytest.raises(ValueError, match="eviction reserve"):
+        allocate_kernel(ker, 0, torch.tensor([1], device=DEV), True, ws)

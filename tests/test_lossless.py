@@ -64,18 +64,20 @@ def run_pair(
     use_kernels: bool | None = None,
     echo_baseline: bool = True,
     fuse_extend: bool = False,
+    reserve_fraction: float = 0.0,
 ) -> dict:
     """No-offload vs ECHO (and, with ``fuse_decode``, vs ECHO with decode prefetch; without
     ``echo_baseline`` only that): identical token ids and every step's logits.
     ``use_kernels``: ECHO's cache kernels (Triton, interpreted on CPU) instead of the torch
-    reference."""
+    reference. ``reserve_fraction``: ECHO's eviction reserve as a share of its slots."""
     cfg = model.config
     capacity = sum(len(p) + w.new_tokens for p in w.prompts)
     max_context = max(len(p) for p in w.prompts) + w.new_tokens
     echo = EchoConfig(offload=True, dev_cache_size=1)
     chunk = min(w.chunk, capacity)
     legal_min = echo.min_dev_cache_size(w.batch_size, cfg.index_topk, chunk)
-    echo = EchoConfig(offload=True, dev_cache_size=legal_min)
+    reserve = int(legal_min * reserve_fraction)
+    echo = EchoConfig(offload=True, dev_cache_size=legal_min, eviction_reserve=reserve)
     echo.validate(
         host_tokens=capacity,
         max_running_requests=w.batch_size,
@@ -154,6 +156,21 @@ def test_lossless_1000_randomized_workloads(models):
     reports = run_many(models, range(1000, 2000))
     print("\n" + summarize(reports))
     assert sum(1 for r in reports if r["resolve_evictions"] > 0) >= 850
+
+
+def test_lossless_with_an_eviction_reserve(models):
+    """SGLANG_ECHO_EVICTION_RESERVE: every evicting step also frees a quarter of the cache
+    ahead; outputs and logits stay no-offload's, under the same pressure."""
+    reports = []
+    for seed in range(500, 540):
+        w = make_workload(seed)
+        reports.append(run_pair(models(w.config, w.dtype), w, reserve_fraction=0.25))
+    print("\n" + summarize(reports))
+    assert sum(1 for r in reports if r["resolve_evictions"] > 0) >= 30
+    for seed, fuse in ((300, "decode"), (301, "decode"), (400, "extend"), (401, "extend")):
+        w = make_workload(seed)  # with each prefetch, which allocates from the same stack
+        flags = {"fuse_decode": fuse == "decode", "fuse_extend": fuse == "extend"}
+        run_pair(models(w.config, w.dtype), w, reserve_fraction=0.25, **flags)
 
 
 def _prefetch_summary(reports: list[dict], kind: str = "decode") -> str:

@@ -75,10 +75,10 @@ def _fill(cache: EchoKVCache, args, dev: torch.device) -> None:
 def _cache(
     args, dev: torch.device, host_tokens: int, use_kernels: bool, shape: dict | None = None
 ) -> EchoKVCache:
-    cache = EchoKVCache(
-        EchoConfig(offload=True, dev_cache_size=args.slots), 1, host_tokens, 576, 128,
-        torch.bfloat16, dev,
-    )  # fmt: skip
+    config = EchoConfig(
+        offload=True, dev_cache_size=args.slots, eviction_reserve=args.eviction_reserve
+    )
+    cache = EchoKVCache(config, 1, host_tokens, 576, 128, torch.bfloat16, dev)
     cache.manager.use_kernels = use_kernels and cache.manager.host_view is not None
     if shape:
         cache.manager._workspace = AllocWorkspace(cache.cache, cache.cache.num_slots, **shape)
@@ -268,6 +268,12 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=260_000)
     p.add_argument("--context", type=int, default=16_384)
     p.add_argument("--reuse", type=float, default=0.97)
+    p.add_argument(
+        "--eviction-reserve",
+        type=int,
+        default=0,
+        help="extra victims per evicting step (SGLANG_ECHO_EVICTION_RESERVE; 0: none)",
+    )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument(
         "--policy-slots",
@@ -333,6 +339,7 @@ def main() -> None:
         "batch": args.batch,
         "topk": args.topk,
         "slots": args.slots,
+        "eviction_reserve": args.eviction_reserve,
         "trace_reuse": args.reuse,
         "hit_rate": runs["kernels_management"]["hit_rate"],
         "target_us": 4.0,

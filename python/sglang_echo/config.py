@@ -14,6 +14,9 @@ ENV_OFFLOAD = "NSA_KV_OFFLOAD"
 ENV_DEV_CACHE = "NSA_DEV_CACHE_SIZE"
 ENV_FUSE_DECODE = "SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE"
 ENV_FUSE_EXTEND = "SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND"
+# Extra victims a step takes whenever it must evict, left free for the next steps (which
+# then scan no slots): 0 = evict exactly the misses' worth (the policy measured so far).
+ENV_EVICTION_RESERVE = "SGLANG_ECHO_EVICTION_RESERVE"
 DEFAULT_DEV_CACHE_SIZE = 260_000
 
 
@@ -48,12 +51,20 @@ def parse_size(name: str, raw: str) -> int:
     return value
 
 
+def parse_count(name: str, raw: str | None) -> int:
+    """A whole number >= 0 (unset or empty: 0); underscores as in ``parse_size``."""
+    if raw is None or raw.strip() in ("", "0"):
+        return 0
+    return parse_size(name, raw)
+
+
 @dataclass(frozen=True)
 class EchoConfig:
     offload: bool = False
     dev_cache_size: int = DEFAULT_DEV_CACHE_SIZE  # N_G: usable device slots per layer
     fuse_decode: bool = False
     fuse_extend: bool = False
+    eviction_reserve: int = 0  # extra victims per evicting step (ENV_EVICTION_RESERVE)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EchoConfig:
@@ -66,6 +77,7 @@ class EchoConfig:
             ),
             fuse_decode=parse_flag(ENV_FUSE_DECODE, env.get(ENV_FUSE_DECODE)),
             fuse_extend=parse_flag(ENV_FUSE_EXTEND, env.get(ENV_FUSE_EXTEND)),
+            eviction_reserve=parse_count(ENV_EVICTION_RESERVE, env.get(ENV_EVICTION_RESERVE)),
         )
 
     def min_dev_cache_size(self, max_running_requests: int, topk: int, chunk_size: int) -> int:
@@ -79,6 +91,12 @@ class EchoConfig:
             raise ConfigError(f"the host pool must hold >= 1 token, got {host_tokens}.")
         if max_running_requests < 1:
             raise ConfigError(f"max running requests must be >= 1, got {max_running_requests}.")
+        if self.eviction_reserve > self.dev_cache_size // 2:
+            raise ConfigError(
+                f"{ENV_EVICTION_RESERVE}={self.eviction_reserve} would keep more than half of "
+                f"the {self.dev_cache_size} device slots ({ENV_DEV_CACHE}) free after each "
+                f"eviction; use at most {self.dev_cache_size // 2} (a few thousand is plenty)."
+            )
         need = self.min_dev_cache_size(max_running_requests, topk, chunk_size)
         if self.dev_cache_size < need:
             raise ConfigError(

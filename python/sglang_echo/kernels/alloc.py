@@ -31,7 +31,7 @@ from sglang_echo.kernels.cache_layout import ABSENT, FREE, CacheState
 CLAIM = -(2**31)  # host_to_device value CLAIM + lane: lane is the id's first miss lane
 EXACT_AGES = 224  # ages below this are exact buckets; older ones share log2 buckets
 NUM_BUCKETS = 256
-HIST_BINS = 512  # histogram width; bin 256 collects non-evictable slots
+HIST_BINS = NUM_BUCKETS  # the age histogram: one bin per bucket (unevictable: masked out)
 # The default launch shape: the fastest of the 8 that cache_ops_bench --sweep timed on an
 # H200 (69 us per layer-step against 77-82 us for the others with 4 warps;
 # benchmark/results/cache_ops.json, launch_shape_sweep).
@@ -103,14 +103,17 @@ def allocate_reference(
     n_miss = first_miss.sum()
     free = c.free_count[layer].to(torch.int64)
     need = (n_miss - free).clamp(min=0)
+    reserve = c.eviction_reserve
+    target = torch.where(need > 0, need + reserve, 0)  # victims wanted: the reserve too
     slot_range = torch.arange(c.num_slots + 2, device=dev)
     occupied = (d2h >= 1) & (slot_range >= 1) & (slot_range <= c.num_slots)
     evictable = occupied if append else occupied & (prio < stamp)
     bucket = torch.where(evictable, age_bucket(stamp - prio), torch.full_like(prio, -1))
-    victim = victim_mask(bucket, need)
-    vpos = torch.where(victim, torch.cumsum(victim, 0) - 1, lanes)
-    victims = torch.full((lanes + 1,), c.scratch_slot, dtype=torch.int64, device=dev)
-    victims.scatter_(0, vpos.clamp(max=lanes), slot_range)
+    victim = victim_mask(bucket, target)
+    cap = lanes + reserve  # victims beyond it: none (need <= lanes)
+    vpos = torch.where(victim, torch.cumsum(victim, 0) - 1, cap)
+    victims = torch.full((cap + 1,), c.scratch_slot, dtype=torch.int64, device=dev)
+    victims.scatter_(0, vpos.clamp(max=cap), slot_range)
     n_victims = victim.sum()
 
     rank = torch.cumsum(first_miss, 0) - 1
@@ -130,6 +133,19 @@ def allocate_reference(
     h2d.scatter_(0, torch.where(served, ids, scratch_host), slot.to(torch.int32))
     d2h.scatter_(0, slot, torch.where(served, ids, FREE).to(torch.int32))
     prio.scatter_(0, slot, stamp.expand(lanes))
+    # The reserve: victims past the misses' are unmapped and left on the free stack, in
+    # slot order from its bottom (every free slot was taken: need > 0).
+    n_extra = torch.where(need > 0, (n_victims - need).clamp(min=0), 0)
+    j = torch.arange(reserve, device=dev)
+    is_extra = j < n_extra
+    extra_slot = victims[(need + j).clamp(max=cap)]
+    extra_at = torch.where(is_extra, extra_slot, torch.full_like(extra_slot, c.scratch_slot))
+    old_extra_host = d2h[extra_at].to(torch.int64)
+    h2d.scatter_(0, torch.where(is_extra, old_extra_host, c.scratch_host), ABSENT)
+    d2h.scatter_(0, extra_at, FREE)
+    prio.scatter_(0, extra_at, FREE)
+    stack_at = torch.where(is_extra, j, c.num_slots)  # the stack's scratch entry: stays 0
+    c.free_stack[layer].scatter_(0, stack_at, torch.where(is_extra, extra_slot, 0).to(torch.int32))
     # Scratch entries back to their resting values (narrow + fill: no host-to-device copy).
     h2d.narrow(0, c.scratch_host, 1).fill_(ABSENT)
     d2h.narrow(0, c.scratch_slot, 1).fill_(FREE)
@@ -141,8 +157,10 @@ def allocate_reference(
     miss_ids = torch.zeros(lanes + 1, dtype=torch.int64, device=dev).scatter_(0, dest, ids)
     miss_slots = torch.zeros_like(miss_ids).scatter_(0, dest, slot)
     served_count = served.sum()
-    c.free_count[layer] = (free - n_miss).clamp(min=0).to(torch.int32)
-    n_evicted = by_victim.sum()
+    c.free_count[layer] = torch.where(need > 0, n_extra, (free - n_miss).clamp(min=0)).to(
+        torch.int32
+    )
+    n_evicted = by_victim.sum() + n_extra
     if append:
         c.append_evictions[layer] += n_evicted
     else:
@@ -159,6 +177,7 @@ _ABSENT = tl.constexpr(ABSENT)
 _CLAIM = tl.constexpr(CLAIM)
 _EXACT = tl.constexpr(EXACT_AGES)
 _BUCKETS = tl.constexpr(NUM_BUCKETS)
+_FREE = tl.constexpr(FREE)
 # Arguments that change from call to call (lane counts; prefill appends and resolves have
 # any size). Triton would otherwise compile a variant per value class (== 1, multiple of
 # 16): compiles in the middle of serving, seconds each.
@@ -194,6 +213,12 @@ def _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND: tl.constexpr
 
 
 @triton.jit
+def _target(need, reserve):
+    """Victims wanted: none, or the misses' worth and the reserve."""
+    return tl.where(need > 0, need + reserve, 0)
+
+
+@triton.jit
 def _boundary(hist_ptr, need):
     """Boundary bucket (oldest-first suffix count reaches ``need``), the number of
     evictable slots strictly older than it, and the number of evictable slots."""
@@ -208,10 +233,13 @@ def _boundary(hist_ptr, need):
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _lookup_kernel(
-    ids_ptr, lanes, h2d_ptr, prio_ptr, clock_ptr, hist_ptr,
+    ids_ptr, lanes, h2d_ptr, prio_ptr, clock_ptr, hist_ptr, hits_ptr, miss_bound_ptr,
     APPEND: tl.constexpr, LANES: tl.constexpr, HIST: tl.constexpr,
 ):  # fmt: skip
-    """Hits stamp their slot; misses claim their id (the lowest lane wins)."""
+    """Hits stamp their slot; misses claim their id (the lowest lane wins). A resolve
+    counts its distinct hit slots here (the lane whose exchange found an older stamp: no
+    slot carries this step's stamp before its look-up), and every call bounds its misses
+    from above (miss lanes, duplicates included) for the count kernel."""
     pid = tl.program_id(0)
     lane = pid * LANES + tl.arange(0, LANES)
     ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
@@ -219,10 +247,16 @@ def _lookup_kernel(
     stamp = _stamp(clock_ptr, APPEND)
     looked_up = tl.load(h2d_ptr + ids, mask=valid, other=_ABSENT)
     hit = valid & (looked_up >= 0) & (looked_up != _ABSENT)
-    # A plain store (duplicates write the same stamp); the count kernel counts the hits.
-    tl.store(prio_ptr + looked_up, tl.zeros([LANES], dtype=tl.int64) + stamp, mask=hit)
+    stamps = tl.zeros([LANES], dtype=tl.int64) + stamp
+    if APPEND:  # a plain store (duplicates write the same stamp); appends count no hits
+        tl.store(prio_ptr + looked_up, stamps, mask=hit)
+    else:
+        before = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit)
+        tl.atomic_add(hits_ptr, tl.sum((hit & (before != stamp)).to(tl.int64), 0))
     claim = (lane + _CLAIM).to(tl.int32)
-    tl.atomic_min(h2d_ptr + ids, claim, mask=valid & ~hit)
+    missed = valid & ~hit
+    tl.atomic_min(h2d_ptr + ids, claim, mask=missed)
+    tl.atomic_add(miss_bound_ptr, tl.sum(missed.to(tl.int32), 0))
     if pid == 0:
         tl.store(hist_ptr + tl.arange(0, HIST), tl.zeros([HIST], dtype=tl.int32))
 
@@ -237,23 +271,24 @@ def _first_miss(ids_ptr, lanes, h2d_ptr, lane):
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _count_kernel(
-    ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr, hits_ptr,
-    num_slots, slot_programs,
-    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, HIST: tl.constexpr,
+    ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr,
+    free_count_ptr, miss_bound_ptr, num_slots, slot_programs,
+    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr,
 ):  # fmt: skip
-    """Slot programs: histogram of evictable ages, and the hits (slots stamped this step).
-    Lane programs: first misses per block."""
+    """Slot programs: histogram of evictable ages, only where the misses could outnumber
+    the free slots (only then is anything evicted, and only then do the rank and assign
+    kernels read it; before the cache fills, no step scans its slots). Lane programs:
+    first misses per block."""
     pid = tl.program_id(0)
     stamp = _stamp(clock_ptr, APPEND)
     if pid < slot_programs:
-        slot = pid * SLOTS + tl.arange(0, SLOTS)
-        bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
-        counts = tl.histogram(tl.where(bucket >= 0, bucket, _BUCKETS).to(tl.int32), HIST)
-        bins = tl.arange(0, HIST)
-        tl.atomic_add(hist_ptr + bins, counts, mask=bins < _BUCKETS)
-        if not APPEND:  # slots the look-up stamped = distinct hit tokens (sink included)
-            stamped = tl.load(prio_ptr + slot, mask=slot <= num_slots, other=0) == stamp
-            tl.atomic_add(hits_ptr, tl.sum((stamped & (slot <= num_slots)).to(tl.int64), 0))
+        could_evict = tl.load(miss_bound_ptr) > tl.load(free_count_ptr)
+        if could_evict:
+            slot = pid * SLOTS + tl.arange(0, SLOTS)
+            bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
+            # 256 masked bins, not 512 with the unevictable slots in the upper half.
+            counts = tl.histogram(bucket.to(tl.int32), _BUCKETS, mask=bucket >= 0)
+            tl.atomic_add(hist_ptr + tl.arange(0, _BUCKETS), counts)
     else:
         l_block = pid - slot_programs
         l_lane = l_block * LANES + tl.arange(0, LANES)
@@ -265,7 +300,7 @@ def _count_kernel(
 def _rank_kernel(
     ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr,
     slot_counts_ptr, free_count_ptr, miss_ids_ptr, miss_count_ptr, buckets_ptr,
-    num_slots, slot_programs, lane_programs,
+    num_slots, slot_programs, lane_programs, reserve,
     APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, MAXP: tl.constexpr,
 ):  # fmt: skip
     """Lane programs: compact first misses in lane order. Slot programs: count the slots
@@ -278,7 +313,7 @@ def _rank_kernel(
     if pid < slot_programs:
         free = tl.load(free_count_ptr).to(tl.int64)
         need = tl.maximum(misses - free, 0)
-        boundary, _older, evictable = _boundary(hist_ptr, need)
+        boundary, _older, evictable = _boundary(hist_ptr, _target(need, reserve))
         if need > 0:  # nothing is evicted otherwise: the assign kernel reads none of this
             slot = pid * SLOTS + tl.arange(0, SLOTS)
             bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
@@ -306,20 +341,22 @@ def _rank_kernel(
 def _assign_kernel(
     h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr, slot_counts_ptr,
     free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, evictions_ptr, buckets_ptr,
-    num_slots, slot_programs, lane_programs, scratch_slot,
+    extras_ptr, num_slots, slot_programs, lane_programs, scratch_slot, reserve,
     APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, MAXP: tl.constexpr,
     MAXS: tl.constexpr,
 ):  # fmt: skip
     """Slot programs evict their victims into the misses they serve (miss rank = free +
-    victim position in slot order); lane programs serve the misses from the free stack
-    and give unserved ones back (only reachable if the cache is too small)."""
+    victim position in slot order), and the victims past the misses (the reserve) into
+    the extras list the finish kernel puts on the free stack (lane programs read the stack
+    in this launch); lane programs serve the misses from the free stack and give unserved
+    ones back (only reachable if the cache is too small)."""
     pid = tl.program_id(0)
     stamp = _stamp(clock_ptr, APPEND)
     p = tl.arange(0, MAXP)
     misses = tl.sum(tl.load(lane_counts_ptr + p, mask=p < lane_programs, other=0).to(tl.int64), 0)
     free = tl.load(free_count_ptr).to(tl.int64)
     need = tl.maximum(misses - free, 0)
-    boundary, older, evictable = _boundary(hist_ptr, need)
+    boundary, older, evictable = _boundary(hist_ptr, _target(need, reserve))
     if pid < slot_programs and need > 0:  # victims only when the free slots fall short
         q = tl.arange(0, MAXS)
         earlier = q < pid
@@ -329,18 +366,22 @@ def _assign_kernel(
         bucket = tl.load(buckets_ptr + slot, mask=slot < num_slots + 2, other=-1).to(tl.int64)
         is_older = ((bucket >= 0) & (bucket > boundary)).to(tl.int64)
         is_at = ((bucket >= 0) & (bucket == boundary)).to(tl.int64)
-        quota = need - older
+        quota = _target(need, reserve) - older
         at_rank = at_before + tl.cumsum(is_at, 0) - is_at
         victim = (is_older > 0) | ((is_at > 0) & (at_rank < quota))
         pos = older_before + tl.cumsum(is_older, 0) - is_older + tl.minimum(at_rank, quota)
+        serves = victim & (pos < need)
+        extra = victim & (pos >= need)
         rank = free + pos
-        ids = tl.load(miss_ids_ptr + rank, mask=victim, other=0)
+        ids = tl.load(miss_ids_ptr + rank, mask=serves, other=0)
         old_host = tl.load(d2h_ptr + slot, mask=victim, other=0)
         tl.store(h2d_ptr + old_host, _ABSENT, mask=victim)
-        tl.store(h2d_ptr + ids, slot.to(tl.int32), mask=victim)
-        tl.store(d2h_ptr + slot, ids.to(tl.int32), mask=victim)
-        tl.store(prio_ptr + slot, tl.zeros([SLOTS], dtype=tl.int64) + stamp, mask=victim)
-        tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=victim)
+        tl.store(h2d_ptr + ids, slot.to(tl.int32), mask=serves)
+        tl.store(d2h_ptr + slot, tl.where(serves, ids, _FREE).to(tl.int32), mask=victim)
+        stamps = tl.zeros([SLOTS], dtype=tl.int64) + stamp
+        tl.store(prio_ptr + slot, tl.where(serves, stamps, _FREE), mask=victim)
+        tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=serves)
+        tl.store(extras_ptr + (pos - need), slot.to(tl.int32), mask=extra)
         tl.atomic_add(evictions_ptr, tl.sum(victim.to(tl.int64), 0))
     elif pid >= slot_programs:
         l_rank = (pid - slot_programs) * LANES + tl.arange(0, LANES)
@@ -361,11 +402,13 @@ def _assign_kernel(
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _finish_kernel(
-    ids_ptr, lanes, out_ptr, h2d_ptr, clock_ptr, lane_counts_ptr, free_count_ptr,
-    misses_ptr, recalled_ptr, miss_count_ptr, lane_programs, scratch_slot,
-    APPEND: tl.constexpr, LANES: tl.constexpr, MAXP: tl.constexpr,
+    ids_ptr, lanes, out_ptr, h2d_ptr, clock_ptr, hist_ptr, lane_counts_ptr, free_count_ptr,
+    free_stack_ptr, extras_ptr, misses_ptr, recalled_ptr, miss_count_ptr, miss_bound_ptr,
+    lane_programs, scratch_slot,
+    APPEND: tl.constexpr, LANES: tl.constexpr, MAXP: tl.constexpr, RESERVE: tl.constexpr,
 ):  # fmt: skip
-    """Every lane reads its slot; program 0 updates the layer's scalars."""
+    """Every lane reads its slot; program 0 updates the layer's scalars and, after an
+    eviction, puts the reserve's victims on the emptied free stack."""
     pid = tl.program_id(0)
     lane = pid * LANES + tl.arange(0, LANES)
     ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
@@ -378,7 +421,16 @@ def _finish_kernel(
         per_block = tl.load(lane_counts_ptr + p, mask=p < lane_programs, other=0)
         misses = tl.sum(per_block.to(tl.int64), 0)
         free = tl.load(free_count_ptr).to(tl.int64)
-        tl.store(free_count_ptr, tl.maximum(free - misses, 0).to(tl.int32))
+        need = tl.maximum(misses - free, 0)
+        _b, _o, evictable = _boundary(hist_ptr, _target(need, RESERVE))
+        extras = tl.where(need > 0, tl.maximum(tl.minimum(need + RESERVE, evictable) - need, 0), 0)
+        for j0 in tl.static_range(0, RESERVE, LANES):  # masked past the extras
+            j = j0 + tl.arange(0, LANES)
+            moved = tl.load(extras_ptr + j, mask=j < extras, other=0)
+            tl.store(free_stack_ptr + j, moved, mask=j < extras)
+        left = tl.where(need > 0, extras, tl.maximum(free - misses, 0))
+        tl.store(free_count_ptr, left.to(tl.int32))
+        tl.store(miss_bound_ptr, 0)  # for the next call's look-up to count into
         if not APPEND:
             tl.store(clock_ptr, tl.load(clock_ptr) + 1)
             tl.atomic_add(misses_ptr, misses)
@@ -419,6 +471,11 @@ class AllocWorkspace:
         self.miss_ids = torch.zeros(max_lanes + 1, dtype=torch.int64, device=dev)
         self.miss_slots = torch.zeros(max_lanes + 1, dtype=torch.int64, device=dev)
         self.miss_count = torch.zeros(1, dtype=torch.int64, device=dev)
+        # Miss lanes of the call in progress (the look-up adds, the finish kernel zeroes).
+        self.miss_bound = torch.zeros(1, dtype=torch.int32, device=dev)
+        # The reserve's victims of the call in progress (the finish kernel moves them).
+        self.reserve = cache.eviction_reserve
+        self.extras = torch.zeros(max(1, self.reserve), dtype=torch.int32, device=dev)
         self.buckets = torch.full((cache.num_slots + 2,), -1, dtype=torch.int16, device=dev)
 
 
@@ -448,6 +505,11 @@ def allocate_kernel(
     lanes = ids.shape[0]
     if lanes > ws.max_lanes:
         raise ValueError(f"{lanes} lanes exceed the allocation workspace ({ws.max_lanes})")
+    if ws.reserve != c.eviction_reserve:
+        raise ValueError(
+            f"the workspace was made for an eviction reserve of {ws.reserve}, the cache has "
+            f"{c.eviction_reserve}; make the workspace from this cache"
+        )
     ids = ids.contiguous()
     out = torch.empty(lanes, dtype=torch.int64, device=ids.device)
     if lanes == 0:
@@ -463,30 +525,35 @@ def allocate_kernel(
     flags = dict(APPEND=append, LANES=ws.lane_block, num_warps=ws.num_warps)
     evictions = (c.append_evictions if append else c.evictions)[layer : layer + 1]
     mark()
-    _lookup_kernel[(lane_programs,)](ids, lanes, h2d, prio, clock, ws.hist, HIST=HIST_BINS, **flags)
+    _lookup_kernel[(lane_programs,)](
+        ids, lanes, h2d, prio, clock, ws.hist, c.hits[layer : layer + 1], ws.miss_bound,
+        HIST=HIST_BINS, **flags,
+    )  # fmt: skip
     mark()
     both = (sp + lane_programs,)
     _count_kernel[both](
-        ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, c.hits[layer : layer + 1],
-        c.num_slots, sp, SLOTS=ws.slot_block, HIST=HIST_BINS, **flags,
+        ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, free_count, ws.miss_bound,
+        c.num_slots, sp, SLOTS=ws.slot_block, **flags,
     )  # fmt: skip
     mark()
     _rank_kernel[both](
         ids, lanes, h2d, d2h, prio, clock, ws.hist, ws.lane_counts, ws.slot_counts,
         free_count, ws.miss_ids, ws.miss_count, ws.buckets, c.num_slots, sp, lane_programs,
-        SLOTS=ws.slot_block, MAXP=maxp, **flags,
+        ws.reserve, SLOTS=ws.slot_block, MAXP=maxp, **flags,
     )  # fmt: skip
     mark()
     _assign_kernel[both](
         h2d, d2h, prio, clock, ws.hist, ws.lane_counts, ws.slot_counts, free_count,
-        c.free_stack[layer], ws.miss_ids, ws.miss_slots, evictions, ws.buckets, c.num_slots, sp,
-        lane_programs, c.scratch_slot, SLOTS=ws.slot_block, MAXP=maxp, MAXS=maxs, **flags,
+        c.free_stack[layer], ws.miss_ids, ws.miss_slots, evictions, ws.buckets, ws.extras,
+        c.num_slots, sp, lane_programs, c.scratch_slot, ws.reserve, SLOTS=ws.slot_block,
+        MAXP=maxp, MAXS=maxs, **flags,
     )  # fmt: skip
     mark()
     _finish_kernel[(lane_programs,)](
-        ids, lanes, out, h2d, clock, ws.lane_counts, free_count, c.misses[layer : layer + 1],
-        c.recalled_rows[layer : layer + 1], ws.miss_count, lane_programs, c.scratch_slot,
-        MAXP=maxp, **flags,
+        ids, lanes, out, h2d, clock, ws.hist, ws.lane_counts, free_count, c.free_stack[layer],
+        ws.extras, c.misses[layer : layer + 1], c.recalled_rows[layer : layer + 1],
+        ws.miss_count, ws.miss_bound, lane_programs, c.scratch_slot,
+        MAXP=maxp, RESERVE=ws.reserve, **flags,
     )  # fmt: skip
     mark()
     return Allocation(out, ws.miss_ids, ws.miss_slots, ws.miss_count)

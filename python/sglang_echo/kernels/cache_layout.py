@@ -28,6 +28,9 @@ class CacheState(Protocol):
     priority: torch.Tensor  # [layers, N_G + 2] int64
     free_stack: torch.Tensor  # [layers, N_G + 1] int32
     free_count: torch.Tensor  # [layers] int32
+    # Extra victims taken whenever a step evicts at all, left on the free stack (0: exactly
+    # the misses' worth); the slot scans then run once per several steps, not every step.
+    eviction_reserve: int
     clock: torch.Tensor  # [layers] int64
     hits: torch.Tensor  # [layers] int64, and the telemetry below likewise
     misses: torch.Tensor

@@ -102,9 +102,11 @@ def _sparse_mla_kernel(
         if FP8:  # kernels/fp8_kv.py rows: e4m3 latent | float32 tile scales | bf16 rope
             codes = tl.load(row[:, None] + c[None, :], mask=lat_mask, other=0)
             scales = (row + LAT).to(tl.pointer_type(tl.float32))
-            tile_scale = tl.load(
-                scales[:, None] + (c // FP8_TILE)[None, :], mask=lat_mask, other=0.0
-            )
+            tile = (c // FP8_TILE)[None, :]
+            tile_scale = tl.zeros((BLOCK_K, BLOCK_LAT), tl.float32)
+            for j in tl.static_range(LAT // FP8_TILE):  # one scale per row and tile
+                s_j = tl.load(scales + j, mask=live, other=0.0)
+                tile_scale = tl.where(tile == j, s_j[:, None], tile_scale)
             dequant = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tile_scale
             kv_lat = dequant.to(q_ptr.dtype.element_ty)  # rounded once, as fp8_kv does
             rope = (row + LAT + 4 * (LAT // FP8_TILE)).to(tl.pointer_type(tl.bfloat16))

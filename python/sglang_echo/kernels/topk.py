@@ -86,10 +86,11 @@ def _hist_kernel(
     )
     shift: tl.constexpr = 24 - 8 * PASS
     match = inside & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-    digit = tl.where(match, (key >> shift) & 255, 256).to(tl.int32)
-    bins = tl.arange(0, 512)
-    counts = tl.histogram(digit, 512)
-    tl.atomic_add(hist_ptr + (PASS * n_rows + row) * 256 + bins, counts, mask=bins < 256)
+    digit = ((key >> shift) & 255).to(tl.int32)
+    # 256 bins with a mask, not a 512-bin histogram whose upper half collects the keys
+    # off the prefix: the ballot-based lowering does a third less work (PTX for sm_90).
+    counts = tl.histogram(digit, 256, mask=match)
+    tl.atomic_add(hist_ptr + (PASS * n_rows + row) * 256 + tl.arange(0, 256), counts)
 
 
 @triton.jit(do_not_specialize=[*_PER_CALL, "n_chunks"])

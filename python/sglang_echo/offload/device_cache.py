@@ -24,9 +24,15 @@ class DeviceCache:
         row_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        eviction_reserve: int = 0,
     ) -> None:
+        if not 0 <= eviction_reserve <= num_slots:
+            raise ValueError(
+                f"eviction_reserve must be in [0, {num_slots}] (the slots), got {eviction_reserve}"
+            )
         self.num_layers = num_layers
         self.num_slots = num_slots  # N_G
+        self.eviction_reserve = eviction_reserve
         self.host_tokens = host_tokens  # N_H
         self.row_dim = row_dim
         self.scratch_slot = num_slots + 1

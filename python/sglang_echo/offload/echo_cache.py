@@ -7,6 +7,8 @@ the indexer scores all of them each step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from sglang_echo.config import EchoConfig
@@ -47,8 +49,9 @@ class EchoKVCache:
             pin=(device.type == "cuda") if pin is None else pin,
         )
         self.cache = DeviceCache(
-            num_layers, config.dev_cache_size, host_tokens, kv_row_dim, dtype, device
-        )
+            num_layers, config.dev_cache_size, host_tokens, kv_row_dim, dtype, device,
+            eviction_reserve=config.eviction_reserve,
+        )  # fmt: skip
         self.manager = EchoManager(self.host, self.cache, use_kernels=use_kernels)
         self.index = torch.zeros(
             num_layers, host_tokens + 1, index_dim, dtype=index_dtype or dtype, device=device
@@ -81,14 +84,26 @@ class EchoKVCache:
         self.manager.append(layer, locs, self._stored(kv_rows))
 
     def write_prompt(
-        self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
+        self,
+        layer: int,
+        locs: torch.Tensor,
+        kv_rows: torch.Tensor,
+        index_keys: torch.Tensor,
+        runs: Sequence[tuple[int, int, int]] | None = None,
     ) -> None:
         """A decode node's transferred prompt: index keys on the device and MLA rows in the
         host pool only, no device slots. A prompt of 100K tokens would otherwise take 100K
         slots per layer through ``append`` (evicting every other request's working set, or
-        not fitting at all); the first decode step recalls what the top-k selects."""
+        not fitting at all); the first decode step recalls what the top-k selects.
+
+        ``runs`` (``runtime.host_ints.location_runs`` of ``locs``) sends the host rows
+        through the copy engine instead of the UVA view.
+        """
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        self.manager.write_host(layer, locs, self._stored(kv_rows))
+        if runs is None:
+            self.manager.write_host(layer, locs, self._stored(kv_rows))
+        else:
+            self.manager.write_host_runs(layer, runs, self._stored(kv_rows))
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -21,8 +21,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import torch
-
+from sglang_echo.runtime.host_ints import location_runs
 from sglang_echo.runtime.request import SeqState
 from sglang_echo.runtime.step_runner import StepRunner
 from sglang_echo.study.synthetic_kv import SyntheticKV
@@ -68,10 +67,10 @@ class DecodeNode:
         runner = self.runner
         runner.admit(req)
         locs = runner.allocator.alloc(prompt_len)
-        runner.place(req, 0, locs)
+        host_locs = runner.place(req, 0, locs)
         req.cached_len = prompt_len
-        loc_t = torch.tensor(locs, dtype=torch.int64).to(runner.device)
-        self.synth.write(runner.kv_cache, loc_t, seed)
+        runs = location_runs(host_locs)  # host rows by the copy engine, one copy per run
+        self.synth.write(runner.kv_cache, host_locs.to(runner.device), seed, runs)
         self.running.append(req)
         return req
 
