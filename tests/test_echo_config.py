@@ -250,9 +250,12 @@ def test_host_pool_allocation_failure(
 
 
 def test_eviction_reserve_from_the_environment_and_its_bound():
-    from sglang_echo.config import ENV_EVICTION_RESERVE
+    from sglang_echo.config import ENV_DEV_CACHE, ENV_EVICTION_RESERVE
 
-    assert EchoConfig.from_env({}).eviction_reserve == 0
+    assert EchoConfig.from_env({}).eviction_reserve == 260_000 // 32  # the default: N_G / 32
+    assert EchoConfig.from_env({ENV_DEV_CACHE: "1_000_000"}).eviction_reserve == 8192  # capped
+    assert EchoConfig(dev_cache_size=4096).eviction_reserve == 128
+    assert EchoConfig.from_env({ENV_EVICTION_RESERVE: "0"}).eviction_reserve == 0  # off
     assert EchoConfig.from_env({ENV_EVICTION_RESERVE: "8_192"}).eviction_reserve == 8192
     with pytest.raises(ConfigError, match=ENV_EVICTION_RESERVE):
         EchoConfig.from_env({ENV_EVICTION_RESERVE: "-3"})
