@@ -32,11 +32,11 @@ case "$part" in
     fi
     ;;
   e2e)
-    stage sweep 250 env RATES=4,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 \
+    stage sweep 230 env RATES=4,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 \
       bash benchmark/e2e_sweep.sh /tmp/ds/sweep/e2e_sweep
-    stage study 150 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 2 --deadline-s 140
-    stage study_fp8 150 python3 benchmark/e2e_study.py --out /tmp/ds/study_fp8 \
-      --kv-cache-dtype fp8_e4m3 --repeats 2 --deadline-s 140
+    stage study 200 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 2 --deadline-s 150
+    stage study_fp8 130 python3 benchmark/e2e_study.py --out /tmp/ds/study_fp8 \
+      --kv-cache-dtype fp8_e4m3 --repeats 2 --deadline-s 110
     ;;
   *) echo "part must be checks or e2e, got $part" >&2; exit 2 ;;
 esac

@@ -23,26 +23,3 @@ def test_outlives_its_buffer_and_moves_to_the_device():
 def test_bad_values_raise_as_torch_would_refuse(values, error):
     with pytest.raises(error):
         int64_tensor(values)
-
-
-def test_location_runs_cover_the_locations_in_order():
-    from sglang_echo.runtime.host_ints import location_runs
-
-    locs = torch.tensor([7, 8, 9, 3, 4, 20, 21, 22, 23, 5], dtype=torch.int64)
-    runs = location_runs(locs)
-    assert runs == [(7, 0, 3), (3, 3, 2), (20, 5, 4), (5, 9, 1)]
-    rebuilt = torch.cat([torch.arange(f, f + n) for f, _, n in runs])
-    assert torch.equal(rebuilt, locs) and location_runs(locs[:0]) == []
-
-
-def test_host_pool_runs_write_the_bytes_index_copy_writes():
-    from sglang_echo.offload.host_pool import HostKVPool
-    from sglang_echo.runtime.host_ints import location_runs
-
-    g = torch.Generator().manual_seed(0)
-    locs = torch.tensor([5, 6, 7, 1, 2, 30, 31], dtype=torch.int64)
-    rows = torch.randn(7, 6, generator=g).to(torch.bfloat16)
-    by_runs, by_index = (HostKVPool(2, 40, 6, torch.bfloat16, pin=False) for _ in range(2))
-    by_runs.write_runs(1, location_runs(locs), rows)
-    by_index.rows[1].index_copy_(0, locs, rows)
-    assert torch.equal(by_runs.rows, by_index.rows)

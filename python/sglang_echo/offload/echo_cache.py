@@ -7,8 +7,6 @@ the indexer scores all of them each step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from sglang_echo.config import EchoConfig
@@ -84,26 +82,14 @@ class EchoKVCache:
         self.manager.append(layer, locs, self._stored(kv_rows))
 
     def write_prompt(
-        self,
-        layer: int,
-        locs: torch.Tensor,
-        kv_rows: torch.Tensor,
-        index_keys: torch.Tensor,
-        runs: Sequence[tuple[int, int, int]] | None = None,
+        self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
     ) -> None:
         """A decode node's transferred prompt: index keys on the device and MLA rows in the
         host pool only, no device slots. A prompt of 100K tokens would otherwise take 100K
         slots per layer through ``append`` (evicting every other request's working set, or
-        not fitting at all); the first decode step recalls what the top-k selects.
-
-        ``runs`` (``runtime.host_ints.location_runs`` of ``locs``) sends the host rows
-        through the copy engine instead of the UVA view.
-        """
+        not fitting at all); the first decode step recalls what the top-k selects."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        if runs is None:
-            self.manager.write_host(layer, locs, self._stored(kv_rows))
-        else:
-            self.manager.write_host_runs(layer, runs, self._stored(kv_rows))
+        self.manager.write_host(layer, locs, self._stored(kv_rows))
 
     @property
     def kv_dtype(self) -> torch.dtype:

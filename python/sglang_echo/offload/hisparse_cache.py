@@ -22,8 +22,6 @@ exceed its buffer (top-k <= B), so a victim is never a slot selected in the same
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
@@ -137,24 +135,7 @@ class HiSparseKVCache:
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
         self._write_host(layer, locs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.rows.dtype))
 
-    def write_prompt(
-        self,
-        layer: int,
-        locs: torch.Tensor,
-        kv_rows: torch.Tensor,
-        index_keys: torch.Tensor,
-        runs: Sequence[tuple[int, int, int]] | None = None,
-    ) -> None:
-        """A decode node's transferred prompt goes the way of ``write``; with ``runs``
-        (``runtime.host_ints.location_runs`` of ``locs``) the host rows go through the copy
-        engine instead of the UVA view."""
-        if runs is None:
-            self.write(layer, locs, kv_rows, index_keys)
-            return
-        self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        self.host.write_runs(
-            layer, runs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.rows.dtype)
-        )
+    write_prompt = write  # a decode node's transferred prompt goes the same way
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -8,8 +8,6 @@ device kernels then read and write host rows directly, with no host synchronisat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from sglang_echo.config import ConfigError
@@ -70,20 +68,6 @@ class HostKVPool:
     @property
     def nbytes(self) -> int:
         return self.rows.nbytes
-
-    def write_runs(
-        self, layer: int, runs: Sequence[tuple[int, int, int]], rows: torch.Tensor
-    ) -> None:
-        """Store ``rows`` at runs of consecutive token locations: each run is (first
-        location, first row of ``rows``, length). From a CUDA tensor into the pinned pool
-        each run is one asynchronous device-to-host copy on the current stream: the copy
-        engine moves the bytes, while an ``index_copy_`` through the UVA view would store
-        them from the SMs that the decode steps beside it need (a decode node writes
-        ~0.9 GB per 100K-token prompt at 8 layers)."""
-        dst = self.rows[layer]
-        rows = rows.to(dtype=dst.dtype)
-        for first, offset, length in runs:
-            dst[first : first + length].copy_(rows[offset : offset + length], non_blocking=True)
 
     def view_for(self, device: torch.device) -> torch.Tensor | None:
         """Host rows addressable by kernels on ``device`` (None: host-side copies needed)."""

@@ -14,7 +14,6 @@ docstring.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,14 +83,6 @@ class EchoManager:
         elsewhere (a decode node's transferred prompt). Through the UVA view on CUDA."""
         self._join(layer)
         self._write_host(layer, locs, rows)
-
-    def write_host_runs(
-        self, layer: int, runs: Sequence[tuple[int, int, int]], rows: torch.Tensor
-    ) -> None:
-        """``write_host`` for locations given as runs (``HostKVPool.write_runs``): the
-        copy engine instead of the SMs on CUDA; the same bytes."""
-        self._join(layer)
-        self.host.write_runs(layer, runs, rows)
 
     def _read_host(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         if self.host_view is not None:

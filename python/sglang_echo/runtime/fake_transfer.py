@@ -30,7 +30,6 @@ import torch
 
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.runtime.host_ints import location_runs
 from sglang_echo.runtime.request import SeqState
 from sglang_echo.runtime.step_runner import StepRunner
 
@@ -92,9 +91,8 @@ class FakeTransfer:
         req.cached_len = n
         seed = prompt_seed(req.prompt)
         first = random.Random(seed).randrange(self.vocab_size)
-        runs = location_runs(host_locs)  # host rows by the copy engine, one copy per run
         if self.stream is None:
-            self.synth.write(self.kv_cache, host_locs.to(self.steps.device), seed, runs)
+            self.synth.write(self.kv_cache, host_locs.to(self.steps.device), seed)
             self._transfers.append(_Transfer(req, first, None, started))
             return
         # After everything the decode stream has queued: the locations may have belonged
@@ -103,7 +101,7 @@ class FakeTransfer:
         self.stream.wait_stream(torch.cuda.current_stream(self.steps.device))
         with torch.cuda.stream(self.stream):
             loc_t = host_locs.pin_memory().to(self.steps.device, non_blocking=True)  # no wait
-            self.synth.write(self.kv_cache, loc_t, seed, runs)
+            self.synth.write(self.kv_cache, loc_t, seed)
             done = torch.cuda.Event()
             done.record(self.stream)
         self._transfers.append(_Transfer(req, first, done, started))

@@ -22,16 +22,3 @@ def int64_tensor(values: Sequence[int], device: torch.device | str | None = None
         return torch.zeros(0, dtype=torch.int64, device=device)
     host = torch.frombuffer(array("q", values), dtype=torch.int64)
     return host if device is None else host.to(device)
-
-
-def location_runs(locs: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Host int64 locations -> runs of consecutive ones: (first location, index of it in
-    ``locs``, length), in order. A decode node's prompt gets a few long runs from the
-    allocator's stack, so its host rows can be written with one copy per run."""
-    n = locs.numel()
-    if n == 0:
-        return []
-    breaks = (torch.nonzero(locs[1:] != locs[:-1] + 1).flatten() + 1).tolist()
-    starts, ends = [0, *breaks], [*breaks, n]
-    firsts = locs[starts].tolist()
-    return [(f, s, e - s) for f, s, e in zip(firsts, starts, ends, strict=True)]

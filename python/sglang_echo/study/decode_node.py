@@ -21,7 +21,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from sglang_echo.runtime.host_ints import location_runs
 from sglang_echo.runtime.request import SeqState
 from sglang_echo.runtime.step_runner import StepRunner
 from sglang_echo.study.synthetic_kv import SyntheticKV
@@ -69,8 +68,7 @@ class DecodeNode:
         locs = runner.allocator.alloc(prompt_len)
         host_locs = runner.place(req, 0, locs)
         req.cached_len = prompt_len
-        runs = location_runs(host_locs)  # host rows by the copy engine, one copy per run
-        self.synth.write(runner.kv_cache, host_locs.to(runner.device), seed, runs)
+        self.synth.write(runner.kv_cache, host_locs.to(runner.device), seed)
         self.running.append(req)
         return req
 

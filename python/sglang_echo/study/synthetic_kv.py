@@ -78,22 +78,12 @@ class SyntheticKV:
         )
         return kv.to(self.dtype), self.encode_keys(keys)
 
-    def write(
-        self,
-        kv_cache: KVCache,
-        locs: torch.Tensor,
-        seed: int,
-        runs: list[tuple[int, int, int]] | None = None,
-    ) -> None:
+    def write(self, kv_cache: KVCache, locs: torch.Tensor, seed: int) -> None:
         """Write a prompt of ``len(locs)`` tokens at token locations ``locs`` (positions
-        0..n-1 in order) into every layer: the backend's ``write_prompt`` (host rows +
-        device index keys, no device slots; ``runs``, ``host_ints.location_runs`` of
-        ``locs``, lets it copy host rows with the copy engine) where it has one, else
-        ``write`` (the plain pool's device rows)."""
-        write_prompt = getattr(kv_cache, "write_prompt", None)
+        0..n-1 in order) into every layer: ECHO's ``write_prompt`` (host rows + device
+        index keys, no device slots) where the backend has it, else ``write`` (the plain
+        pool's device rows)."""
+        write = getattr(kv_cache, "write_prompt", None) or kv_cache.write
         for layer in range(self.config.num_hidden_layers):
             kv, keys = self.rows(layer, int(locs.numel()), seed)
-            if write_prompt is None:
-                kv_cache.write(layer, locs, kv, keys)
-            else:
-                write_prompt(layer, locs, kv, keys, runs=runs)
+            write(layer, locs, kv, keys)
