@@ -20,7 +20,13 @@ from sglang_echo.runtime.kv_factory import echo_cache_for_model
 from sglang_echo.runtime.step_runner import StepRunner
 from sglang_echo.study.decode_node import DecodeNode
 from sglang_echo.study.locality import Locality
-from sglang_echo.study.moe import LocalRoutedMoE, bytes_table, experts_touched, has_grouped_mm
+from sglang_echo.study.moe import (
+    LocalRoutedMoE,
+    bytes_table,
+    combine_pairs,
+    experts_touched,
+    has_grouped_mm,
+)
 from sglang_echo.study.synthetic_kv import SyntheticKV
 from sglang_echo.study.worker import SMOKE_DIMS, SMOKE_MOE, build_worker, study_config
 
@@ -52,6 +58,29 @@ def test_routed_moe_equals_dense_reference(impl: str, batch: int) -> None:
     # Only routed pairs are computed: the experts touched are those the global batch picks.
     _, experts, _ = moe.route(x)
     assert int(moe.touched) == len({e for e in experts.reshape(-1).tolist() if e < 4})
+
+
+def test_moe_combine_does_not_depend_on_the_lane_order() -> None:
+    """The combine's bits depend on the pairs only: the same pairs in another lane order (as
+    atomics on CUDA, or another expert layout, would add them) give the same output.
+    Magnitudes 1e8 and 1 make the float32 sum's order visible, so an order-dependent
+    combine (``index_add_`` in lane order) fails here."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, top_k, hidden = 5, 4, 16
+    contrib = torch.randn(tokens * top_k, hidden, generator=gen)
+    contrib[::3] *= 1e8
+    pair_id = torch.randperm(tokens * top_k, generator=gen)
+    live = torch.rand(tokens * top_k, generator=gen) > 0.2
+    contrib[~live] = float("nan")  # dead lanes never leak in
+    out = combine_pairs(contrib, pair_id, live, tokens, top_k)
+    assert torch.isfinite(out).all()
+    for seed in range(20):
+        perm = torch.randperm(tokens * top_k, generator=torch.Generator().manual_seed(seed))
+        again = combine_pairs(contrib[perm], pair_id[perm], live[perm], tokens, top_k)
+        assert torch.equal(out, again)
+    ref = torch.zeros(tokens, hidden, dtype=torch.float64)
+    ref.index_add_(0, pair_id[live] // top_k, contrib[live].double())
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-3 * ref.abs().max().item())
 
 
 def test_bytes_table_follows_the_touch_formula() -> None:

@@ -130,6 +130,29 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, impl: str
     return out
 
 
+def combine_pairs(
+    contrib: torch.Tensor, pair_id: torch.Tensor, live: torch.Tensor, tokens: int, top_k: int
+) -> torch.Tensor:
+    """Sum each token's weighted expert outputs in routing-rank order -> [tokens, hidden].
+
+    ``contrib`` [P, hidden] float32 rows in any order (the grouped GEMM's, by expert),
+    ``pair_id`` [P] = token * top_k + rank, ``live`` [P] (dead lanes are dropped). Why not
+    ``index_add_``: on CUDA it adds with atomics, so a token with three or more local pairs
+    gets its float32 sum in an order that changes from run to run, and now and then its
+    bf16 output with it. It was the worker's only floating-point atomic, and on the H200 two
+    no-offload runs of the same prompts gave greedy outputs that parted after ~34 tokens,
+    which made the study's offload-vs-no-offload comparisons unreliable. Here every pair
+    lands in its own row and a token's rows are summed by one fixed reduction: the bits
+    depend on the pairs alone, not on the lanes' order.
+    """
+    hidden = contrib.shape[1]
+    spare = tokens * top_k  # dead lanes' row, dropped
+    row = torch.where(live, pair_id, torch.full_like(pair_id, spare))
+    dense = torch.zeros(spare + 1, hidden, dtype=contrib.dtype, device=contrib.device)
+    dense.index_copy_(0, row, torch.where(live.unsqueeze(1), contrib, 0.0))
+    return dense[:spare].view(tokens, top_k, hidden).sum(dim=1)
+
+
 class LocalRoutedMoE(nn.Module):
     """The FFN of one DP worker (see the module docstring): routed pairs only, one shared
     expert, graph-capturable with the ``grouped_mm`` implementation."""
@@ -227,10 +250,8 @@ class LocalRoutedMoE(nn.Module):
         live = keep.index_select(0, kept)
         pair_w = weights.reshape(-1).index_select(0, order.index_select(0, kept))
         contrib = y.index_select(0, kept).float() * pair_w.unsqueeze(1)
-        contrib = torch.where(live.unsqueeze(1), contrib, 0.0)
-        target = torch.where(live, pair_token.index_select(0, kept), 0)
-        out = torch.zeros(b, self.hidden, dtype=torch.float32, device=x.device)
-        out.index_add_(0, target, contrib)
+        pair_id = order.index_select(0, kept)  # token * top_k + its routing rank
+        out = combine_pairs(contrib, pair_id, live, b, self.top_k)
         return out.to(x.dtype) + self.shared(x)
 
     @torch.no_grad()
