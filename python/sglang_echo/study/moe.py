@@ -138,11 +138,13 @@ def combine_pairs(
     ``contrib`` [P, hidden] float32 rows in any order (the grouped GEMM's, by expert),
     ``pair_id`` [P] = token * top_k + rank, ``live`` [P] (dead lanes are dropped). Why not
     ``index_add_``: on CUDA it adds with atomics, so a token with three or more local pairs
-    gets its float32 sum in an order that changes from run to run, and now and then its
-    bf16 output with it. It was the worker's only floating-point atomic, and on the H200 two
-    no-offload runs of the same prompts gave greedy outputs that parted after ~34 tokens,
-    which made the study's offload-vs-no-offload comparisons unreliable. Here every pair
-    lands in its own row and a token's rows are summed by one fixed reduction: the bits
+    gets its float32 sum in whatever order the atomics land, which follows where its pairs
+    fall among the lanes (the batch's order, the expert layout), and now and then its bf16
+    output changes with it. It was the worker's only floating-point atomic, and on the H200
+    runs of the same prompts on different engines (two no-offload pools among them) gave
+    greedy outputs that parted after ~34 tokens, while repeats of one engine agreed: the
+    study's offload-vs-no-offload comparisons were unreliable. Here every pair lands in its
+    own row and a token's rows are summed by one fixed reduction, so the bits
     depend on the pairs alone, not on the lanes' order.
     """
     hidden = contrib.shape[1]
