@@ -2,9 +2,10 @@
 # Every H200 measurement behind the README, in two device calls of under ten minutes each,
 # each stage under its own time limit and packed into OUTDIR as it finishes (a call cut
 # short still returns what ran). Records keep the commands that made them.
-#   bash benchmark/device_session.sh OUTDIR checks   # CUDA tests + kernel benchmarks (~9 min)
+#   bash benchmark/device_session.sh OUTDIR checks   # CUDA tests + kernel benchmarks, peers beside (~9 min)
 #   bash benchmark/device_session.sh OUTDIR e2e      # decode-node sweep + the study, bf16 and fp8 (~9 min)
-# Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack.
+# Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
+# FlashInfer beside our sparse MLA (checks).
 set -uo pipefail
 out=${1:?usage: device_session.sh OUTDIR checks|e2e}
 part=${2:?usage: device_session.sh OUTDIR checks|e2e}
@@ -24,12 +25,18 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run, log, pack NAME.tgz from /tmp/ds
 case "$part" in
   checks)
     stage tests 390 bash benchmark/gpu_checks.sh /tmp/ds/tests tests
-    stage kernels 150 bash -c 'for b in sparse_mla cache_ops indexer; do
-      python3 benchmark/kernels/${b}_bench.py --out /tmp/ds/kernels; done'
-    if python3 benchmark/kernels/cache_ops_bench.py --help | grep -q -- --eviction-reserve; then
-      stage reserve 45 python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/reserve \
-        --eviction-reserve 8192
+    # FlashInfer's MLA decode beside our sparse MLA where the peer bundle is carried (.peer:
+    # bash ../shared/tools/flashinfer_peer_bundle.sh); its JIT build takes ~20 s.
+    peer=""
+    if [ -f .peer/flashinfer_trim.tar.xz ]; then
+      site=$(mktemp -d)
+      python3 -m pip install -q --no-index --no-deps --target "$site" .peer/apache_tvm_ffi*.whl \
+        && tar -xJf .peer/flashinfer_trim.tar.xz -C "$site" && peer="--peer flashinfer"
+      export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default
     fi
+    stage kernels 200 bash -c "python3 benchmark/kernels/sparse_mla_bench.py --out /tmp/ds/kernels \
+      --batches 3,17,48 $peer; for b in cache_ops indexer; do
+      python3 benchmark/kernels/\${b}_bench.py --out /tmp/ds/kernels; done"
     ;;
   e2e)
     stage sweep 230 env RATES=4,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 \

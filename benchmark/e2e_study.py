@@ -470,7 +470,12 @@ class Study:
         loc = Locality(a.locality)
         rand = Locality(0.0)
         full = [Phase("full", None, loc, profile=a.profile_steps > 0, fill=True)]
-        low = [Phase(f"b{b}", b, loc) for b in p.low_load_batches]  # no pressure: no fill
+        # No pressure: no fill. The smallest batch is profiled too, so the record says
+        # where ECHO's cost without pressure goes (breakdown_low_load).
+        low = [
+            Phase(f"b{b}", b, loc, profile=a.profile_steps > 0 and b == min(p.low_load_batches))
+            for b in p.low_load_batches
+        ]
         sweep = [
             Phase(f"p{x:g}", None, Locality(x), fill=True, repeated=False)
             for x in (float(v) for v in a.locality_sweep.split(",") if v)
@@ -1129,6 +1134,7 @@ class Study:
                 low_range[b] = [round(1 - hi, 4), round(1 - lo, 4)]
         echo_runs = self.find_all("echo_paper")
         echo_run = echo_runs[0] if echo_runs else None
+        low_phase = f"b{min(self.plan.low_load_batches)}"  # the profiled one
         lossless = {}
         for b in self.plan.low_load_batches:
             es, ns = self.find_all("echo_paper", f"b{b}"), self.find_all("noff_low", f"b{b}")
@@ -1160,6 +1166,10 @@ class Study:
             "breakdown": {
                 "no_offload": self.breakdown(self.find_all("noff_paper")),
                 "echo": self.breakdown(echo_runs),
+            },
+            "breakdown_low_load": {
+                "no_offload": self.breakdown(self.find_all("noff_low", low_phase)),
+                "echo": self.breakdown(self.find_all("echo_paper", low_phase)),
             },
             "repeats": self.args.repeats,
             "spread": {

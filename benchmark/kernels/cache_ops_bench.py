@@ -271,8 +271,9 @@ def main() -> None:
     p.add_argument(
         "--eviction-reserve",
         type=int,
-        default=0,
-        help="extra victims per evicting step (SGLANG_ECHO_EVICTION_RESERVE; 0: none)",
+        default=None,
+        help="extra victims per evicting step (SGLANG_ECHO_EVICTION_RESERVE; 0: none; "
+        "default: the product's, N_G / 32 up to 8192)",
     )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument(
@@ -339,7 +340,9 @@ def main() -> None:
         "batch": args.batch,
         "topk": args.topk,
         "slots": args.slots,
-        "eviction_reserve": args.eviction_reserve,
+        "eviction_reserve": EchoConfig(
+            dev_cache_size=args.slots, eviction_reserve=args.eviction_reserve
+        ).eviction_reserve,
         "trace_reuse": args.reuse,
         "hit_rate": runs["kernels_management"]["hit_rate"],
         "target_us": 4.0,

@@ -36,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import pyplot, save_record, time_us
+from common import graph_us, pyplot, save_record, time_us
+from mla_peers import flashinfer_mla, slot_invariant
 
 LAT, ROPE = 512, 64
 # (block_h, block_k, num_warps, num_stages, splits). The launcher's default config
@@ -211,6 +212,71 @@ def measure(name, queries, heads, topk, slots, dev, configs, timer, bw, tflops) 
     return out
 
 
+# Our configs timed at every batch of --batches: the launcher's default and the best
+# small-batch configs of the 2026-12-01 diagnostic (K split in 4 at 32 heads for batch 3,
+# in 2 at 64 heads for batch 17; history/2026-12-01-sparse-mla-small-batch/).
+BATCH_SWEEP_CONFIGS = {"split4_h32": (32, 32, 8, 2, 4), "split2_h64": (64, 32, 8, 2, 2)}
+L2_DEFEAT_BYTES = 96 << 20  # index sets per batch: enough distinct rows to overflow L2
+
+
+def batch_sweep(batches, heads, topk, slots, dev, peers: list[str], timer=graph_us) -> dict:
+    """Decode at each batch: our default and small-batch configs and each peer, every one
+    checked against float64, for slot invariance, and timed (``graph_us`` on CUDA) over
+    enough index sets that no replay finds its rows in L2 (all sets in one graph, time /
+    sets)."""
+    from sglang_echo.kernels.sparse_mla import sparse_mla_from_buffer, sparse_mla_reference
+
+    scale = (LAT + ROPE) ** -0.5
+    ours = {"default": launcher_default(), **BATCH_SWEEP_CONFIGS}
+    planners: dict = {}
+    for name, cfg in ours.items():
+        kw = dict(zip(CONFIG_KEYS, cfg, strict=True))
+        planners[f"ours_{name}"] = lambda q, b, r, kw=kw: (
+            lambda: sparse_mla_from_buffer(q, b, r, LAT, scale, **kw)
+        )
+    missing = {}
+    for peer in peers:
+        made = flashinfer_mla(LAT, scale) if peer == "flashinfer" else f"unknown peer {peer!r}"
+        if isinstance(made, str):
+            missing[peer] = made
+        else:
+            planners[peer] = made
+    basis = "CUDA-graph replay (device time)" if timer is graph_us else "host time (smoke run)"
+    out = {"batches": {}, "missing_peers": missing, "basis": basis}
+    for b in batches:
+        set_bytes = b * topk * (LAT + ROPE) * 2
+        sets = max(3, min(16, -(-L2_DEFEAT_BYTES // set_bytes)))
+        buffer, inputs = make_inputs(b, heads, topk, slots, dev, sets=sets)
+        q0, rows0 = inputs[0]
+        want = sparse_mla_reference(q0.float(), buffer.float(), rows0, LAT, scale).double()
+        row = {"index_sets": sets}
+        for name, plan in planners.items():
+            try:
+                got = plan(q0, buffer, rows0)()
+                thunks = [plan(q, buffer, rows) for q, rows in inputs]
+                invariant = slot_invariant(plan, q0, buffer, rows0)
+            except Exception as exc:  # a peer that fails at this shape: recorded, skipped
+                row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                continue
+            err = ((got.double() - want).norm() / want.norm()).item()
+
+            def all_sets(thunks=thunks):
+                for t in thunks:
+                    t()
+
+            row[name] = {
+                "us": timer(all_sets) / sets,
+                "rel_err": err,
+                "slot_invariant": invariant,
+            }
+        out["batches"][str(b)] = row
+        print(f"batch {b}: " + ", ".join(
+            f"{k} {v['us']:.1f} us" if "us" in v else f"{k} failed"
+            for k, v in row.items() if isinstance(v, dict)
+        ))  # fmt: skip
+    return out
+
+
 def plot(path: Path, metrics: dict, device: str) -> None:
     plt = pyplot()
     if plt is None:
@@ -246,7 +312,22 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=None, help="(2048; cpu 40)")
     p.add_argument("--heads", type=int, default=None, help="(128; cpu 40)")
     p.add_argument("--slots", type=int, default=None, help="buffer rows (262144; cpu 256)")
+    p.add_argument(
+        "--batches",
+        default="",
+        help="also time decode at these batches (e.g. 3,17,48), graph-replayed, ours and "
+        "--peer beside it",
+    )
+    p.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=["flashinfer"],
+        help="a peer kernel for --batches: flashinfer (MLA paged decode at page size 1 "
+        "over the selected rows; carry it as ../shared/tools/flashinfer_peer_bundle.sh says)",
+    )
     args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
     dev = torch.device(args.device)
     cpu = dev.type == "cpu"
     if cpu:  # set before the kernel module (and Triton's jit) is imported
@@ -300,6 +381,14 @@ def main() -> None:
         "sizes": {"batch": batch, "prefill_queries": pre, "topk": topk, "heads": heads},
         "runs": runs,
     }
+    if batches:
+        sweep_timer = cpu_time_us if cpu else graph_us
+        sweep = batch_sweep(batches, heads, topk, slots, dev, args.peer, sweep_timer)
+        metrics["batch_sweep"] = sweep
+        for b, row in sweep["batches"].items():  # flat names for the README's rows
+            for name, v in row.items():
+                if isinstance(v, dict) and "us" in v:
+                    metrics[f"decode_b{b}_{name}_us"] = v["us"]
     path = save_record(args.out, "sparse_mla", device, metrics)
     plot(Path(args.out) / "sparse_mla.png", metrics, device)
     for name, r in runs.items():  # every configuration first: the summary prints last

@@ -289,6 +289,20 @@ def row_sparse_mla(r: Records) -> tuple[str, str, str]:
             f"the bf16 default's {us(m['decode_default_us'])} us, rel. error "
             f"{sci(m['fp8_rel_err'])}"
         )
+    sweep = m.get("batch_sweep")
+    if sweep:  # decode at the study's batches, graph-replayed, peers beside
+        parts = []
+        for b, row in sweep["batches"].items():
+            timed = {k: v for k, v in row.items() if isinstance(v, dict) and "us" in v}
+            cells = [
+                f"{k.removeprefix('ours_')} {us(v['us'])}"
+                + ("" if v["slot_invariant"] else " (NOT slot-invariant)")
+                for k, v in timed.items()
+            ]
+            parts.append(f"batch {b}: " + ", ".join(cells))
+        text += "; graph-replayed decode, us (ours by config, peers by name): " + "; ".join(parts)
+        for peer, why in sweep["missing_peers"].items():
+            text += f"; {peer} not measured ({why})"
     return "sparse MLA kernel", text, source(d, rel)
 
 
@@ -480,6 +494,18 @@ def row_e2e_study(r: Records) -> tuple[str, str, str]:
     if low_equal:
         text += "; without pressure at batch " + "/".join(sorted(low_equal)) + ": "
         text += "/".join(yes(low_equal[k]) for k in sorted(low_equal))
+    low_bd = m.get("breakdown_low_load") or {}
+    lo_n, lo_e = low_bd.get("no_offload"), low_bd.get("echo")
+    if lo_n and lo_e and "profiler" in lo_n and "profiler" in lo_e:
+        pn, pe = lo_n["profiler"]["ms_per_step"], lo_e["profiler"]["ms_per_step"]
+        extra = {k: pe.get(k, 0.0) - pn.get(k, 0.0) for k in sorted(set(pn) | set(pe))}
+        cells = ", ".join(f"{k} {v:+.3f}" for k, v in extra.items() if abs(v) >= 0.005)
+        text += (
+            f"; without pressure at batch {lo_e['batch']}: step {ms(lo_e['step_ms_device'])} vs "
+            f"{ms(lo_n['step_ms_device'])} ms, ECHO minus no-offload by kernel category "
+            f"(profiler, ms per step): {cells}; kernels per step "
+            f"{lo_e['profiler']['kernels']} vs {lo_n['profiler']['kernels']}"
+        )
     press_hs = det.get("lossless_under_eviction_hisparse")
     if press_hs:
         text += (
