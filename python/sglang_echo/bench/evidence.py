@@ -293,11 +293,17 @@ def row_sparse_mla(r: Records) -> tuple[str, str, str]:
     if sweep:  # decode at the study's batches, graph-replayed, peers beside
         parts = []
         for b, row in sweep["batches"].items():
-            timed = {k: v for k, v in row.items() if isinstance(v, dict) and "us" in v}
+            timed = {k: v for k, v in row.items() if isinstance(v, dict) and v.get("us")}
             cells = [
                 f"{k.removeprefix('ours_')} {us(v['us'])}"
                 + ("" if v["slot_invariant"] else " (NOT slot-invariant)")
+                + (" (eager)" if "graph_error" in v else "")
                 for k, v in timed.items()
+            ]
+            cells += [
+                f"{k} failed ({v['error'][:80]})"
+                for k, v in row.items()
+                if isinstance(v, dict) and "error" in v
             ]
             parts.append(f"batch {b}: " + ", ".join(cells))
         text += "; graph-replayed decode, us (ours by config, peers by name): " + "; ".join(parts)
