@@ -279,6 +279,16 @@ def categorize(names: list[str]) -> list[str]:
     return out
 
 
+def first_difference(a: list[list[int]], b: list[list[int]]) -> list[int] | None:
+    """[request, token] of the first greedy token where two runs' outputs differ (None:
+    none in their common length), to tell a near tie at one token from a broken cache."""
+    for req, (x, y) in enumerate(zip(a, b, strict=False)):
+        for tok, (u, v) in enumerate(zip(x, y, strict=False)):
+            if u != v:
+                return [req, tok]
+    return None
+
+
 def profile_breakdown(node: DecodeNode, steps: int) -> dict:
     """Device time per step by kernel category, from the profiler over ``steps`` graph-
     replayed decode steps."""
@@ -1135,11 +1145,12 @@ class Study:
         echo_runs = self.find_all("echo_paper")
         echo_run = echo_runs[0] if echo_runs else None
         low_phase = f"b{min(self.plan.low_load_batches)}"  # the profiled one
-        lossless = {}
+        lossless, low_diff = {}, {}
         for b in self.plan.low_load_batches:
             es, ns = self.find_all("echo_paper", f"b{b}"), self.find_all("noff_low", f"b{b}")
             if es and ns:
                 lossless[b] = all(r["outputs_head"] == ns[0]["outputs_head"] for r in es + ns)
+                low_diff[b] = first_difference(es[0]["outputs_head"], ns[0]["outputs_head"])
         pressure = self.lossless_check("echo_pressure")
         pressure_hisparse = self.lossless_check("hisparse_pressure")
         rand = self.ratio("echo_paper", "noff_paper", phase="random")
@@ -1191,6 +1202,7 @@ class Study:
                 "equal_hbm_380k": equal,
                 "hisparse_equal_hbm_380k": hisparse,
                 "greedy_outputs_equal_at_low_load": lossless,
+                "first_difference_at_low_load": low_diff,
                 "lossless_under_eviction": pressure,
                 "lossless_under_eviction_hisparse": pressure_hisparse,
                 "locality_sweep_paper_all_hbm": self.sweep(),
@@ -1220,6 +1232,7 @@ class Study:
             "hit_rate_per_layer": e["hit_rate_per_layer"],
             "tokens_compared": sum(len(o) for o in e["outputs_head"]),
             "greedy_outputs_equal": e["outputs_head"] == n["outputs_head"],
+            "first_difference": first_difference(e["outputs_head"], n["outputs_head"]),
         }
 
     # ------------------------------------------------------------------ main

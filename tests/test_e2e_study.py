@@ -309,3 +309,10 @@ def test_decode_node_echo_equals_no_offload_under_eviction(worker) -> None:
         if backend == "echo":
             assert sum(kv.telemetry()["evictions"]) > 0
     assert outputs[0] == outputs[1]
+
+
+def test_first_difference_names_request_and_token(e2e_study) -> None:
+    same = [[1, 2, 3], [4, 5]]
+    assert e2e_study.first_difference(same, [list(r) for r in same]) is None
+    assert e2e_study.first_difference(same, [[1, 2, 3], [4, 9]]) == [1, 1]
+    assert e2e_study.first_difference([[7, 2]], [[1, 2]]) == [0, 0]
