@@ -56,12 +56,19 @@ def flashinfer_mla(lat: int, scale: float, backend: str = "fa3") -> Planner | st
         )
         q_nope, q_pe = q[..., :lat].contiguous(), q[..., lat:].contiguous()
         ckv, kpe = buffer[:, :lat].unsqueeze(1), buffer[:, lat:].unsqueeze(1)  # no copies
+        layout = "strided views of the buffer"
+        try:
+            wrapper.run(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe)
+        except Exception:  # a build that wants dense caches: time it on copies instead
+            ckv, kpe = ckv.contiguous(), kpe.contiguous()
+            layout = "contiguous copies of the buffer's two parts"
         keep = (work, indices)  # alive as long as the thunk
 
         def run() -> torch.Tensor:
             assert keep
             return wrapper.run(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe)
 
+        run.layout = layout  # type: ignore[attr-defined]
         return run
 
     return plan

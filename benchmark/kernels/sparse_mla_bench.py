@@ -265,6 +265,8 @@ def batch_sweep(batches, heads, topk, slots, dev, peers: list[str], timer=graph_
                     t()
 
             entry = {"rel_err": err, "slot_invariant": invariant, "basis": basis}
+            if hasattr(thunks[0], "layout"):  # a peer says how it read the rows
+                entry["layout"] = thunks[0].layout
             try:
                 entry["us"] = timer(all_sets) / sets
             except Exception as exc:  # e.g. a peer that cannot be captured in a graph
