@@ -33,6 +33,7 @@ from common import save_record
 from sparse_mla_bench import CONFIG_KEYS, CONFIGS, LAT, ROPE, launcher_default
 
 TOPK = 2048  # DeepSeek-V3.2's index_topk
+COMBINE_SPLITS = (2, 4, 8, 16)  # the split merges the benchmarks launch
 SIGNATURE = {
     "q_ptr": "*bf16",
     "buf_ptr": "*bf16",
@@ -66,6 +67,59 @@ def ptxas_path() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
+def ptxas_report(kernel) -> tuple:
+    """(registers match, spill match) of ptxas -v on a compiled kernel's PTX for sm_90a."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        report = subprocess.run(
+            [ptxas_path(), "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(Path(tmp) / "k.o")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    return PTXAS_USAGE.search(report), PTXAS_SPILL.search(report)
+
+
+def compile_combine(splits: int) -> dict:
+    """The split merge (``_combine_kernel``) as the launcher runs it for ``splits``: its
+    registers and spills (a merge tile too large spills, which made split K lose)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sglang_echo.kernels import sparse_mla as k
+
+    ints = ("part_ptr", "stats_ptr", "out_ptr", "n_heads", "out_stride_t", "out_stride_h")
+    const = dict(
+        LAT=LAT, BLOCK_C=min(k.COMBINE_BLOCK_C, LAT), BLOCK_H=k.COMBINE_BLOCK_H, SPLITS=splits
+    )
+    sig = {
+        "part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "n_heads": "i32",
+        "out_stride_t": "i32", "out_stride_h": "i32", **dict.fromkeys(const, "constexpr"),
+    }  # fmt: skip
+    names = list(sig)
+    src = ASTSource(
+        fn=k._combine_kernel,
+        signature=sig,
+        constexprs={(names.index(n),): v for n, v in const.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ints},
+    )
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": k.COMBINE_NUM_WARPS}
+    )
+    regs, spill = ptxas_report(kernel)
+    return {
+        "splits": splits,
+        "block_h": const["BLOCK_H"],
+        "block_c": const["BLOCK_C"],
+        "num_warps": k.COMBINE_NUM_WARPS,
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_store_bytes": int(spill.group(1)) if spill else None,
+        "spill_load_bytes": int(spill.group(2)) if spill else None,
+    }
+
+
 def compile_config(config: tuple[int, int, int, int, int], fp8: bool = False) -> dict:
     """Compile the sparse-MLA kernel for sm_90a at one (block_h, block_k, warps, stages,
     splits) config, DeepSeek-V3.2's row widths, bf16 (``fp8``: 656-byte fp8 KV rows,
@@ -93,16 +147,7 @@ def compile_config(config: tuple[int, int, int, int, int], fp8: bool = False) ->
     kernel = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "k.ptx"
-        ptx.write_text(kernel.asm["ptx"])
-        report = subprocess.run(
-            [ptxas_path(), "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(Path(tmp) / "k.o")],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stderr
-    regs, spill = PTXAS_USAGE.search(report), PTXAS_SPILL.search(report)
+    regs, spill = ptxas_report(kernel)
     ttgir = kernel.asm["ttgir"].splitlines()
     row_loads = [ln for ln in ttgir if ROW_TILE.search(ln)]
     return {
@@ -138,6 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[{i}/{len(configs)}]", rows[-1], flush=True)
     fp8_default = compile_config(default, fp8=True)
     print("[fp8]", fp8_default, flush=True)
+    merges = [compile_combine(n) for n in COMBINE_SPLITS]
+    for m in merges:
+        print("[merge]", m, flush=True)
     metrics = {
         "kernel": "kernels/sparse_mla.py _sparse_mla_kernel (bf16, 576/512 rows, top-k 2048)",
         "target": "sm_90a",
@@ -145,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fp8_default": fp8_default,
         "configs": rows,
         "spill_free": [r for r in rows if r["spill_store_bytes"] == 0],
+        "merge": merges,
     }
     device = f"cpu: compile only, triton {triton.__version__} and its ptxas, target sm_90a"
     path = save_record(args.out, "sm90_resources", device, metrics)

@@ -215,7 +215,15 @@ def measure(name, queries, heads, topk, slots, dev, configs, timer, bw, tflops) 
 # Our configs timed at every batch of --batches: the launcher's default and the best
 # small-batch configs of the 2026-12-01 diagnostic (K split in 4 at 32 heads for batch 3,
 # in 2 at 64 heads for batch 17; history/2026-12-01-sparse-mla-small-batch/).
-BATCH_SWEEP_CONFIGS = {"split4_h32": (32, 32, 8, 2, 4), "split2_h64": (64, 32, 8, 2, 2)}
+# The merge no longer spills (kernels/sparse_mla.py _combine_kernel), so more splits of 64
+# heads are timed too.
+BATCH_SWEEP_CONFIGS = {
+    "split4_h32": (32, 32, 8, 2, 4),
+    "split2_h64": (64, 32, 8, 2, 2),
+    "split4_h64": (64, 32, 8, 2, 4),
+    "split8_h64": (64, 32, 8, 2, 8),
+    "split16_h64": (64, 32, 8, 2, 16),
+}
 L2_DEFEAT_BYTES = 96 << 20  # index sets per batch: enough distinct rows to overflow L2
 
 

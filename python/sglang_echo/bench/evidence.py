@@ -368,6 +368,16 @@ def row_sm90_resources(r: Records) -> tuple[str, str, str]:
             f"; at fp8 KV the default stores its dequantized tiles to shared memory {how}, "
             f"in {count(fp8['shared_bytes'])} B of shared memory"
         )
+    merges = m.get("merge")
+    if merges:  # the split-K merge kernel, at each split count the benchmarks launch
+        first = merges[0]
+        regs = [x["registers"] for x in merges]
+        text += (
+            f"; the split merge ({first['block_h']} heads x {first['block_c']} columns, "
+            f"{first['num_warps']} warps) at {'/'.join(str(x['splits']) for x in merges)} "
+            f"splits: {min(regs)}-{max(regs)} registers, spills "
+            f"{max(x['spill_store_bytes'] for x in merges)} B per thread at most"
+        )
     return "sparse MLA kernel resources (issue 15)", text, source(d, rel)
 
 

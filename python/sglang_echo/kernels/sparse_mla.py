@@ -44,6 +44,11 @@ DEFAULT_BLOCK_K = 32
 DEFAULT_NUM_WARPS = 8
 DEFAULT_NUM_STAGES = 2
 DEFAULT_SPLITS = 1
+# The split merge's tile (heads x latent columns) and warps: small, so it never spills
+# (``_combine_kernel``), and many programs, so the merge spreads over the SMs.
+COMBINE_BLOCK_H = 16
+COMBINE_BLOCK_C = 128
+COMBINE_NUM_WARPS = 4
 _DTYPES = (torch.float32, torch.bfloat16)
 FP8_TILE: tl.constexpr = tl.constexpr(FP8_TILE_VALUES)
 
@@ -152,24 +157,29 @@ def _combine_kernel(
     out_stride_t,
     out_stride_h,
     LAT: tl.constexpr,
-    BLOCK_LAT: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    """Merge the SPLITS partial results of one query and block of heads, in split order."""
+    """Merge the SPLITS partial results of one query, for a small tile of heads x latent
+    columns, in split order. The tile is small on purpose: a [64 heads x 512] float32 tile
+    over 16 splits spilled 35 KB per thread when compiled for sm_90a (the splits' loads
+    unrolled), which made split K slower than none (history/2026-12-01-study-autosplit/).
+    Each element's arithmetic is the same whatever the tile, so the bits do not depend on it.
+    """
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     h_live = h < n_heads
-    c = tl.arange(0, BLOCK_LAT)
     mask = h_live[:, None] & (c[None, :] < LAT)
     top = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for s in tl.static_range(SPLITS):
+    for s in range(SPLITS):
         slot = (t * SPLITS + s) * n_heads + h
         top = tl.maximum(top, tl.load(stats_ptr + slot * 2, mask=h_live, other=float("-inf")))
     shift = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_LAT), tl.float32)
-    for s in tl.static_range(SPLITS):
+    acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
+    for s in range(SPLITS):
         slot = (t * SPLITS + s) * n_heads + h
         weight = tl.exp(tl.load(stats_ptr + slot * 2, mask=h_live, other=float("-inf")) - shift)
         total += weight * tl.load(stats_ptr + slot * 2 + 1, mask=h_live, other=0.0)
@@ -303,7 +313,13 @@ def sparse_mla_from_buffer(
         num_stages=num_stages,
     )
     if splits > 1:
-        _combine_kernel[grid[:2]](
+        block_c = min(COMBINE_BLOCK_C, block_lat)
+        combine_grid = (
+            n_queries,
+            triton.cdiv(n_heads, COMBINE_BLOCK_H),
+            triton.cdiv(kv_lora_rank, block_c),
+        )
+        _combine_kernel[combine_grid](
             part,
             stats,
             out,
@@ -311,10 +327,10 @@ def sparse_mla_from_buffer(
             out.stride(0),
             out.stride(1),
             LAT=kv_lora_rank,
-            BLOCK_LAT=block_lat,
-            BLOCK_H=block_h,
+            BLOCK_C=block_c,
+            BLOCK_H=COMBINE_BLOCK_H,
             SPLITS=splits,
-            num_warps=num_warps,
+            num_warps=COMBINE_NUM_WARPS,
         )
     return out
 
