@@ -216,15 +216,20 @@ def measure(name, queries, heads, topk, slots, dev, configs, timer, bw, tflops) 
 # small-batch configs of the 2026-12-01 diagnostic (K split in 4 at 32 heads for batch 3,
 # in 2 at 64 heads for batch 17; history/2026-12-01-sparse-mla-small-batch/).
 # The merge no longer spills (kernels/sparse_mla.py _combine_kernel), so more splits of 64
-# heads are timed too.
+# heads are timed too, and the hand-pipelined walk (``prefetch``, spill-free at 32 heads).
 BATCH_SWEEP_CONFIGS = {
     "split4_h32": (32, 32, 8, 2, 4),
     "split2_h64": (64, 32, 8, 2, 2),
     "split4_h64": (64, 32, 8, 2, 4),
     "split8_h64": (64, 32, 8, 2, 8),
     "split16_h64": (64, 32, 8, 2, 16),
+    "prefetch_h32": (32, 32, 8, 1, 1, True),
+    "prefetch_split4_h32": (32, 32, 8, 1, 4, True),
 }
 L2_DEFEAT_BYTES = 96 << 20  # index sets per batch: enough distinct rows to overflow L2
+
+
+CPU_BATCH_SWEEP = ("split4_h32", "prefetch_split4_h32")  # the smoke run's few
 
 
 def batch_sweep(batches, heads, topk, slots, dev, peers: list[str], timer=graph_us) -> dict:
@@ -235,10 +240,13 @@ def batch_sweep(batches, heads, topk, slots, dev, peers: list[str], timer=graph_
     from sglang_echo.kernels.sparse_mla import sparse_mla_from_buffer, sparse_mla_reference
 
     scale = (LAT + ROPE) ** -0.5
-    ours = {"default": launcher_default(), **BATCH_SWEEP_CONFIGS}
+    sweep = BATCH_SWEEP_CONFIGS
+    if dev.type == "cpu":  # interpreted: a few configs, enough to exercise every path
+        sweep = {k: v for k, v in sweep.items() if k in CPU_BATCH_SWEEP}
+    ours = {"default": launcher_default(), **sweep}
     planners: dict = {}
     for name, cfg in ours.items():
-        kw = dict(zip(CONFIG_KEYS, cfg, strict=True))
+        kw = dict(zip(CONFIG_KEYS, cfg[:5], strict=True)) | {"prefetch": len(cfg) > 5 and cfg[5]}
         planners[f"ours_{name}"] = lambda q, b, r, kw=kw: (
             lambda: sparse_mla_from_buffer(q, b, r, LAT, scale, **kw)
         )

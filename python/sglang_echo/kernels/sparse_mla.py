@@ -54,6 +54,54 @@ FP8_TILE: tl.constexpr = tl.constexpr(FP8_TILE_VALUES)
 
 
 @triton.jit
+def _load_rows(
+    buf_ptr, idx, buf_stride, c, d, c_live, d_live, dtype,
+    LAT: tl.constexpr, FP8: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_LAT: tl.constexpr,
+):  # fmt: skip
+    """One block of selected rows -> (latent [BLOCK_K, BLOCK_LAT], rope, live) in ``dtype``
+    (fp8 rows dequantized here, in registers); rows whose index is < 0 load as zeros."""
+    live = idx >= 0
+    row = buf_ptr + idx.to(tl.int64) * buf_stride
+    lat_mask = live[:, None] & c_live[None, :]
+    pe_mask = live[:, None] & d_live[None, :]
+    if FP8:  # kernels/fp8_kv.py rows: e4m3 latent | float32 tile scales | bf16 rope
+        codes = tl.load(row[:, None] + c[None, :], mask=lat_mask, other=0)
+        scales = (row + LAT).to(tl.pointer_type(tl.float32))
+        tile = (c // FP8_TILE)[None, :]
+        tile_scale = tl.zeros((BLOCK_K, BLOCK_LAT), tl.float32)
+        for j in tl.static_range(LAT // FP8_TILE):  # one scale per row and tile
+            s_j = tl.load(scales + j, mask=live, other=0.0)
+            tile_scale = tl.where(tile == j, s_j[:, None], tile_scale)
+        dequant = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tile_scale
+        kv_lat = dequant.to(dtype)  # rounded once, as fp8_kv does
+        rope = (row + LAT + 4 * (LAT // FP8_TILE)).to(tl.pointer_type(tl.bfloat16))
+        kv_pe = tl.load(rope[:, None] + d[None, :], mask=pe_mask, other=0.0).to(dtype)
+    else:
+        kv_lat = tl.load(row[:, None] + c[None, :], mask=lat_mask, other=0.0)
+        kv_pe = tl.load(row[:, None] + LAT + d[None, :], mask=pe_mask, other=0.0)
+    return kv_lat, kv_pe, live
+
+
+@triton.jit
+def _attend_block(
+    q_lat, q_pe, kv_lat, kv_pe, live, m, total, acc, scale, PRECISION: tl.constexpr
+):  # fmt: skip
+    """One block of rows into the streaming softmax: -> (m, total, acc)."""
+    s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
+    s = tl.dot(q_pe, tl.trans(kv_pe), acc=s, input_precision=PRECISION)
+    s = tl.where(live[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # While a head has seen no live row, m_new is -inf: shift by 0 instead (p = 0).
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - shift)
+    p = tl.exp(s - shift[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc=acc, input_precision=PRECISION)
+    return m_new, total, acc
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_ptr,
     buf_ptr,
@@ -80,6 +128,7 @@ def _sparse_mla_kernel(
     CHUNK: tl.constexpr,
     PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
@@ -89,6 +138,7 @@ def _sparse_mla_kernel(
     d = tl.arange(0, BLOCK_ROPE)
     c_live = c < LAT
     d_live = d < ROPE
+    dtype = q_ptr.dtype.element_ty
     # The query block stays in registers for the whole walk over the selected rows.
     q_rows = q_ptr + t * q_stride_t + h[:, None] * q_stride_h
     q_lat = tl.load(q_rows + c[None, :], mask=h_live[:, None] & c_live[None, :], other=0.0)
@@ -97,41 +147,42 @@ def _sparse_mla_kernel(
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)  # running max of the scores
     total = tl.zeros((BLOCK_H,), tl.float32)  # running sum of exp(score - m)
     acc = tl.zeros((BLOCK_H, BLOCK_LAT), tl.float32)
-    for k0 in range(0, CHUNK, BLOCK_K):  # this split's CHUNK rows (all of them: SPLITS 1)
-        k = split * CHUNK + k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(rows_ptr + t * rows_stride + k, mask=k < TOPK, other=-1)
-        live = idx >= 0
-        row = buf_ptr + idx.to(tl.int64) * buf_stride
-        lat_mask = live[:, None] & c_live[None, :]
-        pe_mask = live[:, None] & d_live[None, :]
-        if FP8:  # kernels/fp8_kv.py rows: e4m3 latent | float32 tile scales | bf16 rope
-            codes = tl.load(row[:, None] + c[None, :], mask=lat_mask, other=0)
-            scales = (row + LAT).to(tl.pointer_type(tl.float32))
-            tile = (c // FP8_TILE)[None, :]
-            tile_scale = tl.zeros((BLOCK_K, BLOCK_LAT), tl.float32)
-            for j in tl.static_range(LAT // FP8_TILE):  # one scale per row and tile
-                s_j = tl.load(scales + j, mask=live, other=0.0)
-                tile_scale = tl.where(tile == j, s_j[:, None], tile_scale)
-            dequant = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tile_scale
-            kv_lat = dequant.to(q_ptr.dtype.element_ty)  # rounded once, as fp8_kv does
-            rope = (row + LAT + 4 * (LAT // FP8_TILE)).to(tl.pointer_type(tl.bfloat16))
-            kv_pe = tl.load(rope[:, None] + d[None, :], mask=pe_mask, other=0.0)
-            kv_pe = kv_pe.to(q_ptr.dtype.element_ty)
-        else:
-            kv_lat = tl.load(row[:, None] + c[None, :], mask=lat_mask, other=0.0)
-            kv_pe = tl.load(row[:, None] + LAT + d[None, :], mask=pe_mask, other=0.0)
-        s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
-        s = tl.dot(q_pe, tl.trans(kv_pe), acc=s, input_precision=PRECISION)
-        s = tl.where(live[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # While a head has seen no live row, m_new is -inf: shift by 0 instead (p = 0).
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - shift)
-        p = tl.exp(s - shift[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc=acc, input_precision=PRECISION)
-        m = m_new
+    idx_base = rows_ptr + t * rows_stride + split * CHUNK
+    lanes = tl.arange(0, BLOCK_K)
+    if PREFETCH:
+        # Hand-pipelined walk (launch with num_stages=1): block i's rows and block i+1's
+        # indices are issued before block i-1's math, so their latency hides behind it.
+        # Triton's own pipeliner issues the next block's row copies after the math and
+        # waits for them at the top of the loop (sm90 TTGIR), leaving the gather exposed.
+        k = split * CHUNK + lanes
+        idx = tl.load(idx_base + lanes, mask=k < TOPK, other=-1)
+        kv_lat, kv_pe, live = _load_rows(
+            buf_ptr, idx, buf_stride, c, d, c_live, d_live, dtype, LAT, FP8, BLOCK_K, BLOCK_LAT
+        )
+        k = split * CHUNK + BLOCK_K + lanes
+        idx = tl.load(
+            idx_base + BLOCK_K + lanes, mask=(k < TOPK) & (BLOCK_K + lanes < CHUNK), other=-1
+        )
+        for k0 in range(0, CHUNK, BLOCK_K):
+            nxt_lat, nxt_pe, nxt_live = _load_rows(
+                buf_ptr, idx, buf_stride, c, d, c_live, d_live, dtype, LAT, FP8, BLOCK_K, BLOCK_LAT
+            )
+            j = k0 + 2 * BLOCK_K + lanes  # block i+2's indices
+            idx = tl.load(idx_base + j, mask=(split * CHUNK + j < TOPK) & (j < CHUNK), other=-1)
+            m, total, acc = _attend_block(
+                q_lat, q_pe, kv_lat, kv_pe, live, m, total, acc, scale, PRECISION
+            )
+            kv_lat, kv_pe, live = nxt_lat, nxt_pe, nxt_live
+    else:
+        for k0 in range(0, CHUNK, BLOCK_K):  # this split's CHUNK rows (all of them: SPLITS 1)
+            k = split * CHUNK + k0 + lanes
+            idx = tl.load(idx_base + k0 + lanes, mask=k < TOPK, other=-1)
+            kv_lat, kv_pe, live = _load_rows(
+                buf_ptr, idx, buf_stride, c, d, c_live, d_live, dtype, LAT, FP8, BLOCK_K, BLOCK_LAT
+            )
+            m, total, acc = _attend_block(
+                q_lat, q_pe, kv_lat, kv_pe, live, m, total, acc, scale, PRECISION
+            )
     if SPLITS == 1:
         out = acc / tl.where(total > 0.0, total, 1.0)[:, None]  # no live row: zeros
         o_rows = out_ptr + t * out_stride_t + h[:, None] * out_stride_h
@@ -239,6 +290,7 @@ def sparse_mla_from_buffer(
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
     splits: int = DEFAULT_SPLITS,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """q [Q, H, r + d] (absorbed latent query | roped query), buffer [S, r + d] (KV rows),
     rows [Q, K] int32/int64 indices into the buffer (-1 = none) -> out [Q, H, r] in q's dtype.
@@ -249,6 +301,10 @@ def sparse_mla_from_buffer(
     when queries x head blocks do not fill the GPU) and merges their partial softmaxes in
     a second launch, in split order: still deterministic, but the bits depend on
     ``splits`` (as on the block sizes), so offload and no-offload must use the same.
+    ``prefetch`` walks the rows in a hand-pipelined loop (each block's rows loaded one
+    block ahead, its indices two, and Triton's own pipelining off): the same math in the
+    same order, so the same bits as without it; whether it is faster is for the GPU (it
+    needs registers: spill-free at 32 heads, spills at 64 when compiled for sm_90a).
     """
     _check(q, buffer, rows, kv_lora_rank)
     if q.stride(2) != 1 or buffer.stride(1) != 1:
@@ -309,8 +365,9 @@ def sparse_mla_from_buffer(
         # always accumulates in float32 and ignores the choice.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=fp8,
+        PREFETCH=prefetch,
         num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=1 if prefetch else num_stages,
     )
     if splits > 1:
         block_c = min(COMBINE_BLOCK_C, block_lat)
