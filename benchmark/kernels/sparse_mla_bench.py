@@ -268,8 +268,8 @@ def batch_sweep(batches, heads, topk, slots, dev, peers: list[str], timer=graph_
         row = {"index_sets": sets}
         for name, plan in planners.items():
             try:
-                got = plan(q0, buffer, rows0)()
                 thunks = [plan(q, buffer, rows) for q, rows in inputs]
+                got = thunks[0]()  # inputs[0] is (q0, rows0)
                 invariant = slot_invariant(plan, q0, buffer, rows0)
             except Exception as exc:  # a peer that fails at this shape: recorded, skipped
                 row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}

@@ -151,7 +151,7 @@ def combine_pairs(
     spare = tokens * top_k  # dead lanes' row, dropped
     row = torch.where(live, pair_id, torch.full_like(pair_id, spare))
     dense = torch.zeros(spare + 1, hidden, dtype=contrib.dtype, device=contrib.device)
-    dense.index_copy_(0, row, torch.where(live.unsqueeze(1), contrib, 0.0))
+    dense.index_copy_(0, row, contrib)  # dead lanes (garbage, even NaN) land in the spare row
     return dense[:spare].view(tokens, top_k, hidden).sum(dim=1)
 
 
@@ -250,9 +250,9 @@ class LocalRoutedMoE(nn.Module):
         kept = torch.sort(keep.to(torch.int8), descending=True, stable=True).indices
         kept = kept[: b * self.top_k]
         live = keep.index_select(0, kept)
-        pair_w = weights.reshape(-1).index_select(0, order.index_select(0, kept))
-        contrib = y.index_select(0, kept).float() * pair_w.unsqueeze(1)
         pair_id = order.index_select(0, kept)  # token * top_k + its routing rank
+        pair_w = weights.reshape(-1).index_select(0, pair_id)
+        contrib = y.index_select(0, kept).float() * pair_w.unsqueeze(1)
         out = combine_pairs(contrib, pair_id, live, b, self.top_k)
         return out.to(x.dtype) + self.shared(x)
 
