@@ -117,9 +117,10 @@ def roofline(queries, heads, topk, bw_gbps, tflops) -> dict:
 CONFIG_KEYS = ("block_h", "block_k", "num_warps", "num_stages", "splits")
 
 
-def launcher_default() -> tuple[int, int, int, int, int]:
-    """The config ``sparse_mla_from_buffer`` runs when called without one (what the model
-    runs), imported late: TRITON_INTERPRET must be set before the kernel module loads."""
+def launcher_default(decode: bool = True) -> tuple[int, int, int, int, int]:
+    """The config the model runs: the launcher's block sizes, split ``DECODE_SPLITS`` ways
+    in decode and unsplit in prefill. Imported late: TRITON_INTERPRET must be set before
+    the kernel module loads."""
     from sglang_echo.kernels import sparse_mla as k
 
     return (
@@ -127,7 +128,7 @@ def launcher_default() -> tuple[int, int, int, int, int]:
         k.DEFAULT_BLOCK_K,
         k.DEFAULT_NUM_WARPS,
         k.DEFAULT_NUM_STAGES,
-        k.DEFAULT_SPLITS,
+        k.DECODE_SPLITS if decode else k.DEFAULT_SPLITS,
     )
 
 
@@ -143,7 +144,7 @@ def measure(name, queries, heads, topk, slots, dev, configs, timer, bw, tflops) 
     def rotate():
         return inputs[next(it) % len(inputs)]
 
-    default = launcher_default()
+    default = launcher_default(decode=name == "decode")
     configs = configs if default in configs else [default, *configs]
     results = []
     for bh, bk, warps, stages, splits in configs:
@@ -174,12 +175,13 @@ def measure(name, queries, heads, topk, slots, dev, configs, timer, bw, tflops) 
     packed = quantize_kv_rows(buffer, LAT)
     deq = dequantize_kv_rows(packed, LAT, buffer.dtype)
     want_fp8 = sparse_mla_reference(q0.float(), deq.float(), rows0, LAT, scale).double()
-    got_fp8 = sparse_mla_from_buffer(q0, packed, rows0, LAT, scale)
+    splits = default[4]  # the model's split count for this run
+    got_fp8 = sparse_mla_from_buffer(q0, packed, rows0, LAT, scale, splits=splits)
     fp8_err = ((got_fp8.double() - want_fp8).norm() / want_fp8.norm()).item()
 
     def run_fp8():
         q, rows = rotate()
-        sparse_mla_from_buffer(q, packed, rows, LAT, scale)
+        sparse_mla_from_buffer(q, packed, rows, LAT, scale, splits=splits)
 
     torch_err = sparse_mla_reference(q0, buffer, rows0, LAT, scale).double()
     torch_err = ((torch_err - want).norm() / want.norm()).item()

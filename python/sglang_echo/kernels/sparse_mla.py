@@ -34,16 +34,22 @@ from sglang_echo.kernels.fp8_kv import FP8_TILE as FP8_TILE_VALUES
 from sglang_echo.kernels.fp8_kv import dequantize_kv_rows, fp8_row_bytes
 from sglang_echo.kernels.interpreter import fix_interpreter_bf16
 
-# Defaults for DeepSeek-V3.2 sizes (H 128, r 512, d 64, bf16), the fastest of the 12
-# launch configurations benchmark/kernels/sparse_mla_bench.py swept on an H200
-# (benchmark/results/sparse_mla.json): 64 heads x 32 rows, 8 warps, 2 stages, one split
-# ran decode (48 queries) in 319 us and prefill (64 queries) in 314 us, against 569 / 590
-# us for 32 heads (the earlier spill-free pick) and 380 / 482 us for the torch path.
+# Defaults for DeepSeek-V3.2 sizes (H 128, r 512, d 64, bf16), from the launch
+# configurations benchmark/kernels/sparse_mla_bench.py sweeps on an H200
+# (benchmark/results/sparse_mla.json): 64 heads x 32 rows, 8 warps, 2 stages. One program
+# walks a query's 2048 rows in 64 dependent steps of ~3.6 us, so unsplit the time is that
+# walk whatever the batch (230 / 232 / 233 us at batch 3 / 17 / 48, graph-replayed).
+# Decode splits each query's rows 4 ways: 65 / 130 / 210 us at those batches, the only
+# split count no slower than none at all three (8 splits: 39 / 114 / 249, 16: 29 / 129 /
+# 318). The count is fixed, not chosen by batch, so a request's bits do not depend on how
+# many others share its step. Prefill runs thousands of queries, enough programs without
+# splits (whose float32 partials would cost Q x 1 MB), so it stays unsplit.
 DEFAULT_BLOCK_H = 64
 DEFAULT_BLOCK_K = 32
 DEFAULT_NUM_WARPS = 8
 DEFAULT_NUM_STAGES = 2
 DEFAULT_SPLITS = 1
+DECODE_SPLITS = 4
 # The split merge's tile (heads x latent columns) and warps: small, so it never spills
 # (``_combine_kernel``), and many programs, so the merge spreads over the SMs.
 COMBINE_BLOCK_H = 16

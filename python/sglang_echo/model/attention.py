@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from sglang_echo.kernels.fp8_kv import decode_kv_rows
-from sglang_echo.kernels.sparse_mla import sparse_mla, sparse_mla_from_buffer
+from sglang_echo.kernels.sparse_mla import DECODE_SPLITS, sparse_mla, sparse_mla_from_buffer
 from sglang_echo.model.config import DeepseekV32Config, ModelConfigError
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.indexer import LightningIndexer
@@ -217,7 +217,7 @@ class MLAttention(nn.Module):
             # step keeps fixed shapes and stays capturable in a CUDA graph.
             buffer, rows = kv_cache.resolve(layer_id, selected)
             if kernel:  # rows are -1 where selected is (KVCache.resolve)
-                return self._kernel(q_full, buffer, rows)
+                return self._kernel(q_full, buffer, rows, splits=DECODE_SPLITS)
             kv = decode_kv_rows(buffer[rows.clamp(min=0)], self.kv_lora_rank, q_full.dtype)
             return sparse_mla(q_full, kv, selected >= 0, self.kv_lora_rank, self.scale)
         return self._attend_prefill(q_full, selected, kv_cache, layer_id, kernel)
@@ -281,6 +281,9 @@ class MLAttention(nn.Module):
                     out[s:e] = sparse_mla(q_full[s:e], rows_e, valid, self.kv_lora_rank, self.scale)
         return out
 
-    def _kernel(self, q: torch.Tensor, buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Sparse MLA read through ``rows`` from ``buffer`` (the Triton kernel)."""
-        return sparse_mla_from_buffer(q, buffer, rows, self.kv_lora_rank, self.scale)
+    def _kernel(
+        self, q: torch.Tensor, buffer: torch.Tensor, rows: torch.Tensor, splits: int = 1
+    ) -> torch.Tensor:
+        """Sparse MLA read through ``rows`` from ``buffer`` (the Triton kernel); decode
+        splits each query's rows (``DECODE_SPLITS``), prefill does not."""
+        return sparse_mla_from_buffer(q, buffer, rows, self.kv_lora_rank, self.scale, splits=splits)
