@@ -4,11 +4,16 @@
 # short still returns what ran). Records keep the commands that made them.
 #   bash benchmark/device_session.sh OUTDIR checks   # CUDA tests + kernel benchmarks, peers beside (~9 min)
 #   bash benchmark/device_session.sh OUTDIR e2e      # decode-node sweep + the study, bf16 and fp8 (~9 min)
+# or any stages by name, in order (a call with device time for part of a session):
+#   bash benchmark/device_session.sh OUTDIR tests study       # ~8 min
+#   bash benchmark/device_session.sh OUTDIR kernels study_fp8 # ~3 min
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks).
 set -uo pipefail
-out=${1:?usage: device_session.sh OUTDIR checks|e2e}
-part=${2:?usage: device_session.sh OUTDIR checks|e2e}
+usage="usage: device_session.sh OUTDIR checks|e2e|STAGE... (stages: tests kernels sweep study study_fp8)"
+out=${1:?$usage}
+shift
+[ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 mkdir -p "$out"
 export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1
 SECONDS=0
@@ -22,30 +27,40 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run, log, pack NAME.tgz from /tmp/ds
   tail -6 "/tmp/ds/$name/$name.log"
   tar -czf "$out/$name.tgz" -C /tmp/ds "$name"
 }
-case "$part" in
-  checks)
-    stage tests 390 bash benchmark/gpu_checks.sh /tmp/ds/tests tests
-    # FlashInfer's MLA decode beside our sparse MLA where the peer bundle is carried (.peer:
-    # bash ../shared/tools/flashinfer_peer_bundle.sh); its JIT build takes ~20 s.
-    peer=""
-    if [ -f .peer/flashinfer_trim.tar.xz ]; then
-      site=$(mktemp -d)
-      python3 -m pip install -q --no-index --no-deps --target "$site" .peer/apache_tvm_ffi*.whl \
-        && tar -xJf .peer/flashinfer_trim.tar.xz -C "$site" && peer="--peer flashinfer"
-      export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default
-    fi
-    stage kernels 200 bash -c "python3 benchmark/kernels/sparse_mla_bench.py --out /tmp/ds/kernels \
-      --batches 3,17,48 $peer; for b in cache_ops indexer; do
-      python3 benchmark/kernels/\${b}_bench.py --out /tmp/ds/kernels; done"
-    ;;
-  e2e)
-    stage sweep 230 env RATES=4,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 \
-      bash benchmark/e2e_sweep.sh /tmp/ds/sweep/e2e_sweep
-    stage study 200 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 2 --deadline-s 150
-    stage study_fp8 130 python3 benchmark/e2e_study.py --out /tmp/ds/study_fp8 \
-      --kv-cache-dtype fp8_e4m3 --repeats 2 --deadline-s 110
-    ;;
-  *) echo "part must be checks or e2e, got $part" >&2; exit 2 ;;
+run_stage() {
+  case "$1" in
+    tests) stage tests 390 bash benchmark/gpu_checks.sh /tmp/ds/tests tests ;;
+    kernels)
+      # FlashInfer's MLA decode beside our sparse MLA where the peer bundle is carried (.peer:
+      # bash ../shared/tools/flashinfer_peer_bundle.sh); its JIT build takes ~20 s.
+      peer=""
+      if [ -f .peer/flashinfer_trim.tar.xz ]; then
+        site=$(mktemp -d)
+        python3 -m pip install -q --no-index --no-deps --target "$site" .peer/apache_tvm_ffi*.whl \
+          && tar -xJf .peer/flashinfer_trim.tar.xz -C "$site" && peer="--peer flashinfer"
+        export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default
+      fi
+      stage kernels 200 bash -c "python3 benchmark/kernels/sparse_mla_bench.py --out /tmp/ds/kernels \
+        --batches 3,17,48 $peer; for b in recall cache_ops indexer; do
+        python3 benchmark/kernels/\${b}_bench.py --out /tmp/ds/kernels; done" ;;
+    sweep)
+      stage sweep 230 env RATES=4,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 \
+        bash benchmark/e2e_sweep.sh /tmp/ds/sweep/e2e_sweep ;;
+    study) stage study 200 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 2 --deadline-s 150 ;;
+    study_fp8)
+      stage study_fp8 130 python3 benchmark/e2e_study.py --out /tmp/ds/study_fp8 \
+        --kv-cache-dtype fp8_e4m3 --repeats 2 --deadline-s 110 ;;
+    *) echo "unknown stage $1; $usage" >&2; exit 2 ;;
+  esac
+}
+case "$1" in
+  checks) stages=(tests kernels) ;;
+  e2e) stages=(sweep study study_fp8) ;;
+  *) stages=("$@") ;;
 esac
+for s in "${stages[@]}"; do
+  case "$s" in tests|kernels|sweep|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+done
+for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"
 ls -la "$out"

@@ -316,3 +316,14 @@ def test_first_difference_names_request_and_token(e2e_study) -> None:
     assert e2e_study.first_difference(same, [list(r) for r in same]) is None
     assert e2e_study.first_difference(same, [[1, 2, 3], [4, 9]]) == [1, 1]
     assert e2e_study.first_difference([[7, 2]], [[1, 2]]) == [0, 0]
+
+
+def test_outputs_agree_over_the_common_length_only(e2e_study) -> None:
+    """A profiled run's longer output that its repeat matches is agreement; a differing
+    token, a missing request or an empty output is not."""
+    long, short = [[1, 2, 3, 4], [5, 6, 7]], [[1, 2, 3], [5, 6]]
+    assert e2e_study.outputs_agree(long, short) and e2e_study.outputs_agree(short, long)
+    assert e2e_study.tokens_in_common(long, short) == 5
+    assert not e2e_study.outputs_agree(long, [[1, 2, 9], [5, 6]])
+    assert not e2e_study.outputs_agree(long, [[1, 2, 3]])
+    assert not e2e_study.outputs_agree(long, [[], [5, 6]])

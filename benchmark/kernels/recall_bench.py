@@ -83,7 +83,25 @@ def bench_rows(row_bytes: int, host_rows: int, misses: int, configs) -> dict:
         "misses": misses,
         "configs": results,
         "torch_index_select_GBps": misses * row_bytes / ref_ms / 1e6,
+        "default_us_by_count": few_misses_us(alias, dev, lists, misses),
     }
+
+
+def few_misses_us(alias, dev, lists, lanes: int) -> dict:
+    """The default launch at counts far below its lanes (a decode step at batch 1 misses
+    ~150 rows of a layer against a worst case of batch x top-k lanes): what the fixed
+    grid costs when there is little to copy."""
+    out = {}
+    for count in (0, 160, 2048, lanes):
+        n = torch.tensor([count], device="cuda")
+        it = iter(range(1 << 30))
+
+        def run(n=n, it=it):
+            i, s2 = lists[next(it) % len(lists)]
+            recall_rows(alias, dev, i, s2, n)
+
+        out[str(count)] = time_ms(run) * 1e3
+    return out
 
 
 def main() -> None:
@@ -107,6 +125,7 @@ def main() -> None:
         }
         metrics[f"torch_index_select_GBps_{rb}"] = res["torch_index_select_GBps"]
         metrics[f"all_correct_{rb}"] = len(good) == len(res["configs"])
+        metrics[f"default_us_by_count_{rb}"] = res["default_us_by_count"]
     device = torch.cuda.get_device_name()
     save_record(args.out, "recall", device, metrics, detail=per_size)
     out = Path(args.out)

@@ -2,13 +2,18 @@
 
 The kernel reads host rows through their device-mapped (UVA) address, so one launch moves
 every miss of a layer with no staging copy and no host synchronisation. It is driven by a
-compacted miss list and a device-side count: lanes past the count exit at once, so the
-grid can be sized for the worst case (a fixed shape, capturable in a CUDA graph). Rows are
+compacted miss list and a device-side count, with a grid fixed by the worst case (a fixed
+shape, capturable in a CUDA graph): the flat kernel (the default) loops up to the count
+over a few programs per SM, so a step with few misses costs little more than a launch;
+the row-tiled one launches a program per worst-case block and lanes past the count exit
+at once. Rows are
 copied as bytes, so bf16 rows (1152 B) and SGLang's fp8 layout (656 B) share one kernel;
 with row strides that are multiples of 16 B, loads and stores are 16 B wide.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -20,6 +25,9 @@ DEFAULT_FLAT_CHUNKS = 512
 DEFAULT_NUM_WARPS = 8
 DEFAULT_ROWS_PER_PROGRAM = 4  # for the row-tiled variant (flat_chunks=0)
 DEFAULT_BLOCK_BYTES = 256
+# Programs per SM of the flat kernel's grid-stride loop: 8-warp programs, 4 resident per
+# SM, enough loads in flight for the H2D link (the loop, not the grid, covers the misses).
+PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -61,18 +69,39 @@ def _recall_flat_kernel(
     CHUNKS: tl.constexpr,
 ):
     """Same copy, over the flat (row, VEC-byte chunk) space: no masked-off lanes for rows
-    that are not a power of two wide (656 B = 41 x 16 B)."""
+    that are not a power of two wide (656 B = 41 x 16 B). A grid-stride loop up to the
+    count: the grid is a few programs per SM whatever the worst case, so a step with few
+    misses does not pay for launching one program per chunk of the worst case."""
     per_row: tl.constexpr = ROW_BYTES // VEC
-    chunk = tl.program_id(0) * CHUNKS + tl.arange(0, CHUNKS)
-    lane = chunk // per_row
-    col = (chunk % per_row) * VEC
-    live = lane < tl.load(count_ptr)
-    ids = tl.load(ids_ptr + lane, mask=live, other=0).to(tl.int64)
-    slots = tl.load(slots_ptr + lane, mask=live, other=0).to(tl.int64)
+    total = tl.load(count_ptr).to(tl.int64) * per_row
     v = tl.arange(0, VEC)
-    src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
-    dst = dev_ptr + (slots * dev_stride + col)[:, None] + v[None, :]
-    tl.store(dst, tl.load(src, mask=live[:, None]), mask=live[:, None])
+    base = tl.program_id(0).to(tl.int64) * CHUNKS
+    while base < total:  # a while, not a range: the interpreter cannot range over tensors
+        chunk = base + tl.arange(0, CHUNKS)
+        lane = chunk // per_row
+        col = (chunk % per_row) * VEC
+        live = chunk < total
+        ids = tl.load(ids_ptr + lane, mask=live, other=0).to(tl.int64)
+        slots = tl.load(slots_ptr + lane, mask=live, other=0).to(tl.int64)
+        src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
+        dst = dev_ptr + (slots * dev_stride + col)[:, None] + v[None, :]
+        tl.store(dst, tl.load(src, mask=live[:, None]), mask=live[:, None])
+        base += tl.num_programs(0) * CHUNKS
+
+
+def flat_programs(device: torch.device, worst_chunks: int, chunks: int) -> int:
+    """The flat kernel's grid: enough programs for the worst case, at most
+    ``PROGRAMS_PER_SM`` per SM (the rest is the loop's), and a few on the interpreter
+    so that its loop runs more than once in tests."""
+    need = max(1, triton.cdiv(worst_chunks, chunks))
+    if device.type != "cuda":
+        return min(need, 2)
+    return min(need, PROGRAMS_PER_SM * _sm_count(device.index))
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
@@ -109,7 +138,7 @@ def recall_rows(
         vec = 16
         while row_bytes % vec:
             vec //= 2
-        grid = (triton.cdiv(lanes * (row_bytes // vec), flat_chunks),)
+        grid = (flat_programs(dev_b.device, lanes * (row_bytes // vec), flat_chunks),)
         _recall_flat_kernel[grid](
             *args, ROW_BYTES=row_bytes, VEC=vec, CHUNKS=flat_chunks, num_warps=num_warps
         )
