@@ -347,10 +347,13 @@ def row_sm90_resources(r: Records) -> tuple[str, str, str]:
     m = d["metrics"]
     dft, rows = m["default"], m["configs"]
     free = [r for r in rows if r["spill_store_bytes"] == 0]
+    splits = f", {dft['splits']} splits" if dft.get("splits", 1) > 1 else ""
     text = (
         f"{len(rows)} launch configs compiled for {m['target']} as the JIT specializes the "
         f"decode launch (compile only): the default ({dft['block_h']} heads x "
-        f"{dft['block_k']} rows, {dft['num_warps']} warps) uses {dft['registers']} registers, "
+        f"{dft['block_k']} rows, {dft['num_warps']} warps"
+        f"{splits}) uses "
+        f"{dft['registers']} registers, "
         f"spills {dft['spill_store_bytes']} B per thread, {count(dft['shared_bytes'])} B of "
         f"shared memory, {dft['wgmma']} wgmma; {len(free)} configs are spill-free, "
         f"{sum(r['wgmma'] > 0 for r in free)} of them with wgmma; KV-row tile loads in the "
