@@ -4,13 +4,14 @@
 # short still returns what ran). Records keep the commands that made them.
 #   bash benchmark/device_session.sh OUTDIR checks   # CUDA tests + kernel benchmarks, peers beside (~9 min)
 #   bash benchmark/device_session.sh OUTDIR e2e      # decode-node sweep + the study, bf16 and fp8 (~9 min)
+#   bash benchmark/device_session.sh OUTDIR figures  # Figure 13 at 110K, 14 and 15 (~10 min; est.)
 # or any stages by name, in order (a call with device time for part of a session):
 #   bash benchmark/device_session.sh OUTDIR tests study       # ~8 min
 #   bash benchmark/device_session.sh OUTDIR kernels study_fp8 # ~3 min
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|STAGE... (stages: tests kernels sweep study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernels sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -46,6 +47,17 @@ run_stage() {
     sweep)
       stage sweep 230 env RATES=4,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 \
         bash benchmark/e2e_sweep.sh /tmp/ds/sweep/e2e_sweep ;;
+    sweep_200k | sweep_110k)  # Figure 13: both pools at 200K / 110K tokens, finite rates too
+      local pool=${1#sweep_}
+      pool=${pool%k}000
+      stage "$1" 200 env NO_OFFLOAD_TOKENS="$pool" DEV_CACHE="$pool" RATES=2,inf NUM_PROMPTS=48 \
+        MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh "/tmp/ds/$1/e2e_sweep_$pool" ;;
+    tasks)  # Figure 14: the four InfiniteBench task mixes (synthetic lengths) at rate inf
+      stage tasks 240 env INFINI=0 TASKS=1 TASK_RATES=inf TASK_NUM_PROMPTS=32 MAX_OUTPUT_LEN=128 \
+        WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh /tmp/ds/tasks/e2e_sweep_tasks ;;
+    sharegpt)  # Figure 15: ShareGPT-like chats on one prefill + decode server
+      stage sharegpt 200 env INFINI=0 SHAREGPT=1 NUM_PROMPTS=48 RATES=1,4,inf \
+        bash benchmark/e2e_sweep.sh /tmp/ds/sharegpt/e2e_sweep_sharegpt ;;
     study) stage study 200 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 2 --deadline-s 150 ;;
     study_fp8)
       stage study_fp8 130 python3 benchmark/e2e_study.py --out /tmp/ds/study_fp8 \
@@ -56,10 +68,11 @@ run_stage() {
 case "$1" in
   checks) stages=(tests kernels) ;;
   e2e) stages=(sweep study study_fp8) ;;
+  figures) stages=(sweep_110k tasks sharegpt) ;;
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in tests|kernels|sweep|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in tests|kernels|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"

@@ -1,16 +1,21 @@
-"""benchmark/device_session.sh parses and refuses an unknown part before running anything."""
+"""benchmark/device_session.sh parses and refuses an unknown part or stage before running
+anything, even when valid stages come first."""
 
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmark" / "device_session.sh"
 
 
-def test_script_parses_and_names_its_parts(tmp_path):
+@pytest.mark.parametrize("args", [["everything"], ["tests", "study", "everything"], []])
+def test_script_parses_and_names_its_stages(tmp_path, args):
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
     done = subprocess.run(
-        ["bash", str(SCRIPT), str(tmp_path), "everything"], capture_output=True, text=True
+        ["bash", str(SCRIPT), str(tmp_path), *args], capture_output=True, text=True
     )
-    assert done.returncode == 2 and "checks or e2e" in done.stderr
+    assert done.returncode == 2
+    assert "checks|e2e|figures" in done.stderr and "sweep_110k" in done.stderr
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written

@@ -17,7 +17,8 @@ ENV_FUSE_EXTEND = "SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND"
 # Extra victims a step takes whenever it must evict, left free for the next steps (which
 # then scan no slots): 0 = evict exactly the misses' worth. Unset: N_G / 32, at most 8192
 # (on the H200 a reserve of 8192 in 260K slots cut cache management from 68.9 to 43.4 us
-# per layer-step at batch 48 with the hit rate unchanged: benchmark/results/cache_ops_reserve.json).
+# per layer-step at batch 48 with the hit rate unchanged: benchmark/results/history/
+# 2026-12-01-kernels-18b7783/cache_ops_reserve.json; the default's run is cache_ops.json).
 ENV_EVICTION_RESERVE = "SGLANG_ECHO_EVICTION_RESERVE"
 DEFAULT_DEV_CACHE_SIZE = 260_000
 MAX_DEFAULT_EVICTION_RESERVE = 8192

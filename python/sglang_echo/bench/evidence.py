@@ -164,6 +164,8 @@ def row_cache_ops(r: Records) -> tuple[str, str, str]:
         f"{us(m['torch_reference_us_per_layer_step'])} us; one sort of all priorities "
         f"{us(m['exact_lru_sort_us'])} us; stages {stages} us"
     )
+    if m.get("eviction_reserve"):
+        text += f"; eviction reserve {count(m['eviction_reserve'])} slots (the default)"
     if best is not None:  # the launch-shape sweep ran (--sweep)
         text += (
             f"; fastest of {len(m['launch_shape_sweep'])} launch shapes: {best['lane_block']} "
@@ -312,31 +314,53 @@ def row_sparse_mla(r: Records) -> tuple[str, str, str]:
     return "sparse MLA kernel", text, source(d, rel)
 
 
-def row_per_request_cost(r: Records) -> tuple[str, str, str]:
-    """Issue 15's table: each decode op's cost per request and layer, from the kernel records
-    (each timed at batch 48, 100K context, top-k 2048, graph-replayed), divided by the batch."""
-    rels = {
-        "indexer": "benchmark/results/indexer.json",
-        "sparse_mla": "benchmark/results/sparse_mla.json",
-        "cache_ops": "benchmark/results/cache_ops.json",
-    }
-    ix, mla, co = (r(rel)["metrics"] for rel in rels.values())
+BEFORE_ISSUE_15 = "benchmark/results/history/2026-12-01-kernels-a0f072b"  # its "today"
+
+
+def per_request_ops(ix: dict, mla: dict, co: dict) -> tuple[int, dict[str, float]]:
+    """Each decode op's batch time (us) at the records' common batch; sparse MLA's default
+    graph-replayed from the batch sweep where the record has it, else its eager default."""
     batch = ix["batch"]
     if not (mla["sizes"]["batch"] == co["batch"] == batch):
         raise ValueError("the kernel records were timed at different batches")
-    ops = {
+    replayed = mla.get(f"decode_b{batch}_ours_default_us")
+    return batch, {
         "indexer logits": ix["logits_us"],
         "top-k": ix["topk_us"],
-        "sparse MLA (the default config)": mla["decode_default_us"],
+        "sparse MLA (the default config)" + ("" if replayed else ", eager"): (
+            replayed or mla["decode_default_us"]
+        ),
         "cache management": co["us_per_layer_step"],
         "recall": co["us_per_layer_step_with_recall"] - co["us_per_layer_step"],
     }
-    parts = [f"{name} {us(v / batch)}" for name, v in ops.items()]
+
+
+def row_per_request_cost(r: Records) -> tuple[str, str, str]:
+    """Issue 15's table: each decode op's cost per request and layer, from the kernel records
+    (each timed at batch 48, 100K context, top-k 2048), divided by the batch; beside it the
+    same from the records the issue started from (``BEFORE_ISSUE_15``), where present."""
+    names = ("indexer", "sparse_mla", "cache_ops")
+    rels = {n: f"benchmark/results/{n}.json" for n in names}
+    batch, ops = per_request_ops(*(r(rel)["metrics"] for rel in rels.values()))
+    before = None
+    if all((r.root / BEFORE_ISSUE_15 / f"{n}.json").exists() for n in names):
+        old = [r(f"{BEFORE_ISSUE_15}/{n}.json")["metrics"] for n in names]
+        before = per_request_ops(*old)[1]
+    parts = []
+    for (name, v), (old_name, old_v) in zip(ops.items(), (before or ops).items(), strict=True):
+        how = old_name[len(name) :] if old_name.startswith(name) else ""  # ", eager"
+        was = f" (was {us(old_v / batch)}{how})" if before else ""
+        parts.append(f"{name} {us(v / batch)}{was}")
+    total = f"{us(sum(ops.values()) / batch)}"
+    if before:
+        total += f" (was {us(sum(before.values()) / batch)}, the records of a0f072b)"
     text = (
-        f"us per request per layer at batch {batch} (each op's batch time / {batch}; recall = "
-        f"cache management with recall minus without): {', '.join(parts)}; total "
-        f"{us(sum(ops.values()) / batch)}"
+        f"us per request per layer at batch {batch} (each op's batch time / {batch}; sparse "
+        f"MLA graph-replayed where the record's batch sweep has it; recall = cache management "
+        f"with recall minus without): {', '.join(parts)}; total {total}"
     )
+    if before:  # the old sparse-MLA record has no batch sweep: its default ran eager
+        rels |= {f"old {n}": f"{BEFORE_ISSUE_15}/{n}.json" for n in names}
     srcs = ", ".join(source(r(rel), rel) for rel in rels.values())
     return "per-request decode cost per layer (issue 15)", text, srcs
 
