@@ -30,7 +30,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run, log, pack NAME.tgz from /tmp/ds
 }
 run_stage() {
   case "$1" in
-    tests) stage tests 390 bash benchmark/gpu_checks.sh /tmp/ds/tests tests ;;
+    tests) stage tests 420 bash benchmark/gpu_checks.sh /tmp/ds/tests tests ;;  # 321-390 s seen
     kernels)
       # FlashInfer's MLA decode beside our sparse MLA where the peer bundle is carried (.peer:
       # bash ../shared/tools/flashinfer_peer_bundle.sh); its JIT build takes ~20 s.
@@ -41,7 +41,7 @@ run_stage() {
           && tar -xJf .peer/flashinfer_trim.tar.xz -C "$site" && peer="--peer flashinfer"
         export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default
       fi
-      stage kernels 200 bash -c "python3 benchmark/kernels/sparse_mla_bench.py --out /tmp/ds/kernels \
+      stage kernels 170 bash -c "python3 benchmark/kernels/sparse_mla_bench.py --out /tmp/ds/kernels \
         --batches 3,17,48 $peer; for b in recall cache_ops indexer; do
         python3 benchmark/kernels/\${b}_bench.py --out /tmp/ds/kernels; done" ;;
     sweep)
