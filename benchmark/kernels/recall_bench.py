@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import graph_us, save_record, time_us
 
-from sglang_echo.kernels.recall import recall_rows
+from sglang_echo.kernels.recall import DEFAULT_FLAT_CHUNKS, DEFAULT_NUM_WARPS, recall_rows
 from sglang_echo.offload.host_pool import cuda_alias_of_pinned
 
 
@@ -35,10 +35,16 @@ def h2d_gbps(nbytes: int = 2 << 30) -> float:
     return nbytes / ms / 1e6
 
 
-def bench_rows(row_bytes: int, host_rows: int, misses: int, configs) -> dict:
-    host = torch.randint(0, 255, (host_rows, row_bytes), dtype=torch.uint8).pin_memory()
-    alias = cuda_alias_of_pinned(host)
-    assert alias is not None, "pinned host memory has no CUDA alias (UVA)"
+def bench_rows(
+    row_bytes: int, host_rows: int, misses: int, configs, host_stride: int | None = None
+) -> dict:
+    """``host_stride`` > ``row_bytes`` pads each host row (e.g. 656-byte rows on 768-byte,
+    whole-128-byte-line strides): the same bytes move, from line-aligned addresses."""
+    stride = host_stride or row_bytes
+    padded = torch.randint(0, 255, (host_rows, stride), dtype=torch.uint8).pin_memory()
+    padded_alias = cuda_alias_of_pinned(padded)
+    assert padded_alias is not None, "pinned host memory has no CUDA alias (UVA)"
+    host, alias = padded[:, :row_bytes], padded_alias[:, :row_bytes]
     slots = 262_144
     dev = torch.empty(slots, row_bytes, dtype=torch.uint8, device="cuda")
     results = []
@@ -80,6 +86,7 @@ def bench_rows(row_bytes: int, host_rows: int, misses: int, configs) -> dict:
     ref_ms = time_ms(lambda: dev.index_copy_(0, sl, alias.index_select(0, ids)))
     return {
         "row_bytes": row_bytes,
+        "host_stride": stride,
         "misses": misses,
         "configs": results,
         "torch_index_select_GBps": misses * row_bytes / ref_ms / 1e6,
@@ -110,6 +117,14 @@ def main() -> None:
     configs += [(1, 0, w, f) for f in (128, 256, 512, 1024) for w in (2, 4, 8)]
     h2d = h2d_gbps()
     per_size = {rb: bench_rows(rb, args.host_rows, args.misses, configs) for rb in (656, 1152)}
+    # The 128-byte-line question (issue 15): a 656-byte row starts mid-line 7 times in 8 and
+    # spans 6-7 lines; on 768-byte strides every row starts a line. Same kernel, same bytes.
+    default = (1, 0, DEFAULT_NUM_WARPS, DEFAULT_FLAT_CHUNKS)  # as the flat configs are listed
+    aligned = bench_rows(656, args.host_rows, args.misses, [default], host_stride=768)
+    unaligned = next(
+        c for c in per_size[656]["configs"]
+        if (c["rows_per_program"], c["block_bytes"], c["num_warps"], c["flat_chunks"]) == default
+    )  # fmt: skip
     metrics = {"h2d_GBps": h2d}
     for rb, res in per_size.items():
         good = [c for c in res["configs"] if c["correct"]]
@@ -122,6 +137,10 @@ def main() -> None:
         metrics[f"torch_index_select_GBps_{rb}"] = res["torch_index_select_GBps"]
         metrics[f"all_correct_{rb}"] = len(good) == len(res["configs"])
         metrics[f"default_us_by_count_{rb}"] = res["default_us_by_count"]
+    metrics["default_GBps_656"] = unaligned["GBps"]
+    metrics["default_GBps_656_on_768_byte_strides"] = aligned["configs"][0]["GBps"]
+    metrics["ratio_656_on_768_byte_strides"] = aligned["configs"][0]["GBps"] / h2d
+    metrics["all_correct_656_on_768_byte_strides"] = aligned["configs"][0]["correct"]
     device = torch.cuda.get_device_name()
     save_record(args.out, "recall", device, metrics, detail=per_size)
     out = Path(args.out)
