@@ -32,8 +32,10 @@ run_stage() {
   case "$1" in
     tests) stage tests 420 bash benchmark/gpu_checks.sh /tmp/ds/tests tests ;;  # 321 s and ~400 s seen
     kernels)
-      # FlashInfer's MLA decode beside our sparse MLA where the peer bundle is carried (.peer:
-      # bash ../shared/tools/flashinfer_peer_bundle.sh); its JIT build takes ~20 s.
+      # FlashInfer's MLA decode beside our sparse MLA where the peer bundle is carried (.peer/,
+      # gitignored: flashinfer-python 0.7.2.post1 for cp312, its wheel trimmed to the Python
+      # modules, headers and batch-MLA sources as flashinfer_trim.tar.xz, and the
+      # apache_tvm_ffi wheel it needs; 62 MB untrimmed); its JIT build takes ~20 s.
       peer=""
       if [ -f .peer/flashinfer_trim.tar.xz ]; then
         site=$(mktemp -d)

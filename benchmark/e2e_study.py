@@ -4,10 +4,10 @@
     PYTHONUNBUFFERED=1 python3 benchmark/e2e_study.py --out DIR      # the H200 run
     python benchmark/e2e_study.py --smoke --out DIR                  # tiny, on the CPU
 
-benchmark/results/e2e_study.json (+ .log) came from
-``python3 benchmark/e2e_study.py --out $OUT --repeats 2 --deadline-s 160`` on one H200, and
-e2e_study_fp8.json from the same with ``--kv-cache-dtype fp8_e4m3 --deadline-s 150``
-(benchmark/results/PROVENANCE.md names the code).
+benchmark/results/e2e_study.json (+ .log) came from the stage ``study`` of
+``benchmark/device_session.sh`` (``--repeats 2 --deadline-s 150``) on one H200, and
+e2e_study_fp8.json from its stage ``study_fp8`` (``--kv-cache-dtype fp8_e4m3``); each record
+holds its command, and benchmark/results/PROVENANCE.md names the code.
 
 The model (sglang_echo/study/worker.py) is random, built in memory: DeepSeek-V3.2's real
 attention and indexer dimensions (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope

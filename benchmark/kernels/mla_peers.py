@@ -4,9 +4,9 @@ FlashInfer's MLA paged decode (``BatchMLAPagedAttentionWrapper``, fa3 on Hopper)
 selected rows of our KV buffer in place when each query is a "request" whose pages are its
 selected rows at page size 1: ``kv_indices`` = the query's row indices, ``kv_len`` = top-k.
 The buffer [S, 576] is viewed as ckv [S, 1, 512] and kpe [S, 1, 64] (strided, no copy).
-FlashInfer is optional: carry it with ``bash ../shared/tools/flashinfer_peer_bundle.sh`` and
-install it on the GPU machine as that script says; where it does not import, the peer is
-reported as missing with the reason, never as zero.
+FlashInfer is optional: carry it as ``.peer/`` and install it on the GPU machine as
+``benchmark/device_session.sh`` (stage ``kernels``) does; where it does not import, the peer
+is reported as missing with the reason, never as zero.
 
 Which properties decide whether a peer could serve as the CUDA default (the README's
 rule: offload and no-offload stay bit-identical): its output must depend only on the

@@ -34,8 +34,6 @@ from sparse_mla_bench import CONFIG_KEYS, CONFIGS, LAT, ROPE, launcher_default
 
 TOPK = 2048  # DeepSeek-V3.2's index_topk
 COMBINE_SPLITS = (2, 4, 8, 16)  # the split merges the benchmarks launch
-# The hand-pipelined walk (``prefetch``; launched with num_stages 1) at 32 and 64 heads.
-PREFETCH_CONFIGS = ((32, 32, 8, 1, 1), (64, 32, 8, 1, 1))
 SIGNATURE = {
     "q_ptr": "*bf16",
     "buf_ptr": "*bf16",
@@ -122,9 +120,7 @@ def compile_combine(splits: int) -> dict:
     }
 
 
-def compile_config(
-    config: tuple[int, int, int, int, int], fp8: bool = False, prefetch: bool = False
-) -> dict:
+def compile_config(config: tuple[int, int, int, int, int], fp8: bool = False) -> dict:
     """Compile the sparse-MLA kernel for sm_90a at one (block_h, block_k, warps, stages,
     splits) config, DeepSeek-V3.2's row widths, bf16 (``fp8``: 656-byte fp8 KV rows,
     dequantized in registers); -> its resource facts."""
@@ -139,7 +135,6 @@ def compile_config(
     const = dict(
         LAT=LAT, ROPE=ROPE, TOPK=TOPK, BLOCK_LAT=LAT, BLOCK_ROPE=ROPE, BLOCK_H=block_h,
         BLOCK_K=block_k, SPLITS=splits, CHUNK=chunk, PRECISION="tf32", FP8=fp8,
-        PREFETCH=prefetch,
     )  # fmt: skip
     sig = {**SIGNATURE, "buf_ptr": "*u8" if fp8 else "*bf16", **dict.fromkeys(const, "constexpr")}
     names = list(sig)
@@ -157,7 +152,6 @@ def compile_config(
     row_loads = [ln for ln in ttgir if ROW_TILE.search(ln)]
     return {
         **dict(zip(CONFIG_KEYS, config, strict=True)),
-        "prefetch": prefetch,
         "kv": "fp8_e4m3" if fp8 else "bfloat16",
         "registers": int(regs.group(1)) if regs else None,
         "spill_store_bytes": int(spill.group(1)) if spill else None,
@@ -189,9 +183,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[{i}/{len(configs)}]", rows[-1], flush=True)
     fp8_default = compile_config(default, fp8=True)
     print("[fp8]", fp8_default, flush=True)
-    walks = [compile_config(c, prefetch=True) for c in PREFETCH_CONFIGS]
-    for w in walks:
-        print("[prefetch]", w, flush=True)
     merges = [compile_combine(n) for n in COMBINE_SPLITS]
     for m in merges:
         print("[merge]", m, flush=True)
@@ -203,7 +194,6 @@ def main(argv: list[str] | None = None) -> dict:
         "configs": rows,
         "spill_free": [r for r in rows if r["spill_store_bytes"] == 0],
         "merge": merges,
-        "prefetch": walks,
     }
     device = f"cpu: compile only, triton {triton.__version__} and its ptxas, target sm_90a"
     path = save_record(args.out, "sm90_resources", device, metrics)

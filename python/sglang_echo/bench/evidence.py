@@ -405,12 +405,6 @@ def row_sm90_resources(r: Records) -> tuple[str, str, str]:
             f"splits: {min(regs)}-{max(regs)} registers, spills "
             f"{max(x['spill_store_bytes'] for x in merges)} B per thread at most"
         )
-    walks = m.get("prefetch")
-    if walks:  # the hand-pipelined walk, at each head block compiled
-        text += "; the hand-pipelined walk (`prefetch`, num_stages 1): " + ", ".join(
-            f"{w['block_h']} heads {w['registers']} registers, {w['spill_store_bytes']} B spills"
-            for w in walks
-        )
     return "sparse MLA kernel resources (issue 15)", text, source(d, rel)
 
 

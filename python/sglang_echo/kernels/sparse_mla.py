@@ -134,7 +134,6 @@ def _sparse_mla_kernel(
     CHUNK: tl.constexpr,
     PRECISION: tl.constexpr,
     FP8: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
@@ -155,40 +154,15 @@ def _sparse_mla_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_LAT), tl.float32)
     idx_base = rows_ptr + t * rows_stride + split * CHUNK
     lanes = tl.arange(0, BLOCK_K)
-    if PREFETCH:
-        # Hand-pipelined walk (launch with num_stages=1): block i's rows and block i+1's
-        # indices are issued before block i-1's math, so their latency hides behind it.
-        # Triton's own pipeliner issues the next block's row copies after the math and
-        # waits for them at the top of the loop (sm90 TTGIR), leaving the gather exposed.
-        k = split * CHUNK + lanes
-        idx = tl.load(idx_base + lanes, mask=k < TOPK, other=-1)
+    for k0 in range(0, CHUNK, BLOCK_K):  # this split's CHUNK rows (all of them: SPLITS 1)
+        k = split * CHUNK + k0 + lanes
+        idx = tl.load(idx_base + k0 + lanes, mask=k < TOPK, other=-1)
         kv_lat, kv_pe, live = _load_rows(
             buf_ptr, idx, buf_stride, c, d, c_live, d_live, dtype, LAT, FP8, BLOCK_K, BLOCK_LAT
         )
-        k = split * CHUNK + BLOCK_K + lanes
-        idx = tl.load(
-            idx_base + BLOCK_K + lanes, mask=(k < TOPK) & (BLOCK_K + lanes < CHUNK), other=-1
+        m, total, acc = _attend_block(
+            q_lat, q_pe, kv_lat, kv_pe, live, m, total, acc, scale, PRECISION
         )
-        for k0 in range(0, CHUNK, BLOCK_K):
-            nxt_lat, nxt_pe, nxt_live = _load_rows(
-                buf_ptr, idx, buf_stride, c, d, c_live, d_live, dtype, LAT, FP8, BLOCK_K, BLOCK_LAT
-            )
-            j = k0 + 2 * BLOCK_K + lanes  # block i+2's indices
-            idx = tl.load(idx_base + j, mask=(split * CHUNK + j < TOPK) & (j < CHUNK), other=-1)
-            m, total, acc = _attend_block(
-                q_lat, q_pe, kv_lat, kv_pe, live, m, total, acc, scale, PRECISION
-            )
-            kv_lat, kv_pe, live = nxt_lat, nxt_pe, nxt_live
-    else:
-        for k0 in range(0, CHUNK, BLOCK_K):  # this split's CHUNK rows (all of them: SPLITS 1)
-            k = split * CHUNK + k0 + lanes
-            idx = tl.load(idx_base + k0 + lanes, mask=k < TOPK, other=-1)
-            kv_lat, kv_pe, live = _load_rows(
-                buf_ptr, idx, buf_stride, c, d, c_live, d_live, dtype, LAT, FP8, BLOCK_K, BLOCK_LAT
-            )
-            m, total, acc = _attend_block(
-                q_lat, q_pe, kv_lat, kv_pe, live, m, total, acc, scale, PRECISION
-            )
     if SPLITS == 1:
         out = acc / tl.where(total > 0.0, total, 1.0)[:, None]  # no live row: zeros
         o_rows = out_ptr + t * out_stride_t + h[:, None] * out_stride_h
@@ -296,7 +270,6 @@ def sparse_mla_from_buffer(
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
     splits: int = DEFAULT_SPLITS,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """q [Q, H, r + d] (absorbed latent query | roped query), buffer [S, r + d] (KV rows),
     rows [Q, K] int32/int64 indices into the buffer (-1 = none) -> out [Q, H, r] in q's dtype.
@@ -307,10 +280,6 @@ def sparse_mla_from_buffer(
     when queries x head blocks do not fill the GPU) and merges their partial softmaxes in
     a second launch, in split order: still deterministic, but the bits depend on
     ``splits`` (as on the block sizes), so offload and no-offload must use the same.
-    ``prefetch`` walks the rows in a hand-pipelined loop (each block's rows loaded one
-    block ahead, its indices two, and Triton's own pipelining off): the same math in the
-    same order, so the same bits as without it; whether it is faster is for the GPU (it
-    needs registers: spill-free at 32 heads, spills at 64 when compiled for sm_90a).
     """
     _check(q, buffer, rows, kv_lora_rank)
     if q.stride(2) != 1 or buffer.stride(1) != 1:
@@ -371,9 +340,8 @@ def sparse_mla_from_buffer(
         # always accumulates in float32 and ignores the choice.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=fp8,
-        PREFETCH=prefetch,
         num_warps=num_warps,
-        num_stages=1 if prefetch else num_stages,
+        num_stages=num_stages,
     )
     if splits > 1:
         block_c = min(COMBINE_BLOCK_C, block_lat)
