@@ -8,10 +8,11 @@
 # or any stages by name, in order (a call with device time for part of a session):
 #   bash benchmark/device_session.sh OUTDIR tests study       # ~8 min
 #   bash benchmark/device_session.sh OUTDIR kernels study_fp8 # ~3 min
+#   bash benchmark/device_session.sh OUTDIR cache study sharegpt # ~9 min
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernels sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernels cache sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -46,6 +47,10 @@ run_stage() {
       stage kernels 170 bash -c "python3 benchmark/kernels/sparse_mla_bench.py --out /tmp/ds/kernels \
         --batches 3,17,48 $peer; for b in recall cache_ops indexer; do
         python3 benchmark/kernels/\${b}_bench.py --out /tmp/ds/kernels; done" ;;
+    cache)  # the cache kernels' GPU tests, then their benchmark (launch chaining beside)
+      stage cache 170 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
+        tests/test_kernel_recall.py tests/test_pdl.py tests/test_decode_write.py \
+        && python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache" ;;
     sweep)
       stage sweep 230 env RATES=4,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 \
         bash benchmark/e2e_sweep.sh /tmp/ds/sweep/e2e_sweep ;;

@@ -388,7 +388,7 @@ def _tag(phase: Phase) -> str:
     return phase.label + (f"#{phase.repeat}" if phase.repeat else "")
 
 
-PRESSURE_SPARE = 8  # the HiSparse-like pressure check's buffer: top-k + top-k / this
+PRESSURE_SPARE = 8  # the pressure checks' spare rows: top-k / this (per request: HiSparse)
 
 
 @dataclass
@@ -526,14 +526,16 @@ class Study:
             ),
         ]
         # Lossless at scale: the batch no-offload holds in the paper's pool, under a device
-        # cache of one slot set more than the batch's selections, so every step evicts;
+        # cache of the batch's selections plus an eighth of a top-k, fewer spare slots than
+        # a step's new selections at this locality, so every step evicts (a decode step's
+        # new tokens take no slot until selected: the selections alone fill the cache);
         # greedy outputs must equal noff_low's at the same batch and seeds.
         b_p = self.pressure_batch
         out.append(
             Engine(
                 "echo_pressure",
                 "echo",
-                dev_cache=(b_p + 1) * self.cfg.index_topk,
+                dev_cache=b_p * self.cfg.index_topk + self.cfg.index_topk // PRESSURE_SPARE,
                 host=p.host_pool,
                 phases=[Phase(f"b{b_p}", b_p, loc, repeated=False)],  # a lossless check
             )

@@ -27,12 +27,22 @@ def compile_all(launches: list[dict]) -> list[str]:
     errors = []
     for launch in launches:
         kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
-        src = ASTSource(fn=kernel, signature=launch["signature"], constexprs=launch["constexprs"])
-        try:
-            triton.compile(src, target=target)
-        except Exception as exc:  # report every failing launch
-            errors.append(f"{launch['module']}.{launch['kernel']}: {exc}")
+        for constexprs, options in _variants(launch["constexprs"]):
+            src = ASTSource(fn=kernel, signature=launch["signature"], constexprs=constexprs)
+            try:
+                triton.compile(src, target=target, options=options)
+            except Exception as exc:  # report every failing launch
+                errors.append(f"{launch['module']}.{launch['kernel']} {options}: {exc}")
     return errors
+
+
+def _variants(constexprs: dict) -> list[tuple[dict, dict]]:
+    """The launch as recorded, and for a kernel that can chain (kernels/pdl.py) also the
+    chained launch the GPU runs: the interpreter only ever runs it unchained."""
+    variants = [(constexprs, {})]
+    if "PDL" in constexprs:
+        variants.append(({**constexprs, "PDL": True}, {"launch_pdl": True}))
+    return variants
 
 
 if __name__ == "__main__":

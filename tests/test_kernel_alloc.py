@@ -198,6 +198,73 @@ def test_workspace_rejects_launch_shapes_the_kernels_cannot_take() -> None:
         AllocWorkspace(cache, 32, slot_block=8)
     with pytest.raises(ValueError, match="num_warps"):
         AllocWorkspace(cache, 32, num_warps=3)
+    with pytest.raises(ValueError, match="atomic_sem"):
+        AllocWorkspace(cache, 32, atomic_sem="seq_cst")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="chained launches need a GPU")
+@pytest.mark.parametrize(
+    ("pdl", "sem"), [(True, "relaxed"), (False, "acq_rel")], ids=["chained", "unchained"]
+)
+def test_graph_replayed_steps_match_the_reference(pdl: bool, sem: str) -> None:
+    """A decode step's append + resolve captured in a CUDA graph (chained launches and
+    relaxed atomics, the default on sm_90; or neither) and replayed on new ids each step
+    leaves the reference's state after every replay, evictions and reserve included."""
+    from sglang_echo.kernels.pdl import use_pdl
+
+    if pdl and not use_pdl(torch.device(DEV)):
+        pytest.skip("this GPU does not chain launches (below sm_90, or SGLANG_ECHO_PDL=0)")
+    num_slots, batch, topk = 64, 3, 8
+    ref, ker = _pair(num_slots, 4096, reserve=6)
+    ws = AllocWorkspace(ker, max_lanes=num_slots, pdl=pdl, atomic_sem=sem)
+    assert ws.pdl == pdl
+    new_ids = torch.zeros(batch, dtype=torch.int64, device=DEV)
+    selected = torch.zeros(batch * topk, dtype=torch.int64, device=DEV)
+    rng = random.Random(7)
+    live = list(range(1, 41))
+    first = torch.tensor(live, dtype=torch.int64, device=DEV)
+    allocate_reference(ref, 0, first, True)
+    allocate_kernel(ker, 0, first, True, ws)
+
+    def step() -> None:
+        allocate_kernel(ker, 0, new_ids, True, ws)
+        allocate_kernel(ker, 0, selected, False, ws)
+
+    step_ids = iter(range(41, 4000))
+
+    def load() -> tuple[torch.Tensor, torch.Tensor]:
+        fresh = [next(step_ids) for _ in range(batch)]
+        live.extend(fresh)
+        pick = [rng.choice(live) if rng.random() > 0.1 else -1 for _ in range(batch * topk)]
+        a = torch.tensor(fresh, dtype=torch.int64, device=DEV)
+        b = torch.tensor(pick, dtype=torch.int64, device=DEV)
+        new_ids.copy_(a)
+        selected.copy_(b)
+        return a, b
+
+    # Warm-up (compiles) on a copy of the state, then capture from the same state.
+    saved = {name: getattr(ker, name).clone() for name in STATE}
+    load()
+    step()
+    torch.cuda.synchronize()
+    for name, value in saved.items():
+        getattr(ker, name).copy_(value)
+    live[:] = live[:-batch]
+    step_ids = iter(range(41, 4000))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for name, value in saved.items():  # capture ran nothing, but be exact about the start
+        getattr(ker, name).copy_(value)
+    for t in range(30):
+        a, b = load()
+        graph.replay()
+        allocate_reference(ref, 0, a, True)
+        allocate_reference(ref, 0, b, False)
+        torch.cuda.synchronize()
+        _assert_same(ref, ker, f"replay {t}")
+    assert int(ker.evictions.sum()) > 0, "no replay evicted: the test lost its pressure"
 
 
 def test_slots_are_scanned_only_when_misses_could_outnumber_free_slots() -> None:

@@ -1,7 +1,10 @@
 """Per-layer cost of ECHO's cache management in one decode step, graph-replayed.
 
-The step is what a layer does every decode step: append the batch's new tokens, then
-resolve the exact top-k of every request (look up, protect, evict, allocate, map, recall).
+The step is what a layer does every decode step: write the batch's new tokens (index keys
+on the device, rows to the host pool), then resolve the exact top-k of every request (look
+up, protect, evict, allocate, map, recall). Beside it, the step as it was before the new
+tokens left the append's allocation (append + resolve), and the launch variants of
+kernels/pdl.py (chained or not, relaxed or ordered atomics) at batch 1 and 4 too.
 Selections come from a synthetic trace with a set per-step reuse (hit rate), each request
 drawing from its own context. Measured: the Triton cache kernels (management alone, the
 target's scope: <= 4 us per layer-step; and with the recall), the torch reference, the
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,6 +33,7 @@ from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.alloc import STAGES, AllocWorkspace, allocate_kernel
+from sglang_echo.kernels.pdl import ENV_PDL
 from sglang_echo.offload.echo_cache import EchoKVCache
 
 
@@ -128,13 +133,18 @@ def measure(
     use_kernels: bool,
     part: str,
     shape: dict | None = None,
+    fill: bool = True,
 ) -> dict:
-    """Median time per layer-step of ``part`` ("management": the two allocations only;
-    "step": append + resolve with the recall), graph-replayed, and the trace's hit rate.
+    """Median time per layer-step of ``part``, graph-replayed, and the trace's hit rate:
+    "management", the two allocations only (append, resolve); "step", append + resolve
+    with the recall; "resolve" and "decode_step", the same without the append's allocation
+    (a decode step's new tokens go to the host only and are recalled when selected).
     ``shape``: the kernels' launch shape (AllocWorkspace's lane_block, slot_block,
-    num_warps) instead of the default."""
+    num_warps, pdl, atomic_sem) instead of the default. ``fill=False``: the cache starts
+    empty, so below its capacity nothing is evicted (the no-pressure path)."""
     cache = _cache(args, dev, _host_tokens(args), use_kernels, shape)
-    _fill(cache, args, dev)
+    if fill:
+        _fill(cache, args, dev)
     m = cache.manager
     sel = torch.empty_like(trace[0])
     new_locs = torch.empty(args.batch, dtype=torch.int64, device=dev)
@@ -146,8 +156,10 @@ def measure(
         if part == "management":
             m._allocate(0, new_locs, append=True)
             m._allocate(0, sel.reshape(-1), append=False)
+        elif part == "resolve":
+            m._allocate(0, sel.reshape(-1), append=False)
         else:
-            cache.write(0, new_locs, new_rows, keys)
+            cache.write(0, new_locs, new_rows, keys, decode=part == "decode_step")
             cache.resolve(0, sel)
 
     def load(t: int) -> None:
@@ -191,6 +203,52 @@ def measure(
         "evictions_per_step": ((c.evictions.sum() + c.append_evictions.sum()).item() - evicted0)
         / max(1, args.steps - half),
     }
+
+
+# Launch variants timed beside the default (kernels/pdl.py): chained launches and relaxed
+# atomics, each against the unchained launch with the atomics' default order (the code
+# before both). Recall follows SGLANG_ECHO_PDL, set per variant.
+CHAINING_VARIANTS = {
+    "unchained_acq_rel": ("0", "acq_rel"),
+    "unchained_relaxed": ("0", "relaxed"),
+    "chained_relaxed": ("1", "relaxed"),
+}
+
+
+def chaining_study(args, dev: torch.device) -> dict:
+    """us per layer-step (management alone, and with the recall) of each launch variant, at
+    the bench's batch on a full cache and at batches 1 and 4 with nothing evicted (the
+    study's low-load case, where the launches' fixed cost is all there is); for the default
+    launch also the decode step as the model runs it (no append allocation). Each variant
+    is first checked against the reference on the full cache."""
+    out: dict = {}
+    saved = os.environ.get(ENV_PDL)
+    try:
+        for name, (pdl, sem) in CHAINING_VARIANTS.items():
+            os.environ[ENV_PDL] = pdl
+            shape = {"atomic_sem": sem}
+            trace = make_trace(args.steps, args.batch, args.topk, args.context, args.reuse)
+            row: dict = {"exact": shape_is_exact(args, dev, trace.to(dev), shape, steps=4)}
+            settings = [(args.batch, True), (1, False), (4, False)]
+            for batch, fill in settings:
+                a = argparse.Namespace(**{**vars(args), "batch": batch})
+                tr = make_trace(a.steps, batch, a.topk, a.context, a.reuse).to(dev)
+                key = f"batch_{batch}_{'full' if fill else 'no_pressure'}"
+                parts = ["management", "step"]
+                if name == "chained_relaxed":  # the default launch: also the decode path
+                    parts += ["resolve", "decode_step"]
+                for part in parts:
+                    timed = measure(a, dev, tr, True, part, shape, fill)
+                    row[f"{key}_{part}_us"] = timed["us"]
+                row[f"{key}_evictions_per_step"] = timed["evictions_per_step"]
+            out[name] = row
+            print(f"{name}: {row}")
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_PDL, None)
+        else:
+            os.environ[ENV_PDL] = saved
+    return out
 
 
 def stage_breakdown(args, dev: torch.device, trace: torch.Tensor) -> dict[str, float]:
@@ -306,12 +364,18 @@ def main() -> None:
     trace = make_trace(args.steps, args.batch, args.topk, args.context, args.reuse).to(dev)
     on_gpu = dev.type == "cuda"
     runs = {
+        # A decode layer-step as the model runs it: the resolve's allocation only (the new
+        # tokens go to the host pool; kvcache write(decode=True)), then with the writes and
+        # the recall; before it, the append's allocation as well (prefill still appends).
+        "kernels_decode_management": measure(args, dev, trace, on_gpu, "resolve"),
+        "kernels_decode_step": measure(args, dev, trace, on_gpu, "decode_step"),
         "kernels_management": measure(args, dev, trace, on_gpu, "management"),
         "kernels_step": measure(args, dev, trace, on_gpu, "step"),
-        "torch_management": measure(args, dev, trace, False, "management"),
-        "torch_step": measure(args, dev, trace, False, "step"),
+        "torch_management": measure(args, dev, trace, False, "resolve"),
+        "torch_step": measure(args, dev, trace, False, "decode_step"),
     }
     stages = stage_breakdown(args, dev, trace) if on_gpu else None
+    chaining = chaining_study(args, dev) if on_gpu else None
     sweep = shape_sweep(args, dev, trace) if args.sweep and on_gpu else None
     # The timing runs use a full cache; the policy study needs one smaller than the trace's
     # working set too, or every policy hits the same (nothing is ever evicted).
@@ -326,13 +390,15 @@ def main() -> None:
         policy_source = args.policy_trace
     host = int(policy_trace.max()) + 2
     policies = policy_hit_rates(policy_trace, policy_slots, host, policy_trace.shape[0] // 2)
-    us = runs["kernels_management"]["us"]
+    us = runs["kernels_decode_management"]["us"]
     metrics = {
         "implementation": "Triton cache kernels (kernels/alloc.py, bucketed LRU), graph-replayed"
         if on_gpu
         else "torch reference on CPU (smoke run)",
         "us_per_layer_step": us,
-        "us_per_layer_step_with_recall": runs["kernels_step"]["us"],
+        "us_per_layer_step_with_recall": runs["kernels_decode_step"]["us"],
+        "us_per_layer_step_with_append": runs["kernels_management"]["us"],
+        "us_per_layer_step_with_append_and_recall": runs["kernels_step"]["us"],
         "torch_reference_us_per_layer_step": runs["torch_management"]["us"],
         "torch_reference_us_with_recall": runs["torch_step"]["us"],
         "exact_lru_sort_us": sort_us(args.slots, dev),
@@ -344,13 +410,14 @@ def main() -> None:
             dev_cache_size=args.slots, eviction_reserve=args.eviction_reserve
         ).eviction_reserve,
         "trace_reuse": args.reuse,
-        "hit_rate": runs["kernels_management"]["hit_rate"],
+        "hit_rate": runs["kernels_decode_management"]["hit_rate"],
         "target_us": 4.0,
         "victim_policies": policies,
         "victim_policy_trace": policy_source,
         "victim_policy_slots": policy_slots,
-        "evictions_per_step": runs["kernels_management"]["evictions_per_step"],
+        "evictions_per_step": runs["kernels_decode_management"]["evictions_per_step"],
         "victim_policy_kept": "lru_bucketed",
+        "launch_chaining": chaining,
         "launch_shape_sweep": sweep,
         "best_launch_shape": min((r for r in sweep if r["exact"]), key=lambda r: r["us"])
         if sweep

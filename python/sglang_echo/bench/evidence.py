@@ -636,6 +636,18 @@ def row_e2e_sweep_200k(r: Records) -> tuple[str, str, str]:
     )
 
 
+def row_e2e_sweep_110k(r: Records) -> tuple[str, str, str]:
+    return _sweep_row(
+        r,
+        "benchmark/results/e2e_sweep_110k/e2e_sweep.json",
+        "request-rate sweep at pools of 110K (issue 14, Figure 13)",
+        "the same decode node with both KV pools at 110K tokens (no-offload pool, ECHO's "
+        "NSA_DEV_CACHE_SIZE; ECHO's host pool 1.8M), 48 prompts (no-offload refuses, with a "
+        "400 that says why, the prompts whose tokens and output exceed its pool)",
+        latency_at="2",
+    )
+
+
 def row_e2e_sweep_sharegpt(r: Records) -> tuple[str, str, str]:
     claim, text, _ = _sweep_row(
         r,
@@ -652,19 +664,18 @@ SHAREGPT_REL = "benchmark/results/history/2026-12-01-sweep-sharegpt/e2e_sweep.js
 
 
 def row_e2e_sweep_tasks(r: Records) -> tuple[str, str, str]:
-    rel = "benchmark/results/history/2026-12-01-sweep-tasks/e2e_sweep.json"
+    rel = "benchmark/results/e2e_sweep_tasks/e2e_sweep.json"
     d = r(rel)
-    tasks = d["metrics"]["tasks"]
     parts = []
-    for name, runs in tasks.items():
-        off, base = runs["tasks offload"]["tok_s"], runs["tasks no-offload"]["tok_s"]
+    for name, runs in d["metrics"]["tasks"].items():
+        off, base = runs["offload"]["tok_s"], runs["no-offload"]["tok_s"]
         parts.append(f"{name} {ratio(off / base)}")
     text = (
-        "Figure 14's four task mixes (synthetic at InfiniteBench's task lengths, 32 prompts "
-        f"each, rate inf), ECHO / no-offload output throughput: {', '.join(parts)}; same run, "
-        f"InfiniteBench-like mix: {_serving_runs(d, 'infini')}"
+        "Figure 14's four task mixes on the decode node (synthetic at InfiniteBench's task "
+        "lengths and output lengths, 32 prompts each, rate inf), ECHO / no-offload output "
+        f"throughput: {', '.join(parts)}"
     )
-    return "task mixes (issue 14, Figure 14; history)", text, source(d, rel, "measured, superseded")
+    return "task mixes (issue 14, Figure 14)", text, source(d, rel)
 
 
 def _serving_runs(d: dict, root: str) -> str:
@@ -678,6 +689,7 @@ ROWS = (
     row_e2e_hisparse,
     row_e2e_sweep,
     row_e2e_sweep_200k,
+    row_e2e_sweep_110k,
     row_e2e_sweep_sharegpt,
     row_e2e_sweep_tasks,
     row_oracle,

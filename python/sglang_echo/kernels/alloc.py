@@ -27,6 +27,7 @@ import triton.language as tl
 
 # The cache is typed by its protocol: it lives in offload/, which depends on kernels/.
 from sglang_echo.kernels.cache_layout import ABSENT, FREE, CacheState
+from sglang_echo.kernels.pdl import ATOMIC_SEM, ATOMIC_SEMS, pdl_prologue, use_pdl
 
 CLAIM = -(2**31)  # host_to_device value CLAIM + lane: lane is the id's first miss lane
 EXACT_AGES = 224  # ages below this are exact buckets; older ones share log2 buckets
@@ -234,12 +235,14 @@ def _boundary(hist_ptr, need):
 @triton.jit(do_not_specialize=_PER_CALL)
 def _lookup_kernel(
     ids_ptr, lanes, h2d_ptr, prio_ptr, clock_ptr, hist_ptr, hits_ptr, miss_bound_ptr,
-    APPEND: tl.constexpr, LANES: tl.constexpr, HIST: tl.constexpr,
+    APPEND: tl.constexpr, LANES: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
+    SEM: tl.constexpr,
 ):  # fmt: skip
     """Hits stamp their slot; misses claim their id (the lowest lane wins). A resolve
     counts its distinct hit slots here (the lane whose exchange found an older stamp: no
     slot carries this step's stamp before its look-up), and every call bounds its misses
     from above (miss lanes, duplicates included) for the count kernel."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     lane = pid * LANES + tl.arange(0, LANES)
     ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
@@ -251,12 +254,12 @@ def _lookup_kernel(
     if APPEND:  # a plain store (duplicates write the same stamp); appends count no hits
         tl.store(prio_ptr + looked_up, stamps, mask=hit)
     else:
-        before = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit)
-        tl.atomic_add(hits_ptr, tl.sum((hit & (before != stamp)).to(tl.int64), 0))
+        before = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit, sem=SEM)
+        tl.atomic_add(hits_ptr, tl.sum((hit & (before != stamp)).to(tl.int64), 0), sem=SEM)
     claim = (lane + _CLAIM).to(tl.int32)
     missed = valid & ~hit
-    tl.atomic_min(h2d_ptr + ids, claim, mask=missed)
-    tl.atomic_add(miss_bound_ptr, tl.sum(missed.to(tl.int32), 0))
+    tl.atomic_min(h2d_ptr + ids, claim, mask=missed, sem=SEM)
+    tl.atomic_add(miss_bound_ptr, tl.sum(missed.to(tl.int32), 0), sem=SEM)
     if pid == 0:
         tl.store(hist_ptr + tl.arange(0, HIST), tl.zeros([HIST], dtype=tl.int32))
 
@@ -273,12 +276,14 @@ def _first_miss(ids_ptr, lanes, h2d_ptr, lane):
 def _count_kernel(
     ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr,
     free_count_ptr, miss_bound_ptr, num_slots, slot_programs,
-    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr,
+    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr,
+    SEM: tl.constexpr,
 ):  # fmt: skip
     """Slot programs: histogram of evictable ages, only where the misses could outnumber
     the free slots (only then is anything evicted, and only then do the rank and assign
     kernels read it; before the cache fills, no step scans its slots). Lane programs:
     first misses per block."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     stamp = _stamp(clock_ptr, APPEND)
     if pid < slot_programs:
@@ -288,7 +293,7 @@ def _count_kernel(
             bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
             # 256 masked bins, not 512 with the unevictable slots in the upper half.
             counts = tl.histogram(bucket.to(tl.int32), _BUCKETS, mask=bucket >= 0)
-            tl.atomic_add(hist_ptr + tl.arange(0, _BUCKETS), counts)
+            tl.atomic_add(hist_ptr + tl.arange(0, _BUCKETS), counts, sem=SEM)
     else:
         l_block = pid - slot_programs
         l_lane = l_block * LANES + tl.arange(0, LANES)
@@ -302,9 +307,11 @@ def _rank_kernel(
     slot_counts_ptr, free_count_ptr, miss_ids_ptr, miss_count_ptr, buckets_ptr,
     num_slots, slot_programs, lane_programs, reserve,
     APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, MAXP: tl.constexpr,
+    PDL: tl.constexpr, SEM: tl.constexpr,
 ):  # fmt: skip
     """Lane programs: compact first misses in lane order. Slot programs: count the slots
     older than the boundary bucket and in it, per block."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     stamp = _stamp(clock_ptr, APPEND)
     p = tl.arange(0, MAXP)
@@ -343,13 +350,14 @@ def _assign_kernel(
     free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, evictions_ptr, buckets_ptr,
     extras_ptr, num_slots, slot_programs, lane_programs, scratch_slot, reserve,
     APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, MAXP: tl.constexpr,
-    MAXS: tl.constexpr,
+    MAXS: tl.constexpr, PDL: tl.constexpr, SEM: tl.constexpr,
 ):  # fmt: skip
     """Slot programs evict their victims into the misses they serve (miss rank = free +
     victim position in slot order), and the victims past the misses (the reserve) into
     the extras list the finish kernel puts on the free stack (lane programs read the stack
     in this launch); lane programs serve the misses from the free stack and give unserved
     ones back (only reachable if the cache is too small)."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     stamp = _stamp(clock_ptr, APPEND)
     p = tl.arange(0, MAXP)
@@ -382,7 +390,7 @@ def _assign_kernel(
         tl.store(prio_ptr + slot, tl.where(serves, stamps, _FREE), mask=victim)
         tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=serves)
         tl.store(extras_ptr + (pos - need), slot.to(tl.int32), mask=extra)
-        tl.atomic_add(evictions_ptr, tl.sum(victim.to(tl.int64), 0))
+        tl.atomic_add(evictions_ptr, tl.sum(victim.to(tl.int64), 0), sem=SEM)
     elif pid >= slot_programs:
         l_rank = (pid - slot_programs) * LANES + tl.arange(0, LANES)
         l_live = l_rank < misses
@@ -406,9 +414,11 @@ def _finish_kernel(
     free_stack_ptr, extras_ptr, misses_ptr, recalled_ptr, miss_count_ptr, miss_bound_ptr,
     lane_programs, scratch_slot,
     APPEND: tl.constexpr, LANES: tl.constexpr, MAXP: tl.constexpr, RESERVE: tl.constexpr,
+    PDL: tl.constexpr, SEM: tl.constexpr,
 ):  # fmt: skip
     """Every lane reads its slot; program 0 updates the layer's scalars and, after an
     eviction, puts the reserve's victims on the emptied free stack."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     lane = pid * LANES + tl.arange(0, LANES)
     ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
@@ -433,16 +443,17 @@ def _finish_kernel(
         tl.store(miss_bound_ptr, 0)  # for the next call's look-up to count into
         if not APPEND:
             tl.store(clock_ptr, tl.load(clock_ptr) + 1)
-            tl.atomic_add(misses_ptr, misses)
-            tl.atomic_add(recalled_ptr, tl.load(miss_count_ptr))
+            tl.atomic_add(misses_ptr, misses, sem=SEM)
+            tl.atomic_add(recalled_ptr, tl.load(miss_count_ptr), sem=SEM)
 
 
 # ---------------------------------------------------------------------------- launcher
 class AllocWorkspace:
     """Scratch buffers of the kernels, allocated once per cache (fixed addresses, so a
     captured graph replays against the same memory), and their launch shape: lanes and
-    slots per program and warps. The shape changes speed only, never the state (tests run
-    several); benchmark/kernels/cache_ops_bench.py --sweep times them."""
+    slots per program and warps, whether launches chain (PDL) and the atomics' memory
+    order. These change speed only, never the state (tests run several);
+    benchmark/kernels/cache_ops_bench.py --sweep times them."""
 
     def __init__(
         self,
@@ -451,15 +462,22 @@ class AllocWorkspace:
         lane_block: int = LANE_BLOCK,
         slot_block: int = SLOT_BLOCK,
         num_warps: int = NUM_WARPS,
+        pdl: bool | None = None,
+        atomic_sem: str = ATOMIC_SEM,
     ) -> None:
         for name, value in (("lane_block", lane_block), ("slot_block", slot_block)):
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
+        if atomic_sem not in ATOMIC_SEMS:
+            raise ValueError(f"atomic_sem must be one of {ATOMIC_SEMS}, got {atomic_sem!r}")
         dev = cache.device
         self.max_lanes = max_lanes
         self.lane_block, self.slot_block, self.num_warps = lane_block, slot_block, num_warps
+        # Chained launches (kernels/pdl.py): the default where the device supports them.
+        self.pdl = use_pdl(dev) if pdl is None else pdl and use_pdl(dev)
+        self.atomic_sem = atomic_sem
         self.slot_programs = triton.cdiv(cache.num_slots + 2, slot_block)
         lane_programs = max(1, triton.cdiv(max_lanes, lane_block))
         # Width of the kernels' scan over per-block lane counts: fixed per workspace (not
@@ -522,7 +540,10 @@ def allocate_kernel(
     sp = ws.slot_programs
     maxp = ws.max_lane_programs_pow2
     maxs = triton.next_power_of_2(sp)
-    flags = dict(APPEND=append, LANES=ws.lane_block, num_warps=ws.num_warps)
+    flags = dict(
+        APPEND=append, LANES=ws.lane_block, PDL=ws.pdl, SEM=ws.atomic_sem,
+        num_warps=ws.num_warps, launch_pdl=ws.pdl,
+    )  # fmt: skip
     evictions = (c.append_evictions if append else c.evictions)[layer : layer + 1]
     mark()
     _lookup_kernel[(lane_programs,)](

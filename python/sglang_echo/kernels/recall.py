@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
+
 # Measured on an H200 (benchmark/results/recall.json, the flat kernel's grid-stride loop):
 # 512 16-byte chunks per program and 4 warps moved 98,304 random rows at 44.0 GB/s (656 B)
 # and 47.7 GB/s (1152 B), against 40.0 / 47.3 with 8 warps; the best of all 21 configs
@@ -44,7 +46,9 @@ def _recall_kernel(
     ROW_BYTES: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     lane = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = lane < tl.load(count_ptr)  # lanes past the count touch no memory
     ids = tl.load(ids_ptr + lane, mask=live, other=0).to(tl.int64)
@@ -69,11 +73,13 @@ def _recall_flat_kernel(
     ROW_BYTES: tl.constexpr,
     VEC: tl.constexpr,
     CHUNKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Same copy, over the flat (row, VEC-byte chunk) space: no masked-off lanes for rows
     that are not a power of two wide (656 B = 41 x 16 B). A grid-stride loop up to the
     count: the grid is a few programs per SM whatever the worst case, so a step with few
     misses does not pay for launching one program per chunk of the worst case."""
+    pdl_prologue(PDL)
     per_row: tl.constexpr = ROW_BYTES // VEC
     total = tl.load(count_ptr).to(tl.int64) * per_row
     v = tl.arange(0, VEC)
@@ -122,11 +128,13 @@ def recall_rows(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     num_warps: int = DEFAULT_NUM_WARPS,
     flat_chunks: int = DEFAULT_FLAT_CHUNKS,
+    pdl: bool | None = None,
 ) -> None:
     """dev_rows[miss_slots[i]] = host_rows[miss_ids[i]] for i < miss_count (a 1-element tensor).
 
     ``host_rows`` must be addressable by the kernel's device: a CUDA alias of pinned memory
-    on GPU (see offload.host_pool), any tensor under TRITON_INTERPRET=1.
+    on GPU (see offload.host_pool), any tensor under TRITON_INTERPRET=1. ``pdl``: chain the
+    launch to the previous kernel (kernels/pdl.py; default where supported).
     """
     if host_rows.shape[1] != dev_rows.shape[1] or host_rows.dtype != dev_rows.dtype:
         raise ValueError("host and device rows must have the same width and dtype")
@@ -135,15 +143,15 @@ def recall_rows(
     if lanes == 0:
         return
     row_bytes = host_b.shape[1]
+    chained = use_pdl(dev_b.device) if pdl is None else pdl and use_pdl(dev_b.device)
+    launch = dict(PDL=chained, launch_pdl=chained, num_warps=num_warps)
     args = (host_b, dev_b, miss_ids, miss_slots, miss_count, host_b.stride(0), dev_b.stride(0))
     if flat_chunks:
         vec = 16
         while row_bytes % vec:
             vec //= 2
         grid = (flat_programs(dev_b.device, lanes * (row_bytes // vec), flat_chunks),)
-        _recall_flat_kernel[grid](
-            *args, ROW_BYTES=row_bytes, VEC=vec, CHUNKS=flat_chunks, num_warps=num_warps
-        )
+        _recall_flat_kernel[grid](*args, ROW_BYTES=row_bytes, VEC=vec, CHUNKS=flat_chunks, **launch)
     else:
         grid = (triton.cdiv(lanes, rows_per_program),)
         _recall_kernel[grid](
@@ -151,7 +159,7 @@ def recall_rows(
             ROW_BYTES=row_bytes,
             ROWS=rows_per_program,
             BLOCK=block_bytes,
-            num_warps=num_warps,
+            **launch,
         )
 
 

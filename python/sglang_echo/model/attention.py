@@ -177,6 +177,7 @@ class MLAttention(nn.Module):
             batch.out_locs,
             torch.cat((latent, k_pe), dim=-1),
             self.indexer.project_key(hidden, cos, sin),
+            decode=batch.is_decode,
         )
         iq, iw = self.indexer.project_query(hidden, q_resid, cos, sin)
         keys = kv_cache.index_keys(layer_id)

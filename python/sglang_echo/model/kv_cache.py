@@ -27,11 +27,19 @@ class KVCache(Protocol):
     index_dim: int
 
     def write(
-        self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
+        self,
+        layer: int,
+        locs: torch.Tensor,
+        kv_rows: torch.Tensor,
+        index_keys: torch.Tensor,
+        decode: bool = False,
     ) -> None:
         """Store rows for tokens at ``locs`` [T]: kv_rows [T, kv_row_dim], index_keys [T, index_dim].
 
         Index-key rows are whatever the indexer caches: D values, or in fp8 mode D + 4 bytes.
+        ``decode``: the tokens of a decode step (one per request). A backend with a bounded
+        device cache may keep them out of it until a top-k selects them; ``resolve`` must
+        still return their rows then.
         """
 
     def index_keys(self, layer: int) -> torch.Tensor:
@@ -107,7 +115,12 @@ class PlainKVCache:
         return self.kv.nbytes + self.index.nbytes
 
     def write(
-        self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
+        self,
+        layer: int,
+        locs: torch.Tensor,
+        kv_rows: torch.Tensor,
+        index_keys: torch.Tensor,
+        decode: bool = False,
     ) -> None:
         self.kv[layer].index_copy_(
             0, locs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv.dtype)

@@ -76,10 +76,23 @@ class EchoKVCache:
                 prefetcher.reset_rows([row])
 
     def write(
-        self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
+        self,
+        layer: int,
+        locs: torch.Tensor,
+        kv_rows: torch.Tensor,
+        index_keys: torch.Tensor,
+        decode: bool = False,
     ) -> None:
+        """New tokens: index keys on the device, MLA rows to the host pool, and (prefill)
+        device slots. A decode step's tokens get no slot here: the device cache holds what
+        the top-k selects, and the step's ``resolve`` recalls each new token it selects (one
+        row per request) with the rest of its misses. That keeps five allocation launches
+        and a row copy per layer out of every decode step."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        self.manager.append(layer, locs, self._stored(kv_rows))
+        if decode:
+            self.manager.write_host(layer, locs, self._stored(kv_rows))
+        else:
+            self.manager.append(layer, locs, self._stored(kv_rows))
 
     def write_prompt(
         self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor

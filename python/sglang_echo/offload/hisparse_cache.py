@@ -128,10 +128,15 @@ class HiSparseKVCache:
             )
 
     def write(
-        self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
+        self,
+        layer: int,
+        locs: torch.Tensor,
+        kv_rows: torch.Tensor,
+        index_keys: torch.Tensor,
+        decode: bool = False,
     ) -> None:
-        """New tokens: index keys on the device, MLA rows to the host only; a token enters
-        its request's buffer when a top-k first selects it (every query selects its own)."""
+        """New tokens: index keys on the device, MLA rows to the host only, in decode and
+        prefill alike; a token enters its request's buffer when a top-k first selects it."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
         self._write_host(layer, locs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.rows.dtype))
 
