@@ -19,3 +19,14 @@ def test_script_parses_and_names_its_stages(tmp_path, args):
     assert done.returncode == 2
     assert "checks|e2e|figures" in done.stderr and "sweep_110k" in done.stderr
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_every_stage_the_usage_names_is_accepted():
+    """The usage line, the stage check and the stages run must agree: a stage named in the
+    usage but missing from the check refused a device call before anything ran."""
+    text = SCRIPT.read_text()
+    named = text.split("(stages: ", 1)[1].split(")", 1)[0].split()
+    check = text.split('case "$s" in ', 1)[1].split(")", 1)[0].split("|")
+    assert sorted(named) == sorted(check)
+    for stage in named:
+        assert f"    {stage})" in text or f"{stage} |" in text or f"| {stage})" in text, stage
