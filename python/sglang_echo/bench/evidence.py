@@ -164,8 +164,26 @@ def row_cache_ops(r: Records) -> tuple[str, str, str]:
         f"{us(m['torch_reference_us_per_layer_step'])} us; one sort of all priorities "
         f"{us(m['exact_lru_sort_us'])} us; stages {stages} us"
     )
+    if m.get("us_per_layer_step_with_append") is not None:
+        text += (
+            f"; a decode step's management is the resolve's (its new tokens go to the host "
+            f"pool); with the append's allocation as before "
+            f"{us(m['us_per_layer_step_with_append'])} us"
+        )
     if m.get("eviction_reserve"):
         text += f"; eviction reserve {count(m['eviction_reserve'])} slots (the default)"
+    chain = m.get("launch_chaining")
+    if chain:  # the launch variants at batch 1 without pressure (kernels/pdl.py)
+        old, new = chain["unchained_acq_rel"], chain["chained_relaxed"]
+        key = "batch_1_no_pressure"
+        text += (
+            f"; at batch 1 without pressure, append + resolve: {us(old[key + '_management_us'])}"
+            f" us with plain launches and ordered atomics, "
+            f"{us(chain['unchained_relaxed'][key + '_management_us'])} us relaxed, "
+            f"{us(new[key + '_management_us'])} us chained and relaxed (the default); the "
+            f"decode path {us(new[key + '_resolve_us'])} us ({us(new[key + '_decode_step_us'])}"
+            f" us with writes and recall, against {us(old[key + '_step_us'])} us before)"
+        )
     if best is not None:  # the launch-shape sweep ran (--sweep)
         text += (
             f"; fastest of {len(m['launch_shape_sweep'])} launch shapes: {best['lane_block']} "
@@ -649,18 +667,17 @@ def row_e2e_sweep_110k(r: Records) -> tuple[str, str, str]:
 
 
 def row_e2e_sweep_sharegpt(r: Records) -> tuple[str, str, str]:
-    claim, text, _ = _sweep_row(
+    return _sweep_row(
         r,
         SHAREGPT_REL,
-        "ShareGPT-like latency sweep (issue 14, Figure 15; history)",
+        "ShareGPT-like latency sweep (issue 14, Figure 15)",
         "the same worker on one server that prefills and decodes, 48 ShareGPT-like chats "
-        "(synthetic), on older server code",
+        "(synthetic)",
         latency_at="inf",
     )
-    return claim, text, source(r(SHAREGPT_REL), SHAREGPT_REL, "measured, superseded")
 
 
-SHAREGPT_REL = "benchmark/results/history/2026-12-01-sweep-sharegpt/e2e_sweep.json"
+SHAREGPT_REL = "benchmark/results/e2e_sweep_sharegpt/e2e_sweep.json"
 
 
 def row_e2e_sweep_tasks(r: Records) -> tuple[str, str, str]:

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
+
 DEFAULT_BLOCK = 4096
 # Blocks per row the collect pass sums over at compile time: 64 x 4096 covers 256K keys, so
 # every context up to that shares one compiled variant (longer rows get a wider one).
@@ -76,9 +78,10 @@ def _row_keys(scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOC
 @triton.jit(do_not_specialize=_PER_CALL)
 def _hist_kernel(
     scores_ptr, query_pos_ptr, hist_ptr, scores_stride, n_cols, n_rows, k,
-    PASS: tl.constexpr, BLOCK: tl.constexpr,
+    PASS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Pass PASS: this block's histogram of digit PASS among keys matching the prefix."""
+    pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     prefix, _want = _replay(hist_ptr, row, n_rows, k, PASS)
     _cols, inside, _s, key = _row_keys(
@@ -90,15 +93,17 @@ def _hist_kernel(
     # 256 bins with a mask, not a 512-bin histogram whose upper half collects the keys
     # off the prefix: the ballot-based lowering does a third less work (PTX for sm_90).
     counts = tl.histogram(digit, 256, mask=match)
-    tl.atomic_add(hist_ptr + (PASS * n_rows + row) * 256 + tl.arange(0, 256), counts)
+    # Relaxed: the histogram is read by the next launch only (kernels/pdl.py).
+    tl.atomic_add(hist_ptr + (PASS * n_rows + row) * 256 + tl.arange(0, 256), counts, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=[*_PER_CALL, "n_chunks"])
 def _count_kernel(
     scores_ptr, query_pos_ptr, hist_ptr, counts_ptr, scores_stride, n_cols, n_rows, k,
-    n_chunks, BLOCK: tl.constexpr,
+    n_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Per block: entries above the k-th key T, and entries equal to it."""
+    pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     threshold, _want = _replay(hist_ptr, row, n_rows, k, 4)
     _cols, inside, _s, key = _row_keys(
@@ -113,9 +118,11 @@ def _count_kernel(
 def _collect_kernel(
     scores_ptr, query_pos_ptr, hist_ptr, counts_ptr, out_ptr, scores_stride, out_stride,
     n_cols, n_rows, k, n_chunks, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Write this block's picks (keys > T, and the first ``want`` keys == T of the row in
     position order) after the picks of the blocks before it."""
+    pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     threshold, want = _replay(hist_ptr, row, n_rows, k, 4)
     c = tl.arange(0, MAX_CHUNKS)
@@ -136,10 +143,15 @@ def _collect_kernel(
 
 
 def topk_positions(
-    scores: torch.Tensor, query_pos: torch.Tensor, topk: int, block: int = DEFAULT_BLOCK
+    scores: torch.Tensor,
+    query_pos: torch.Tensor,
+    topk: int,
+    block: int = DEFAULT_BLOCK,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """scores [R, L] fp32 (column = key position), query_pos [R] -> positions [R, topk]
-    (ascending; -1 for masked or missing). Same set as ``select_topk``."""
+    (ascending; -1 for masked or missing). Same set as ``select_topk``. ``pdl``: chain the
+    six launches (kernels/pdl.py; default where supported)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError("scores must be a float32 [rows, keys] tensor")
     rows, n_cols = scores.shape
@@ -158,12 +170,14 @@ def topk_positions(
     counts = torch.empty(rows, n_chunks, 2, dtype=torch.int32, device=scores.device)
     grid = (rows, n_chunks)
     common = (scores, qpos, hist)
+    chained = use_pdl(scores.device) if pdl is None else pdl and use_pdl(scores.device)
+    launch = dict(BLOCK=block, PDL=chained, launch_pdl=chained)
     for p in range(4):
-        _hist_kernel[grid](*common, scores.stride(0), n_cols, rows, k, PASS=p, BLOCK=block)
-    _count_kernel[grid](*common, counts, scores.stride(0), n_cols, rows, k, n_chunks, BLOCK=block)
+        _hist_kernel[grid](*common, scores.stride(0), n_cols, rows, k, PASS=p, **launch)
+    _count_kernel[grid](*common, counts, scores.stride(0), n_cols, rows, k, n_chunks, **launch)
     _collect_kernel[grid](
         *common, counts, out, scores.stride(0), out.stride(0), n_cols, rows, k, n_chunks,
-        BLOCK=block, MAX_CHUNKS=max(MIN_MAX_CHUNKS, triton.next_power_of_2(n_chunks)),
+        MAX_CHUNKS=max(MIN_MAX_CHUNKS, triton.next_power_of_2(n_chunks)), **launch,
     )  # fmt: skip
     return out
 
