@@ -42,6 +42,31 @@ def fp8_tflops(n: int = 8192) -> float:
     return 2 * n**3 / us / 1e6
 
 
+# Top-k launch shapes timed beside the default (keys per program, warps): more programs per
+# row shorten each pass at small batches; fewer cut the per-program replay and histogram cost.
+TOPK_SWEEP = [(block, warps) for block in (1024, 2048, 4096, 8192) for warps in (4, 8)]
+
+
+def topk_launch_sweep(logits: torch.Tensor, qpos: torch.Tensor, topk: int) -> list[dict]:
+    """Graph-replayed us of the radix top-k at each launch shape, at the bench's batch and at
+    batch 1; each shape's output must be the default's tensor exactly (else not timed)."""
+    want = topk_positions(logits, qpos, topk)
+    rows = []
+    for block, warps in TOPK_SWEEP:
+
+        def run(n=logits.shape[0], block=block, warps=warps):
+            return topk_positions(logits[:n], qpos[:n], topk, block=block, num_warps=warps)
+
+        same = torch.equal(run(), want)
+        row = {"block": block, "num_warps": warps, "equal_to_default": same}
+        if same:
+            row["us"] = graph_us(run)
+            row["us_b1"] = graph_us(lambda run=run: run(1))
+        rows.append(row)
+        print(f"top-k block {block} warps {warps}: {row}", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmark/results")
@@ -218,6 +243,7 @@ def main() -> None:
         except RuntimeError as exc:  # keep the eager numbers; say why
             graph_times[name] = None
             print(f"graph timing of {name} failed: {str(exc)[:200]}", flush=True)
+    sweep = topk_launch_sweep(logits, qpos.view(-1), args.topk)
     ref_sets = select_topk(logits.unsqueeze(1), qpos, args.topk).squeeze(1)
     got_sets = topk_positions(logits, qpos.view(-1), args.topk)
     topk_kernel_exact = all(
@@ -261,6 +287,7 @@ def main() -> None:
         "packed_key_topk_us": packed_topk_us,
         "packed_key_topk_equals_sort": packed_equal,
         "packed_over_sort": packed_topk_us / stable_topk_us,
+        "topk_launch_sweep": sweep,
     }
     # Graph-replayed device times (the decode basis): the headline where capture worked.
     metrics["graph_replayed_us"] = graph_times

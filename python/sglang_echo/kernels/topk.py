@@ -36,6 +36,7 @@ import triton.language as tl
 from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 
 DEFAULT_BLOCK = 4096
+DEFAULT_NUM_WARPS = 4  # Triton's default; indexer_bench's topk_launch_sweep times others
 # Blocks per row the collect pass sums over at compile time: 64 x 4096 covers 256K keys, so
 # every context up to that shares one compiled variant (longer rows get a wider one).
 MIN_MAX_CHUNKS = 64
@@ -148,10 +149,12 @@ def topk_positions(
     topk: int,
     block: int = DEFAULT_BLOCK,
     pdl: bool | None = None,
+    num_warps: int = DEFAULT_NUM_WARPS,
 ) -> torch.Tensor:
     """scores [R, L] fp32 (column = key position), query_pos [R] -> positions [R, topk]
     (ascending; -1 for masked or missing). Same set as ``select_topk``. ``pdl``: chain the
-    six launches (kernels/pdl.py; default where supported)."""
+    six launches (kernels/pdl.py; default where supported). ``block`` and ``num_warps``
+    change speed only: the output is the same tensor for every launch shape."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError("scores must be a float32 [rows, keys] tensor")
     rows, n_cols = scores.shape
@@ -171,7 +174,7 @@ def topk_positions(
     grid = (rows, n_chunks)
     common = (scores, qpos, hist)
     chained = use_pdl(scores.device) if pdl is None else pdl and use_pdl(scores.device)
-    launch = dict(BLOCK=block, PDL=chained, launch_pdl=chained)
+    launch = dict(BLOCK=block, PDL=chained, launch_pdl=chained, num_warps=num_warps)
     for p in range(4):
         _hist_kernel[grid](*common, scores.stride(0), n_cols, rows, k, PASS=p, **launch)
     _count_kernel[grid](*common, counts, scores.stride(0), n_cols, rows, k, n_chunks, **launch)
