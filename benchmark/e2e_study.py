@@ -436,6 +436,7 @@ class Study:
         self.runs: list[dict] = []
         self.components: dict = {}
         self.errors: list[str] = []
+        self.skipped: list[str] = []  # engines the plan cannot build, and why
         self.node: DecodeNode | None = None
 
     # ---------------------------------------------------------------- record
@@ -450,6 +451,7 @@ class Study:
             "config": self.config(),
             "complete": final,
             "errors": self.errors,
+            "skipped": self.skipped,
             "runs": self.runs,
             "components": self.components,
         }
@@ -556,6 +558,15 @@ class Study:
         )
         for b in p.equal_hbm_batches:
             n_g, host = equal_hbm_split(self.cfg, p, p.paper_pool, b, self.max_new)
+            if n_g < b * self.cfg.index_topk:  # the host tokens' index keys leave too little
+                why = (
+                    f"equal HBM at batch {b}: the {p.paper_pool}-token pool's bytes hold the "
+                    f"index keys of {host} host tokens with room for {max(0, n_g)} device slots, "
+                    f"fewer than one step's {b} x {self.cfg.index_topk} selections; not run"
+                )
+                if why not in self.skipped:  # engines() is called more than once
+                    self.skipped.append(why)
+                continue
             out.append(
                 Engine(f"echo_equal_hbm_b{b}", "echo", dev_cache=n_g, host=host, phases=full)
             )

@@ -327,3 +327,19 @@ def test_outputs_agree_over_the_common_length_only(e2e_study) -> None:
     assert not e2e_study.outputs_agree(long, [[1, 2, 9], [5, 6]])
     assert not e2e_study.outputs_agree(long, [[1, 2, 3]])
     assert not e2e_study.outputs_agree(long, [[], [5, 6]])
+
+
+def test_an_equal_hbm_split_without_room_for_a_step_is_skipped_with_its_reason(
+    e2e_study, tmp_path: Path
+) -> None:
+    """A pool whose bytes go entirely to the host tokens' index keys (fp8 rows at the
+    paper's pool and batch 24 did this) is not built and run into a ValueError: the record
+    says why it was skipped, and the errors stay empty."""
+    args = e2e_study.parse_args(["--smoke", "--out", str(tmp_path)])
+    study = e2e_study.Study(args, [])
+    study.plan.equal_hbm_batches = [10_000]  # far more host tokens than the pool's bytes
+    labels = [e.label for e in study.engines()]
+    study.engines()
+    assert not any(label.startswith(("echo_equal_hbm", "hisparse_equal_hbm")) for label in labels)
+    assert len(study.skipped) == 1 and "batch 10000" in study.skipped[0]
+    assert "not run" in study.skipped[0] and not study.errors

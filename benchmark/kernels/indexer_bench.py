@@ -226,12 +226,12 @@ def main() -> None:
         "logits": lambda: fn(best),
         "logits_padded_rows_144": padded_run,
         "topk": lambda: topk_positions(logits, qpos.view(-1), args.topk),
-        # Its six launches unchained (kernels/pdl.py), and one row (batch 1, where the
-        # launches are most of the time) both ways.
-        "topk_unchained": lambda: topk_positions(logits, qpos.view(-1), args.topk, pdl=False),
+        # Its six launches chained (kernels/pdl.py; off by default), and one row (batch 1,
+        # where the launches are most of the time) both ways.
+        "topk_chained": lambda: topk_positions(logits, qpos.view(-1), args.topk, pdl=True),
         "topk_b1": lambda: topk_positions(logits[:1], qpos.view(-1)[:1], args.topk),
-        "topk_b1_unchained": lambda: topk_positions(
-            logits[:1], qpos.view(-1)[:1], args.topk, pdl=False
+        "topk_b1_chained": lambda: topk_positions(
+            logits[:1], qpos.view(-1)[:1], args.topk, pdl=True
         ),
         "torch_topk": lambda: torch.topk(logits, args.topk, dim=-1),
         "stable_sort_topk": lambda: select_topk(logits.unsqueeze(1), qpos, args.topk),

@@ -281,6 +281,12 @@ def row_recall(r: Records) -> tuple[str, str, str]:
         + "; ".join(parts)
         + f"; pinned H2D copy {m['h2d_GBps']:.1f} GB/s in the same run"
     )
+    if m.get("default_GBps_656_on_768_byte_strides") is not None:  # the 128-byte-line test
+        text += (
+            f"; the default launch on 656 B rows {m['default_GBps_656']:.1f} GB/s packed, "
+            f"{m['default_GBps_656_on_768_byte_strides']:.1f} GB/s with every row starting a "
+            "128-byte line (768-byte strides)"
+        )
     return "recall bandwidth", text, source(d, rel)
 
 

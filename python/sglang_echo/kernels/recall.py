@@ -13,12 +13,11 @@ with row strides that are multiples of 16 B, loads and stores are 16 B wide.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from sglang_echo.kernels.device_info import sm_count
 from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 
 # Measured on an H200 (benchmark/results/recall.json, the flat kernel's grid-stride loop):
@@ -104,12 +103,7 @@ def flat_programs(device: torch.device, worst_chunks: int, chunks: int) -> int:
     need = max(1, triton.cdiv(worst_chunks, chunks))
     if device.type != "cuda":
         return min(need, 2)
-    return min(need, PROGRAMS_PER_SM * _sm_count(device.index))
-
-
-@functools.cache
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index or 0).multi_processor_count
+    return min(need, PROGRAMS_PER_SM * sm_count(device.index))
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
