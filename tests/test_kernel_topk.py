@@ -102,18 +102,3 @@ def test_contexts_and_row_counts_of_any_size_reuse_one_compiled_variant() -> Non
         if step == 0:
             before = counts
     assert counts == before, f"variants per kernel grew from {before} to {counts}"
-
-
-def test_launch_block_widens_the_grid_only_where_rows_cannot_fill_the_gpu(monkeypatch) -> None:
-    """Few rows of a long context get SMALL_BLOCK-wide programs (more of them per row), many
-    rows the default; the CPU keeps the default. Either way the output is the same
-    tensor (the kernel's result does not depend on the block: tests above run several)."""
-    from sglang_echo.kernels import topk
-
-    monkeypatch.setattr(topk, "sm_count", lambda index: 132)
-    cuda = torch.device("cuda", 0)
-    assert topk.launch_block(1, 100_000, cuda) == topk.SMALL_BLOCK  # 25 programs
-    assert topk.launch_block(5, 100_000, cuda) == topk.SMALL_BLOCK  # 125
-    assert topk.launch_block(6, 100_000, cuda) == topk.DEFAULT_BLOCK  # 150
-    assert topk.launch_block(48, 100_000, cuda) == topk.DEFAULT_BLOCK
-    assert topk.launch_block(1, 100_000, torch.device("cpu")) == topk.DEFAULT_BLOCK

@@ -33,15 +33,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from sglang_echo.kernels.device_info import sm_count
 from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 
+# One width for every batch and context: each kernel compiles once, never mid-serving.
+# Narrower blocks would be faster at small batches (indexer.json's topk_launch_sweep, H200,
+# 1 x 100K keys: 32.8 us at 1024 keys per program against 50.6 us at 4096), but a width
+# chosen by batch compiles a second variant the first time serving meets the other width.
 DEFAULT_BLOCK = 4096
-# Rows too few to fill the GPU with DEFAULT_BLOCK-wide programs (a decode batch of 1-5 at
-# 100K keys: 25-125 programs on 132 SMs) take blocks this wide: four times the programs,
-# each pass a quarter as long. Measured on an H200, graph-replayed, 1 x 100K keys (the
-# indexer.json topk_launch_sweep): 32.8 us at 1024-key blocks against 50.6 us at 4096.
-SMALL_BLOCK = 1024
 DEFAULT_NUM_WARPS = 4  # Triton's default; indexer_bench's topk_launch_sweep times others
 # Blocks per row the collect pass sums over at compile time: 256K keys' worth (64 x 4096, or
 # 256 x 1024), so every context up to that shares one compiled variant per block width
@@ -155,13 +153,13 @@ def topk_positions(
     scores: torch.Tensor,
     query_pos: torch.Tensor,
     topk: int,
-    block: int | None = None,
+    block: int = DEFAULT_BLOCK,
     pdl: bool = False,
     num_warps: int = DEFAULT_NUM_WARPS,
 ) -> torch.Tensor:
     """scores [R, L] fp32 (column = key position), query_pos [R] -> positions [R, topk]
     (ascending; -1 for masked or missing). Same set as ``select_topk``. ``block``: keys
-    per program (default: ``launch_block``). ``pdl``: chain the six launches
+    per program. ``pdl``: chain the six launches
     (kernels/pdl.py; off by default: on an H200 it saved 2% at 48 rows and cost 6% at one,
     indexer.json's ``topk_unchained`` beside ``topk``). Block, warps and chaining change
     speed only: the output is the same tensor for every launch shape."""
@@ -174,12 +172,9 @@ def topk_positions(
         return out
     scores = scores.contiguous()
     qpos = query_pos.to(torch.int64).contiguous()
-    # One block width per batch shape for every context length, so serving compiles each
-    # kernel once per width; the interpreter (CPU tests) compiles nothing and runs faster
-    # on blocks no wider than a row.
+    # The interpreter (CPU tests) compiles nothing and runs faster on blocks no wider than
+    # a row.
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    if block is None:
-        block = launch_block(rows, n_cols, scores.device)
     if interpreting:
         block = min(block, max(16, triton.next_power_of_2(n_cols)))
     n_chunks = triton.cdiv(n_cols, block)
@@ -201,16 +196,6 @@ def topk_positions(
         **launch,
     )  # fmt: skip
     return out
-
-
-def launch_block(rows: int, n_cols: int, device: torch.device) -> int:
-    """Keys per program: SMALL_BLOCK where DEFAULT_BLOCK-wide programs would leave SMs idle
-    (fewer than one per SM), else DEFAULT_BLOCK. Depends on the rows, not the context's
-    length beyond that, so a decode graph (fixed batch) keeps one compiled variant."""
-    if device.type != "cuda":
-        return DEFAULT_BLOCK
-    programs = rows * triton.cdiv(max(n_cols, 1), DEFAULT_BLOCK)
-    return SMALL_BLOCK if programs < sm_count(device.index) else DEFAULT_BLOCK
 
 
 # --------------------------------------------------------------------------- reference
