@@ -476,7 +476,7 @@ class AllocWorkspace:
         self.max_lanes = max_lanes
         self.lane_block, self.slot_block, self.num_warps = lane_block, slot_block, num_warps
         # Chained launches (kernels/pdl.py): the default where the device supports them.
-        self.pdl = use_pdl(dev) if pdl is None else pdl and use_pdl(dev)
+        self.pdl = use_pdl(dev, pdl)
         self.atomic_sem = atomic_sem
         self.slot_programs = triton.cdiv(cache.num_slots + 2, slot_block)
         lane_programs = max(1, triton.cdiv(max_lanes, lane_block))

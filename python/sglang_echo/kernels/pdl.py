@@ -45,9 +45,10 @@ def pdl_supported(device: torch.device) -> bool:
     return _capability(device.index)[0] >= 9
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether launches on ``device`` chain programmatically by default."""
-    return pdl_supported(device) and pdl_requested()
+def use_pdl(device: torch.device, asked: bool | None = None) -> bool:
+    """Whether launches on ``device`` chain: ``asked`` (None: the default, SGLANG_ECHO_PDL)
+    where the device supports it, never where it does not."""
+    return pdl_supported(device) and (pdl_requested() if asked is None else asked)
 
 
 @functools.cache

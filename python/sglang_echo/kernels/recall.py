@@ -137,7 +137,7 @@ def recall_rows(
     if lanes == 0:
         return
     row_bytes = host_b.shape[1]
-    chained = use_pdl(dev_b.device) if pdl is None else pdl and use_pdl(dev_b.device)
+    chained = use_pdl(dev_b.device, pdl)
     launch = dict(PDL=chained, launch_pdl=chained, num_warps=num_warps)
     args = (host_b, dev_b, miss_ids, miss_slots, miss_count, host_b.stride(0), dev_b.stride(0))
     if flat_chunks:

@@ -182,7 +182,7 @@ def topk_positions(
     counts = torch.empty(rows, n_chunks, 2, dtype=torch.int32, device=scores.device)
     grid = (rows, n_chunks)
     common = (scores, qpos, hist)
-    chained = pdl and use_pdl(scores.device)
+    chained = use_pdl(scores.device, pdl)
     launch = dict(BLOCK=block, PDL=chained, launch_pdl=chained, num_warps=num_warps)
     for p in range(4):
         _hist_kernel[grid](*common, scores.stride(0), n_cols, rows, k, PASS=p, **launch)
