@@ -13,7 +13,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels cache prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels cache topk prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -52,10 +52,13 @@ run_stage() {
       stage cache 170 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
         tests/test_kernel_recall.py tests/test_pdl.py tests/test_decode_write.py \
         && python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache" ;;
+    topk)  # both top-k kernels' GPU tests, then the indexer bench (the pivot's states beside)
+      stage topk 170 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_topk.py \
+        tests/test_kernel_topk_pivot.py && python3 benchmark/kernels/indexer_bench.py --out /tmp/ds/topk" ;;
     kernel_tests)  # gpu_checks.sh's second step alone: the kernel and model tests, this torch
       stage kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
         tests/test_kernel_recall.py tests/test_kernel_indexer.py tests/test_kernel_decode_prefetch.py \
-        tests/test_kernel_prefill_prefetch.py tests/test_kernel_topk.py tests/test_kernel_sparse_mla.py \
+        tests/test_kernel_prefill_prefetch.py tests/test_kernel_topk.py tests/test_kernel_topk_pivot.py tests/test_kernel_sparse_mla.py \
         tests/test_model_oracle.py tests/test_indexer.py tests/test_pdl.py tests/test_decode_write.py ;;
     prefetch)  # the prefetch benchmarks and the indexer (with top-k launch shapes) again
       stage prefetch 200 bash benchmark/gpu_checks.sh /tmp/ds/prefetch benches decode_prefetch \
@@ -88,7 +91,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in tests|kernel_tests|kernels|cache|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in tests|kernel_tests|kernels|cache|topk|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"

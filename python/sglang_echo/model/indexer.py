@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_echo.kernels.topk import select_topk, topk_positions
+from sglang_echo.kernels.topk_pivot import pivot_requested, topk_positions_pivot
 from sglang_echo.model.config import DeepseekV32Config, fp8_row_bytes
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.rope import apply_rope_half
@@ -120,6 +121,7 @@ def exact_topk(
     topk: int,
     use_kernel: bool,
     with_kth: bool = True,
+    pivot: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``select_topk`` with the k-th score, for scores [R, L] and query_pos [R]: positions
     [R, topk] and k-th scores [R]. With ``use_kernel`` (CUDA, or the interpreter in tests)
@@ -127,7 +129,13 @@ def exact_topk(
     score (offload and no-offload both take this path, so their outputs stay equal); the
     k-th score is the smallest picked score, -inf where fewer than ``topk`` keys are
     visible, exactly as ``select_topk`` reports it. Only the prefetchers read the k-th
-    score: without ``with_kth`` it is not computed (None)."""
+    score: without ``with_kth`` it is not computed (None). ``pivot`` (decode, with the
+    kernels): (per-row thresholds, each score row's index into them) for the one-pass
+    top-k of kernels/topk_pivot.py, which returns the same tensors and the k-th score for
+    free."""
+    if use_kernel and pivot is not None:
+        pos, kth = topk_positions_pivot(scores.float(), query_pos, topk, *pivot)
+        return pos, kth if with_kth else None
     if not use_kernel:
         if not with_kth:
             return select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk).squeeze(1), None
@@ -164,6 +172,17 @@ class LightningIndexer(nn.Module):
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        # Decode top-k thresholds per request row (kernels/topk_pivot.py), once a runtime
+        # binds its request table (``bind_request_rows``); None: the radix select.
+        self.pivot_thresholds: torch.Tensor | None = None
+
+    def bind_request_rows(self, max_rows: int, device: torch.device) -> None:
+        """Thresholds start at -inf (no guess: the first step selects over the full row).
+        A row taken over by a new request keeps its old threshold: a guess that misses
+        costs one full-row select, never a wrong answer, so nothing resets it."""
+        self.pivot_thresholds = None
+        if pivot_requested():
+            self.pivot_thresholds = torch.full((max_rows,), float("-inf"), device=device)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         roped = apply_rope_half(x[..., : self.rope_dim], cos, sin)
@@ -243,8 +262,11 @@ class LightningIndexer(nn.Module):
         if prefetch is not None:
             # Rows start moving (a side stream on CUDA) while the exact top-k runs.
             prefetch.launch(layer, cand.ids, cand.counts)
+        pivot = None
+        if self.pivot_thresholds is not None and batch.request_rows is not None:
+            pivot = (self.pivot_thresholds, batch.request_rows)
         pos, kth = exact_topk(
-            scores, batch.positions, self.topk, use_kernels(q), with_kth=prefetch is not None
+            scores, batch.positions, self.topk, use_kernels(q), prefetch is not None, pivot
         )
         return pos.unsqueeze(1), None if kth is None else kth.unsqueeze(1)
 

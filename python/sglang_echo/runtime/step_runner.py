@@ -41,9 +41,10 @@ class StepRunner:
         self.max_context = max_context
         # Per-request state of the KV backend (ECHO's decode-prefetch thresholds) is sized
         # by the request table, once, before any step.
-        bind = getattr(kv_cache, "bind_request_rows", None)
-        if bind is not None:
-            bind(max_requests)
+        for owner in (kv_cache, model):  # and the model's (decode top-k thresholds)
+            bind = getattr(owner, "bind_request_rows", None)
+            if bind is not None:
+                bind(max_requests)
         # A backend that partitions by request (HiSparse-like) learns each token's owner.
         self._note_owner = getattr(kv_cache, "note_owner", None)
         self.decode_runner = None

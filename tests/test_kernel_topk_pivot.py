@@ -1,0 +1,149 @@
+"""The threshold-pivot decode top-k against the radix select and the plain-torch reference
+(interpreter on CPU): the same positions and k-th scores whether the threshold hits the
+candidate window, misses it low or high, or is not there yet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_echo.kernels.topk import topk_positions
+from sglang_echo.kernels.topk_pivot import (
+    AIM_PER_TOPK,
+    pivot_cap,
+    topk_pivot_reference,
+    topk_positions_pivot,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOPK = 16  # candidate window 64, aim 32
+
+
+def _scores(kind: str, rows: int, n_cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":
+        return torch.randint(0, 6, (rows, n_cols), generator=g).float()
+    if kind == "negative":
+        return torch.randn(rows, n_cols, generator=g) * 1e3
+    return torch.rand(rows, n_cols, generator=g)
+
+
+def _rank_score(scores: torch.Tensor, rank: int) -> torch.Tensor:
+    return scores.sort(dim=1, descending=True).values[:, rank - 1]
+
+
+def _check(scores, qpos, thresholds, rows, block=64):
+    table = torch.full((int(rows.max()) + 3,), 7.0, device=scores.device)  # other rows
+    table[rows] = thresholds
+    before = table.clone()
+    pos, kth = topk_positions_pivot(scores, qpos, TOPK, table, rows, block=block)
+    want_pos, want_kth, want_next = topk_pivot_reference(scores, qpos, TOPK, thresholds)
+    assert torch.equal(pos, topk_positions(scores, qpos, TOPK, block=block))
+    assert torch.equal(pos, want_pos)
+    assert torch.equal(kth, want_kth)
+    assert torch.equal(table[rows], want_next)
+    untouched = torch.ones_like(table, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(table[untouched], before[untouched])
+    return table
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "negative"])
+def test_every_threshold_gives_the_exact_top_k(kind):
+    rows, n_cols = 6, 400
+    scores = _scores(kind, rows, n_cols, seed=n_cols)
+    scores[2, 30:40] = float("-inf")
+    qpos = torch.tensor([n_cols - 1, n_cols - 1, 300, 200, n_cols - 1, 120])
+    # Per row: no threshold yet, one that hits (the rank-AIM score of the same
+    # distribution's other draw), too high (fewer than k candidates), too low (more than
+    # the window holds), exactly the k-th score, and exactly the lowest.
+    other = _scores(kind, rows, n_cols, seed=n_cols + 1)
+    hit = _rank_score(other, AIM_PER_TOPK * TOPK)
+    thresholds = torch.stack(
+        [
+            torch.tensor(float("-inf")),
+            hit[1],
+            _rank_score(scores, 3)[2],
+            _rank_score(scores, pivot_cap(TOPK) + 40)[3],
+            _rank_score(scores, TOPK)[4],
+            scores[5].min(),
+        ]
+    )
+    rows_ix = torch.tensor([4, 0, 2, 1, 3, 5])
+    dev = [t.to(DEV) for t in (scores, qpos, thresholds, rows_ix)]
+    _check(*dev)
+
+
+def test_short_rows_and_rows_with_fewer_visible_keys_than_k():
+    """Fewer visible keys than k: -1 padding, k-th score -inf, and the window still hits
+    when every visible key is a candidate."""
+    rows, n_cols = 4, 50
+    scores = _scores("random", rows, n_cols, seed=3)
+    qpos = torch.tensor([0, 5, 10, n_cols - 1])
+    thresholds = torch.tensor([float("-inf"), float("-inf"), 0.5, float("-inf")])
+    table = _check(*(t.to(DEV) for t in (scores, qpos, thresholds, torch.arange(rows))))
+    # Rows whose every visible key fits the window keep no threshold (they hit anyway);
+    # a miss (row 2) or a row reaching AIM candidates (row 3) learns one.
+    assert bool((table[:2] == float("-inf")).all()) and torch.isfinite(table[2:4]).all()
+
+
+def test_keys_narrower_than_top_k():
+    scores = _scores("random", 3, 9, seed=5)
+    qpos = torch.tensor([8, 4, 0])
+    thresholds = torch.full((3,), float("-inf"))
+    _check(*(t.to(DEV) for t in (scores, qpos, thresholds, torch.arange(3))))
+
+
+def test_thresholds_carried_over_steps_stay_exact():
+    """The serving loop: each step's scores drift a little, the threshold each step leaves
+    is the next step's input; every step equals the reference."""
+    g = torch.Generator().manual_seed(11)
+    rows, n_cols = 5, 700
+    base = torch.rand(rows, n_cols, generator=g)
+    table = torch.full((rows,), float("-inf"), device=DEV)
+    ix = torch.arange(rows, device=DEV)
+    for step in range(4):
+        scores = (base + 0.05 * torch.rand(rows, n_cols, generator=g)).to(DEV)
+        qpos = torch.full((rows,), n_cols - 1 - 50 + step * 10, device=DEV)
+        before = table.clone()
+        pos, kth = topk_positions_pivot(scores, qpos, TOPK, table, ix, block=128)
+        want_pos, want_kth, want_next = topk_pivot_reference(scores, qpos, TOPK, before)
+        assert torch.equal(pos, want_pos) and torch.equal(kth, want_kth)
+        assert torch.equal(table, want_next)
+    assert torch.isfinite(table).all()
+
+
+def test_rejects_bad_thresholds():
+    scores = torch.rand(2, 32)
+    with pytest.raises(ValueError, match="thresholds"):
+        topk_positions_pivot(scores, torch.tensor([31, 31]), 4, torch.zeros(2, 1), torch.arange(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts compiled GPU variants")
+def test_contexts_and_row_counts_of_any_size_reuse_one_compiled_variant() -> None:
+    """Decode widths grow every step and batches change size: neither may compile a new
+    variant of the pivot's kernels mid-serving. Every threshold state at full scale gives
+    the radix select's exact tensor."""
+    from sglang_echo.kernels import topk_pivot as pivot_module
+
+    kernels = (pivot_module._count_kernel, pivot_module._compact_kernel)
+    kernels += (pivot_module._select_kernel,)
+    device = torch.cuda.current_device()
+    before = None
+    shapes = ((3, 5000), (17, 9000), (1, 70000), (48, 100_003), (48, 100_000))
+    for step, (rows, n_cols) in enumerate(shapes):
+        scores = torch.randn(rows, n_cols, device=DEV)
+        qpos = torch.full((rows,), n_cols - 1, device=DEV)
+        qpos[0] = n_cols // 3
+        table = torch.full((rows,), float("-inf"), device=DEV)
+        ix = torch.arange(rows, device=DEV)
+        want = topk_positions(scores, qpos, 2048)
+        for _ in range(2):  # a miss (no threshold), then the hit it leaves
+            pos, _kth = topk_positions_pivot(scores, qpos, 2048, table, ix)
+            assert torch.equal(pos, want)
+        torch.cuda.synchronize()
+        counts = [len(k.device_caches[device][0]) for k in kernels]
+        if step == 0:
+            before = counts
+    assert counts == before, f"variants per kernel grew from {before} to {counts}"
