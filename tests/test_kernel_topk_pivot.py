@@ -9,14 +9,13 @@ import torch
 
 from sglang_echo.kernels.topk import topk_positions
 from sglang_echo.kernels.topk_pivot import (
-    AIM_PER_TOPK,
-    pivot_cap,
+    empty_pivots,
     topk_pivot_reference,
     topk_positions_pivot,
 )
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TOPK = 16  # candidate window 64, aim 32
+TOPK = 16  # candidate window [16, 64]
 
 
 def _scores(kind: str, rows: int, n_cols: int, seed: int) -> torch.Tensor:
@@ -32,20 +31,30 @@ def _rank_score(scores: torch.Tensor, rank: int) -> torch.Tensor:
     return scores.sort(dim=1, descending=True).values[:, rank - 1]
 
 
+def _pivots(base: torch.Tensor, step: torch.Tensor | None = None) -> torch.Tensor:
+    table = empty_pivots(base.shape[0], base.device)
+    table[:, 0] = base
+    if step is not None:
+        table[:, 1] = step
+    return table
+
+
 def _check(scores, qpos, thresholds, rows, block=64):
-    table = torch.full((int(rows.max()) + 3,), 7.0, device=scores.device)  # other rows
+    """thresholds [R, 2] -> the table after the call, and which rows the pivot served."""
+    table = torch.full((int(rows.max()) + 3, 2), 7.0, device=scores.device)  # other rows
     table[rows] = thresholds
     before = table.clone()
-    pos, kth = topk_positions_pivot(scores, qpos, TOPK, table, rows, block=block)
-    want_pos, want_kth, want_next = topk_pivot_reference(scores, qpos, TOPK, thresholds)
+    served = torch.empty(rows.shape[0], dtype=torch.int32, device=scores.device)
+    pos, kth = topk_positions_pivot(scores, qpos, TOPK, table, rows, block=block, served=served)
+    want_pos, want_kth = topk_pivot_reference(scores, qpos, TOPK)
     assert torch.equal(pos, topk_positions(scores, qpos, TOPK, block=block))
     assert torch.equal(pos, want_pos)
     assert torch.equal(kth, want_kth)
-    assert torch.equal(table[rows], want_next)
+    assert torch.equal(table[rows, 0], want_kth)  # the next step's pivot
     untouched = torch.ones_like(table, dtype=torch.bool)
     untouched[rows] = False
     assert torch.equal(table[untouched], before[untouched])
-    return table
+    return table, served >= 0
 
 
 @pytest.mark.parametrize("kind", ["random", "ties", "negative"])
@@ -54,24 +63,31 @@ def test_every_threshold_gives_the_exact_top_k(kind):
     scores = _scores(kind, rows, n_cols, seed=n_cols)
     scores[2, 30:40] = float("-inf")
     qpos = torch.tensor([n_cols - 1, n_cols - 1, 300, 200, n_cols - 1, 120])
-    # Per row: no threshold yet, one that hits (the rank-AIM score of the same
-    # distribution's other draw), too high (fewer than k candidates), too low (more than
-    # the window holds), exactly the k-th score, and exactly the lowest.
+    # Per row: no threshold yet, one that hits (the k-th score of the same distribution's
+    # other draw), too high for every rung (fewer than k candidates), too low for every
+    # rung (more than the window holds), exactly the k-th score, and exactly the lowest.
     other = _scores(kind, rows, n_cols, seed=n_cols + 1)
-    hit = _rank_score(other, AIM_PER_TOPK * TOPK)
-    thresholds = torch.stack(
+    hit = _rank_score(other, TOPK)
+    step = (hit - _rank_score(other, 2 * TOPK)).clamp(min=1e-3)
+    base = torch.stack(
         [
             torch.tensor(float("-inf")),
             hit[1],
-            _rank_score(scores, 3)[2],
-            _rank_score(scores, pivot_cap(TOPK) + 40)[3],
+            _rank_score(scores, 1)[2].abs() * 8 + 1,
+            _rank_score(scores, n_cols)[3] - _rank_score(scores, 1)[3].abs() * 8 - 1,
             _rank_score(scores, TOPK)[4],
             scores[5].min(),
         ]
     )
+    # The step (gap to rank 2k) of the same draw for the guess that hits, none elsewhere;
+    # exactly the k-th score serves without one too (its first multiplicative rung).
+    thresholds = _pivots(base, torch.where(torch.arange(rows) == 1, step, float("-inf")))
     rows_ix = torch.tensor([4, 0, 2, 1, 3, 5])
     dev = [t.to(DEV) for t in (scores, qpos, thresholds, rows_ix)]
-    _check(*dev)
+    _table, served = _check(*dev)
+    # Both paths ran: the pivot served the guesses near the k-th score, the radix select
+    # the row without one (400 visible keys > the window) and the two far off.
+    assert served.tolist() == [False, True, False, False, True, False]
 
 
 def test_short_rows_and_rows_with_fewer_visible_keys_than_k():
@@ -80,17 +96,18 @@ def test_short_rows_and_rows_with_fewer_visible_keys_than_k():
     rows, n_cols = 4, 50
     scores = _scores("random", rows, n_cols, seed=3)
     qpos = torch.tensor([0, 5, 10, n_cols - 1])
-    thresholds = torch.tensor([float("-inf"), float("-inf"), 0.5, float("-inf")])
-    table = _check(*(t.to(DEV) for t in (scores, qpos, thresholds, torch.arange(rows))))
-    # Rows whose every visible key fits the window keep no threshold (they hit anyway);
-    # a miss (row 2) or a row reaching AIM candidates (row 3) learns one.
-    assert bool((table[:2] == float("-inf")).all()) and torch.isfinite(table[2:4]).all()
+    thresholds = _pivots(torch.tensor([float("-inf"), float("-inf"), 0.5, float("-inf")]))
+    table, served = _check(*(t.to(DEV) for t in (scores, qpos, thresholds, torch.arange(rows))))
+    assert served[:2].all()  # every visible key is a candidate
+    # Rows with fewer than k visible keys keep no pivot (every visible key fits the
+    # window anyway); the full row learns its k-th score.
+    assert bool((table[:3, 0] == float("-inf")).all()) and torch.isfinite(table[3:4, 0]).all()
 
 
 def test_keys_narrower_than_top_k():
     scores = _scores("random", 3, 9, seed=5)
     qpos = torch.tensor([8, 4, 0])
-    thresholds = torch.full((3,), float("-inf"))
+    thresholds = empty_pivots(3, "cpu")
     _check(*(t.to(DEV) for t in (scores, qpos, thresholds, torch.arange(3))))
 
 
@@ -100,23 +117,29 @@ def test_thresholds_carried_over_steps_stay_exact():
     g = torch.Generator().manual_seed(11)
     rows, n_cols = 5, 700
     base = torch.rand(rows, n_cols, generator=g)
-    table = torch.full((rows,), float("-inf"), device=DEV)
+    table = empty_pivots(rows, DEV)
     ix = torch.arange(rows, device=DEV)
-    for step in range(4):
+    served_steps = []
+    for step in range(6):
         scores = (base + 0.05 * torch.rand(rows, n_cols, generator=g)).to(DEV)
         qpos = torch.full((rows,), n_cols - 1 - 50 + step * 10, device=DEV)
-        before = table.clone()
-        pos, kth = topk_positions_pivot(scores, qpos, TOPK, table, ix, block=128)
-        want_pos, want_kth, want_next = topk_pivot_reference(scores, qpos, TOPK, before)
+        served = torch.empty(rows, dtype=torch.int32, device=DEV)
+        pos, kth = topk_positions_pivot(scores, qpos, TOPK, table, ix, block=128, served=served)
+        want_pos, want_kth = topk_pivot_reference(scores, qpos, TOPK)
         assert torch.equal(pos, want_pos) and torch.equal(kth, want_kth)
-        assert torch.equal(table, want_next)
+        assert torch.equal(table[:, 0], want_kth)
+        served_steps.append((served >= 0).tolist())
+    # The first step has no pivot (the radix select serves it); a row the next ladder
+    # misses gets it respaced, and from then on the last k-th score serves every row.
+    assert not any(served_steps[0])
+    assert all(all(s) for s in served_steps[3:]), served_steps
     assert torch.isfinite(table).all()
 
 
 def test_rejects_bad_thresholds():
     scores = torch.rand(2, 32)
     with pytest.raises(ValueError, match="thresholds"):
-        topk_positions_pivot(scores, torch.tensor([31, 31]), 4, torch.zeros(2, 1), torch.arange(2))
+        topk_positions_pivot(scores, torch.tensor([31, 31]), 4, torch.zeros(2), torch.arange(2))
 
 
 @pytest.mark.gpu
@@ -136,12 +159,14 @@ def test_contexts_and_row_counts_of_any_size_reuse_one_compiled_variant() -> Non
         scores = torch.randn(rows, n_cols, device=DEV)
         qpos = torch.full((rows,), n_cols - 1, device=DEV)
         qpos[0] = n_cols // 3
-        table = torch.full((rows,), float("-inf"), device=DEV)
+        table = empty_pivots(rows, DEV)
         ix = torch.arange(rows, device=DEV)
         want = topk_positions(scores, qpos, 2048)
-        for _ in range(2):  # a miss (no threshold), then the hit it leaves
-            pos, _kth = topk_positions_pivot(scores, qpos, 2048, table, ix)
+        served = torch.empty(rows, dtype=torch.int32, device=DEV)
+        for call in range(3):  # the radix select (no pivot), then the ladders it leaves
+            pos, _kth = topk_positions_pivot(scores, qpos, 2048, table, ix, served=served)
             assert torch.equal(pos, want)
+            assert bool((served >= 0).all()) == (call > 0)
         torch.cuda.synchronize()
         counts = [len(k.device_caches[device][0]) for k in kernels]
         if step == 0:

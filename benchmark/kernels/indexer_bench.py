@@ -25,7 +25,6 @@ from topk_pivot_timing import pivot_timings
 
 from sglang_echo.kernels.indexer import fp8_index_logits, fp8_index_logits_reference
 from sglang_echo.kernels.topk import topk_positions
-from sglang_echo.kernels.topk_pivot import SELECT_NUM_WARPS
 from sglang_echo.model.indexer import select_topk
 
 
@@ -316,7 +315,7 @@ def main() -> None:
     # The decode default is the pivot top-k at its steady state; the radix select (prefill,
     # and the pivot's fallback inside one program) stays beside it.
     metrics["topk_radix_us"] = metrics["topk_us"]
-    steady = pivot.get(f"steady_w{SELECT_NUM_WARPS}_us")
+    steady = pivot.get("steady_us")
     if steady is not None:
         metrics["topk_us"] = steady
         metrics["topk_over_torch_topk"] = steady / metrics["torch_topk_us"]

@@ -28,14 +28,19 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 ENV_PDL = "SGLANG_ECHO_PDL"
 
 
-def pdl_requested(environ: dict | None = None) -> bool:
-    """``SGLANG_ECHO_PDL``: unset or 1 = on where supported, 0 = off."""
-    raw = (os.environ if environ is None else environ).get(ENV_PDL)
+def env_switch(name: str, environ: dict | None = None) -> bool:
+    """A kernel switch that is on by default: unset, empty or 1 = on, 0 = off."""
+    raw = (os.environ if environ is None else environ).get(name)
     if raw is None or raw.strip() in ("", "1"):
         return True
     if raw.strip() == "0":
         return False
-    raise ValueError(f"{ENV_PDL}={raw!r} is not understood; set it to 1 (on) or 0 (off).")
+    raise ValueError(f"{name}={raw!r} is not understood; set it to 1 (on) or 0 (off).")
+
+
+def pdl_requested(environ: dict | None = None) -> bool:
+    """``SGLANG_ECHO_PDL``: unset or 1 = on where supported, 0 = off."""
+    return env_switch(ENV_PDL, environ)
 
 
 def pdl_supported(device: torch.device) -> bool:

@@ -47,7 +47,7 @@ DEFAULT_NUM_WARPS = 4  # Triton's default; indexer_bench's topk_launch_sweep tim
 MIN_MAX_KEYS = 64 * 4096
 MIN_MAX_CHUNKS = 64
 # Sizes that change from call to call are not value-specialized: one variant per kernel.
-_PER_CALL = ["n_cols", "n_rows", "k"]
+_PER_CALL = ["n_cols", "n_rows", "k", "topk"]
 
 
 @triton.jit
@@ -56,6 +56,13 @@ def _order_key(scores):
     bits = scores.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     negative = bits >= 0x80000000
     return tl.where(negative, 0xFFFFFFFF - bits, bits + 0x80000000)
+
+
+@triton.jit
+def _key_score(key):
+    """The inverse of ``_order_key``: int64 key -> its float32 score."""
+    bits = tl.where(key >= 0x80000000, key - 0x80000000, 0xFFFFFFFF - key)
+    return bits.to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -82,17 +89,28 @@ def _row_keys(scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOC
     return cols, inside, s, _order_key(s)
 
 
+@triton.jit
+def _row_cols(served_ptr, row, n_cols, FALLBACK: tl.constexpr):
+    """Keys this program reads: all of them, or none where the row is already served
+    (FALLBACK: the radix select runs for the rows kernels/topk_pivot.py could not serve;
+    ``served`` holds a row's candidate count there, -1 where it missed)."""
+    if FALLBACK:
+        return tl.where(tl.load(served_ptr + row) >= 0, 0, n_cols)
+    return n_cols + 0 * row
+
+
 @triton.jit(do_not_specialize=_PER_CALL)
 def _hist_kernel(
-    scores_ptr, query_pos_ptr, hist_ptr, scores_stride, n_cols, n_rows, k,
-    PASS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    scores_ptr, query_pos_ptr, hist_ptr, served_ptr, scores_stride, n_cols, n_rows, k,
+    PASS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, FALLBACK: tl.constexpr,
 ):  # fmt: skip
     """Pass PASS: this block's histogram of digit PASS among keys matching the prefix."""
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
+    row_cols = _row_cols(served_ptr, row, n_cols, FALLBACK)
     prefix, _want = _replay(hist_ptr, row, n_rows, k, PASS)
     _cols, inside, _s, key = _row_keys(
-        scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
+        scores_ptr, query_pos_ptr, row, chunk, scores_stride, row_cols, BLOCK
     )
     shift: tl.constexpr = 24 - 8 * PASS
     match = inside & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
@@ -101,20 +119,25 @@ def _hist_kernel(
     # off the prefix: the ballot-based lowering does a third less work (PTX for sm_90).
     counts = tl.histogram(digit, 256, mask=match)
     # Relaxed: the histogram is read by the next launch only (kernels/pdl.py).
-    tl.atomic_add(hist_ptr + (PASS * n_rows + row) * 256 + tl.arange(0, 256), counts, sem="relaxed")
+    bins = tl.arange(0, 256)
+    tl.atomic_add(
+        hist_ptr + (PASS * n_rows + row) * 256 + bins, counts, mask=bins < 256 * (row_cols > 0),
+        sem="relaxed",
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=[*_PER_CALL, "n_chunks"])
 def _count_kernel(
-    scores_ptr, query_pos_ptr, hist_ptr, counts_ptr, scores_stride, n_cols, n_rows, k,
-    n_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    scores_ptr, query_pos_ptr, hist_ptr, served_ptr, counts_ptr, scores_stride, n_cols, n_rows,
+    k, n_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr, FALLBACK: tl.constexpr,
 ):  # fmt: skip
     """Per block: entries above the k-th key T, and entries equal to it."""
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
+    row_cols = _row_cols(served_ptr, row, n_cols, FALLBACK)
     threshold, _want = _replay(hist_ptr, row, n_rows, k, 4)
     _cols, inside, _s, key = _row_keys(
-        scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
+        scores_ptr, query_pos_ptr, row, chunk, scores_stride, row_cols, BLOCK
     )
     base = (row * n_chunks + chunk) * 2
     tl.store(counts_ptr + base, tl.sum((inside & (key > threshold)).to(tl.int32), 0))
@@ -123,22 +146,30 @@ def _count_kernel(
 
 @triton.jit(do_not_specialize=[*_PER_CALL, "n_chunks"])
 def _collect_kernel(
-    scores_ptr, query_pos_ptr, hist_ptr, counts_ptr, out_ptr, scores_stride, out_stride,
-    n_cols, n_rows, k, n_chunks, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-    PDL: tl.constexpr,
+    scores_ptr, query_pos_ptr, hist_ptr, served_ptr, counts_ptr, out_ptr, kth_ptr,
+    thresholds_ptr, rows_ptr, scores_stride, out_stride, n_cols, n_rows, k, topk, n_chunks,
+    BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr,
+    FALLBACK: tl.constexpr,
 ):  # fmt: skip
     """Write this block's picks (keys > T, and the first ``want`` keys == T of the row in
-    position order) after the picks of the blocks before it."""
+    position order) after the picks of the blocks before it. FALLBACK: the first block of
+    a row it serves also writes the k-th score, which is the row's next pivot."""
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
+    row_cols = _row_cols(served_ptr, row, n_cols, FALLBACK)
     threshold, want = _replay(hist_ptr, row, n_rows, k, 4)
+    if FALLBACK:  # noqa: SIM102 (a constexpr branch: compiled only with the fallback)
+        if (chunk == 0) & (row_cols > 0):
+            kth = tl.where(k == topk, _key_score(threshold), float("-inf"))
+            tl.store(kth_ptr + row, kth)
+            tl.store(thresholds_ptr + 2 * tl.load(rows_ptr + row), kth)  # the pivot, not the step
     c = tl.arange(0, MAX_CHUNKS)
     earlier = c < chunk
     base = (row * n_chunks + c) * 2
     above_before = tl.sum(tl.load(counts_ptr + base, mask=earlier, other=0).to(tl.int64), 0)
     equal_before = tl.sum(tl.load(counts_ptr + base + 1, mask=earlier, other=0).to(tl.int64), 0)
     cols, inside, s, key = _row_keys(
-        scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
+        scores_ptr, query_pos_ptr, row, chunk, scores_stride, row_cols, BLOCK
     )
     equal = inside & (key == threshold)
     equal_rank = equal_before + tl.cumsum(equal.to(tl.int64), 0) - 1
@@ -170,7 +201,24 @@ def topk_positions(
     out = torch.full((rows, topk), -1, dtype=torch.int64, device=scores.device)
     if rows == 0 or n_cols == 0:
         return out
-    scores = scores.contiguous()
+    radix_select(scores.contiguous(), query_pos, out, k, block, pdl, num_warps)
+    return out
+
+
+def radix_select(
+    scores: torch.Tensor,
+    query_pos: torch.Tensor,
+    out: torch.Tensor,
+    k: int,
+    block: int = DEFAULT_BLOCK,
+    pdl: bool = False,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    fallback: tuple[torch.Tensor, ...] | None = None,
+) -> None:
+    """The six launches, writing picks into ``out`` [R, >= k] (pre-filled with -1).
+    ``fallback`` (kernels/topk_pivot.py): (served [R], kth [R], thresholds, rows, topk):
+    rows with served >= 0 are skipped, the others also get their k-th score written."""
+    rows, n_cols = scores.shape
     qpos = query_pos.to(torch.int64).contiguous()
     # The interpreter (CPU tests) compiles nothing and runs faster on blocks no wider than
     # a row.
@@ -181,21 +229,28 @@ def topk_positions(
     hist = torch.zeros(4, rows, 256, dtype=torch.int32, device=scores.device)
     counts = torch.empty(rows, n_chunks, 2, dtype=torch.int32, device=scores.device)
     grid = (rows, n_chunks)
-    common = (scores, qpos, hist)
+    if fallback is None:
+        served, kth, thresholds, row_ix, topk = scores, scores, scores, qpos, k
+    else:
+        served, kth, thresholds, row_ix, topk = fallback
+    common = (scores, qpos, hist, served)
     chained = use_pdl(scores.device, pdl)
-    launch = dict(BLOCK=block, PDL=chained, launch_pdl=chained, num_warps=num_warps)
+    launch = dict(
+        BLOCK=block, PDL=chained, launch_pdl=chained, num_warps=num_warps,
+        FALLBACK=fallback is not None,
+    )  # fmt: skip
     for p in range(4):
         _hist_kernel[grid](*common, scores.stride(0), n_cols, rows, k, PASS=p, **launch)
     _count_kernel[grid](*common, counts, scores.stride(0), n_cols, rows, k, n_chunks, **launch)
     _collect_kernel[grid](
-        *common, counts, out, scores.stride(0), out.stride(0), n_cols, rows, k, n_chunks,
+        *common, counts, out, kth, thresholds, row_ix, scores.stride(0), out.stride(0), n_cols,
+        rows, k, topk, n_chunks,
         MAX_CHUNKS=max(
             MIN_MAX_CHUNKS if interpreting else MIN_MAX_KEYS // block,
             triton.next_power_of_2(n_chunks),
         ),
         **launch,
     )  # fmt: skip
-    return out
 
 
 # --------------------------------------------------------------------------- reference

@@ -1,29 +1,30 @@
-"""Exact decode top-k in one pass over the scores, from a threshold the previous step left.
+"""Exact decode top-k in one pass over the scores, from the k-th score the previous step left.
 
 Why: the radix select (kernels/topk.py) reads every score six times, because it knows
-nothing about the row. A decode row is the same request's next query: its score at rank
-2k moves little from one step to the next. So each request row keeps a threshold t, and
-the top-k runs in three launches:
+nothing about the row. A decode row is the same request's next query, so its k-th score
+is a guess at where this step's top-k ends. Each request row keeps the last k-th score b,
+and the top-k runs in three launches:
 
-1. count: per block of keys, how many visible keys score >= t (one read of the scores);
-2. compact: where a row's count n lies in [k, CAP] (or n covers every visible key), its
-   candidates (score, position) are written in position order to a CAP-wide buffer;
-3. select: one program per row runs the radix select on its <= CAP candidates in
-   registers and writes the picks in ascending position. A row whose n missed the window
-   (a first step, a threshold gone stale) runs the full-row radix select in the same
-   program instead, looping over its keys.
+1. count: per block of keys, how many visible keys score >= t_j for a ladder of GRID
+   thresholds around b: b + (2 - j) d, where d is the last gap between the k-th score and
+   the score at rank 2k (a step that about doubles the count), so the scores may shift
+   by a few steps between queries; one read of the scores;
+2. compact: the highest rung whose row count n lies in [k, CAP] (or covers every visible
+   key) is the row's pivot, and its candidates (score, position) go, in position order,
+   to a CAP-wide buffer; a row no rung serves is marked for the fallback;
+3. select: one program per served row finds the k-th largest candidate key by bisection
+   over the 32-bit key space (32 counts; no histogram), then writes the picks in
+   ascending position with a single prefix scan.
 
-Exactness does not depend on t: with n >= k candidates all scoring >= t, the k-th largest
-visible score is >= t, so every key above it and every key tied with it is a candidate,
-and the candidates keep their positions, so ties still go to the lowest position. The
-output is the same tensor as ``topk_positions`` for any t (tests/test_kernel_topk_pivot.py
-asserts it for thresholds that hit, miss low and miss high).
-
-The select also returns the k-th score (what ``model.indexer.exact_topk`` reports to the
-prefetchers, with its -inf rule) and writes the row's next threshold: the visible score at
-rank AIM = 2k where the candidates reach it (or the full row ran), else t unchanged; a
-count at AIM sits mid-window, so drift either way still hits. Thresholds are speed hints
-only: nothing else reads them, and a stale one costs one full-row pass.
+Rows no rung serves (a first step, a scale jump) run the radix select's six launches in
+the same call, whose programs return at once for served rows. Exactness does not depend
+on the ladder: with n >= k candidates all scoring >= t, the k-th largest visible score is >= t, so
+every key above it and every key tied with it is a candidate, and the candidates keep
+their positions, so ties still go to the lowest position. The output is
+``topk_positions``'s tensor for any ladder (tests/test_kernel_topk_pivot.py asserts it
+for guesses that hit, miss low and miss high). Both paths return the k-th score
+(``model.indexer.exact_topk``'s rule) and leave it as the row's next b (the select also
+its next d): speed hints only, that nothing else reads.
 """
 
 from __future__ import annotations
@@ -34,30 +35,38 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_echo.config import parse_flag
-from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
+from sglang_echo.kernels.pdl import env_switch, pdl_prologue, use_pdl
 from sglang_echo.kernels.topk import (
     DEFAULT_BLOCK,
     MIN_MAX_CHUNKS,
     MIN_MAX_KEYS,
+    _key_score,
     _order_key,
     _row_keys,
+    radix_select,
     topk_positions_reference,
 )
 
 ENV_TOPK_PIVOT = "SGLANG_ECHO_TOPK_PIVOT"
-# Candidates kept per row: 4k, so a count aimed at 2k may halve or double and still hit.
+# Candidates kept per row: 4k, so a rung may land at up to four times k and still serve.
 CAP_PER_TOPK = 4
-AIM_PER_TOPK = 2
-SELECT_NUM_WARPS = 8
-_PER_CALL = ["n_cols", "n_rows", "k", "topk", "aim"]
+GRID = 8
+# The select's prefix scan packs two counts of <= CAP into one int32.
+MAX_CAP = 1 << 15
+SELECT_NUM_WARPS = 16
+_PER_CALL = ["n_cols", "n_rows", "k", "topk"]
 
 
 def pivot_requested(environ: dict | None = None) -> bool:
     """``SGLANG_ECHO_TOPK_PIVOT``: unset or 1 = decode takes this top-k where the indexer's
     kernels run, 0 = the radix select (same output either way)."""
-    raw = (os.environ if environ is None else environ).get(ENV_TOPK_PIVOT)
-    return True if raw is None or not raw.strip() else parse_flag(ENV_TOPK_PIVOT, raw)
+    return env_switch(ENV_TOPK_PIVOT, environ)
+
+
+def empty_pivots(rows: int, device: torch.device | str) -> torch.Tensor:
+    """A thresholds table with no guesses yet: every row's first call runs the radix
+    select and learns its pivot."""
+    return torch.full((rows, 2), float("-inf"), dtype=torch.float32, device=device)
 
 
 def pivot_cap(topk: int) -> int:
@@ -66,185 +75,153 @@ def pivot_cap(topk: int) -> int:
 
 
 @triton.jit
-def _key_score(key):
-    """The inverse of ``_order_key``: int64 key -> its float32 score."""
-    bits = tl.where(key >= 0x80000000, key - 0x80000000, 0xFFFFFFFF - key)
-    return bits.to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _choose_digit(h, prefix, want, shift: tl.constexpr):
-    """Given the histogram of the current digit, the bin holding the want-th largest key."""
-    bins = tl.arange(0, 256)
-    at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h
-    chosen = tl.sum((at_or_above >= want).to(tl.int64), 0) - 1
-    want = want - tl.sum(tl.where(bins == chosen, at_or_above - h, 0), 0)
-    return prefix | (chosen << shift), want
-
-
-@triton.jit
-def _on_prefix(key, prefix, shift: tl.constexpr):
-    return (key >> (shift + 8)) == (prefix >> (shift + 8))
-
-
-@triton.jit
-def _rank_in_registers(key, valid, rank):
-    """The rank-th largest key among ``valid`` (rank >= 1) and how many keys equal to it
-    are within the top ``rank``."""
-    prefix = tl.zeros((), dtype=tl.int64)
-    want = tl.zeros((), dtype=tl.int64) + rank
-    for p in tl.static_range(4):
-        match = valid & _on_prefix(key, prefix, 24 - 8 * p)
-        digit = ((key >> (24 - 8 * p)) & 255).to(tl.int32)
-        h = tl.histogram(digit, 256, mask=match).to(tl.int64)
-        prefix, want = _choose_digit(h, prefix, want, 24 - 8 * p)
-    return prefix, want
-
-
-@triton.jit
-def _window(counts_ptr, query_pos_ptr, row, n_cols, n_chunks, k, CAP: tl.constexpr,
-            MAX_CHUNKS: tl.constexpr):  # fmt: skip
-    """The row's candidate count n, and whether the candidates hold its top-k."""
-    c = tl.arange(0, MAX_CHUNKS)
-    n = tl.sum(tl.load(counts_ptr + row * n_chunks + c, mask=c < n_chunks, other=0), 0)
-    visible = tl.minimum(tl.load(query_pos_ptr + row) + 1, n_cols)
-    hit = (n <= CAP) & ((n >= k) | (n == visible))
-    return n, hit
+def _rung(pivot_ptr, j):
+    """Threshold j of the row's ladder: the last k-th score b plus (2 - j) steps d, where
+    d = the last k-th score minus the score at rank 2k (the step that about doubles the
+    count there); without a usable d, b x 2^((1 - j) / 2) (mirrored below zero); -inf
+    (every key) without a b."""
+    b = tl.load(pivot_ptr)
+    d = tl.load(pivot_ptr + 1)
+    none = b == float("-inf")
+    finite = tl.where(none, 0.0, b)
+    scaled = finite - tl.abs(finite) * (1.0 - tl.exp2((1 - j) * 0.5))
+    stepped = finite + (2 - j) * tl.where(d > 0, d, 0.0)
+    usable = (d > 0) & (d < float("inf"))
+    return tl.where(none, b, tl.where(usable, stepped, scaled))
 
 
 @triton.jit(do_not_specialize=["n_cols", "n_rows"])
 def _count_kernel(
     scores_ptr, query_pos_ptr, thresholds_ptr, rows_ptr, counts_ptr, scores_stride, n_cols,
-    n_rows, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    n_rows, BLOCK: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
-    t_key = _order_key(tl.load(thresholds_ptr + tl.load(rows_ptr + row)))
+    pivot = thresholds_ptr + 2 * tl.load(rows_ptr + row)
     cols, inside, _s, key = _row_keys(
         scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
     )
-    cand = inside & (cols <= tl.load(query_pos_ptr + row)) & (key >= t_key)
-    tl.store(counts_ptr + row * tl.num_programs(1) + chunk, tl.sum(cand.to(tl.int32), 0))
+    visible = inside & (cols <= tl.load(query_pos_ptr + row))
+    out = counts_ptr + (row * tl.num_programs(1) + chunk) * GRID
+    for j in tl.static_range(GRID):
+        above = visible & (key >= _order_key(_rung(pivot, j)))
+        tl.store(out + j, tl.sum(above.to(tl.int32), 0))
+
+
+@triton.jit
+def _pivot(counts_ptr, query_pos_ptr, row, n_cols, n_chunks, k, before_chunk,
+           CAP: tl.constexpr, GRID: tl.constexpr, MAX_CHUNKS: tl.constexpr):  # fmt: skip
+    """The row's rung (GRID where none serves it), its candidate count, and the count in
+    the blocks before ``before_chunk``."""
+    c = tl.arange(0, MAX_CHUNKS)[:, None]
+    j = tl.arange(0, GRID)[None, :]
+    tile = tl.load(counts_ptr + (row * n_chunks + c) * GRID + j, mask=c < n_chunks, other=0)
+    n = tl.sum(tile, 0)
+    visible = tl.minimum(tl.load(query_pos_ptr + row) + 1, n_cols)
+    serves = (n <= CAP) & ((n >= k) | (n == visible))
+    rung = tl.min(tl.where(serves, tl.arange(0, GRID), GRID), 0)
+    pick = tl.arange(0, GRID) == rung
+    before = tl.sum(tl.sum(tl.where((c < before_chunk) & pick[None, :], tile, 0), 1), 0)
+    return rung, tl.sum(tl.where(pick, n, 0), 0), before, n
+
+
+@triton.jit
+def _respaced_step(pivot_ptr, n, k, GRID: tl.constexpr):
+    """A missed row's next step d (the radix select resets its b to the exact k-th
+    score): a quarter of the gap between the two rungs whose counts jumped past the window,
+    or the whole ladder's height where no rung reached k; the same spacing otherwise."""
+    j = tl.arange(0, GRID)
+    t = _rung(pivot_ptr, j)
+    first = tl.min(tl.where(n >= k, j, GRID), 0)
+    t_first = tl.sum(tl.where(j == first, t, 0.0), 0)
+    t_above = tl.sum(tl.where(j == first - 1, t, 0.0), 0)
+    t0 = tl.sum(tl.where(j == 0, t, 0.0), 0)
+    t1 = tl.sum(tl.where(j == 1, t, 0.0), 0)
+    t_last = tl.sum(tl.where(j == GRID - 1, t, 0.0), 0)
+    d = tl.where(first == GRID, t0 - t_last, tl.where(first == 0, t0 - t1, (t_above - t_first) / 4))
+    return tl.where((d > 0) & (d < float("inf")), d, float("-inf"))
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _compact_kernel(
-    scores_ptr, query_pos_ptr, thresholds_ptr, rows_ptr, counts_ptr, cand_scores_ptr,
-    cand_cols_ptr, scores_stride, n_cols, n_rows, k, BLOCK: tl.constexpr, CAP: tl.constexpr,
-    MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr,
+    scores_ptr, query_pos_ptr, thresholds_ptr, rows_ptr, counts_ptr, served_ptr,
+    cand_scores_ptr, cand_cols_ptr, scores_stride, n_cols, n_rows, k, BLOCK: tl.constexpr,
+    CAP: tl.constexpr, GRID: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     n_chunks = tl.num_programs(1)
-    _n, hit = _window(counts_ptr, query_pos_ptr, row, n_cols, n_chunks, k, CAP, MAX_CHUNKS)
-    if hit:
-        c = tl.arange(0, MAX_CHUNKS)
-        before = tl.sum(tl.load(counts_ptr + row * n_chunks + c, mask=c < chunk, other=0), 0)
-        t_key = _order_key(tl.load(thresholds_ptr + tl.load(rows_ptr + row)))
+    rung, n, before, counts = _pivot(
+        counts_ptr, query_pos_ptr, row, n_cols, n_chunks, k, chunk, CAP, GRID, MAX_CHUNKS
+    )
+    pivot = thresholds_ptr + 2 * tl.load(rows_ptr + row)
+    if chunk == 0:  # the select and the fallback read which rows are served
+        tl.store(served_ptr + row, tl.where(rung < GRID, n, -1))
+        if rung == GRID:
+            tl.store(pivot + 1, _respaced_step(pivot, counts, k, GRID))
+    if rung < GRID:
         cols, inside, s, key = _row_keys(
             scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
         )
-        cand = inside & (cols <= tl.load(query_pos_ptr + row)) & (key >= t_key)
+        visible = inside & (cols <= tl.load(query_pos_ptr + row))
+        cand = visible & (key >= _order_key(_rung(pivot, rung)))
         slot = before + tl.cumsum(cand.to(tl.int32), 0) - 1
         tl.store(cand_scores_ptr + row * CAP + slot, s, mask=cand)
         tl.store(cand_cols_ptr + row * CAP + slot, cols, mask=cand)
 
 
 @triton.jit
-def _select_candidates(
-    cand_scores_ptr, cand_cols_ptr, out_ptr, kth_ptr, thresholds_ptr, slot, row, n, k, topk,
-    aim, out_stride, CAP: tl.constexpr,
-):  # fmt: skip
-    idx = tl.arange(0, CAP)
-    valid = idx < n
-    s = tl.load(cand_scores_ptr + row * CAP + idx, mask=valid, other=float("-inf"))
-    cols = tl.load(cand_cols_ptr + row * CAP + idx, mask=valid, other=0)
-    key = _order_key(s)
-    threshold, want = _rank_in_registers(key, valid, tl.maximum(tl.minimum(k, n), 1))
-    equal = valid & (key == threshold)
-    equal_rank = tl.cumsum(equal.to(tl.int32), 0) - 1
-    pick = valid & ((key > threshold) | (equal & (equal_rank < want)))
-    out_slot = tl.cumsum(pick.to(tl.int32), 0) - 1
-    value = tl.where(s == float("-inf"), -1, cols.to(tl.int64))
-    tl.store(out_ptr + row * out_stride + out_slot, value, mask=pick & (n > 0))
-    kth = tl.where((n >= k) & (k == topk), _key_score(threshold), float("-inf"))
-    tl.store(kth_ptr + row, kth)
-    if n >= aim:
-        aim_key, _want = _rank_in_registers(key, valid, aim)
-        tl.store(thresholds_ptr + slot, _key_score(aim_key))
+def _rank_key(key, valid, rank):
+    """The rank-th largest of the valid keys (rank >= 1, keys in [0, 2^32)): the largest T
+    with at least ``rank`` keys >= T, by bisection."""
+    lo = tl.zeros((), dtype=tl.int64)
+    hi = tl.zeros((), dtype=tl.int64) + 0x100000000
+    for _ in range(32):
+        mid = (lo + hi) // 2
+        enough = tl.sum((valid & (key >= mid)).to(tl.int32), 0) >= rank
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    return lo
 
 
-@triton.jit
-def _select_full_row(
-    scores_ptr, query_pos_ptr, out_ptr, kth_ptr, thresholds_ptr, slot, row, k, topk, aim,
-    scores_stride, out_stride, n_cols, n_chunks, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-):  # fmt: skip
-    """The radix select of kernels/topk.py in one program: four histogram passes (the k-th
-    key over every key, masked ones at -inf, beside the AIM-th over visible keys), then a
-    pass writing picks in position order."""
-    qpos = tl.load(query_pos_ptr + row)
-    visible = tl.minimum(qpos + 1, n_cols)
-    aim_rank = tl.maximum(tl.minimum(aim, visible), 1)
-    prefix = tl.zeros((), dtype=tl.int64)
-    want = tl.zeros((), dtype=tl.int64) + k
-    aim_prefix = tl.zeros((), dtype=tl.int64)
-    aim_want = tl.zeros((), dtype=tl.int64) + aim_rank
-    for p in tl.static_range(4):
-        h = tl.zeros((256,), dtype=tl.int64)
-        aim_h = tl.zeros((256,), dtype=tl.int64)
-        for chunk in range(MAX_CHUNKS):  # a constant bound: the interpreter needs one
-            if chunk < n_chunks:
-                cols, inside, _s, key = _row_keys(
-                    scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
-                )
-                digit = ((key >> (24 - 8 * p)) & 255).to(tl.int32)
-                on_k = inside & _on_prefix(key, prefix, 24 - 8 * p)
-                h += tl.histogram(digit, 256, mask=on_k)
-                on_aim = inside & (cols <= qpos) & _on_prefix(key, aim_prefix, 24 - 8 * p)
-                aim_h += tl.histogram(digit, 256, mask=on_aim)
-        prefix, want = _choose_digit(h, prefix, want, 24 - 8 * p)
-        aim_prefix, aim_want = _choose_digit(aim_h, aim_prefix, aim_want, 24 - 8 * p)
-    taken = tl.zeros((), dtype=tl.int64)
-    equal_before = tl.zeros((), dtype=tl.int64)
-    for chunk in range(MAX_CHUNKS):
-        if chunk < n_chunks:
-            cols, inside, s, key = _row_keys(
-                scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
-            )
-            equal = inside & (key == prefix)
-            equal_rank = equal_before + tl.cumsum(equal.to(tl.int64), 0) - 1
-            pick = inside & ((key > prefix) | (equal & (equal_rank < want)))
-            out_slot = taken + tl.cumsum(pick.to(tl.int64), 0) - 1
-            value = tl.where(s == float("-inf"), -1, cols.to(tl.int64))
-            tl.store(out_ptr + row * out_stride + out_slot, value, mask=pick)
-            taken += tl.sum(pick.to(tl.int64), 0)
-            equal_before += tl.sum(equal.to(tl.int64), 0)
-    tl.store(kth_ptr + row, tl.where(k == topk, _key_score(prefix), float("-inf")))
-    aim_score = tl.where(visible > 0, _key_score(aim_prefix), float("-inf"))
-    tl.store(thresholds_ptr + slot, aim_score)
-
-
-@triton.jit(do_not_specialize=[*_PER_CALL, "n_chunks"])
+@triton.jit(do_not_specialize=_PER_CALL)
 def _select_kernel(
-    scores_ptr, query_pos_ptr, thresholds_ptr, rows_ptr, counts_ptr, cand_scores_ptr,
-    cand_cols_ptr, out_ptr, kth_ptr, scores_stride, out_stride, n_cols, n_rows, k, topk, aim,
-    n_chunks, BLOCK: tl.constexpr, CAP: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-    PDL: tl.constexpr,
+    served_ptr, cand_scores_ptr, cand_cols_ptr, out_ptr, kth_ptr, thresholds_ptr, rows_ptr,
+    out_stride, n_rows, k, topk, CAP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0)
-    slot = tl.load(rows_ptr + row)
-    n, hit = _window(counts_ptr, query_pos_ptr, row, n_cols, n_chunks, k, CAP, MAX_CHUNKS)
-    if hit:
-        _select_candidates(
-            cand_scores_ptr, cand_cols_ptr, out_ptr, kth_ptr, thresholds_ptr, slot, row, n,
-            k, topk, aim, out_stride, CAP,
-        )  # fmt: skip
-    else:
-        _select_full_row(
-            scores_ptr, query_pos_ptr, out_ptr, kth_ptr, thresholds_ptr, slot, row, k, topk,
-            aim, scores_stride, out_stride, n_cols, n_chunks, BLOCK, MAX_CHUNKS,
-        )  # fmt: skip
+    n = tl.load(served_ptr + row)
+    if n >= 0:
+        idx = tl.arange(0, CAP)
+        valid = idx < n
+        s = tl.load(cand_scores_ptr + row * CAP + idx, mask=valid, other=float("-inf"))
+        cols = tl.load(cand_cols_ptr + row * CAP + idx, mask=valid, other=0)
+        key = _order_key(s)
+        threshold = _rank_key(key, valid, tl.maximum(tl.minimum(k, n), 1))
+        above = valid & (key > threshold)
+        equal = valid & (key == threshold)
+        want = tl.minimum(k, n) - tl.sum(above.to(tl.int32), 0)
+        # One scan for both prefix counts: above in the high half, equal in the low.
+        packed = above.to(tl.int32) * 65536 + equal.to(tl.int32)
+        before = tl.cumsum(packed, 0) - packed
+        above_before, equal_before = before // 65536, before % 65536
+        pick = above | (equal & (equal_before < want))
+        out_slot = above_before + tl.minimum(equal_before, want)
+        value = tl.where(s == float("-inf"), -1, cols.to(tl.int64))
+        tl.store(out_ptr + row * out_stride + out_slot, value, mask=pick)
+        kth = tl.where((n >= k) & (k == topk), _key_score(threshold), float("-inf"))
+        tl.store(kth_ptr + row, kth)
+        # The next ladder: from this k-th score, in steps of its gap to rank 2k. With fewer
+        # candidates the step that served is kept, or, without one, the gap to the lowest
+        # candidate stretched to k keys at the same density.
+        pivot = thresholds_ptr + 2 * tl.load(rows_ptr + row)
+        lowest = _key_score(_rank_key(key, valid, tl.maximum(tl.minimum(2 * k, n), 1)))
+        old_step = tl.load(pivot + 1)
+        stretched = (kth - lowest) * k / tl.maximum(n - k, 1)
+        kept = tl.where((old_step > 0) & (old_step < float("inf")), old_step, stretched)
+        tl.store(pivot, kth)
+        tl.store(pivot + 1, tl.where(n >= 2 * k, kth - lowest, kept))
 
 
 def topk_positions_pivot(
@@ -256,17 +233,24 @@ def topk_positions_pivot(
     block: int = DEFAULT_BLOCK,
     pdl: bool = False,
     select_num_warps: int = SELECT_NUM_WARPS,
+    served: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [R, L] fp32, query_pos [R], thresholds [S] fp32 (per request row; -inf: none
-    yet), rows [R] (each score row's index into ``thresholds``, distinct) -> positions
-    [R, topk] (ascending, -1 for masked or missing: ``topk_positions``'s tensor) and the
-    k-th scores [R] (-inf where fewer than ``topk`` keys are visible). Updates
-    ``thresholds[rows]`` in place for the next step. Fixed shapes and no host reads:
-    capturable in a CUDA graph."""
+    """scores [R, L] fp32, query_pos [R], thresholds [S, 2] fp32 (per request row: the
+    last k-th score, -inf for none, and its gap to rank 2k, -inf for none), rows [R] (each score row's index into ``thresholds``,
+    distinct) -> positions [R, topk] (ascending, -1 for masked or missing:
+    ``topk_positions``'s tensor) and the k-th scores [R] (-inf where fewer than ``topk``
+    keys are visible), which also become ``thresholds[rows, 0]``. Fixed shapes and no host
+    reads: capturable in a CUDA graph. ``served`` (tests, benchmarks): an int32 [R]
+    buffer that is left holding each row's candidate count, -1 where the radix select
+    served it."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError("scores must be a float32 [rows, keys] tensor")
-    if thresholds.dtype != torch.float32 or thresholds.dim() != 1:
-        raise ValueError("thresholds must be a float32 [request rows] tensor")
+    if thresholds.dtype != torch.float32 or thresholds.dim() != 2 or thresholds.shape[1] != 2:
+        raise ValueError("thresholds must be a float32 [request rows, 2] tensor (pivot, step)")
+    if not thresholds.is_contiguous():
+        raise ValueError("thresholds must be contiguous (the kernels index it by row)")
+    if pivot_cap(topk) > MAX_CAP:
+        raise ValueError(f"the pivot top-k serves top-k <= {MAX_CAP // CAP_PER_TOPK}")
     n_rows, n_cols = scores.shape
     k = min(topk, n_cols)
     out = torch.full((n_rows, topk), -1, dtype=torch.int64, device=scores.device)
@@ -277,66 +261,46 @@ def topk_positions_pivot(
     qpos = query_pos.to(torch.int64).contiguous()
     rows = rows.to(torch.int64).contiguous()
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    if interpreting:
-        block = min(block, max(16, triton.next_power_of_2(n_cols)))
-    n_chunks = triton.cdiv(n_cols, block)
+    width = min(block, max(16, triton.next_power_of_2(n_cols))) if interpreting else block
+    n_chunks = triton.cdiv(n_cols, width)
     cap = pivot_cap(topk)
     max_chunks = max(
-        MIN_MAX_CHUNKS if interpreting else MIN_MAX_KEYS // block,
+        MIN_MAX_CHUNKS if interpreting else MIN_MAX_KEYS // width,
         triton.next_power_of_2(n_chunks),
     )
-    counts = torch.empty(n_rows, n_chunks, dtype=torch.int32, device=scores.device)
-    cand_scores = torch.empty(n_rows, cap, dtype=torch.float32, device=scores.device)
-    cand_cols = torch.empty(n_rows, cap, dtype=torch.int32, device=scores.device)
-    chained = use_pdl(scores.device, pdl)
+    dev = scores.device
+    counts = torch.empty(n_rows, n_chunks, GRID, dtype=torch.int32, device=dev)
+    if served is None:
+        served = torch.empty(n_rows, dtype=torch.int32, device=dev)
+    cand_scores = torch.empty(n_rows, cap, dtype=torch.float32, device=dev)
+    cand_cols = torch.empty(n_rows, cap, dtype=torch.int32, device=dev)
+    chained = use_pdl(dev, pdl)
     launch = dict(PDL=chained, launch_pdl=chained)
     head = (scores, qpos, thresholds, rows, counts)
     grid = (n_rows, n_chunks)
-    _count_kernel[grid](*head, scores.stride(0), n_cols, n_rows, BLOCK=block, **launch)
+    _count_kernel[grid](
+        *head, scores.stride(0), n_cols, n_rows, BLOCK=width, GRID=GRID, **launch
+    )  # fmt: skip
     _compact_kernel[grid](
-        *head, cand_scores, cand_cols, scores.stride(0), n_cols, n_rows, k, BLOCK=block,
-        CAP=cap, MAX_CHUNKS=max_chunks, **launch,
+        *head, served, cand_scores, cand_cols, scores.stride(0), n_cols, n_rows, k,
+        BLOCK=width, CAP=cap, GRID=GRID, MAX_CHUNKS=max_chunks, **launch,
     )  # fmt: skip
     _select_kernel[(n_rows,)](
-        *head, cand_scores, cand_cols, out, kth, scores.stride(0), out.stride(0), n_cols,
-        n_rows, k, topk, min(AIM_PER_TOPK * topk, cap), n_chunks, BLOCK=block, CAP=cap,
-        MAX_CHUNKS=max_chunks, num_warps=select_num_warps, **launch,
+        served, cand_scores, cand_cols, out, kth, thresholds, rows, out.stride(0), n_rows, k,
+        topk, CAP=cap, num_warps=select_num_warps, **launch,
     )  # fmt: skip
+    radix_select(scores, qpos, out, k, block, pdl, fallback=(served, kth, thresholds, rows, topk))
     return out, kth
 
 
 # --------------------------------------------------------------------------- reference
-def next_threshold_reference(
-    scores: torch.Tensor, query_pos: torch.Tensor, topk: int, thresholds: torch.Tensor
-) -> torch.Tensor:
-    """What the select leaves in each row's threshold (thresholds [R] as read): the
-    visible score at rank AIM where the candidates reached AIM or missed the window (the
-    lowest visible score when fewer keys are visible; -inf with none), else unchanged."""
-    n_rows, n_cols = scores.shape
-    k, cap = min(topk, n_cols), pivot_cap(topk)
-    aim = min(AIM_PER_TOPK * topk, cap)
-    visible_mask = torch.arange(n_cols, device=scores.device) <= query_pos.view(-1, 1)
-    out = thresholds.clone()
-    for r in range(n_rows):
-        vis = scores[r][visible_mask[r]]
-        n = int((vis >= thresholds[r]).sum()) if thresholds[r] > float("-inf") else vis.numel()
-        hit = n <= cap and (n >= k or n == vis.numel())
-        if hit and n < aim:
-            continue
-        if vis.numel() == 0:
-            out[r] = float("-inf")
-            continue
-        out[r] = vis.sort(descending=True).values[min(aim, vis.numel()) - 1]
-    return out
-
-
 def topk_pivot_reference(
-    scores: torch.Tensor, query_pos: torch.Tensor, topk: int, thresholds: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Positions (``topk_positions_reference``), k-th scores (``exact_topk``'s rule) and
-    the next thresholds, all from plain torch."""
+    scores: torch.Tensor, query_pos: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (``topk_positions_reference``) and k-th scores (``exact_topk``'s rule:
+    -inf where any position is missing), which are also the next thresholds."""
     pos = topk_positions_reference(scores, query_pos, topk)
     missing = pos < 0
     picked = torch.gather(scores, 1, pos.clamp(min=0)).masked_fill(missing, float("inf"))
     kth = picked.amin(dim=1).masked_fill(missing.any(dim=1), float("-inf"))
-    return pos, kth, next_threshold_reference(scores, query_pos, topk, thresholds)
+    return pos, kth

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_echo.kernels.topk import select_topk, topk_positions
-from sglang_echo.kernels.topk_pivot import pivot_requested, topk_positions_pivot
+from sglang_echo.kernels.topk_pivot import empty_pivots, pivot_requested, topk_positions_pivot
 from sglang_echo.model.config import DeepseekV32Config, fp8_row_bytes
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.rope import apply_rope_half
@@ -177,12 +177,10 @@ class LightningIndexer(nn.Module):
         self.pivot_thresholds: torch.Tensor | None = None
 
     def bind_request_rows(self, max_rows: int, device: torch.device) -> None:
-        """Thresholds start at -inf (no guess: the first step selects over the full row).
+        """Thresholds start empty (no guess: the first step runs the radix select).
         A row taken over by a new request keeps its old threshold: a guess that misses
         costs one full-row select, never a wrong answer, so nothing resets it."""
-        self.pivot_thresholds = None
-        if pivot_requested():
-            self.pivot_thresholds = torch.full((max_rows,), float("-inf"), device=device)
+        self.pivot_thresholds = empty_pivots(max_rows, device) if pivot_requested() else None
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         roped = apply_rope_half(x[..., : self.rope_dim], cos, sin)
