@@ -9,7 +9,9 @@ import torch
 
 from sglang_echo.kernels.topk import topk_positions
 from sglang_echo.kernels.topk_pivot import (
+    ENV_TOPK_PIVOT,
     empty_pivots,
+    pivot_requested,
     topk_pivot_reference,
     topk_positions_pivot,
 )
@@ -134,6 +136,13 @@ def test_thresholds_carried_over_steps_stay_exact():
     assert not any(served_steps[0])
     assert all(all(s) for s in served_steps[3:]), served_steps
     assert torch.isfinite(table).all()
+
+
+def test_the_switch_is_off_by_default_and_refuses_other_values():
+    assert not pivot_requested({}) and not pivot_requested({ENV_TOPK_PIVOT: ""})
+    assert pivot_requested({ENV_TOPK_PIVOT: "1"}) and not pivot_requested({ENV_TOPK_PIVOT: "0"})
+    with pytest.raises(ValueError, match=f"{ENV_TOPK_PIVOT}='yes'.*1 \\(on\\) or 0"):
+        pivot_requested({ENV_TOPK_PIVOT: "yes"})
 
 
 def test_rejects_bad_thresholds():

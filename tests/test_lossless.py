@@ -214,7 +214,8 @@ def test_lossless_with_decode_prefetch_kernels(models, monkeypatch):
     """The GPU code path on the CPU: the fused fp8 logits + flag kernels and the cache
     kernels (Triton interpreter) under the same equality, for an fp8-indexer workload."""
     monkeypatch.setattr(indexer_module, "INDEXER_KERNELS_ON_CPU", True)
-    pivot_calls = []  # the decode top-k with carried thresholds runs on both sides
+    monkeypatch.setenv("SGLANG_ECHO_TOPK_PIVOT", "1")  # opt-in: the pivot top-k, both sides
+    pivot_calls = []
     pivot = indexer_module.topk_positions_pivot
     monkeypatch.setattr(
         indexer_module,

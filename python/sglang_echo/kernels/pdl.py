@@ -28,13 +28,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 ENV_PDL = "SGLANG_ECHO_PDL"
 
 
-def env_switch(name: str, environ: dict | None = None) -> bool:
-    """A kernel switch that is on by default: unset, empty or 1 = on, 0 = off."""
+def env_switch(name: str, environ: dict | None = None, default: bool = True) -> bool:
+    """A kernel switch: 1 = on, 0 = off, unset or empty = ``default``."""
     raw = (os.environ if environ is None else environ).get(name)
-    if raw is None or raw.strip() in ("", "1"):
-        return True
-    if raw.strip() == "0":
-        return False
+    if raw is None or not raw.strip():
+        return default
+    if raw.strip() in ("0", "1"):
+        return raw.strip() == "1"
     raise ValueError(f"{name}={raw!r} is not understood; set it to 1 (on) or 0 (off).")
 
 
