@@ -313,6 +313,8 @@ def main() -> None:
         metrics["torch_topk_us"] = graph_times["torch_topk"]
         metrics["topk_over_torch_topk"] = graph_times["topk"] / graph_times["torch_topk"]
         metrics["reference_stable_sort_topk_us"] = graph_times["stable_sort_topk"]
+    else:
+        metrics["timing_basis"] = "eager, CUDA events (graph capture failed)"
     # Where the pivot top-k is the decode default (SGLANG_ECHO_TOPK_PIVOT=1) it is the
     # headline at its settled state; the radix select (prefill, the fallback) stays beside.
     metrics["topk_radix_us"] = metrics["topk_us"]
@@ -324,8 +326,6 @@ def main() -> None:
             "decode: pivot top-k (kernels/topk_pivot.py, SGLANG_ECHO_TOPK_PIVOT=1) settled; "
             "topk_radix_us: the radix select (kernels/topk.py); ties to the lowest position"
         )
-    else:
-        metrics["timing_basis"] = "eager, CUDA events (graph capture failed)"
     device = torch.cuda.get_device_name()
     save_record(args.out, "indexer", device, metrics, variants=variants)
     out = Path(args.out)
