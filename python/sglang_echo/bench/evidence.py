@@ -140,25 +140,25 @@ def row_topk(r: Records) -> tuple[str, str, str]:
     d = r(rel)
     m = d["metrics"]
     g = m["graph_replayed_us"]
-    p = m.get("topk_pivot")
-    text = ""
-    if p and p.get("steady_us") is not None:
-        n = p["rows"]
-        text = (
-            f"pivot top-k (decode default) {us(p['steady_us'])} us settled, "
-            f"{us(p['drift_us'])} us on a drifted query's pivots ({p['drift_rows_served']} of "
-            f"{n} rows served), {us(p['one_new_row_us'])} us with one new row, "
-            f"{us(p['all_new_us'])} us with none served; batch 1: {us(p['steady_b1_us'])} / "
-            f"{us(p['all_new_b1_us'])} us; the same tensor as the radix select in every state: "
-            f"{yes(all(p[f'{s}_equal'] for s in ('steady', 'drift', 'one_new_row', 'all_new')))}; "
-        )
-    text += (
-        f"radix-select kernel {us(g['topk'])} us, `torch.topk` {us(g['torch_topk'])} us "
-        f"({ratio(g['topk'] / g['torch_topk'])}), tie-stable sort {us(g['stable_sort_topk'])} us "
-        f"(replayed; eager {us(m['eager_us']['topk'])} / {us(m['eager_us']['torch_topk'])} / "
-        f"{us(m['eager_us']['stable_sort_topk'])} us); kernel's sets equal the reference: "
-        f"{yes(m['topk_kernel_sets_equal_reference'])}"
+    text = (
+        f"radix-select kernel (the default) {us(g['topk'])} us, `torch.topk` "
+        f"{us(g['torch_topk'])} us ({ratio(g['topk'] / g['torch_topk'])}), tie-stable sort "
+        f"{us(g['stable_sort_topk'])} us (replayed; eager {us(m['eager_us']['topk'])} / "
+        f"{us(m['eager_us']['torch_topk'])} / {us(m['eager_us']['stable_sort_topk'])} us); "
+        f"kernel's sets equal the reference: {yes(m['topk_kernel_sets_equal_reference'])}"
     )
+    p = m.get("topk_pivot")
+    if p and p.get("steady_us") is not None:
+        states = ("steady", "drift", "one_new_row", "all_new")
+        text += (
+            f"; pivot top-k (opt-in, `SGLANG_ECHO_TOPK_PIVOT=1`) {us(p['steady_us'])} us "
+            f"settled, {us(p['drift_us'])} us on a drifted query's pivots "
+            f"({p['drift_rows_served']} of {p['rows']} rows served), "
+            f"{us(p['one_new_row_us'])} us with one new row, {us(p['all_new_us'])} us with "
+            f"none served; batch 1: {us(p['steady_b1_us'])} / {us(p['all_new_b1_us'])} us; "
+            f"the same tensor as the radix select in every state: "
+            f"{yes(all(p[f'{s}_equal'] for s in states))}"
+        )
     return "top-k (decode)", text, source(d, rel)
 
 

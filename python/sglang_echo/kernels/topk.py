@@ -108,22 +108,22 @@ def _hist_kernel(
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     row_cols = _row_cols(served_ptr, row, n_cols, FALLBACK)
-    prefix, _want = _replay(hist_ptr, row, n_rows, k, PASS)
-    _cols, inside, _s, key = _row_keys(
-        scores_ptr, query_pos_ptr, row, chunk, scores_stride, row_cols, BLOCK
-    )
-    shift: tl.constexpr = 24 - 8 * PASS
-    match = inside & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-    digit = ((key >> shift) & 255).to(tl.int32)
-    # 256 bins with a mask, not a 512-bin histogram whose upper half collects the keys
-    # off the prefix: the ballot-based lowering does a third less work (PTX for sm_90).
-    counts = tl.histogram(digit, 256, mask=match)
-    # Relaxed: the histogram is read by the next launch only (kernels/pdl.py).
-    bins = tl.arange(0, 256)
-    tl.atomic_add(
-        hist_ptr + (PASS * n_rows + row) * 256 + bins, counts, mask=bins < 256 * (row_cols > 0),
-        sem="relaxed",
-    )  # fmt: skip
+    if row_cols > 0:  # a row the pivot served costs its programs no reads
+        prefix, _want = _replay(hist_ptr, row, n_rows, k, PASS)
+        _cols, inside, _s, key = _row_keys(
+            scores_ptr, query_pos_ptr, row, chunk, scores_stride, row_cols, BLOCK
+        )
+        shift: tl.constexpr = 24 - 8 * PASS
+        match = inside & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+        digit = ((key >> shift) & 255).to(tl.int32)
+        # 256 bins with a mask, not a 512-bin histogram whose upper half collects the keys
+        # off the prefix: the ballot-based lowering does a third less work (PTX for sm_90).
+        counts = tl.histogram(digit, 256, mask=match)
+        # Relaxed: the histogram is read by the next launch only (kernels/pdl.py).
+        bins = tl.arange(0, 256)
+        tl.atomic_add(
+            hist_ptr + (PASS * n_rows + row) * 256 + bins, counts, sem="relaxed"
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=[*_PER_CALL, "n_chunks"])
@@ -135,13 +135,14 @@ def _count_kernel(
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     row_cols = _row_cols(served_ptr, row, n_cols, FALLBACK)
-    threshold, _want = _replay(hist_ptr, row, n_rows, k, 4)
-    _cols, inside, _s, key = _row_keys(
-        scores_ptr, query_pos_ptr, row, chunk, scores_stride, row_cols, BLOCK
-    )
-    base = (row * n_chunks + chunk) * 2
-    tl.store(counts_ptr + base, tl.sum((inside & (key > threshold)).to(tl.int32), 0))
-    tl.store(counts_ptr + base + 1, tl.sum((inside & (key == threshold)).to(tl.int32), 0))
+    if row_cols > 0:  # a row the pivot served costs its programs no reads
+        threshold, _want = _replay(hist_ptr, row, n_rows, k, 4)
+        _cols, inside, _s, key = _row_keys(
+            scores_ptr, query_pos_ptr, row, chunk, scores_stride, row_cols, BLOCK
+        )
+        base = (row * n_chunks + chunk) * 2
+        tl.store(counts_ptr + base, tl.sum((inside & (key > threshold)).to(tl.int32), 0))
+        tl.store(counts_ptr + base + 1, tl.sum((inside & (key == threshold)).to(tl.int32), 0))
 
 
 @triton.jit(do_not_specialize=[*_PER_CALL, "n_chunks"])
@@ -157,27 +158,29 @@ def _collect_kernel(
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     row_cols = _row_cols(served_ptr, row, n_cols, FALLBACK)
-    threshold, want = _replay(hist_ptr, row, n_rows, k, 4)
-    if FALLBACK:  # noqa: SIM102 (a constexpr branch: compiled only with the fallback)
-        if (chunk == 0) & (row_cols > 0):
-            kth = tl.where(k == topk, _key_score(threshold), float("-inf"))
-            tl.store(kth_ptr + row, kth)
-            tl.store(thresholds_ptr + 2 * tl.load(rows_ptr + row), kth)  # the pivot, not the step
-    c = tl.arange(0, MAX_CHUNKS)
-    earlier = c < chunk
-    base = (row * n_chunks + c) * 2
-    above_before = tl.sum(tl.load(counts_ptr + base, mask=earlier, other=0).to(tl.int64), 0)
-    equal_before = tl.sum(tl.load(counts_ptr + base + 1, mask=earlier, other=0).to(tl.int64), 0)
-    cols, inside, s, key = _row_keys(
-        scores_ptr, query_pos_ptr, row, chunk, scores_stride, row_cols, BLOCK
-    )
-    equal = inside & (key == threshold)
-    equal_rank = equal_before + tl.cumsum(equal.to(tl.int64), 0) - 1
-    pick = inside & ((key > threshold) | (equal & (equal_rank < want)))
-    taken_before = above_before + tl.minimum(equal_before, want)
-    slot = taken_before + tl.cumsum(pick.to(tl.int64), 0) - 1
-    value = tl.where(s == float("-inf"), -1, cols.to(tl.int64))
-    tl.store(out_ptr + row * out_stride + slot, value, mask=pick)
+    if row_cols > 0:  # a row the pivot served costs its programs no reads
+        threshold, want = _replay(hist_ptr, row, n_rows, k, 4)
+        if FALLBACK:  # noqa: SIM102 (a constexpr branch: compiled only with the fallback)
+            if chunk == 0:
+                kth = tl.where(k == topk, _key_score(threshold), float("-inf"))
+                tl.store(kth_ptr + row, kth)
+                # The row's next pivot (its step stays what the pivot's compact left).
+                tl.store(thresholds_ptr + 2 * tl.load(rows_ptr + row), kth)
+        c = tl.arange(0, MAX_CHUNKS)
+        earlier = c < chunk
+        base = (row * n_chunks + c) * 2
+        above_before = tl.sum(tl.load(counts_ptr + base, mask=earlier, other=0).to(tl.int64), 0)
+        equal_before = tl.sum(tl.load(counts_ptr + base + 1, mask=earlier, other=0).to(tl.int64), 0)
+        cols, inside, s, key = _row_keys(
+            scores_ptr, query_pos_ptr, row, chunk, scores_stride, row_cols, BLOCK
+        )
+        equal = inside & (key == threshold)
+        equal_rank = equal_before + tl.cumsum(equal.to(tl.int64), 0) - 1
+        pick = inside & ((key > threshold) | (equal & (equal_rank < want)))
+        taken_before = above_before + tl.minimum(equal_before, want)
+        slot = taken_before + tl.cumsum(pick.to(tl.int64), 0) - 1
+        value = tl.where(s == float("-inf"), -1, cols.to(tl.int64))
+        tl.store(out_ptr + row * out_stride + slot, value, mask=pick)
 
 
 def topk_positions(

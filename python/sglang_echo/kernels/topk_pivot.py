@@ -6,15 +6,15 @@ is a guess at where this step's top-k ends. Each request row keeps the last k-th
 and the top-k runs in three launches:
 
 1. count: per block of keys, how many visible keys score >= t_j for a ladder of GRID
-   thresholds around b: b + (2 - j) d, where d is the last gap between the k-th score and
-   the score at rank 2k (a step that about doubles the count), so the scores may shift
-   by a few steps between queries; one read of the scores;
+   thresholds around b: b + (2 - j) d, where d is the score span that held about k keys
+   below the last k-th score (a step that about doubles the count), so the scores may
+   shift by a few steps between queries; one read of the scores;
 2. compact: the highest rung whose row count n lies in [k, CAP] (or covers every visible
    key) is the row's pivot, and its candidates (score, position) go, in position order,
    to a CAP-wide buffer; a row no rung serves is marked for the fallback;
-3. select: one program per served row finds the k-th largest candidate key by bisection
-   over the 32-bit key space (32 counts; no histogram), then writes the picks in
-   ascending position with a single prefix scan.
+3. select: one program per served row finds the k-th largest candidate key by a 4-way
+   search over the 32-bit key space (16 block-wide counts; no histogram), then writes the
+   picks in ascending position with a single prefix scan.
 
 Rows no rung serves (a first step, a scale jump) run the radix select's six launches in
 the same call, whose programs return at once for served rows. Exactness does not depend
@@ -79,9 +79,8 @@ def pivot_cap(topk: int) -> int:
 
 @triton.jit
 def _rung(pivot_ptr, j):
-    """Threshold j of the row's ladder: the last k-th score b plus (2 - j) steps d, where
-    d = the last k-th score minus the score at rank 2k (the step that about doubles the
-    count there); without a usable d, b x 2^((1 - j) / 2) (mirrored below zero); -inf
+    """Threshold j of the row's ladder: the last k-th score b plus (2 - j) steps d (the
+    span that held about k keys below b: a step about doubles the count there); without a usable d, b x 2^((1 - j) / 2) (mirrored below zero); -inf
     (every key) without a b."""
     b = tl.load(pivot_ptr)
     d = tl.load(pivot_ptr + 1)
@@ -176,14 +175,17 @@ def _compact_kernel(
 @triton.jit
 def _rank_key(key, valid, rank):
     """The rank-th largest of the valid keys (rank >= 1, keys in [0, 2^32)): the largest T
-    with at least ``rank`` keys >= T, by bisection."""
+    with at least ``rank`` keys >= T. A 4-way search: each of 16 rounds counts the keys
+    above three cut points in one block-wide reduction (the reductions, not the compares,
+    are what a round costs)."""
     lo = tl.zeros((), dtype=tl.int64)
-    hi = tl.zeros((), dtype=tl.int64) + 0x100000000
-    for _ in range(32):
-        mid = (lo + hi) // 2
-        enough = tl.sum((valid & (key >= mid)).to(tl.int32), 0) >= rank
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
+    quarter = tl.arange(0, 4).to(tl.int64)
+    for r in range(16):
+        width = tl.zeros((), dtype=tl.int64) + (1 << (32 - 2 * r))  # hi - lo
+        cuts = lo + quarter * (width // 4)  # cuts[0] = lo: at least rank keys above it
+        above = (valid[None, :] & (key[None, :] >= cuts[:, None])).to(tl.int32)
+        enough = tl.sum(above, 1) >= rank
+        lo = tl.max(tl.where(enough, cuts, 0), 0)
     return lo
 
 
@@ -215,16 +217,19 @@ def _select_kernel(
         tl.store(out_ptr + row * out_stride + out_slot, value, mask=pick)
         kth = tl.where((n >= k) & (k == topk), _key_score(threshold), float("-inf"))
         tl.store(kth_ptr + row, kth)
-        # The next ladder: from this k-th score, in steps of its gap to rank 2k. With fewer
-        # candidates the step that served is kept, or, without one, the gap to the lowest
-        # candidate stretched to k keys at the same density.
+        # The next ladder: from this k-th score, in steps that hold about k more keys at
+        # the density between it and the lowest candidate (so a step about doubles the
+        # count). Measured over fewer than k/4 keys that density is noise: the step that
+        # served is kept then, where there is one.
         pivot = thresholds_ptr + 2 * tl.load(rows_ptr + row)
-        lowest = _key_score(_rank_key(key, valid, tl.maximum(tl.minimum(2 * k, n), 1)))
+        lowest = tl.min(tl.where(valid, s, float("inf")), 0)
+        step = (kth - lowest) * k / tl.maximum(n - k, 1)
         old_step = tl.load(pivot + 1)
-        stretched = (kth - lowest) * k / tl.maximum(n - k, 1)
-        kept = tl.where((old_step > 0) & (old_step < float("inf")), old_step, stretched)
+        usable = (old_step > 0) & (old_step < float("inf"))
+        measured = (step > 0) & (step < float("inf"))
+        keep = usable & (~measured | (4 * (n - k) < k))
         tl.store(pivot, kth)
-        tl.store(pivot + 1, tl.where(n >= 2 * k, kth - lowest, kept))
+        tl.store(pivot + 1, tl.where(keep, old_step, tl.where(measured, step, old_step)))
 
 
 def topk_positions_pivot(
@@ -239,7 +244,7 @@ def topk_positions_pivot(
     served: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [R, L] fp32, query_pos [R], thresholds [S, 2] fp32 (per request row: the
-    last k-th score, -inf for none, and its gap to rank 2k, -inf for none), rows [R] (each score row's index into ``thresholds``,
+    last k-th score, -inf for none, and the ladder's step, -inf for none), rows [R] (each score row's index into ``thresholds``,
     distinct) -> positions [R, topk] (ascending, -1 for masked or missing:
     ``topk_positions``'s tensor) and the k-th scores [R] (-inf where fewer than ``topk``
     keys are visible), which also become ``thresholds[rows, 0]``. Fixed shapes and no host
