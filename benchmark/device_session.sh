@@ -13,7 +13,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels cache topk prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels cache topk prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_pivot study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -78,6 +78,9 @@ run_stage() {
       stage sharegpt 200 env INFINI=0 SHAREGPT=1 NUM_PROMPTS=48 RATES=1,4,inf \
         bash benchmark/e2e_sweep.sh /tmp/ds/sharegpt/e2e_sweep_sharegpt ;;
     study) stage study 200 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 2 --deadline-s 150 ;;
+    study_pivot)  # the same study with the pivot top-k (kernels/topk_pivot.py) on both sides
+      stage study_pivot 200 env SGLANG_ECHO_TOPK_PIVOT=1 python3 benchmark/e2e_study.py \
+        --out /tmp/ds/study_pivot --repeats 2 --deadline-s 150 ;;
     study_fp8)
       stage study_fp8 130 python3 benchmark/e2e_study.py --out /tmp/ds/study_fp8 \
         --kv-cache-dtype fp8_e4m3 --repeats 2 --deadline-s 110 ;;
@@ -91,7 +94,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in tests|kernel_tests|kernels|cache|topk|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in tests|kernel_tests|kernels|cache|topk|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_pivot|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"

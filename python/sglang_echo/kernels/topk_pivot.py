@@ -60,9 +60,10 @@ _PER_CALL = ["n_cols", "n_rows", "k", "topk"]
 def pivot_requested(environ: dict | None = None) -> bool:
     """``SGLANG_ECHO_TOPK_PIVOT``: 1 = decode takes this top-k where the indexer's kernels
     run; unset or 0 = the radix select (same output either way). Off by default: on an H200
-    at 48 x 100K its settled path took 297 us against the radix select's 205 (99 against 49
-    at batch 1; benchmark/results/history/2026-12-01-topk-pivot-92dbeca/indexer.json): the
-    one-program select's 64 block-wide counts cost more than the passes they save."""
+    at 48 x 100K (benchmark/results/indexer.json, ``topk_pivot``) its settled path took 113
+    us against the radix select's 206, but 58 against 50 at batch 1, and 160 us when one row
+    in 48 goes to the radix select; the end-to-end study has not run this form (the earlier,
+    slower one made both of its engines slower: benchmark/results/history/, topk-pivot)."""
     return env_switch(ENV_TOPK_PIVOT, environ, default=False)
 
 
