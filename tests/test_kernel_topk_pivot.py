@@ -146,6 +146,25 @@ def test_the_switch_is_off_by_default_and_refuses_other_values():
         pivot_requested({ENV_TOPK_PIVOT: "yes"})
 
 
+def test_a_top_k_too_wide_for_the_pivot_is_refused_at_bind(monkeypatch):
+    """Before any step, with what to change; unset, the radix select serves it."""
+    from types import SimpleNamespace
+
+    from sglang_echo.kernels.topk_pivot import MAX_TOPK
+    from sglang_echo.model.indexer import LightningIndexer
+
+    wide = SimpleNamespace(topk=2 * MAX_TOPK, pivot_thresholds=None)
+    monkeypatch.setenv(ENV_TOPK_PIVOT, "1")
+    with pytest.raises(ValueError, match=f"index_topk <= {MAX_TOPK}.*Unset {ENV_TOPK_PIVOT}"):
+        LightningIndexer.bind_request_rows(wide, 4, torch.device("cpu"))
+    fits = SimpleNamespace(topk=MAX_TOPK, pivot_thresholds=None)
+    LightningIndexer.bind_request_rows(fits, 4, torch.device("cpu"))
+    assert fits.pivot_thresholds.shape == (4, 2)
+    monkeypatch.setenv(ENV_TOPK_PIVOT, "0")
+    LightningIndexer.bind_request_rows(wide, 4, torch.device("cpu"))
+    assert wide.pivot_thresholds is None
+
+
 def test_rejects_bad_thresholds():
     scores = torch.rand(2, 32)
     with pytest.raises(ValueError, match="thresholds"):

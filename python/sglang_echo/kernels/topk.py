@@ -90,13 +90,13 @@ def _row_keys(scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOC
 
 
 @triton.jit
-def _row_cols(served_ptr, row, n_cols, FALLBACK: tl.constexpr):
-    """Keys this program reads: all of them, or none where the row is already served
-    (FALLBACK: the radix select runs for the rows kernels/topk_pivot.py could not serve;
-    ``served`` holds a row's candidate count there, -1 where it missed)."""
+def _unserved(served_ptr, row, FALLBACK: tl.constexpr):
+    """Whether this row is the radix select's to serve: always, or with FALLBACK (the rows
+    kernels/topk_pivot.py could not serve) where ``served`` holds -1 (a candidate count
+    where the pivot served it)."""
     if FALLBACK:
-        return tl.where(tl.load(served_ptr + row) >= 0, 0, n_cols)
-    return n_cols + 0 * row
+        return tl.load(served_ptr + row) < 0
+    return row >= 0
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -107,11 +107,10 @@ def _hist_kernel(
     """Pass PASS: this block's histogram of digit PASS among keys matching the prefix."""
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
-    row_cols = _row_cols(served_ptr, row, n_cols, FALLBACK)
-    if row_cols > 0:  # a row the pivot served costs its programs no reads
+    if _unserved(served_ptr, row, FALLBACK):  # a served row's programs read nothing
         prefix, _want = _replay(hist_ptr, row, n_rows, k, PASS)
         _cols, inside, _s, key = _row_keys(
-            scores_ptr, query_pos_ptr, row, chunk, scores_stride, row_cols, BLOCK
+            scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
         )
         shift: tl.constexpr = 24 - 8 * PASS
         match = inside & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
@@ -121,9 +120,7 @@ def _hist_kernel(
         counts = tl.histogram(digit, 256, mask=match)
         # Relaxed: the histogram is read by the next launch only (kernels/pdl.py).
         bins = tl.arange(0, 256)
-        tl.atomic_add(
-            hist_ptr + (PASS * n_rows + row) * 256 + bins, counts, sem="relaxed"
-        )  # fmt: skip
+        tl.atomic_add(hist_ptr + (PASS * n_rows + row) * 256 + bins, counts, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=[*_PER_CALL, "n_chunks"])
@@ -134,11 +131,10 @@ def _count_kernel(
     """Per block: entries above the k-th key T, and entries equal to it."""
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
-    row_cols = _row_cols(served_ptr, row, n_cols, FALLBACK)
-    if row_cols > 0:  # a row the pivot served costs its programs no reads
+    if _unserved(served_ptr, row, FALLBACK):  # a served row's programs read nothing
         threshold, _want = _replay(hist_ptr, row, n_rows, k, 4)
         _cols, inside, _s, key = _row_keys(
-            scores_ptr, query_pos_ptr, row, chunk, scores_stride, row_cols, BLOCK
+            scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
         )
         base = (row * n_chunks + chunk) * 2
         tl.store(counts_ptr + base, tl.sum((inside & (key > threshold)).to(tl.int32), 0))
@@ -157,8 +153,7 @@ def _collect_kernel(
     a row it serves also writes the k-th score, which is the row's next pivot."""
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
-    row_cols = _row_cols(served_ptr, row, n_cols, FALLBACK)
-    if row_cols > 0:  # a row the pivot served costs its programs no reads
+    if _unserved(served_ptr, row, FALLBACK):  # a served row's programs read nothing
         threshold, want = _replay(hist_ptr, row, n_rows, k, 4)
         if FALLBACK:  # noqa: SIM102 (a constexpr branch: compiled only with the fallback)
             if chunk == 0:
@@ -172,7 +167,7 @@ def _collect_kernel(
         above_before = tl.sum(tl.load(counts_ptr + base, mask=earlier, other=0).to(tl.int64), 0)
         equal_before = tl.sum(tl.load(counts_ptr + base + 1, mask=earlier, other=0).to(tl.int64), 0)
         cols, inside, s, key = _row_keys(
-            scores_ptr, query_pos_ptr, row, chunk, scores_stride, row_cols, BLOCK
+            scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
         )
         equal = inside & (key == threshold)
         equal_rank = equal_before + tl.cumsum(equal.to(tl.int64), 0) - 1

@@ -53,6 +53,7 @@ CAP_PER_TOPK = 4
 GRID = 8
 # The select's prefix scan packs two counts of <= CAP into one int32.
 MAX_CAP = 1 << 15
+MAX_TOPK = MAX_CAP // CAP_PER_TOPK
 SELECT_NUM_WARPS = 16
 _PER_CALL = ["n_cols", "n_rows", "k", "topk"]
 
@@ -73,6 +74,11 @@ def empty_pivots(rows: int, device: torch.device | str) -> torch.Tensor:
     return torch.full((rows, 2), float("-inf"), dtype=torch.float32, device=device)
 
 
+def pivot_serves(topk: int) -> bool:
+    """Whether the candidate window of this top-k fits the select's packed scan."""
+    return pivot_cap(topk) <= MAX_CAP
+
+
 def pivot_cap(topk: int) -> int:
     """Candidate buffer width per row (a power of two, one compiled variant per top-k)."""
     return triton.next_power_of_2(CAP_PER_TOPK * topk)
@@ -81,8 +87,8 @@ def pivot_cap(topk: int) -> int:
 @triton.jit
 def _rung(pivot_ptr, j):
     """Threshold j of the row's ladder: the last k-th score b plus (2 - j) steps d (the
-    span that held about k keys below b: a step about doubles the count there); without a usable d, b x 2^((1 - j) / 2) (mirrored below zero); -inf
-    (every key) without a b."""
+    span that held about k keys below b: a step about doubles the count there); without a
+    usable d, b x 2^((1 - j) / 2) (mirrored below zero); -inf (every key) without a b."""
     b = tl.load(pivot_ptr)
     d = tl.load(pivot_ptr + 1)
     none = b == float("-inf")
@@ -228,9 +234,9 @@ def _select_kernel(
         old_step = tl.load(pivot + 1)
         usable = (old_step > 0) & (old_step < float("inf"))
         measured = (step > 0) & (step < float("inf"))
-        keep = usable & (~measured | (4 * (n - k) < k))
+        renew = measured & ~(usable & (4 * (n - k) < k))
         tl.store(pivot, kth)
-        tl.store(pivot + 1, tl.where(keep, old_step, tl.where(measured, step, old_step)))
+        tl.store(pivot + 1, tl.where(renew, step, old_step))
 
 
 def topk_positions_pivot(
@@ -245,8 +251,8 @@ def topk_positions_pivot(
     served: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [R, L] fp32, query_pos [R], thresholds [S, 2] fp32 (per request row: the
-    last k-th score, -inf for none, and the ladder's step, -inf for none), rows [R] (each score row's index into ``thresholds``,
-    distinct) -> positions [R, topk] (ascending, -1 for masked or missing:
+    last k-th score, -inf for none, and the ladder's step, -inf for none), rows [R] (each
+    score row's index into ``thresholds``, distinct) -> positions [R, topk] (ascending, -1 for masked or missing:
     ``topk_positions``'s tensor) and the k-th scores [R] (-inf where fewer than ``topk``
     keys are visible), which also become ``thresholds[rows, 0]``. Fixed shapes and no host
     reads: capturable in a CUDA graph. ``served`` (tests, benchmarks): an int32 [R]
@@ -258,8 +264,8 @@ def topk_positions_pivot(
         raise ValueError("thresholds must be a float32 [request rows, 2] tensor (pivot, step)")
     if not thresholds.is_contiguous():
         raise ValueError("thresholds must be contiguous (the kernels index it by row)")
-    if pivot_cap(topk) > MAX_CAP:
-        raise ValueError(f"the pivot top-k serves top-k <= {MAX_CAP // CAP_PER_TOPK}")
+    if not pivot_serves(topk):
+        raise ValueError(f"the pivot top-k serves top-k <= {MAX_TOPK}, not {topk}")
     n_rows, n_cols = scores.shape
     k = min(topk, n_cols)
     out = torch.full((n_rows, topk), -1, dtype=torch.int64, device=scores.device)

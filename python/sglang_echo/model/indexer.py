@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_echo.kernels.topk import select_topk, topk_positions
-from sglang_echo.kernels.topk_pivot import empty_pivots, pivot_requested, topk_positions_pivot
+from sglang_echo.kernels.topk_pivot import (
+    ENV_TOPK_PIVOT,
+    MAX_TOPK,
+    empty_pivots,
+    pivot_requested,
+    pivot_serves,
+    topk_positions_pivot,
+)
 from sglang_echo.model.config import DeepseekV32Config, fp8_row_bytes
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.rope import apply_rope_half
@@ -179,8 +186,17 @@ class LightningIndexer(nn.Module):
     def bind_request_rows(self, max_rows: int, device: torch.device) -> None:
         """Thresholds start empty (no guess: the first step runs the radix select).
         A row taken over by a new request keeps its old threshold: a guess that misses
-        costs one full-row select, never a wrong answer, so nothing resets it."""
-        self.pivot_thresholds = empty_pivots(max_rows, device) if pivot_requested() else None
+        costs one radix select, never a wrong answer, so nothing resets it. A top-k the
+        pivot cannot serve is refused here, before any step."""
+        self.pivot_thresholds = None
+        if not pivot_requested():
+            return
+        if not pivot_serves(self.topk):
+            raise ValueError(
+                f"{ENV_TOPK_PIVOT}=1 serves index_topk <= {MAX_TOPK}; this model's is "
+                f"{self.topk}. Unset {ENV_TOPK_PIVOT} (the radix select serves any top-k)."
+            )
+        self.pivot_thresholds = empty_pivots(max_rows, device)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         roped = apply_rope_half(x[..., : self.rope_dim], cos, sin)
