@@ -165,6 +165,31 @@ def test_a_top_k_too_wide_for_the_pivot_is_refused_at_bind(monkeypatch):
     assert wide.pivot_thresholds is None
 
 
+def test_the_stage_split_for_benchmarks_is_complete_once_every_row_is_served():
+    """``launches`` lets a benchmark time the stages by differences; with every row served
+    the radix fallback adds nothing, so three stages already give the whole answer, and
+    with a row left for the fallback they do not."""
+    g = torch.Generator().manual_seed(5)
+    rows, n_cols = 3, 300
+    scores = torch.rand(rows, n_cols, generator=g).to(DEV)
+    qpos = torch.full((rows,), n_cols - 1, device=DEV)
+    ix = torch.arange(rows, device=DEV)
+    want, _kth = topk_pivot_reference(scores, qpos, TOPK)
+    settled = _pivots(_rank_score(scores, TOPK).to(DEV))
+    table = settled.clone()
+    served = torch.empty(rows, dtype=torch.int32, device=DEV)
+    pos, _ = topk_positions_pivot(
+        scores, qpos, TOPK, table, ix, block=64, served=served, launches=3
+    )
+    assert (served >= 0).all() and torch.equal(pos, want)
+    table = settled.clone()
+    table[1] = float("-inf")  # no pivot: the fallback's row
+    pos, _ = topk_positions_pivot(scores, qpos, TOPK, table, ix, block=64, launches=3)
+    assert torch.equal(pos[[0, 2]], want[[0, 2]]) and not torch.equal(pos[1], want[1])
+    with pytest.raises(ValueError, match="launches must be 1-4"):
+        topk_positions_pivot(scores, qpos, TOPK, settled.clone(), ix, launches=0)
+
+
 def test_rejects_bad_thresholds():
     scores = torch.rand(2, 32)
     with pytest.raises(ValueError, match="thresholds"):

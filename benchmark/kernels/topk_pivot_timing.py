@@ -30,6 +30,27 @@ def _settled(logits: torch.Tensor, qpos: torch.Tensor, topk: int) -> torch.Tenso
     return table
 
 
+STAGES = ("count", "compact", "select", "fallback")
+
+
+def _stage_times(logits, qpos, topk, table, steady, ix) -> dict:
+    """The settled pivot's time split by stage: the first n of its launches, n = 1..4, each
+    graph-replayed, and the differences (the pivots restored before each run: the select
+    rewrites them)."""
+    cumulative = []
+    for n in range(1, len(STAGES) + 1):
+
+        def run(n=n):
+            table.copy_(steady)
+            return topk_positions_pivot(logits, qpos, topk, table, ix, launches=n)
+
+        cumulative.append(graph_us(run))
+    table.copy_(steady)
+    steps = [b - a for a, b in zip([0.0, *cumulative[:-1]], cumulative, strict=True)]
+    return {"cumulative": dict(zip(STAGES, cumulative, strict=True)),
+            "by_difference": dict(zip(STAGES, steps, strict=True))}  # fmt: skip
+
+
 def pivot_timings(
     logits: torch.Tensor, qpos: torch.Tensor, topk: int, drift_logits: torch.Tensor
 ) -> dict:
@@ -66,6 +87,8 @@ def pivot_timings(
         if name in ("steady", "all_new"):
             table.copy_(steady)
             out[f"{name}_b1_us"] = graph_us(lambda run=run: run(n=1))
+        if name == "steady":  # where the settled time goes: each stage by difference
+            out["steady_stages_us"] = _stage_times(logits, qpos, topk, table, steady, ix)
         print(f"pivot top-k {name}: {out[f'{name}_us']:.1f} us, "
               f"{out[f'{name}_rows_served']} of {rows} rows served", flush=True)  # fmt: skip
     return out

@@ -249,6 +249,7 @@ def topk_positions_pivot(
     pdl: bool = False,
     select_num_warps: int = SELECT_NUM_WARPS,
     served: torch.Tensor | None = None,
+    launches: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [R, L] fp32, query_pos [R], thresholds [S, 2] fp32 (per request row: the
     last k-th score, -inf for none, and the ladder's step, -inf for none), rows [R] (each
@@ -257,7 +258,11 @@ def topk_positions_pivot(
     keys are visible), which also become ``thresholds[rows, 0]``. Fixed shapes and no host
     reads: capturable in a CUDA graph. ``served`` (tests, benchmarks): an int32 [R]
     buffer that is left holding each row's candidate count, -1 where the radix select
-    served it."""
+    served it. ``launches`` (benchmarks): run only the first of the four stages (count,
+    compact, select, radix fallback), so that their times can be told apart by differences;
+    below 4 the output is incomplete."""
+    if not 1 <= launches <= 4:
+        raise ValueError(f"launches must be 1-4 (count, compact, select, fallback), got {launches}")
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError("scores must be a float32 [rows, keys] tensor")
     if thresholds.dtype != torch.float32 or thresholds.dim() != 2 or thresholds.shape[1] != 2:
@@ -296,15 +301,19 @@ def topk_positions_pivot(
     _count_kernel[grid](
         *head, scores.stride(0), n_cols, n_rows, BLOCK=width, GRID=GRID, **launch
     )  # fmt: skip
-    _compact_kernel[grid](
-        *head, served, cand_scores, cand_cols, scores.stride(0), n_cols, n_rows, k,
-        BLOCK=width, CAP=cap, GRID=GRID, MAX_CHUNKS=max_chunks, **launch,
-    )  # fmt: skip
-    _select_kernel[(n_rows,)](
-        served, cand_scores, cand_cols, out, kth, thresholds, rows, out.stride(0), n_rows, k,
-        topk, CAP=cap, num_warps=select_num_warps, **launch,
-    )  # fmt: skip
-    radix_select(scores, qpos, out, k, block, pdl, fallback=(served, kth, thresholds, rows, topk))
+    if launches > 1:
+        _compact_kernel[grid](
+            *head, served, cand_scores, cand_cols, scores.stride(0), n_cols, n_rows, k,
+            BLOCK=width, CAP=cap, GRID=GRID, MAX_CHUNKS=max_chunks, **launch,
+        )  # fmt: skip
+    if launches > 2:
+        _select_kernel[(n_rows,)](
+            served, cand_scores, cand_cols, out, kth, thresholds, rows, out.stride(0), n_rows,
+            k, topk, CAP=cap, num_warps=select_num_warps, **launch,
+        )  # fmt: skip
+    if launches > 3:
+        fallback = (served, kth, thresholds, rows, topk)
+        radix_select(scores, qpos, out, k, block, pdl, fallback=fallback)
     return out, kth
 
 
