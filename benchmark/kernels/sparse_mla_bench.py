@@ -59,8 +59,8 @@ CONFIGS = [
     (64, 32, 16, 2, 1),
     (64, 32, 8, 2, 2),
     (64, 32, 8, 5, 1),
-    (64, 16, 8, 8, 1),
-    (64, 16, 8, 10, 1),
+    (64, 64, 8, 2, 1),
+    (64, 64, 8, 3, 1),
 ]
 CPU_CONFIGS = [(32, 32, 8, 2, 1), (16, 16, 4, 2, 2)]
 
@@ -229,19 +229,16 @@ BATCH_SWEEP_CONFIGS = {
     # split 4 of 64 heads is the launcher's default, timed as "default"
     "split8_h64": (64, 32, 8, 2, 8),
     "split16_h64": (64, 32, 8, 2, 16),
-    # Deeper software pipelines (2026-12-01, eighth session): at 2 stages the compiled loop
-    # loads a block's indices synchronously and waits for every copy at the top of each
-    # step (ttg.async_wait num=0), so a step pays an index load and a row gather in full;
-    # from 5 stages (32-row blocks) or 6 (16-row blocks) the rows are double-buffered and the
-    # wait leaves the next block's copies in flight (sm90_resources.json: no spills).
-    "stages3_k32": (64, 32, 8, 3, 4),
-    "stages5_k32": (64, 32, 8, 5, 4),
-    "stages6_k16": (64, 16, 8, 6, 4),
-    "stages8_k16": (64, 16, 8, 8, 4),
-    "stages10_k16": (64, 16, 8, 10, 4),
-    "stages5_k32_split8": (64, 32, 8, 5, 8),
-    "stages8_k16_split8": (64, 16, 8, 8, 8),
-    "stages8_k16_split2": (64, 16, 8, 8, 2),
+    # 64-row blocks: the per-step cost measured near-fixed in the rows of a block (2.8 us
+    # at 16 rows, 4 us at 32, batch 3), so wider blocks amortize it; 221 KB of shared
+    # memory at 2-3 stages (sm90_resources.py: no spills). Deeper pipelines of 32- and
+    # 16-row blocks (5-10 stages, rows double-buffered) were timed on 2026-12-01 and were no
+    # faster: 199.5 / 127.0 / 64.1 us at batch 48 / 17 / 3 for 5 stages of 32 rows
+    # (history/2026-12-01-sparse-mla-stages-c4a9e6c/).
+    "k64": (64, 64, 8, 2, 4),
+    "k64_stages3": (64, 64, 8, 3, 4),
+    "k64_split2": (64, 64, 8, 2, 2),
+    "k64_split8": (64, 64, 8, 2, 8),
 }
 L2_DEFEAT_BYTES = 96 << 20  # index sets per batch: enough distinct rows to overflow L2
 
