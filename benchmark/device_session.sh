@@ -13,7 +13,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels cache topk prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_pivot study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels mla_profile cache topk prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_pivot study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -45,9 +45,17 @@ run_stage() {
           && tar -xJf .peer/flashinfer_trim.tar.xz -C "$site" && peer="--peer flashinfer"
         export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default
       fi
-      stage kernels 170 bash -c "python3 benchmark/kernels/sparse_mla_bench.py --out /tmp/ds/kernels \
+      stage kernels 260 bash -c "python3 benchmark/kernels/sparse_mla_bench.py --out /tmp/ds/kernels \
         --batches 3,17,48 $peer; for b in recall cache_ops indexer; do
         python3 benchmark/kernels/\${b}_bench.py --out /tmp/ds/kernels; done" ;;
+    mla_profile)  # Nsight Compute on one decode sparse-MLA launch at batches 3 and 48: what
+      # its warps stall on (needs ncu's hardware counters: the Firecracker machines have them)
+      stage mla_profile 120 bash -c 'n=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+        for b in 3 48; do "$n" --clock-control none -k regex:_sparse_mla_kernel -c 1 \
+          --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+          python3 benchmark/kernels/sparse_mla_once.py --batch $b > /tmp/ds/mla_profile/ncu_b$b.txt 2>&1
+          echo "batch $b: ncu exit $?"; done' ;;
     cache)  # the cache kernels' GPU tests, then their benchmark (launch chaining beside)
       stage cache 170 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
         tests/test_kernel_recall.py tests/test_pdl.py tests/test_decode_write.py \
@@ -94,7 +102,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in tests|kernel_tests|kernels|cache|topk|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_pivot|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in tests|kernel_tests|kernels|mla_profile|cache|topk|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_pivot|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"

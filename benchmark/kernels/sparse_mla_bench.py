@@ -42,9 +42,9 @@ from mla_peers import flashinfer_mla, slot_invariant
 LAT, ROPE = 512, 64
 # (block_h, block_k, num_warps, num_stages, splits). The launcher's default config
 # (kernels/sparse_mla.py DEFAULT_*) is timed too, listed or not: it is the "default" column.
-# 32 x 32 / 8 warps is the largest tile without register spills (ptxas, sm_90); 64-head
-# tiles use wgmma but spill; splits > 1 add programs (decode: 48 queries x 4 head blocks
-# = 192 programs of one CTA per SM each on 132 SMs) at the cost of a merge pass.
+# 32-head tiles use mma.sync (no wgmma: Hopper's warpgroup MMA needs 64 rows); 64-head tiles
+# use wgmma without spills at 8 warps (sm90_resources.json); splits > 1 add programs at the
+# cost of a merge pass; 64-row blocks need 2-3 stages to fit shared memory (221 KB).
 CONFIGS = [
     (32, 32, 8, 2, 1),
     (32, 32, 8, 3, 1),
@@ -217,25 +217,19 @@ def measure(name, queries, heads, topk, slots, dev, configs, timer, bw, tflops) 
     return out
 
 
-# Our configs timed at every batch of --batches: the launcher's default and the best
-# small-batch configs of the 2026-12-01 diagnostic (K split in 4 at 32 heads for batch 3,
-# in 2 at 64 heads for batch 17; history/2026-12-01-sparse-mla-small-batch/).
-# The merge no longer spills (kernels/sparse_mla.py _combine_kernel), so more splits of 64
-# heads are timed too. (A hand-pipelined walk, rows loaded a block ahead, was timed here
-# on 2026-12-01 and ran slower at every batch: removed; sparse_mla.json keeps its numbers.)
+# Our configs timed at every batch of --batches: the launcher's default and its neighbours.
+# 64-row blocks became the default on 2026-12-01 (eighth session): a step of the walk costs
+# nearly the same whatever the rows in it, so wider blocks amortize it. The 32-row default
+# before it stays as "k32" (the same run's baseline), with its split counts; deeper
+# pipelines of 32- and 16-row blocks (5-10 stages) were no faster
+# (history/2026-12-01-sparse-mla-stages-c4a9e6c/). The merge no longer spills
+# (kernels/sparse_mla.py _combine_kernel), so many splits are timed too.
 BATCH_SWEEP_CONFIGS = {
+    "k32": (64, 32, 8, 2, 4),
     "split4_h32": (32, 32, 8, 2, 4),
-    "split2_h64": (64, 32, 8, 2, 2),
-    # split 4 of 64 heads is the launcher's default, timed as "default"
-    "split8_h64": (64, 32, 8, 2, 8),
-    "split16_h64": (64, 32, 8, 2, 16),
-    # 64-row blocks: the per-step cost measured near-fixed in the rows of a block (2.8 us
-    # at 16 rows, 4 us at 32, batch 3), so wider blocks amortize it; 221 KB of shared
-    # memory at 2-3 stages (sm90_resources.py: no spills). Deeper pipelines of 32- and
-    # 16-row blocks (5-10 stages, rows double-buffered) were timed on 2026-12-01 and were no
-    # faster: 199.5 / 127.0 / 64.1 us at batch 48 / 17 / 3 for 5 stages of 32 rows
-    # (history/2026-12-01-sparse-mla-stages-c4a9e6c/).
-    "k64": (64, 64, 8, 2, 4),
+    "k32_split8": (64, 32, 8, 2, 8),
+    "k32_split16": (64, 32, 8, 2, 16),
+    # 64 rows split 4 ways is the launcher's default, timed as "default"
     "k64_stages3": (64, 64, 8, 3, 4),
     "k64_split2": (64, 64, 8, 2, 2),
     "k64_split8": (64, 64, 8, 2, 8),
@@ -243,7 +237,7 @@ BATCH_SWEEP_CONFIGS = {
 L2_DEFEAT_BYTES = 96 << 20  # index sets per batch: enough distinct rows to overflow L2
 
 
-CPU_BATCH_SWEEP = ("split4_h32", "split2_h64")  # the smoke run's few
+CPU_BATCH_SWEEP = ("split4_h32", "k64_split2")  # the smoke run's few
 
 
 def batch_sweep(batches, heads, topk, slots, dev, peers: list[str], timer=graph_us) -> dict:

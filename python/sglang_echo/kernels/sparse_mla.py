@@ -36,16 +36,20 @@ from sglang_echo.kernels.interpreter import fix_interpreter_bf16
 
 # Defaults for DeepSeek-V3.2 sizes (H 128, r 512, d 64, bf16), from the launch
 # configurations benchmark/kernels/sparse_mla_bench.py sweeps on an H200
-# (benchmark/results/sparse_mla.json): 64 heads x 32 rows, 8 warps, 2 stages. One program
-# walks a query's 2048 rows in 64 dependent steps of ~3.6 us, so unsplit the time is that
-# walk whatever the batch (230 / 232 / 233 us at batch 3 / 17 / 48, graph-replayed).
-# Decode splits each query's rows 4 ways: 65 / 130 / 210 us at those batches, the only
-# split count no slower than none at all three (8 splits: 39 / 114 / 249, 16: 29 / 129 /
-# 318). The count is fixed, not chosen by batch, so a request's bits do not depend on how
-# many others share its step. Prefill runs thousands of queries, enough programs without
-# splits (whose float32 partials would cost Q x 1 MB), so it stays unsplit.
+# (benchmark/results/sparse_mla.json): 64 heads x 64 rows, 8 warps, 2 stages (221 KB of
+# shared memory, no spills). A step of the walk over a query's rows costs nearly the same
+# whatever the rows in it (2.8 / 4.0 us at 16 / 32 rows, batch 3): 64-row blocks halve the
+# steps of 32 and ran 158 / 94 / 47 us at batch 48 / 17 / 3 graph-replayed, against 211 /
+# 130 / 65 (deeper pipelines of 32-row blocks, their index loads asynchronous and rows
+# double-buffered, gained 5%: the loads' latency is not what a step waits for). Decode
+# splits each query's rows 4 ways, the only split count no slower than none at all three
+# batches with 32-row blocks (8 splits: 39 / 114 / 249, 16: 29 / 129 / 318) and the fastest
+# at batch 48 with 64 (8 splits: 195 / 88 / 30). The count is fixed, not chosen by batch,
+# so a request's bits do not depend on how many others share its step. Prefill runs
+# thousands of queries, enough programs without splits (whose float32 partials would cost
+# Q x 1 MB), so it stays unsplit (229 against 296 us for 64 queries with 32-row blocks).
 DEFAULT_BLOCK_H = 64
-DEFAULT_BLOCK_K = 32
+DEFAULT_BLOCK_K = 64
 DEFAULT_NUM_WARPS = 8
 DEFAULT_NUM_STAGES = 2
 DEFAULT_SPLITS = 1
