@@ -76,7 +76,10 @@ def test_bench_batch_sweep_smoke_on_cpu(tmp_path: Path) -> None:
     record = json.loads((tmp_path / "sparse_mla.json").read_text())
     sweep = record["metrics"]["batch_sweep"]
     row = sweep["batches"]["2"]
-    ours = ("ours_default", "ours_split4_h32", "ours_split2_h64")
+    from sparse_mla_bench import CPU_BATCH_SWEEP
+
+    ours = ("ours_default", *(f"ours_{name}" for name in CPU_BATCH_SWEEP))
+    assert len(ours) == 3
     assert set(ours) <= set(row)
     for name in ours:
         assert row[name]["slot_invariant"] is True
