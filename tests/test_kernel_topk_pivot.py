@@ -227,3 +227,35 @@ def test_contexts_and_row_counts_of_any_size_reuse_one_compiled_variant() -> Non
         if step == 0:
             before = counts
     assert counts == before, f"variants per kernel grew from {before} to {counts}"
+
+
+def test_the_rank_search_shifts_in_64_bits_when_compiled_for_sm90() -> None:
+    """The 4-way search's first round spans 2^32 keys. In the interpreter ``1 << 32`` is a
+    Python int, but compiled, a 32-bit shift by 32 is undefined: on the H200 it lost the
+    first round and picked wrong rows (only the GPU variant test saw it). Compile-only."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sglang_echo.kernels.topk_pivot import _select_kernel
+sig = {"served_ptr": "*i32", "cand_scores_ptr": "*fp32", "cand_cols_ptr": "*i32",
+       "out_ptr": "*i64", "kth_ptr": "*fp32", "thresholds_ptr": "*fp32", "rows_ptr": "*i64",
+       "out_stride": "i32", "n_rows": "i32", "k": "i32", "topk": "i32",
+       "CAP": "constexpr", "PDL": "constexpr"}
+names = list(sig)
+src = ASTSource(fn=_select_kernel, signature=sig,
+                constexprs={(names.index("CAP"),): 8192, (names.index("PDL"),): False})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
+print("\\n".join(ln for ln in kernel.asm["ttir"].splitlines() if "arith.shli" in ln))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    shifts = [ln for ln in done.stdout.splitlines() if ln.strip()]
+    assert shifts and all(ln.rstrip().split(" loc(")[0].endswith(": i64") for ln in shifts), shifts

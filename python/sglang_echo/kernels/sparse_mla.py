@@ -50,6 +50,10 @@ from sglang_echo.kernels.interpreter import fix_interpreter_bf16
 # Q x 1 MB), so it stays unsplit (229 against 296 us for 64 queries with 32-row blocks).
 DEFAULT_BLOCK_H = 64
 DEFAULT_BLOCK_K = 64
+# float32 q and rows take twice the shared memory per row: 64-row blocks need 305 KB on
+# sm_90 (the H200 has 227 KB a block), 32-row blocks fit. One rule by dtype, the same for
+# offload and no-offload.
+DEFAULT_BLOCK_K_FLOAT32 = 32
 DEFAULT_NUM_WARPS = 8
 DEFAULT_NUM_STAGES = 2
 DEFAULT_SPLITS = 1
@@ -270,7 +274,7 @@ def sparse_mla_from_buffer(
     kv_lora_rank: int,
     scale: float,
     block_h: int = DEFAULT_BLOCK_H,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_k: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
     splits: int = DEFAULT_SPLITS,
@@ -279,13 +283,16 @@ def sparse_mla_from_buffer(
     rows [Q, K] int32/int64 indices into the buffer (-1 = none) -> out [Q, H, r] in q's dtype.
 
     No host synchronisation and fixed shapes: capturable in a CUDA graph. ``block_h`` is
-    capped at the head count (rounded up to 16, the smallest dot); ``block_k`` >= 16.
+    capped at the head count (rounded up to 16, the smallest dot); ``block_k`` >= 16
+    (None: ``DEFAULT_BLOCK_K``, or ``DEFAULT_BLOCK_K_FLOAT32`` for float32 q).
     ``splits`` > 1 divides each query's K rows among that many programs (more programs
     when queries x head blocks do not fill the GPU) and merges their partial softmaxes in
     a second launch, in split order: still deterministic, but the bits depend on
     ``splits`` (as on the block sizes), so offload and no-offload must use the same.
     """
     _check(q, buffer, rows, kv_lora_rank)
+    if block_k is None:
+        block_k = DEFAULT_BLOCK_K_FLOAT32 if q.dtype == torch.float32 else DEFAULT_BLOCK_K
     if q.stride(2) != 1 or buffer.stride(1) != 1:
         raise ValueError("q and buffer need unit stride along the row (call .contiguous())")
     if block_k < 16 or block_k & (block_k - 1):

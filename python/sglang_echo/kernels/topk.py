@@ -17,8 +17,9 @@ writes with offsets from the programs before it. Six launches in all, each readi
 scores once.
 
 Measured on an H200 at 48 x 100K, replayed from a CUDA graph as decode runs it
-(benchmark/results/indexer.json): 254 us, against torch.topk's 120 us (which breaks ties
-however its radix pass falls) and the tie-stable sort's 452 us that the model used before. On CUDA the model's decode and prefill top-k
+(benchmark/results/indexer.json, ``topk_us``; ``topk_launch_sweep`` times other widths),
+against torch.topk (which breaks ties however its radix pass falls) and the tie-stable sort
+that the model used before. On CUDA the model's decode and prefill top-k
 run this kernel (``model.indexer.exact_topk``); the sort stays the CPU path and reference.
 Every block is DEFAULT_BLOCK wide and the collect pass sums a fixed MIN_MAX_CHUNKS block
 counts, so contexts up to 256K keys share one compiled variant per kernel.
@@ -36,13 +37,15 @@ import triton.language as tl
 from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 
 # One width for every batch and context: each kernel compiles once, never mid-serving.
-# Narrower blocks would be faster at small batches (indexer.json's topk_launch_sweep, H200,
-# 1 x 100K keys: 32.8 us at 1024 keys per program against 50.6 us at 4096), but a width
-# chosen by batch compiles a second variant the first time serving meets the other width.
-DEFAULT_BLOCK = 4096
+# 2048 keys per program, 4 warps: the fastest width both at batch 48 and at batch 1 in two
+# H200 runs of indexer.json's topk_launch_sweep (48 x 100K: 192.8 / 191.4 us against 201.6 /
+# 197.9 at 4096; 1 x 100K: 37.2 / 36.9 against 49.6 / 47.8; d169375 and 5bd28c7). 1024 is
+# a little faster at batch 1 (36.3) but slower at 48 (228); a width chosen by batch would
+# compile a second variant the first time serving meets the other width.
+DEFAULT_BLOCK = 2048
 DEFAULT_NUM_WARPS = 4  # Triton's default; indexer_bench's topk_launch_sweep times others
-# Blocks per row the collect pass sums over at compile time: 256K keys' worth (64 x 4096, or
-# 256 x 1024), so every context up to that shares one compiled variant per block width
+# Blocks per row the collect pass sums over at compile time: 256K keys' worth (128 x 2048,
+# or 256 x 1024), so every context up to that shares one compiled variant per block width
 # (longer rows get a wider one). The interpreter (CPU tests) keeps 64 at any width.
 MIN_MAX_KEYS = 64 * 4096
 MIN_MAX_CHUNKS = 64

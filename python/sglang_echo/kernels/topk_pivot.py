@@ -188,7 +188,11 @@ def _rank_key(key, valid, rank):
     lo = tl.zeros((), dtype=tl.int64)
     quarter = tl.arange(0, 4).to(tl.int64)
     for r in range(16):
-        width = tl.zeros((), dtype=tl.int64) + (1 << (32 - 2 * r))  # hi - lo
+        # hi - lo, shifted in 64 bits: ``1 << (32 - 2 * r)`` is 32-bit arithmetic on the GPU
+        # (the loop counter is an i32), where a shift by 32 is undefined; compiled for the
+        # H200 that lost the first round, so keys at or above 2^30 were never resolved.
+        one = tl.zeros((), dtype=tl.int64) + 1
+        width = one << (one * (32 - 2 * r))
         cuts = lo + quarter * (width // 4)  # cuts[0] = lo: at least rank keys above it
         above = (valid[None, :] & (key[None, :] >= cuts[:, None])).to(tl.int32)
         enough = tl.sum(above, 1) >= rank
