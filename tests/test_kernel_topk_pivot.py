@@ -165,6 +165,22 @@ def test_a_top_k_too_wide_for_the_pivot_is_refused_at_bind(monkeypatch):
     assert wide.pivot_thresholds is None
 
 
+def test_the_pivot_is_refused_on_cuda_until_it_passes_its_gpu_test(monkeypatch):
+    """Lossless comes first: the opt-in is refused on CUDA, with what to change, until the
+    GPU exactness test passes again; with the switch off nothing is refused."""
+    from types import SimpleNamespace
+
+    from sglang_echo.model.indexer import LightningIndexer
+
+    fits = SimpleNamespace(topk=2048, pivot_thresholds=None)
+    monkeypatch.setenv(ENV_TOPK_PIVOT, "1")
+    with pytest.raises(ValueError, match=f"refused on CUDA.*Unset {ENV_TOPK_PIVOT}"):
+        LightningIndexer.bind_request_rows(fits, 4, torch.device("cuda"))
+    monkeypatch.setenv(ENV_TOPK_PIVOT, "0")
+    LightningIndexer.bind_request_rows(fits, 4, torch.device("cuda"))
+    assert fits.pivot_thresholds is None
+
+
 def test_the_stage_split_for_benchmarks_is_complete_once_every_row_is_served():
     """``launches`` lets a benchmark time the stages by differences; with every row served
     the radix fallback adds nothing, so three stages already give the whole answer, and

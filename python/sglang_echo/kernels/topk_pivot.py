@@ -101,9 +101,14 @@ def _rung(pivot_ptr, j):
 
 @triton.jit(do_not_specialize=["n_cols", "n_rows"])
 def _count_kernel(
-    scores_ptr, query_pos_ptr, thresholds_ptr, rows_ptr, counts_ptr, scores_stride, n_cols,
-    n_rows, BLOCK: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr,
+    scores_ptr, query_pos_ptr, thresholds_ptr, rows_ptr, counts_ptr, rungs_ptr, scores_stride,
+    n_cols, n_rows, BLOCK: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """Per block: the keys at or above each rung. The first block also writes the row's
+    rungs, which the compact reads rather than recomputes: compiled, the same formula can
+    round differently in two kernels (here j is a constant, there a variable: exp2 folded
+    at compile time against the approximate instruction), and a candidate count that
+    disagrees with the candidates written by one key makes the select read a stale one."""
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     pivot = thresholds_ptr + 2 * tl.load(rows_ptr + row)
@@ -113,8 +118,11 @@ def _count_kernel(
     visible = inside & (cols <= tl.load(query_pos_ptr + row))
     out = counts_ptr + (row * tl.num_programs(1) + chunk) * GRID
     for j in tl.static_range(GRID):
-        above = visible & (key >= _order_key(_rung(pivot, j)))
+        rung = _rung(pivot, j)
+        above = visible & (key >= _order_key(rung))
         tl.store(out + j, tl.sum(above.to(tl.int32), 0))
+        if chunk == 0:
+            tl.store(rungs_ptr + row * GRID + j, rung)
 
 
 @triton.jit
@@ -153,7 +161,7 @@ def _respaced_step(pivot_ptr, n, k, GRID: tl.constexpr):
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _compact_kernel(
-    scores_ptr, query_pos_ptr, thresholds_ptr, rows_ptr, counts_ptr, served_ptr,
+    scores_ptr, query_pos_ptr, thresholds_ptr, rows_ptr, counts_ptr, rungs_ptr, served_ptr,
     cand_scores_ptr, cand_cols_ptr, scores_stride, n_cols, n_rows, k, BLOCK: tl.constexpr,
     CAP: tl.constexpr, GRID: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -173,7 +181,7 @@ def _compact_kernel(
             scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
         )
         visible = inside & (cols <= tl.load(query_pos_ptr + row))
-        cand = visible & (key >= _order_key(_rung(pivot, rung)))
+        cand = visible & (key >= _order_key(tl.load(rungs_ptr + row * GRID + rung)))
         slot = before + tl.cumsum(cand.to(tl.int32), 0) - 1
         tl.store(cand_scores_ptr + row * CAP + slot, s, mask=cand)
         tl.store(cand_cols_ptr + row * CAP + slot, cols, mask=cand)
@@ -300,7 +308,8 @@ def topk_positions_pivot(
     cand_cols = torch.empty(n_rows, cap, dtype=torch.int32, device=dev)
     chained = use_pdl(dev, pdl)
     launch = dict(PDL=chained, launch_pdl=chained)
-    head = (scores, qpos, thresholds, rows, counts)
+    rungs = torch.empty(n_rows, GRID, dtype=torch.float32, device=dev)
+    head = (scores, qpos, thresholds, rows, counts, rungs)
     grid = (n_rows, n_chunks)
     _count_kernel[grid](
         *head, scores.stride(0), n_cols, n_rows, BLOCK=width, GRID=GRID, **launch
