@@ -25,6 +25,12 @@ their positions, so ties still go to the lowest position. The output is
 for guesses that hit, miss low and miss high). Both paths return the k-th score
 (``model.indexer.exact_topk``'s rule) and leave it as the row's next b (the select also
 its next d): speed hints only, that nothing else reads.
+
+Exactness also needs every launch to agree on each threshold: the compact reads the rungs
+the count kernel wrote rather than recomputing them (compiled for the GPU, the same formula
+rounded differently in the two kernels). The model refuses this top-k on CUDA
+(``LightningIndexer.bind_request_rows``) until its GPU test passes on the fixed code: on
+the H200 it picked wrong rows on 2026-12-01 (benchmark/results/PROVENANCE.md).
 """
 
 from __future__ import annotations
