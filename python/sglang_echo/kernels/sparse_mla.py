@@ -38,16 +38,15 @@ from sglang_echo.kernels.interpreter import fix_interpreter_bf16
 # configurations benchmark/kernels/sparse_mla_bench.py sweeps on an H200
 # (benchmark/results/sparse_mla.json): 64 heads x 64 rows, 8 warps, 2 stages (221 KB of
 # shared memory, no spills). A step of the walk over a query's rows costs nearly the same
-# whatever the rows in it (2.8 / 4.0 us at 16 / 32 rows, batch 3): 64-row blocks halve the
-# steps of 32 and ran 158 / 94 / 47 us at batch 48 / 17 / 3 graph-replayed, against 211 /
-# 130 / 65 (deeper pipelines of 32-row blocks, their index loads asynchronous and rows
-# double-buffered, gained 5%: the loads' latency is not what a step waits for). Decode
-# splits each query's rows 4 ways, the only split count no slower than none at all three
-# batches with 32-row blocks (8 splits: 39 / 114 / 249, 16: 29 / 129 / 318) and the fastest
-# at batch 48 with 64 (8 splits: 195 / 88 / 30). The count is fixed, not chosen by batch,
-# so a request's bits do not depend on how many others share its step. Prefill runs
-# thousands of queries, enough programs without splits (whose float32 partials would cost
-# Q x 1 MB), so it stays unsplit (229 against 296 us for 64 queries with 32-row blocks).
+# whatever the rows in it (2.8 / 4.0 us at 16 / 32 rows, batch 3), so 64-row blocks, half
+# the steps of 32: 157 / 94 / 46 us at batch 48 / 17 / 3, graph-replayed, against 207 / 129
+# / 65 (the record's batch sweep, "k32"). Deeper pipelines of 32-row blocks (index loads
+# asynchronous, rows double-buffered) gained 5%: the loads' latency is not what a step
+# waits for (history/2026-12-01-sparse-mla-stages-c4a9e6c/). Decode splits each query's
+# rows 4 ways: at batch 48 / 17 / 3, 8 splits ran 196 / 87 / 29 us and 2 splits 176 / 90 /
+# 82. The count is fixed, not chosen by batch, so a request's bits do not depend on how
+# many others share its step. Prefill runs thousands of queries, enough programs without
+# splits (whose float32 partials would cost Q x 1 MB), so it stays unsplit.
 DEFAULT_BLOCK_H = 64
 DEFAULT_BLOCK_K = 64
 # float32 q and rows take twice the shared memory per row: 64-row blocks need 305 KB on
