@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Every H200 measurement behind the README, in two device calls of under ten minutes each,
-# each stage under its own time limit and packed into OUTDIR as it finishes (a call cut
-# short still returns what ran). Records keep the commands that made them.
-#   bash benchmark/device_session.sh OUTDIR checks   # CUDA tests + kernel benchmarks, peers beside (~9 min)
+# Every H200 measurement behind the README, each stage under its own time limit and packed
+# into OUTDIR as it finishes (a call cut short still returns what ran). Records keep the
+# commands that made them. Stage times seen on 2026-12-01 (a call is at most 10 minutes):
+# tests ~490 s, kernels ~300 s, study ~130 s, study_fp8 ~80 s, topk ~120 s, cache ~75 s,
+# mla_profile ~20 s.
+#   bash benchmark/device_session.sh OUTDIR tests                          # one call
+#   bash benchmark/device_session.sh OUTDIR kernels mla_profile study     # one call
+#   bash benchmark/device_session.sh OUTDIR topk cache study_fp8          # one call
 #   bash benchmark/device_session.sh OUTDIR e2e      # decode-node sweep + the study, bf16 and fp8 (~9 min)
 #   bash benchmark/device_session.sh OUTDIR figures  # Figure 13 at 110K, 14 and 15 (~10 min; est.)
-# or any stages by name, in order (a call with device time for part of a session):
-#   bash benchmark/device_session.sh OUTDIR tests study       # ~8 min
-#   bash benchmark/device_session.sh OUTDIR kernels study_fp8 # ~3 min
-#   bash benchmark/device_session.sh OUTDIR cache study sharegpt # ~9 min
-#   bash benchmark/device_session.sh OUTDIR kernel_tests prefetch study_fp8 # ~6 min
+# (`checks` = tests + kernels, more than one call's 10 minutes now: name the stages.)
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks).
 set -uo pipefail
@@ -45,7 +45,7 @@ run_stage() {
           && tar -xJf .peer/flashinfer_trim.tar.xz -C "$site" && peer="--peer flashinfer"
         export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default
       fi
-      stage kernels 260 bash -c "python3 benchmark/kernels/sparse_mla_bench.py --out /tmp/ds/kernels \
+      stage kernels 360 bash -c "python3 benchmark/kernels/sparse_mla_bench.py --out /tmp/ds/kernels \
         --batches 3,17,48 $peer; for b in recall cache_ops indexer; do
         python3 benchmark/kernels/\${b}_bench.py --out /tmp/ds/kernels; done" ;;
     mla_profile)  # Nsight Compute on one decode sparse-MLA launch at batches 3 and 48: what
