@@ -38,8 +38,9 @@ from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 
 # One width for every batch and context: each kernel compiles once, never mid-serving.
 # 2048 keys per program, 4 warps: the fastest width both at batch 48 and at batch 1 in two
-# H200 runs of indexer.json's topk_launch_sweep (48 x 100K: 192.8 / 191.4 us against 201.6 /
-# 197.9 at 4096; 1 x 100K: 37.2 / 36.9 against 49.6 / 47.8; d169375 and 5bd28c7). 1024 is
+# H200 runs of indexer_bench.py's topk_launch_sweep (48 x 100K: 192.8 / 191.4 us against
+# 201.6 / 197.9 at 4096; 1 x 100K: 37.2 / 36.9 against 49.6 / 47.8; indexer.json of d169375
+# and the stage log benchmark/results/gpu_checks_logs/5bd28c7/kernels_stage.log). 1024 is
 # a little faster at batch 1 (36.3) but slower at 48 (228); a width chosen by batch would
 # compile a second variant the first time serving meets the other width.
 DEFAULT_BLOCK = 2048
