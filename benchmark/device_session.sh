@@ -13,7 +13,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels mla_profile cache topk prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels mla_profile indexer_profile cache topk prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -55,6 +55,14 @@ run_stage() {
           --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
           python3 benchmark/kernels/sparse_mla_once.py --batch $b > /tmp/ds/mla_profile/ncu_b$b.txt 2>&1
+          echo "batch $b: ncu exit $?"; done' ;;
+    indexer_profile)  # Nsight Compute on one decode indexer step at batches 1 and 48: the fp8
+      # logits launch and the radix top-k's six, what bounds each (DRAM, issue, stalls)
+      stage indexer_profile 150 bash -c 'n=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+        for b in 1 48; do "$n" --clock-control none -k "regex:_fp8_index_logits_kernel|_hist_kernel|_count_kernel|_collect_kernel" -c 7 \
+          --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+          python3 benchmark/kernels/indexer_once.py --batch $b > /tmp/ds/indexer_profile/ncu_b$b.txt 2>&1
           echo "batch $b: ncu exit $?"; done' ;;
     cache)  # the cache kernels' GPU tests, then their benchmark (launch chaining beside)
       stage cache 170 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
@@ -101,7 +109,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in tests|kernel_tests|kernels|mla_profile|cache|topk|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in tests|kernel_tests|kernels|mla_profile|indexer_profile|cache|topk|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"

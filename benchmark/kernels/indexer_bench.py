@@ -44,6 +44,23 @@ def fp8_tflops(n: int = 8192) -> float:
     return 2 * n**3 / us / 1e6
 
 
+def make_inputs(B: int, L: int, H: int, D: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Decode inputs drawn from ``g`` (on its device): fp8 queries [B, H, D] and head
+    weights, fp8 keys with scales, paged like SGLang's index-K cache (each request owns
+    shuffled 64-token pages), and every request at context L."""
+    dev = g.device
+    pages_per_request = -(-L // 64)
+    n_keys = B * pages_per_request * 64 + 1
+    keys = torch.randn(n_keys, D, device=dev, generator=g).to(torch.float8_e4m3fn)
+    scales = torch.rand(n_keys, device=dev, generator=g) + 0.5
+    q = torch.randn(B, H, D, device=dev, generator=g).to(torch.float8_e4m3fn)
+    w = torch.randn(B, H, device=dev, generator=g)
+    pages = torch.randperm(B * pages_per_request, device=dev, generator=g).view(B, -1)
+    locs = (pages[:, :, None] * 64 + torch.arange(64, device=dev) + 1).reshape(B, -1)[:, :L]
+    lens = torch.full((B,), L, dtype=torch.int32, device=dev)
+    return q, w, keys, scales, locs, lens
+
+
 # Top-k launch shapes timed beside the default (keys per program, warps): more programs per
 # row shorten each pass at small batches; fewer cut the per-program replay and histogram cost.
 TOPK_SWEEP = [(block, warps) for block in (1024, 2048, 4096, 8192) for warps in (4, 8)]
@@ -81,16 +98,7 @@ def main() -> None:
     B, L, H, D = args.batch, args.context, args.heads, args.dim
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    pages_per_request = -(-L // 64)
-    n_keys = B * pages_per_request * 64 + 1
-    keys = torch.randn(n_keys, D, device=dev, generator=g).to(torch.float8_e4m3fn)
-    scales = torch.rand(n_keys, device=dev, generator=g) + 0.5
-    q = torch.randn(B, H, D, device=dev, generator=g).to(torch.float8_e4m3fn)
-    w = torch.randn(B, H, device=dev, generator=g)
-    # Paged like SGLang's index-K cache: each request owns shuffled 64-token pages.
-    pages = torch.randperm(B * pages_per_request, device=dev, generator=g).view(B, -1)
-    locs = (pages[:, :, None] * 64 + torch.arange(64, device=dev) + 1).reshape(B, -1)[:, :L]
-    lens = torch.full((B,), L, dtype=torch.int32, device=dev)
+    q, w, keys, scales, locs, lens = make_inputs(B, L, H, D, g)
 
     # Correct first: four requests against float64, poisoned output.
     sub = slice(0, 4)
