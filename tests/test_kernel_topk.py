@@ -47,16 +47,36 @@ def test_topk_rejects_non_float32():
         topk_positions(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2), 4)
 
 
-def test_topk_kernel_many_blocks_ties_across_blocks():
+@pytest.mark.parametrize("cand_block", [512, 32])
+def test_topk_kernel_many_blocks_ties_across_blocks(cand_block):
     """20 blocks per row: the k-th value's ties spread over many blocks, so the offsets
-    each block takes from the blocks before it decide which tied positions are kept."""
+    each block takes from the blocks before it decide which tied positions are kept.
+    Every key shares one top byte, so each block's candidates are all of it: with
+    ``cand_block`` 32 the candidate passes read them in eight pieces."""
     g = torch.Generator().manual_seed(7)
     rows, n_cols, topk = 3, 5000, 300
     scores = torch.randint(0, 50, (rows, n_cols), generator=g).float()
     qpos = torch.tensor([n_cols - 1, 3999, 2500])
     scores, qpos = scores.to(DEV), qpos.to(DEV)
-    got = topk_positions(scores, qpos, topk, block=256)
-    assert torch.equal(_sorted(got), topk_positions_reference(scores, qpos, topk))
+    got = topk_positions(scores, qpos, topk, block=256, cand_block=cand_block)
+    assert torch.equal(got, topk_positions_reference(scores, qpos, topk))
+
+
+def test_topk_kernel_candidates_uneven_across_blocks():
+    """Blocks whose candidates (keys at the k-th key's top byte) number none, a few, or
+    more than one piece: each block's stretch is read to its own count, and the picks
+    above the top byte come from the full row."""
+    g = torch.Generator().manual_seed(11)
+    rows, n_cols, topk = 2, 2048, 100
+    scores = torch.rand(rows, n_cols, generator=g) * 0.001  # top byte below the picks'
+    scores[:, 256:512] = 1.0 + torch.rand(rows, 256, generator=g)  # one block: all candidates
+    scores[:, 600:640] = 1.5 + torch.rand(rows, 40, generator=g) * 0.1  # a few
+    scores[:, 1900:1910] = 100.0  # above the k-th key's top byte
+    scores[1, 700] = float("-inf")
+    qpos = torch.tensor([n_cols - 1, 1999])
+    scores, qpos = scores.to(DEV), qpos.to(DEV)
+    got = topk_positions(scores, qpos, topk, block=256, cand_block=64)
+    assert torch.equal(got, topk_positions_reference(scores, qpos, topk))
 
 
 @pytest.mark.parametrize("kind", ["random", "ties", "short"])

@@ -24,7 +24,12 @@ from common import graph_us, save_record, time_us
 from topk_pivot_timing import pivot_timings
 
 from sglang_echo.kernels.indexer import fp8_index_logits, fp8_index_logits_reference
-from sglang_echo.kernels.topk import topk_positions
+from sglang_echo.kernels.topk import (
+    DEFAULT_BLOCK,
+    DEFAULT_CAND_BLOCK,
+    DEFAULT_NUM_WARPS,
+    topk_positions,
+)
 from sglang_echo.kernels.topk_pivot import pivot_requested
 from sglang_echo.model.indexer import select_topk
 
@@ -61,9 +66,14 @@ def make_inputs(B: int, L: int, H: int, D: int, g: torch.Generator) -> tuple[tor
     return q, w, keys, scales, locs, lens
 
 
-# Top-k launch shapes timed beside the default (keys per program, warps): more programs per
-# row shorten each pass at small batches; fewer cut the per-program replay and histogram cost.
-TOPK_SWEEP = [(block, warps) for block in (1024, 2048, 4096, 8192) for warps in (4, 8)]
+# Top-k launch shapes timed beside the default (keys per program, warps, candidates per
+# piece): more programs per row shorten each pass at small batches; fewer cut the
+# per-program replay and histogram cost; the candidate piece trades the candidate passes'
+# masked work against their loop trips.
+TOPK_SWEEP = [
+    (block, warps, DEFAULT_CAND_BLOCK) for block in (1024, 2048, 4096) for warps in (4, 8)
+]
+TOPK_SWEEP += [(DEFAULT_BLOCK, DEFAULT_NUM_WARPS, cand) for cand in (128, 256, 1024, 2048)]
 
 
 def topk_launch_sweep(logits: torch.Tensor, qpos: torch.Tensor, topk: int) -> list[dict]:
@@ -71,19 +81,30 @@ def topk_launch_sweep(logits: torch.Tensor, qpos: torch.Tensor, topk: int) -> li
     batch 1; each shape's output must be the default's tensor exactly (else not timed)."""
     want = topk_positions(logits, qpos, topk)
     rows = []
-    for block, warps in TOPK_SWEEP:
+    for block, warps, cand in TOPK_SWEEP:
 
-        def run(n=logits.shape[0], block=block, warps=warps):
-            return topk_positions(logits[:n], qpos[:n], topk, block=block, num_warps=warps)
+        def run(n=logits.shape[0], block=block, warps=warps, cand=cand):
+            return topk_positions(
+                logits[:n], qpos[:n], topk, block=block, num_warps=warps, cand_block=cand
+            )
 
         same = torch.equal(run(), want)
-        row = {"block": block, "num_warps": warps, "equal_to_default": same}
+        row = {"block": block, "num_warps": warps, "cand_block": cand, "equal_to_default": same}
         if same:
             row["us"] = graph_us(run)
             row["us_b1"] = graph_us(lambda run=run: run(1))
         rows.append(row)
-        print(f"top-k block {block} warps {warps}: {row}", flush=True)
+        print(f"top-k block {block} warps {warps} cand {cand}: {row}", flush=True)
     return rows
+
+
+def candidate_share(logits: torch.Tensor, topk: int) -> float:
+    """The share of keys the radix top-k's candidate passes read: those sharing the k-th
+    key's top byte (the order-preserving key of kernels/topk.py), over all rows."""
+    bits = logits.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    key = torch.where(bits >= 1 << 31, 0xFFFFFFFF - bits, bits + (1 << 31))
+    kth = torch.topk(key, topk, dim=1).values[:, -1:]
+    return ((key >> 24) == (kth >> 24)).double().mean().item()
 
 
 def main() -> None:
@@ -254,6 +275,7 @@ def main() -> None:
             graph_times[name] = None
             print(f"graph timing of {name} failed: {str(exc)[:200]}", flush=True)
     sweep = topk_launch_sweep(logits, qpos.view(-1), args.topk)
+    share = candidate_share(logits, args.topk)
     # The decode top-k (kernels/topk_pivot.py): its thresholds come from the previous step;
     # "drift" takes them from a perturbed query's logits over the same keys.
     noise = torch.randn(q.shape, device=dev, generator=g)
@@ -304,6 +326,7 @@ def main() -> None:
         "packed_key_topk_equals_sort": packed_equal,
         "packed_over_sort": packed_topk_us / stable_topk_us,
         "topk_launch_sweep": sweep,
+        "topk_candidate_share": share,
         "topk_pivot": pivot,
     }
     # Graph-replayed device times (the decode basis): the headline where capture worked.

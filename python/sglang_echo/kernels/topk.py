@@ -45,18 +45,25 @@ from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 # compile a second variant the first time serving meets the other width.
 DEFAULT_BLOCK = 2048
 DEFAULT_NUM_WARPS = 4  # Triton's default; indexer_bench's topk_launch_sweep times others
+# Candidates the last two digits and the count read per piece: a block's candidates are
+# usually a small share of it (those at the k-th key's top byte), and a piece's histogram
+# costs its full width whatever the mask.
+DEFAULT_CAND_BLOCK = 512
 # Blocks per row the collect pass sums over at compile time: 256K keys' worth (128 x 2048,
 # or 256 x 1024), so every context up to that shares one compiled variant per block width
 # (longer rows get a wider one). The interpreter (CPU tests) keeps 64 at any width.
 MIN_MAX_KEYS = 64 * 4096
 MIN_MAX_CHUNKS = 64
 # Sizes that change from call to call are not value-specialized: one variant per kernel.
-_PER_CALL = ["n_cols", "n_rows", "k", "topk"]
+# Strides too: a decode width that is a multiple of 16 compiled a second variant of every
+# kernel mid-serving (the H200 test of f83148a), for a few vector loads.
+_PER_CALL = ["n_cols", "n_rows", "k", "topk", "scores_stride", "out_stride"]
 
 
 @triton.jit
 def _order_key(scores):
-    """float32 -> int64 in [0, 2^32) with the same order (larger score, larger key)."""
+    """float32 -> int64 in [0, 2^32) with the same order (larger score, larger key); the
+    pivot's 64-bit searches (kernels/topk_pivot.py) use this form."""
     bits = scores.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     negative = bits >= 0x80000000
     return tl.where(negative, 0xFFFFFFFF - bits, bits + 0x80000000)
@@ -70,26 +77,52 @@ def _key_score(key):
 
 
 @triton.jit
+def _order_key32(scores):
+    """float32 -> uint32 with the same order and the same values as ``_order_key``: the
+    radix passes are integer-bound (Nsight Compute on the H200: the histogram passes
+    stall most on a saturated math pipe), and 32-bit keys halve their integer work."""
+    bits = scores.to(tl.uint32, bitcast=True)
+    return bits ^ tl.where((bits >> 31) == 1, 0xFFFFFFFF, 0x80000000)
+
+
+@triton.jit
+def _key32_score(key):
+    """The inverse of ``_order_key32``."""
+    bits = key ^ tl.where((key >> 31) == 1, 0x80000000, 0xFFFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _replay(hist_ptr, row, n_rows, k, PASSES: tl.constexpr):
-    """The key prefix and the count still wanted at it, after PASSES digit choices."""
+    """The key prefix (uint32) and the count still wanted at it, after PASSES digit
+    choices."""
     bins = tl.arange(0, 256)
-    prefix = tl.zeros((), dtype=tl.int64)
-    want = tl.zeros((), dtype=tl.int64) + k
+    prefix = tl.zeros((), dtype=tl.uint32)
+    want = tl.zeros((), dtype=tl.int32) + k
     for p in tl.static_range(PASSES):
-        h = tl.load(hist_ptr + (p * n_rows + row) * 256 + bins).to(tl.int64)
+        h = tl.load(hist_ptr + (p * n_rows + row) * 256 + bins)
         at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # entries whose digit >= bin
-        chosen = tl.sum((at_or_above >= want).to(tl.int64), 0) - 1
+        chosen = tl.sum((at_or_above >= want).to(tl.int32), 0) - 1
         want = want - tl.sum(tl.where(bins == chosen, at_or_above - h, 0), 0)
-        prefix = prefix | (chosen << (24 - 8 * p))
+        prefix = prefix | (chosen.to(tl.uint32) << (24 - 8 * p))
     return prefix, want
 
 
 @triton.jit
-def _row_keys(scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK: tl.constexpr):
+def _row_scores(scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK: tl.constexpr):
+    """This block's columns, which exist, and their scores (-inf past the query)."""
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     inside = cols < n_cols
     s = tl.load(scores_ptr + row * scores_stride + cols, mask=inside, other=0.0)
     s = tl.where(cols <= tl.load(query_pos_ptr + row), s, float("-inf"))
+    return cols, inside, s
+
+
+@triton.jit
+def _row_keys(scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK: tl.constexpr):
+    cols, inside, s = _row_scores(
+        scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
+    )
     return cols, inside, s, _order_key(s)
 
 
@@ -103,46 +136,119 @@ def _unserved(served_ptr, row, FALLBACK: tl.constexpr):
     return row >= 0
 
 
+@triton.jit
+def _add_hist(hist_ptr, row, n_rows, counts, PASS: tl.constexpr):
+    # Relaxed: the histogram is read by the next launch only (kernels/pdl.py). Empty bins
+    # are skipped: past the first digit most are.
+    bins = tl.arange(0, 256)
+    tl.atomic_add(
+        hist_ptr + (PASS * n_rows + row) * 256 + bins, counts, mask=counts > 0, sem="relaxed"
+    )
+
+
 @triton.jit(do_not_specialize=_PER_CALL)
 def _hist_kernel(
-    scores_ptr, query_pos_ptr, hist_ptr, served_ptr, scores_stride, n_cols, n_rows, k,
-    PASS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, FALLBACK: tl.constexpr,
+    scores_ptr, query_pos_ptr, hist_ptr, served_ptr, scores_stride, n_cols, n_rows,
+    BLOCK: tl.constexpr, PDL: tl.constexpr, FALLBACK: tl.constexpr,
 ):  # fmt: skip
-    """Pass PASS: this block's histogram of digit PASS among keys matching the prefix."""
+    """The first digit: this block's histogram of its keys' top bytes."""
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     if _unserved(served_ptr, row, FALLBACK):  # a served row's programs read nothing
-        prefix, _want = _replay(hist_ptr, row, n_rows, k, PASS)
-        _cols, inside, _s, key = _row_keys(
+        _cols, inside, s = _row_scores(
             scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
         )
-        shift: tl.constexpr = 24 - 8 * PASS
-        match = inside & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-        digit = ((key >> shift) & 255).to(tl.int32)
         # 256 bins with a mask, not a 512-bin histogram whose upper half collects the keys
         # off the prefix: the ballot-based lowering does a third less work (PTX for sm_90).
-        counts = tl.histogram(digit, 256, mask=match)
-        # Relaxed: the histogram is read by the next launch only (kernels/pdl.py).
-        bins = tl.arange(0, 256)
-        tl.atomic_add(hist_ptr + (PASS * n_rows + row) * 256 + bins, counts, sem="relaxed")
+        counts = tl.histogram((_order_key32(s) >> 24).to(tl.int32), 256, mask=inside)
+        _add_hist(hist_ptr, row, n_rows, counts, 0)
+
+
+@triton.jit(do_not_specialize=[*_PER_CALL, "n_chunks"])
+def _split_kernel(
+    scores_ptr, query_pos_ptr, hist_ptr, served_ptr, split_ptr, cand_ptr, scores_stride,
+    n_cols, n_rows, k, n_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    FALLBACK: tl.constexpr,
+):  # fmt: skip
+    """After the first digit: this block's keys above its chosen top byte are picks, those
+    at it are the candidates. Their count, the candidates' keys in position order in the
+    block's own stretch of ``cand`` (no offsets from other blocks needed), and their
+    second-digit histogram. The last two digits and the count read only candidates."""
+    pdl_prologue(PDL)
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    if _unserved(served_ptr, row, FALLBACK):  # a served row's programs read nothing
+        prefix, _want = _replay(hist_ptr, row, n_rows, k, 1)
+        _cols, inside, s = _row_scores(
+            scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
+        )
+        key = _order_key32(s)
+        top = key >> 24
+        above = inside & (top > (prefix >> 24))
+        cand = inside & (top == (prefix >> 24))
+        base = row * n_chunks + chunk
+        tl.store(split_ptr + 2 * base, tl.sum(above.to(tl.int32), 0))
+        tl.store(split_ptr + 2 * base + 1, tl.sum(cand.to(tl.int32), 0))
+        rank = tl.cumsum(cand.to(tl.int32), 0) - 1
+        stretch = cand_ptr + base.to(tl.int64) * BLOCK
+        tl.store(stretch + rank, key.to(tl.int32, bitcast=True), mask=cand)
+        counts = tl.histogram(((key >> 16) & 255).to(tl.int32), 256, mask=cand)
+        _add_hist(hist_ptr, row, n_rows, counts, 1)
+
+
+@triton.jit(do_not_specialize=[*_PER_CALL, "n_chunks"])
+def _cand_hist_kernel(
+    hist_ptr, served_ptr, split_ptr, cand_ptr, n_rows, k, n_chunks, PASS: tl.constexpr,
+    BLOCK: tl.constexpr, CAND_BLOCK: tl.constexpr, PDL: tl.constexpr, FALLBACK: tl.constexpr,
+):  # fmt: skip
+    """Digit PASS (2 or 3) among this block's candidates that match the prefix, in pieces
+    of CAND_BLOCK: the work follows the candidate count, not the block's width."""
+    pdl_prologue(PDL)
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    if _unserved(served_ptr, row, FALLBACK):
+        prefix, _want = _replay(hist_ptr, row, n_rows, k, PASS)
+        base = row * n_chunks + chunk
+        n_cand = tl.load(split_ptr + 2 * base + 1)
+        stretch = cand_ptr + base.to(tl.int64) * BLOCK
+        shift: tl.constexpr = 24 - 8 * PASS
+        counts = tl.zeros((256,), dtype=tl.int32)
+        start = tl.zeros((), dtype=tl.int32)
+        while start < n_cand:  # a loop bound loaded from memory: a while (the interpreter)
+            i = start + tl.arange(0, CAND_BLOCK)
+            live = i < n_cand
+            key = tl.load(stretch + i, mask=live, other=0).to(tl.uint32, bitcast=True)
+            match = live & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+            counts += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+            start += CAND_BLOCK
+        _add_hist(hist_ptr, row, n_rows, counts, PASS)
 
 
 @triton.jit(do_not_specialize=[*_PER_CALL, "n_chunks"])
 def _count_kernel(
-    scores_ptr, query_pos_ptr, hist_ptr, served_ptr, counts_ptr, scores_stride, n_cols, n_rows,
-    k, n_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr, FALLBACK: tl.constexpr,
+    hist_ptr, served_ptr, split_ptr, cand_ptr, counts_ptr, n_rows, k, n_chunks,
+    BLOCK: tl.constexpr, CAND_BLOCK: tl.constexpr, PDL: tl.constexpr, FALLBACK: tl.constexpr,
 ):  # fmt: skip
-    """Per block: entries above the k-th key T, and entries equal to it."""
+    """Per block: entries above the k-th key T (those above the top byte, and candidates
+    above T), and entries equal to it (candidates only)."""
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
-    if _unserved(served_ptr, row, FALLBACK):  # a served row's programs read nothing
+    if _unserved(served_ptr, row, FALLBACK):
         threshold, _want = _replay(hist_ptr, row, n_rows, k, 4)
-        _cols, inside, _s, key = _row_keys(
-            scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
-        )
-        base = (row * n_chunks + chunk) * 2
-        tl.store(counts_ptr + base, tl.sum((inside & (key > threshold)).to(tl.int32), 0))
-        tl.store(counts_ptr + base + 1, tl.sum((inside & (key == threshold)).to(tl.int32), 0))
+        base = row * n_chunks + chunk
+        n_cand = tl.load(split_ptr + 2 * base + 1)
+        stretch = cand_ptr + base.to(tl.int64) * BLOCK
+        above = tl.zeros((CAND_BLOCK,), dtype=tl.int32)
+        equal = tl.zeros((CAND_BLOCK,), dtype=tl.int32)
+        start = tl.zeros((), dtype=tl.int32)
+        while start < n_cand:
+            i = start + tl.arange(0, CAND_BLOCK)
+            live = i < n_cand
+            key = tl.load(stretch + i, mask=live, other=0).to(tl.uint32, bitcast=True)
+            above += (live & (key > threshold)).to(tl.int32)
+            equal += (live & (key == threshold)).to(tl.int32)
+            start += CAND_BLOCK
+        n_above = tl.load(split_ptr + 2 * base) + tl.sum(above, 0)
+        tl.store(counts_ptr + 2 * base, n_above)
+        tl.store(counts_ptr + 2 * base + 1, tl.sum(equal, 0))
 
 
 @triton.jit(do_not_specialize=[*_PER_CALL, "n_chunks"])
@@ -161,23 +267,29 @@ def _collect_kernel(
         threshold, want = _replay(hist_ptr, row, n_rows, k, 4)
         if FALLBACK:  # noqa: SIM102 (a constexpr branch: compiled only with the fallback)
             if chunk == 0:
-                kth = tl.where(k == topk, _key_score(threshold), float("-inf"))
+                kth = tl.where(k == topk, _key32_score(threshold), float("-inf"))
                 tl.store(kth_ptr + row, kth)
                 # The row's next pivot (its step stays what the pivot's compact left).
                 tl.store(thresholds_ptr + 2 * tl.load(rows_ptr + row), kth)
         c = tl.arange(0, MAX_CHUNKS)
         earlier = c < chunk
         base = (row * n_chunks + c) * 2
-        above_before = tl.sum(tl.load(counts_ptr + base, mask=earlier, other=0).to(tl.int64), 0)
-        equal_before = tl.sum(tl.load(counts_ptr + base + 1, mask=earlier, other=0).to(tl.int64), 0)
-        cols, inside, s, key = _row_keys(
+        above_before = tl.sum(tl.load(counts_ptr + base, mask=earlier, other=0), 0)
+        equal_before = tl.sum(tl.load(counts_ptr + base + 1, mask=earlier, other=0), 0)
+        cols, inside, s = _row_scores(
             scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
         )
+        key = _order_key32(s)
+        above = inside & (key > threshold)
         equal = inside & (key == threshold)
-        equal_rank = equal_before + tl.cumsum(equal.to(tl.int64), 0) - 1
-        pick = inside & ((key > threshold) | (equal & (equal_rank < want)))
-        taken_before = above_before + tl.minimum(equal_before, want)
-        slot = taken_before + tl.cumsum(pick.to(tl.int64), 0) - 1
+        # One scan for both running counts (a block holds < 65536 keys): equal in the high
+        # half, above in the low. Through entry i the row has taken every entry above T
+        # and min(equal so far, want) of those equal to it.
+        packed = tl.cumsum(above.to(tl.int32) + equal.to(tl.int32) * 65536, 0)
+        above_through = above_before + (packed & 65535)
+        equal_through = equal_before + (packed >> 16)
+        pick = above | (equal & (equal_through <= want))
+        slot = above_through + tl.minimum(equal_through, want) - 1
         value = tl.where(s == float("-inf"), -1, cols.to(tl.int64))
         tl.store(out_ptr + row * out_stride + slot, value, mask=pick)
 
@@ -189,13 +301,14 @@ def topk_positions(
     block: int = DEFAULT_BLOCK,
     pdl: bool = False,
     num_warps: int = DEFAULT_NUM_WARPS,
+    cand_block: int = DEFAULT_CAND_BLOCK,
 ) -> torch.Tensor:
     """scores [R, L] fp32 (column = key position), query_pos [R] -> positions [R, topk]
     (ascending; -1 for masked or missing). Same set as ``select_topk``. ``block``: keys
     per program. ``pdl``: chain the six launches
     (kernels/pdl.py; off by default: on an H200 it saved 2% at 48 rows and cost 6% at one,
-    indexer.json's ``topk_unchained`` beside ``topk``). Block, warps and chaining change
-    speed only: the output is the same tensor for every launch shape."""
+    indexer.json's ``topk_unchained`` beside ``topk``). Block, warps, ``cand_block`` and
+    chaining change speed only: the output is the same tensor for every launch shape."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError("scores must be a float32 [rows, keys] tensor")
     rows, n_cols = scores.shape
@@ -203,7 +316,9 @@ def topk_positions(
     out = torch.full((rows, topk), -1, dtype=torch.int64, device=scores.device)
     if rows == 0 or n_cols == 0:
         return out
-    radix_select(scores.contiguous(), query_pos, out, k, block, pdl, num_warps)
+    radix_select(
+        scores.contiguous(), query_pos, out, k, block, pdl, num_warps, cand_block=cand_block
+    )
     return out
 
 
@@ -216,10 +331,12 @@ def radix_select(
     pdl: bool = False,
     num_warps: int = DEFAULT_NUM_WARPS,
     fallback: tuple[torch.Tensor, ...] | None = None,
+    cand_block: int = DEFAULT_CAND_BLOCK,
 ) -> None:
     """The six launches, writing picks into ``out`` [R, >= k] (pre-filled with -1).
     ``fallback`` (kernels/topk_pivot.py): (served [R], kth [R], thresholds, rows, topk):
-    rows with served >= 0 are skipped, the others also get their k-th score written."""
+    rows with served >= 0 are skipped, the others also get their k-th score written.
+    ``cand_block``: candidates a piece of the candidate passes reads (speed only)."""
     rows, n_cols = scores.shape
     qpos = query_pos.to(torch.int64).contiguous()
     # The interpreter (CPU tests) compiles nothing and runs faster on blocks no wider than
@@ -227,26 +344,39 @@ def radix_select(
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if interpreting:
         block = min(block, max(16, triton.next_power_of_2(n_cols)))
+    cand_block = min(cand_block, block)
     n_chunks = triton.cdiv(n_cols, block)
-    hist = torch.zeros(4, rows, 256, dtype=torch.int32, device=scores.device)
-    counts = torch.empty(rows, n_chunks, 2, dtype=torch.int32, device=scores.device)
+    dev = scores.device
+    hist = torch.zeros(4, rows, 256, dtype=torch.int32, device=dev)
+    split = torch.empty(rows, n_chunks, 2, dtype=torch.int32, device=dev)
+    counts = torch.empty(rows, n_chunks, 2, dtype=torch.int32, device=dev)
+    # Each block's candidates (keys at the chosen top byte) in its own stretch.
+    cand = torch.empty(rows, n_chunks * block, dtype=torch.int32, device=dev)
     grid = (rows, n_chunks)
     if fallback is None:
         served, kth, thresholds, row_ix, topk = scores, scores, scores, qpos, k
     else:
         served, kth, thresholds, row_ix, topk = fallback
-    common = (scores, qpos, hist, served)
-    chained = use_pdl(scores.device, pdl)
+    chained = use_pdl(dev, pdl)
     launch = dict(
         BLOCK=block, PDL=chained, launch_pdl=chained, num_warps=num_warps,
         FALLBACK=fallback is not None,
     )  # fmt: skip
-    for p in range(4):
-        _hist_kernel[grid](*common, scores.stride(0), n_cols, rows, k, PASS=p, **launch)
-    _count_kernel[grid](*common, counts, scores.stride(0), n_cols, rows, k, n_chunks, **launch)
+    stride = scores.stride(0)
+    _hist_kernel[grid](scores, qpos, hist, served, stride, n_cols, rows, **launch)
+    _split_kernel[grid](
+        scores, qpos, hist, served, split, cand, stride, n_cols, rows, k, n_chunks, **launch
+    )
+    for p in (2, 3):
+        _cand_hist_kernel[grid](
+            hist, served, split, cand, rows, k, n_chunks, PASS=p, CAND_BLOCK=cand_block, **launch
+        )
+    _count_kernel[grid](
+        hist, served, split, cand, counts, rows, k, n_chunks, CAND_BLOCK=cand_block, **launch
+    )
     _collect_kernel[grid](
-        *common, counts, out, kth, thresholds, row_ix, scores.stride(0), out.stride(0), n_cols,
-        rows, k, topk, n_chunks,
+        scores, qpos, hist, served, counts, out, kth, thresholds, row_ix, stride,
+        out.stride(0), n_cols, rows, k, topk, n_chunks,
         MAX_CHUNKS=max(
             MIN_MAX_CHUNKS if interpreting else MIN_MAX_KEYS // block,
             triton.next_power_of_2(n_chunks),

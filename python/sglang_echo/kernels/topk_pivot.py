@@ -61,7 +61,7 @@ GRID = 8
 MAX_CAP = 1 << 15
 MAX_TOPK = MAX_CAP // CAP_PER_TOPK
 SELECT_NUM_WARPS = 16
-_PER_CALL = ["n_cols", "n_rows", "k", "topk"]
+_PER_CALL = ["n_cols", "n_rows", "k", "topk", "scores_stride", "out_stride"]  # as topk.py's
 
 
 def pivot_requested(environ: dict | None = None) -> bool:
@@ -105,7 +105,7 @@ def _rung(pivot_ptr, j):
     return tl.where(none, b, tl.where(usable, stepped, scaled))
 
 
-@triton.jit(do_not_specialize=["n_cols", "n_rows"])
+@triton.jit(do_not_specialize=["n_cols", "n_rows", "scores_stride"])
 def _count_kernel(
     scores_ptr, query_pos_ptr, thresholds_ptr, rows_ptr, counts_ptr, rungs_ptr, scores_stride,
     n_cols, n_rows, BLOCK: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr,
