@@ -59,7 +59,7 @@ run_stage() {
     indexer_profile)  # Nsight Compute on one decode indexer step at batches 1 and 48: the fp8
       # logits launch and the radix top-k's six, what bounds each (DRAM, issue, stalls)
       stage indexer_profile 150 bash -c 'n=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-        for b in 1 48; do "$n" --clock-control none -k "regex:_fp8_index_logits_kernel|_hist_kernel|_count_kernel|_collect_kernel" -c 7 \
+        for b in 1 48; do "$n" --clock-control none -k "regex:_fp8_index_logits_kernel|_hist_kernel|_split_kernel|_cand_hist_kernel|_count_kernel|_collect_kernel" -c 7 \
           --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
           python3 benchmark/kernels/indexer_once.py --batch $b > /tmp/ds/indexer_profile/ncu_b$b.txt 2>&1

@@ -165,20 +165,28 @@ def test_a_top_k_too_wide_for_the_pivot_is_refused_at_bind(monkeypatch):
     assert wide.pivot_thresholds is None
 
 
-def test_the_pivot_is_refused_on_cuda_until_it_passes_its_gpu_test(monkeypatch):
-    """Lossless comes first: the opt-in is refused on CUDA, with what to change, until the
-    GPU exactness test passes again; with the switch off nothing is refused."""
+def test_the_pivot_binds_on_cuda_once_its_gpu_tests_pass(monkeypatch):
+    """The opt-in was refused on CUDA while its GPU exactness test failed; that test passes
+    on the H200 since c4a2e78, so a CUDA request table binds thresholds like a CPU one,
+    and with the switch off nothing binds."""
     from types import SimpleNamespace
 
     from sglang_echo.model.indexer import LightningIndexer
 
+    if not torch.cuda.is_available():
+        monkeypatch.setattr("sglang_echo.model.indexer.empty_pivots", _empty_pivots_on_cpu)
     fits = SimpleNamespace(topk=2048, pivot_thresholds=None)
     monkeypatch.setenv(ENV_TOPK_PIVOT, "1")
-    with pytest.raises(ValueError, match=f"refused on CUDA.*Unset {ENV_TOPK_PIVOT}"):
-        LightningIndexer.bind_request_rows(fits, 4, torch.device("cuda"))
+    LightningIndexer.bind_request_rows(fits, 4, torch.device("cuda"))
+    assert fits.pivot_thresholds.shape == (4, 2)
     monkeypatch.setenv(ENV_TOPK_PIVOT, "0")
     LightningIndexer.bind_request_rows(fits, 4, torch.device("cuda"))
     assert fits.pivot_thresholds is None
+
+
+def _empty_pivots_on_cpu(rows: int, device: torch.device) -> torch.Tensor:
+    """``empty_pivots`` for a machine without CUDA: the same table, on the CPU."""
+    return empty_pivots(rows, torch.device("cpu"))
 
 
 def test_the_stage_split_for_benchmarks_is_complete_once_every_row_is_served():

@@ -1,7 +1,7 @@
 """Run one decode indexer step (the fp8 logits, then the radix top-k's six launches) at one
 batch of 100K-token requests, for a profiler to read where each launch's time goes:
 
-    ncu --clock-control none -c 7 -k "regex:_fp8_index_logits_kernel|_hist_kernel|_count_kernel|_collect_kernel" \\
+    ncu --clock-control none -c 7 -k "regex:_fp8_index_logits_kernel|_hist_kernel|_split_kernel|_cand_hist_kernel|_count_kernel|_collect_kernel" \\
         --section WarpStateStats python3 benchmark/kernels/indexer_once.py --batch 48
 
 The bench (indexer_bench.py) times many launch shapes replayed from graphs; a profile of

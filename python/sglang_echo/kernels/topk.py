@@ -1,28 +1,41 @@
 """Exact top-k per row by radix select, with ties going to the lowest position.
 
-Scores become order-preserving 32-bit keys; four passes of a 256-bin histogram over the
-key's bytes (most significant first) find the k-th largest key T and how many entries
-equal to T are needed; a last pass writes, in position order, every entry above T and the
+Scores become order-preserving 32-bit keys; four 256-bin histograms over the key's bytes
+(most significant first) find the k-th largest key T and how many entries equal to T are
+needed; a last pass writes, in position order, every entry above T and the
 lowest-positioned entries equal to T. The set is exactly that of ``select_topk`` (the
 plain-torch reference at the end of this file, also the model's CPU path); the order is
 ascending position instead of descending score. Positions whose score is -inf (masked)
 come back as -1.
 
 Every pass splits each row over many programs (one per BLOCK columns), so 48 rows of
-100K keys run on ~1200 programs: each pass adds its programs' histograms into a per-row,
+100K keys run on ~2350 programs: each pass adds its programs' histograms into a per-row,
 per-pass histogram with atomics, and the next pass replays the digit choices of the
 previous ones from those histograms (a few hundred loads) instead of a launch of its own.
-The final pass first counts, per program, the entries above T and equal to T, then
-writes with offsets from the programs before it. Six launches in all, each reading the
-scores once.
+Six launches, three of which read the scores:
 
-Measured on an H200 at 48 x 100K, replayed from a CUDA graph as decode runs it
-(benchmark/results/indexer.json, ``topk_us``; ``topk_launch_sweep`` times other widths),
-against torch.topk (which breaks ties however its radix pass falls) and the tie-stable sort
-that the model used before. On CUDA the model's decode and prefill top-k
-run this kernel (``model.indexer.exact_topk``); the sort stays the CPU path and reference.
-Every block is DEFAULT_BLOCK wide and the collect pass sums a fixed MIN_MAX_CHUNKS block
-counts, so contexts up to 256K keys share one compiled variant per kernel.
+1. the first digit's histogram (every key);
+2. the split (every key): keys above the chosen top byte are picks; those at it are the
+   candidates, written in position order to the block's own stretch of a buffer, with
+   their count and the second digit's histogram;
+3. and 4. the last two digits, over each block's candidates only (about a tenth of the
+   keys on the bench's logits, ``indexer.json``'s ``topk_candidate_share``);
+5. the count: per block, entries above T and equal to it (from the split's count and the
+   candidates);
+6. the collect (every key): each block writes its picks after the picks of the blocks
+   before it.
+
+Nsight Compute on the H200 (``benchmark/results/gpu_checks_logs/``, stage
+``indexer_profile``) finds the full-row passes bound by integer issue (the ballot-based
+histogram and the key arithmetic), not by DRAM, hence 32-bit keys and passes that read
+only candidates. Measured on an H200 at 48 x 100K, replayed from a CUDA graph as decode
+runs it (benchmark/results/indexer.json, ``topk_us``; ``topk_launch_sweep`` times other
+launch shapes), against torch.topk (which breaks ties however its radix pass falls) and
+the tie-stable sort that the model used before. On CUDA the model's decode and prefill
+top-k run this kernel (``model.indexer.exact_topk``); the sort stays the CPU path and
+reference. Every block is DEFAULT_BLOCK wide and the collect pass sums a fixed
+MIN_MAX_CHUNKS block counts, so contexts up to 256K keys share one compiled variant per
+kernel.
 """
 
 from __future__ import annotations
@@ -37,17 +50,16 @@ import triton.language as tl
 from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 
 # One width for every batch and context: each kernel compiles once, never mid-serving.
-# 2048 keys per program, 4 warps: the fastest width both at batch 48 and at batch 1 in two
-# H200 runs of indexer_bench.py's topk_launch_sweep (48 x 100K: 192.8 / 191.4 us against
-# 201.6 / 197.9 at 4096; 1 x 100K: 37.2 / 36.9 against 49.6 / 47.8; indexer.json of d169375
-# and the stage log benchmark/results/gpu_checks_logs/5bd28c7/kernels_stage.log). 1024 is
-# a little faster at batch 1 (36.3) but slower at 48 (228); a width chosen by batch would
-# compile a second variant the first time serving meets the other width.
+# 2048 keys per program, 4 warps: with the candidate split (c4a2e78), 122.8 us at 48 x 100K
+# and 28.1 us at batch 1 in indexer.json's topk_launch_sweep; 4096 is as fast at 48
+# (120.7) but slower at batch 1 (34.9), 1024 the reverse (149.7 / 25.6). A width chosen
+# by batch would compile a second variant the first time serving meets the other width.
 DEFAULT_BLOCK = 2048
 DEFAULT_NUM_WARPS = 4  # Triton's default; indexer_bench's topk_launch_sweep times others
 # Candidates the last two digits and the count read per piece: a block's candidates are
 # usually a small share of it (those at the k-th key's top byte), and a piece's histogram
-# costs its full width whatever the mask.
+# costs its full width whatever the mask. 128-1024 time within 9% of each other at 48 x
+# 100K (indexer.json's topk_launch_sweep), 2048 is 16% slower.
 DEFAULT_CAND_BLOCK = 512
 # Blocks per row the collect pass sums over at compile time: 256K keys' worth (128 x 2048,
 # or 256 x 1024), so every context up to that shares one compiled variant per block width

@@ -28,9 +28,9 @@ its next d): speed hints only, that nothing else reads.
 
 Exactness also needs every launch to agree on each threshold: the compact reads the rungs
 the count kernel wrote rather than recomputing them (compiled for the GPU, the same formula
-rounded differently in the two kernels). The model refuses this top-k on CUDA
-(``LightningIndexer.bind_request_rows``) until its GPU test passes on the fixed code: on
-the H200 it picked wrong rows on 2026-12-01 (benchmark/results/PROVENANCE.md).
+rounded differently in the two kernels: on the H200 that, and a 32-bit shift by 32 in
+the search, picked wrong rows until both were fixed; the GPU exactness tests pass since,
+benchmark/results/PROVENANCE.md).
 """
 
 from __future__ import annotations

