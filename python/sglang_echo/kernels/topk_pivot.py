@@ -1,6 +1,6 @@
 """Exact decode top-k in one pass over the scores, from the k-th score the previous step left.
 
-Why: the radix select (kernels/topk.py) reads every score six times, because it knows
+Why: the radix select (kernels/topk.py) reads every score three times, because it knows
 nothing about the row. A decode row is the same request's next query, so its k-th score
 is a guess at where this step's top-k ends. Each request row keeps the last k-th score b,
 and the top-k runs in three launches:
