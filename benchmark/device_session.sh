@@ -3,17 +3,18 @@
 # into OUTDIR as it finishes (a call cut short still returns what ran). Records keep the
 # commands that made them. Stage times seen on 2026-12-01 (a call is at most 10 minutes):
 # tests ~490 s, kernels ~300 s, study ~130 s, study_fp8 ~80 s, topk ~120 s, cache ~75 s,
-# mla_profile ~20 s.
+# mla_profile ~20 s, indexer_profile ~25 s; topk_peer ~5 min (est.: the FlashInfer top-k JIT build is ~4).
 #   bash benchmark/device_session.sh OUTDIR tests                          # one call
 #   bash benchmark/device_session.sh OUTDIR kernels mla_profile study     # one call
 #   bash benchmark/device_session.sh OUTDIR topk cache study_fp8          # one call
+#   bash benchmark/device_session.sh OUTDIR topk_peer prefetch            # one call (.peer carried)
 #   bash benchmark/device_session.sh OUTDIR e2e      # decode-node sweep + the study, bf16 and fp8 (~9 min)
 #   bash benchmark/device_session.sh OUTDIR figures  # Figure 13 at 110K, 14 and 15 (~10 min; est.)
 # (`checks` = tests + kernels, more than one call's 10 minutes now: name the stages.)
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
-# FlashInfer beside our sparse MLA (checks).
+# FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels mla_profile indexer_profile cache topk prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels mla_profile indexer_profile cache topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -30,21 +31,24 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run, log, pack NAME.tgz from /tmp/ds
   tail -6 "/tmp/ds/$name/$name.log"
   tar -czf "$out/$name.tgz" -C /tmp/ds "$name"
 }
+peer_env() {  # FlashInfer from the carried .peer/ bundle on PYTHONPATH; fails without it
+  [ -f .peer/flashinfer_trim.tar.xz ] || return 1
+  local site
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --target "$site" .peer/apache_tvm_ffi*.whl \
+    && tar -xJf .peer/flashinfer_trim.tar.xz -C "$site" || return 1
+  export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default
+}
 run_stage() {
   case "$1" in
     tests) stage tests 555 bash benchmark/gpu_checks.sh /tmp/ds/tests tests ;;  # 321-397 s of CUDA tests seen, then the kernel tests
     kernels)
       # FlashInfer's MLA decode beside our sparse MLA where the peer bundle is carried (.peer/,
       # gitignored: flashinfer-python 0.7.2.post1 for cp312, its wheel trimmed to the Python
-      # modules, headers and batch-MLA sources as flashinfer_trim.tar.xz, and the
-      # apache_tvm_ffi wheel it needs; 62 MB untrimmed); its JIT build takes ~20 s.
+      # modules, headers and the top-k and batch-MLA sources as flashinfer_trim.tar.xz, and
+      # the apache_tvm_ffi wheel it needs; 62 MB untrimmed); its JIT build takes ~20 s.
       peer=""
-      if [ -f .peer/flashinfer_trim.tar.xz ]; then
-        site=$(mktemp -d)
-        python3 -m pip install -q --no-index --no-deps --target "$site" .peer/apache_tvm_ffi*.whl \
-          && tar -xJf .peer/flashinfer_trim.tar.xz -C "$site" && peer="--peer flashinfer"
-        export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default
-      fi
+      peer_env && peer="--peer flashinfer"
       stage kernels 360 bash -c "python3 benchmark/kernels/sparse_mla_bench.py --out /tmp/ds/kernels \
         --batches 3,17,48 $peer; for b in recall cache_ops indexer; do
         python3 benchmark/kernels/\${b}_bench.py --out /tmp/ds/kernels; done" ;;
@@ -73,6 +77,10 @@ run_stage() {
       # then the indexer bench (the pivot's states beside)
       stage topk 200 bash -c "python3 -m pytest -q -p no:cacheprovider -m 'gpu or not gpu' tests/test_kernel_topk.py \
         tests/test_kernel_topk_pivot.py && python3 benchmark/kernels/indexer_bench.py --out /tmp/ds/topk" ;;
+    topk_peer)  # FlashInfer's radix top-k beside ours (.peer carried): its top-k JIT build
+      # takes ~4 minutes on a fresh machine, then the sets are checked and both timed
+      peer_env || echo "no .peer/ bundle carried: the peer is reported missing"
+      stage topk_peer 420 python3 benchmark/kernels/topk_peer_bench.py --out /tmp/ds/topk_peer ;;
     kernel_tests)  # gpu_checks.sh's second step alone: the kernel and model tests, this torch
       stage kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
         tests/test_kernel_recall.py tests/test_kernel_indexer.py tests/test_kernel_decode_prefetch.py \
@@ -109,7 +117,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in tests|kernel_tests|kernels|mla_profile|indexer_profile|cache|topk|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in tests|kernel_tests|kernels|mla_profile|indexer_profile|cache|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"
