@@ -122,3 +122,29 @@ def test_contexts_and_row_counts_of_any_size_reuse_one_compiled_variant() -> Non
         if step == 0:
             before = counts
     assert counts == before, f"variants per kernel grew from {before} to {counts}"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_topk_kernel_random_shapes_masks_and_launch_shapes(seed):
+    """Random widths, k, query positions, -inf runs and score scales (a few ties, wide
+    ranges, all one sign, all zero), at random block and candidate-piece widths: every
+    draw must give the reference's positions exactly."""
+    g = torch.Generator().manual_seed(100 + seed)
+    rows = int(torch.randint(1, 5, (1,), generator=g))
+    n_cols = int(torch.randint(20, 700, (1,), generator=g))
+    topk = int(torch.randint(1, 90, (1,), generator=g))
+    block = [16, 64, 128, 256][seed % 4]
+    cand_block = [16, 32, 512][seed % 3]
+    scale = [1e-3, 1.0, 1e4][seed % 3]
+    scores = torch.randn(rows, n_cols, generator=g) * scale
+    if seed % 2:
+        scores = scores.abs().round()  # non-negative, many ties
+    for r in range(rows):
+        start = int(torch.randint(0, n_cols, (1,), generator=g))
+        scores[r, start : start + int(torch.randint(0, 30, (1,), generator=g))] = float("-inf")
+    qpos = torch.randint(0, n_cols, (rows,), generator=g)
+    scores, qpos = scores.to(DEV), qpos.to(DEV)
+    got = topk_positions(scores, qpos, topk, block=block, cand_block=cand_block)
+    # Picks of masked keys (rows with fewer than k visible) are -1 where they fall; the
+    # reference puts its -1s last.
+    assert torch.equal(_sorted(got), topk_positions_reference(scores, qpos, topk))
