@@ -47,8 +47,8 @@ def test_topk_rejects_non_float32():
         topk_positions(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2), 4)
 
 
-@pytest.mark.parametrize("cand_block", [512, 32])
-def test_topk_kernel_many_blocks_ties_across_blocks(cand_block):
+@pytest.mark.parametrize(("cand_block", "loads_first"), [(512, False), (32, False), (32, True)])
+def test_topk_kernel_many_blocks_ties_across_blocks(cand_block, loads_first):
     """20 blocks per row: the k-th value's ties spread over many blocks, so the offsets
     each block takes from the blocks before it decide which tied positions are kept.
     Every key shares one top byte, so each block's candidates are all of it: with
@@ -58,11 +58,14 @@ def test_topk_kernel_many_blocks_ties_across_blocks(cand_block):
     scores = torch.randint(0, 50, (rows, n_cols), generator=g).float()
     qpos = torch.tensor([n_cols - 1, 3999, 2500])
     scores, qpos = scores.to(DEV), qpos.to(DEV)
-    got = topk_positions(scores, qpos, topk, block=256, cand_block=cand_block)
+    got = topk_positions(
+        scores, qpos, topk, block=256, cand_block=cand_block, loads_first=loads_first
+    )
     assert torch.equal(got, topk_positions_reference(scores, qpos, topk))
 
 
-def test_topk_kernel_candidates_uneven_across_blocks():
+@pytest.mark.parametrize("loads_first", [False, True])
+def test_topk_kernel_candidates_uneven_across_blocks(loads_first):
     """Blocks whose candidates (keys at the k-th key's top byte) number none, a few, or
     more than one piece: each block's stretch is read to its own count, and the picks
     above the top byte come from the full row."""
@@ -75,7 +78,7 @@ def test_topk_kernel_candidates_uneven_across_blocks():
     scores[1, 700] = float("-inf")
     qpos = torch.tensor([n_cols - 1, 1999])
     scores, qpos = scores.to(DEV), qpos.to(DEV)
-    got = topk_positions(scores, qpos, topk, block=256, cand_block=64)
+    got = topk_positions(scores, qpos, topk, block=256, cand_block=64, loads_first=loads_first)
     assert torch.equal(got, topk_positions_reference(scores, qpos, topk))
 
 
@@ -128,7 +131,8 @@ def test_contexts_and_row_counts_of_any_size_reuse_one_compiled_variant() -> Non
 def test_topk_kernel_random_shapes_masks_and_launch_shapes(seed):
     """Random widths, k, query positions, -inf runs and score scales (a few ties, wide
     ranges, all one sign, all zero), at random block and candidate-piece widths: every
-    draw must give the reference's positions exactly."""
+    draw must give the reference's positions exactly, with the loads issued first in the
+    second half of the draws."""
     g = torch.Generator().manual_seed(100 + seed)
     rows = int(torch.randint(1, 5, (1,), generator=g))
     n_cols = int(torch.randint(20, 700, (1,), generator=g))
@@ -144,7 +148,9 @@ def test_topk_kernel_random_shapes_masks_and_launch_shapes(seed):
         scores[r, start : start + int(torch.randint(0, 30, (1,), generator=g))] = float("-inf")
     qpos = torch.randint(0, n_cols, (rows,), generator=g)
     scores, qpos = scores.to(DEV), qpos.to(DEV)
-    got = topk_positions(scores, qpos, topk, block=block, cand_block=cand_block)
+    got = topk_positions(
+        scores, qpos, topk, block=block, cand_block=cand_block, loads_first=seed >= 6
+    )
     # Picks of masked keys (rows with fewer than k visible) are -1 where they fall; the
     # reference puts its -1s last.
     assert torch.equal(_sorted(got), topk_positions_reference(scores, qpos, topk))

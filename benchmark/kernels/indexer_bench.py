@@ -67,13 +67,23 @@ def make_inputs(B: int, L: int, H: int, D: int, g: torch.Generator) -> tuple[tor
 
 
 # Top-k launch shapes timed beside the default (keys per program, warps, candidates per
-# piece): more programs per row shorten each pass at small batches; fewer cut the
-# per-program replay and histogram cost; the candidate piece trades the candidate passes'
-# masked work against their loop trips.
+# piece, loads first): more programs per row shorten each pass at small batches; fewer cut
+# the per-program replay and histogram cost; the candidate piece trades the candidate
+# passes' masked work against their loop trips; loads first (DEFAULT_LOADS_FIRST) issues
+# each program's loads before its replay.
 TOPK_SWEEP = [
-    (block, warps, DEFAULT_CAND_BLOCK) for block in (1024, 2048, 4096) for warps in (4, 8)
+    dict(block=block, num_warps=warps, cand_block=DEFAULT_CAND_BLOCK, loads_first=False)
+    for block in (1024, 2048, 4096)
+    for warps in (4, 8)
 ]
-TOPK_SWEEP += [(DEFAULT_BLOCK, DEFAULT_NUM_WARPS, cand) for cand in (128, 256, 1024, 2048)]
+TOPK_SWEEP += [
+    dict(block=DEFAULT_BLOCK, num_warps=DEFAULT_NUM_WARPS, cand_block=cand, loads_first=False)
+    for cand in (128, 256, 1024, 2048)
+]
+TOPK_SWEEP += [
+    dict(block=block, num_warps=DEFAULT_NUM_WARPS, cand_block=DEFAULT_CAND_BLOCK, loads_first=True)
+    for block in (1024, 2048, 4096)
+]
 
 
 def topk_launch_sweep(logits: torch.Tensor, qpos: torch.Tensor, topk: int) -> list[dict]:
@@ -81,20 +91,18 @@ def topk_launch_sweep(logits: torch.Tensor, qpos: torch.Tensor, topk: int) -> li
     batch 1; each shape's output must be the default's tensor exactly (else not timed)."""
     want = topk_positions(logits, qpos, topk)
     rows = []
-    for block, warps, cand in TOPK_SWEEP:
+    for shape in TOPK_SWEEP:
 
-        def run(n=logits.shape[0], block=block, warps=warps, cand=cand):
-            return topk_positions(
-                logits[:n], qpos[:n], topk, block=block, num_warps=warps, cand_block=cand
-            )
+        def run(n=logits.shape[0], shape=shape):
+            return topk_positions(logits[:n], qpos[:n], topk, **shape)
 
         same = torch.equal(run(), want)
-        row = {"block": block, "num_warps": warps, "cand_block": cand, "equal_to_default": same}
+        row = {**shape, "equal_to_default": same}
         if same:
             row["us"] = graph_us(run)
             row["us_b1"] = graph_us(lambda run=run: run(1))
         rows.append(row)
-        print(f"top-k block {block} warps {warps} cand {cand}: {row}", flush=True)
+        print(f"top-k {shape}: {row}", flush=True)
     return rows
 
 

@@ -62,6 +62,14 @@ def main() -> None:
     metrics: dict = {"batch": B, "context": L, "topk": k}
     metrics["ours"] = timings(lambda n: topk_positions(logits[:n], qpos[:n], k), B)
     print(f"ours: {metrics['ours']}", flush=True)
+    # kernels/topk.py's DEFAULT_LOADS_FIRST, not yet measured: the same tensor, timed beside
+    early = {name: topk_positions(x, qpos, k, loads_first=True) for name, x in inputs.items()}
+    metrics["ours_loads_first"] = {"equal": all(torch.equal(early[n], ours[n]) for n in inputs)}
+    if metrics["ours_loads_first"]["equal"]:
+        metrics["ours_loads_first"].update(
+            timings(lambda n: topk_positions(logits[:n], qpos[:n], k, loads_first=True), B)
+        )
+    print(f"ours, loads first: {metrics['ours_loads_first']}", flush=True)
     peers = {}
     for mode in FLASHINFER_MODES:
         fn = flashinfer_topk(mode)
