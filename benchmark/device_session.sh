@@ -7,7 +7,7 @@
 #   bash benchmark/device_session.sh OUTDIR tests                          # one call
 #   bash benchmark/device_session.sh OUTDIR kernels mla_profile study     # one call
 #   bash benchmark/device_session.sh OUTDIR topk cache study_fp8          # one call
-#   bash benchmark/device_session.sh OUTDIR topk_peer prefetch            # one call (.peer carried)
+#   bash benchmark/device_session.sh OUTDIR topk_peer                     # one call (.peer carried)
 #   bash benchmark/device_session.sh OUTDIR e2e      # decode-node sweep + the study, bf16 and fp8 (~9 min)
 #   bash benchmark/device_session.sh OUTDIR figures  # Figure 13 at 110K, 14 and 15 (~10 min; est.)
 # (`checks` = tests + kernels, more than one call's 10 minutes now: name the stages.)
