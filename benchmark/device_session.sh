@@ -37,6 +37,9 @@ peer_env() {  # FlashInfer from the carried .peer/ bundle on PYTHONPATH; fails w
   site=$(mktemp -d)
   python3 -m pip install -q --no-index --no-deps --target "$site" .peer/apache_tvm_ffi*.whl \
     && tar -xJf .peer/flashinfer_trim.tar.xz -C "$site" || return 1
+  if [ -f .peer/flashinfer_topk_sm90a.so ]; then  # a top-k module built on an earlier machine
+    mkdir -p "$site/flashinfer/data/aot/topk" && cp .peer/flashinfer_topk_sm90a.so "$site/flashinfer/data/aot/topk/topk.so"
+  fi
   export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default
 }
 run_stage() {
@@ -78,9 +81,15 @@ run_stage() {
       stage topk 200 bash -c "python3 -m pytest -q -p no:cacheprovider -m 'gpu or not gpu' tests/test_kernel_topk.py \
         tests/test_kernel_topk_pivot.py && python3 benchmark/kernels/indexer_bench.py --out /tmp/ds/topk" ;;
     topk_peer)  # FlashInfer's radix top-k beside ours (.peer carried): its top-k JIT build
-      # takes ~4 minutes on a fresh machine, then the sets are checked and both timed
+      # takes ~4 minutes on a fresh machine, then the sets are checked and both timed. The
+      # module it built comes back as OUTDIR/flashinfer_topk_sm90a.so.gz: gunzipped into
+      # .peer/, peer_env installs it as FlashInfer's prebuilt (AOT) module, and the next
+      # machine skips the build.
       peer_env || echo "no .peer/ bundle carried: the peer is reported missing"
-      stage topk_peer 420 python3 benchmark/kernels/topk_peer_bench.py --out /tmp/ds/topk_peer ;;
+      stage topk_peer 420 python3 benchmark/kernels/topk_peer_bench.py --out /tmp/ds/topk_peer
+      local built
+      built=$(ls ~/.cache/flashinfer/*/*/cached_ops/topk/topk.so 2>/dev/null | head -1)
+      [ -n "$built" ] && gzip -c "$built" > "$out/flashinfer_topk_sm90a.so.gz" ;;
     kernel_tests)  # gpu_checks.sh's second step alone: the kernel and model tests, this torch
       stage kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
         tests/test_kernel_recall.py tests/test_kernel_indexer.py tests/test_kernel_decode_prefetch.py \
