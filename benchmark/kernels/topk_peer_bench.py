@@ -6,7 +6,8 @@ so the distribution is the one the indexer bench times; a tie-heavy copy (the lo
 ours on both inputs (``same_set``), and only then timed, replayed from a CUDA graph where
 the mode captures (eager otherwise, and the record says which), at the bench's batch and
 at batch 1. The first FlashInfer call builds its top-k module (JIT, about 4 minutes on a
-fresh H200 machine); it is timed apart as ``build_s``.
+fresh H200 machine, skipped where stage topk_peer installs a module built before); it
+is timed apart as ``build_and_first_call_s``.
 
     python benchmark/kernels/topk_peer_bench.py --out benchmark/results
 """

@@ -68,7 +68,8 @@ DEFAULT_CAND_BLOCK = 512
 # collect issues its loads in seven groups in a row, the scores' after ~50 barriers; with
 # loads first all of them precede the first barrier. Off until an H200 run of
 # indexer_bench's topk_launch_sweep times it beside the default; the output is the same
-# tensor either way, and with it off the kernels compile to the PTX measured before it.
+# tensor either way, and with it off the kernels compile to the PTX measured before it
+# (hence each kernel's two branches repeat their address arithmetic in their own order).
 DEFAULT_LOADS_FIRST = False
 # Blocks per row the collect pass sums over at compile time: 256K keys' worth (128 x 2048,
 # or 256 x 1024), so every context up to that shares one compiled variant per block width
