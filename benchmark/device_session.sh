@@ -31,7 +31,8 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run, log, pack NAME.tgz from /tmp/ds
   tail -6 "/tmp/ds/$name/$name.log"
   tar -czf "$out/$name.tgz" -C /tmp/ds "$name"
 }
-peer_env() {  # FlashInfer from the carried .peer/ bundle on PYTHONPATH; fails without it
+peer_env() {  # FlashInfer from the carried .peer/ bundle on PYTHONPATH (once per call); fails without it
+  [ -n "${PEER_SITE:-}" ] && return 0
   [ -f .peer/flashinfer_trim.tar.xz ] || return 1
   local site
   site=$(mktemp -d)
@@ -40,11 +41,14 @@ peer_env() {  # FlashInfer from the carried .peer/ bundle on PYTHONPATH; fails w
   if [ -f .peer/flashinfer_topk_sm90a.so ]; then  # a top-k module built on an earlier machine
     mkdir -p "$site/flashinfer/data/aot/topk" && cp .peer/flashinfer_topk_sm90a.so "$site/flashinfer/data/aot/topk/topk.so"
   fi
-  export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default
+  export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default PEER_SITE=$site
+}
+peer_or_say() {  # FlashInfer where .peer is carried (the top-k's CUDA default then), else say so
+  peer_env || echo "[device_session] no .peer/ bundle carried: FlashInfer is absent, the radix top-k serves"
 }
 run_stage() {
   case "$1" in
-    tests) stage tests 555 bash benchmark/gpu_checks.sh /tmp/ds/tests tests ;;  # 321-397 s of CUDA tests seen, then the kernel tests
+    tests) peer_or_say; stage tests 555 bash benchmark/gpu_checks.sh /tmp/ds/tests tests ;;  # 321-397 s of CUDA tests seen, then the kernel tests
     kernels)
       # FlashInfer's MLA decode beside our sparse MLA where the peer bundle is carried (.peer/,
       # gitignored: flashinfer-python 0.7.2.post1 for cp312, its wheel trimmed to the Python
@@ -78,14 +82,15 @@ run_stage() {
     topk)  # both top-k kernels' tests, the GPU-marked ones too (the pivot's exactness at full
       # scale, which must pass before SGLANG_ECHO_TOPK_PIVOT=1 is allowed on CUDA again),
       # then the indexer bench (the pivot's states beside)
+      peer_or_say
       stage topk 200 bash -c "python3 -m pytest -q -p no:cacheprovider -m 'gpu or not gpu' tests/test_kernel_topk.py \
-        tests/test_kernel_topk_pivot.py && python3 benchmark/kernels/indexer_bench.py --out /tmp/ds/topk" ;;
+        tests/test_kernel_topk_pivot.py tests/test_topk_flashinfer.py && python3 benchmark/kernels/indexer_bench.py --out /tmp/ds/topk" ;;
     topk_peer)  # FlashInfer's radix top-k beside ours (.peer carried): its top-k JIT build
       # takes ~4 minutes on a fresh machine, then the sets are checked and both timed. The
       # module it built comes back as OUTDIR/flashinfer_topk_sm90a.so.gz: gunzipped into
       # .peer/, peer_env installs it as FlashInfer's prebuilt (AOT) module, and the next
       # machine skips the build.
-      peer_env || echo "no .peer/ bundle carried: the peer is reported missing"
+      peer_or_say
       stage topk_peer 420 python3 benchmark/kernels/topk_peer_bench.py --out /tmp/ds/topk_peer
       local built
       built=$(ls ~/.cache/flashinfer/*/*/cached_ops/topk/topk.so 2>/dev/null | head -1)
@@ -96,6 +101,7 @@ run_stage() {
         tests/test_kernel_prefill_prefetch.py tests/test_kernel_topk.py tests/test_kernel_topk_pivot.py tests/test_kernel_sparse_mla.py \
         tests/test_model_oracle.py tests/test_indexer.py tests/test_pdl.py tests/test_decode_write.py ;;
     prefetch)  # the prefetch benchmarks and the indexer (with top-k launch shapes) again
+      peer_or_say
       stage prefetch 200 bash benchmark/gpu_checks.sh /tmp/ds/prefetch benches decode_prefetch \
         prefill_prefetch indexer ;;
     sweep)
@@ -112,8 +118,9 @@ run_stage() {
     sharegpt)  # Figure 15: ShareGPT-like chats on one prefill + decode server
       stage sharegpt 200 env INFINI=0 SHAREGPT=1 NUM_PROMPTS=48 RATES=1,4,inf \
         bash benchmark/e2e_sweep.sh /tmp/ds/sharegpt/e2e_sweep_sharegpt ;;
-    study) stage study 200 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 2 --deadline-s 150 ;;
+    study) peer_or_say; stage study 200 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 2 --deadline-s 150 ;;
     study_fp8)
+      peer_or_say
       stage study_fp8 130 python3 benchmark/e2e_study.py --out /tmp/ds/study_fp8 \
         --kv-cache-dtype fp8_e4m3 --repeats 2 --deadline-s 110 ;;
     *) echo "unknown stage $1; $usage" >&2; exit 2 ;;

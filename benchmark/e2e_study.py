@@ -58,6 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from sglang_echo.config import EchoConfig
+from sglang_echo.kernels.topk_flashinfer import describe_topk
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.offload.hisparse_cache import DEFAULT_DEVICE_BUFFER_SIZE, HiSparseKVCache
 from sglang_echo.runtime.kv_factory import echo_cache_for_model
@@ -481,6 +482,7 @@ class Study:
             "order": [f"{e.label}/{_tag(ph)}" for block in self.schedule() for e, ph in block],
             "cuda_graphs": self.cuda,
             "torch": torch.__version__,
+            "topk": describe_topk(),
             "engines": [
                 {k: v for k, v in vars(e).items() if k != "phases"} for e in self.engines()
             ],

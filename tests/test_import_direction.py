@@ -32,7 +32,8 @@ class Rule:
 
 
 RULES = {
-    "kernels": Rule((f"{PACKAGE}.kernels",), frozenset({"torch", "triton", "numpy"})),
+    # flashinfer: the optional peer top-k (kernels/topk_flashinfer.py), imported lazily
+    "kernels": Rule((f"{PACKAGE}.kernels",), frozenset({"torch", "triton", "numpy", "flashinfer"})),
     "offload": Rule(
         (f"{PACKAGE}.kernels", f"{PACKAGE}.config", f"{PACKAGE}.offload"), frozenset({"torch"})
     ),

@@ -30,8 +30,9 @@ from sglang_echo.kernels.topk import (
     DEFAULT_NUM_WARPS,
     topk_positions,
 )
+from sglang_echo.kernels.topk_flashinfer import describe_topk, use_flashinfer
 from sglang_echo.kernels.topk_pivot import pivot_requested
-from sglang_echo.model.indexer import select_topk
+from sglang_echo.model.indexer import exact_topk, select_topk
 
 
 def hbm_gbps() -> float:
@@ -272,6 +273,10 @@ def main() -> None:
         "topk_b1_chained": lambda: topk_positions(
             logits[:1], qpos.view(-1)[:1], args.topk, pdl=True
         ),
+        # The selection as the model serves it (model.indexer.exact_topk: FlashInfer's
+        # top-k where kernels/topk_flashinfer.py takes it, the radix select otherwise).
+        "topk_served": lambda: exact_topk(logits, qpos.view(-1), args.topk, True, False),
+        "topk_served_b1": lambda: exact_topk(logits[:1], qpos.view(-1)[:1], args.topk, True, False),
         "torch_topk": lambda: torch.topk(logits, args.topk, dim=-1),
         "stable_sort_topk": lambda: select_topk(logits.unsqueeze(1), qpos, args.topk),
     }
@@ -364,6 +369,17 @@ def main() -> None:
         metrics["topk_impl"] = (
             "decode: pivot top-k (kernels/topk_pivot.py, SGLANG_ECHO_TOPK_PIVOT=1) settled; "
             "topk_radix_us: the radix select (kernels/topk.py); ties to the lowest position"
+        )
+    served = exact_topk(logits, qpos.view(-1), args.topk, True, False)[0]
+    metrics["topk_served"] = describe_topk()
+    metrics["topk_served"]["equal_to_radix"] = torch.equal(served, got_sets)
+    fi_serves = use_flashinfer(logits, args.topk) and not pivot_requested()
+    if fi_serves and graph_times.get("topk_served") is not None:
+        metrics["topk_us"] = graph_times["topk_served"]
+        metrics["topk_over_torch_topk"] = metrics["topk_us"] / metrics["torch_topk_us"]
+        metrics["topk_impl"] = (
+            "FlashInfer's ragged top-k through kernels/topk_flashinfer.py (the CUDA default at "
+            "this row count); topk_radix_us: the radix select (kernels/topk.py), the same tensor"
         )
     device = torch.cuda.get_device_name()
     save_record(args.out, "indexer", device, metrics, variants=variants)

@@ -5,7 +5,10 @@ so the distribution is the one the indexer bench times; a tie-heavy copy (the lo
 0.25 grid) checks the tie order. Correct first: each peer mode's set is compared with
 ours on both inputs (``same_set``), and only then timed, replayed from a CUDA graph where
 the mode captures (eager otherwise, and the record says which), at the bench's batch and
-at batch 1. The first FlashInfer call builds its top-k module (JIT, about 4 minutes on a
+at batch 1. Then the serving adapter (kernels/topk_flashinfer.py: FlashInfer's ragged
+top-k, sorted to our form) must return our very tensor (``torch.equal``) on the logits, the
+tie-heavy copy and rows shorter than k, eagerly and replayed from a graph, before it is
+timed in each variant (``serving_adapter``). The first FlashInfer call builds its top-k module (JIT, about 4 minutes on a
 fresh H200 machine, skipped where stage topk_peer installs a module built before); it
 is timed apart as ``build_and_first_call_s``.
 
@@ -30,6 +33,15 @@ from topk_peers import FLASHINFER_MODES, flashinfer_topk, same_set, tie_heavy
 
 from sglang_echo.kernels.indexer import fp8_index_logits
 from sglang_echo.kernels.topk import topk_positions
+from sglang_echo.kernels.topk_flashinfer import flashinfer_unavailable, topk_positions_flashinfer
+
+# kernels/topk_flashinfer.py's adapter (FlashInfer's ragged top-k, ties low, then sorted to
+# our form) in the variants serving could take; the first is the shipped one.
+SERVING_VARIANTS = {
+    "graph_safe": dict(graph_safe=True, deterministic=False),
+    "graph_safe_deterministic": dict(graph_safe=True, deterministic=True),
+    "default_path": dict(graph_safe=False, deterministic=False),
+}
 
 
 def timings(fn, rows: int) -> dict:
@@ -42,6 +54,94 @@ def timings(fn, rows: int) -> dict:
         except RuntimeError as exc:
             out[name] = time_us(lambda n=n: fn(n))
             out[f"{name}_basis"] = f"eager (graph capture failed: {str(exc)[:120]})"
+    return out
+
+
+def replay_equal(fn, static: torch.Tensor, inputs: dict, ours: dict) -> bool:
+    """Captured once on ``static``, replayed on each input copied into it: the replay's
+    output must equal ours on every input (what a decode step's graph relies on)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fn(static)
+    ok = True
+    for name, x in inputs.items():
+        static.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = ok and torch.equal(got, ours[name])
+    return ok
+
+
+def serving(logits: torch.Tensor, qpos: torch.Tensor, k: int, ours_us: dict) -> dict:
+    """The adapter's variants: the whole tensor must equal ours (torch.equal) on the
+    logits, the tie-heavy copy and rows shorter than k, eagerly and replayed from a graph;
+    only then timed."""
+    reason = flashinfer_unavailable()
+    if reason is not None:
+        return {"missing": reason}
+    short = qpos.clone()
+    short[::3] = torch.arange(0, len(short[::3]), device=qpos.device) * (k // 8)
+    cases = {"logits": (logits, qpos), "tie_heavy": (tie_heavy(logits), qpos),
+             "short_rows": (logits, short)}  # fmt: skip
+    ours = {name: topk_positions(x, p, k) for name, (x, p) in cases.items()}
+    rows = {}
+    for variant, kw in SERVING_VARIANTS.items():
+        row = {
+            f"equal_{name}": torch.equal(topk_positions_flashinfer(x, p, k, **kw), ours[name])
+            for name, (x, p) in cases.items()
+        }
+        static = logits.clone()
+        row["equal_on_replay"] = replay_equal(
+            lambda s, kw=kw: topk_positions_flashinfer(s, qpos, k, **kw),
+            static,
+            {n: x for n, (x, p) in cases.items() if p is qpos},
+            {n: ours[n] for n, (x, p) in cases.items() if p is qpos},
+        )
+        if all(row.values()):
+            row.update(
+                timings(
+                    lambda n, kw=kw: topk_positions_flashinfer(logits[:n], qpos[:n], k, **kw),
+                    len(qpos),
+                )
+            )
+            row["ours_over_adapter"] = ours_us["us"] / row["us"]
+            row["ours_over_adapter_b1"] = ours_us["us_b1"] / row["us_b1"]
+        rows[variant] = row
+        print(f"serving adapter {variant}: {row}", flush=True)
+    return rows
+
+
+# Rows (requests in a decode step) and contexts of the sweep that places the crossover
+# between the radix select (faster at one row) and FlashInfer's (faster at 48).
+SWEEP_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+SWEEP_CONTEXTS = (100_000, 32_768)
+
+
+def by_rows(logits: torch.Tensor, qpos: torch.Tensor, k: int, variants: list[str]) -> list:
+    """Graph-replayed us of ours and of each adapter variant that returned our tensor, by
+    row count and context (contiguous slices, made before timing)."""
+    out = []
+    for context in SWEEP_CONTEXTS:
+        x = logits[:, :context].contiguous()
+        p = qpos.clamp(max=context - 1)
+        for rows in SWEEP_ROWS:
+            if rows > len(x):
+                continue
+            xs, ps = x[:rows].contiguous(), p[:rows].contiguous()
+            row = {"context": context, "rows": rows}
+            row["ours_us"] = graph_us(lambda xs=xs, ps=ps: topk_positions(xs, ps, k))
+            for v in variants:
+                kw = SERVING_VARIANTS[v]
+                row[f"{v}_us"] = graph_us(
+                    lambda kw=kw, xs=xs, ps=ps: topk_positions_flashinfer(xs, ps, k, **kw)
+                )
+            out.append(row)
+            print(f"by rows: {row}", flush=True)
     return out
 
 
@@ -63,14 +163,14 @@ def main() -> None:
     metrics: dict = {"batch": B, "context": L, "topk": k}
     metrics["ours"] = timings(lambda n: topk_positions(logits[:n], qpos[:n], k), B)
     print(f"ours: {metrics['ours']}", flush=True)
-    # kernels/topk.py's DEFAULT_LOADS_FIRST, not yet measured: the same tensor, timed beside
-    early = {name: topk_positions(x, qpos, k, loads_first=True) for name, x in inputs.items()}
-    metrics["ours_loads_first"] = {"equal": all(torch.equal(early[n], ours[n]) for n in inputs)}
-    if metrics["ours_loads_first"]["equal"]:
-        metrics["ours_loads_first"].update(
-            timings(lambda n: topk_positions(logits[:n], qpos[:n], k, loads_first=True), B)
+    # kernels/topk.py's DEFAULT_LOADS_FIRST (on) beside its other order, the same tensor
+    other = {name: topk_positions(x, qpos, k, loads_first=False) for name, x in inputs.items()}
+    metrics["ours_loads_first_off"] = {"equal": all(torch.equal(other[n], ours[n]) for n in inputs)}
+    if metrics["ours_loads_first_off"]["equal"]:
+        metrics["ours_loads_first_off"].update(
+            timings(lambda n: topk_positions(logits[:n], qpos[:n], k, loads_first=False), B)
         )
-    print(f"ours, loads first: {metrics['ours_loads_first']}", flush=True)
+    print(f"ours, loads first off: {metrics['ours_loads_first_off']}", flush=True)
     peers = {}
     for mode in FLASHINFER_MODES:
         fn = flashinfer_topk(mode)
@@ -91,6 +191,10 @@ def main() -> None:
         peers[mode] = row
         print(f"flashinfer {mode}: {row}", flush=True)
     metrics["flashinfer"] = peers
+    metrics["serving_adapter"] = serving(logits, qpos, k, metrics["ours"])
+    passed = [v for v, row in metrics["serving_adapter"].items() if "us" in row]
+    if passed:
+        metrics["by_rows"] = by_rows(logits, qpos, k, passed)
     path = save_record(args.out, "topk_peers", torch.cuda.get_device_name(), metrics)
     print(f"wrote {path}")
 

@@ -64,13 +64,15 @@ DEFAULT_CAND_BLOCK = 512
 # Loads first: the split, candidate, count and collect programs issue every global load
 # they need (the histograms of the digits chosen so far, the counts, the scores or the
 # first candidates) before the replay of the digit choices, instead of one after another
-# between its block-wide reductions. Compiled for sm_90 (PTX, compile only), the default's
-# collect issues its loads in seven groups in a row, the scores' after ~50 barriers; with
-# loads first all of them precede the first barrier. Off until an H200 run of
-# indexer_bench's topk_launch_sweep times it beside the default; the output is the same
-# tensor either way, and with it off the kernels compile to the PTX measured before it
-# (hence each kernel's two branches repeat their address arithmetic in their own order).
-DEFAULT_LOADS_FIRST = False
+# between its block-wide reductions. Compiled for sm_90 (PTX, compile only), the other
+# order's collect issues its loads in seven groups in a row, the scores' after ~50
+# barriers; with loads first all of them precede the first barrier. On the H200
+# (2026-12-02, 26825a3, graph-replayed at 48 x 100K / batch 1) it took 114.1 / 24.1 us
+# against 124.7 / 27.1 us in indexer_bench's topk_launch_sweep, and 115.1 / 24.2 against
+# 122.8 / 28.8 in topk_peer_bench's run: the default since. The output is the same tensor
+# either way (each kernel's two branches repeat their address arithmetic in their own
+# order, so the off state compiles to the PTX measured before the switch existed).
+DEFAULT_LOADS_FIRST = True
 # Blocks per row the collect pass sums over at compile time: 256K keys' worth (128 x 2048,
 # or 256 x 1024), so every context up to that shares one compiled variant per block width
 # (longer rows get a wider one). The interpreter (CPU tests) keeps 64 at any width.

@@ -21,6 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_echo.kernels.topk import select_topk, topk_positions
+from sglang_echo.kernels.topk_flashinfer import (
+    topk_backend,
+    topk_positions_flashinfer,
+    use_flashinfer,
+)
 from sglang_echo.kernels.topk_pivot import (
     ENV_TOPK_PIVOT,
     MAX_TOPK,
@@ -132,8 +137,9 @@ def exact_topk(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``select_topk`` with the k-th score, for scores [R, L] and query_pos [R]: positions
     [R, topk] and k-th scores [R]. With ``use_kernel`` (CUDA, or the interpreter in tests)
-    the radix-select kernel picks the same set, listed by ascending position instead of by
-    score (offload and no-offload both take this path, so their outputs stay equal); the
+    the kernel top-k (FlashInfer's where it can serve, else the radix select:
+    kernels/topk_flashinfer.py) picks the same set, listed by ascending position instead of
+    by score (offload and no-offload both take this path, so their outputs stay equal); the
     k-th score is the smallest picked score, -inf where fewer than ``topk`` keys are
     visible, exactly as ``select_topk`` reports it. Only the prefetchers read the k-th
     score: without ``with_kth`` it is not computed (None). ``pivot`` (decode, with the
@@ -149,7 +155,10 @@ def exact_topk(
         pos, kth = select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk, True)
         return pos.squeeze(1), kth.squeeze(1)
     scores = scores.float()
-    pos = topk_positions(scores, query_pos, topk)
+    if use_flashinfer(scores, topk):
+        pos = topk_positions_flashinfer(scores, query_pos, topk)
+    else:
+        pos = topk_positions(scores, query_pos, topk)
     if not with_kth:
         return pos, None
     missing = pos < 0
@@ -179,6 +188,7 @@ class LightningIndexer(nn.Module):
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        topk_backend()  # a bad SGLANG_ECHO_TOPK fails here, when the model is built
         # Decode top-k thresholds per request row (kernels/topk_pivot.py), once a runtime
         # binds its request table (``bind_request_rows``); None: the radix select.
         self.pivot_thresholds: torch.Tensor | None = None
