@@ -38,8 +38,8 @@ peer_env() {  # FlashInfer from the carried .peer/ bundle on PYTHONPATH (once pe
   site=$(mktemp -d)
   python3 -m pip install -q --no-index --no-deps --target "$site" .peer/apache_tvm_ffi*.whl \
     && tar -xJf .peer/flashinfer_trim.tar.xz -C "$site" || return 1
-  if [ -f .peer/flashinfer_topk_sm90a.so ]; then  # a top-k module built on an earlier machine
-    mkdir -p "$site/flashinfer/data/aot/topk" && cp .peer/flashinfer_topk_sm90a.so "$site/flashinfer/data/aot/topk/topk.so"
+  if [ -f .peer/flashinfer_topk_sm90a.so.gz ]; then  # a top-k module built on an earlier machine (gzipped: a call carries 64 MiB)
+    mkdir -p "$site/flashinfer/data/aot/topk" && gunzip -c .peer/flashinfer_topk_sm90a.so.gz > "$site/flashinfer/data/aot/topk/topk.so"
   fi
   export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default PEER_SITE=$site
 }
@@ -87,9 +87,9 @@ run_stage() {
         tests/test_kernel_topk_pivot.py tests/test_topk_flashinfer.py && python3 benchmark/kernels/indexer_bench.py --out /tmp/ds/topk" ;;
     topk_peer)  # FlashInfer's radix top-k beside ours (.peer carried): its top-k JIT build
       # takes ~4 minutes on a fresh machine, then the sets are checked and both timed. The
-      # module it built comes back as OUTDIR/flashinfer_topk_sm90a.so.gz: gunzipped into
-      # .peer/, peer_env installs it as FlashInfer's prebuilt (AOT) module, and the next
-      # machine skips the build.
+      # module it built comes back as OUTDIR/flashinfer_topk_sm90a.so.gz: copied into .peer/,
+      # peer_env installs it as FlashInfer's prebuilt (AOT) module, and the next machine
+      # skips the build.
       peer_or_say
       stage topk_peer 420 python3 benchmark/kernels/topk_peer_bench.py --out /tmp/ds/topk_peer
       local built
