@@ -1,7 +1,7 @@
 """FlashInfer's top-k behind our contract (kernels/topk_flashinfer.py).
 
-On the CPU: the backend switch (bad values refused, ``flashinfer`` asked for where it
-cannot run refused with the reason, ``auto`` falling back), and the adapter's finishing
+On the CPU: the backend switch (bad values refused when the model is built, ``flashinfer``
+asked for where it cannot run refused with the reason), and the adapter's finishing
 step, which must turn any order of the right picks into the radix select's very tensor.
 On the H200 (``-m gpu``, FlashInfer carried as benchmark/device_session.sh installs it):
 the adapter's output equals the radix select's, ties, short rows and a CUDA graph's replay
@@ -18,18 +18,27 @@ from sglang_echo.kernels.topk import topk_positions_reference
 
 
 def test_a_bad_backend_is_refused_with_the_allowed_values() -> None:
-    with pytest.raises(ValueError, match="auto, radix, flashinfer"):
+    with pytest.raises(ValueError, match="radix, flashinfer"):
         tf.topk_backend({tf.ENV_TOPK: "fast"})
-    assert tf.topk_backend({}) == "auto"
-    assert tf.topk_backend({tf.ENV_TOPK: " Radix "}) == "radix"
+    assert tf.topk_backend({}) == "radix"
+    assert tf.topk_backend({tf.ENV_TOPK: " FlashInfer "}) == "flashinfer"
 
 
-def test_auto_falls_back_and_an_explicit_flashinfer_says_why_it_cannot() -> None:
+def test_the_radix_select_is_the_default_and_flashinfer_says_why_it_cannot() -> None:
     scores = torch.zeros(2, 10)
-    assert not tf.use_flashinfer(scores, 4, {tf.ENV_TOPK: "auto"})
+    assert not tf.use_flashinfer(scores, 4, {})
     assert not tf.use_flashinfer(scores, 4, {tf.ENV_TOPK: "radix"})
-    with pytest.raises(RuntimeError, match=r"not on a CUDA device.*SGLANG_ECHO_TOPK=auto"):
+    with pytest.raises(RuntimeError, match=r"not on a CUDA device.*unset SGLANG_ECHO_TOPK"):
         tf.use_flashinfer(scores, 4, {tf.ENV_TOPK: "flashinfer"})
+
+
+def test_a_bad_backend_fails_when_the_model_is_built(small_checkpoint, monkeypatch) -> None:
+    from sglang_echo.model.config import load_config
+    from sglang_echo.model.indexer import LightningIndexer
+
+    monkeypatch.setenv(tf.ENV_TOPK, "fastest")
+    with pytest.raises(ValueError, match="SGLANG_ECHO_TOPK='fastest' is not understood"):
+        LightningIndexer(load_config(small_checkpoint))
 
 
 def _shuffled_picks(scores: torch.Tensor, qpos: torch.Tensor, k: int, seed: int):
@@ -85,8 +94,9 @@ def test_flashinfer_adapter_equals_the_radix_select_on_the_gpu() -> None:
         qpos[0] = n - 1
         for x in (scores, (scores * 2).round() / 2, torch.zeros_like(scores)):
             ours = topk_positions(x, qpos, k)
-            got = tf.topk_positions_flashinfer(x, qpos, k)
-            assert torch.equal(got, ours), (rows, n, k)
+            for ragged in (True, False):
+                got = tf.topk_positions_flashinfer(x, qpos, k, ragged=ragged)
+                assert torch.equal(got, ours), (rows, n, k, ragged)
     # replayed from a CUDA graph on new contents of the captured input
     static = torch.randn(8, 5000, device="cuda", generator=g)
     qpos = torch.full((8,), 4999, device="cuda")
@@ -105,7 +115,7 @@ def test_flashinfer_adapter_equals_the_radix_select_on_the_gpu() -> None:
 @pytest.mark.parametrize("config", ["default-rope", "fp8-indexer"])
 def test_the_model_decodes_the_same_tensors_with_either_top_k(checkpoints, config, monkeypatch):
     """Greedy tokens and every step's logits, ECHO under eviction, replayed from CUDA
-    graphs: FlashInfer's top-k (auto) against the radix select (radix)."""
+    graphs: FlashInfer's top-k against the radix select."""
     reason = _flashinfer_on_cuda()
     if reason:
         pytest.skip(f"FlashInfer's top-k cannot run here: {reason}")
@@ -122,7 +132,7 @@ def test_the_model_decodes_the_same_tensors_with_either_top_k(checkpoints, confi
     width = max(len(p) for p in prompts) + new_tokens
     n_g = EchoConfig().min_dev_cache_size(batch, cfg.index_topk, chunk)
     outs = {}
-    for backend in ("radix", "auto"):
+    for backend in ("radix", "flashinfer"):
         monkeypatch.setenv(tf.ENV_TOPK, backend)
         echo = echo_cache_for_model(
             EchoConfig(offload=True, dev_cache_size=n_g), cfg, cap, torch.bfloat16, "cuda"
@@ -131,6 +141,6 @@ def test_the_model_decodes_the_same_tensors_with_either_top_k(checkpoints, confi
         outs[backend] = engine.generate(prompts, new_tokens, record_logits=True)
         assert sum(echo.telemetry()["evictions"]) > 0
         model.set_graph_safe(False)
-    for a, b in zip(outs["radix"], outs["auto"], strict=True):
+    for a, b in zip(outs["radix"], outs["flashinfer"], strict=True):
         assert a.output == b.output
         assert all(torch.equal(x, y) for x, y in zip(a.step_logits, b.step_logits, strict=True))
