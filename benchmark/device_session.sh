@@ -98,7 +98,7 @@ run_stage() {
     kernel_tests)  # gpu_checks.sh's second step alone: the kernel and model tests, this torch
       stage kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
         tests/test_kernel_recall.py tests/test_kernel_indexer.py tests/test_kernel_decode_prefetch.py \
-        tests/test_kernel_prefill_prefetch.py tests/test_kernel_topk.py tests/test_kernel_topk_pivot.py tests/test_kernel_sparse_mla.py \
+        tests/test_kernel_prefill_prefetch.py tests/test_kernel_topk.py tests/test_kernel_topk_pivot.py tests/test_kernel_sort_picks.py tests/test_kernel_sparse_mla.py \
         tests/test_model_oracle.py tests/test_indexer.py tests/test_pdl.py tests/test_decode_write.py ;;
     prefetch)  # the prefetch benchmarks and the indexer (with top-k launch shapes) again
       peer_or_say

@@ -162,6 +162,59 @@ def row_topk(r: Records) -> tuple[str, str, str]:
     return "top-k (decode)", text, source(d, rel)
 
 
+def row_topk_peers(r: Records) -> tuple[str, str, str]:
+    """FlashInfer's top-k beside ours: each mode alone, then in our contract (the adapter the
+    model would serve), and where in rows x context the adapter is faster, if anywhere."""
+    rel = "benchmark/results/topk_peers.json"
+    d = r(rel)
+    m = d["metrics"]
+    o = m["ours"]
+    text = (
+        f"{m['batch']} x {count(m['context'])} keys, k {m['topk']}, graph-replayed: radix select "
+        f"{us(o['us'])} us (batch 1: {us(o['us_b1'])}); FlashInfer alone, in any order: "
+    )
+    modes = []
+    for name, f in m["flashinfer"].items():
+        if "us" not in f:
+            modes.append(f"{name} missing")
+            continue
+        ties = "same set on ties" if f["same_set_tie_heavy"] else "another set on ties"
+        modes.append(f"{name} {us(f['us'])} ({us(f['us_b1'])}; {ties})")
+    text += "; ".join(modes)
+    a = m.get("serving_adapter", {})
+    variants = {k: v for k, v in a.items() if isinstance(v, dict)}
+    if variants:
+        cells = []
+        for name, v in variants.items():
+            checks = [x for k, x in v.items() if k.startswith("equal_")]
+            if "us" in v:
+                cells.append(f"{name} {us(v['us'])} ({us(v['us_b1'])})")
+            else:
+                cells.append(f"{name}: equal {sum(checks)} of {len(checks)} checks, not timed")
+        text += "; in our contract (sorted, ties low; our very tensor: "
+        text += yes(
+            all(all(x for k, x in v.items() if k.startswith("equal_")) for v in variants.values())
+        )
+        text += f"): {'; '.join(cells)}"
+        if "finish_us" in a:
+            text += (
+                f"; the contract's sort {us(a['finish_us'])} us ({us(a['finish_us_b1'])}), "
+                f"the plain form's mask {us(a['mask_us'])} us"
+            )
+    sweep = m.get("by_rows") or []
+    for context in sorted({row["context"] for row in sweep}, reverse=True):
+        rows = [row for row in sweep if row["context"] == context]
+        wins = []
+        for row in rows:
+            best = min(v for k, v in row.items() if k.endswith("_us") and k != "ours_us")
+            if best < row["ours_us"]:
+                wins.append(f"{row['rows']} ({us(best)} vs {us(row['ours_us'])})")
+        span_rows = f"{rows[0]['rows']}-{rows[-1]['rows']}"
+        text += f"; {count(context)} keys, {span_rows} rows: the best adapter beats ours at "
+        text += ", ".join(wins) if wins else "no row count"
+    return "top-k peer (FlashInfer, issue 15)", text, source(d, rel)
+
+
 def row_cache_ops(r: Records) -> tuple[str, str, str]:
     rel = "benchmark/results/cache_ops.json"
     d = r(rel)
@@ -730,6 +783,7 @@ ROWS = (
     row_oracle,
     row_indexer,
     row_topk,
+    row_topk_peers,
     row_cache_ops,
     row_victim,
     row_prefill_prefetch,

@@ -31,6 +31,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from sglang_echo.kernels.sort_picks import sort_picks, sort_picks_reference
+
 ENV_TOPK = "SGLANG_ECHO_TOPK"
 TOPK_BACKENDS = ("radix", "flashinfer")
 # FlashInfer's TopKTieBreak: 1 = prefer smaller indices (our tie order).
@@ -44,7 +46,6 @@ MAX_TOPK = 2048
 # Which FlashInfer form serves SGLANG_ECHO_TOPK=flashinfer: the ragged transform (per-row
 # lengths) or the plain top-k after the mask (see ``topk_positions_flashinfer``).
 RAGGED = True
-_NOT_PICKED = 1 << 62  # sorts after every position
 
 
 def topk_backend(environ: dict | None = None) -> str:
@@ -133,12 +134,11 @@ def topk_positions_flashinfer(
 def ascending_picks(scores: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
     """A top-k's picks [R, k] in any order (-1 = none) -> our form: int64, ascending, -1
     last, and a pick whose score is -inf dropped to -1 (the radix select never returns a
-    masked key's position)."""
-    picks = picks.to(torch.int64)
-    picked = torch.gather(scores, 1, picks.clamp(min=0))
-    kept = (picks >= 0) & (picked != float("-inf"))
-    ordered = torch.where(kept, picks, _NOT_PICKED).sort(dim=1).values
-    return torch.where(ordered == _NOT_PICKED, -1, ordered)
+    masked key's position). On CUDA one Triton launch (kernels/sort_picks.py), elsewhere
+    its torch reference."""
+    if scores.is_cuda:
+        return sort_picks(scores, picks)
+    return sort_picks_reference(scores, picks)
 
 
 def describe_topk(environ: dict | None = None) -> dict:
