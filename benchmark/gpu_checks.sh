@@ -17,7 +17,9 @@ benches=("${@:3}")
 case "$part" in all|tests|benches) ;; *) echo "part must be all, tests or benches, got $part" >&2; exit 2;; esac
 mkdir -p "$out"
 res=$(mktemp -d)  # results, packed into OUTDIR at the end
-export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1 ECHO_REPORT_DIR=$res
+# Keeps what the caller put on PYTHONPATH (device_session.sh puts FlashInfer there when
+# .peer is carried; on 74634f2 this line dropped it, and its tests skipped).
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 ECHO_REPORT_DIR=$res
 SECONDS=0
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

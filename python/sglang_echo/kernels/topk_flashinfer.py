@@ -15,12 +15,14 @@ short rows and a graph's replay included (tests/test_topk_flashinfer.py).
 ``SGLANG_ECHO_TOPK`` picks the kernel top-k on CUDA: ``radix`` (the default) or
 ``flashinfer``, which requires FlashInfer and fails at the first selection, with the
 reason, where it cannot run. The radix select is the default because it measured faster
-under this contract on the H200 (benchmark/results/topk_peers.json, ``by_rows``): FlashInfer
-alone is faster at 48 x 100K (58 us deterministic with ties low, 79 on its graph-safe
-path, against our 114), but its time barely falls with fewer rows (51-72 us at one row,
-against our 24), and the ragged form with the sort took 96-125 us at every row count from
-1 to 48. The interpreter (CPU tests) always runs the radix select: FlashInfer has no CPU
-path.
+under this contract on the H200 (benchmark/results/topk_peers.json): FlashInfer alone is
+faster at 48 x 100K (58 us deterministic with ties low, 79 on its graph-safe path, against
+our 114), but its time barely falls with fewer rows (51-72 us at one row, against our 24),
+and with the finish (38 us, kernels/sort_picks.py) the ragged graph-safe form took 102-110
+us at every row count from 1 to 48 (``by_rows``); its non-graph-safe path beat ours only
+at 48 rows (89 against 115 us), never at 32K keys. At the end-to-end study's batches (3
+and 17 requests) ours is 1.8-4x faster. The interpreter (CPU tests) always runs the radix
+select: FlashInfer has no CPU path.
 """
 
 from __future__ import annotations
