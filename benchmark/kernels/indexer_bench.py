@@ -273,8 +273,8 @@ def main() -> None:
         "topk_b1_chained": lambda: topk_positions(
             logits[:1], qpos.view(-1)[:1], args.topk, pdl=True
         ),
-        # The selection as the model serves it (model.indexer.exact_topk: FlashInfer's
-        # top-k where kernels/topk_flashinfer.py takes it, the radix select otherwise).
+        # The selection as the model serves it (model.indexer.exact_topk: the radix select,
+        # or FlashInfer's top-k under SGLANG_ECHO_TOPK=flashinfer).
         "topk_served": lambda: exact_topk(logits, qpos.view(-1), args.topk, True, False),
         "topk_served_b1": lambda: exact_topk(logits[:1], qpos.view(-1)[:1], args.topk, True, False),
         "torch_topk": lambda: torch.topk(logits, args.topk, dim=-1),
@@ -378,8 +378,8 @@ def main() -> None:
         metrics["topk_us"] = graph_times["topk_served"]
         metrics["topk_over_torch_topk"] = metrics["topk_us"] / metrics["torch_topk_us"]
         metrics["topk_impl"] = (
-            "FlashInfer's ragged top-k through kernels/topk_flashinfer.py (the CUDA default at "
-            "this row count); topk_radix_us: the radix select (kernels/topk.py), the same tensor"
+            "FlashInfer's top-k through kernels/topk_flashinfer.py (SGLANG_ECHO_TOPK=flashinfer); "
+            "topk_radix_us: the radix select (kernels/topk.py), the same tensor"
         )
     device = torch.cuda.get_device_name()
     save_record(args.out, "indexer", device, metrics, variants=variants)

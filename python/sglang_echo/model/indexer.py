@@ -137,9 +137,10 @@ def exact_topk(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``select_topk`` with the k-th score, for scores [R, L] and query_pos [R]: positions
     [R, topk] and k-th scores [R]. With ``use_kernel`` (CUDA, or the interpreter in tests)
-    the kernel top-k (FlashInfer's where it can serve, else the radix select:
-    kernels/topk_flashinfer.py) picks the same set, listed by ascending position instead of
-    by score (offload and no-offload both take this path, so their outputs stay equal); the
+    the kernel top-k (the radix select, or FlashInfer's under SGLANG_ECHO_TOPK=flashinfer:
+    kernels/topk_flashinfer.py, the same tensor) picks the same set, listed by ascending
+    position instead of by score (offload and no-offload both take this path, so their
+    outputs stay equal); the
     k-th score is the smallest picked score, -inf where fewer than ``topk`` keys are
     visible, exactly as ``select_topk`` reports it. Only the prefetchers read the k-th
     score: without ``with_kth`` it is not computed (None). ``pivot`` (decode, with the
