@@ -24,3 +24,21 @@ def test_the_cpu_and_the_interpreter_never_chain(monkeypatch: pytest.MonkeyPatch
     assert not pdl_supported(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl_supported(torch.device("cuda", 0))
+
+
+def test_env_choice_takes_the_first_when_unset_and_refuses_the_rest(monkeypatch) -> None:
+    from sglang_echo.kernels.pdl import env_choice
+    from sglang_echo.model import attention
+    from sglang_echo.model.config import ModelConfigError
+
+    assert env_choice("X", ("a", "b"), {}) == "a"
+    assert env_choice("X", ("a", "b"), {"X": " B "}) == "b"
+    with pytest.raises(ValueError, match=r"X='c' is not understood; set it to one of a, b"):
+        env_choice("X", ("a", "b"), {"X": "c"})
+    monkeypatch.setenv(attention.ENV_SPARSE_MLA, "fast")
+    attention.sparse_mla_backend.cache_clear()
+    try:
+        with pytest.raises(ModelConfigError, match="auto, torch, kernel"):
+            attention.sparse_mla_backend()
+    finally:
+        attention.sparse_mla_backend.cache_clear()

@@ -29,23 +29,30 @@ def time_us(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def graph_us(fn: Callable[[], object], warmup: int = 3, reps: int = 20, chain: int = 10) -> float:
-    """Median device time of ``fn`` replayed from a CUDA graph, in microseconds: ``chain``
-    replays back to back between two events, divided by ``chain``. This is what a decode
-    step (captured in a graph) pays. ``time_us`` also counts the CPU's launch overhead
-    whenever launches take longer than the GPU work they start, which inflates functions
-    of several short launches (the radix top-k: six)."""
+def capture(fn: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn`` warmed up on a side stream (compiles, allocator) and captured in a CUDA graph:
+    (the graph, the captured call's output, which each replay rewrites in place)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compiles, allocator) off the capture
+    with torch.cuda.stream(side):
         for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
     torch.cuda.synchronize()
+    return graph, out
+
+
+def graph_us(fn: Callable[[], object], warmup: int = 3, reps: int = 20, chain: int = 10) -> float:
+    """Median device time of ``fn`` replayed from a CUDA graph, in microseconds: ``chain``
+    replays back to back between two events, divided by ``chain``. This is what a decode
+    step (captured in a graph) pays. ``time_us`` also counts the CPU's launch overhead
+    whenever launches take longer than the GPU work they start, which inflates functions
+    of several short launches (the radix top-k: six)."""
+    graph, _ = capture(fn, warmup)
 
     def replays() -> None:
         for _ in range(chain):

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import graph_us, save_record, time_us
+from common import capture, graph_us, save_record, time_us
 from indexer_bench import make_inputs
 from topk_peers import FLASHINFER_MODES, flashinfer_topk, same_set, tie_heavy
 
@@ -67,14 +67,7 @@ def timings(fn, rows: int) -> dict:
 def replay_equal(fn, static: torch.Tensor, inputs: dict, ours: dict) -> bool:
     """Captured once on ``static``, replayed on each input copied into it: the replay's
     output must equal ours on every input (what a decode step's graph relies on)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = fn(static)
+    graph, got = capture(lambda: fn(static), warmup=1)
     ok = True
     for name, x in inputs.items():
         static.copy_(x)

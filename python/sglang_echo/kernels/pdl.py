@@ -38,6 +38,19 @@ def env_switch(name: str, environ: dict | None = None, default: bool = True) -> 
     raise ValueError(f"{name}={raw!r} is not understood; set it to 1 (on) or 0 (off).")
 
 
+def env_choice(name: str, choices: tuple[str, ...], environ: dict | None = None) -> str:
+    """A kernel choice: one of ``choices`` (case and spaces ignored), unset or empty = the
+    first; anything else is an error naming the allowed values."""
+    raw = (os.environ if environ is None else environ).get(name, "")
+    value = raw.strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(
+            f"{name}={raw!r} is not understood; set it to one of {', '.join(choices)} "
+            f"(or leave it unset for {choices[0]})."
+        )
+    return value
+
+
 def pdl_requested(environ: dict | None = None) -> bool:
     """``SGLANG_ECHO_PDL``: unset or 1 = on where supported, 0 = off."""
     return env_switch(ENV_PDL, environ)

@@ -33,6 +33,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from sglang_echo.kernels.pdl import env_choice
 from sglang_echo.kernels.sort_picks import sort_picks, sort_picks_reference
 
 ENV_TOPK = "SGLANG_ECHO_TOPK"
@@ -53,14 +54,7 @@ RAGGED = True
 def topk_backend(environ: dict | None = None) -> str:
     """``SGLANG_ECHO_TOPK`` (default ``radix``); a bad value is an error naming the allowed
     ones."""
-    raw = (os.environ if environ is None else environ).get(ENV_TOPK, "")
-    value = raw.strip().lower() or "radix"
-    if value not in TOPK_BACKENDS:
-        raise ValueError(
-            f"{ENV_TOPK}={raw!r} is not understood; set it to one of "
-            f"{', '.join(TOPK_BACKENDS)} (or leave it unset for radix)."
-        )
-    return value
+    return env_choice(ENV_TOPK, TOPK_BACKENDS, environ)
 
 
 @functools.cache

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from sglang_echo.kernels.fp8_kv import decode_kv_rows
+from sglang_echo.kernels.pdl import env_choice
 from sglang_echo.kernels.sparse_mla import DECODE_SPLITS, sparse_mla, sparse_mla_from_buffer
 from sglang_echo.model.config import DeepseekV32Config, ModelConfigError
 from sglang_echo.model.forward_batch import ForwardBatch
@@ -42,14 +43,10 @@ def sparse_mla_backend() -> str:
     fails when the model is built, naming the allowed values. ``kernel`` applies on CUDA
     and under TRITON_INTERPRET=1 (tests); a CPU run without the interpreter keeps the
     torch path. ``auto`` takes the kernel on CUDA only, so interpreted CPU tests stay fast."""
-    raw = os.environ.get(ENV_SPARSE_MLA, "")
-    value = raw.strip().lower() or "auto"
-    if value not in SPARSE_MLA_BACKENDS:
-        raise ModelConfigError(
-            f"{ENV_SPARSE_MLA}={raw!r} is not understood; set it to one of "
-            f"{', '.join(SPARSE_MLA_BACKENDS)} (or leave it unset for auto)."
-        )
-    return value
+    try:
+        return env_choice(ENV_SPARSE_MLA, SPARSE_MLA_BACKENDS)
+    except ValueError as exc:
+        raise ModelConfigError(str(exc)) from None
 
 
 def resolve_chunk(
