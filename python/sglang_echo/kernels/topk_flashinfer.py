@@ -20,8 +20,8 @@ faster at 48 x 100K (58 us deterministic with ties low, 79 on its graph-safe pat
 our 114), but its time barely falls with fewer rows (51-72 us at one row, against our 24),
 and with the finish (38 us, kernels/sort_picks.py) the ragged graph-safe form took 102-110
 us at every row count from 1 to 48 (``by_rows``); its non-graph-safe path beat ours only
-at 48 rows (89 against 115 us), never at 32K keys. At the end-to-end study's batches (3
-and 17 requests) ours is 1.8-4x faster. The interpreter (CPU tests) always runs the radix
+at 48 rows (89 against 115 us), never at 32K keys. At the sweep's row counts nearest the
+end-to-end study's batches of 3 and 17 (2-4 and 16 rows) ours is 1.8-4.2x faster. The interpreter (CPU tests) always runs the radix
 select: FlashInfer has no CPU path.
 """
 
