@@ -2,8 +2,10 @@
 on CPU.
 
 A model of live requests drives ``EchoKVCache``: requests start (prefill writes), decode
-(append one token each, then one top-k resolve per layer), run prefill-like resolves whose
-rows overlap, and finish (release, host ids go back to the allocator and get reused).
+(write one token each as the runtime does, to the host only, then one top-k resolve per
+layer), run prefill-like resolves whose rows overlap, and finish (release, host ids go
+back to the allocator and get reused). The machines run the configuration users run, the
+default eviction reserve and decode-mode writes; a variant keeps reserve 0 and appends.
 After every operation the device cache's tensors are read directly and checked against
 the invariants of the design:
 
@@ -13,8 +15,10 @@ the invariants of the design:
 * slot 0 <-> host row 0 never moves;
 * after a resolve every selected token is resident and its device row equals its host row
   byte for byte; -1 stays -1; equal ids share a slot;
-* evictions = max(0, misses - free), hits + misses = distinct ids, and the victims are the
-  oldest unselected slots by bucketed age (then lowest slot), as kernels/alloc.py documents;
+* with need = max(0, misses - free): no eviction when need is 0, else need victims plus
+  the reserve's extra ones (as many as there are unselected residents), left free; hits +
+  misses = distinct ids, and the victims are the oldest unselected slots by bucketed age
+  (then lowest slot), as kernels/alloc.py documents;
 * release returns every resident slot of the request;
 * host rows of live requests never change; every resident device row equals its host row.
 
@@ -73,11 +77,22 @@ def _marks_broken(fn):
 class EchoModel:
     """The cache under test plus a shadow of what the test wrote, with checked operations."""
 
-    def __init__(self, n_g: int = N_G, n_h: int = N_H) -> None:
+    def __init__(
+        self,
+        n_g: int = N_G,
+        n_h: int = N_H,
+        reserve: int | None = None,
+        decode_writes: bool = True,
+    ) -> None:
         self.n_g = n_g
         self.n_h = n_h
+        # None: the default reserve for N_G, as a server runs; decode_writes: a decode
+        # step's tokens go to the host only (write(..., decode=True)), as the runtime does.
+        config = EchoConfig(offload=True, dev_cache_size=n_g, eviction_reserve=reserve)
+        self.reserve = config.eviction_reserve
+        self.decode_writes = decode_writes
         self.kv = EchoKVCache(
-            EchoConfig(offload=True, dev_cache_size=n_g),
+            config,
             num_layers=NUM_LAYERS,
             host_tokens=n_h,
             kv_row_dim=ROW_DIM,
@@ -149,7 +164,39 @@ class EchoModel:
             f"{what}: evicted {sorted(gone)}, oldest were {candidates[:n_evicted]}"
         )
 
+    def _check_eviction_count(
+        self, before: dict, after: dict, demand: int, evicted: int, evictable: int, what: str
+    ) -> None:
+        """``demand`` new slots with ``before['free']`` free: no eviction if they fit;
+        otherwise the misses' victims plus the reserve's extras (as many as there are
+        evictable residents), and exactly the extras stay free."""
+        need = max(0, demand - before["free"])
+        if need == 0:
+            assert evicted == 0, f"{what}: {demand} fit in {before['free']} free, {evicted} evicted"
+            assert after["free"] == before["free"] - demand, what
+            return
+        extra = min(self.reserve, evictable - need)
+        assert evicted == need + extra, (
+            f"{what}: need {need} (+ reserve {self.reserve}, {evictable} evictable) evicted {evicted}"
+        )
+        assert after["free"] == extra, f"{what}: {after['free']} free after, expected {extra}"
+
     # --------------------------------------------------------------- operations
+    @_marks_broken
+    def write_decode(self, layer: int, locs: list[int]) -> None:
+        """A decode step's ``cache.write(..., decode=True)``: host rows and index keys only;
+        no slot, no eviction, the maps untouched."""
+        rows = self._fresh_rows(len(locs), ROW_DIM)
+        keys = self._fresh_rows(len(locs), INDEX_DIM)
+        before = self._snapshot(layer)
+        t = torch.tensor(locs, dtype=torch.int64)
+        self.kv.write(layer, t, rows, keys, decode=True)
+        self.expected_host[layer, t] = rows
+        assert torch.equal(self.kv.host.rows[layer, t], rows)
+        assert torch.equal(self.kv.index_keys(layer)[t], keys)
+        assert self._snapshot(layer) == before, f"layer {layer}: a decode write moved the cache"
+        assert all(before["h2d"][h] == ABSENT for h in locs), "a fresh id was mapped"
+
     @_marks_broken
     def write(self, layer: int, locs: list[int]) -> None:
         """``cache.write`` of fresh rows for new host ids, checked."""
@@ -172,10 +219,10 @@ class EchoModel:
             assert torch.equal(c.rows[layer, s], rows[i]), f"layer {layer}: device row of {h}"
         assert len({after["h2d"][h] for h in locs}) == n, "appended ids share a slot"
         n_evicted = after["append_evictions"] - before["append_evictions"]
-        assert n_evicted == max(0, n - before["free"]), (
-            f"layer {layer}: append of {n} with {before['free']} free evicted {n_evicted}"
+        evictable = len(self._resident(before))  # an append may evict any resident token
+        self._check_eviction_count(
+            before, after, n, n_evicted, evictable, f"layer {layer} append of {n}"
         )
-        assert after["free"] == max(0, before["free"] - n)
         self._check_victims(before, after, set(locs), n_evicted, f"layer {layer} append")
 
     @_marks_broken
@@ -218,10 +265,10 @@ class EchoModel:
         assert after["recalled"] - before["recalled"] == misses
         for h in was_resident:
             assert after["h2d"][h] == before["h2d"][h], f"layer {layer}: hit {h} moved"
-        assert evictions == max(0, misses - before["free"]), (
-            f"layer {layer}: {misses} misses with {before['free']} free gave {evictions} evictions"
+        evictable = len(set(self._resident(before)) - distinct)
+        self._check_eviction_count(
+            before, after, misses, evictions, evictable, f"layer {layer} resolve"
         )
-        assert after["free"] == max(0, before["free"] - misses)
         self._check_victims(before, after, distinct, evictions, f"layer {layer} resolve")
 
     @_marks_broken
@@ -245,7 +292,7 @@ class EchoModel:
         for rid, h in zip(rids, new, strict=True):
             self.live[rid].append(h)
         for layer in range(NUM_LAYERS):
-            self.write(layer, new)
+            (self.write_decode if self.decode_writes else self.write)(layer, new)
         for layer in range(NUM_LAYERS):
             sel = []
             for rid in rids:
@@ -349,12 +396,16 @@ def test_dev_cache_size_is_the_legal_minimum():
 
 
 class EchoMachine(RuleBasedStateMachine):
+    """The default configuration: the default eviction reserve, decode-mode writes."""
+
     n_g = N_G
     n_h = N_H
+    reserve: int | None = None
+    decode_writes = True
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = EchoModel(self.n_g, self.n_h)
+        self.m = EchoModel(self.n_g, self.n_h, self.reserve, self.decode_writes)
 
     @precondition(lambda self: self.m.alloc.num_free >= 1)
     @rule(data=st.data())
@@ -447,6 +498,19 @@ class SmallHostMachine(EchoMachine):
     n_h = 20
 
 
+class NoReserveAppendMachine(EchoMachine):
+    """Reserve 0 and decode tokens appended to device slots (the earlier configuration)."""
+
+    reserve = 0
+    decode_writes = False
+
+
+class LargeReserveMachine(EchoMachine):
+    """A quarter of the cache freed ahead by every evicting step."""
+
+    reserve = N_G // 4
+
+
 FAST = settings(
     max_examples=100,
     stateful_step_count=50,
@@ -474,8 +538,25 @@ def test_echo_invariants_small_host_stateful():
     run_state_machine_as_test(SmallHostMachine, settings=FAST)
 
 
+def test_the_machines_run_the_default_configuration():
+    m = EchoModel()
+    assert m.reserve == EchoConfig(offload=True, dev_cache_size=N_G).eviction_reserve >= 1
+    assert m.decode_writes
+
+
+@pytest.mark.parametrize(
+    "machine", [NoReserveAppendMachine, LargeReserveMachine], ids=["reserve0-append", "reserve3"]
+)
+def test_echo_invariants_variants_stateful(machine):
+    run_state_machine_as_test(machine, settings=FAST)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("machine", [EchoMachine, SmallHostMachine], ids=["n_h64", "n_h20"])
+@pytest.mark.parametrize(
+    "machine",
+    [EchoMachine, SmallHostMachine, NoReserveAppendMachine, LargeReserveMachine],
+    ids=["n_h64", "n_h20", "reserve0-append", "reserve3"],
+)
 def test_echo_invariants_stateful_heavy(machine):
     run_state_machine_as_test(machine, settings=SLOW)
 
@@ -487,7 +568,7 @@ def test_long_random_run_then_release_all_frees_everything(seed):
     """A long plain random run (no shrinking, many more steps than the stateful runs),
     checked after every step; releasing every live request then empties the cache."""
     rng = random.Random(seed)
-    m = EchoModel()
+    m = EchoModel()  # the default reserve and decode-mode writes
 
     def pick(ids: list[int], layer: int) -> list[int]:
         return rng.sample(ids, min(TOPK, len(ids)))

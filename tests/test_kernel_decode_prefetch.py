@@ -210,6 +210,23 @@ def test_prefetch_hits_count_only_selected_prefetches():
     assert torch.equal(m.cache.rows[0][slots[0]], rows[[1, 4]])
 
 
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "kernels"])
+def test_chained_prefetches_count_the_hits_of_every_link(use_kernels):
+    """Prefill prefetches once per query block before one resolve (a chain): the hits of
+    every block's prefetch count, not only the last one's."""
+    m = _manager(use_kernels=use_kernels, slots=16, tokens=40)
+    rows = torch.randn(10, 6, device=DEV)
+    m.append(0, torch.arange(1, 11, device=DEV), rows)
+    m.release(torch.arange(1, 11, device=DEV))  # host rows kept, nothing resident
+    m.prefetch(0, torch.tensor([[1, 2, 3, -1]], device=DEV))  # block 1
+    m.prefetch(0, torch.tensor([[4, 5, -1, -1]], device=DEV))  # block 2, chained
+    assert int(m.prefetched_rows[0]) == 5
+    slots = m.resolve(0, torch.tensor([[2, 3, 5, 9]], device=DEV))
+    assert int(m.prefetch_hits[0]) == 3  # 2 and 3 from block 1, 5 from block 2
+    assert int(m.cache.misses[0]) == 1  # only token 9 was still missing
+    assert torch.equal(m.cache.rows[0][slots[0]], rows[[1, 2, 4, 8]])
+
+
 def test_prefetcher_thresholds_per_layer_and_row():
     m = EchoManager(
         HostKVPool(2, 10, 4, torch.float32, pin=False),

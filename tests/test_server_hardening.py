@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -150,6 +151,72 @@ def test_non_streaming_disconnect_aborts_the_request(server):
     assert state["running"] == 0 and state["live"] == 0
     assert state["aborted"] == before + 1
     assert state["free_tokens"] == POOL
+
+
+def _send_raw(url: str, path: str, body: dict) -> socket.socket:
+    """POST ``body`` on a plain socket, so that the test decides when the client leaves."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_a_client_that_leaves_while_tokens_flow_ends_its_request(server, monkeypatch, stream):
+    """The disconnect is checked on a clock, not only after a silence: a non-streaming
+    request whose tokens kept coming used to generate to its end after its client left."""
+    url, app, _ = server
+    engine = app.state.engine
+    sched = engine.scheduler
+    # At most ~100 steps a second on any machine: the request cannot reach max_new_tokens
+    # (>= 4 s) in the time the server takes to notice (a poll every 0.5 s).
+    step = sched.step
+
+    def paced_step():
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(sched, "step", paced_step)
+    before = _idle_state(app)["aborted"]
+    rid, n = f"leaves-{stream}", 400
+    body = {**_greedy_body(list(range(40, 70)), n), "rid": rid, "stream": stream}
+    sock = _send_raw(url, "/generate", body)
+    req = None
+    try:
+        deadline = time.monotonic() + 60
+        while req is None or len(req.output) < 3:  # tokens flow: the engine is not idle
+            assert time.monotonic() < deadline, "the request never started generating"
+            req = req or engine.call(lambda s: s.live.get(rid)).result(timeout=30)
+            time.sleep(0.02)
+        if stream:  # the client has seen tokens arrive
+            received = b""
+            while b"data: {" not in received:
+                chunk = sock.recv(1 << 16)
+                assert chunk, "the server closed the stream"
+                received += chunk
+        sock.close()
+        left_at = len(req.output)
+        deadline = time.monotonic() + 10  # a liveness bound; the server needs < 1 s
+        while engine.call(lambda s: rid in s.live).result(timeout=30):
+            assert time.monotonic() < deadline, (
+                f"still generating 10 s after its client left: {len(req.output)} of {n} tokens"
+                f" ({left_at} when it left)"
+            )
+            time.sleep(0.05)
+        assert req.finish_reason["type"] == "abort", req.finish_reason  # not "length"
+        assert req.finish_reason["status_code"] == 499
+        assert len(req.output) < n // 2, (len(req.output), left_at)
+    finally:
+        sock.close()
+        engine.abort(rid)  # a no-op unless the server failed to end it
+        state = _idle_state(app)
+    assert state["aborted"] == before + 1
+    assert state["live"] == 0 and state["free_tokens"] == POOL
 
 
 def test_bodies_and_text_are_bounded_and_checked(server):

@@ -1,6 +1,8 @@
 """A bounded soak: the server with ECHO at its smallest legal device cache, loaded at about
 twice what it can run at once, with random aborts, client disconnects, bad requests and
-over-long prompts mixed in. Afterwards nothing has leaked (every token slot / host row,
+over-long prompts mixed in; a fifth of the requests end at their first token (the
+requests a tight pool used to retract after they had finished). Every request gets exactly
+one terminal event and nothing after it. Afterwards nothing has leaked (every token slot / host row,
 request row, device-cache slot and request id is free), every good request completed, and
 each greedy output equals offline generate's with the plain pool.
 
@@ -14,7 +16,7 @@ import json
 import os
 import random
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 
 import aiohttp
 import pytest
@@ -39,7 +41,7 @@ async def _client(url: str, rng: random.Random, until: float, log: list, counts:
                 ["good", "abort", "disconnect", "bad", "too_long"], [70, 8, 8, 7, 7]
             )[0]
             prompt = [rng.randrange(3, 259) for _ in range(rng.randint(2, 100))]
-            new = rng.randint(1, 100)
+            new = 1 if rng.random() < 0.2 else rng.randint(1, 100)
             body = {
                 "input_ids": prompt,
                 "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True},
@@ -122,6 +124,15 @@ def _soak(checkpoint, seconds: float) -> Counter:
     serving.scheduler.reserve_steps = 4  # admit eagerly: the pool runs out, preemption runs
     log: list = []
     counts: Counter = Counter()
+    # Every event the engine emits, per request: True for a terminal one.
+    terminal: dict[str, list[bool]] = defaultdict(list)
+    emit = serving.scheduler._emit
+
+    def recording_emit(req, new_tokens, reason, logprobs=()):
+        terminal[req.rid].append(reason is not None)
+        emit(req, new_tokens, reason, logprobs)
+
+    serving.scheduler._emit = recording_emit
     with running_server(serving) as (url, app):
         until = time.monotonic() + seconds
 
@@ -134,6 +145,9 @@ def _soak(checkpoint, seconds: float) -> Counter:
         while (state := _engine_state(app))["busy"] and time.monotonic() < deadline:
             time.sleep(0.1)
     assert state["busy"] == 0 and state["live"] == 0
+    for rid, ends in terminal.items():
+        assert ends.count(True) == 1 and ends[-1], f"request {rid}: events {ends}"
+    counts["requests_seen"] = len(terminal)
     assert state["free_tokens"] == POOL
     assert state["free_rows"] == MAX_RUNNING
     assert state["free_slots"] == [legal_min] * serving.info["num_layers"]

@@ -16,7 +16,7 @@ ENV_FUSE_DECODE = "SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE"
 ENV_FUSE_EXTEND = "SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND"
 # Extra victims a step takes whenever it must evict, left free for the next steps (which
 # then scan no slots): 0 = evict exactly the misses' worth. Unset: N_G / 32, at most 8192
-# (on the H200 a reserve of 8192 in 260K slots cut cache management from 68.9 to 43.4 us
+# (rounded up; on the H200 a reserve of 8192 in 260K slots cut cache management from 68.9 to 43.4 us
 # per layer-step at batch 48 with the hit rate unchanged: benchmark/results/history/
 # 2026-12-01-kernels-18b7783/cache_ops_reserve.json; the default's run is cache_ops.json).
 ENV_EVICTION_RESERVE = "SGLANG_ECHO_EVICTION_RESERVE"
@@ -63,10 +63,12 @@ def parse_count(name: str, raw: str | None) -> int:
 
 
 def default_eviction_reserve(dev_cache_size: int) -> int:
-    """N_G / 32, at most 8192: a step that evicts leaves this many slots free, so the next
-    few steps' misses fit without a scan, while the cache gives up at most ~3% of its
-    capacity to free slots."""
-    return min(MAX_DEFAULT_EVICTION_RESERVE, dev_cache_size // 32)
+    """N_G / 32 rounded up, at most 8192 (and at most half the cache): a step that evicts
+    leaves this many slots free, so the next few steps' misses fit without a scan, while
+    the cache gives up at most ~3% of its capacity to free slots. Rounded up so that every
+    cache of two slots or more runs with a reserve: the configuration served is the one
+    tested, small test caches included."""
+    return min(MAX_DEFAULT_EVICTION_RESERVE, -(-dev_cache_size // 32), dev_cache_size // 2)
 
 
 @dataclass(frozen=True)

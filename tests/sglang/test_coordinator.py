@@ -1,5 +1,6 @@
 """EchoCoordinator on sglang's real pool, allocator and host pool (CPU): a scripted
-PD-decode life of many requests, with every returned row checked byte for byte."""
+PD-decode life of many requests, with every returned row checked byte for byte, with the
+runtime's default eviction reserve (what the plugin runs) and without one."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from sglang_world import (  # noqa: E402
     assert_coordinator_clean,
     init_process_group,
 )
+
+from sglang_echo.config import ENV_EVICTION_RESERVE, ConfigError, EchoConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -112,12 +115,50 @@ def assert_back_to_start(node: DecodeNode) -> None:
     assert_coordinator_clean(coord, node.allocator)
 
 
+@pytest.fixture
+def reserve_env(monkeypatch):
+    """Sets (a count) or unsets (None) SGLANG_ECHO_EVICTION_RESERVE for the test."""
+
+    def apply(value: int | None) -> None:
+        if value is None:
+            monkeypatch.delenv(ENV_EVICTION_RESERVE, raising=False)
+        else:
+            monkeypatch.setenv(ENV_EVICTION_RESERVE, str(value))
+
+    return apply
+
+
+def test_plugin_cache_takes_the_runtime_eviction_reserve(reserve_env):
+    """The plugin's device cache gets EchoConfig's reserve for its N_G, as the runtime's
+    EchoKVCache does: the default unless SGLANG_ECHO_EVICTION_RESERVE sets it."""
+    reserve_env(None)
+    node = DecodeNode(layers=1, top_k=16, dev_cache=128, max_running=2, host_tokens=1024,
+                      max_context=128)  # fmt: skip
+    assert node.coord.cache.eviction_reserve == EchoConfig(dev_cache_size=128).eviction_reserve
+    assert node.coord.cache.eviction_reserve == 4  # 128 / 32
+    for value in (0, 7):
+        reserve_env(value)
+        node = DecodeNode(layers=1, top_k=16, dev_cache=128, max_running=2, host_tokens=1024,
+                          max_context=128)  # fmt: skip
+        assert node.coord.cache.eviction_reserve == value
+    reserve_env(65)  # more than half of the 128 slots: what EchoConfig.validate refuses
+    with pytest.raises(ConfigError, match=f"{ENV_EVICTION_RESERVE}=65.*at most 64"):
+        DecodeNode(layers=1, top_k=16, dev_cache=128, max_running=2, host_tokens=1024,
+                   max_context=128)  # fmt: skip
+
+
+@pytest.mark.parametrize("reserve", [None, 0], ids=["default-reserve", "reserve-0"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_pd_decode_life_rows_exact(seed):
+def test_pd_decode_life_rows_exact(seed, reserve, reserve_env):
+    reserve_env(reserve)
     node = DecodeNode(
         layers=3, top_k=16, dev_cache=64, max_running=4, host_tokens=1536,
         max_context=256, seed=seed,
     )  # fmt: skip
+    want = EchoConfig(dev_cache_size=64).eviction_reserve if reserve is None else reserve
+    assert node.coord.cache.eviction_reserve == want
+    if reserve is None:
+        assert want > 0, "the default must reserve slots at this N_G"
     stats = run_life(node, steps=60, seed=seed)
     assert stats["finished"] + stats["aborted"] >= 6
     assert stats["aborted"] + stats["aborted_before_admission"] >= 1
@@ -172,6 +213,41 @@ def test_more_rows_than_the_cache_holds_are_padding():
     for rid in rids:
         node.finish(rid)
     assert node.counters() == node.after_init
+
+
+def test_a_batch_past_the_cache_is_refused_on_the_host():
+    """More running requests than N_G // top-k cannot all be resident: the step fails at
+    once with the numbers and the fix, instead of resolving the extra rows to nothing."""
+    node = DecodeNode(layers=1, top_k=16, dev_cache=32, max_running=4, host_tokens=1024,
+                      max_context=128)  # fmt: skip
+    assert node.coord.resolver.max_rows == 2
+    rids = [node.arrive(30), node.arrive(50), node.arrive(20)]
+    misses = node.coord.cache.misses.clone()
+    with pytest.raises(ConfigError) as err:
+        node.step(rids, padded_bs=4, topk_for=selections(node, random.Random(4)))
+    text = str(err.value)
+    for part in (
+        "3 requests",
+        "32 // top-k 16 = 2",
+        "NSA_DEV_CACHE_SIZE",
+        "--max-running-requests",
+    ):
+        assert part in text, (part, text)
+    assert torch.equal(node.coord.cache.misses, misses), "nothing may be resolved"
+    for rid in rids:
+        node.finish(rid)
+    assert node.counters() == node.after_init
+    assert_coordinator_clean(node.coord, node.allocator)
+
+
+def test_no_device_page_names_the_request():
+    """The allocator gave no page for a request's newest token: a clear error naming the
+    request, not a TypeError on None."""
+    node = DecodeNode(layers=1, top_k=16, dev_cache=64, max_running=2, host_tokens=1024,
+                      max_context=128)  # fmt: skip
+    node.allocator.alloc_device_buffer = lambda logical, need: None
+    with pytest.raises(RuntimeError, match=r"no device page.*request 'r0'"):
+        node.arrive(40)
 
 
 def test_token_stats_count_requests_not_reservations():

@@ -14,7 +14,7 @@ import plugin_testenv  # noqa: F401  first: sets the process up before triton lo
 import pytest
 import torch
 
-from sglang_echo.config import ConfigError, EchoConfig
+from sglang_echo.config import ENV_EVICTION_RESERVE, ConfigError, EchoConfig
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
@@ -25,6 +25,7 @@ from sglang_echo.sglang.storage import (
     ExternalRowsCache,
     LayerRows,
     device_layer_rows,
+    eviction_reserve_for,
     host_layer_rows,
 )
 from sglang_echo.sglang.topk_resolve import TopkToRows
@@ -225,14 +226,48 @@ def test_topk_to_rows_over_borrowed_buffers():
         TopkToRows(manager, 63, req_to_host, newest, 64, out)
 
 
+def test_a_batch_past_the_cache_is_refused():
+    """check_batch: the host-side count of a step's requests against N_G // top-k."""
+    _, _, manager = borrowed_world()  # 32 slots
+    out = torch.full((8, 8), -1, dtype=torch.int32)
+    none = torch.full((8, 64), -1, dtype=torch.int64)
+    resolve = TopkToRows(manager, 63, none, torch.zeros(8, dtype=torch.int64), 8, out)
+    for n in range(5):
+        resolve.check_batch(n)
+    with pytest.raises(ConfigError) as err:
+        resolve.check_batch(5)
+    text = str(err.value)
+    assert "5 requests" in text and "32 // top-k 8 = 4" in text
+    assert "NSA_DEV_CACHE_SIZE >= 40" in text and "--max-running-requests to <= 4" in text
+
+
+def test_eviction_reserve_is_the_runtimes():
+    """The plugin's cache reserve: EchoConfig's for the plugin's N_G (the environment's
+    NSA_DEV_CACHE_SIZE does not count), SGLANG_ECHO_EVICTION_RESERVE when set."""
+    assert eviction_reserve_for(260_000, {}) == EchoConfig().eviction_reserve == 8125
+    assert eviction_reserve_for(64, {"NSA_DEV_CACHE_SIZE": "1_000_000"}) == 2
+    assert eviction_reserve_for(1 << 20, {}) == 8192  # capped
+    assert eviction_reserve_for(64, {ENV_EVICTION_RESERVE: "0"}) == 0
+    assert eviction_reserve_for(64, {ENV_EVICTION_RESERVE: "1_0"}) == 10
+    with pytest.raises(ConfigError, match=ENV_EVICTION_RESERVE):
+        eviction_reserve_for(64, {ENV_EVICTION_RESERVE: "-1"})
+    with pytest.raises(ConfigError, match="at most 32"):
+        eviction_reserve_for(64, {ENV_EVICTION_RESERVE: "33"})
+
+
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
-def test_borrowed_cache_matches_an_owned_one(kernels):
+def test_borrowed_cache_matches_an_owned_one(kernels, monkeypatch):
     """Same operations on borrowed rows and on ECHO's own pools: same slots, same bytes;
     also through the Triton allocation and recall kernels (interpreted on the CPU)."""
+    monkeypatch.delenv(ENV_EVICTION_RESERVE, raising=False)
     _, host, borrowed = borrowed_world(layers=1, use_kernels=kernels)
     own_host = HostKVPool(1, 200, 8, torch.float32, pin=False)
     own_host.rows.copy_(host.view(1, 202, 8))
-    owned = EchoManager(own_host, DeviceCache(1, 32, 200, 8, torch.float32, "cpu"))
+    reserve = borrowed.cache.eviction_reserve
+    assert reserve == EchoConfig(dev_cache_size=32).eviction_reserve == 1  # the runtime's
+    owned = EchoManager(
+        own_host, DeviceCache(1, 32, 200, 8, torch.float32, "cpu", eviction_reserve=reserve)
+    )
     gen = torch.Generator().manual_seed(1)
     for _ in range(20):
         locs = torch.randint(1, 201, (3, 8), generator=gen)

@@ -25,7 +25,8 @@ from sglang_echo.kernels.alloc import (
     allocate_reference,
 )
 from sglang_echo.kernels.decode_prefetch import count_prefetch_hits, count_prefetch_hits_reference
-from sglang_echo.offload.device_cache import ABSENT, FREE, DeviceCache
+from sglang_echo.kernels.release import release_kernel, release_reference
+from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 
 
@@ -39,6 +40,10 @@ class _PendingPrefetch:
     copied: torch.cuda.Event | None  # side stream: rows copied
     inputs: tuple  # candidate tensors (also of chained earlier prefetches), kept alive
     # until the side stream is joined
+    # Chained earlier prefetches of the layer (prefill: one per query block): copies of
+    # their miss lists (the workspace is reused by the next link), so that the resolve
+    # counts the hits of every block, not only the last one's.
+    earlier: tuple[tuple[Allocation, int], ...] = ()
 
 
 class EchoManager:
@@ -66,6 +71,9 @@ class EchoManager:
         i64 = dict(dtype=torch.int64, device=self.device)
         self.prefetched_rows = torch.zeros(cache.num_layers, **i64)  # rows prefetched
         self.prefetch_hits = torch.zeros(cache.num_layers, **i64)  # ... and then selected
+        # Released lanes refused on the device (sink, duplicates), summed over layers.
+        self.release_errors = torch.zeros(1, **i64)
+        self._release_marks: torch.Tensor | None = None  # host scratch of the id check
 
     @property
     def graph_safe(self) -> bool:
@@ -197,13 +205,15 @@ class EchoManager:
         kept = (ids,) if previous is None else (ids, previous.inputs)
         side = self._prefetch_stream()
         if side is None:
+            earlier = self._chain(previous)
             alloc = self._allocate_prefetch(layer, ids)
             self._recall(layer, alloc)
             self.prefetched_rows[layer : layer + 1] += alloc.miss_count
-            self._pending[layer] = _PendingPrefetch(alloc, ids.numel(), None, None, kept)
+            self._pending[layer] = _PendingPrefetch(alloc, ids.numel(), None, None, kept, earlier)
             return
         side.wait_stream(torch.cuda.current_stream(self.device))  # fork: maps, rows so far
         with torch.cuda.stream(side):
+            earlier = self._chain(previous)  # before this link's allocation reuses the list
             alloc = self._allocate_prefetch(layer, ids)
             allocated = torch.cuda.Event()
             allocated.record(side)
@@ -211,7 +221,20 @@ class EchoManager:
             self.prefetched_rows[layer : layer + 1] += alloc.miss_count
             copied = torch.cuda.Event()
             copied.record(side)
-        self._pending[layer] = _PendingPrefetch(alloc, ids.numel(), allocated, copied, kept)
+        self._pending[layer] = _PendingPrefetch(
+            alloc, ids.numel(), allocated, copied, kept, earlier
+        )
+
+    @staticmethod
+    def _chain(previous: _PendingPrefetch | None) -> tuple[tuple[Allocation, int], ...]:
+        """The miss lists of ``previous`` and its earlier links, the last one copied out of
+        the workspace that the next allocation overwrites (on the stream that runs it)."""
+        if previous is None:
+            return ()
+        a, n = previous.alloc, previous.lanes
+        copy = Allocation(a.slots, a.miss_ids[: n + 1].clone(), a.miss_slots[: n + 1].clone(),
+                          a.miss_count.clone())  # fmt: skip
+        return (*previous.earlier, (copy, n))
 
     def _prefetch_stream(self) -> torch.cuda.Stream | None:
         """The side stream prefetch copies run on: CUDA with the Triton kernels only (the
@@ -242,31 +265,58 @@ class EchoManager:
         stamped with the resolve's clock (an unselected one kept the older stamp or was
         evicted). Telemetry; one launch with the kernels."""
         count = count_prefetch_hits if self.use_kernels else count_prefetch_hits_reference
-        c, a = self.cache, pending.alloc
-        count(
-            a.miss_ids, a.miss_slots, a.miss_count, pending.lanes, c.device_to_host[layer],
-            c.priority[layer], c.clock[layer : layer + 1], self.prefetch_hits[layer : layer + 1],
-        )  # fmt: skip
+        c = self.cache
+        for a, lanes in (*pending.earlier, (pending.alloc, pending.lanes)):
+            count(
+                a.miss_ids, a.miss_slots, a.miss_count, lanes, c.device_to_host[layer],
+                c.priority[layer], c.clock[layer : layer + 1],
+                self.prefetch_hits[layer : layer + 1],
+            )  # fmt: skip
 
     # ------------------------------------------------------------------- release
     def release(self, locs: torch.Tensor) -> None:
-        """Host ids being freed: unmap them in every layer and push their slots back."""
+        """Host ids being freed (of any number of finished requests): unmap them in every
+        layer and push their slots back, in one launch (kernels/release.py).
+
+        Ids known on the host (a CPU tensor, as the runtime passes them) are checked first:
+        the sink (0), ids outside the pool and duplicates raise ``ValueError`` before the
+        cache changes. Ids on the device are not read back (no synchronisation): the kernel
+        refuses the same lanes itself and counts them in ``release_errors``."""
         c = self.cache
+        if locs.device.type == "cpu":
+            self._check_release_ids(locs)
+        ids = locs.reshape(-1).to(self.device, torch.int64)
         for layer in list(self._pending):
             self._join(layer)
-        for layer in range(c.num_layers):
-            slot = c.host_to_device[layer][locs].to(torch.int64)
-            resident = slot != ABSENT
-            rank = torch.cumsum(resident.to(torch.int64), 0) - 1
-            free = c.free_count[layer].to(torch.int64)
-            push_pos = torch.where(resident, free + rank, torch.full_like(rank, c.num_slots))
-            c.free_stack[layer].scatter_(
-                0, push_pos, torch.where(resident, slot, 0).to(torch.int32)
+        if self.use_kernels:
+            release_kernel(c, ids, self.release_errors)
+        else:
+            release_reference(c, ids, self.release_errors)
+
+    def _check_release_ids(self, locs: torch.Tensor) -> None:
+        """Refuse the sink, ids outside [1, N_H] and duplicates (a duplicate would push one
+        slot twice, and two tokens would later share it). Three vectorised passes over
+        the ids on the host: ~0.3 ms for a 100K-token request."""
+        ids = locs.reshape(-1).to(torch.int64)
+        if ids.numel() == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 1 or hi > self.cache.host_tokens:
+            bad = lo if lo < 1 else hi
+            what = "the padding sink (host row 0)" if bad == 0 else f"host id {bad}"
+            raise ValueError(
+                f"release of {what}: released ids must be tokens of the host pool, "
+                f"1..{self.cache.host_tokens}; the caller's token bookkeeping is corrupt"
             )
-            target = torch.where(resident, slot, torch.full_like(slot, c.scratch_slot))
-            c.device_to_host[layer].scatter_(
-                0, target, torch.full_like(target, FREE, dtype=torch.int32)
+        if self._release_marks is None:
+            self._release_marks = torch.zeros(self.cache.host_tokens + 2, dtype=torch.int32)
+        marks = self._release_marks
+        marks.index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+        twice = marks[ids] > 1
+        marks[ids] = 0
+        if bool(twice.any()):
+            dup = int(ids[twice][0])
+            raise ValueError(
+                f"release lists host id {dup} more than once: its slot would be pushed twice "
+                "and later shared by two tokens; release each token once"
             )
-            c.priority[layer].scatter_(0, target, torch.full_like(target, FREE))
-            c.host_to_device[layer].index_fill_(0, locs, ABSENT)
-            c.free_count[layer] = (free + resident.sum()).to(torch.int32)

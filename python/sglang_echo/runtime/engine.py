@@ -19,7 +19,7 @@ from sglang_echo.runtime.request import SeqState
 from sglang_echo.runtime.step_runner import StepRunner
 
 
-@dataclass
+@dataclass(eq=False)  # identity, as every request class (runtime/request.py)
 class Request(SeqState):
     index: int = 0
     max_new_tokens: int = 0

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from sglang_echo.runtime.detokenizer import IncrementalText
 
 
-@dataclass
+# Identity semantics (eq=False) for every request class: ``req in waiting`` and
+# ``running.remove(req)`` must find this very request, without comparing 100K-token prompts
+# field by field (and two requests with equal fields are still two requests).
+@dataclass(eq=False)
 class SeqState:
     prompt: list[int]
     output: list[int] = field(default_factory=list)
@@ -70,7 +73,7 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class ServeRequest(SeqState):
     """A request of the serving scheduler: sampling, stop conditions, lifecycle."""
 

@@ -165,11 +165,8 @@ class Scheduler:
         req = self.live.get(rid)
         if req is None:
             return False
-        if req in self.waiting:
-            self.waiting.remove(req)
-        else:
-            self.running.remove(req)
         self._finish(req, abort_reason(message, 499))
+        self.steps.flush_releases()
         return True
 
     def reject(self, req: ServeRequest, message: str) -> None:
@@ -188,6 +185,8 @@ class Scheduler:
             self._receive_arrived()
         if not self.running:
             return False
+        # ``running`` holds live requests only (``_finish`` takes a request out the moment it
+        # ends), so no phase below can retract, prefill or decode one that has ended.
         if any(not r.prefill_done for r in self.running):
             self._make_room(lambda: min(self.chunk, self._pending_prefill()))
             prefilling = [r for r in self.running if not r.prefill_done]
@@ -201,16 +200,15 @@ class Scheduler:
         elif self.prompt_source is not None and self.prompt_source.pending:
             with self.stats.timed("receive"):
                 self._receive_arrived(wait=True)  # nothing to step: wait, do not spin
-        self.running = [r for r in self.running if not r.finished]
+        self.steps.flush_releases()
         self.stats.recent.append((time.perf_counter(), self.stats.generation_tokens))
         return True
 
     def fail_all(self, message: str, status_code: int = 503) -> None:
-        """Shutdown (503), or an error outside any step (500): end every request."""
+        """Shutdown (503), or an error outside any step (500): end every live request."""
         for req in [*self.waiting, *self.running]:
             self._finish(req, abort_reason(message, status_code))
-        self.waiting.clear()
-        self.running = []
+        self.steps.flush_releases()
 
     # ---------------------------------------------------------- the phases
     def _prefill(self, prefilling: list[ServeRequest]) -> None:
@@ -255,10 +253,15 @@ class Scheduler:
         return sum(len(r.prefill_ids) - r.cached_len for r in self.running if not r.prefill_done)
 
     def _growth(self, req: ServeRequest) -> int:
-        """Token locations set aside for a request's next few decode steps."""
-        return max(0, min(req.remaining_tokens() - 1, self.reserve_steps))
+        """Token locations set aside for a request's next few decode steps (a decode node:
+        all of them). A request will hold ``token_budget()`` locations at most; beyond its
+        cached tokens and the prefill still pending, that leaves ``remaining_tokens()`` once
+        it has an output to extend, one fewer before (its last token is never cached)."""
+        future = req.token_budget() - max(req.cached_len, len(req.prefill_ids))
+        return max(0, min(future, self.reserve_steps))
 
     def _admit(self) -> None:
+        self.steps.flush_releases()
         alloc = self.steps.allocator
         while (
             self.waiting
@@ -288,12 +291,32 @@ class Scheduler:
                 self._accept(req, first, None)
 
     def _make_room(self, tokens_needed: Callable[[], int]) -> None:
-        """Preempt the newest running requests until the next phase's tokens fit."""
+        """Preempt the newest running requests until the next phase's tokens fit.
+
+        A decode node never preempts: admission reserved every request's whole budget, so
+        running short is a bookkeeping bug, and retracting would lose a prompt that no
+        prefill here can recompute. It raises instead (the phase's requests fail)."""
+        self.steps.flush_releases()
         while self.steps.allocator.num_free < tokens_needed() and len(self.running) > 1:
+            if self.prompt_source is not None:
+                raise RuntimeError(
+                    f"decode node out of token locations ({self.steps.allocator.num_free} free, "
+                    f"{tokens_needed()} needed) although admission reserved every running "
+                    "request's budget: a bookkeeping bug"
+                )
             self._retract(self.running[-1])
 
+    def _release(self, req: ServeRequest) -> None:
+        """Give back what a running request holds: its pending transfer is cancelled first
+        (so nothing writes into locations another request may get next), then its row and
+        token locations (the KV backend's release is batched until the next flush)."""
+        if self.prompt_source is not None:
+            self.prompt_source.forget(req)
+        self.steps.release_later(req)
+
     def _retract(self, req: ServeRequest) -> None:
-        self.steps.release(req)
+        self._release(req)
+        self.steps.flush_releases()
         self.running.remove(req)
         req.recompute_ids = req.prompt + req.output
         req.cached_len = 0
@@ -353,10 +376,18 @@ class Scheduler:
         new_tokens: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
+        """The one place a request ends: it leaves the queues, gives back what it holds and
+        gets its terminal event. A request that has already ended is never ended again."""
+        if req.finished:
+            log.error(
+                "request %s ended twice (%s, then %s); ignored", req.rid, req.finish_reason, reason
+            )
+            return
         if req.status is ReqStatus.RUNNING:
-            if self.prompt_source is not None:
-                self.prompt_source.forget(req)
-            self.steps.release(req)
+            self.running.remove(req)
+            self._release(req)
+        elif req.status is ReqStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         self.live.pop(req.rid, None)

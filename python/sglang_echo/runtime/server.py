@@ -222,16 +222,23 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
         """Yield event batches until the request ends; abort it if the caller leaves.
 
         The disconnect is polled in both modes: a streaming request that waits in the queue
-        sends nothing, so a failed write would not reveal that its client is gone.
+        sends nothing, so a failed write would not reveal that its client is gone. It is
+        polled on a clock, once per ``DISCONNECT_POLL_S`` whether events arrive or not: a
+        non-streaming request that is producing tokens never falls silent, and polling
+        only on silence let it generate to its end after its client left.
         """
+        clock = asyncio.get_running_loop().time
+        check_at = clock() + DISCONNECT_POLL_S
         done = False
         try:
             while not done:
-                try:
-                    batch = await asyncio.wait_for(stream.next_batch(), DISCONNECT_POLL_S)
-                except TimeoutError:
+                if clock() >= check_at:
                     if await request.is_disconnected():
                         return
+                    check_at = clock() + DISCONNECT_POLL_S
+                try:
+                    batch = await asyncio.wait_for(stream.next_batch(), check_at - clock())
+                except TimeoutError:
                     continue
                 done = batch[-1].finished
                 yield batch

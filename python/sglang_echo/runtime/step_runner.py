@@ -39,6 +39,7 @@ class StepRunner:
         self.table = RequestTable(max_requests, max_context, self.device)
         self.max_requests = max_requests
         self.max_context = max_context
+        self._released: list[list[int]] = []  # token locations queued by release_later
         # Per-request state of the KV backend (ECHO's decode-prefetch thresholds) is sized
         # by the request table, once, before any step.
         for owner in (kv_cache, model):  # and the model's (decode top-k thresholds)
@@ -64,13 +65,35 @@ class StepRunner:
 
     def release(self, req: SeqState) -> None:
         """Return the request's token locations (and ECHO's slots for them) and its row."""
+        self.release_later(req)
+        self.flush_releases()
+
+    def release_later(self, req: SeqState) -> None:
+        """Give back the request's table row now and queue its token locations: the next
+        ``flush_releases`` frees the KV backend's state of every queued request in one call
+        (ECHO: one launch for all layers) and only then returns the locations to the
+        allocator, so nothing can be handed out again while the cache still maps it."""
         if req.locs:
-            self.kv_cache.release(int64_tensor(req.locs, self.device))
-            self.allocator.free(req.locs)
+            self._released.append(req.locs)
         if req.row >= 0:
             self.table.free_row(req.row)
         req.locs = []
         req.row = -1
+
+    def flush_releases(self) -> None:
+        """Release everything ``release_later`` queued (a no-op when nothing is)."""
+        if not self._released:
+            return
+        queued, self._released = self._released, []
+        flat = [loc for locs in queued for loc in locs]
+        self.kv_cache.release(int64_tensor(flat))
+        for locs in queued:
+            self.allocator.free(locs)
+
+    @property
+    def pending_releases(self) -> int:
+        """Token locations queued by ``release_later`` and not yet flushed."""
+        return sum(len(locs) for locs in self._released)
 
     # ----------------------------------------------------------------- steps
     def prefill_chunk(
@@ -82,6 +105,7 @@ class StepRunner:
         Returns the requests whose prompt is now fully cached and their next-token logits
         ([len(done), vocab]); the others only advanced ``cached_len``.
         """
+        self.flush_releases()
         members: list[tuple[SeqState, int]] = []
         for req in pending:
             if budget <= 0:
@@ -119,6 +143,7 @@ class StepRunner:
 
     def decode(self, active: Sequence[SeqState]) -> torch.Tensor:
         """One new token per request (its last output) -> logits [len(active), vocab]."""
+        self.flush_releases()
         out_locs = self.allocator.alloc(len(active))
         positions = [req.cached_len for req in active]
         ids = [req.output[-1] for req in active]

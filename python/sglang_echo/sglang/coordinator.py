@@ -320,6 +320,14 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         page = self.token_to_kv_pool_allocator.alloc_device_buffer(
             logical.to(torch.int64), self.page_size
         )
+        if page is None:
+            free = self.token_to_kv_pool_allocator.hisparse_attn_allocator.available_size()
+            raise RuntimeError(
+                f"sglang-echo: no device page for request {req.rid!r} (request slot {idx}): "
+                f"each running request holds one {self.page_size}-row page for its newest "
+                f"token and the device pool has {free} free rows; more requests were "
+                "admitted than the plan sized the pool for (--max-running-requests)."
+            )
         self._newest_page[idx] = page
         self.newest_row[idx] = page[0]
 
@@ -340,7 +348,9 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         req_pool_indices_cpu: torch.Tensor,
     ) -> None:
         """Back up each request's previous token, then point the token being decoded at
-        the request's newest row (the model's KV write lands there)."""
+        the request's newest row (the model's KV write lands there). The batch's real
+        request count is known here, on the host: one past N_G // top-k fails now."""
+        self.resolver.check_batch(len(req_pool_indices_cpu))
         self._eager_backup_previous_token(
             seq_lens, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu
         )

@@ -11,15 +11,19 @@ manager's operations run unchanged and no row is stored twice:
   the last host page out of SGLang's allocator, so id 0 (sink) and id N_H + 1 (scratch,
   N_H = host size - 2) are never a request's token.
 - device: the coordinator reserves a contiguous run of device rows; ECHO slot ``s`` of
-  every layer is device row ``row_base + s`` of that layer's buffer.
+  every layer is device row ``row_base + s`` of that layer's buffer. Its eviction reserve
+  is the runtime's (EchoConfig: ``SGLANG_ECHO_EVICTION_RESERVE``, else the default for
+  N_G), so the plugin runs the same allocator as EchoKVCache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from sglang_echo.config import ENV_DEV_CACHE, ENV_EVICTION_RESERVE, ConfigError, EchoConfig
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import cuda_alias_of_pinned
 
@@ -53,16 +57,45 @@ class LayerRows:
         return self.views[0].element_size()
 
 
-class ExternalRowsCache(DeviceCache):
-    """DeviceCache whose rows are views of another pool: ECHO allocates only metadata."""
+def eviction_reserve_for(num_slots: int, environ: Mapping[str, str] | None = None) -> int:
+    """The eviction reserve of an N_G = ``num_slots`` cache, as EchoConfig resolves it for
+    the runtime (echo_cache.EchoKVCache): ``SGLANG_ECHO_EVICTION_RESERVE`` when set, else
+    EchoConfig's default for N_G. N_G is the plugin's (the launcher's resolved plan), so
+    the environment's ``NSA_DEV_CACHE_SIZE`` is replaced by it before EchoConfig reads."""
+    env = os.environ if environ is None else environ
+    config = EchoConfig.from_env({**env, ENV_DEV_CACHE: str(num_slots)})
+    if config.eviction_reserve > num_slots // 2:
+        raise ConfigError(
+            f"{ENV_EVICTION_RESERVE}={config.eviction_reserve} would keep more than half of "
+            f"the {num_slots} device slots ({ENV_DEV_CACHE}) free after each eviction; use "
+            f"at most {num_slots // 2} (a few thousand is plenty), or unset it for the "
+            f"default ({EchoConfig(dev_cache_size=num_slots).eviction_reserve})."
+        )
+    return config.eviction_reserve
 
-    def __init__(self, layer_rows: Sequence[torch.Tensor], host_tokens: int) -> None:
+
+class ExternalRowsCache(DeviceCache):
+    """DeviceCache whose rows are views of another pool: ECHO allocates only metadata.
+
+    ``eviction_reserve`` None: the runtime's (``eviction_reserve_for``)."""
+
+    def __init__(
+        self,
+        layer_rows: Sequence[torch.Tensor],
+        host_tokens: int,
+        eviction_reserve: int | None = None,
+    ) -> None:
         rows = LayerRows(layer_rows)
         num_slots = rows.shape[1] - 2
         if num_slots < 1:
             raise ValueError("the device cache needs at least one slot besides sink/scratch")
+        if eviction_reserve is None:
+            eviction_reserve = eviction_reserve_for(num_slots)
         # row_dim=0: the base class allocates an empty row tensor; the real rows follow.
-        super().__init__(len(rows), num_slots, host_tokens, 0, rows.dtype, rows.device)
+        super().__init__(
+            len(rows), num_slots, host_tokens, 0, rows.dtype, rows.device,
+            eviction_reserve=eviction_reserve,
+        )  # fmt: skip
         self.row_dim = rows.shape[2]
         self.rows = rows
 

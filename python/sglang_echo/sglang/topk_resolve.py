@@ -17,6 +17,12 @@ sequence length (the current token included) and the indexer's top-k token posit
   requests, so rows are matched to requests by position and the rest are padding. An
   IDLE batch (a DP-attention rank with nothing to run) has zero rows.
 
+One step's selections must all be resident at once, so at most N_G // top-k requests
+can decode together (``max_rows``). A graph batch may be padded past that (the padding
+selects nothing), so the resolve cannot tell real rows from padding by shape; the
+coordinator calls ``check_batch`` with the step's real request count on the host, where
+the scheduler builds the batch, and a batch past the limit fails there, loudly.
+
 Every shape is fixed by the batch; counts stay on the device; so the call can be captured
 in a CUDA graph whenever EchoManager's resolve can.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_echo.config import ENV_DEV_CACHE, ConfigError
 from sglang_echo.offload.manager import EchoManager
 
 
@@ -56,6 +63,21 @@ class TopkToRows:
                 f"request's top-{top_k}; raise NSA_DEV_CACHE_SIZE to >= {top_k}"
             )
 
+    def check_batch(self, num_reqs: int) -> None:
+        """A decode step of ``num_reqs`` real requests (a host-side count: no device read)
+        must fit the cache: past ``max_rows`` the resolve would give the extra requests no
+        rows and attention would read nothing. The plugin's --max-running-requests bound
+        makes this unreachable in a correct configuration."""
+        if num_reqs > self.max_rows:
+            n_g = self.manager.cache.num_slots
+            raise ConfigError(
+                f"sglang-echo: this decode batch has {num_reqs} requests, but the ECHO "
+                f"device cache holds one step's selections of at most {ENV_DEV_CACHE} "
+                f"{n_g} // top-k {self.top_k} = {self.max_rows} requests; set "
+                f"{ENV_DEV_CACHE} >= {num_reqs * self.top_k}, or lower "
+                f"--max-running-requests to <= {self.max_rows} per attention-DP rank."
+            )
+
     def __call__(
         self,
         layer: int,
@@ -67,7 +89,7 @@ class TopkToRows:
         num_rows, width = topk.shape
         out = self._output(num_rows, width, topk.device)
         # Row i is request i; rows past the requests (sglang's padding to the q rows) and
-        # past max_rows (only padding can be there) select nothing.
+        # past max_rows (only padding can be there: check_batch) select nothing.
         n = min(num_rows, req_pool_indices.shape[0], self.max_rows)
         if n < num_rows:
             out[n:].fill_(-1)

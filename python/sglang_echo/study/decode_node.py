@@ -26,7 +26,7 @@ from sglang_echo.runtime.step_runner import StepRunner
 from sglang_echo.study.synthetic_kv import SyntheticKV
 
 
-@dataclass
+@dataclass(eq=False)  # identity, as every request class (runtime/request.py)
 class NodeRequest(SeqState):
     seed: int = 0
     max_new_tokens: int = 0
