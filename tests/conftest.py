@@ -86,8 +86,21 @@ def small_checkpoint(checkpoints):
 # ------------------------------------------------------------- sm_90 compile recording
 # Every kernel launch under the interpreter is recorded (argument types and constexpr
 # values) so that tests/test_zz_compile_sm90.py can compile the same launches for the
-# GPU; see tests/sm90_compile.py for why.
+# GPU; see tests/sm90_compile.py for why. The check compiles what this process recorded,
+# so it must run after every other test of the session: pytest_collection_modifyitems
+# below moves it last, whatever the order of the files on the command line.
 RECORDED_LAUNCHES: dict[str, dict] = {}
+# Why nothing is recorded, when nothing can be (None: recording is on).
+RECORDING_OFF: str | None = None
+SM90_CHECK_FILE = "test_zz_compile_sm90.py"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """The sm_90 compile check last: it compiles the launches the tests before it ran."""
+    last = [it for it in items if it.path.name == SM90_CHECK_FILE]
+    if last:
+        items[:] = [it for it in items if it.path.name != SM90_CHECK_FILE] + last
 
 
 def _triton_type(value: object) -> str:
@@ -115,13 +128,14 @@ def _triton_type(value: object) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
-def _record_launches() -> None:
+def _record_launches() -> str | None:
+    """Wraps the interpreter's launch to record each one; returns why it could not."""
     import inspect
 
     try:
         from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:
-        return
+    except ImportError as exc:
+        return f"triton's interpreter cannot be imported ({exc})"
     original = InterpretedFunction.run
 
     def run(self, *args, **kwargs):
@@ -154,7 +168,10 @@ def _record_launches() -> None:
         return original(self, *args, **kwargs)
 
     InterpretedFunction.run = run
+    return None
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _record_launches()
+    RECORDING_OFF = _record_launches()
+else:
+    RECORDING_OFF = f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}, not '1'"

@@ -232,7 +232,11 @@ def test_e2e_study_smoke_writes_the_record(e2e_study, tmp_path: Path) -> None:
     for key in ("lossless_under_eviction", "lossless_under_eviction_hisparse"):
         pressure = m["details"][key]  # ECHO's and the HiSparse-like backend's, evicting
         assert pressure["evictions_per_step"] > 0 and pressure["greedy_outputs_equal"], key
-        assert pressure["tokens_compared"] > 0, key
+        # every request of the batch compared, each over all the tokens the run decoded
+        assert pressure["requests_compared"] == pressure["batch"], key
+        decoded = 1 + rec["config"]["warmup_steps"] + rec["config"]["measured_steps"]
+        assert pressure["min_tokens_per_request"] == decoded, key
+        assert pressure["tokens_compared"] >= pressure["batch"] * decoded, key
 
     # Repeats: every repeated phase measured --repeats times; medians inside their range.
     repeats = rec["config"]["repeats"]
@@ -321,12 +325,35 @@ def test_first_difference_names_request_and_token(e2e_study) -> None:
 def test_outputs_agree_over_the_common_length_only(e2e_study) -> None:
     """A profiled run's longer output that its repeat matches is agreement; a differing
     token, a missing request or an empty output is not."""
-    long, short = [[1, 2, 3, 4], [5, 6, 7]], [[1, 2, 3], [5, 6]]
+    long = [list(range(40)), list(range(100, 137))]
+    short = [long[0][:33], long[1][:32]]
     assert e2e_study.outputs_agree(long, short) and e2e_study.outputs_agree(short, long)
-    assert e2e_study.tokens_in_common(long, short) == 5
-    assert not e2e_study.outputs_agree(long, [[1, 2, 9], [5, 6]])
-    assert not e2e_study.outputs_agree(long, [[1, 2, 3]])
-    assert not e2e_study.outputs_agree(long, [[], [5, 6]])
+    assert e2e_study.tokens_in_common(long, short) == 65
+    assert not e2e_study.outputs_agree(long, [[*long[0][:5], 999, *long[0][6:]], long[1]])
+    assert not e2e_study.outputs_agree(long, [long[0]])
+    assert not e2e_study.outputs_agree(long, [[], long[1]])
+
+
+def test_outputs_agree_needs_32_tokens_of_every_request(e2e_study) -> None:
+    """The lossless check compares every request, each over at least 32 tokens: outputs of
+    1 token (or of 31) that match prove nothing and are not agreement; no requests at all
+    is not agreement either. A smaller bound is only for the smoke run, which decodes 6."""
+    a = [list(range(50)), list(range(200, 250)), list(range(300, 350))]
+    assert e2e_study.outputs_agree(a, [r[:32] for r in a])
+    assert not e2e_study.outputs_agree(a, [r[:1] for r in a])  # 1-token outputs
+    assert not e2e_study.outputs_agree(a, [a[0], a[1], a[2][:31]])  # one request short
+    assert not e2e_study.outputs_agree([], [])
+    assert e2e_study.MIN_TOKENS_COMPARED == 32
+    assert e2e_study.outputs_agree([r[:6] for r in a], a, min_tokens=6)  # the smoke run's
+
+
+def test_gpu_study_refuses_too_few_tokens_to_compare(e2e_study, tmp_path: Path) -> None:
+    """Outside --smoke, a run that would decode fewer than 32 tokens per request (1 +
+    --warmup + --steps) is refused before it starts."""
+    with pytest.raises(SystemExit):
+        e2e_study.parse_args(["--out", str(tmp_path), "--warmup", "2", "--steps", "8"])
+    args = e2e_study.parse_args(["--out", str(tmp_path), "--warmup", "0", "--steps", "31"])
+    assert 1 + args.warmup + args.steps == 32
 
 
 def test_an_equal_hbm_split_without_room_for_a_step_is_skipped_with_its_reason(

@@ -47,6 +47,65 @@ def test_readme_block_matches_records():
     )
 
 
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_prose_holds_no_measured_figure(doc):
+    """Every measured number reaches README and docs through the generated block: the prose
+    outside it names evidence rows and records, not figures (they drifted from the records
+    when written by hand: top-k 125 vs 115 us, sparse MLA 1.2x vs 2.16x, two cache targets)."""
+    found = evidence.prose_figures(doc.read_text())
+    assert found == [], (
+        f"{doc.name}: measured figures outside the evidence block (move them into a row of "
+        "python/sglang_echo/bench/evidence.py, or rephrase without them; design constants "
+        "go in evidence.ALLOWED_FIGURES):\n" + "\n".join(found)
+    )
+
+
+@pytest.mark.parametrize(
+    "figure",
+    [
+        "the radix select takes 125 us",
+        "it ran 1.2× faster",
+        "ECHO gives 2.16x at rate inf",
+        "a gather at 45.1 GB/s",
+        "no-offload's step got 4% faster",
+        "hit rates 0.79-0.96",
+        "hit ~0.37",
+        "4,625 evictions per step",
+        "About 25 s on 2 CPU cores",
+        "(10-15 minutes on 2 CPU cores)",
+        "ECHO 708 tok/s",
+        "at 254 registers",
+    ],
+)
+def test_prose_check_flags_measured_figures(figure):
+    assert evidence.prose_figures(f"Some prose:\n{figure}, and more.\n"), figure
+
+
+def test_prose_check_spares_blocks_code_versions_and_design_constants():
+    text = (
+        "Top-k 2048 of 656 B rows, k=2048, 8 layers, batches 1-4, commit c4a2e78, torch 2.11,\n"
+        "Python >= 3.11, CPython 3.10-3.13, `history/2026-12-01-x/` and `took 125 us`.\n"
+        "```bash\nNSA_DEV_CACHE_SIZE=260_000 sleep 0.5 # 3.5 us\n```\n"
+        f"{evidence.HEADER}\n| row | 125 us, 2.16x, 45.1 GB/s |\n{evidence.END}\n"
+        "<!-- bad-inputs:begin -->\n| 0.5 ms |\n<!-- bad-inputs:end -->\n"
+        "ECHO's published 2.15x / 3.10x /\n4.12x (8xH20), alpha 0.5.\n"
+    )
+    assert evidence.prose_figures(text) == []
+    found = evidence.prose_figures(text + "But this took 3.5 us.\n")
+    assert found and all(f.startswith("line 14: '3.5") for f in found), found
+
+
+def test_check_fails_on_a_figure_in_the_prose(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(README.read_text().replace("## Tests\n", "## Tests\n\nIt took 125 us.\n", 1))
+    assert evidence.main(["--check", str(readme), "--root", str(ROOT)]) == 1
+    readme.write_text(README.read_text())
+    assert evidence.main(["--check", str(readme), "--root", str(ROOT)]) == 0
+
+
 def test_records_found():
     names = {p.relative_to(RESULTS).as_posix() for p in _current_records()}
     for name in (

@@ -5,14 +5,19 @@ Prints a markdown table (claim, the numbers, the record each comes from with its
 date) between the markers ``<!-- evidence:begin -->`` and ``<!-- evidence:end -->``.
 ``--write FILE`` replaces that block in FILE with it; ``--check FILE`` exits 1 and lists
 every number of FILE's block that disagrees with the records (and any row added, missing
-or reworded), so README and records cannot drift apart.
+or reworded), and every measured-looking figure of FILE's prose outside the block, so
+README and records cannot drift apart.
 
 Every number printed is a field of a JSON record (or a ratio, difference or range of such
 fields, said so in the row); the record file is named in the row. Labels: *measured* (timed
 or counted on the device the record names), *simulated* (a CPU simulation over measured
 traces), *estimate* (a roofline or bound derived from measured numbers, not itself timed).
-Published numbers of others (ECHO's figures, DeepSeek-V3.2's hit rates) and project
-targets are not records: the README's prose names them as such.
+Published numbers of others (ECHO's figures, DeepSeek-V3.2's hit rates) are not records:
+the README's prose names them as such. Everything measured lives in the block only:
+``prose_figures`` finds measured-looking figures (times, speedups, bandwidths, percentages,
+fractions, approximate or counted quantities) in a document's prose outside its generated
+blocks, code and the listed design constants; ``--check`` reports them too, and
+tests/test_evidence.py runs it over README.md and docs/*.md.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from sglang_echo.bench.datasets import INFINITEBENCH_INPUT_RANGE
 
 BEGIN = "<!-- evidence:begin"
 END = "<!-- evidence:end -->"
@@ -69,6 +76,15 @@ def yes(flag: bool) -> str:
     return "yes" if flag else "NO"
 
 
+def tokens(x: float) -> str:
+    """A token count as the README writes pool sizes: 200K, 1.8M; else exact."""
+    if x >= 1_000_000 and x % 100_000 == 0:
+        return f"{x / 1e6:g}M"
+    if x >= 1000 and x % 1000 == 0:
+        return f"{x / 1e3:g}K"
+    return count(x)
+
+
 def span(values, fmt: Callable[[float], str]) -> str:
     """min-max of ``values`` (one value if they agree at this precision)."""
     lo, hi = fmt(min(values)), fmt(max(values))
@@ -102,15 +118,15 @@ def source(rec: dict, rel: str, kind: str = "measured") -> str:
 def row_oracle(r: Records) -> tuple[str, str, str]:
     rel = "benchmark/results/gpu_checks.json"
     d = r(rel)
-    cfgs = ("default-rope", "yarn", "wide-moe")
+    cfgs = [k.split("/")[1] for k in d if k.startswith("oracle/") and k.endswith("/float32")]
     f32 = [d[f"oracle/{c}/float32"] for c in cfgs]
     b16 = [d[f"oracle/{c}/bfloat16"] for c in cfgs]
     text = (
-        f"float32 (3 configs): max abs logit difference at most "
+        f"float32 ({len(cfgs)} configs): max abs logit difference at most "
         f"{sci(max(x['max_abs_logit_diff'] for x in f32))}, rel. L2 at most "
         f"{sci(max(x['rel_l2'] for x in f32))}, top-k mismatches "
         f"{span([x['topk_mismatch_positions'] for x in f32], count)}; bfloat16 logits' rel. L2 "
-        "to the float32 reference (default-rope/yarn/wide-moe): ours "
+        f"to the float32 reference ({'/'.join(cfgs)}): ours "
         f"{slashed([x['rel_l2_vs_fp32_ours'] for x in b16], f2)}, transformers' "
         f"{slashed([x['rel_l2_vs_fp32_transformers'] for x in b16], f2)}"
     )
@@ -147,6 +163,11 @@ def row_topk(r: Records) -> tuple[str, str, str]:
         f"{us(m['eager_us']['torch_topk'])} / {us(m['eager_us']['stable_sort_topk'])} us); "
         f"kernel's sets equal the reference: {yes(m['topk_kernel_sets_equal_reference'])}"
     )
+    if m.get("topk_candidate_share") is not None:
+        text += (
+            f"; keys kept as candidates after the first digit "
+            f"{f3(m['topk_candidate_share'])} of all"
+        )
     p = m.get("topk_pivot")
     if p and p.get("steady_us") is not None:
         states = ("steady", "drift", "one_new_row", "all_new")
@@ -225,8 +246,10 @@ def row_cache_ops(r: Records) -> tuple[str, str, str]:
         f"batch {m['batch']} x top-k {m['topk']}, {count(m['slots'])} slots, "
         f"{count(m['evictions_per_step'])} evictions per step, hit rate {f3(m['hit_rate'])}: "
         f"{us(m['us_per_layer_step'])} us per layer-step replayed "
-        f"({us(m['us_per_layer_step_with_recall'])} us with recall); torch reference "
-        f"{us(m['torch_reference_us_per_layer_step'])} us; one sort of all priorities "
+        f"({us(m['us_per_layer_step_with_recall'])} us with recall)"
+        + (f", project target {us(m['target_us'])} us" if m.get("target_us") else "")
+        + f"; torch reference {us(m['torch_reference_us_per_layer_step'])} us; one sort of "
+        f"all priorities "
         f"{us(m['exact_lru_sort_us'])} us; stages {stages} us"
     )
     if m.get("us_per_layer_step_with_append") is not None:
@@ -315,13 +338,16 @@ def row_decode_prefetch(r: Records) -> tuple[str, str, str]:
     d = r(rel)
     m = d["metrics"]
     by_hit = {c["hit_rate"]: c for c in d["cases"]}
-    c9 = by_hit[0.9]
+    speedups = {k.rsplit("_", 1)[1]: v for k, v in m.items() if k.startswith("speedup_at_hit_")}
+    slowdowns = {k.rsplit("_", 1)[1]: v for k, v in m.items() if k.startswith("slowdown_at_hit_")}
+    hit = 0.9 if 0.9 in by_hit else sorted(by_hit)[len(by_hit) // 2]  # a case in the middle
+    c9 = by_hit[hit]
     bound = c9["unfused_graph_ms"] / (c9["unfused_graph_ms"] - c9["recall_ms"])
     text = (
         f"batch {m['batch']} x {count(m['context'])} context, {m['row_bytes']}-byte rows: "
-        f"prefetch over none {ratio(m['speedup_at_hit_0.5'])} / {ratio(m['speedup_at_hit_0.9'])}"
-        f" / {ratio(m['speedup_at_hit_0.97'])} at hit 0.5 / 0.9 / 0.97, slowdown "
-        f"{ratio(m['slowdown_at_hit_1.0'])} at 1.0 (replayed); step at hit 0.9: logits "
+        f"prefetch over none {' / '.join(ratio(v) for v in speedups.values())} at hit "
+        f"{' / '.join(speedups)}, slowdown {' / '.join(ratio(v) for v in slowdowns.values())} "
+        f"at {' / '.join(slowdowns)} (replayed); step at hit {hit:g}: logits "
         f"{ms(c9['logits_ms'])} ms (with flags {ms(c9['fused_logits_ms'])}), top-k "
         f"{ms(c9['topk_ms'])} ms, recall {ms(c9['recall_ms'])} ms of "
         f"{ms(c9['unfused_graph_ms'])} ms, so hiding the recall bounds the gain at "
@@ -502,7 +528,10 @@ def row_trained(r: Records) -> tuple[str, str, str]:
     rel = "benchmark/results/topk_traces.json"
     t, d = r(rel_train), r(rel)
     sbs = d["metrics"]["side_by_side"]
-    mults = ("1.25", "2", "4", "8")
+    mults = sorted(
+        (k.removeprefix("echo_shared_hit_rate_x") for k in sbs if "echo_shared_hit_rate_x" in k),
+        key=float,
+    )
 
     def pair(key: str, fmt=f2) -> str:
         return f"{fmt(sbs[key]['trained'])} vs {fmt(sbs[key]['untrained'])}"
@@ -526,8 +555,34 @@ def row_trained(r: Records) -> tuple[str, str, str]:
 
 
 CONFIG_POOLS = re.compile(
-    r"no-offload pool (\d+) tokens; offload host pool (\d+) tokens, NSA_DEV_CACHE_SIZE (\d+)"
+    r"no-offload pool (\d+) tokens; (?:offload|ECHO) host pool (\d+) tokens, "
+    r"NSA_DEV_CACHE_SIZE (\d+)"
 )
+KNOB = re.compile(r"^([A-Z][A-Z0-9_]*)=(\S*)$")
+
+
+def knobs(d: dict) -> dict[str, str]:
+    """The environment knobs (``NAME=value`` words) of the record's first sweep command,
+    or of its config lines (serving_sweep.sh writes them there)."""
+    lines = [*d.get("sweeps", [])[:1]]
+    for c in d.get("config", []):
+        lines += [c] if isinstance(c, str) else c["lines"]
+    out: dict[str, str] = {}
+    for ln in lines:
+        for word in ln.split():
+            if m := KNOB.match(word):
+                out.setdefault(m.group(1), m.group(2))
+    return out
+
+
+def infinitebench_prompts(k: dict[str, str]) -> str:
+    """The synthetic InfiniteBench-like prompt lengths a sweep with knobs ``k`` sent
+    (``bench.datasets.synthetic_infinitebench``'s rule at its CONTEXT and MAX_OUTPUT_LEN)."""
+    context, out = int(k["CONTEXT"]), int(k["MAX_OUTPUT_LEN"])
+    cap = max(1, min(out, context // 4))
+    lo, hi = INFINITEBENCH_INPUT_RANGE
+    scale = min(1.0, (context - cap) / hi)
+    return f"{tokens(round(lo * scale))}-{tokens(round(hi * scale))} tokens, outputs <= {cap}"
 
 
 def _serving(d: dict) -> str:
@@ -571,7 +626,12 @@ def _serving(d: dict) -> str:
 def row_serving(r: Records) -> tuple[str, str, str]:
     rel = "benchmark/results/serving/h200/serving_sweep.json"
     d = r(rel)
-    return "serving (4-layer toy, issue 7)", _serving(d), source(d, rel)
+    k = knobs(d)
+    lead = (
+        f"{k['LAYERS']}-layer random model, {k['NUM_PROMPTS']} InfiniteBench-like prompts "
+        f"(synthetic) at context {count(int(k['CONTEXT']))}: "
+    )
+    return "serving (toy model, issue 7)", lead + _serving(d), source(d, rel)
 
 
 def row_serving_history(r: Records) -> tuple[str, str, str]:
@@ -586,6 +646,37 @@ def row_serving_history(r: Records) -> tuple[str, str, str]:
         texts.append(f"{name}: {_serving(d)}")
         srcs.append(source(d, rel, "measured, superseded"))
     return "serving, earlier runs (history)", "; ".join(texts), ", ".join(srcs)
+
+
+def engines(config: dict) -> dict[str, dict]:
+    """The study's engines by label (pool, dev_cache and host are token counts)."""
+    return {e["label"]: e for e in config["engines"]}
+
+
+def paper_pools(eng: dict[str, dict]) -> str:
+    no, echo = eng["noff_paper"], eng["echo_paper"]
+    return (
+        f"no-offload pool {tokens(no['pool'])}, ECHO {tokens(echo['dev_cache'])} device slots + "
+        f"{tokens(echo['host'])} host tokens"
+    )
+
+
+def same_pools(det: dict) -> str:
+    """Both backends at the same pool sizes: each size and its ratio."""
+    return "pools of " + ", ".join(
+        f"{tokens(int(size))} {ratio(v['ratio'])}" for size, v in det["same_pools"].items()
+    )
+
+
+def compared(check: dict) -> str:
+    """How many requests a lossless check compared, each over at least how many tokens
+    (records from before the study counted them say nothing)."""
+    if "requests_compared" not in check:
+        return ""
+    return (
+        f" over all {check['requests_compared']} requests, at least "
+        f"{check['min_tokens_per_request']} each"
+    )
 
 
 def row_e2e_study(r: Records) -> tuple[str, str, str]:
@@ -605,22 +696,25 @@ def row_e2e_study(r: Records) -> tuple[str, str, str]:
         if spread
         else ""
     )
+    eng = engines(c)
     text = (
         f"{c['layers']} layers at DeepSeek-V3.2's attention dims + one DP worker's routed MoE "
         f"at equal bytes, bf16 KV, fake-transfer decode node, prompts "
         f"{count(c['prompt_tokens'][0])}-{count(c['prompt_tokens'][1])} tokens, locality "
         f"`{m['locality_source']}` (real indexer + exact top-k), rate inf (closed batch). "
-        f"ECHO / no-offload output throughput: paper settings {ratio(m['ratio_paper_all_hbm'])}"
-        f"{within} (batch {paper['echo_batch']} vs {paper['no_offload_batch']}), pools of 200K "
-        f"{ratio(m['ratio_paper_200k'])}, 110K {ratio(m['ratio_paper_110k'])}, equal HBM at "
-        f"380K {ratio(m['ratio_equal_hbm_380k'])}; random keys (pessimistic, hit "
-        f"{f2(det['random_keys_paper_all_hbm']['echo_hit_rate_mean'])}) "
+        f"ECHO / no-offload output throughput: paper settings ({paper_pools(eng)}) "
+        f"{ratio(m['ratio_paper_all_hbm'])}{within} (batch {paper['echo_batch']} vs "
+        f"{paper['no_offload_batch']}), {same_pools(det)}, equal HBM at "
+        f"{tokens(eng['noff_paper']['pool'])} {ratio(m['ratio_equal_hbm_380k'])}; random keys "
+        f"(pessimistic, hit {f2(det['random_keys_paper_all_hbm']['echo_hit_rate_mean'])}) "
         f"{ratio(det['random_keys_paper_all_hbm']['ratio'])}; ECHO hit rate per layer "
-        f"{span(hit, f3)}; batch 1-4 cost {slashed([low[k] for k in sorted(low)], f3)}; "
+        f"{span(hit, f3)}; batch {'/'.join(sorted(low))} cost "
+        f"{slashed([low[k] for k in sorted(low)], f3)}; "
         f"step {ms(bo['step_ms_device'])} ms (no-offload, batch {bo['batch']}) vs "
         f"{ms(be['step_ms_device'])} ms (ECHO, batch {be['batch']}); greedy outputs equal under "
         f"eviction ({count(press['evictions_per_step'])} evictions per step, "
-        f"{press['tokens_compared']} tokens): {yes(press['greedy_outputs_equal'])}"
+        f"{press['tokens_compared']} tokens{compared(press)}): "
+        f"{yes(press['greedy_outputs_equal'])}"
     )
     low_equal = det.get("greedy_outputs_equal_at_low_load") or {}
     if low_equal:
@@ -656,10 +750,10 @@ def row_e2e_study_fp8(r: Records) -> tuple[str, str, str]:
     bf16, bf16_echo = bf16_breakdown["no_offload"], bf16_breakdown["echo"]
     low = m["low_load_cost"]["per_batch"]
     text = (
-        f"the same study with `--kv-cache-dtype fp8_e4m3` (656-byte rows in every pool): ECHO / "
-        f"no-offload paper settings {ratio(m['ratio_paper_all_hbm'])}, 200K "
-        f"{ratio(m['ratio_paper_200k'])}, 110K {ratio(m['ratio_paper_110k'])}; hit rate per "
-        f"layer {span(m['hit_rate_per_layer'], f3)}; batch 1-4 cost "
+        f"the same study with `--kv-cache-dtype fp8_e4m3` ({d['config']['kv_row_bytes']}-byte "
+        f"rows in every pool): ECHO / no-offload paper settings "
+        f"{ratio(m['ratio_paper_all_hbm'])}, {same_pools(m['details'])}; hit rate per "
+        f"layer {span(m['hit_rate_per_layer'], f3)}; batch {'/'.join(sorted(low))} cost "
         f"{slashed([low[k] for k in sorted(low)], f3)}; steps at fp8 vs bf16 KV: no-offload "
         f"batch {bo['batch']} {ms(bo['step_ms_device'])} vs {ms(bf16['step_ms_device'])} ms, "
         f"ECHO batch {be['batch']} {ms(be['step_ms_device'])} vs "
@@ -675,8 +769,9 @@ def row_e2e_hisparse(r: Records) -> tuple[str, str, str]:
     m, det = d["metrics"], d["metrics"]["details"]
     best = max(det["equal_hbm_380k"].values(), key=lambda v: v["ratio"])
     hs = max(det["hisparse_equal_hbm_380k"].values(), key=lambda v: v["ratio"])
+    pool = tokens(engines(d["config"])["noff_paper"]["pool"])
     text = (
-        "same run, equal HBM to a 380K-token no-offload pool: ECHO (one shared cache per "
+        f"same run, equal HBM to a {pool}-token no-offload pool: ECHO (one shared cache per "
         f"layer) {ratio(best['ratio'])} at batch {best['echo_batch']}, hit "
         f"{f3(best['echo_hit_rate_mean'])}; HiSparse-like (private "
         f"{count(m['hisparse_device_buffer_size'])}-row buffers per request and layer, LRU "
@@ -699,10 +794,22 @@ def _sweep_latency(d: dict, rate: str) -> str:
     )
 
 
-def _sweep_row(r: Records, rel: str, claim: str, lead: str, latency_at: str = "") -> tuple:
+def _sweep_row(r: Records, rel: str, claim: str, lead, latency_at: str = "") -> tuple:
+    """``lead(knobs)``: the workload, from the record's sweep command."""
     d = r(rel)
-    text = f"{lead}: {_serving(d)}" + (f"; {_sweep_latency(d, latency_at)}" if latency_at else "")
+    text = f"{lead(knobs(d))}: {_serving(d)}"
+    text += f"; {_sweep_latency(d, latency_at)}" if latency_at else ""
     return claim, text, source(d, rel)
+
+
+def _pools_claim(rel: str, figure: str) -> Callable[[Records], str]:
+    """The claim of a sweep at equal pools, named by the record's pool size."""
+
+    def claim(r: Records) -> str:
+        k = knobs(r(rel))
+        return f"request-rate sweep at pools of {tokens(int(k['NO_OFFLOAD_TOKENS']))} ({figure})"
+
+    return claim
 
 
 def row_e2e_sweep(r: Records) -> tuple[str, str, str]:
@@ -710,29 +817,40 @@ def row_e2e_sweep(r: Records) -> tuple[str, str, str]:
         r,
         "benchmark/results/e2e_sweep/e2e_sweep.json",
         "request-rate sweep, decode node (issue 14, Figure 12)",
-        "the study's 8-layer worker through the HTTP server as a fake-transfer decode node, "
-        "96 InfiniteBench-like prompts (synthetic, 100K-110K tokens)",
+        lambda k: (
+            f"the study's {k['LAYERS']}-layer worker through the HTTP server as a fake-transfer "
+            f"decode node, {k['NUM_PROMPTS']} InfiniteBench-like prompts (synthetic, "
+            f"{infinitebench_prompts(k)})"
+        ),
     )
+
+
+SWEEP_200K_REL = "benchmark/results/e2e_sweep_200k/e2e_sweep.json"
+SWEEP_110K_REL = "benchmark/results/e2e_sweep_110k/e2e_sweep.json"
 
 
 def row_e2e_sweep_200k(r: Records) -> tuple[str, str, str]:
     return _sweep_row(
         r,
-        "benchmark/results/e2e_sweep_200k/e2e_sweep.json",
-        "request-rate sweep at pools of 200K (issue 14, Figure 13)",
-        "the same decode node with both KV pools at 200K tokens (no-offload pool, ECHO's "
-        "NSA_DEV_CACHE_SIZE; ECHO's host pool 1.8M), 48 prompts",
+        SWEEP_200K_REL,
+        _pools_claim(SWEEP_200K_REL, "issue 14, Figure 13")(r),
+        lambda k: (
+            f"the same decode node with both KV pools at the same size (no-offload pool, ECHO's "
+            f"NSA_DEV_CACHE_SIZE), {k['NUM_PROMPTS']} prompts"
+        ),
     )
 
 
 def row_e2e_sweep_110k(r: Records) -> tuple[str, str, str]:
     return _sweep_row(
         r,
-        "benchmark/results/e2e_sweep_110k/e2e_sweep.json",
-        "request-rate sweep at pools of 110K (issue 14, Figure 13)",
-        "the same decode node with both KV pools at 110K tokens (no-offload pool, ECHO's "
-        "NSA_DEV_CACHE_SIZE; ECHO's host pool 1.8M), 48 prompts (no-offload refuses, with a "
-        "400 that says why, the prompts whose tokens and output exceed its pool)",
+        SWEEP_110K_REL,
+        _pools_claim(SWEEP_110K_REL, "issue 14, Figure 13")(r),
+        lambda k: (
+            f"the same decode node with both KV pools at the same size (no-offload pool, ECHO's "
+            f"NSA_DEV_CACHE_SIZE), {k['NUM_PROMPTS']} prompts (no-offload refuses, with a 400 "
+            "that says why, the prompts whose tokens and output exceed its pool)"
+        ),
         latency_at="2",
     )
 
@@ -742,8 +860,10 @@ def row_e2e_sweep_sharegpt(r: Records) -> tuple[str, str, str]:
         r,
         SHAREGPT_REL,
         "ShareGPT-like latency sweep (issue 14, Figure 15)",
-        "the same worker on one server that prefills and decodes, 48 ShareGPT-like chats "
-        "(synthetic)",
+        lambda k: (
+            f"the same worker on one server that prefills and decodes, {k['NUM_PROMPTS']} "
+            "ShareGPT-like chats (synthetic)"
+        ),
         latency_at="inf",
     )
 
@@ -758,10 +878,11 @@ def row_e2e_sweep_tasks(r: Records) -> tuple[str, str, str]:
     for name, runs in d["metrics"]["tasks"].items():
         off, base = runs["offload"]["tok_s"], runs["no-offload"]["tok_s"]
         parts.append(f"{name} {ratio(off / base)}")
+    k = knobs(d)
     text = (
-        "Figure 14's four task mixes on the decode node (synthetic at InfiniteBench's task "
-        "lengths and output lengths, 32 prompts each, rate inf), ECHO / no-offload output "
-        f"throughput: {', '.join(parts)}"
+        f"Figure 14's {len(parts)} task mixes on the decode node (synthetic at InfiniteBench's "
+        f"task lengths and output lengths, {k['TASK_NUM_PROMPTS']} prompts each, rate "
+        f"{k['TASK_RATES']}), ECHO / no-offload output throughput: {', '.join(parts)}"
     )
     return "task mixes (issue 14, Figure 14)", text, source(d, rel)
 
@@ -858,6 +979,87 @@ def differences(readme_text: str, root: Path) -> list[str]:
     return problems
 
 
+# ---- prose: no measured figure outside the generated block -----------------------------
+
+_UNITS = (
+    r"us|µs|μs|ms|s|sec|seconds?|minutes?|min|hours?|"
+    r"GB/s|GiB/s|MB/s|tok/s|tokens/s|TB|GB|GiB|MB|MiB|KB|KiB|B"
+)
+_NUM = r"~?\d[\d,_]*(?:\.\d+)?"
+FIGURE_RULES = {
+    "time or size": re.compile(
+        rf"(?<![\w.]){_NUM}(?:\s*(?:-|to)\s*{_NUM})?[ -]?(?:{_UNITS})(?![\w/])"
+    ),
+    "speedup": re.compile(r"(?<![\w.])\d+(?:\.\d+)?[x×](?!\w)"),
+    "percentage": re.compile(r"\d+(?:\.\d+)?\s*%"),
+    "decimal": re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])"),
+    "approximate": re.compile(r"~\s?\d"),
+    "count": re.compile(
+        r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s+(?:evictions|kernels|registers|instructions|cycles|"
+        r"decode steps)\b"
+    ),
+}
+# Version numbers are not figures: a decimal right after these words (or a range's start).
+_VERSION = re.compile(
+    r"(?:python|cpython|torch|transformers|triton|sglang|flashinfer\S*|>=)\s*(?:\d+\.\d+-)?$",
+    re.IGNORECASE,
+)
+# Design constants and configuration (facts of the code, not measurements), and others'
+# published figures, named as such in the text. Matched with any whitespace between words.
+ALLOWED_FIGURES = (
+    "the e2e scripts use 0.9",  # a knob's value
+    "p = 0.9",
+    "default 32 MiB",
+    "the global batch 8x the local one",  # the paper's deployment: 8 DP ranks
+    "656 B",  # the fp8 KV row
+    "10-minute device calls",  # the device machine's limit
+    "656 B: ~80 GB at T = 2M",  # arithmetic on the row size, not a measurement
+    "~16 GB at T = 2M",
+    "about 4 B per host token and 16 B per slot",
+    "alpha 0.5",
+    "0.88 on CUDA, 0.25 on the CPU",
+    "interval to 0.5 ms",
+    "ECHO's published 2.15x / 3.10x / 4.12x",  # published by others
+    "0.88-0.99 per layer that ECHO publishes",
+    "0.88-0.99 hit rates published",
+    "the 1.6x speedup and 1.03 slowdown ECHO publishes",
+)
+_GENERATED = re.compile(r"<!-- ([\w-]+):begin.*?<!-- \1:end -->", re.DOTALL)
+_FENCE = re.compile(r"^[ \t]*```.*?^[ \t]*```[^\n]*$", re.DOTALL | re.MULTILINE)
+_CODE = re.compile(r"`[^`\n]*`")
+
+
+def _blank(text: str, rx: re.Pattern) -> str:
+    """``text`` with ``rx``'s matches overwritten by spaces (newlines kept, so positions
+    and line numbers stay)."""
+    return rx.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), text)
+
+
+def prose_figures(text: str) -> list[str]:
+    """Measured-looking figures in a markdown document's prose: outside its generated
+    blocks (``<!-- NAME:begin ... <!-- NAME:end -->``), fenced and inline code, version
+    numbers and ``ALLOWED_FIGURES``. Each as ``line N: 'figure' (rule): context``."""
+    prose = text
+    for rx in (_GENERATED, _FENCE, _CODE):
+        prose = _blank(prose, rx)
+    allowed = [
+        m.span()
+        for phrase in ALLOWED_FIGURES
+        for m in re.finditer(r"\s+".join(map(re.escape, phrase.split())), prose)
+    ]
+    found = []
+    for rule, rx in FIGURE_RULES.items():
+        for m in rx.finditer(prose):
+            if any(a <= m.start() and m.end() <= b for a, b in allowed):
+                continue
+            if rule == "decimal" and _VERSION.search(prose[max(0, m.start() - 40) : m.start()]):
+                continue
+            line = text.count("\n", 0, m.start()) + 1
+            context = " ".join(text[max(0, m.start() - 40) : m.end() + 20].split())
+            found.append((line, m.start(), f"line {line}: {m.group()!r} ({rule}): ...{context}..."))
+    return [f for _, _, f in sorted(found)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sglang_echo.bench.evidence", description=__doc__)
     g = p.add_mutually_exclusive_group()
@@ -866,7 +1068,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", type=Path, default=Path("."), help="repository root (default: cwd)")
     args = p.parse_args(argv)
     if args.check is not None:
-        problems = differences(args.check.read_text(), args.root)
+        text = args.check.read_text()
+        problems = differences(text, args.root)
+        problems += [
+            f"a measured figure outside the evidence block (put it in a row or drop it): {f}"
+            for f in prose_figures(text)
+        ]
         for line in problems:
             print(f"{args.check}: {line}", file=sys.stderr)
         if not problems:
