@@ -14,7 +14,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels mla_profile indexer_profile cache topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels release mla_profile indexer_profile cache topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -75,6 +75,9 @@ run_stage() {
           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
           python3 benchmark/kernels/indexer_once.py --batch $b > /tmp/ds/indexer_profile/ncu_b$b.txt 2>&1
           echo "batch $b: ncu exit $?"; done' ;;
+    release)  # the batched release of a finished request (kernels/release.py) against the
+      # per-layer torch release it replaced, at 61 layers x 260K slots x 2M host tokens
+      stage release 150 python3 benchmark/kernels/release_bench.py --out /tmp/ds/release ;;
     cache)  # the cache kernels' GPU tests, then their benchmark (launch chaining beside)
       stage cache 170 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
         tests/test_kernel_recall.py tests/test_pdl.py tests/test_decode_write.py \
@@ -96,7 +99,7 @@ run_stage() {
       built=$(ls ~/.cache/flashinfer/*/*/cached_ops/topk/topk.so 2>/dev/null | head -1)
       [ -n "$built" ] && gzip -c "$built" > "$out/flashinfer_topk_sm90a.so.gz" ;;
     kernel_tests)  # gpu_checks.sh's second step alone: the kernel and model tests, this torch
-      stage kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
+      stage kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py tests/test_kernel_release.py \
         tests/test_kernel_recall.py tests/test_kernel_indexer.py tests/test_kernel_decode_prefetch.py \
         tests/test_kernel_prefill_prefetch.py tests/test_kernel_topk.py tests/test_kernel_topk_pivot.py tests/test_kernel_sort_picks.py tests/test_kernel_sparse_mla.py \
         tests/test_model_oracle.py tests/test_indexer.py tests/test_pdl.py tests/test_decode_write.py ;;
@@ -133,7 +136,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in tests|kernel_tests|kernels|mla_profile|indexer_profile|cache|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in tests|kernel_tests|kernels|release|mla_profile|indexer_profile|cache|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"
