@@ -51,12 +51,12 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff format --check python tests scripts benchmark
-	$(VENV)/bin/ruff check python tests scripts benchmark
+	$(VENV)/bin/ruff format --check python tests scripts benchmark research
+	$(VENV)/bin/ruff check python tests scripts benchmark research
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format python tests scripts benchmark
-	$(VENV)/bin/ruff check --fix python tests scripts benchmark
+	$(VENV)/bin/ruff format python tests scripts benchmark research
+	$(VENV)/bin/ruff check --fix python tests scripts benchmark research
 
 clean:
 	rm -rf $(DEMO_DIR) .pytest_cache

@@ -12,8 +12,9 @@ Usage: [ENGINE=echo|sglang] [DSV32W4=ckpt] [INFINI_DATASET=file.jsonl] e2e_test_
 Runs the InfiniteBench sweep twice: no-offload, then offload (NSA_KV_OFFLOAD=1).
 ENGINE=echo (default) serves with this project's runtime as a PD decode node with the fake
 transfer backend (prompt KV synthesized on the node; FAKE_KV_LOCALITY=0.9 sets the top-k
-locality knob, 0 = random keys); ENGINE=sglang runs SGLang 0.5.23's
-decode-only benchmark on 8 GPUs (TP 8, DP attention 8): one decode node with the fake
+locality knob, 0 = random keys: a benchmark-only knob that biases the served indexers'
+weights, passed through --model-loader benchmark.study.loader:load); ENGINE=sglang runs
+SGLang 0.5.23's decode-only benchmark on 8 GPUs (TP 8, DP attention 8): one decode node with the fake
 transfer backend, ECHO plugin on it when offloading.
 Without INFINI_DATASET (default /workspace/infini-100K-110K.jsonl when present), the
 benchmark uses a labelled synthetic workload of the same lengths, scaled to the context.

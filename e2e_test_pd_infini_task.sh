@@ -37,7 +37,7 @@ if [[ ! -d "$TASK_DATASET_DIR" ]]; then
     exit 2
   fi
   TASK_DATASET_DIR="$E2E_WORK/infinibench_task_synthetic"
-  "$PYTHON" -m sglang_echo.bench.make_tasks --out "$TASK_DATASET_DIR" --num "$NUM_PROMPTS" \
+  "$PYTHON" -m benchmark.make_tasks --out "$TASK_DATASET_DIR" --num "$NUM_PROMPTS" \
     --model-path "$MODEL" ${CONTEXT_LENGTH:+--context-length "$CONTEXT_LENGTH"}
 fi
 shopt -s nullglob

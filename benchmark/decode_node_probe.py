@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark.study
 
+from benchmark.study import loader
 from sglang_echo.config import EchoConfig
 from sglang_echo.runtime.engine_loop import engine_time_summary
 from sglang_echo.runtime.request import SamplingParams, ServeRequest
@@ -33,7 +35,9 @@ from sglang_echo.runtime.serving import build_serving
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="a study worker folder (study.worker_spec)")
+    ap.add_argument(
+        "--model", required=True, help="a study worker folder (benchmark.study.worker_spec)"
+    )
     ap.add_argument("--backend", choices=("no-offload", "echo"), default="echo")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--min-len", type=int, default=100000)
@@ -55,7 +59,8 @@ def main() -> None:
         max_total_tokens=pool,
         disaggregation_mode="decode",
         disaggregation_transfer_backend="fake",
-        fake_kv_locality=0.9,
+        model_loader=loader.SPEC,  # the study worker folder, its indexers biased
+        model_loader_args="--fake-kv-locality 0.9",
     )
     serving = build_serving(sargs, echo=EchoConfig(offload=echo, dev_cache_size=args.dev_cache))
     sched = serving.scheduler

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The end-to-end request-rate sweeps through the HTTP server (ECHO Figures 12-15), on one GPU:
 # the study's worker (DeepSeek-V3.2 attention dimensions, one DP worker's routed MoE,
-# LAYERS layers; python -m sglang_echo.study.worker_spec) served as a PD decode node with
+# LAYERS layers; python -m benchmark.study.worker_spec) served as a PD decode node with
 # the fake transfer backend (prompt KV synthesized on the node, FAKE_KV_LOCALITY top-k
-# locality), no-offload then ECHO, InfiniteBench-like 100K-110K prompts at each rate, then
-# the plot tool writes OUTDIR/e2e_sweep.json (command, device, date, metrics) and plots.
+# locality; both through the server's --model-loader benchmark.study.loader:load, set by
+# scripts/e2e_lib.sh), no-offload then ECHO, InfiniteBench-like 100K-110K prompts at each
+# rate, then the plot tool writes OUTDIR/e2e_sweep.json (command, device, date, metrics)
+# and plots.
 # TASKS=1 adds Figure 14 (per task: code_debug, code_run, longbook_choice_eng,
 # longbook_qa_eng; synthetic files of InfiniteBench's published task lengths unless
 # TASK_DATASET_DIR holds real ones), SHAREGPT=1 Figure 15 (ShareGPT-like chats on one
@@ -21,13 +23,13 @@
 # fastapi/uvicorn missing there? bash benchmark/fetch_server_wheels.sh here, carry .whl/.
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,21p' "$0"
+  sed -n '2,23p' "$0"
   exit 0
 fi
 cd "$(dirname "$0")/.."
 OUT="$(mkdir -p "${1:-benchmark/results/e2e_sweep}" && cd "${1:-benchmark/results/e2e_sweep}" && pwd)"
 export PYTHON="${PYTHON:-python3}"
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/python:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # sglang_echo, benchmark/
 export PYTHONUNBUFFERED=1
 WORK="${E2E_WORK:-/tmp/echo-e2e-sweep}"
 export E2E_WORK="$WORK"
@@ -68,7 +70,7 @@ source benchmark/web_stack.sh
 ensure_web_stack "$WORK"
 
 MODEL="$WORK/study-l$LAYERS"
-"$PYTHON" -m sglang_echo.study.worker_spec --out "$MODEL" --layers "$LAYERS" "${spec_flags[@]}"
+"$PYTHON" -m benchmark.study.worker_spec --out "$MODEL" --layers "$LAYERS" "${spec_flags[@]}"
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2> /dev/null || echo "device: cpu"
   "$PYTHON" -c "import torch; print('torch', torch.__version__)"

@@ -11,6 +11,8 @@ import sys
 import torch
 
 sys.path.insert(0, "python")
+sys.path.insert(0, ".")  # research/ (run from the repository root)
+from research.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 from sglang_echo.config import EchoConfig
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.model.loader import load_model
@@ -18,7 +20,6 @@ from sglang_echo.offload.echo_cache import EchoKVCache
 from sglang_echo.runtime.request import SamplingParams, ServeRequest
 from sglang_echo.runtime.scheduler import Scheduler
 from sglang_echo.runtime.step_runner import StepRunner
-from sglang_echo.tools.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 
 ck = make_tiny_checkpoint("/tmp/probe_ckpt", TinySpec(seed=0))
 model = load_model(ck, device="cuda", dtype=torch.float32)

@@ -15,7 +15,12 @@ SERVER_START_TIMEOUT="${SERVER_START_TIMEOUT:-1800}"
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$E2E_ROOT/.venv/bin/python" ]]; then PYTHON="$E2E_ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
-export PYTHONPATH="$E2E_ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+# python/: the package; the root: benchmark/ (the model loader, the task maker), outside the wheel.
+export PYTHONPATH="$E2E_ROOT/python:$E2E_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# The benchmarks' model loader, the server's one extension point (--model-loader): it
+# serves the study's worker folders and owns the top-k locality knob, which alters the
+# served indexers' weights (python -m benchmark.study.loader --help).
+STUDY_LOADER="benchmark.study.loader:load"
 
 case "$ENGINE" in
   echo | sglang) ;;
@@ -126,15 +131,18 @@ wait_ready() {
 
 # launch_echo MODE RES_DIR [TOPOLOGY]: this project's server; MODE is no-offload or offload.
 # TOPOLOGY pd: a PD decode node with the fake transfer backend (prompt KV synthesized on the
-# node, as SGLang benchmarks a decode node alone; FAKE_KV_LOCALITY sets the locality knob,
-# default 0.9); single: one server that prefills and decodes.
+# node, as SGLang benchmarks a decode node alone), served through the benchmarks' loader
+# with FAKE_KV_LOCALITY (default 0.9) as its locality knob; single: one server that
+# prefills and decodes, through the loader only for a study worker folder.
 launch_echo() {
   local mode="$1" res="$2" topology="${3:-single}"
   local args=(-m sglang_echo.launch_server --model-path "$MODEL" --host 127.0.0.1 --port "$PORT"
     --disable-radix-cache --cuda-graph-max-bs "${CUDA_GRAPH_MAX_BS:-48}")
   if [[ "$topology" == "pd" ]]; then
     args+=(--disaggregation-mode decode --disaggregation-transfer-backend fake
-      --fake-kv-locality "${FAKE_KV_LOCALITY:-0.9}")
+      --model-loader "$STUDY_LOADER" "--model-loader-args=--fake-kv-locality ${FAKE_KV_LOCALITY:-0.9}")
+  elif [[ -f "$MODEL/study_worker.json" ]]; then
+    args+=(--model-loader "$STUDY_LOADER")
   fi
   [[ -n "${CONTEXT_LENGTH:-}" ]] && args+=(--context-length "$CONTEXT_LENGTH")
   [[ -n "${KV_CACHE_DTYPE:-}" ]] && args+=(--kv-cache-dtype "$KV_CACHE_DTYPE")

@@ -5,11 +5,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from sglang_echo.tools.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from sglang_echo.config import reset_settings
+
+# benchmark/ and research/ live outside the wheel, as packages at the repository root
+# (README: Layout): the tests import them from there, as `python -m benchmark...` does.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from research.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
 
 # Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine the
 # thread pool's contention made small ops ~50x slower.
@@ -81,6 +91,17 @@ def checkpoints(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def small_checkpoint(checkpoints):
     return checkpoints["default-rope"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_echo_settings():
+    """The process's settings (sglang_echo.config.settings()) are parsed once, at a
+    start-up or on first use. Each test starts and ends without them, so its first reader
+    parses the environment the test set, and nothing carries over to the next test (a
+    test that changes a variable after a reader ran calls config.reset_settings())."""
+    reset_settings()
+    yield
+    reset_settings()
 
 
 # ------------------------------------------------------------- sm_90 compile recording

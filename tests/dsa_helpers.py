@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sglang_echo.train import cli
+from research.train import cli
 
 TINY_TRAIN_ARGS = [
     "--device", "cpu", "--eval-fraction", "0.1", "--steps", "4", "--dense-steps", "2",

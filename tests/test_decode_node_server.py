@@ -5,6 +5,10 @@ is synthesized on the node (deterministic by prompt) instead of prefilled, and t
 request decodes at once. A no-offload node and an ECHO node at its smallest legal cache
 (evicting) give the same tokens for the same prompts; nothing is prefilled; everything is
 free afterwards; bad flag combinations are refused at start-up.
+
+The server itself never changes weights: the top-k locality knob (which biases the
+indexers) and the study's worker folders come through its one extension point,
+``--model-loader``, here the benchmarks' loader (benchmark/study/loader.py).
 """
 
 from __future__ import annotations
@@ -12,16 +16,32 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from benchmark.study import loader
 from server_utils import make_serving, running_server
 from sglang_echo.config import EchoConfig
 from sglang_echo.runtime.server_args import ServerArgError, parse_server_args
 
 MAX_RUNNING, POOL, CONTEXT, NEW = 4, 2400, 512, 12
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _loader_flags(locality: float) -> dict:
+    """Server flags for the benchmarks' loader at ``locality`` (0: the product's own
+    loading, no loader at all)."""
+    if not locality:
+        return {}
+    return dict(model_loader=loader.SPEC, model_loader_args=f"--fake-kv-locality {locality}")
+
+
+def _indexer_bias(serving):
+    return serving.model.model.layers[0].self_attn.indexer.wq_b.bias
 
 
 def _prompts() -> list[list[int]]:
@@ -72,12 +92,14 @@ def test_decode_node_is_lossless_and_never_prefills(small_checkpoint, locality):
         chunked_prefill_size=32,
         disaggregation_mode="decode",
         disaggregation_transfer_backend="fake",
-        fake_kv_locality=locality,
+        **_loader_flags(locality),
     )
     prompts = _prompts()
-    plain, plain_state = _serve_all(
-        make_serving(small_checkpoint, EchoConfig(offload=False), **flags), prompts
-    )
+    plain_serving = make_serving(small_checkpoint, EchoConfig(offload=False), **flags)
+    # The product loads the checkpoint as it is; only the benchmark loader biases indexers.
+    assert (_indexer_bias(plain_serving) is None) == (locality == 0)
+    assert plain_serving.info["model_loader"] == (loader.SPEC if locality else None)
+    plain, plain_state = _serve_all(plain_serving, prompts)
     legal_min = EchoConfig(offload=True).min_dev_cache_size(MAX_RUNNING, topk, 32)
     echo_serving = make_serving(
         small_checkpoint, EchoConfig(offload=True, dev_cache_size=legal_min), **flags
@@ -102,9 +124,10 @@ def test_decode_node_is_lossless_and_never_prefills(small_checkpoint, locality):
         (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"], "fake"),
         (["--disaggregation-mode", "prefill"], "plugin"),
         (["--disaggregation-transfer-backend", "fake"], "--disaggregation-mode decode"),
-        (["--fake-kv-locality", "0.5"], "--disaggregation-mode decode"),
-        (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake",
-          "--fake-kv-locality", "2"], "[0, 1]"),
+        # A knob that alters weights is no server flag: it points at the benchmark loader.
+        (["--fake-kv-locality", "0.5"], "alters the served model's weights"),
+        (["--model-loader-args=--fake-kv-locality 0.5"], "needs --model-loader"),
+        (["--model-loader", "benchmark.study.loader"], "MODULE:FUNCTION"),
     ],
 )  # fmt: skip
 def test_bad_disaggregation_flags(argv, needle):
@@ -113,11 +136,54 @@ def test_bad_disaggregation_flags(argv, needle):
     assert needle in str(err.value)
 
 
+def test_model_loader_flags_parse():
+    args = parse_server_args(
+        ["--model-path", "m", "--model-loader", loader.SPEC,
+         "--model-loader-args=--fake-kv-locality 0.9"]
+    )  # fmt: skip
+    assert (args.model_loader, args.model_loader_args) == (loader.SPEC, "--fake-kv-locality 0.9")
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (dict(model_loader_args="--fake-kv-locality 2"), "[0, 1]"),
+        (dict(model_loader_args="--fake-kv-locality 0.5", disaggregation_mode="null",
+              disaggregation_transfer_backend=None), "needs --disaggregation-mode decode"),
+        (dict(model_loader_args="--no-such-flag"), "unrecognized arguments"),
+        (dict(model_loader="no_such_module_xyz:load"), "cannot import"),
+        (dict(model_loader="benchmark.study.loader:no_such_function"), "no function"),
+    ],
+)  # fmt: skip
+def test_model_loader_refusals(small_checkpoint, flags, needle):
+    """The loader's own checks (the knob's range and mode) and the extension point's
+    (import, function) are start-up errors that name the loader."""
+    base = dict(
+        model_loader=loader.SPEC, disaggregation_mode="decode",
+        disaggregation_transfer_backend="fake", max_total_tokens=POOL,
+    )  # fmt: skip
+    with pytest.raises(ServerArgError) as err:
+        make_serving(small_checkpoint, EchoConfig(offload=False), **{**base, **flags})
+    assert needle in str(err.value) and "--model-loader" in str(err.value)
+
+
+def test_loader_help_says_it_alters_weights():
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmark.study.loader", "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "--fake-kv-locality" in proc.stdout and "ALTERS THE SERVED MODEL'S WEIGHTS" in proc.stdout
+    )
+
+
 def test_study_worker_folder_serves_as_a_decode_node(tmp_path):
-    """``python -m sglang_echo.study.worker_spec --out DIR --smoke``: the server builds the
-    study's worker (routed MoE) from the folder; as a decode node with the locality knob,
-    no-offload and ECHO at its smallest legal cache give the same tokens."""
-    from sglang_echo.study.worker_spec import main as spec_main
+    """``python -m benchmark.study.worker_spec --out DIR --smoke``: with the benchmarks'
+    loader, the server builds the study's worker (routed MoE) from the folder; as a decode
+    node with the locality knob, no-offload and ECHO at its smallest legal cache give the
+    same tokens. Without the loader the product does not know such a folder."""
+    from benchmark.study.worker_spec import main as spec_main
 
     folder = tmp_path / "worker"
     assert spec_main(["--out", str(folder), "--smoke", "--layers", "2", "--vocab", "300"]) == 0
@@ -125,8 +191,14 @@ def test_study_worker_folder_serves_as_a_decode_node(tmp_path):
     flags = dict(
         max_total_tokens=POOL, max_running_requests=MAX_RUNNING, context_length=CONTEXT,
         chunked_prefill_size=32, disaggregation_mode="decode",
-        disaggregation_transfer_backend="fake", fake_kv_locality=0.9,
+        disaggregation_transfer_backend="fake", **_loader_flags(0.9),
     )  # fmt: skip
+    with pytest.raises(Exception, match=r"config\.json"):  # a checkpoint loader's refusal
+        make_serving(
+            folder,
+            EchoConfig(offload=False),
+            **{**flags, "model_loader": None, "model_loader_args": None},
+        )
     prompts = _prompts()[:6]
     plain, _ = _serve_all(make_serving(folder, EchoConfig(offload=False), **flags), prompts)
     n_g = EchoConfig(offload=True).min_dev_cache_size(MAX_RUNNING, 16, 32)

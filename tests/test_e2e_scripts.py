@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmark.make_tasks import write_tasks
 from server_utils import free_port
-from sglang_echo.bench.make_tasks import write_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["e2e_test_pd_infini.sh", "e2e_test_pd_infini_task.sh", "e2e_test_mix_sharegpt.sh"]

@@ -13,22 +13,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_echo.config import EchoConfig
-from sglang_echo.model.kv_cache import PlainKVCache
-from sglang_echo.offload.device_cache import ABSENT, FREE
-from sglang_echo.runtime.kv_factory import echo_cache_for_model
-from sglang_echo.runtime.step_runner import StepRunner
-from sglang_echo.study.decode_node import DecodeNode
-from sglang_echo.study.locality import Locality
-from sglang_echo.study.moe import (
+from benchmark.e2e.lossless import (
+    MIN_TOKENS_COMPARED,
+    first_difference,
+    outputs_agree,
+    tokens_in_common,
+)
+from benchmark.e2e.plan import StudyPlan, tag
+from benchmark.study.decode_node import DecodeNode
+from benchmark.study.locality import Locality
+from benchmark.study.moe import (
     LocalRoutedMoE,
     bytes_table,
     combine_pairs,
     experts_touched,
     has_grouped_mm,
 )
-from sglang_echo.study.synthetic_kv import SyntheticKV
-from sglang_echo.study.worker import SMOKE_DIMS, SMOKE_MOE, build_worker, study_config
+from benchmark.study.worker import SMOKE_DIMS, SMOKE_MOE, build_worker, study_config
+from sglang_echo.config import EchoConfig
+from sglang_echo.model.kv_cache import PlainKVCache
+from sglang_echo.offload.device_cache import ABSENT, FREE
+from sglang_echo.runtime.kv_factory import echo_cache_for_model
+from sglang_echo.runtime.step_runner import StepRunner
+from sglang_echo.runtime.synthetic_kv import SyntheticKV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -190,8 +197,8 @@ def test_e2e_study_schedule_interleaves_baselines(e2e_study, tmp_path: Path) -> 
     whose ECHO engine is not selected still gets its repeats."""
     args = e2e_study.parse_args(["--smoke", "--out", str(tmp_path), "--repeats", "3"])
     args.profile_steps = 3  # as on the GPU (the smoke run profiles nothing)
-    blocks = e2e_study.Study(args, []).schedule()
-    order = [[f"{e.label}/{e2e_study._tag(ph)}" for e, ph in block] for block in blocks]
+    blocks = StudyPlan(args).schedule()
+    order = [[f"{e.label}/{tag(ph)}" for e, ph in block] for block in blocks]
     paper = order[0]
     assert paper[:6] == [
         "noff_paper/full", "echo_paper/full", "noff_paper/full#1", "echo_paper/full#1",
@@ -204,8 +211,8 @@ def test_e2e_study_schedule_interleaves_baselines(e2e_study, tmp_path: Path) -> 
     profiled = {ph.repeat for block in blocks for e, ph in block if ph.profile}
     assert profiled == {0}  # the profiler only ever slows the first measurement
     args = e2e_study.parse_args(["--smoke", "--out", str(tmp_path), "--only", "noff_paper"])
-    alone = e2e_study.Study(args, []).schedule()
-    assert [[f"{e.label}/{e2e_study._tag(ph)}" for e, ph in b] for b in alone] == [
+    alone = StudyPlan(args).schedule()
+    assert [[f"{e.label}/{tag(ph)}" for e, ph in b] for b in alone] == [
         ["noff_paper/full", "noff_paper/full#1"]
     ]
 
@@ -315,36 +322,36 @@ def test_decode_node_echo_equals_no_offload_under_eviction(worker) -> None:
     assert outputs[0] == outputs[1]
 
 
-def test_first_difference_names_request_and_token(e2e_study) -> None:
+def test_first_difference_names_request_and_token() -> None:
     same = [[1, 2, 3], [4, 5]]
-    assert e2e_study.first_difference(same, [list(r) for r in same]) is None
-    assert e2e_study.first_difference(same, [[1, 2, 3], [4, 9]]) == [1, 1]
-    assert e2e_study.first_difference([[7, 2]], [[1, 2]]) == [0, 0]
+    assert first_difference(same, [list(r) for r in same]) is None
+    assert first_difference(same, [[1, 2, 3], [4, 9]]) == [1, 1]
+    assert first_difference([[7, 2]], [[1, 2]]) == [0, 0]
 
 
-def test_outputs_agree_over_the_common_length_only(e2e_study) -> None:
+def test_outputs_agree_over_the_common_length_only() -> None:
     """A profiled run's longer output that its repeat matches is agreement; a differing
     token, a missing request or an empty output is not."""
     long = [list(range(40)), list(range(100, 137))]
     short = [long[0][:33], long[1][:32]]
-    assert e2e_study.outputs_agree(long, short) and e2e_study.outputs_agree(short, long)
-    assert e2e_study.tokens_in_common(long, short) == 65
-    assert not e2e_study.outputs_agree(long, [[*long[0][:5], 999, *long[0][6:]], long[1]])
-    assert not e2e_study.outputs_agree(long, [long[0]])
-    assert not e2e_study.outputs_agree(long, [[], long[1]])
+    assert outputs_agree(long, short) and outputs_agree(short, long)
+    assert tokens_in_common(long, short) == 65
+    assert not outputs_agree(long, [[*long[0][:5], 999, *long[0][6:]], long[1]])
+    assert not outputs_agree(long, [long[0]])
+    assert not outputs_agree(long, [[], long[1]])
 
 
-def test_outputs_agree_needs_32_tokens_of_every_request(e2e_study) -> None:
+def test_outputs_agree_needs_32_tokens_of_every_request() -> None:
     """The lossless check compares every request, each over at least 32 tokens: outputs of
     1 token (or of 31) that match prove nothing and are not agreement; no requests at all
     is not agreement either. A smaller bound is only for the smoke run, which decodes 6."""
     a = [list(range(50)), list(range(200, 250)), list(range(300, 350))]
-    assert e2e_study.outputs_agree(a, [r[:32] for r in a])
-    assert not e2e_study.outputs_agree(a, [r[:1] for r in a])  # 1-token outputs
-    assert not e2e_study.outputs_agree(a, [a[0], a[1], a[2][:31]])  # one request short
-    assert not e2e_study.outputs_agree([], [])
-    assert e2e_study.MIN_TOKENS_COMPARED == 32
-    assert e2e_study.outputs_agree([r[:6] for r in a], a, min_tokens=6)  # the smoke run's
+    assert outputs_agree(a, [r[:32] for r in a])
+    assert not outputs_agree(a, [r[:1] for r in a])  # 1-token outputs
+    assert not outputs_agree(a, [a[0], a[1], a[2][:31]])  # one request short
+    assert not outputs_agree([], [])
+    assert MIN_TOKENS_COMPARED == 32
+    assert outputs_agree([r[:6] for r in a], a, min_tokens=6)  # the smoke run's
 
 
 def test_gpu_study_refuses_too_few_tokens_to_compare(e2e_study, tmp_path: Path) -> None:
@@ -364,9 +371,9 @@ def test_an_equal_hbm_split_without_room_for_a_step_is_skipped_with_its_reason(
     says why it was skipped, and the errors stay empty."""
     args = e2e_study.parse_args(["--smoke", "--out", str(tmp_path)])
     study = e2e_study.Study(args, [])
-    study.plan.equal_hbm_batches = [10_000]  # far more host tokens than the pool's bytes
-    labels = [e.label for e in study.engines()]
-    study.engines()
+    study.setup.plan.equal_hbm_batches = [10_000]  # far more host tokens than the pool's bytes
+    labels = [e.label for e in study.setup.engines()]
+    study.setup.engines()
     assert not any(label.startswith(("echo_equal_hbm", "hisparse_equal_hbm")) for label in labels)
-    assert len(study.skipped) == 1 and "batch 10000" in study.skipped[0]
-    assert "not run" in study.skipped[0] and not study.errors
+    assert len(study.setup.skipped) == 1 and "batch 10000" in study.setup.skipped[0]
+    assert "not run" in study.setup.skipped[0] and not study.errors

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sglang_echo.bench.make_tasks import FIGURE_14_TASKS
+from benchmark.make_tasks import FIGURE_14_TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,4 +48,7 @@ def test_e2e_sweep_smoke(tmp_path):
     for mode, backend in (("no-offload", "no-offload"), ("offload", "echo")):
         first = (out / "infini" / mode / "server.log").read_text().splitlines()[0]
         assert first.startswith(f"sglang-echo: {backend} on cpu")
+        # The study's worker and its locality knob come through the server's one extension
+        # point, the benchmarks' loader (scripts/e2e_lib.sh passes it).
+        assert "model from --model-loader benchmark.study.loader:load" in first
         assert first.endswith("PD decode node, fake transfer (locality synthetic-keys:0.9)")

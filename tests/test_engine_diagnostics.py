@@ -41,7 +41,7 @@ def test_engine_profile_is_written_at_stop(small_checkpoint, tmp_path, monkeypat
 def test_decode_node_probe_reports_the_engine_clock(tmp_path):
     model = tmp_path / "worker"
     env = {"PYTHONPATH": str(ROOT / "python")}
-    spec = [sys.executable, "-m", "sglang_echo.study.worker_spec", "--out", str(model)]
+    spec = [sys.executable, "-m", "benchmark.study.worker_spec", "--out", str(model)]
     spec += ["--layers", "2", "--smoke", "--vocab", "300", "--max-position", "4096"]
     subprocess.run(spec, check=True, capture_output=True, env=env, cwd=ROOT)
     out = tmp_path / "clock.json"

@@ -15,7 +15,8 @@ import random
 import pytest
 import torch
 
-from sglang_echo.config import EchoConfig
+from research.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from sglang_echo.config import EchoConfig, reset_settings
 from sglang_echo.kernels.fp8_kv import fp8_row_bytes
 from sglang_echo.model import attention as attention_module
 from sglang_echo.model.kv_cache import PlainKVCache
@@ -23,7 +24,6 @@ from sglang_echo.model.loader import load_model
 from sglang_echo.offload.hisparse_cache import HiSparseKVCache
 from sglang_echo.runtime.engine import Engine
 from sglang_echo.runtime.kv_factory import echo_cache_for_model
-from sglang_echo.tools.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 
 NEW, BATCH, CHUNK = 6, 3, 8
 
@@ -61,6 +61,7 @@ def test_fp8_kv_offload_equals_no_offload(fp8_checkpoint, backend, dtype, monkey
         monkeypatch.setenv("SGLANG_ECHO_SPARSE_MLA", "kernel")
     else:
         monkeypatch.setenv("SGLANG_ECHO_SPARSE_MLA", "torch")
+    reset_settings()  # the model built next parses the switch (config.settings())
     model = load_model(fp8_checkpoint, dtype=dtype)
     for layer in model.model.layers:  # the switch is read when the layer is built
         layer.self_attn.sparse_mla_backend = attention_module.sparse_mla_backend()

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from research.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 from sglang_echo.generate import main
 from sglang_echo.tokenizer import load_tokenizer
-from sglang_echo.tools.tiny_checkpoint import TinySpec, make_tiny_checkpoint
 
 SPEC = TinySpec(
     seed=0,

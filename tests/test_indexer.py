@@ -59,32 +59,3 @@ def test_fp8_hadamard_indexer_mode_selects_nearly_the_same_tokens(small_checkpoi
     mean = sum(overlaps) / len(overlaps)
     print(f"fp8+Hadamard indexer: mean top-k overlap with the exact indexer {mean:.3f}")
     assert 0.8 < mean < 1.0  # close, and really quantized (not the exact path)
-
-
-def test_packed_key_topk_equals_the_stable_sort_positions_order_and_kth():
-    """The ``packed`` method (torch.topk over distinct int64 keys) must return exactly what
-    the stable sort returns: same positions, same order, same k-th score, on inputs full of
-    ties (zeros, -0.0, repeated values), negatives, infinities and rows shorter than k."""
-    gen = torch.Generator().manual_seed(0)
-    for trial in range(40):
-        g, q, length = 2, 3, int(torch.randint(1, 300, (1,), generator=gen))
-        levels = torch.tensor([0.0, -0.0, 1.5, -2.25, 3.0, float("inf"), -float("inf"), 1e-40])
-        pick = torch.randint(0, len(levels), (g, q, length), generator=gen)
-        scores = torch.where(
-            torch.rand(g, q, length, generator=gen) < 0.6,
-            levels[pick],
-            torch.randn(g, q, length, generator=gen),
-        )
-        query_pos = torch.randint(0, length, (g, q), generator=gen)
-        for topk in (1, 7, length, length + 5):
-            a_idx, a_kth = select_topk(scores, query_pos, topk, True, method="sort")
-            b_idx, b_kth = select_topk(scores, query_pos, topk, True, method="packed")
-            assert torch.equal(a_idx, b_idx), (trial, topk)
-            assert torch.equal(a_kth, b_kth), (trial, topk)
-
-
-def test_select_topk_rejects_unknown_method():
-    import pytest
-
-    with pytest.raises(ValueError, match="sort"):
-        select_topk(torch.zeros(1, 1, 4), torch.zeros(1, 1, dtype=torch.long), 2, method="heap")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_echo.config import ENV_SPARSE_MLA, reset_settings
 from sglang_echo.kernels.fp8_kv import dequantize_kv_rows, fp8_row_bytes, quantize_kv_rows
 from sglang_echo.kernels.sparse_mla import sparse_mla_from_buffer, sparse_mla_reference
 from sglang_echo.model import attention as attention_module
@@ -208,19 +209,19 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 # ---------------------------------------------------------------- the switch and the model
 @pytest.fixture
 def backend(monkeypatch):
-    """Set SGLANG_ECHO_SPARSE_MLA for models built inside the test (read once per process:
-    the cache is cleared around the test)."""
+    """Set SGLANG_ECHO_SPARSE_MLA for models built inside the test (parsed once per
+    process, config.settings(): the settings are forgotten around each change)."""
 
     def set_to(value: str | None) -> None:
         if value is None:
-            monkeypatch.delenv(attention_module.ENV_SPARSE_MLA, raising=False)
+            monkeypatch.delenv(ENV_SPARSE_MLA, raising=False)
         else:
-            monkeypatch.setenv(attention_module.ENV_SPARSE_MLA, value)
-        attention_module.sparse_mla_backend.cache_clear()
+            monkeypatch.setenv(ENV_SPARSE_MLA, value)
+        reset_settings()
 
     yield set_to
     monkeypatch.undo()
-    attention_module.sparse_mla_backend.cache_clear()
+    reset_settings()
 
 
 def test_switch_reads_the_environment(backend):

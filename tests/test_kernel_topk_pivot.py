@@ -1,21 +1,22 @@
-"""The threshold-pivot decode top-k against the radix select and the plain-torch reference
+"""The threshold-pivot decode top-k (research/topk_pivot: out of the product, measured
+slower than the radix select in every served setting) against the radix select and the plain-torch reference
 (interpreter on CPU): the same positions and k-th scores whether the threshold hits the
 candidate window, misses it low or high, or is not there yet."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from sglang_echo.kernels.topk import topk_positions
-from sglang_echo.kernels.topk_pivot import (
-    ENV_TOPK_PIVOT,
+from research.topk_pivot.kernel import (
     empty_pivots,
     pivot_cap,
-    pivot_requested,
     topk_pivot_reference,
     topk_positions_pivot,
 )
+from sglang_echo.kernels.topk import topk_positions
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOPK = 16  # candidate window [16, 64]
@@ -139,56 +140,6 @@ def test_thresholds_carried_over_steps_stay_exact():
     assert torch.isfinite(table).all()
 
 
-def test_the_switch_is_off_by_default_and_refuses_other_values():
-    assert not pivot_requested({}) and not pivot_requested({ENV_TOPK_PIVOT: ""})
-    assert pivot_requested({ENV_TOPK_PIVOT: "1"}) and not pivot_requested({ENV_TOPK_PIVOT: "0"})
-    with pytest.raises(ValueError, match=f"{ENV_TOPK_PIVOT}='yes'.*1 \\(on\\) or 0"):
-        pivot_requested({ENV_TOPK_PIVOT: "yes"})
-
-
-def test_a_top_k_too_wide_for_the_pivot_is_refused_at_bind(monkeypatch):
-    """Before any step, with what to change; unset, the radix select serves it."""
-    from types import SimpleNamespace
-
-    from sglang_echo.kernels.topk_pivot import MAX_TOPK
-    from sglang_echo.model.indexer import LightningIndexer
-
-    wide = SimpleNamespace(topk=2 * MAX_TOPK, pivot_thresholds=None)
-    monkeypatch.setenv(ENV_TOPK_PIVOT, "1")
-    with pytest.raises(ValueError, match=f"index_topk <= {MAX_TOPK}.*Unset {ENV_TOPK_PIVOT}"):
-        LightningIndexer.bind_request_rows(wide, 4, torch.device("cpu"))
-    fits = SimpleNamespace(topk=MAX_TOPK, pivot_thresholds=None)
-    LightningIndexer.bind_request_rows(fits, 4, torch.device("cpu"))
-    assert fits.pivot_thresholds.shape == (4, 2)
-    monkeypatch.setenv(ENV_TOPK_PIVOT, "0")
-    LightningIndexer.bind_request_rows(wide, 4, torch.device("cpu"))
-    assert wide.pivot_thresholds is None
-
-
-def test_the_pivot_binds_on_cuda_once_its_gpu_tests_pass(monkeypatch):
-    """The opt-in was refused on CUDA while its GPU exactness test failed; that test passes
-    on the H200 since c4a2e78, so a CUDA request table binds thresholds like a CPU one,
-    and with the switch off nothing binds."""
-    from types import SimpleNamespace
-
-    from sglang_echo.model.indexer import LightningIndexer
-
-    if not torch.cuda.is_available():
-        monkeypatch.setattr("sglang_echo.model.indexer.empty_pivots", _empty_pivots_on_cpu)
-    fits = SimpleNamespace(topk=2048, pivot_thresholds=None)
-    monkeypatch.setenv(ENV_TOPK_PIVOT, "1")
-    LightningIndexer.bind_request_rows(fits, 4, torch.device("cuda"))
-    assert fits.pivot_thresholds.shape == (4, 2)
-    monkeypatch.setenv(ENV_TOPK_PIVOT, "0")
-    LightningIndexer.bind_request_rows(fits, 4, torch.device("cuda"))
-    assert fits.pivot_thresholds is None
-
-
-def _empty_pivots_on_cpu(rows: int, device: torch.device) -> torch.Tensor:
-    """``empty_pivots`` for a machine without CUDA: the same table, on the CPU."""
-    return empty_pivots(rows, torch.device("cpu"))
-
-
 def test_the_stage_split_for_benchmarks_is_complete_once_every_row_is_served():
     """``launches`` lets a benchmark time the stages by differences; with every row served
     the radix fallback adds nothing, so three stages already give the whole answer, and
@@ -265,7 +216,7 @@ def test_the_rank_search_shifts_in_64_bits_when_compiled_for_sm90() -> None:
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from sglang_echo.kernels.topk_pivot import _select_kernel
+from research.topk_pivot.kernel import _select_kernel
 sig = {"served_ptr": "*i32", "cand_scores_ptr": "*fp32", "cand_cols_ptr": "*i32",
        "out_ptr": "*i64", "kth_ptr": "*fp32", "thresholds_ptr": "*fp32", "rows_ptr": "*i64",
        "out_stride": "i32", "n_rows": "i32", "k": "i32", "topk": "i32",
@@ -277,6 +228,8 @@ kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_war
 print("\\n".join(ln for ln in kernel.asm["ttir"].splitlines() if "arith.shli" in ln))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])  # research/ is a package at the root
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )

@@ -359,6 +359,10 @@ def test_sigterm_ends_running_requests_and_the_process(small_checkpoint, tmp_pat
         while "ready to roll" not in (tmp_path / "server.log").read_text():
             assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
             time.sleep(0.2)
+        # The start-up log: every environment variable's value in force (config.py).
+        started = (tmp_path / "server.log").read_text()
+        assert "settings in force" in started and "NSA_KV_OFFLOAD=1*" in started
+        assert "NSA_DEV_CACHE_SIZE=256*" in started and "SGLANG_ECHO_PDL=1 " in started
 
         async def stream_then_term():
             body = {**_greedy_body(list(range(5, 25)), 1500), "stream": True}

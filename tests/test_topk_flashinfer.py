@@ -13,30 +13,36 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_echo.config import ENV_TOPK, EchoSettings
 from sglang_echo.kernels import topk_flashinfer as tf
 from sglang_echo.kernels.topk import topk_positions_reference
 
 
+def topk_backend(environ: dict) -> str:
+    """SGLANG_ECHO_TOPK as the registry parses it (config.py)."""
+    return EchoSettings.from_env(environ).topk
+
+
 def test_a_bad_backend_is_refused_with_the_allowed_values() -> None:
     with pytest.raises(ValueError, match="radix, flashinfer"):
-        tf.topk_backend({tf.ENV_TOPK: "fast"})
-    assert tf.topk_backend({}) == "radix"
-    assert tf.topk_backend({tf.ENV_TOPK: " FlashInfer "}) == "flashinfer"
+        topk_backend({ENV_TOPK: "fast"})
+    assert topk_backend({}) == "radix"
+    assert topk_backend({ENV_TOPK: " FlashInfer "}) == "flashinfer"
 
 
 def test_the_radix_select_is_the_default_and_flashinfer_says_why_it_cannot() -> None:
     scores = torch.zeros(2, 10)
-    assert not tf.use_flashinfer(scores, 4, {})
-    assert not tf.use_flashinfer(scores, 4, {tf.ENV_TOPK: "radix"})
+    assert not tf.use_flashinfer(scores, 4)
+    assert not tf.use_flashinfer(scores, 4, topk_backend({ENV_TOPK: "radix"}))
     with pytest.raises(RuntimeError, match=r"not on a CUDA device.*unset SGLANG_ECHO_TOPK"):
-        tf.use_flashinfer(scores, 4, {tf.ENV_TOPK: "flashinfer"})
+        tf.use_flashinfer(scores, 4, topk_backend({ENV_TOPK: "flashinfer"}))
 
 
 def test_a_bad_backend_fails_when_the_model_is_built(small_checkpoint, monkeypatch) -> None:
     from sglang_echo.model.config import load_config
     from sglang_echo.model.indexer import LightningIndexer
 
-    monkeypatch.setenv(tf.ENV_TOPK, "fastest")
+    monkeypatch.setenv(ENV_TOPK, "fastest")
     with pytest.raises(ValueError, match="SGLANG_ECHO_TOPK='fastest' is not understood"):
         LightningIndexer(load_config(small_checkpoint))
 
@@ -133,7 +139,9 @@ def test_the_model_decodes_the_same_tensors_with_either_top_k(checkpoints, confi
     n_g = EchoConfig().min_dev_cache_size(batch, cfg.index_topk, chunk)
     outs = {}
     for backend in ("radix", "flashinfer"):
-        monkeypatch.setenv(tf.ENV_TOPK, backend)
+        for indexer in model.modules():  # SGLANG_ECHO_TOPK, as if the model was built with it
+            if hasattr(indexer, "topk_backend"):
+                indexer.topk_backend = backend
         echo = echo_cache_for_model(
             EchoConfig(offload=True, dev_cache_size=n_g), cfg, cap, torch.bfloat16, "cuda"
         )

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from dsa_helpers import train_tiny, write_corpus
-from sglang_echo.model.loader import load_model
-from sglang_echo.topk.cache_sim import (
+from research.topk.cache_sim import (
     CacheTooSmall,
     per_request_hit_rate,
     shared_cache_hit_rate,
     simulate_lru,
 )
-from sglang_echo.topk.driver import run_requests
-from sglang_echo.topk.tracer import TopkTracer, fp16_key_bins, fp32_key_bins, threshold_bin
+from research.topk.driver import run_requests
+from research.topk.tracer import TopkTracer, fp16_key_bins, fp32_key_bins, threshold_bin
+from sglang_echo.model.loader import load_model
 
 from oracle_utils import prefill_all_logits
 

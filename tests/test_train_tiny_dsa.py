@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from dsa_helpers import train_tiny, write_corpus
+from research.tiny_checkpoint import TinySpec
+from research.topk.driver import run_requests
+from research.train import loop as loop_module
+from research.train.data import WindowSampler, eval_windows, load_corpus
+from research.train.forward import train_forward
+from research.train.loop import TrainConfig, Trainer, lr_at
+from research.train.spec import build_model
 from sglang_echo.model.loader import load_model
-from sglang_echo.tools.tiny_checkpoint import TinySpec
-from sglang_echo.topk.driver import run_requests
-from sglang_echo.train import loop as loop_module
-from sglang_echo.train.data import WindowSampler, eval_windows, load_corpus
-from sglang_echo.train.forward import train_forward
-from sglang_echo.train.loop import TrainConfig, Trainer, lr_at
-from sglang_echo.train.spec import build_model
 
 from oracle_utils import hf_greedy, prefill_all_logits
 

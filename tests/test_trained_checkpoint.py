@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from research.topk.driver import run_requests
 from sglang_echo.model.loader import load_model
 from sglang_echo.tokenizer import load_tokenizer
-from sglang_echo.topk.driver import run_requests
 
 from oracle_utils import hf_greedy, prefill_all_logits
 from test_lossless import Workload, run_pair

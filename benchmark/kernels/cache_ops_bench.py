@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,7 +32,6 @@ from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.alloc import STAGES, AllocWorkspace, allocate_kernel
-from sglang_echo.kernels.pdl import ENV_PDL
 from sglang_echo.offload.echo_cache import EchoKVCache
 
 
@@ -86,6 +84,9 @@ def _cache(
     cache = EchoKVCache(config, 1, host_tokens, 576, 128, torch.bfloat16, dev)
     cache.manager.use_kernels = use_kernels and cache.manager.host_view is not None
     if shape:
+        # pdl: the shape's, else the manager's (SGLANG_ECHO_PDL); the recall follows it.
+        shape = {"pdl": cache.manager.pdl, **shape}
+        cache.manager.pdl = shape["pdl"]
         cache.manager._workspace = AllocWorkspace(cache.cache, cache.cache.num_slots, **shape)
     return cache
 
@@ -207,11 +208,12 @@ def measure(
 
 # Launch variants timed beside the default (kernels/pdl.py): chained launches and relaxed
 # atomics, each against the unchained launch with the atomics' default order (the code
-# before both). Recall follows SGLANG_ECHO_PDL, set per variant.
+# before both). The recall follows the variant's pdl too (the manager's, which
+# SGLANG_ECHO_PDL sets in a server).
 CHAINING_VARIANTS = {
-    "unchained_acq_rel": ("0", "acq_rel"),
-    "unchained_relaxed": ("0", "relaxed"),
-    "chained_relaxed": ("1", "relaxed"),
+    "unchained_acq_rel": (False, "acq_rel"),
+    "unchained_relaxed": (False, "relaxed"),
+    "chained_relaxed": (True, "relaxed"),
 }
 
 
@@ -222,32 +224,24 @@ def chaining_study(args, dev: torch.device) -> dict:
     launch also the decode step as the model runs it (no append allocation). Each variant
     is first checked against the reference on the full cache."""
     out: dict = {}
-    saved = os.environ.get(ENV_PDL)
-    try:
-        for name, (pdl, sem) in CHAINING_VARIANTS.items():
-            os.environ[ENV_PDL] = pdl
-            shape = {"atomic_sem": sem}
-            trace = make_trace(args.steps, args.batch, args.topk, args.context, args.reuse)
-            row: dict = {"exact": shape_is_exact(args, dev, trace.to(dev), shape, steps=4)}
-            settings = [(args.batch, True), (1, False), (4, False)]
-            for batch, fill in settings:
-                a = argparse.Namespace(**{**vars(args), "batch": batch})
-                tr = make_trace(a.steps, batch, a.topk, a.context, a.reuse).to(dev)
-                key = f"batch_{batch}_{'full' if fill else 'no_pressure'}"
-                parts = ["management", "step"]
-                if name == "chained_relaxed":  # the default launch: also the decode path
-                    parts += ["resolve", "decode_step"]
-                for part in parts:
-                    timed = measure(a, dev, tr, True, part, shape, fill)
-                    row[f"{key}_{part}_us"] = timed["us"]
-                row[f"{key}_evictions_per_step"] = timed["evictions_per_step"]
-            out[name] = row
-            print(f"{name}: {row}")
-    finally:
-        if saved is None:
-            os.environ.pop(ENV_PDL, None)
-        else:
-            os.environ[ENV_PDL] = saved
+    for name, (pdl, sem) in CHAINING_VARIANTS.items():
+        shape = {"atomic_sem": sem, "pdl": pdl}
+        trace = make_trace(args.steps, args.batch, args.topk, args.context, args.reuse)
+        row: dict = {"exact": shape_is_exact(args, dev, trace.to(dev), shape, steps=4)}
+        settings = [(args.batch, True), (1, False), (4, False)]
+        for batch, fill in settings:
+            a = argparse.Namespace(**{**vars(args), "batch": batch})
+            tr = make_trace(a.steps, batch, a.topk, a.context, a.reuse).to(dev)
+            key = f"batch_{batch}_{'full' if fill else 'no_pressure'}"
+            parts = ["management", "step"]
+            if name == "chained_relaxed":  # the default launch: also the decode path
+                parts += ["resolve", "decode_step"]
+            for part in parts:
+                timed = measure(a, dev, tr, True, part, shape, fill)
+                row[f"{key}_{part}_us"] = timed["us"]
+            row[f"{key}_evictions_per_step"] = timed["evictions_per_step"]
+        out[name] = row
+        print(f"{name}: {row}")
     return out
 
 

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import graph_us, save_record, time_us
-from topk_pivot_timing import pivot_timings
 
+from sglang_echo.config import settings
 from sglang_echo.kernels.indexer import fp8_index_logits, fp8_index_logits_reference
 from sglang_echo.kernels.topk import (
     DEFAULT_BLOCK,
@@ -31,7 +31,6 @@ from sglang_echo.kernels.topk import (
     topk_positions,
 )
 from sglang_echo.kernels.topk_flashinfer import describe_topk, use_flashinfer
-from sglang_echo.kernels.topk_pivot import pivot_requested
 from sglang_echo.model.indexer import exact_topk, select_topk
 
 
@@ -248,16 +247,7 @@ def main() -> None:
     rel = max(rel, ((logits[sub].double() - want).norm() / want.norm()).item())
     torch_topk_us = time_us(lambda: torch.topk(logits, args.topk, dim=-1))
     qpos = lens.long().view(-1, 1) - 1
-    stable_topk_us = time_us(
-        lambda: select_topk(logits.unsqueeze(1), qpos, args.topk, method="sort"), reps=10
-    )
-    packed_topk_us = time_us(
-        lambda: select_topk(logits.unsqueeze(1), qpos, args.topk, method="packed"), reps=10
-    )
-    packed_equal = torch.equal(
-        select_topk(logits.unsqueeze(1), qpos, args.topk, True, method="sort")[0],
-        select_topk(logits.unsqueeze(1), qpos, args.topk, True, method="packed")[0],
-    )
+    stable_topk_us = time_us(lambda: select_topk(logits.unsqueeze(1), qpos, args.topk), reps=10)
     kernel_topk_us = time_us(lambda: topk_positions(logits, qpos.view(-1), args.topk))
     # The same operations replayed from CUDA graphs, as decode runs them: no CPU launch
     # overhead (time_us above counts it when launches outpace the GPU work).
@@ -289,12 +279,6 @@ def main() -> None:
             print(f"graph timing of {name} failed: {str(exc)[:200]}", flush=True)
     sweep = topk_launch_sweep(logits, qpos.view(-1), args.topk)
     share = candidate_share(logits, args.topk)
-    # The decode top-k (kernels/topk_pivot.py): its thresholds come from the previous step;
-    # "drift" takes them from a perturbed query's logits over the same keys.
-    noise = torch.randn(q.shape, device=dev, generator=g)
-    q_drift = (q.float() + 0.25 * noise).to(torch.float8_e4m3fn)
-    drift_logits = fp8_index_logits(q_drift, w, keys, scales, locs, lens)
-    pivot = pivot_timings(logits, qpos.view(-1), args.topk, drift_logits)
     ref_sets = select_topk(logits.unsqueeze(1), qpos, args.topk).squeeze(1)
     got_sets = topk_positions(logits, qpos.view(-1), args.topk)
     topk_kernel_exact = all(
@@ -335,12 +319,8 @@ def main() -> None:
         "reference_stable_sort_topk_us": stable_topk_us,
         # torch.topk over distinct int64 (score, inverted position) keys: same output as the
         # stable sort (positions and order), the candidate to replace it in decode.
-        "packed_key_topk_us": packed_topk_us,
-        "packed_key_topk_equals_sort": packed_equal,
-        "packed_over_sort": packed_topk_us / stable_topk_us,
         "topk_launch_sweep": sweep,
         "topk_candidate_share": share,
-        "topk_pivot": pivot,
     }
     # Graph-replayed device times (the decode basis): the headline where capture worked.
     metrics["graph_replayed_us"] = graph_times
@@ -359,21 +339,11 @@ def main() -> None:
         metrics["reference_stable_sort_topk_us"] = graph_times["stable_sort_topk"]
     else:
         metrics["timing_basis"] = "eager, CUDA events (graph capture failed)"
-    # Where the pivot top-k is the decode default (SGLANG_ECHO_TOPK_PIVOT=1) it is the
-    # headline at its settled state; the radix select (prefill, the fallback) stays beside.
     metrics["topk_radix_us"] = metrics["topk_us"]
-    steady = pivot.get("steady_us")
-    if steady is not None and pivot_requested():
-        metrics["topk_us"] = steady
-        metrics["topk_over_torch_topk"] = steady / metrics["torch_topk_us"]
-        metrics["topk_impl"] = (
-            "decode: pivot top-k (kernels/topk_pivot.py, SGLANG_ECHO_TOPK_PIVOT=1) settled; "
-            "topk_radix_us: the radix select (kernels/topk.py); ties to the lowest position"
-        )
     served = exact_topk(logits, qpos.view(-1), args.topk, True, False)[0]
-    metrics["topk_served"] = describe_topk()
+    metrics["topk_served"] = describe_topk(settings().topk)
     metrics["topk_served"]["equal_to_radix"] = torch.equal(served, got_sets)
-    fi_serves = use_flashinfer(logits, args.topk) and not pivot_requested()
+    fi_serves = use_flashinfer(logits, args.topk, settings().topk)
     if fi_serves and graph_times.get("topk_served") is not None:
         metrics["topk_us"] = graph_times["topk_served"]
         metrics["topk_over_torch_topk"] = metrics["topk_us"] / metrics["torch_topk_us"]
@@ -392,9 +362,7 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(7, 4))
         names = ["roofline", "fp8 logits", "torch loop", "torch.topk", "top-k kernel", "sort top-k"]
-        names.append("packed top-k")
         vals = [roofline_us, best["us"], loop_us, torch_topk_us, kernel_topk_us, stable_topk_us]
-        vals.append(packed_topk_us)
         ax.bar(names, vals)
         ax.set_yscale("log")
         ax.set_ylabel("us (log)")
@@ -407,7 +375,7 @@ def main() -> None:
         f"logits {best['us']:.0f} us (roofline {roofline_us:.0f}: mem {roof_mem_us:.0f}, "
         f"fp8 {roof_cmp_us:.0f}; {best['us'] / roofline_us:.2f}x) | torch loop {loop_us:.0f} us "
         f"({loop_us / best['us']:.1f}x slower) | torch.topk {torch_topk_us:.0f} us | top-k kernel "
-        f"{kernel_topk_us:.0f} us (exact {topk_kernel_exact}) | logits on packed rows {packed_us:.0f} us (equal {packed_equal}), 144-B rows {padded_us:.0f} us (equal {padded_equal}) | stable sort {stable_topk_us:.0f} us | packed-key topk {packed_topk_us:.0f} us (= sort {packed_equal}) | rel err {rel:.1e}, top-k equal {topk_equal} | best {metrics['best_config']}"
+        f"{kernel_topk_us:.0f} us (exact {topk_kernel_exact}) | logits on packed rows {packed_us:.0f} us (equal {packed_equal}), 144-B rows {padded_us:.0f} us (equal {padded_equal}) | stable sort {stable_topk_us:.0f} us | rel err {rel:.1e}, top-k equal {topk_equal} | best {metrics['best_config']}"
     )
     shown = {k: None if v is None else round(v, 1) for k, v in graph_times.items()}
     print(f"graph-replayed us: {shown} | basis: {metrics['timing_basis']}")

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_echo.topk.experiment import unpack
-from sglang_echo.topk.plots import plot_overlap_hits, plot_threshold, plot_training
-from sglang_echo.topk.stats import loss_metrics, summarize
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # research/
+
+from research.topk.experiment import unpack
+from research.topk.plots import plot_overlap_hits, plot_threshold, plot_training
+from research.topk.stats import loss_metrics, summarize
 
 HEADLINE = (
     "consecutive_overlap",

@@ -13,7 +13,7 @@
 set -uo pipefail
 out=${1:?usage: run_on_gpu.sh OUTDIR}
 mkdir -p "$out"
-export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/python:$PWD PYTHONUNBUFFERED=1  # sglang_echo; research/ (outside the wheel)
 # Long (16K) and short (4K) training batches alternate: let the allocator grow segments.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 ckpt=models/tiny-dsv32-trained

@@ -21,9 +21,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # oracle_utils: transformers' top-k tie order
+sys.path.insert(0, str(REPO))  # research/
 
+from research.topk.experiment import run_experiment  # noqa: E402
 from sglang_echo.model.loader import model_dtype  # noqa: E402
-from sglang_echo.topk.experiment import run_experiment  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_echo.config import ConfigError, EchoConfig
+from sglang_echo.config import ConfigError, HelpFormatter, help_epilog, load_settings
 from sglang_echo.kernels.fp8_kv import KV_CACHE_DTYPES
 from sglang_echo.model.config import ModelConfigError
 from sglang_echo.model.loader import load_model, model_dtype
@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0].split(": ")[0]
         + ". Greedy decoding of a DeepSeek-V3.2 checkpoint; set NSA_KV_OFFLOAD=1 for ECHO "
         "(NSA_DEV_CACHE_SIZE = device cache slots per layer).",
+        epilog=help_epilog(),
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--model-path", required=True, help="checkpoint folder (config.json, *.safetensors)"
@@ -174,7 +176,9 @@ def run(args: argparse.Namespace) -> dict:
     )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda was given but no CUDA device is available")
-    echo = EchoConfig.from_env()
+    # Start-up: every environment variable parsed once (config.py's registry); the model,
+    # the caches and the kernels' switches read these settings from here on.
+    echo = load_settings().echo
     dtype = model_dtype(args.dtype)
     model = load_model(args.model_path, device=device, dtype=dtype)
     cfg = model.config

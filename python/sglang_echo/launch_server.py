@@ -72,7 +72,7 @@ def _warmup(host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sglang_echo.config import ConfigError
+    from sglang_echo.config import ConfigError, settings
     from sglang_echo.model.config import ModelConfigError
     from sglang_echo.runtime.server_args import ServerArgError, parse_server_args
 
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{i['chunked_prefill_size']}, context {i['context_length']}"
         + (f", NSA_DEV_CACHE_SIZE {i['nsa_dev_cache_size']}" if i["nsa_dev_cache_size"] else "")
         + (f", device_buffer_size {i['device_buffer_size']}" if i["device_buffer_size"] else "")
+        + (f", model from --model-loader {i['model_loader']}" if i["model_loader"] else "")
         + (
             f"; PD decode node, fake transfer (locality {i['locality_source']})"
             if i["disaggregation_mode"] == "decode"
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
+    # Every environment variable's value as build_serving parsed it (config.py's registry).
+    print(f"sglang-echo: {settings().summary()}", file=sys.stderr, flush=True)
     app = create_app(serving)
     config = uvicorn.Config(
         app,

@@ -130,6 +130,7 @@ class DecodeNode:
     next_rid: int = 0
 
     def __post_init__(self) -> None:
+        from sglang_echo.config import reset_settings
         from sglang_echo.sglang.coordinator import EchoCoordinator
 
         self.gen = torch.Generator().manual_seed(self.seed)
@@ -142,6 +143,9 @@ class DecodeNode:
         )  # fmt: skip
         self.start = self.counters()
         os.environ["NSA_DEV_CACHE_SIZE"] = str(self.dev_cache)
+        # A hand-built coordinator is its own start-up: the settings are parsed afresh, from
+        # this environment (config.settings(), as register() would in a scheduler).
+        reset_settings()
         self.coord = EchoCoordinator(
             self.req_to_token,
             self.allocator,

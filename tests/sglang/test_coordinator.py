@@ -19,7 +19,12 @@ from sglang_world import (  # noqa: E402
     init_process_group,
 )
 
-from sglang_echo.config import ENV_EVICTION_RESERVE, ConfigError, EchoConfig  # noqa: E402
+from sglang_echo.config import (  # noqa: E402
+    ENV_EVICTION_RESERVE,
+    ConfigError,
+    EchoConfig,
+    reset_settings,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -117,15 +122,20 @@ def assert_back_to_start(node: DecodeNode) -> None:
 
 @pytest.fixture
 def reserve_env(monkeypatch):
-    """Sets (a count) or unsets (None) SGLANG_ECHO_EVICTION_RESERVE for the test."""
+    """Sets (a count) or unsets (None) SGLANG_ECHO_EVICTION_RESERVE for the test; the
+    process's settings (config.settings()) are parsed afresh after each change and after
+    the test."""
 
     def apply(value: int | None) -> None:
         if value is None:
             monkeypatch.delenv(ENV_EVICTION_RESERVE, raising=False)
         else:
             monkeypatch.setenv(ENV_EVICTION_RESERVE, str(value))
+        reset_settings()
 
-    return apply
+    yield apply
+    monkeypatch.undo()
+    reset_settings()
 
 
 def test_plugin_cache_takes_the_runtime_eviction_reserve(reserve_env):

@@ -51,7 +51,7 @@ from sglang_world import (  # noqa: E402
 )
 from test_plugin_args import MODEL_CONFIG  # noqa: E402
 
-from sglang_echo.config import ENV_DEV_CACHE, EchoConfig  # noqa: E402
+from sglang_echo.config import ENV_DEV_CACHE, EchoConfig, reset_settings  # noqa: E402
 from sglang_echo.sglang.args import EchoPlan, plan_echo  # noqa: E402
 
 TOP_K, DEV_CACHE, LAYERS, CONTEXT = 16, 64, 2, 512
@@ -247,6 +247,7 @@ def decode_rank(model_dir, plan: EchoPlan):
     saved = os.environ.get(ENV_DEV_CACHE)
     # N_G as the launcher publishes it (hand-built coordinators read the environment).
     os.environ[ENV_DEV_CACHE] = str(plan.dev_cache_size)
+    reset_settings()  # parsed afresh by the coordinator built next (config.settings())
     try:
         with (
             use_context(context),
@@ -260,6 +261,7 @@ def decode_rank(model_dir, plan: EchoPlan):
             os.environ.pop(ENV_DEV_CACHE, None)
         else:
             os.environ[ENV_DEV_CACHE] = saved
+        reset_settings()
 
 
 def assert_nothing_leaked(rank: DecodeRank) -> None:

@@ -14,11 +14,10 @@ import plugin_testenv  # noqa: F401  first: sets the process up before triton lo
 import pytest
 import torch
 
-from sglang_echo.config import ENV_EVICTION_RESERVE, ConfigError, EchoConfig
+from sglang_echo.config import ENV_EVICTION_RESERVE, ConfigError, EchoConfig, reset_settings
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
-from sglang_echo.sglang import prefetch
 from sglang_echo.sglang.args import check_resolved, plan_echo
 from sglang_echo.sglang.storage import (
     ExternalHostRows,
@@ -260,6 +259,7 @@ def test_borrowed_cache_matches_an_owned_one(kernels, monkeypatch):
     """Same operations on borrowed rows and on ECHO's own pools: same slots, same bytes;
     also through the Triton allocation and recall kernels (interpreted on the CPU)."""
     monkeypatch.delenv(ENV_EVICTION_RESERVE, raising=False)
+    reset_settings()  # the borrowed cache's reserve: config.settings(), parsed afresh
     _, host, borrowed = borrowed_world(layers=1, use_kernels=kernels)
     own_host = HostKVPool(1, 200, 8, torch.float32, pin=False)
     own_host.rows.copy_(host.view(1, 202, 8))
@@ -281,35 +281,18 @@ def test_borrowed_cache_matches_an_owned_one(kernels, monkeypatch):
 
 
 # ------------------------------------------------------------------------ prefetch
-def test_prefetch_seam(caplog):
-    assert prefetch.decode_prefetch_hook(False) is None
+def test_prefetch_switches_are_logged_not_wired(caplog):
+    from types import SimpleNamespace
+
+    from sglang_echo.sglang.install import log_prefetch_switches
+
     with caplog.at_level(logging.WARNING):
-        assert prefetch.decode_prefetch_hook(True) is None  # no kernel module yet
-    assert "accepted" in caplog.text and "unfused" in caplog.text
-
-    calls = []
-
-    def kernel(original, indexer, batch, layer_id, q, w, meta, coordinator):
-        calls.append(("kernel", layer_id, coordinator))
-        return original(indexer, batch, layer_id, q, w, meta)
-
-    def original(indexer, batch, layer_id, q, w, meta):
-        calls.append(("original", layer_id))
-        return "topk"
-
-    hook = prefetch.make_topk_paged_hook(kernel)
-    decode = SimpleNamespace(is_decode=lambda: True)
-    extend = SimpleNamespace(is_decode=lambda: False)
-    echo = SimpleNamespace(manager=object())
-    assert hook(original, None, SimpleNamespace(forward_mode=decode, hisparse_coordinator=echo),
-                3, None, None, None) == "topk"  # fmt: skip
-    assert calls[0] == ("kernel", 3, echo)
-    calls.clear()
-    hook(original, None, SimpleNamespace(forward_mode=extend, hisparse_coordinator=echo),
-         4, None, None, None)  # fmt: skip
-    hook(original, None, SimpleNamespace(forward_mode=decode, hisparse_coordinator=None),
-         5, None, None, None)  # fmt: skip
-    assert calls == [("original", 4), ("original", 5)]
+        log_prefetch_switches(SimpleNamespace(fuse_decode=False, fuse_extend=False))
+    assert caplog.text == ""
+    with caplog.at_level(logging.WARNING):
+        log_prefetch_switches(SimpleNamespace(fuse_decode=True, fuse_extend=True))
+    assert "RECALL_DECODE=1 accepted" in caplog.text and "no decode prefetch" in caplog.text
+    assert "RECALL_EXTEND=1 accepted" in caplog.text
 
 
 # ---------------------------------------------------------------------- entry point

@@ -462,7 +462,7 @@ class AllocWorkspace:
         lane_block: int = LANE_BLOCK,
         slot_block: int = SLOT_BLOCK,
         num_warps: int = NUM_WARPS,
-        pdl: bool | None = None,
+        pdl: bool = True,
         atomic_sem: str = ATOMIC_SEM,
     ) -> None:
         for name, value in (("lane_block", lane_block), ("slot_block", slot_block)):
@@ -475,7 +475,8 @@ class AllocWorkspace:
         dev = cache.device
         self.max_lanes = max_lanes
         self.lane_block, self.slot_block, self.num_warps = lane_block, slot_block, num_warps
-        # Chained launches (kernels/pdl.py): the default where the device supports them.
+        # Chained launches (kernels/pdl.py) where the device supports them, unless ``pdl``
+        # (the offload layer's SGLANG_ECHO_PDL) is off.
         self.pdl = use_pdl(dev, pdl)
         self.atomic_sem = atomic_sem
         self.slot_programs = triton.cdiv(cache.num_slots + 2, slot_block)

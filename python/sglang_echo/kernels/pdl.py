@@ -12,7 +12,8 @@ so the order of reads and writes is exactly the unchained one: only the scheduli
 The attribute is captured into CUDA graphs as programmatic edges.
 
 Off under the Triton interpreter (no such instruction) and below sm_90; ``SGLANG_ECHO_PDL=0``
-turns it off everywhere.
+turns it off everywhere. That variable is parsed once, by ``sglang_echo.config`` (kernels
+import nothing above themselves): the offload layer passes its value in as ``asked``.
 """
 
 from __future__ import annotations
@@ -25,36 +26,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-ENV_PDL = "SGLANG_ECHO_PDL"
-
-
-def env_switch(name: str, environ: dict | None = None, default: bool = True) -> bool:
-    """A kernel switch: 1 = on, 0 = off, unset or empty = ``default``."""
-    raw = (os.environ if environ is None else environ).get(name)
-    if raw is None or not raw.strip():
-        return default
-    if raw.strip() in ("0", "1"):
-        return raw.strip() == "1"
-    raise ValueError(f"{name}={raw!r} is not understood; set it to 1 (on) or 0 (off).")
-
-
-def env_choice(name: str, choices: tuple[str, ...], environ: dict | None = None) -> str:
-    """A kernel choice: one of ``choices`` (case and spaces ignored), unset or empty = the
-    first; anything else is an error naming the allowed values."""
-    raw = (os.environ if environ is None else environ).get(name, "")
-    value = raw.strip().lower() or choices[0]
-    if value not in choices:
-        raise ValueError(
-            f"{name}={raw!r} is not understood; set it to one of {', '.join(choices)} "
-            f"(or leave it unset for {choices[0]})."
-        )
-    return value
-
-
-def pdl_requested(environ: dict | None = None) -> bool:
-    """``SGLANG_ECHO_PDL``: unset or 1 = on where supported, 0 = off."""
-    return env_switch(ENV_PDL, environ)
-
 
 def pdl_supported(device: torch.device) -> bool:
     """CUDA at sm_90 or newer, compiled (not the interpreter)."""
@@ -63,10 +34,11 @@ def pdl_supported(device: torch.device) -> bool:
     return _capability(device.index)[0] >= 9
 
 
-def use_pdl(device: torch.device, asked: bool | None = None) -> bool:
-    """Whether launches on ``device`` chain: ``asked`` (None: the default, SGLANG_ECHO_PDL)
-    where the device supports it, never where it does not."""
-    return pdl_supported(device) and (pdl_requested() if asked is None else asked)
+def use_pdl(device: torch.device, asked: bool = True) -> bool:
+    """Whether launches on ``device`` chain: ``asked`` (the caller's SGLANG_ECHO_PDL,
+    ``sglang_echo.config.settings().pdl``; on by default, as that variable is) where the
+    device supports it, never where it does not."""
+    return pdl_supported(device) and asked
 
 
 @functools.cache

@@ -122,13 +122,14 @@ def recall_rows(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     num_warps: int = DEFAULT_NUM_WARPS,
     flat_chunks: int = DEFAULT_FLAT_CHUNKS,
-    pdl: bool | None = None,
+    pdl: bool = True,
 ) -> None:
     """dev_rows[miss_slots[i]] = host_rows[miss_ids[i]] for i < miss_count (a 1-element tensor).
 
     ``host_rows`` must be addressable by the kernel's device: a CUDA alias of pinned memory
     on GPU (see offload.host_pool), any tensor under TRITON_INTERPRET=1. ``pdl``: chain the
-    launch to the previous kernel (kernels/pdl.py; default where supported).
+    launch to the previous kernel where supported (kernels/pdl.py; the offload layer passes
+    SGLANG_ECHO_PDL, on by default).
     """
     if host_rows.shape[1] != dev_rows.shape[1] or host_rows.dtype != dev_rows.dtype:
         raise ValueError("host and device rows must have the same width and dtype")

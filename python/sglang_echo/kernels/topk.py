@@ -87,7 +87,7 @@ _PER_CALL = ["n_cols", "n_rows", "k", "topk", "scores_stride", "out_stride"]
 @triton.jit
 def _order_key(scores):
     """float32 -> int64 in [0, 2^32) with the same order (larger score, larger key); the
-    pivot's 64-bit searches (kernels/topk_pivot.py) use this form."""
+    pivot's 64-bit searches (research/topk_pivot/kernel.py) use this form."""
     bits = scores.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     negative = bits >= 0x80000000
     return tl.where(negative, 0xFFFFFFFF - bits, bits + 0x80000000)
@@ -191,7 +191,7 @@ def _row_keys(scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOC
 @triton.jit
 def _unserved(served_ptr, row, FALLBACK: tl.constexpr):
     """Whether this row is the radix select's to serve: always, or with FALLBACK (the rows
-    kernels/topk_pivot.py could not serve) where ``served`` holds -1 (a candidate count
+    research/topk_pivot/kernel.py could not serve) where ``served`` holds -1 (a candidate count
     where the pivot served it)."""
     if FALLBACK:
         return tl.load(served_ptr + row) < 0
@@ -464,7 +464,7 @@ def radix_select(
     loads_first: bool = DEFAULT_LOADS_FIRST,
 ) -> None:
     """The six launches, writing picks into ``out`` [R, >= k] (pre-filled with -1).
-    ``fallback`` (kernels/topk_pivot.py): (served [R], kth [R], thresholds, rows, topk):
+    ``fallback`` (research/topk_pivot/kernel.py): (served [R], kth [R], thresholds, rows, topk):
     rows with served >= 0 are skipped, the others also get their k-th score written.
     ``cand_block``: candidates a piece of the candidate passes reads; ``loads_first``: see
     DEFAULT_LOADS_FIRST (both speed only)."""
@@ -525,35 +525,23 @@ def select_topk(
     query_pos: torch.Tensor,
     topk: int,
     return_kth: bool = False,
-    method: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k over key positions <= each query's position; ties to the lower position.
 
     scores [G, Q, L] (key position = column), query_pos [G, Q] -> positions [G, Q, topk],
     -1 where a query has fewer than ``topk`` visible keys. With ``return_kth`` also the
     k-th largest visible score [G, Q] (-inf with fewer than ``topk`` visible keys), which
-    decode prefetch's threshold predictor learns from.
-
-    ``method`` (default: ``TOPK_METHOD``): ``sort``, a stable descending sort; or ``packed``,
-    ``torch.topk`` over int64 keys (order-preserving score bits, then the inverted
-    position), which are all distinct, so the tie order is fixed without a full sort. Both
-    return the same positions in the same order.
+    decode prefetch's threshold predictor learns from. A stable descending sort: the CPU
+    path's selection (CUDA runs the radix select through ``model.indexer.exact_topk``).
     """
-    method = method or TOPK_METHOD
-    if method not in TOPK_METHODS:
-        raise ValueError(f"unknown top-k method {method!r}; choose one of {TOPK_METHODS}")
     length = scores.shape[-1]
     key_pos = torch.arange(length, device=scores.device)
     masked = scores.masked_fill(key_pos > query_pos.unsqueeze(-1), float("-inf"))
     k = min(topk, length)
     # Ties (e.g. keys whose every head logit is clipped to 0 by relu) go to the lowest
     # position, so the selection never depends on padding or batch composition.
-    if method == "sort":
-        values, idx = torch.sort(masked, dim=-1, descending=True, stable=True)
-        values, idx = values[..., :k], idx[..., :k]
-    else:
-        idx = torch.topk(_packed_keys(masked), k, dim=-1, sorted=True).indices
-        values = torch.gather(masked, -1, idx)
+    values, idx = torch.sort(masked, dim=-1, descending=True, stable=True)
+    values, idx = values[..., :k], idx[..., :k]
     idx = torch.where(values == float("-inf"), torch.full_like(idx, -1), idx)
     if k < topk:
         idx = F.pad(idx, (0, topk - k), value=-1)
@@ -562,24 +550,6 @@ def select_topk(
     if k == topk:
         return idx, values[..., k - 1]
     return idx, values.new_full(values.shape[:-1], float("-inf"))  # rows narrower than top-k
-
-
-TOPK_METHODS = ("sort", "packed")
-# select_topk's method, the CPU path's decode and prefill selection (CUDA runs the
-# radix-select kernel through model.indexer.exact_topk); both methods are exact and give
-# identical output.
-TOPK_METHOD = "sort"
-
-
-def _packed_keys(scores: torch.Tensor) -> torch.Tensor:
-    """float32 scores [..., L] -> int64 keys, distinct along the last dim and ordered like
-    (score, then lower position first). -0.0 is folded into +0.0 first: a sort calls them
-    equal, and so must the key."""
-    bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in the float value
-    length = scores.shape[-1]
-    inverted_pos = (length - 1) - torch.arange(length, device=scores.device)
-    return ordered * (1 << 32) + inverted_pos
 
 
 def topk_positions_reference(

@@ -14,7 +14,8 @@ short rows and a graph's replay included (tests/test_topk_flashinfer.py).
 
 ``SGLANG_ECHO_TOPK`` picks the kernel top-k on CUDA: ``radix`` (the default) or
 ``flashinfer``, which requires FlashInfer and fails at the first selection, with the
-reason, where it cannot run. The radix select is the default because it measured faster
+reason, where it cannot run. The variable is parsed once, by ``sglang_echo.config``
+(kernels import nothing above themselves): callers pass its value in as ``backend``. The radix select is the default because it measured faster
 under this contract on the H200 (benchmark/results/topk_peers.json): FlashInfer alone is
 faster at 48 x 100K (58 us deterministic with ties low, 79 on its graph-safe path, against
 our 114), but its time barely falls with fewer rows (51-72 us at one row, against our 24),
@@ -33,11 +34,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from sglang_echo.kernels.pdl import env_choice
 from sglang_echo.kernels.sort_picks import sort_picks, sort_picks_reference
 
-ENV_TOPK = "SGLANG_ECHO_TOPK"
-TOPK_BACKENDS = ("radix", "flashinfer")
 # FlashInfer's TopKTieBreak: 1 = prefer smaller indices (our tie order).
 TIE_BREAK_LOW = 1
 # Its CUDA-graph-safe path (FilteredTopK, one key per load): a decode step replays from a
@@ -49,12 +47,6 @@ MAX_TOPK = 2048
 # Which FlashInfer form serves SGLANG_ECHO_TOPK=flashinfer: the ragged transform (per-row
 # lengths) or the plain top-k after the mask (see ``topk_positions_flashinfer``).
 RAGGED = True
-
-
-def topk_backend(environ: dict | None = None) -> str:
-    """``SGLANG_ECHO_TOPK`` (default ``radix``); a bad value is an error naming the allowed
-    ones."""
-    return env_choice(ENV_TOPK, TOPK_BACKENDS, environ)
 
 
 @functools.cache
@@ -70,12 +62,13 @@ def flashinfer_unavailable() -> str | None:
     return None
 
 
-def use_flashinfer(scores: torch.Tensor, topk: int, environ: dict | None = None) -> bool:
-    """Whether this selection runs on FlashInfer: ``SGLANG_ECHO_TOPK=flashinfer``. Either
+def use_flashinfer(scores: torch.Tensor, topk: int, backend: str = "radix") -> bool:
+    """Whether this selection runs on FlashInfer: ``backend`` (the caller's
+    ``SGLANG_ECHO_TOPK``, ``sglang_echo.config.settings().topk``) is ``flashinfer``. Either
     backend returns the same tensor, so the choice changes speed only. Where FlashInfer
     cannot serve (not CUDA, the interpreter, not importable, a top-k above its graph-safe
     path's), the error says why and what to change."""
-    if topk_backend(environ) == "radix":
+    if backend == "radix":
         return False
     compiled = scores.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     reason = flashinfer_unavailable() if compiled else "the scores are not on a CUDA device"
@@ -84,9 +77,9 @@ def use_flashinfer(scores: torch.Tensor, topk: int, environ: dict | None = None)
     if reason is None:
         return True
     raise RuntimeError(
-        f"{ENV_TOPK}=flashinfer, but FlashInfer's top-k cannot serve: {reason}. Install "
-        f"flashinfer-python 0.7.2 or newer on a CUDA machine, or unset {ENV_TOPK} (the "
-        "radix select serves everywhere)."
+        f"SGLANG_ECHO_TOPK=flashinfer, but FlashInfer's top-k cannot serve: {reason}. "
+        "Install flashinfer-python 0.7.2 or newer on a CUDA machine, or unset "
+        "SGLANG_ECHO_TOPK (the radix select serves everywhere)."
     )
 
 
@@ -137,10 +130,10 @@ def ascending_picks(scores: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
     return sort_picks_reference(scores, picks)
 
 
-def describe_topk(environ: dict | None = None) -> dict:
-    """Which kernel top-k serves a CUDA selection in this process, for benchmark records."""
+def describe_topk(backend: str) -> dict:
+    """Which kernel top-k serves a CUDA selection under ``backend`` (the process's
+    ``SGLANG_ECHO_TOPK``), for benchmark records."""
     reason = flashinfer_unavailable()
-    backend = topk_backend(environ)
     version = None
     if reason is None:
         import flashinfer
@@ -150,4 +143,4 @@ def describe_topk(environ: dict | None = None) -> dict:
     if backend == "flashinfer":
         form = "ragged transform" if RAGGED else "top-k after the mask"
         served = f"FlashInfer's {form} (kernels/topk_flashinfer.py)"
-    return {ENV_TOPK: backend, "served": served, "flashinfer": version or reason}
+    return {"SGLANG_ECHO_TOPK": backend, "served": served, "flashinfer": version or reason}

@@ -10,14 +10,13 @@ reference; SGLANG_ECHO_SPARSE_MLA=torch forces it).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 from torch import nn
 
+from sglang_echo.config import ConfigError, settings
 from sglang_echo.kernels.fp8_kv import decode_kv_rows
-from sglang_echo.kernels.pdl import env_choice
 from sglang_echo.kernels.sparse_mla import DECODE_SPLITS, sparse_mla, sparse_mla_from_buffer
 from sglang_echo.model.config import DeepseekV32Config, ModelConfigError
 from sglang_echo.model.forward_batch import ForwardBatch
@@ -32,20 +31,19 @@ GATHER_BLOCK_ELEMENTS = 1 << 26
 # sparse_mla), "kernel" (kernels/sparse_mla.py reads them from the buffer, no gather), or
 # "auto" (the default): the kernel on CUDA, where an H200 measured it 1.2x (decode) and
 # 1.5-1.65x (prefill) faster than the torch path (benchmark/results/sparse_mla.json),
-# torch on the CPU.
-ENV_SPARSE_MLA = "SGLANG_ECHO_SPARSE_MLA"
-SPARSE_MLA_BACKENDS = ("auto", "torch", "kernel")
+# torch on the CPU. The switch is SGLANG_ECHO_SPARSE_MLA (config.ENV_SPARSE_MLA, choices
+# config.SPARSE_MLA_BACKENDS), parsed with every other variable by sglang_echo.config.
 
 
-@functools.cache
 def sparse_mla_backend() -> str:
-    """``SGLANG_ECHO_SPARSE_MLA`` (default ``auto``), read once per process; a bad value
-    fails when the model is built, naming the allowed values. ``kernel`` applies on CUDA
-    and under TRITON_INTERPRET=1 (tests); a CPU run without the interpreter keeps the
-    torch path. ``auto`` takes the kernel on CUDA only, so interpreted CPU tests stay fast."""
+    """``SGLANG_ECHO_SPARSE_MLA`` (default ``auto``) from the process's settings
+    (``config.settings()``, parsed once); a bad value fails when the model is built, naming
+    the allowed values. ``kernel`` applies on CUDA and under TRITON_INTERPRET=1 (tests); a
+    CPU run without the interpreter keeps the torch path. ``auto`` takes the kernel on CUDA
+    only, so interpreted CPU tests stay fast."""
     try:
-        return env_choice(ENV_SPARSE_MLA, SPARSE_MLA_BACKENDS)
-    except ValueError as exc:
+        return settings().sparse_mla
+    except ConfigError as exc:
         raise ModelConfigError(str(exc)) from None
 
 

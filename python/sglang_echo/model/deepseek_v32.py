@@ -69,13 +69,6 @@ class DeepseekV32ForCausalLM(nn.Module):
             self._rotary = RotaryTable(self.config.rope, self.config.qk_rope_head_dim, device)
         return self._rotary
 
-    def bind_request_rows(self, max_rows: int) -> None:
-        """Per-request-row state of the model itself (the decode top-k's thresholds),
-        sized by the runtime's request table once, before any step or graph capture."""
-        device = self.lm_head.weight.device
-        for layer in self.model.layers:
-            layer.self_attn.indexer.bind_request_rows(max_rows, device)
-
     def set_graph_safe(self, enabled: bool) -> None:
         """Route MoE through its fixed-shape dispatch (needed inside CUDA graphs)."""
         for layer in self.model.layers:

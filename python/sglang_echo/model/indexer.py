@@ -20,20 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang_echo.config import settings
 from sglang_echo.kernels.topk import select_topk, topk_positions
-from sglang_echo.kernels.topk_flashinfer import (
-    topk_backend,
-    topk_positions_flashinfer,
-    use_flashinfer,
-)
-from sglang_echo.kernels.topk_pivot import (
-    ENV_TOPK_PIVOT,
-    MAX_TOPK,
-    empty_pivots,
-    pivot_requested,
-    pivot_serves,
-    topk_positions_pivot,
-)
+from sglang_echo.kernels.topk_flashinfer import topk_positions_flashinfer, use_flashinfer
 from sglang_echo.model.config import DeepseekV32Config, fp8_row_bytes
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.rope import apply_rope_half
@@ -133,7 +122,7 @@ def exact_topk(
     topk: int,
     use_kernel: bool,
     with_kth: bool = True,
-    pivot: tuple[torch.Tensor, torch.Tensor] | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``select_topk`` with the k-th score, for scores [R, L] and query_pos [R]: positions
     [R, topk] and k-th scores [R]. With ``use_kernel`` (CUDA, or the interpreter in tests)
@@ -143,20 +132,15 @@ def exact_topk(
     outputs stay equal); the
     k-th score is the smallest picked score, -inf where fewer than ``topk`` keys are
     visible, exactly as ``select_topk`` reports it. Only the prefetchers read the k-th
-    score: without ``with_kth`` it is not computed (None). ``pivot`` (decode, with the
-    kernels): (per-row thresholds, each score row's index into them) for the one-pass
-    top-k of kernels/topk_pivot.py, which returns the same tensors and the k-th score for
-    free."""
-    if use_kernel and pivot is not None:
-        pos, kth = topk_positions_pivot(scores.float(), query_pos, topk, *pivot)
-        return pos, kth if with_kth else None
+    score: without ``with_kth`` it is not computed (None). ``backend``: the kernel top-k, ``radix`` or ``flashinfer`` (the indexer passes
+    the one it was built with; None: the process's SGLANG_ECHO_TOPK, config.settings())."""
     if not use_kernel:
         if not with_kth:
             return select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk).squeeze(1), None
         pos, kth = select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk, True)
         return pos.squeeze(1), kth.squeeze(1)
     scores = scores.float()
-    if use_flashinfer(scores, topk):
+    if use_flashinfer(scores, topk, settings().topk if backend is None else backend):
         pos = topk_positions_flashinfer(scores, query_pos, topk)
     else:
         pos = topk_positions(scores, query_pos, topk)
@@ -189,25 +173,8 @@ class LightningIndexer(nn.Module):
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
-        topk_backend()  # a bad SGLANG_ECHO_TOPK fails here, when the model is built
-        # Decode top-k thresholds per request row (kernels/topk_pivot.py), once a runtime
-        # binds its request table (``bind_request_rows``); None: the radix select.
-        self.pivot_thresholds: torch.Tensor | None = None
-
-    def bind_request_rows(self, max_rows: int, device: torch.device) -> None:
-        """Thresholds start empty (no guess: the first step runs the radix select).
-        A row taken over by a new request keeps its old threshold: a guess that misses
-        costs one radix select, never a wrong answer, so nothing resets it. A top-k the
-        pivot cannot serve is refused here, before any step."""
-        self.pivot_thresholds = None
-        if not pivot_requested():
-            return
-        if not pivot_serves(self.topk):
-            raise ValueError(
-                f"{ENV_TOPK_PIVOT}=1 serves index_topk <= {MAX_TOPK}; this model's is "
-                f"{self.topk}. Unset {ENV_TOPK_PIVOT} (the radix select serves any top-k)."
-            )
-        self.pivot_thresholds = empty_pivots(max_rows, device)
+        # The kernel top-k (SGLANG_ECHO_TOPK), from the settings parsed at start-up.
+        self.topk_backend = settings().topk
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         roped = apply_rope_half(x[..., : self.rope_dim], cos, sin)
@@ -287,12 +254,10 @@ class LightningIndexer(nn.Module):
         if prefetch is not None:
             # Rows start moving (a side stream on CUDA) while the exact top-k runs.
             prefetch.launch(layer, cand.ids, cand.counts)
-        pivot = None
-        if self.pivot_thresholds is not None and batch.request_rows is not None:
-            pivot = (self.pivot_thresholds, batch.request_rows)
         pos, kth = exact_topk(
-            scores, batch.positions, self.topk, use_kernels(q), prefetch is not None, pivot
-        )
+            scores, batch.positions, self.topk, use_kernels(q), prefetch is not None,
+            self.topk_backend,
+        )  # fmt: skip
         return pos.unsqueeze(1), None if kth is None else kth.unsqueeze(1)
 
     def select(
@@ -339,7 +304,12 @@ class LightningIndexer(nn.Module):
                     row = batch.request_rows[r]
                     extend_prefetch.launch(layer, scores[0], ctx[0], query_pos, row, self.topk)
                 pos, kth = exact_topk(
-                    scores[0], query_pos, self.topk, use_kernels(q), extend_prefetch is not None
+                    scores[0],
+                    query_pos,
+                    self.topk,
+                    use_kernels(q),
+                    extend_prefetch is not None,
+                    backend=self.topk_backend,
                 )
                 if extend_prefetch is not None:
                     extend_prefetch.observe(layer, kth, row)

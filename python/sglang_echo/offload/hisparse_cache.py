@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_echo.config import settings
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
 from sglang_echo.offload.host_pool import HostKVPool
 
@@ -70,6 +71,7 @@ class HiSparseKVCache:
         self.use_kernels = (
             use_kernels if use_kernels is not None else device.type == "cuda"
         ) and self.host_view is not None
+        self.pdl = settings().pdl  # SGLANG_ECHO_PDL: chained recall launches (kernels/pdl.py)
         slots = max_requests * buffer_size + 1
         i64 = dict(dtype=torch.int64, device=device)
         self.rows = torch.zeros(num_layers, slots, kv_row_dim, dtype=dtype, device=device)
@@ -216,7 +218,12 @@ class HiSparseKVCache:
             miss_slots.scatter_(0, at, slots)
             count = miss.sum().reshape(1)  # int64 [1], as ECHO's allocation hands it over
             recall_rows(
-                self.host_view[layer], self.rows[layer], miss_ids[:n], miss_slots[:n], count
+                self.host_view[layer],
+                self.rows[layer],
+                miss_ids[:n],
+                miss_slots[:n],
+                count,
+                pdl=self.pdl,
             )
             return
         take = miss.nonzero().squeeze(1)

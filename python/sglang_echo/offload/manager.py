@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_echo.config import settings
 from sglang_echo.kernels.alloc import (
     Allocation,
     AllocWorkspace,
@@ -48,7 +49,11 @@ class _PendingPrefetch:
 
 class EchoManager:
     def __init__(
-        self, host: HostKVPool, cache: DeviceCache, use_kernels: bool | None = None
+        self,
+        host: HostKVPool,
+        cache: DeviceCache,
+        use_kernels: bool | None = None,
+        pdl: bool | None = None,
     ) -> None:
         if host.num_tokens != cache.host_tokens or host.num_layers != cache.num_layers:
             raise ValueError("host pool and device cache disagree on tokens or layers")
@@ -62,6 +67,9 @@ class EchoManager:
         self.use_kernels = (
             use_kernels if use_kernels is not None else self.device.type == "cuda"
         ) and self.host_view is not None
+        # Chained launches of the allocation and recall kernels where the device supports
+        # them (kernels/pdl.py): SGLANG_ECHO_PDL from the process's settings unless given.
+        self.pdl = settings().pdl if pdl is None else pdl
         self._workspace: AllocWorkspace | None = None
         # Decode prefetch: its own allocation workspace (its miss list is read by the side
         # stream's copy while the resolve's allocation runs), side stream, counters.
@@ -113,7 +121,9 @@ class EchoManager:
         if not self.use_kernels:
             return allocate_reference(self.cache, layer, ids, append)
         if self._workspace is None:
-            self._workspace = AllocWorkspace(self.cache, max_lanes=self.cache.num_slots)
+            self._workspace = AllocWorkspace(
+                self.cache, max_lanes=self.cache.num_slots, pdl=self.pdl
+            )
         return allocate_kernel(self.cache, layer, ids, append, self._workspace)
 
     # -------------------------------------------------------------------- append
@@ -155,7 +165,7 @@ class EchoManager:
 
             recall_rows(
                 self.host_view[layer], c.rows[layer], alloc.miss_ids, alloc.miss_slots,
-                alloc.miss_count,
+                alloc.miss_count, pdl=self.pdl,
             )  # fmt: skip
             return
         live = torch.arange(alloc.miss_ids.shape[0], device=self.device) < alloc.miss_count
@@ -251,7 +261,9 @@ class EchoManager:
         if not self.use_kernels:
             return allocate_reference(self.cache, layer, ids, append=True)
         if self._prefetch_workspace is None:
-            self._prefetch_workspace = AllocWorkspace(self.cache, max_lanes=self.cache.num_slots)
+            self._prefetch_workspace = AllocWorkspace(
+                self.cache, max_lanes=self.cache.num_slots, pdl=self.pdl
+            )
         return allocate_kernel(self.cache, layer, ids, True, self._prefetch_workspace)
 
     def _join(self, layer: int) -> None:

@@ -1,13 +1,16 @@
-"""Offline batched generation: chunked prefill, then greedy decode until each request ends.
+"""Offline generation: a list of prompts in, greedy outputs back, over the serving
+scheduler.
 
-Requests of a batch have different prompt lengths (packed, no padding) and leave the
-batch as soon as they finish, returning their token locations to the pool. The forward
-steps themselves live in ``StepRunner``, shared with the serving scheduler.
+One scheduling core (runtime/scheduler.py) serves the offline engine, the server and the
+PD decode node: admission, growth reservation, preemption, finish and release are written
+once there. Here every request reserves its whole budget at admission (the scheduler's
+``reserve_steps`` set to the context length), so an offline run never preempts: requests
+join as earlier ones finish, up to ``max_batch_size`` at a time, and leave the moment they
+end. ``record_logits`` keeps every step's logits per request, for the lossless checks.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -15,16 +18,19 @@ import torch
 
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.runtime.request import SeqState
+from sglang_echo.runtime.request import OutputEvent, SamplingParams, ServeRequest
+from sglang_echo.runtime.scheduler import Scheduler
 from sglang_echo.runtime.step_runner import StepRunner
 
 
 @dataclass(eq=False)  # identity, as every request class (runtime/request.py)
-class Request(SeqState):
+class Request(ServeRequest):
     index: int = 0
-    max_new_tokens: int = 0
-    finished: bool = False
     step_logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.params.max_new_tokens
 
 
 @dataclass
@@ -58,16 +64,34 @@ class Engine:
             model, kv_cache, token_capacity, max_batch_size, max_context, use_cuda_graph
         )
         self.device = self.steps.device
-        self.max_batch_size = max_batch_size
-        self.chunked_prefill_size = chunked_prefill_size
-        self.eos_ids = set() if ignore_eos else set(model.config.eos_token_ids)
-        self.stats = RunStats()
+        self.ignore_eos = ignore_eos
+        self.scheduler = Scheduler(
+            self.steps,
+            max_batch_size,
+            chunked_prefill_size,
+            max_context,
+            list(model.config.eos_token_ids),
+            reserve_steps=max_context,  # whole budgets: an offline run never preempts
+        )
+        self._recording = False
+        self.scheduler.on_logits = self._record
 
     @property
     def decode_runner(self):
         return self.steps.decode_runner
 
-    # ----------------------------------------------------------------- public
+    @property
+    def stats(self) -> RunStats:
+        """Totals since the engine was built (wall time of the prefill and decode phases)."""
+        s = self.scheduler.stats
+        return RunStats(
+            prompt_tokens=s.prompt_tokens,
+            output_tokens=s.generation_tokens,
+            prefill_s=s.phase_s["prefill"],
+            decode_s=s.phase_s["decode"] + s.phase_s["accept"],
+            decode_steps=s.decode_steps,
+        )
+
     def generate(
         self,
         prompts: Sequence[list[int]],
@@ -75,63 +99,43 @@ class Engine:
         record_logits: bool = False,
         on_request_done: Callable[[Request], None] | None = None,
     ) -> list[Request]:
-        requests = [
-            Request(list(p), index=i, max_new_tokens=max_new_tokens) for i, p in enumerate(prompts)
-        ]
-        for start in range(0, len(requests), self.max_batch_size):
-            batch = requests[start : start + self.max_batch_size]
-            self._run_batch(batch, record_logits, on_request_done)
+        """Greedy outputs of ``prompts``, in their order."""
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=self.ignore_eos
+        )
+        requests = []
+        for i, prompt in enumerate(prompts):
+            req = Request(list(prompt), rid=f"offline-{i}", params=params, index=i)
+            if on_request_done is not None:
+                req.on_output = self._when_done(req, on_request_done)
+            requests.append(req)
+        sched = self.scheduler
+        for req in requests:
+            sched.add(req)
+        self._recording = record_logits
+        try:
+            while sched.has_work():
+                sched.step()
+        finally:
+            self._recording = False
+        failed = [r for r in requests if r.finish_reason and r.finish_reason["type"] == "abort"]
+        if failed:
+            raise RuntimeError(f"request {failed[0].index} failed: {failed[0].finish_reason}")
         return requests
 
-    # --------------------------------------------------------------- batches
-    def _run_batch(
-        self,
-        batch: list[Request],
-        record_logits: bool,
-        on_done: Callable[[Request], None] | None,
-    ) -> None:
-        for req in batch:
-            self.steps.admit(req)
-        self.stats.prompt_tokens += sum(len(r.prompt) for r in batch)
-        t0 = self._now()
-        while any(not r.prefill_done for r in batch):
-            pending = [r for r in batch if not r.prefill_done]
-            done, logits = self.steps.prefill_chunk(pending, self.chunked_prefill_size)
-            self._accept_all(done, logits, record_logits, on_done)
-        t1 = self._now()
-        self.stats.prefill_s += t1 - t0
-        while True:
-            active = [r for r in batch if not r.finished]
-            if not active:
-                break
-            logits = self.steps.decode(active)
-            self._accept_all(active, logits, record_logits, on_done)
-            self.stats.decode_steps += 1
-        self.stats.decode_s += self._now() - t1
-
-    def _accept_all(
-        self,
-        reqs: Sequence[Request],
-        logits: torch.Tensor,
-        record_logits: bool,
-        on_done: Callable[[Request], None] | None,
-    ) -> None:
-        """Greedy tokens for the batch: one argmax and one host read per step."""
-        if not reqs:
+    def _record(self, reqs: Sequence[ServeRequest], logits: torch.Tensor) -> None:
+        if not self._recording:
             return
-        tokens = torch.argmax(logits, dim=-1).tolist()
-        for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
-            req.output.append(token)
-            self.stats.output_tokens += 1
-            if record_logits:
-                req.step_logits.append(logits[i].detach().to("cpu", copy=True))
-            if len(req.output) >= req.max_new_tokens or token in self.eos_ids:
-                req.finished = True
-                self.steps.release(req)
-                if on_done is not None:
-                    on_done(req)
+        host = logits.detach().to("cpu", copy=True)
+        for i, req in enumerate(reqs):
+            req.step_logits.append(host[i])
 
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    @staticmethod
+    def _when_done(
+        req: Request, on_done: Callable[[Request], None]
+    ) -> Callable[[OutputEvent], None]:
+        def on_output(event: OutputEvent) -> None:
+            if event.finished:
+                on_done(req)
+
+        return on_output

@@ -20,16 +20,18 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from sglang_echo.config import ENV_ENGINE_PROFILE, settings
 from sglang_echo.runtime.request import ServeRequest
 from sglang_echo.runtime.scheduler import Scheduler
 
 log = logging.getLogger("sglang_echo.engine")
 
-# A path: the engine thread runs under cProfile and writes PATH (pstats) and PATH.txt (the
-# top functions by cumulative time) when it stops; "{pid}" in it becomes the process id
-# (several servers, one setting). For finding where a phase of the engine
-# clock goes; it slows the host side, so not for timed runs.
-PROFILE_ENV = "ECHO_ENGINE_PROFILE"
+# ECHO_ENGINE_PROFILE, a path (config.py; settings().engine_profile): the engine thread
+# runs under cProfile and writes PATH (pstats) and PATH.txt (the top functions by
+# cumulative time) when it stops; "{pid}" in it becomes the process id (several servers,
+# one setting). For finding where a phase of the engine clock goes; it slows the host
+# side, so not for timed runs.
+PROFILE_ENV = ENV_ENGINE_PROFILE
 ENGINE_SWITCH_INTERVAL_S = 5e-4
 
 
@@ -111,7 +113,7 @@ class EngineLoop:
                     fut.set_exception(exc)
 
     def _run(self) -> None:
-        path = os.environ.get(PROFILE_ENV)
+        path = settings().engine_profile
         if not path:
             self._serve()
             return

@@ -3,11 +3,15 @@
 A PD decode node receives each prompt's KV (and the first token) from a prefill node. To
 measure a decode node alone, SGLang's fake transfer backend skips the transfer; here the
 KV a prompt would bring is generated on the node instead: deterministic rows and indexer
-keys for every layer (``study.synthetic_kv``), seeded by the prompt's token ids, so the
-same prompt gets the same KV on a no-offload and an ECHO server and their outputs can be
-compared token for token. Rows go where a transfer would put them: the device pool
-without offload, the host pool (index keys on the device, no cache slots) under ECHO.
-Its first token stands in for the prefill node's.
+keys for every layer (``runtime/synthetic_kv.py``), seeded by the prompt's token ids, so
+the same prompt gets the same KV on a no-offload and an ECHO server and their outputs can
+be compared token for token. The keys' locality (the stable fraction of each step's top-k)
+is the model loader's to set (``synthetic_kv_locality`` in its info, runtime/model_loader.py;
+default 0, random keys): only a loader that also biased the indexers' weights toward the
+same favoured directions makes it mean anything, and the runtime never changes weights.
+Rows go where a transfer would put them: the device pool without offload, the host pool
+(index keys on the device, no cache slots) under ECHO. Its first token stands in for the
+prefill node's.
 
 On CUDA the "transfer" runs as a real one does, beside decoding: the rows are generated
 and written on a side stream while the running batch keeps stepping, and the request joins
@@ -32,6 +36,7 @@ from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.runtime.request import SeqState
 from sglang_echo.runtime.step_runner import StepRunner
+from sglang_echo.runtime.synthetic_kv import Locality, SyntheticKV, favoured_directions
 
 
 def prompt_seed(ids: list[int]) -> int:
@@ -57,15 +62,11 @@ class FakeTransfer:
         locality: float,
         dtype: torch.dtype,
     ) -> None:
-        from sglang_echo.study.locality import Locality, favoured_directions, install_preference
-        from sglang_echo.study.synthetic_kv import SyntheticKV
-
         cfg = model.config
+        # Seed 0: the directions a locality-setting loader biased the indexers toward.
         directions = favoured_directions(
             cfg.num_hidden_layers, cfg.index_head_dim, cfg.qk_rope_head_dim
         )
-        if locality > 0:
-            install_preference(model, directions)  # the indexers favour the hot keys
         self.locality = Locality(locality)
         self.synth = SyntheticKV(cfg, directions, self.locality, dtype, steps.device)
         self.kv_cache = kv_cache

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_echo.runtime.admission import fits, future_tokens
 from sglang_echo.runtime.detokenizer import IncrementalText
 from sglang_echo.runtime.request import OutputEvent, ReqStatus, ServeRequest, TokenLogprob
 from sglang_echo.runtime.sampling import new_sample_key, sample_batch
@@ -128,6 +129,9 @@ class Scheduler:
         self.running: list[ServeRequest] = []  # in admission order: newest last
         self.live: dict[str, ServeRequest] = {}  # rid -> request, waiting or running
         self.stats = SchedulerStats()
+        # Called with (requests, their logits) before each batch's tokens are chosen: the
+        # offline engine records every step's logits there for the lossless checks.
+        self.on_logits: Callable[[list[ServeRequest], torch.Tensor], None] | None = None
 
     # ------------------------------------------------------------ requests
     def check(self, req: ServeRequest) -> None:
@@ -253,12 +257,9 @@ class Scheduler:
         return sum(len(r.prefill_ids) - r.cached_len for r in self.running if not r.prefill_done)
 
     def _growth(self, req: ServeRequest) -> int:
-        """Token locations set aside for a request's next few decode steps (a decode node:
-        all of them). A request will hold ``token_budget()`` locations at most; beyond its
-        cached tokens and the prefill still pending, that leaves ``remaining_tokens()`` once
-        it has an output to extend, one fewer before (its last token is never cached)."""
-        future = req.token_budget() - max(req.cached_len, len(req.prefill_ids))
-        return max(0, min(future, self.reserve_steps))
+        """Token locations set aside for a request's next few decode steps (a decode node
+        and the offline engine: all of them; runtime/admission.py)."""
+        return min(future_tokens(req, req.params.max_new_tokens), self.reserve_steps)
 
     def _admit(self) -> None:
         self.steps.flush_releases()
@@ -271,7 +272,7 @@ class Scheduler:
             req = self.waiting[0]
             held_back = self._pending_prefill() + sum(self._growth(r) for r in self.running)
             need = len(req.prefill_ids) + self._growth(req)
-            if alloc.num_free - held_back < need:
+            if not fits(alloc.num_free, held_back, need):
                 break
             self.waiting.popleft()
             self.steps.admit(req)
@@ -332,6 +333,8 @@ class Scheduler:
 
     # -------------------------------------------------------------- tokens
     def _accept_batch(self, reqs: list[ServeRequest], logits: torch.Tensor) -> None:
+        if self.on_logits is not None:
+            self.on_logits(reqs, logits)
         out = sample_batch(
             logits,
             [r.params for r in reqs],

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import dataclass
 
-from sglang_echo.config import ConfigError, parse_size
+from sglang_echo.config import ConfigError, HelpFormatter, help_epilog, parse_size
 from sglang_echo.kernels.fp8_kv import KV_CACHE_DTYPES
 
 PLUGIN_HINT = (
@@ -39,6 +40,15 @@ _UNSUPPORTED_SWITCHES = {
     "--enable-hierarchical-cache",
     "--enable-mixed-chunk",
     "--prefill-round-robin-balance",
+}
+_MODEL_LOADER_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+# Benchmark knobs that alter the served model's weights: not server flags (a model loader's).
+_LOADER_FLAGS = {
+    "--fake-kv-locality": "--fake-kv-locality is not a server flag: it alters the served "
+    "model's weights (it biases every indexer toward the synthetic hot keys), so it belongs "
+    "to a benchmark's model loader. In the repository: --model-loader "
+    'benchmark.study.loader:load --model-loader-args="--fake-kv-locality P" (repository '
+    "root on PYTHONPATH; python -m benchmark.study.loader --help)",
 }
 # SGLang switches that describe what this runtime already does (or does not do): accepted.
 _HARMLESS_SWITCHES = {"--disable-overlap-schedule", "--trust-remote-code"}
@@ -72,7 +82,11 @@ class ServerArgs:
     # prompts' KV is synthesized on the node instead of transferred from a prefill node.
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str | None = None
-    fake_kv_locality: float = 0.0
+    # The one extension point for what is served (runtime/model_loader.py): MODULE:FUNCTION
+    # builds the model instead of loading --model-path's checkpoint; its own flags as one
+    # shell-quoted string.
+    model_loader: str | None = None
+    model_loader_args: str | None = None
     # HiSparse's policy as a third KV backend (offload/hisparse_cache.py), SGLang's flags.
     enable_hisparse: bool = False
     hisparse_config: str | None = None
@@ -98,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a DeepSeek-V3.2 checkpoint over HTTP (SGLang's /generate and "
         "OpenAI's /v1 APIs) with continuous batching. NSA_KV_OFFLOAD=1 turns ECHO on "
         "(NSA_DEV_CACHE_SIZE = device cache slots per layer).",
+        epilog=help_epilog(),
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model-path", "--model", dest="model_path", required=True)
     p.add_argument("--host", default="127.0.0.1")
@@ -176,12 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="fake (with --disaggregation-mode decode); real transfer engines need SGLang",
     )
     p.add_argument(
-        "--fake-kv-locality",
-        type=float,
-        default=0.0,
-        help="with the fake backend: the fraction of each step's top-k that a fixed set of "
-        "prompt tokens holds (0 = random keys; 0.9 gives hit rates near DeepSeek-V3.2's). "
-        "Above 0 it biases the served model's indexers toward the synthetic keys",
+        "--model-loader",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="build the served model with this function instead of loading the checkpoint "
+        "at --model-path (the module must be on PYTHONPATH; the contract: "
+        "sglang_echo/runtime/model_loader.py). The repository's e2e benchmarks serve their "
+        "study worker folders with benchmark.study.loader:load",
+    )
+    p.add_argument(
+        "--model-loader-args",
+        default=None,
+        metavar="'FLAGS'",
+        help="the --model-loader function's own flags, as one shell-quoted string "
+        '(--model-loader-args="--flag value"); its module\'s --help lists them',
     )
     p.add_argument(
         "--enable-hisparse",
@@ -219,6 +243,8 @@ def _check_foreign(unknown: list[str]) -> None:
             raise ServerArgError(f"{shown} is not supported: " + PLUGIN_HINT.format(flag=shown))
         if flag in _UNSUPPORTED_SWITCHES:
             raise ServerArgError(f"{flag} is not supported: " + PLUGIN_HINT.format(flag=flag))
+        if flag in _LOADER_FLAGS:
+            raise ServerArgError(_LOADER_FLAGS[flag])
         raise ServerArgError(
             f"unknown flag {raw!r}; see python -m sglang_echo.launch_server --help"
         )
@@ -234,6 +260,7 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static <= 1:
         raise ServerArgError(f"--mem-fraction-static {args.mem_fraction_static} must be in (0, 1]")
     _check_disaggregation(args)
+    _check_model_loader(args)
     hisparse_buffer_size(args)  # a malformed --hisparse-config fails here, at start-up
     return args
 
@@ -279,7 +306,16 @@ def _check_disaggregation(args: ServerArgs) -> None:
         raise ServerArgError(
             f"--disaggregation-transfer-backend {backend} needs --disaggregation-mode decode"
         )
-    if not 0.0 <= args.fake_kv_locality <= 1.0:
-        raise ServerArgError(f"--fake-kv-locality {args.fake_kv_locality} must be in [0, 1]")
-    if args.fake_kv_locality and mode != "decode":
-        raise ServerArgError("--fake-kv-locality needs --disaggregation-mode decode")
+
+
+def check_model_loader_spec(spec: str) -> None:
+    """MODULE:FUNCTION, checked at start-up; the import waits for build_serving."""
+    if not _MODEL_LOADER_SPEC.fullmatch(spec):
+        raise ServerArgError(f"--model-loader {spec!r} must be MODULE:FUNCTION (pkg.mod:load)")
+
+
+def _check_model_loader(args: ServerArgs) -> None:
+    if args.model_loader_args is not None and args.model_loader is None:
+        raise ServerArgError("--model-loader-args needs --model-loader")
+    if args.model_loader is not None:
+        check_model_loader_spec(args.model_loader)

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_echo.config import EchoConfig
+from sglang_echo.config import EchoConfig, load_settings
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.model.loader import load_model, model_dtype
+from sglang_echo.model.loader import model_dtype
 from sglang_echo.runtime.kv_factory import build_hisparse_cache, build_kv_cache
+from sglang_echo.runtime.model_loader import load_served_model
 from sglang_echo.runtime.scheduler import Scheduler
 from sglang_echo.runtime.server_args import ServerArgError, ServerArgs, hisparse_buffer_size
 from sglang_echo.runtime.step_runner import StepRunner
@@ -100,16 +101,6 @@ def memory_token_budget(
     return max(1, min(on_device, on_host))
 
 
-def _load(model_path: str, device: torch.device, dtype: torch.dtype) -> DeepseekV32ForCausalLM:
-    """A checkpoint, or the end-to-end study's worker (a folder with study_worker.json:
-    DeepSeek-V3.2 attention dimensions and one DP worker's MoE, built in memory)."""
-    from sglang_echo.study.worker_spec import is_study_worker, load_study_worker
-
-    if is_study_worker(model_path):
-        return load_study_worker(model_path, device, dtype)
-    return load_model(model_path, device=device, dtype=dtype)
-
-
 def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     """``echo`` overrides the environment's ECHO settings (tests build both kinds)."""
     device = resolve_device(args.device)
@@ -117,8 +108,12 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device.type == "cuda" else "float32"
     dtype = model_dtype(dtype_name)
-    echo = echo if echo is not None else EchoConfig.from_env()
-    model = _load(args.model_path, device, dtype)
+    # Start-up: every environment variable parsed once (config.py's registry); the model,
+    # the caches and the kernels' switches read these settings from here on.
+    env_settings = load_settings()
+    echo = echo if echo is not None else env_settings.echo
+    loaded = load_served_model(args, device, dtype)  # --model-loader, or the checkpoint
+    model = loaded.model
     cfg = model.config
     try:  # a KV dtype the model's widths cannot take: refused before anything is sized
         cfg.kv_storage(dtype, args.kv_cache_dtype)
@@ -172,7 +167,7 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     if args.disaggregation_mode == "decode":
         from sglang_echo.runtime.fake_transfer import FakeTransfer
 
-        fake = FakeTransfer(model, kv_cache, steps, args.fake_kv_locality, dtype)
+        fake = FakeTransfer(model, kv_cache, steps, loaded.synthetic_kv_locality, dtype)
     scheduler = Scheduler(
         steps, max_running, chunk, context, list(cfg.eos_token_ids), detok, prompt_source=fake
     )
@@ -198,5 +193,7 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         "num_layers": cfg.num_hidden_layers,
         "disaggregation_mode": args.disaggregation_mode,
         "locality_source": fake.locality.source if fake is not None else None,
+        "model_loader": args.model_loader,
+        "model_loader_info": loaded.info,
     }
     return Serving(args, model, kv_cache, scheduler, tokenizer, echo, info)

@@ -26,7 +26,7 @@ import logging
 import sglang.srt.managers.hisparse_coordinator as hisparse
 import torch
 
-from sglang_echo.config import ENV_DEV_CACHE, ConfigError, EchoConfig
+from sglang_echo.config import ENV_DEV_CACHE, ConfigError, settings
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.sglang.args import ECHO_EXTRA_KEY
 from sglang_echo.sglang.guards import capacity_problems, decode_graphs_enabled, graph_problem
@@ -51,7 +51,7 @@ def echo_settings() -> dict:
         extra = dict(parse_hisparse_config().sparse_extra_config)
     except ValueError:  # no published server args
         extra = {}
-    extra.setdefault(ECHO_EXTRA_KEY, EchoConfig.from_env().dev_cache_size)
+    extra.setdefault(ECHO_EXTRA_KEY, settings().dev_cache_size)
     return extra
 
 

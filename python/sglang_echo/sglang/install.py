@@ -10,7 +10,8 @@
    SGLang only logs a hook that fails to apply, so the late resolution step checks the
    class in the launcher, and an AFTER hook on ``ModelRunner.maybe_init_hisparse_
    coordinator`` checks what each scheduler process built (``guards``).
-3. The fused decode prefetch seam at ``Indexer._get_topk_paged`` (``prefetch``).
+3. The prefetch switches: logged, not yet wired (the plugin's decode resolve runs the
+   exact top-k, then ECHO's resolve; the runtime's prefetch is not in the plugin yet).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_echo.config import ConfigError, EchoConfig
+from sglang_echo.config import ConfigError, load_settings, settings
 from sglang_echo.sglang.args import (
     DEFAULT_TOP_K,
     SOURCE,
@@ -28,7 +29,6 @@ from sglang_echo.sglang.args import (
     plan_echo,
 )
 from sglang_echo.sglang.guards import RUNNER_TARGET, class_replace_problem, runner_guard
-from sglang_echo.sglang.prefetch import TARGET, decode_prefetch_hook, log_extend_prefetch
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,10 @@ def plan_step(server_args: Any, previous) -> None:
 
     previous(server_args)
     view = resolving_view(server_args)
-    config = EchoConfig.from_env()
+    # Resolution is the launcher's start-up: the environment parsed as the launch sees it
+    # (register() parsed it when the plugins loaded; the resolved plan goes to children).
+    env_settings = load_settings(reader="plugin")
+    config = env_settings.echo
     top_k, context_len = model_facts(server_args, view)
     plan = plan_echo(view, config, top_k=top_k, context_len=context_len)
     declare_resolution(server_args, SOURCE, **plan.declarations())
@@ -74,6 +77,7 @@ def plan_step(server_args: Any, previous) -> None:
         plan.device_rows,
         plan.host_to_device_ratio,
     )
+    logger.info("%s: %s", SOURCE, env_settings.summary())
 
 
 def check_step(server_args: Any, previous) -> None:
@@ -111,11 +115,22 @@ def install() -> None:
     HookRegistry.register(COORDINATOR_TARGET, EchoCoordinator, HookType.REPLACE)
     HookRegistry.register(RUNNER_TARGET, runner_guard, HookType.AFTER)
 
-    config = EchoConfig.from_env()
-    hook = decode_prefetch_hook(config.fuse_decode)
-    if hook is not None:
-        HookRegistry.register(TARGET, hook, HookType.AROUND)
-    log_extend_prefetch(config.fuse_extend)
+    log_prefetch_switches(settings())  # parsed by register() in this process
+
+
+def log_prefetch_switches(config: Any) -> None:
+    """The prefetch switches are accepted, and the log says what they do in the plugin."""
+    if config.fuse_decode:
+        logger.warning(
+            "sglang-echo: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 accepted, but the SGLang "
+            "plugin has no decode prefetch yet; decode runs the exact top-k, then ECHO's "
+            "resolve (lossless either way)."
+        )
+    if config.fuse_extend:
+        logger.warning(
+            "sglang-echo: SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1 accepted, but prefill "
+            "prefetch does not apply here: a local prefill keeps its prompt on the device."
+        )
 
 
 def install_error(error: ConfigError) -> None:

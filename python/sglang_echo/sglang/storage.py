@@ -18,12 +18,18 @@ manager's operations run unchanged and no row is stored twice:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from sglang_echo.config import ENV_DEV_CACHE, ENV_EVICTION_RESERVE, ConfigError, EchoConfig
+from sglang_echo.config import (
+    ENV_DEV_CACHE,
+    ENV_EVICTION_RESERVE,
+    ConfigError,
+    EchoConfig,
+    EchoSettings,
+    settings,
+)
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import cuda_alias_of_pinned
 
@@ -60,10 +66,14 @@ class LayerRows:
 def eviction_reserve_for(num_slots: int, environ: Mapping[str, str] | None = None) -> int:
     """The eviction reserve of an N_G = ``num_slots`` cache, as EchoConfig resolves it for
     the runtime (echo_cache.EchoKVCache): ``SGLANG_ECHO_EVICTION_RESERVE`` when set, else
-    EchoConfig's default for N_G. N_G is the plugin's (the launcher's resolved plan), so
-    the environment's ``NSA_DEV_CACHE_SIZE`` is replaced by it before EchoConfig reads."""
-    env = os.environ if environ is None else environ
-    config = EchoConfig.from_env({**env, ENV_DEV_CACHE: str(num_slots)})
+    EchoConfig's default for N_G. N_G is the plugin's (the launcher's resolved plan), not
+    the environment's ``NSA_DEV_CACHE_SIZE``. The reserve comes from the process's
+    settings (parsed once, by register()), or from ``environ`` when given (tests)."""
+    if environ is None:
+        reserve = settings().eviction_reserve
+    else:
+        reserve = EchoSettings.from_env({**environ, ENV_DEV_CACHE: str(num_slots)}).eviction_reserve
+    config = EchoConfig(dev_cache_size=num_slots, eviction_reserve=reserve)
     if config.eviction_reserve > num_slots // 2:
         raise ConfigError(
             f"{ENV_EVICTION_RESERVE}={config.eviction_reserve} would keep more than half of "

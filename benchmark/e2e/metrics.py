@@ -1,0 +1,151 @@
+"""The record's ``metrics``: the headline ratios (paper settings, same pools, equal HBM,
+the HiSparse-like baseline), the low-load cost, hit rates, step breakdowns, the spread
+over repeats, the 61-layer estimate and the details behind them (lossless checks, the
+locality sweep, every repeat's step time). benchmark/evidence.py and the README read these
+keys: their names and shapes are the record's contract."""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmark.e2e.components import component_at
+from benchmark.e2e.extrapolate import estimate_61_layers
+from benchmark.e2e.lossless import lossless_check, low_load_agreement
+from benchmark.e2e.plan import StudyPlan
+from benchmark.e2e.runs import find, find_all, med, ratio, ratio_range, sweep
+
+
+def metrics(setup: StudyPlan, runs: list[dict], components: dict) -> dict:
+    """The record's metrics from the measurements so far (any may be missing: the record
+    is rewritten after every phase)."""
+    plan = setup.plan
+    paper = ratio(runs, "echo_paper", "noff_paper")
+    pools = {pool: ratio(runs, f"echo_{pool}", f"noff_{pool}") for pool in plan.same_pools}
+    equal = {b: ratio(runs, f"echo_equal_hbm_b{b}", "noff_paper") for b in plan.equal_hbm_batches}
+    equal_best = max((v for v in equal.values() if v), key=lambda v: v["ratio"], default=None)
+    hisparse = {
+        b: ratio(runs, f"hisparse_equal_hbm_b{b}", "noff_paper") for b in plan.equal_hbm_batches
+    }
+    hisparse_best = max((v for v in hisparse.values() if v), key=lambda v: v["ratio"], default=None)
+    low, low_range = {}, {}
+    for b in plan.low_load_batches:
+        es, ns = find_all(runs, "echo_paper", f"b{b}"), find_all(runs, "noff_low", f"b{b}")
+        if es and ns:
+            mid, lo, hi = ratio_range(es, ns)
+            low[b] = round(1 - mid, 4)
+            low_range[b] = [round(1 - hi, 4), round(1 - lo, 4)]
+    echo_runs = find_all(runs, "echo_paper")
+    echo_run = echo_runs[0] if echo_runs else None
+    low_phase = f"b{min(plan.low_load_batches)}"  # the profiled one
+    lossless, low_diff, low_tokens = low_load_agreement(
+        runs, plan.low_load_batches, setup.min_compared
+    )
+    pressure = lossless_check(runs, "echo_pressure", setup.pressure_batch, setup.min_compared)
+    pressure_hisparse = lossless_check(
+        runs, "hisparse_pressure", setup.pressure_batch, setup.min_compared
+    )
+    rand = ratio(runs, "echo_paper", "noff_paper", phase="random")
+    same = plan.same_pools
+    p200 = pools.get(same[0]) if same else None
+    p110 = pools.get(same[1]) if len(same) > 1 else None
+    hit = None
+    if echo_runs:  # per layer, the median over the repeats
+        hit = [round(statistics.median(v), 4) for v in zip(*(r["hit_rate_per_layer"] for r in echo_runs), strict=True)]  # fmt: skip
+    return {
+        "ratio_paper_all_hbm": paper and paper["ratio"],
+        "ratio_paper_200k": p200 and p200["ratio"],
+        "ratio_paper_110k": p110 and p110["ratio"],
+        "ratio_equal_hbm_380k": equal_best and equal_best["ratio"],
+        "hisparse_ratio_equal_hbm_380k": hisparse_best and hisparse_best["ratio"],
+        "hisparse_device_buffer_size": setup.buffer_size,
+        "low_load_cost": {
+            "per_batch": low,
+            "mean": round(statistics.mean(low.values()), 4) if low else None,
+            "per_batch_range": low_range,
+        },
+        "hit_rate_per_layer": hit,
+        "locality_source": echo_run and echo_run["locality_source"],
+        "breakdown": {
+            "no_offload": breakdown(find_all(runs, "noff_paper"), components, plan.layers),
+            "echo": breakdown(echo_runs, components, plan.layers),
+        },
+        "breakdown_low_load": {
+            "no_offload": breakdown(find_all(runs, "noff_low", low_phase), components, plan.layers),
+            "echo": breakdown(find_all(runs, "echo_paper", low_phase), components, plan.layers),
+        },
+        "repeats": setup.args.repeats,
+        "spread": {
+            key: {"ratio_min": v["ratio_min"], "ratio_max": v["ratio_max"], **v["repeats"]}
+            for key, v in (
+                ("ratio_paper_all_hbm", paper),
+                ("ratio_paper_200k", p200),
+                ("ratio_paper_110k", p110),
+                ("ratio_equal_hbm_380k", equal_best),
+                ("hisparse_ratio_equal_hbm_380k", hisparse_best),
+            )
+            if v
+        },
+        "estimate_61_layers": estimate_61_layers(setup, runs, components),
+        "details": {
+            "repeats": repeats(setup, runs),
+            "paper_all_hbm": paper,
+            "same_pools": pools,
+            "equal_hbm_380k": equal,
+            "hisparse_equal_hbm_380k": hisparse,
+            "greedy_outputs_equal_at_low_load": lossless,
+            "first_difference_at_low_load": low_diff,
+            "tokens_compared_at_low_load": low_tokens,
+            "lossless_under_eviction": pressure,
+            "lossless_under_eviction_hisparse": pressure_hisparse,
+            "locality_sweep_paper_all_hbm": sweep(runs),
+            "random_keys_paper_all_hbm": rand
+            and {
+                **rand,
+                "locality_source": "random",
+                "hit_rate_per_layer": find(runs, "echo_paper", "random")["hit_rate_per_layer"],
+            },
+        },
+        "per_layer_note": "ratios are of the measured L-layer steps (all layers identical, "
+        "the step's fixed part small); estimate_61_layers scales the per-layer device time "
+        "to DeepSeek-V3.2's 61 layers",
+    }
+
+
+def breakdown(runs: list[dict], components: dict, layers: int) -> dict | None:
+    """Step and per-layer times from the median of the repeats; host times and the
+    profiler from the first (the only profiled) measurement."""
+    if not runs:
+        return None
+    run, step = runs[0], med(runs, "step_ms_device")
+    layer_us = step * 1e3 / layers
+    comp = component_at(components, run["batch"])
+    out = {
+        "batch": run["batch"],
+        "step_ms_device": step,
+        "layer_us_device": round(layer_us, 2),
+        "host_ms": run["host_ms"],
+        "step_ms_wall": run["step_ms_wall"],
+    }
+    if comp is not None:
+        out["per_layer_us_by_difference"] = {
+            "moe_ffn": comp["moe_us"],
+            "attention_weights": comp["attn_weights_us"],
+            "attention_side_rest": round(layer_us - comp["moe_us"] - comp["attn_weights_us"], 2),
+            "component_batch": comp["batch"],
+        }  # fmt: skip
+    if "breakdown" in run:
+        out["profiler"] = run["breakdown"]
+    return out
+
+
+def repeats(setup: StudyPlan, runs: list[dict]) -> dict[str, list[float]]:
+    """Device step ms of every measurement of each repeated phase, in run order; keyed
+    by engine for its "full" phase, else engine/phase."""
+    out = {}
+    for eng in setup.engines():
+        for ph in eng.phases:
+            own = find_all(runs, eng.label, ph.label) if ph.repeated else []
+            if own:
+                key = eng.label if ph.label == "full" else f"{eng.label}/{ph.label}"
+                out[key] = [round(r["step_ms_device"], 4) for r in own]
+    return out

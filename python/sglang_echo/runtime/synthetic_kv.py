@@ -1,0 +1,153 @@
+"""Synthetic prompt KV for a PD decode node's fake transfer: deterministic MLA rows and
+indexer keys, with a stable fraction of each step's top-k set by one number.
+
+Why: a PD decode node receives each prompt's KV from a prefill node; SGLang benchmarks a
+decode node alone with a ``fake`` transfer backend. Here the KV a 100K-token prompt would
+bring is generated on the node (on the device, in one pass per layer) and written straight
+into the KV backend, so a request starts decoding at once, admitted in milliseconds instead
+of a prefill's seconds. Rows are random but deterministic by (seed, layer): two runs, or
+two backends, see the same prompt. Indexer keys are encoded exactly as the model caches its
+own (fp8 + scale after a Hadamard rotation, or plain values in bf16 mode).
+
+Locality: each layer has a *favoured direction* u (``favoured_directions``: a unit vector
+on the key dims the indexer does not rope). Keys are random with their u-component removed
+("cold"), except ``Locality.hot_count`` positions per request and layer whose keys carry a
+large u-component ("hot", ``index_keys``). This module only makes keys: the hot keys stay
+in every step's top-k only when the served indexers prefer u, which a model loader arranges
+by changing their weights (the repository's benchmark loader, benchmark/study/locality.py
+``install_preference``). The runtime never changes weights; it reads the stable fraction
+from the loader's info (runtime/model_loader.py, ``synthetic_kv_locality``; default 0 =
+random keys, labelled "random").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_echo.model.config import DeepseekV32Config, fp8_row_bytes
+from sglang_echo.model.indexer import hadamard_matrix, pack_fp8_rows, quantize_fp8
+from sglang_echo.model.kv_cache import KVCache
+
+# The hot keys' u-component, in units of a cold key's norm (~sqrt(D)).
+HOT_KEY_SCALE = 2.0
+
+
+@dataclass(frozen=True)
+class Locality:
+    """``stable_fraction`` in [0, 1]: the fraction of each request's top-k per layer that
+    a fixed set of its prompt tokens holds (see the module docstring)."""
+
+    stable_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.stable_fraction <= 1.0:
+            raise ValueError(f"stable_fraction must be in [0, 1], got {self.stable_fraction}")
+
+    @property
+    def source(self) -> str:
+        """The label every result carries: where its top-k locality comes from."""
+        if self.stable_fraction == 0.0:
+            return "random"
+        return f"synthetic-keys:{self.stable_fraction:g}"
+
+    def hot_count(self, topk: int, prompt_len: int) -> int:
+        return min(prompt_len, round(self.stable_fraction * topk))
+
+
+def favoured_directions(
+    num_layers: int, head_dim: int, rope_dim: int, seed: int = 0
+) -> torch.Tensor:
+    """[L, D] float32 unit vectors, zero on the first ``rope_dim`` (roped) dims."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(num_layers, head_dim, generator=gen)
+    u[:, :rope_dim] = 0.0
+    return u / u.norm(dim=-1, keepdim=True)
+
+
+def index_keys(
+    n: int,
+    direction: torch.Tensor,
+    hot_positions: torch.Tensor,
+    generator: torch.Generator,
+    device: torch.device,
+) -> torch.Tensor:
+    """Unrotated float32 keys [n, D]: cold keys ~ N(0, I) with the u-component removed;
+    keys at ``hot_positions`` get HOT_KEY_SCALE x sqrt(D) x u added."""
+    d = direction.shape[0]
+    u = direction.to(device=device, dtype=torch.float32)
+    k = torch.randn(n, d, generator=generator, device=device)
+    k -= (k @ u).unsqueeze(1) * u
+    if hot_positions.numel():
+        k[hot_positions] += HOT_KEY_SCALE * d**0.5 * u
+    return k
+
+
+def _generator(device: torch.device, seed: int, layer: int, stream: int) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + layer) * 7 + stream)
+    return gen
+
+
+class SyntheticKV:
+    """Per-layer rows of a synthetic prompt of length n and seed s, for one model."""
+
+    def __init__(
+        self,
+        config: DeepseekV32Config,
+        directions: torch.Tensor,
+        locality: Locality,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.config = config
+        # [L, D], from favoured_directions; on the device once, so that writing a
+        # prompt makes no blocking host-to-device copy (the decode node writes on a side
+        # stream, and a blocking copy there would hold the engine thread until the stream
+        # drained, stalling the running batch as before).
+        self.directions = directions.to(device)
+        self.locality = locality
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+    def hot_positions(self, layer: int, length: int, seed: int) -> torch.Tensor:
+        """Sorted prompt positions whose keys carry the favoured direction."""
+        m = self.locality.hot_count(self.config.index_topk, length)
+        # Drawn where the keys are made: on CUDA no host permutation of 100K positions per
+        # layer (a few ms of the engine thread per admission) and no copy to wait for.
+        gen = _generator(self.device, seed, layer, 0)
+        return torch.randperm(length, generator=gen, device=self.device)[:m].sort().values
+
+    def encode_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Unrotated float keys [n, D] -> the rows the model caches (``index_row_dim``)."""
+        k = keys.to(self.dtype)
+        if self.config.indexer_mode != "fp8_hadamard":
+            return k
+        d = self.config.index_head_dim
+        rotated = k @ hadamard_matrix(d, k.device, k.dtype)
+        return pack_fp8_rows(*quantize_fp8(rotated), fp8_row_bytes(d))
+
+    def rows(self, layer: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLA rows [n, kv_row_dim] in the model dtype, index-key rows [n, index_row_dim])."""
+        cfg = self.config
+        gen = _generator(self.device, seed, layer, 1)
+        kv = torch.randn(length, cfg.kv_row_dim, generator=gen, device=self.device)
+        keys = index_keys(
+            length,
+            self.directions[layer],
+            self.hot_positions(layer, length, seed),
+            _generator(self.device, seed, layer, 2),
+            self.device,
+        )
+        return kv.to(self.dtype), self.encode_keys(keys)
+
+    def write(self, kv_cache: KVCache, locs: torch.Tensor, seed: int) -> None:
+        """Write a prompt of ``len(locs)`` tokens at token locations ``locs`` (positions
+        0..n-1 in order) into every layer: ECHO's ``write_prompt`` (host rows + device
+        index keys, no device slots) where the backend has it, else ``write`` (the plain
+        pool's device rows)."""
+        write = getattr(kv_cache, "write_prompt", None) or kv_cache.write
+        for layer in range(self.config.num_hidden_layers):
+            kv, keys = self.rows(layer, int(locs.numel()), seed)
+            write(layer, locs, kv, keys)

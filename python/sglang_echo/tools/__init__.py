@@ -1,1 +1,0 @@
-"""Helpers that make test fixtures and demo inputs (tiny checkpoints, prompts)."""
