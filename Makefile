@@ -15,6 +15,10 @@ DEMO_TOKENS ?= 64
 # reach ~1,900 tokens, so every layer evicts and recalls).
 DEMO_DEV_CACHE ?= 512
 
+# The default suite runs on two workers (the machine's two cores); the files that launch
+# our kernels share one worker with the sm_90 compile check (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 .PHONY: demo test test-slow test-gpu lint format venv clean
 
 venv: $(STAMP)
@@ -41,7 +45,7 @@ demo: $(STAMP) $(DEMO_MODEL)/config.json
 	cmp $(DEMO_DIR)/no-offload.jsonl $(DEMO_DIR)/offload.jsonl && echo "demo: offload output identical to no-offload ($(DEMO_DIR)/offload.jsonl)"
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 	@$(MAKE) --no-print-directory test-sglang
 
 test-slow: $(STAMP)
@@ -112,3 +116,10 @@ test-sglang:
 		exit 1; \
 	fi
 endif
+
+# The generated documents (docs/DEVELOPMENT.md): README's results, docs/EVIDENCE.md and
+# docs/ERRORS.md from benchmark/evidence.py, docs/CONFIGURATION.md from the registry.
+.PHONY: docs
+docs: $(STAMP)
+	$(PY) -m benchmark.evidence --write README.md docs/EVIDENCE.md docs/ERRORS.md
+	$(PY) -m sglang_echo.config --markdown > docs/CONFIGURATION.md

@@ -114,6 +114,15 @@ RECORDED_LAUNCHES: dict[str, dict] = {}
 # Why nothing is recorded, when nothing can be (None: recording is on).
 RECORDING_OFF: str | None = None
 SM90_CHECK_FILE = "test_zz_compile_sm90.py"
+# Under pytest-xdist with --dist loadgroup (make test: two workers on two cores), the
+# files that launch our kernels run in one worker, with the sm_90 check last among them,
+# so the check compiles every launch of those files.
+KERNEL_GROUP = "kernels"
+KERNEL_GROUP_FILES = ("test_kernel_", "test_lossless.py", "test_decode_write.py", "test_pdl.py")
+
+
+def _in_kernel_group(name: str) -> bool:
+    return name == SM90_CHECK_FILE or name.startswith(KERNEL_GROUP_FILES)
 
 
 @pytest.hookimpl(trylast=True)
@@ -122,6 +131,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     last = [it for it in items if it.path.name == SM90_CHECK_FILE]
     if last:
         items[:] = [it for it in items if it.path.name != SM90_CHECK_FILE] + last
+    for it in items:
+        if _in_kernel_group(it.path.name):
+            it.add_marker(pytest.mark.xdist_group(KERNEL_GROUP))
 
 
 def _triton_type(value: object) -> str:
