@@ -14,7 +14,7 @@ import torch
 from sglang_echo.config import reset_settings
 
 # benchmark/ and research/ live outside the wheel, as packages at the repository root
-# (README: Layout): the tests import them from there, as `python -m benchmark...` does.
+# (docs/DEVELOPMENT.md: Layout): the tests import them from there, as `python -m benchmark...` does.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))

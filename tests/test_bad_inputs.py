@@ -2,9 +2,9 @@
 
 The server (ECHO on, tiny checkpoint, CPU) gets each bad request; the CLIs get each bad
 flag or environment. Each must be refused with its status (HTTP) or exit code 2 (CLI) and
-a message naming what to change. The table README.md shows between the
+a message naming what to change. The table docs/ERRORS.md shows between the
 ``bad-inputs`` markers is this test's output: it fails when the two differ, and
-``ECHO_WRITE_README=1 pytest tests/test_bad_inputs.py`` rewrites the block.
+``ECHO_WRITE_ERRORS=1 pytest tests/test_bad_inputs.py`` rewrites the block.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from server_utils import min_cache_echo_serving, running_server
 from sglang_echo.generate import main as generate_main
 from sglang_echo.launch_server import main as launch_main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ERRORS_DOC = Path(__file__).resolve().parents[1] / "docs" / "ERRORS.md"
 BEGIN, END = "<!-- bad-inputs:begin -->", "<!-- bad-inputs:end -->"
 MAX_RUNNING, CHUNK, POOL, CONTEXT, BODY_LIMIT = 4, 32, 600, 512, 64 << 10
 
@@ -156,13 +156,13 @@ def test_every_bad_input_is_refused_with_a_message(
         rows.append((what, which, "exit 2", message.removeprefix("error: ")))
     assert len(rows) >= 25
     table = _table(rows)
-    text = README.read_text()
+    text = ERRORS_DOC.read_text()
     block = f"{BEGIN}\n{table}\n{END}"
-    if os.environ.get("ECHO_WRITE_README") == "1":
-        README.write_text(
+    if os.environ.get("ECHO_WRITE_ERRORS") == "1":
+        ERRORS_DOC.write_text(
             re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _m: block, text, flags=re.S)
         )
-        text = README.read_text()
+        text = ERRORS_DOC.read_text()
     assert block in text, (
-        "README's bad-inputs table is stale: ECHO_WRITE_README=1 pytest tests/test_bad_inputs.py"
+        "docs/ERRORS.md's bad-inputs table is stale: ECHO_WRITE_ERRORS=1 pytest tests/test_bad_inputs.py"
     )

@@ -1,21 +1,27 @@
-"""README's measured numbers come from the records, and every record names the committed
-command that wrote it (issue 13: evidence with provenance)."""
+"""The documents' measured numbers come from the records, and every record names the
+committed command that wrote it (issue 13: evidence with provenance); the generated blocks
+of README.md and docs/ equal benchmark/evidence.py's output; README stays short, and every
+command and link it shows exists (issue 30)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from sglang_echo.bench import evidence
+from benchmark import evidence
 from sglang_echo.bench.plot import main as plot_main
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmark" / "results"
 README = ROOT / "README.md"
+EVIDENCE = ROOT / "docs" / "EVIDENCE.md"
 
 
 def _current_records() -> list[Path]:
@@ -35,16 +41,167 @@ def _scripts(command: str) -> list[str]:
         w = w.strip(";,()")
         if i > 0 and words[i - 1] == "-m" and w.startswith("sglang_echo"):
             found.append("python/" + w.replace(".", "/") + ".py")
+        elif i > 0 and words[i - 1] == "-m" and w.startswith(("benchmark.", "research.")):
+            found.append(w.replace(".", "/") + ".py")  # run from the repository root
         elif re.fullmatch(r"[\w./-]+\.(py|sh)", w) and not w.startswith("/"):
             found.append(w)
     return found
 
 
-def test_readme_block_matches_records():
-    problems = evidence.differences(README.read_text(), ROOT)
+# Each document with generated blocks, and the blocks it holds.
+GENERATED = {
+    "README.md": ["results"],
+    "docs/EVIDENCE.md": ["evidence"],
+    "docs/ERRORS.md": ["errors"],
+}
+
+
+@pytest.mark.parametrize("doc", GENERATED)
+def test_generated_blocks_match_the_generator(doc):
+    text = (ROOT / doc).read_text()
+    assert evidence.blocks_in(text) == GENERATED[doc]
+    assert all(evidence.BLOCKS[name].doc == doc for name in GENERATED[doc])
+    problems = evidence.differences(text, ROOT)
     assert problems == [], (
-        "\n".join(problems) + "\n(run python -m sglang_echo.bench.evidence --write README.md)"
+        "\n".join(problems) + f"\n(run make docs, or python -m benchmark.evidence --write {doc})"
     )
+
+
+def test_every_error_row_is_refused_by_its_check():
+    rows = evidence.error_rows()
+    assert len(rows) >= 20
+    for what, _where, check, message in rows:
+        assert not message.startswith("NOT REFUSED"), (what, check)
+        assert len(message) > 30, (what, message)
+    used = {line.split(" | ")[2].split()[0] for line in evidence.ERRORS.strip().splitlines()}
+    assert used == set(evidence.CHECKS)  # every check has a row
+    assert not any("/tmp" in m for *_, m in rows)  # no temporary path leaks into the doc
+
+
+def test_facts_name_fields_and_formats():
+    """Every placeholder of every fact names a known format, and a derived value that
+    exists; a missing field fails loudly, naming its path."""
+    templates = [r.label for r in evidence.RESULTS] + [r.value for r in evidence.RESULTS]
+    for row in evidence.EVIDENCE:
+        templates += [f[1] if isinstance(f, tuple) else f for f in row.facts]
+    for template in templates:
+        for m in evidence.PLACEHOLDER.finditer(template):
+            path, fmt = m.group(1), (m.group(2) or "")
+            evidence.formatter(fmt)
+            if path.startswith("@"):
+                assert path[1:].split(".")[0] in evidence.DERIVED, path
+    with pytest.raises(KeyError, match=r"metrics\.nothing"):
+        evidence.fill("{metrics.nothing:us}", {"metrics": {}}, evidence.Records(ROOT))
+
+
+README_SECTIONS = [
+    "## Install",
+    "## The two set-up commands",
+    "## SGLang plugin: launch lines",
+    "## Quick start: offline generation",
+    "## Quick start: server and benchmark",
+    "## End-to-end scripts",
+    "## Results",
+    "## Environment variables",
+    "## Limitations",
+    "## Documentation",
+]
+
+
+def test_readme_is_short_and_has_its_sections():
+    """Issue 30: a README read in five minutes; everything else is in docs/."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail into docs/"
+    assert [ln for ln in lines if ln.startswith("## ")] == README_SECTIONS
+
+
+def _commands(text: str) -> list[list[str]]:
+    """The command lines of a document's bash blocks, as words (continuations joined,
+    ``&&`` splitting; environment assignments, ``&`` and comments dropped)."""
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                words = [w for w in shlex.split(part, comments=True) if w != "&"]
+                while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+                    words.pop(0)
+                if words:
+                    found.append(words)
+    return found
+
+
+def _module_file(module: str) -> Path:
+    base = ROOT / "python" if module.startswith("sglang_echo") else ROOT
+    path = base / module.replace(".", "/")
+    return path.with_suffix(".py") if path.with_suffix(".py").exists() else path / "__main__.py"
+
+
+def _help(argv: list[str]) -> str:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'python'}"}
+    proc = subprocess.run([*argv, "--help"], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 0, (argv, proc.stderr[-2000:])
+    return proc.stdout
+
+
+def test_readme_commands_exist():
+    """Every command README shows runs something that exists: make targets, modules (and
+    the flags it passes them, from their --help), scripts and repository paths."""
+    text = README.read_text()
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    for words in _commands(text):
+        prog, args = words[0], words[1:]
+        if prog == "make":
+            assert args[0] in targets, words
+            continue
+        if prog == "pip":
+            continue
+        if prog == "bash":
+            script, flags = args[0], args[1:]
+            assert (ROOT / script).is_file(), words
+            shown = _help(["bash", script])
+        else:
+            assert prog in ("python", "python3", ".venv/bin/python") and args[0] == "-m", words
+            module, flags = args[1], args[2:]
+            if module.startswith("sglang."):  # SGLang's own launcher: not ours to check
+                continue
+            assert _module_file(module).is_file(), words
+            shown = _help([sys.executable, "-m", module])
+        for flag in (w.split("=")[0] for w in flags if w.startswith("--")):
+            assert re.search(re.escape(flag) + r"(?![\w-])", shown), f"{flag}: not in {words[:3]}"
+        for path in (w for w in flags if re.match(r"(models|scripts)/", w)):
+            assert (ROOT / path).exists(), path
+    # Paths, scripts and module:function specs named in the prose.
+    for word in re.findall(r"`([^`\n]+)`", text):
+        for path in re.findall(
+            r"\b((?:python|benchmark|research|scripts|models|tests|docs)/[\w./-]*\w)", word
+        ):
+            assert (ROOT / path).exists(), path
+        for script in re.findall(r"(?<![\w/])([\w-]+\.sh)\b", word):
+            assert (ROOT / script).is_file(), script
+        for module, func in re.findall(r"\b((?:benchmark|sglang_echo)\.[\w.]+):(\w+)", word):
+            assert f"def {func}(" in _module_file(module).read_text(), (module, func)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lstrip("#").strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [README, *sorted((ROOT / "docs").glob("*.md"))],
+    ids=lambda p: p.relative_to(ROOT).as_posix(),
+)
+def test_links_are_relative_and_resolve(doc):
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        assert "://" not in target and not target.startswith("/"), f"{doc.name}: {target}"
+        rel, _, anchor = target.partition("#")
+        path = (doc.parent / rel).resolve() if rel else doc
+        assert path.is_relative_to(ROOT) and path.exists(), f"{doc.name}: {target}"
+        if anchor:
+            headings = re.findall(r"^#+ .*$", path.read_text(), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"{doc.name}: {target}"
 
 
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
@@ -58,7 +215,7 @@ def test_prose_holds_no_measured_figure(doc):
     found = evidence.prose_figures(doc.read_text())
     assert found == [], (
         f"{doc.name}: measured figures outside the evidence block (move them into a row of "
-        "python/sglang_echo/bench/evidence.py, or rephrase without them; design constants "
+        "benchmark/evidence.py, or rephrase without them; design constants "
         "go in evidence.ALLOWED_FIGURES):\n" + "\n".join(found)
     )
 
@@ -100,9 +257,10 @@ def test_prose_check_spares_blocks_code_versions_and_design_constants():
 
 def test_check_fails_on_a_figure_in_the_prose(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(README.read_text().replace("## Tests\n", "## Tests\n\nIt took 125 us.\n", 1))
+    text = README.read_text()
+    readme.write_text(text.replace("## Limitations\n", "## Limitations\n\nIt took 125 us.\n", 1))
     assert evidence.main(["--check", str(readme), "--root", str(ROOT)]) == 1
-    readme.write_text(README.read_text())
+    readme.write_text(text)
     assert evidence.main(["--check", str(readme), "--root", str(ROOT)]) == 0
 
 
@@ -149,20 +307,33 @@ def _altered(text: str, claim: str) -> str:
 
 
 def test_check_fails_on_altered_number(tmp_path):
-    bad = _altered(README.read_text(), "decode prefetch")
+    good = EVIDENCE.read_text()
+    bad = _altered(good, "decode prefetch")
     problems = evidence.differences(bad, ROOT)
     assert problems and all("decode prefetch" in p for p in problems), problems
-    readme = tmp_path / "README.md"
-    readme.write_text(bad)
-    assert evidence.main(["--check", str(readme), "--root", str(ROOT)]) == 1
-    assert evidence.main(["--write", str(readme), "--root", str(ROOT)]) == 0
-    assert evidence.main(["--check", str(readme), "--root", str(ROOT)]) == 0
-    assert readme.read_text() == README.read_text()
+    doc = tmp_path / "EVIDENCE.md"
+    doc.write_text(bad)
+    assert evidence.main(["--check", str(doc), "--root", str(ROOT)]) == 1
+    assert evidence.main(["--write", str(doc), "--root", str(ROOT)]) == 0
+    assert evidence.main(["--check", str(doc), "--root", str(ROOT)]) == 0
+    assert doc.read_text() == good
+
+
+def test_check_fails_on_an_altered_result_or_message():
+    text = README.read_text()
+    block = evidence.extract(text, "results")
+    bad = text.replace(block, block.replace("| yes |", "| NO |", 1), 1)
+    assert bad != text and evidence.differences(bad, ROOT)
+    errors = (ROOT / "docs" / "ERRORS.md").read_text()
+    bad = errors.replace("is not understood", "is wrong", 1)
+    assert bad != errors and any(
+        "same numbers, different text" in p for p in evidence.differences(bad, ROOT)
+    )
 
 
 def test_check_fails_without_block_or_with_extra_row(tmp_path):
     assert evidence.differences("# no block\n", ROOT)
-    text = README.read_text()
+    text = EVIDENCE.read_text()
     extra = text.replace(evidence.END, "| made up | 1.00x | nowhere |\n" + evidence.END, 1)
     assert any("made up" in p for p in evidence.differences(extra, ROOT))
 

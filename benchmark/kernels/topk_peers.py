@@ -8,7 +8,7 @@ lower index (the set our kernel returns), and that again on its CUDA-graph-safe 
 Where FlashInfer does not import, the peer is reported as missing with the reason, never
 as zero.
 
-What could make a peer the CUDA default (the README's rule: offload and no-offload stay
+What could make a peer the CUDA default (the project's rule: offload and no-offload stay
 bit-identical, and the selection stays exact with ties to the lower position): its set
 must equal ours on any input, ties included (``same_set``), and its order must be
 repeatable (deterministic mode), so that both sides attend the same rows in the same

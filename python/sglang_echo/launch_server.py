@@ -44,7 +44,7 @@ def _import_web():
     except ImportError as exc:
         raise SystemExit(
             f"error: the HTTP server needs fastapi and uvicorn ({exc}); pip install fastapi "
-            "uvicorn, or unpack their wheels into a folder on PYTHONPATH (README: Serving)"
+            "uvicorn, or unpack their wheels into a folder on PYTHONPATH (docs/USAGE.md)"
         ) from exc
     return uvicorn
 
