@@ -177,7 +177,7 @@ def test_contexts_and_row_counts_of_any_size_reuse_one_compiled_variant() -> Non
     """Decode widths grow every step and batches change size: neither may compile a new
     variant of the pivot's kernels mid-serving. Every threshold state at full scale gives
     the radix select's exact tensor."""
-    from sglang_echo.kernels import topk_pivot as pivot_module
+    from research.topk_pivot import kernel as pivot_module
 
     kernels = (pivot_module._count_kernel, pivot_module._compact_kernel)
     kernels += (pivot_module._select_kernel,)
