@@ -10,9 +10,10 @@ import random
 import pytest
 import torch
 
+from benchmark.kernels.release_bench import per_layer_release  # the release it replaced
 from sglang_echo.kernels.alloc import allocate_reference
 from sglang_echo.kernels.release import RELEASE_BLOCK, release_kernel, release_reference
-from sglang_echo.offload.device_cache import ABSENT, FREE, DeviceCache
+from sglang_echo.offload.device_cache import ABSENT, DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
 
@@ -32,22 +33,6 @@ def _filled_pair(seed: int, layers: int = 3, slots: int = 48, host: int = 300):
     return caches
 
 
-def _per_layer_release(c: DeviceCache, locs: torch.Tensor) -> None:
-    """The release this kernel replaced (12 ops per layer), kept as an independent oracle."""
-    for layer in range(c.num_layers):
-        slot = c.host_to_device[layer][locs].to(torch.int64)
-        resident = slot != ABSENT
-        rank = torch.cumsum(resident.to(torch.int64), 0) - 1
-        free = c.free_count[layer].to(torch.int64)
-        push = torch.where(resident, free + rank, torch.full_like(rank, c.num_slots))
-        c.free_stack[layer].scatter_(0, push, torch.where(resident, slot, 0).to(torch.int32))
-        target = torch.where(resident, slot, torch.full_like(slot, c.scratch_slot))
-        c.device_to_host[layer].scatter_(0, target, FREE)
-        c.priority[layer].scatter_(0, target, FREE)
-        c.host_to_device[layer].index_fill_(0, locs, ABSENT)
-        c.free_count[layer] = (free + resident.sum()).to(torch.int32)
-
-
 def _assert_same(a: DeviceCache, b: DeviceCache, what: str) -> None:
     for name in STATE:
         assert torch.equal(getattr(a, name), getattr(b, name)), f"{what}: {name} differs"
@@ -64,7 +49,7 @@ def test_kernel_and_reference_match_the_per_layer_release(seed: int) -> None:
     errors_ker = torch.zeros_like(errors_ref)
     release_reference(ref, ids, errors_ref)
     release_kernel(ker, ids, errors_ker)
-    _per_layer_release(oracle, ids)
+    per_layer_release(oracle, ids)
     _assert_same(ref, oracle, "reference vs per-layer")
     _assert_same(ker, oracle, "kernel vs per-layer")
     assert errors_ref.item() == errors_ker.item() == 0
