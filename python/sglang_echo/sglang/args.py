@@ -23,18 +23,27 @@ rank at ``max_running_requests // attn_dp_size`` requests and each rank's pool a
 ``--max-total-tokens``. So N_G, T and S are per rank, the N_G // top-k bound applies to
 each rank's share, and the global ``max_running_requests`` is that share x attn_dp_size.
 
+At the late resolution step (``check_resolved``) the plan is also sized against the
+GPU and the host (``sizing.py``: every byte per rank, sglang's static-fraction rule, the
+weights from config.json), and a plan that does not fit fails there, naming each total
+and the largest --max-total-tokens and NSA_DEV_CACHE_SIZE that fit.
+
 Plain Python: reads an attribute view of the arguments (SGLang's resolving view, or any
-namespace in tests) and returns declarations; ``install`` wires it into SGLang.
+namespace in tests) and returns declarations; ``install`` wires it into SGLang. Only
+``sizing_inputs`` imports sglang (lazily: its memory queries and model config).
 """
 
 from __future__ import annotations
 
 import json
-import math
+import logging
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_echo.config import ENV_DEV_CACHE, ENV_OFFLOAD, ConfigError, EchoConfig
+from sglang_echo.config import ENV_DEV_CACHE, ENV_OFFLOAD, ConfigError, EchoConfig, settings
+from sglang_echo.sglang import sizing
+
+logger = logging.getLogger(__name__)
 
 DSA_PAGE_SIZE = 64  # SGLang forces 64-token pages for DSA models
 DEFAULT_TOP_K = 2048  # DeepSeek-V3.2's index_topk, when the model config is not readable
@@ -49,9 +58,6 @@ DECODE_BACKENDS = {
     "fp8_e4m3": ("flashmla_kv", "flashinfer_sparse_mla"),
 }
 KV_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
-# Host slots lost to ECHO: sglang adds one page to the host pool, ECHO keeps two (its
-# sink and scratch rows), and the coordinator holds the logical ids they cannot serve.
-HOST_KEPT = DSA_PAGE_SIZE
 RETRACTION_BACKUP = "none"  # PD decode retraction keeps no KV copy (see declarations)
 
 
@@ -70,11 +76,23 @@ class EchoPlan:
     host_to_device_ratio: int  # R
     attn_dp_size: int = 1  # attention-DP ranks; each has its own pools of these sizes
     pd_decode: bool = False  # a PD decode node (prompt KV arrives in the host pool)
+    context_len: int | None = None  # sglang's context length, when known
+    running_asked: int | None = None  # per-rank requests the user asked for (else N_G // top-k)
 
     @property
     def per_rank_running(self) -> int:
         """Requests one attention-DP rank runs at once (what N_G // top-k bounds)."""
         return self.max_running_requests // self.attn_dp_size
+
+    def sizes(self) -> sizing.EchoSizes:
+        """The plan's inputs to the start-up sizing (sizing.py)."""
+        return sizing.EchoSizes(
+            dev_cache_size=self.dev_cache_size,
+            host_tokens=self.host_tokens,
+            top_k=self.top_k,
+            prefill_rows=self.prefill_rows,
+            running=self.running_asked,
+        )
 
     def hisparse_config(self) -> str:
         return json.dumps(
@@ -154,6 +172,7 @@ def incompatible_flags(view: Any) -> list[str]:
         problems.append(f"--enable-unified-memory: not supported with ECHO; {off}.")
     if get("enable_kv_cache_sharding"):
         problems.append(f"--enable-kv-cache-sharding: not supported with ECHO; {off}.")
+    problems += untested_flags(get, off)
     for flag, name in (
         ("--pp-size", "pp_size"),
         ("--dcp-size", "dcp_size"),
@@ -181,6 +200,34 @@ def incompatible_flags(view: Any) -> list[str]:
     if page is not None and int(page) != DSA_PAGE_SIZE:
         problems.append(f"--page-size {page}: DSA models use 64-token pages; set --page-size 64.")
     problems += backend_problems(get("kv_cache_dtype", "auto"), get("dsa_decode_backend"))
+    return problems
+
+
+def untested_flags(get: Any, off: str) -> list[str]:
+    """Flags ECHO's coordinator was never run under: each changes how the decode step is
+    captured or split, which the coordinator's resolve relies on (one batch at a time
+    writes the static top-k table; sglang's own decode CUDA graphs capture the resolve)."""
+    untested = "untested with ECHO's coordinator"
+    problems = []
+    if get("enable_torch_compile"):
+        problems.append(
+            f"--enable-torch-compile: {untested} (torch.compile traces the decode forward, "
+            "ECHO's resolve included, and captures it in its own graphs, not the decode CUDA "
+            f"graphs the coordinator's graph-capture assumptions were checked under); {off}."
+        )
+    if get("enable_two_batch_overlap"):
+        problems.append(
+            f"--enable-two-batch-overlap: {untested} (two micro-batches of one step would "
+            "resolve into the same static top-k table and per-layer ECHO cache, which the "
+            f"coordinator assumes one batch at a time owns: overlap assumptions); {off}."
+        )
+    if get("debug_cuda_graph"):
+        problems.append(
+            f"--debug-cuda-graph: {untested} (it switches the CUDA graphs to sglang's "
+            "breakable debug backend, whose graph breaks the coordinator's graph-capture "
+            f"assumptions were not checked under); {off} (to debug eagerly, "
+            "--disable-cuda-graph is supported)."
+        )
     return problems
 
 
@@ -250,8 +297,12 @@ def plan_echo(
         problems.append(running_problem(int(asked), attn_dp, cap, top_k, config.dev_cache_size))
     if problems:
         raise ConfigError(format_problems(problems))
-    device_rows = (
-        _ceil(config.dev_cache_size + 1, DSA_PAGE_SIZE) + per_rank * DSA_PAGE_SIZE + prefill_rows
+    sizes = sizing.EchoSizes(
+        dev_cache_size=config.dev_cache_size,
+        host_tokens=int(host_tokens),
+        top_k=top_k,
+        prefill_rows=prefill_rows,
+        running=None if asked is None else per_rank,
     )
     return EchoPlan(
         dev_cache_size=config.dev_cache_size,
@@ -259,10 +310,12 @@ def plan_echo(
         top_k=top_k,
         max_running_requests=per_rank * attn_dp,
         prefill_rows=prefill_rows,
-        device_rows=device_rows,
-        host_to_device_ratio=max(1, math.ceil((int(host_tokens) + HOST_KEPT) / device_rows)),
+        device_rows=sizes.device_rows,
+        host_to_device_ratio=sizes.ratio,
         attn_dp_size=attn_dp,
         pd_decode=pd_decode,
+        context_len=int(context_len) if context_len else None,
+        running_asked=sizes.running,
     )
 
 
@@ -281,7 +334,8 @@ def running_problem(asked: int, attn_dp: int, cap: int, top_k: int, dev_cache: i
 
 
 def check_resolved(view: Any, plan: EchoPlan) -> list[str]:
-    """After SGLang's own defaults: what the plan needs must still hold."""
+    """After SGLang's own defaults: what the plan needs must still hold, and its pools
+    must fit the GPU and the host (``memory_problems``)."""
     problems = incompatible_flags(_WithoutOwnConfig(view))
     for name, want in plan.declarations().items():
         got = getattr(view, name, None)
@@ -290,7 +344,124 @@ def check_resolved(view: Any, plan: EchoPlan) -> list[str]:
                 f"{name} resolved to {got!r} but ECHO needs {want!r}; a flag or model "
                 "default changed it after sglang-echo set it."
             )
-    return problems
+    return problems + memory_problems(view, plan)
+
+
+def memory_problems(view: Any, plan: EchoPlan) -> list[str]:
+    """Start or say why: the plan's bytes on the GPU and the host against what sglang will
+    have (sizing.py), at the late resolution step, where --mem-fraction-static is known.
+    The totals are logged when they fit; a view that cannot tell the GPU's memory, the
+    weights or the model (a CPU device, a test namespace) is logged and not checked."""
+    inputs = sizing_inputs(view, plan)
+    if isinstance(inputs, str):
+        log = logger.info if getattr(view, "device", None) in (None, "cpu") else logger.warning
+        log("%s: start-up sizing not checked: %s", SOURCE, inputs)
+        return []
+    result = sizing.check(plan.sizes(), *inputs)
+    if result.fits:
+        logger.info("%s: ECHO's pools fit:\n%s", SOURCE, result.summary())
+        return []
+    return [result.message()]
+
+
+def sizing_inputs(view: Any, plan: EchoPlan) -> tuple[sizing.RankShape, sizing.Budget] | str:
+    """The model's shape and the budget from sglang's resolved view (lazy sglang imports:
+    its device-memory query, host-memory rule and model config), or why there are none."""
+    device = getattr(view, "device", None)
+    if device in (None, "cpu"):
+        return "the KV pools are not on a GPU (--device cpu)"
+    fraction = getattr(view, "mem_fraction_static", None)
+    if not fraction:
+        return "--mem-fraction-static is not resolved"
+    try:
+        from sglang.srt.arg_groups.overrides import model_config_of
+        from sglang.srt.utils import common
+
+        model_config = model_config_of(view)
+        gpu_mib = common.get_device_memory_capacity(device)
+        hf_config = model_config.hf_config
+        config = _as_dict(getattr(model_config, "hf_text_config", None) or hf_config)
+        quant = _as_dict(
+            getattr(hf_config, "quantization_config", None) or config.get("quantization_config")
+        )
+    except Exception as exc:  # a namespace, not sglang's view; sglang's own errors
+        return f"sglang cannot tell the model or the GPU ({type(exc).__name__}: {exc})"
+    if not gpu_mib:
+        return f"sglang cannot tell the memory of device {device!r}"
+    if quant:
+        config["quantization_config"] = quant
+    parallel = sizing.Parallel(
+        tp_size=int(getattr(view, "tp_size", 1) or 1),
+        attn_dp_size=plan.attn_dp_size,
+        nnodes=int(getattr(view, "nnodes", 1) or 1),
+        enable_dp_lm_head=bool(getattr(view, "enable_dp_lm_head", False)),
+        moe_dense_tp_size=getattr(view, "moe_dense_tp_size", None),
+    )
+    try:
+        weights = sizing.weight_bytes(config, parallel, getattr(view, "quantization", None))
+        shape = sizing.RankShape(
+            layers=int(config["num_hidden_layers"]),
+            row_bytes=sizing.kv_row_bytes(config, kv_is_fp8(view, quant)),
+            index_row_bytes=sizing.index_row_bytes(config),
+            context_len=int(plan.context_len or model_config.context_len),
+            extra_req_slots=(
+                int(getattr(view, "disaggregation_decode_extra_slots", 0) or 0)
+                if plan.pd_decode
+                else 0
+            ),
+            eviction_reserve=settings().eviction_reserve,
+        )
+    except (sizing.UnknownWeights, KeyError, TypeError, ValueError) as exc:
+        return f"the weights' bytes are unknown ({exc})"
+    budget = sizing.Budget(
+        gpu_memory=int(gpu_mib * 2**20),
+        mem_fraction_static=float(fraction),
+        weights=weights,
+        ranks_per_node=parallel.ranks_per_node,
+        host_available=host_available_bytes(),
+        host_reserve=host_reserve_bytes(),
+    )
+    return shape, budget
+
+
+def _as_dict(value: Any) -> dict:
+    """A config (transformers' object, a quantization config object or a dict) as a dict."""
+    if value is None:
+        return {}
+    if hasattr(value, "to_dict"):
+        return dict(value.to_dict())
+    return dict(value)
+
+
+def kv_is_fp8(view: Any, quant: Any) -> bool:
+    """fp8_e4m3 rows (656 B) or bf16 (1152 B): "auto" is the model's dtype unless the
+    checkpoint quantizes its KV cache (sglang's configure_kv_cache_dtype)."""
+    dtype = getattr(view, "kv_cache_dtype", "auto") or "auto"
+    if dtype == "auto":
+        algo = _as_dict(quant).get("kv_cache_quant_algo")
+        return isinstance(algo, str) and algo.upper() == "FP8"
+    return dtype == "fp8_e4m3"
+
+
+def host_available_bytes() -> int | None:
+    """The node's available memory as sglang's host pools check it (psutil's available,
+    capped by the cgroup's headroom); None when sglang cannot tell."""
+    try:
+        from sglang.srt.mem_cache import host_memory
+
+        return int(host_memory.available_host_memory_bytes(allow_cgroup_fallback=True))
+    except Exception:  # no psutil, unreadable cgroup: the host is not checked
+        return None
+
+
+def host_reserve_bytes() -> int:
+    """sglang's reserve of host memory that its host pools leave free."""
+    try:
+        from sglang.srt.mem_cache.pool_host import base
+
+        return int(base.HICACHE_HOST_MEMORY_RESERVE_BYTES)
+    except Exception:
+        return sizing.HOST_RESERVE
 
 
 class _WithoutOwnConfig:

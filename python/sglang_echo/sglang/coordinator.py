@@ -16,12 +16,21 @@ Device rows (one row-index space shared by all layers, HiSparseDSATokenToKVPool)
 - in a non-disaggregated server, the prompt rows of requests being prefilled (freed when
   the request is admitted to decode).
 
+Finished requests release their host ids from ECHO's cache together: sglang processes a
+step's results (``SchedulerBatchResultProcessor.process_batch_result_*``) inside a scope
+the coordinator opens (an AROUND hook registered when the first coordinator is built), and
+the host ids of every request finished in it are unmapped from every layer in one
+``EchoManager.release`` when it closes, then given back to the host pool. Finishes outside
+a step's processing (aborts, retraction, transfer failures) release at once.
+
 Imports sglang: loaded only by ``sglang_echo.sglang.install`` when ``NSA_KV_OFFLOAD=1``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import sglang.srt.managers.hisparse_coordinator as hisparse
 import torch
@@ -40,6 +49,54 @@ from sglang_echo.sglang.storage import (
 from sglang_echo.sglang.topk_resolve import TopkToRows
 
 logger = logging.getLogger(__name__)
+
+# sglang's processing of one step's results: where its scheduler finishes requests.
+RESULT_PROCESSOR = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+)
+STEP_RESULT_TARGETS = tuple(
+    f"{RESULT_PROCESSOR}.{name}"
+    for name in (
+        "process_batch_result_decode",
+        "process_batch_result_prefill",
+        "process_batch_result_prebuilt",
+    )
+)
+_step_release_installed = False
+
+
+def release_finished_together(original, processor, *args, **kwargs):
+    """AROUND sglang's processing of one step's results: the host ids of every request it
+    finishes are released from ECHO's cache in one call when it returns."""
+    coordinator = getattr(processor, "hisparse_coordinator", None)
+    if not isinstance(coordinator, EchoCoordinator):
+        return original(processor, *args, **kwargs)
+    with coordinator.one_release_per_step():
+        return original(processor, *args, **kwargs)
+
+
+def install_step_release() -> None:
+    """Register ``release_finished_together`` on sglang's result processing, once per
+    process (the coordinator is built after the plugin's hooks were applied, so they are
+    applied again; targets already patched are skipped). If sglang cannot apply it (it
+    only logs that), finished requests release one at a time: slower, equally correct."""
+    global _step_release_installed
+    if _step_release_installed:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
+
+    source = HookSource(plugin_name="echo", dist_name="sglang-echo")
+    for target in STEP_RESULT_TARGETS:
+        HookRegistry.register(target, release_finished_together, HookType.AROUND, source=source)
+    HookRegistry.apply_hooks()
+    _step_release_installed = True
+    missing = [t for t in STEP_RESULT_TARGETS if t not in HookRegistry._patched]
+    if missing:
+        logger.warning(
+            "sglang-echo: could not wrap %s; finished requests release their host ids one "
+            "request at a time (correct, one release launch per request).",
+            ", ".join(missing),
+        )
 
 
 def echo_settings() -> dict:
@@ -159,6 +216,11 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         # What one admitted request holds on the device: its newest page. PD decode's
         # admission budget divides the free device rows by this.
         self.padded_buffer_size = self.page_size
+        # Finished requests' host-id rows (-1 padded) not yet released: one release per
+        # step (one_release_per_step), or at once outside a step's result processing.
+        self._finished_host_rows: list[torch.Tensor] = []
+        self._step_depth = 0
+        install_step_release()
         self._patch_decode_capacity()
         self._patch_prefill_budget()
         logger.info(
@@ -435,9 +497,52 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             self.manager.release(host_ids.to(self.cache.device, torch.int64))
         return host_ids
 
+    def _host_id_row(self, req_pool_idx: int) -> torch.Tensor | None:
+        """A copy of the request's host-id row over its allocated pages (-1 = none), as
+        ``allocated_host_indices`` reads it, without its device-to-host filter."""
+        allocated = int(self.req_to_host_pool_allocated_len[req_pool_idx])
+        if allocated <= 0:
+            return None
+        page = self.mem_pool_host.page_size
+        length = min(-(-allocated // page) * page, self.req_to_host_pool.shape[1])
+        return self.req_to_host_pool[req_pool_idx, :length].clone()
+
+    @contextmanager
+    def one_release_per_step(self) -> Iterator[None]:
+        """Requests finished inside release their host ids together when the outermost
+        scope closes (sglang's processing of one step's results: release_finished_together).
+        Until then their host ids stay allocated in sglang's host pool, so none can be
+        reused while ECHO's maps still name it."""
+        self._step_depth += 1
+        try:
+            yield
+        finally:
+            self._step_depth -= 1
+            if self._step_depth == 0:
+                self.release_finished()
+
+    def release_finished(self) -> None:
+        """Every finished request's host ids not yet released: unmapped from ECHO's cache
+        in every layer in ONE EchoManager.release, then (the host having waited for the
+        last decode backup) given back to sglang's host pool, in that order."""
+        rows, self._finished_host_rows = self._finished_host_rows, []
+        if not rows:
+            return
+        ids = torch.cat(rows) if len(rows) > 1 else rows[0]
+        ids = ids[ids >= 0]
+        if ids.numel() == 0:
+            return
+        if self.decode_producer_stream is not None:
+            hisparse.device_module.current_stream().wait_stream(self.decode_producer_stream)
+        self.manager.release(ids.to(self.cache.device, torch.int64))
+        self._finish_backup_on_host()
+        self.mem_pool_host.free(ids)
+
     def request_finished(self, req) -> None:
-        """Finish, abort or retract: free the newest page, unmap the request's token ids,
-        release its host ids from ECHO's cache, then give them back to the host pool."""
+        """Finish, abort or retract: free the newest page and unmap the request's token
+        ids now; its host ids are released from ECHO's cache, then given back to the
+        host pool, with the other requests finished in this step (or at once outside a
+        step's result processing)."""
         device_module = hisparse.device_module
         if self.decode_producer_stream is not None:
             device_module.current_stream().wait_stream(self.decode_producer_stream)
@@ -451,13 +556,14 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             self.newest_row[idx] = 0
         # Without a page the request ended during prefill: release_kv_cache frees its
         # prompt rows through the mapping, as in HiSparse.
-        host_ids = self._release_host_ids(idx)
-        if host_ids.numel() > 0:
-            self._finish_backup_on_host()
-            self.mem_pool_host.free(host_ids)
+        row = self._host_id_row(idx)
+        if row is not None:
+            self._finished_host_rows.append(row)
         self.req_to_host_pool[idx, :] = -1
         self.req_to_host_pool_allocated_len[idx] = 0
         self._skip_first_backup[idx] = False
+        if self._step_depth == 0:
+            self.release_finished()
 
     def _finish_backup_on_host(self) -> None:
         """Block the host until the last decode backup has landed, before host ids go

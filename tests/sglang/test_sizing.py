@@ -1,0 +1,711 @@
+"""Start-up sizing (issue 31, "start or say why"): every byte ECHO's plan puts on a GPU and
+in pinned host memory, against what sglang will have, decided at argument resolution.
+
+Each total is computed here independently of sizing.py, at DeepSeek-V3.2's real sizes
+(61 layers, N_G 260K, T 2M host tokens, fp8 and bf16 rows): sglang's own pool classes
+and ECHO's own DeviceCache / AllocWorkspace built on the meta device (their real tensors,
+no memory), HiSparse's request tables from the shapes hisparse_coordinator.py allocates,
+the weights from the checkpoint's tensors listed one by one. Closed forms of the same
+totals (checked against those classes) search every N_G and T exhaustively for the
+largest values that fit.
+
+The launcher tests resolve README's launch lines, and README-like lines that do not fit,
+through sglang 0.5.23's real ServerArgs resolution (dry_parse.py, in a subprocess: this
+file run as a script), stubbing only what this CPU machine lacks: the GPU's memory (an
+H200's or H20's, as nvidia-smi reports it), the node's available memory and the device
+capability. README's sizing block must equal what the launcher logs for its lines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import plugin_testenv  # first: sets the process up before sglang loads
+import pytest
+import torch
+
+plugin_testenv.require_sglang()
+
+import numpy as np  # noqa: E402
+
+from sglang_echo.config import default_eviction_reserve  # noqa: E402
+from sglang_echo.sglang import sizing  # noqa: E402
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+README = ROOT / "README.md"
+LAYERS, TOP_K, PAGE, N_G, T = 61, 2048, 64, 260_000, 2_000_000
+GiB = 2**30
+FP8_ROW, BF16_ROW, KEY_ROW = 656, 1152, 132
+# deepseek-ai/DeepSeek-V3.2's config.json (as published).
+DSV32_CONFIG = {
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+# The W4 checkpoint README names (the ECHO artifact's deployment, as the project's design
+# notes describe it: 4-bit routed experts; MLA and indexer projections, shared experts and
+# dense layers in bf16), as an AWQ config that --quantization moe_wna16 loads.
+W4_CONFIG = {
+    **DSV32_CONFIG,
+    "quantization_config": {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "version": "gemm",
+        "zero_point": True,
+        "modules_to_not_convert": [
+            "self_attn",
+            "shared_experts",
+            "model.layers.0.",
+            "model.layers.1.",
+            "model.layers.2.",
+        ],
+    },
+}
+MODELS = {"deepseek-ai/DeepSeek-V3.2": "dsv32", "/path/to/DeepSeek-V3.2-W4": "w4"}
+CONFIGS = {"dsv32": DSV32_CONFIG, "w4": W4_CONFIG}
+GPU_MIB = {"H200": 143_771, "H20": 97_871}  # nvidia-smi's memory.total
+GPU_OF = {"dsv32": "H200", "w4": "H20"}  # the GPUs README names for each checkpoint
+NODE_MEMORY = 2 * 2**40  # a node's available memory in the launcher tests (a DGX H200's)
+HOST_RESERVE = 10 * GiB  # sglang's HICACHE_HOST_MEMORY_RESERVE_BYTES
+
+
+# ------------------------------------------------------------- independent computation
+def plan_rows(n_g: int, t: int, prefill: int = 0, running: int | None = None):
+    """(S, R, running) as docs/PLUGIN.md states the plan."""
+    run = n_g // TOP_K if running is None else running
+    s = math.ceil((n_g + 1) / PAGE) * PAGE + PAGE * run + prefill
+    return s, max(1, math.ceil((t + PAGE) / s)), run
+
+
+@cache
+def sglang_pools(s: int, r: int, fp8: bool) -> tuple[int, int, int]:
+    """(device rows, index keys, host pool) bytes of sglang's own HiSparse DSA device pool
+    (built on the meta device) and MLA host pool (sized, not allocated) for S rows and
+    ratio R."""
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0)
+    pool = HiSparseDSATokenToKVPool(
+        size=s,
+        page_size=PAGE,
+        kv_lora_rank=512,
+        dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+        qk_rope_head_dim=64,
+        layer_num=LAYERS,
+        device="meta",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=FP8_ROW if fp8 else 576,
+        host_to_device_ratio=r,
+    )
+
+    class SizedHost(MLATokenToKVPoolHost):
+        def _allocate_host_buffer(self) -> None:
+            self.kv_buffer = None
+
+        def _initialize_transfer_views(self) -> None:
+            return None
+
+    host = SizedHost(
+        buffer_info=pool.get_device_pool_infos()[0].buffer_info,
+        host_to_device_ratio=r,
+        host_size=0,
+        page_size=PAGE,
+        layout="layer_first",
+        override_kv_cache_dim=pool.kv_cache_dim,
+        device_capacity_tokens=pool.size,
+        start_layer=0,
+        end_layer=LAYERS,
+        target_layer_num=LAYERS,
+    )
+    rows = sum(b.nbytes for b in pool.kv_buffer)
+    keys = sum(b.nbytes for b in pool.index_k_with_scale_buffer)
+    return rows, keys, host.size * host.size_per_token
+
+
+@cache
+def echo_tensors(n_g: int, host_slots: int) -> int:
+    """Bytes of ECHO's device tensors besides the rows, as the plugin builds them: the
+    DeviceCache of ExternalRowsCache (rows borrowed from sglang: zero bytes here), its
+    AllocWorkspace, EchoManager's counters (2 x int64 per layer + 1), and the coordinator's
+    reserved ids (int64: its N_G + 1 rows, page-rounded, and one logical page)."""
+    from sglang_echo.kernels.alloc import AllocWorkspace
+    from sglang_echo.offload.device_cache import DeviceCache
+
+    cache_ = DeviceCache(
+        LAYERS, n_g, host_slots - 2, 0, torch.uint8, "meta", default_eviction_reserve(n_g)
+    )
+    workspace = AllocWorkspace(cache_, max_lanes=n_g)
+
+    def tensor_bytes(obj) -> int:
+        return sum(v.nbytes for v in vars(obj).values() if isinstance(v, torch.Tensor))
+
+    reserved = 8 * math.ceil((n_g + 1) / PAGE) * PAGE + 8 * PAGE
+    return tensor_bytes(cache_) + tensor_bytes(workspace) + 8 * (2 * LAYERS + 1) + reserved
+
+
+def request_tables(slots: int, context: int) -> int:
+    """HiSparseCoordinator.__init__'s device tables for ``slots`` request slots, those ECHO
+    keeps and those it frees (buffer B = 2048 + one page)."""
+    b = 2048
+    shapes = [
+        ((slots, context + 4 + PAGE), 8),  # req_to_host_pool int64
+        ((slots, TOP_K), 4),  # top_k_device_locs_buffer int32
+        ((slots,), 8),  # ECHO's newest_row int64
+        ((slots, b + PAGE), 8),  # req_to_device_buffer int64 (freed)
+        ((LAYERS, slots, b + PAGE), 4),  # req_device_buffer_tokens int32 (freed)
+        ((LAYERS, slots, b + PAGE), 4),  # req_device_buffer_token_locs int32 (freed)
+        ((LAYERS, slots, b), 2),  # lru_slots int16 (freed)
+        ((b,), 2),  # _lru_init int16 (freed)
+        ((slots, TOP_K), 4),  # raw_indices_buffer int32 (freed)
+    ]
+    return sum(math.prod(shape) * size for shape, size in shapes)
+
+
+def device_totals(
+    n_g: int, t: int, fp8: bool, context: int, prefill: int = 0, extra: int = 0
+) -> dict[str, int]:
+    s, r, run = plan_rows(n_g, t, prefill)
+    rows, keys, host = sglang_pools(s, r, fp8)
+    return {
+        "rows": rows,
+        "keys": keys,
+        "metadata": echo_tensors(n_g, s * r + PAGE),
+        "tables": request_tables(run + extra + 1, context),
+        "host": host,
+    }
+
+
+def checkpoint_tensors(config: dict):
+    """(part, bytes) of every weight tensor of the main model (no MTP layer) as the
+    checkpoint stores it, plus the absorbed bf16 copies of kv_b (w_kc, w_vc) sglang makes.
+    Linear weights are [out, in]: fp8 ones with fp32 block scales ``weight_scale_inv``
+    [ceil(out / 128), ceil(in / 128)]; AWQ ones as qweight int32 [in, out / 8], qzeros
+    int32 [in / 128, out / 8], scales fp16 [in / 128, out]."""
+    quant = config["quantization_config"]
+    awq = quant["quant_method"] == "awq"
+
+    def linear(name: str, out: int, inp: int):
+        if awq and any(m in name for m in quant["modules_to_not_convert"]):
+            return 2 * out * inp
+        if awq:
+            return 4 * inp * out // 8 + 4 * (inp // 128) * out // 8 + 2 * (inp // 128) * out
+        return out * inp + 4 * math.ceil(out / 128) * math.ceil(inp / 128)
+
+    h, heads = 7168, 128
+    for i in range(61):
+        a = f"model.layers.{i}.self_attn"
+        yield "attn_split", linear(f"{a}.q_b_proj", heads * 192, 1536)
+        yield "attn_split", linear(f"{a}.kv_b_proj", heads * 256, 512)
+        yield "attn_split", linear(f"{a}.o_proj", h, heads * 128)
+        yield "attn_split", 2 * (heads * 128 * 512) * 2  # w_kc [128, 128, 512], w_vc bf16
+        yield "attn_replicated", linear(f"{a}.q_a_proj", 1536, h)
+        yield "attn_replicated", 2 * 1536  # q_a_layernorm
+        yield "attn_replicated", linear(f"{a}.kv_a_proj_with_mqa", 576, h)
+        yield "attn_replicated", 2 * 512  # kv_a_layernorm
+        yield "attn_replicated", linear(f"{a}.indexer.wq_b", 64 * 128, 1536)
+        yield "attn_replicated", linear(f"{a}.indexer.wk", 128, h)
+        yield "attn_replicated", 2 * 64 * h  # indexer.weights_proj (bf16)
+        yield "attn_replicated", 2 * 128 * 2  # indexer.k_norm weight and bias
+        yield "attn_replicated", 2 * h * 2  # input_layernorm, post_attention_layernorm
+        m = f"model.layers.{i}.mlp"
+        if i < 3:
+            for proj, out, inp in (("gate", 18432, h), ("up", 18432, h), ("down", h, 18432)):
+                yield "dense", linear(f"{m}.{proj}_proj", out, inp)
+            continue
+        for e in [*range(256), "shared"]:
+            part, name = (
+                ("shared", f"{m}.shared_experts")
+                if e == "shared"
+                else ("routed", f"{m}.experts.{e}")
+            )
+            for proj, out, inp in (("gate", 2048, h), ("up", 2048, h), ("down", h, 2048)):
+                yield part, linear(f"{name}.{proj}_proj", out, inp)
+        yield "routers", 2 * 256 * h + 4 * 256  # mlp.gate.weight, e_score_correction_bias
+    yield "embed", 2 * 129280 * h
+    yield "lm_head", 2 * 129280 * h
+    yield "norm", 2 * h
+
+
+def weights_per_gpu(config: dict, tp: int, attn_dp: int) -> int:
+    parts: dict[str, int] = {}
+    for part, nbytes in checkpoint_tensors(config):
+        parts[part] = parts.get(part, 0) + nbytes
+    attn_tp = tp // attn_dp
+    ways = {
+        "attn_split": attn_tp,
+        "embed": attn_tp if attn_dp > 1 else tp,
+        "lm_head": tp,
+        "dense": tp,
+        "shared": tp,
+        "routed": tp,
+    }
+    return sum(-(-nbytes // ways.get(part, 1)) for part, nbytes in parts.items())
+
+
+def closed_form(n_g, t, row: int, context: int, prefill: int = 0, extra: int = 0):
+    """Every total as numpy arrays over ``n_g`` or ``t`` (int64): the same bytes as
+    device_totals (test_closed_form_is_the_real_allocation checks it), for exhaustive
+    searches."""
+    n_g = np.asarray(n_g, dtype=np.int64)
+    t = np.asarray(t, dtype=np.int64)
+    run = n_g // TOP_K
+    s = (n_g + PAGE) // PAGE * PAGE + PAGE * run + prefill  # ceil64(N_G + 1)
+    r = np.maximum(1, (t + PAGE + s - 1) // s)
+    slots = s * r + PAGE
+    reserve = np.minimum(np.minimum(8192, (n_g + 31) // 32), n_g // 2)
+    metadata = LAYERS * (4 * slots + 12 * (n_g + 2) + 4 * (n_g + 1) + 12 + 40 + 16) + (
+        4 * 256
+        + 4 * np.maximum(1, (n_g + 1023) // 1024)
+        + 8 * ((n_g + 2 + 2047) // 2048)
+        + 16 * (n_g + 1)
+        + 12
+        + 4 * np.maximum(1, reserve)
+        + 2 * (n_g + 2)
+        + 8
+        + 8 * ((n_g + PAGE) // PAGE * PAGE + PAGE)
+    )
+    device = (
+        (s + PAGE) * row * LAYERS
+        + (s * r + PAGE + 1) // PAGE * PAGE * KEY_ROW * LAYERS
+        + metadata
+        + np.vectorize(lambda k: request_tables(int(k) + extra + 1, context))(run)
+    )
+    return device, slots * row * LAYERS
+
+
+def largest_fitting(row, context, budget, host_limit, prefill=0, extra=0, n_g=N_G, t=T):
+    """The largest T (at N_G) and N_G (at T) whose totals fit, by trying every value."""
+    ts = np.arange(1, t + 1)
+    dev, host = closed_form(n_g, ts, row, context, prefill, extra)
+    ok = (dev <= budget) & (host * 8 <= host_limit)
+    best_t = int(ts[ok].max()) if ok.any() else None
+    ns = np.arange(TOP_K, n_g + 1)
+    dev, host = closed_form(ns, t, row, context, prefill, extra)
+    ok = (dev <= budget) & (host * 8 <= host_limit)
+    best_n = int(ns[ok].max()) if ok.any() else None
+    return best_t, best_n
+
+
+# ------------------------------------------------------------------------ the arithmetic
+@pytest.mark.parametrize("n_g, t", [(2048, 1000), (N_G, T), (N_G, 4_321_987)])
+def test_metadata_is_echos_tensors(n_g, t):
+    s, r, _ = plan_rows(n_g, t)
+    assert sizing.echo_metadata_bytes(n_g, s * r + PAGE, LAYERS) == echo_tensors(n_g, s * r + PAGE)
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("node", ["pd_decode", "server"])
+def test_totals_at_real_sizes(fp8, node):
+    """N_G 260K, T 2M, 61 layers: every total equals the real allocation's bytes."""
+    prefill, context, extra = (0, 163840, 0) if node == "pd_decode" else (131072, 131072, 0)
+    sizes = sizing.EchoSizes(N_G, T, TOP_K, prefill)
+    shape = sizing.RankShape(LAYERS, FP8_ROW if fp8 else BF16_ROW, KEY_ROW, context, extra)
+    got = sizing.device_bytes(sizes, shape)
+    want = device_totals(N_G, T, fp8, context, prefill, extra)
+    assert (got.echo_rows, got.index_keys) == (want["rows"], want["keys"])
+    assert (got.echo_metadata, got.request_tables) == (want["metadata"], want["tables"])
+    assert sizing.host_bytes(sizes, shape, 8).per_node == 8 * want["host"]
+    dev, host = closed_form(N_G, T, shape.row_bytes, context, prefill, extra)
+    assert int(dev) == got.total and int(host) == want["host"]
+    # The row sizes come from the model's config (sglang's fp8 DSA layout, bf16 MLA).
+    assert sizing.kv_row_bytes(DSV32_CONFIG, fp8) == shape.row_bytes
+    assert sizing.index_row_bytes(DSV32_CONFIG) == KEY_ROW
+
+
+@pytest.mark.parametrize(
+    "model, tp, attn_dp",
+    [("dsv32", 8, 8), ("dsv32", 8, 1), ("w4", 8, 8)],
+    ids=["fp8-dp-attention", "fp8-tp8", "w4-dp-attention"],
+)
+def test_weights_are_the_checkpoint_tensors(model, tp, attn_dp):
+    config = CONFIGS[model]
+    got = sizing.weight_bytes(config, sizing.Parallel(tp_size=tp, attn_dp_size=attn_dp))
+    assert got.total == weights_per_gpu(config, tp, attn_dp)
+
+
+def test_weights_count_the_published_parameters():
+    """Unquantized, on one GPU, less the absorbed copies: DeepSeek-V3's 671B parameters
+    (main model, MTP excluded) plus V3.2's indexers (61 x 14M), at 2 bytes each."""
+    bf16 = {k: v for k, v in DSV32_CONFIG.items() if k != "quantization_config"}
+    params = (sizing.weight_bytes(bf16, sizing.Parallel()).total - 61 * 4 * 128 * 128 * 512) / 2
+    assert 671.5e9 < params < 672.0e9
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_refusal_names_the_largest_values_that_fit(fp8):
+    """A budget too small for N_G 260K and T 2M: the sizing refuses, and its largest T and
+    N_G are those that an exhaustive search over every value finds."""
+    row = FP8_ROW if fp8 else BF16_ROW
+    sizes = sizing.EchoSizes(N_G, T, TOP_K, 0)
+    shape = sizing.RankShape(LAYERS, row, KEY_ROW, 163840)
+    weights = sizing.weight_bytes(DSV32_CONFIG, sizing.Parallel(8, 8))
+    budget = sizing.Budget(150 * GiB, 0.78, weights, 8, host_available=NODE_MEMORY)
+    result = sizing.check(sizes, shape, budget)
+    want = device_totals(N_G, T, fp8, 163840)
+    assert not result.fits
+    assert result.device.total == sum(v for k, v in want.items() if k != "host")
+    assert result.device.total > budget.kv_bytes == int(150 * GiB * 0.78) - weights.total
+    assert (result.largest_host_tokens, result.largest_dev_cache) == largest_fitting(
+        row, 163840, budget.kv_bytes, NODE_MEMORY - HOST_RESERVE
+    )
+    message = result.message()
+    assert f"--max-total-tokens {result.largest_host_tokens} " in message
+    assert f"NSA_DEV_CACHE_SIZE={result.largest_dev_cache} " in message
+    for key in ("rows", "keys", "metadata", "tables"):
+        assert sizing.gib(want[key]) in message, key
+
+
+def test_host_refusal_counts_every_rank_of_a_node():
+    sizes = sizing.EchoSizes(N_G, T, TOP_K, 0)
+    shape = sizing.RankShape(LAYERS, FP8_ROW, KEY_ROW, 163840)
+    weights = sizing.weight_bytes(DSV32_CONFIG, sizing.Parallel(8, 8))
+    budget = sizing.Budget(400 * GiB, 0.9, weights, 8, host_available=300 * GiB)
+    result = sizing.check(sizes, shape, budget)
+    host = device_totals(N_G, T, True, 163840)["host"]
+    assert result.fits_device and not result.fits_host
+    assert result.host.per_node == 8 * host
+    assert f"the host ({sizing.gib(8 * host)} > {sizing.gib(290 * GiB)})" in result.message()
+    best_t, _ = largest_fitting(FP8_ROW, 163840, budget.kv_bytes, 290 * GiB)
+    assert result.largest_host_tokens == best_t
+    assert "no NSA_DEV_CACHE_SIZE fits" in result.message()  # the host pool follows T
+
+
+# --------------------------------------------------------------------------- the launcher
+def readme_launch_lines() -> list[tuple[dict, list[str]]]:
+    """(env, sglang argv) of each launch line in README's plugin section, in order."""
+    text = README.read_text()
+    section = text.split("## SGLang plugin: launch lines", 1)[1].split("\n## ", 1)[0]
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        words = shlex.split(block.replace("\\\n", " "))
+        env = {}
+        while re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+            key, value = words.pop(0).split("=", 1)
+            env[key] = value
+        assert words[:3] == ["python", "-m", "sglang.launch_server"], words
+        lines.append((env, words[3:]))
+    return lines
+
+
+def readme_sizing_block() -> list[list[str]]:
+    """README's sizing block: per launch line, its indented lines."""
+    text = README.read_text()
+    block = text.split("<!-- sizing:begin", 1)[1].split("<!-- sizing:end -->", 1)[0]
+    body = block.split("```text\n", 1)[1].split("```", 1)[0]
+    sections: list[list[str]] = []
+    for line in body.splitlines():
+        if line.startswith("    "):
+            sections[-1].append(line)
+        else:
+            sections.append([])
+    return sections
+
+
+def case(model: str, argv: list[str], env: dict, node_memory: int = NODE_MEMORY) -> dict:
+    """One launch as the driver resolves it: the model's config folder, the GPU README names."""
+    return {"model": model, "argv": argv, "env": env, "node_memory": node_memory}
+
+
+def with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    out = list(argv)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
+
+
+def readme_cases() -> dict[str, dict]:
+    cases = {}
+    for i, (env, argv) in enumerate(readme_launch_lines()):
+        model = MODELS[argv[argv.index("--model-path") + 1]]
+        cases[f"readme_{i}"] = case(model, argv, env)
+    return cases
+
+
+def without_flag(argv: list[str], flag: str) -> list[str]:
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2 :]
+
+
+def refusal_cases(readme: dict[str, dict]) -> dict[str, dict]:
+    """README-like lines: the PD lines with sglang's default decode graphs (fp8 and bf16
+    rows on the H200, the W4 checkpoint on the H20), the W4 line at the e2e scripts' T,
+    the PD line on a node with too little memory; and two that fit with bf16 rows (the PD
+    line, and the non-PD line with the model's dtype)."""
+    pd, w4, server = (readme[k] for k in ("readme_0", "readme_1", "readme_2"))
+    graphs = "--cuda-graph-max-bs-decode"
+    pd_default = without_flag(pd["argv"], graphs)
+    return {
+        "pd_fp8_default_graphs": {**pd, "argv": pd_default},
+        "pd_bf16_default_graphs": {
+            **pd,
+            "argv": with_flag(pd_default, "--kv-cache-dtype", "bfloat16"),
+        },
+        "w4_default_graphs": {**w4, "argv": without_flag(w4["argv"], graphs)},
+        "w4_1800K": {**w4, "argv": with_flag(w4["argv"], "--max-total-tokens", "1800000")},
+        "pd_small_node": {**pd, "node_memory": 256 * GiB},
+        "pd_bf16": {**pd, "argv": with_flag(pd["argv"], "--kv-cache-dtype", "bfloat16")},
+        "server_bf16": {
+            **server,
+            "argv": with_flag(server["argv"], "--kv-cache-dtype", "bfloat16"),
+        },
+    }
+
+
+REFUSED = {
+    "pd_fp8_default_graphs": "the GPU",
+    "pd_bf16_default_graphs": "the GPU",
+    "w4_default_graphs": "the GPU",
+    "w4_1800K": "the GPU",
+    "pd_small_node": "the host",
+}
+ACCEPTED = ["pd_bf16", "server_bf16"]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("sizing")
+    for name, config in CONFIGS.items():
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(json.dumps(config))
+    cases = readme_cases()
+    cases.update(refusal_cases(cases))
+    runs = []
+    for name, c in cases.items():
+        argv = with_flag(c["argv"], "--model-path", str(tmp / c["model"]))
+        argv += ["--device", "cuda", "--skip-tokenizer-init"]
+        gpu = GPU_OF[c["model"]]
+        runs.append(
+            {"name": name, "argv": argv, "env": c["env"], "gpu_mib": GPU_MIB[gpu],
+             "node_memory": c["node_memory"]}
+        )  # fmt: skip
+    path = tmp / "cases.json"
+    path.write_text(json.dumps(runs))
+    env = {**os.environ, "NSA_KV_OFFLOAD": "1", "HF_HUB_OFFLINE": "1"}
+    for key in ("SGLANG_PLUGINS", "NSA_DEV_CACHE_SIZE", "SGLANG_ECHO_EVICTION_RESERVE"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(path)], env=env, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            result = json.loads(line[5:])
+            out[result["name"]] = {**result, **cases[result["name"]]}
+    assert set(out) == set(cases)
+    return out
+
+
+def flag(argv: list[str], name: str, default=None):
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
+def independent(result: dict) -> tuple[dict[str, int], int, int, dict]:
+    """The launch's totals, KV budget and node host limit, computed here from its command
+    line and sglang's --mem-fraction-static (resolved, or as the refusal states it)."""
+    argv = result["argv"]
+    fp8 = flag(argv, "--kv-cache-dtype", "auto") == "fp8_e4m3"  # auto: bf16 here
+    pd = flag(argv, "--disaggregation-mode") == "decode"
+    context = int(flag(argv, "--context-length", 163840))
+    prefill = 0 if pd else math.ceil(context / PAGE) * PAGE
+    n_g = int(result["env"]["NSA_DEV_CACHE_SIZE"].replace("_", ""))
+    t = int(flag(argv, "--max-total-tokens"))
+    tp = int(flag(argv, "--tp-size", flag(argv, "--tp", 1)))
+    attn_dp = int(flag(argv, "--dp-size", 1)) if "--enable-dp-attention" in argv else 1
+    # sglang's PD pre-allocation slots: twice the per-rank batch at 32 or fewer, else none
+    extra = 2 * (n_g // TOP_K) if pd and n_g // TOP_K <= 32 else 0
+    if result["error"] is None:
+        fields = result["fields"]
+        config = json.loads(fields["hisparse_config"])
+        assert (config["echo_dev_cache"], config["echo_host_tokens"]) == (n_g, t)
+        assert fields["kv_cache_dtype"] == ("fp8_e4m3" if fp8 else "bfloat16")
+        assert (fields["tp_size"], fields["attn_dp_size"]) == (tp, attn_dp)
+        assert (fields["disaggregation_decode_extra_slots"] or 0) == extra
+        fraction = fields["mem_fraction_static"]
+    else:
+        fraction = float(re.search(r"= ([\d.]+) x [\d.]+ GiB - weights", result["error"])[1])
+    totals = device_totals(n_g, t, fp8, context, prefill, extra)
+    gpu = GPU_MIB[GPU_OF[result["model"]]] * 2**20
+    weights = weights_per_gpu(CONFIGS[result["model"]], tp, attn_dp)
+    budget = int(gpu * fraction) - weights
+    params = dict(row=FP8_ROW if fp8 else BF16_ROW, context=context, prefill=prefill, extra=extra)
+    return totals, budget, result["node_memory"] - HOST_RESERVE, {**params, "n_g": n_g, "t": t}
+
+
+def test_readme_lines_fit_the_gpus_they_name(launches):
+    readme = {k: v for k, v in launches.items() if k.startswith("readme_")}
+    assert [v["model"] for v in readme.values()] == ["dsv32", "w4", "dsv32"]
+    for name, result in readme.items():
+        assert result["error"] is None, (name, result["error"])
+        totals, budget, host_limit, _ = independent(result)
+        device = sum(v for k, v in totals.items() if k != "host")
+        assert device <= budget, name
+        assert 8 * totals["host"] <= host_limit, name
+        assert f"GPU total {sizing.gib(device)} <= KV budget {sizing.gib(budget)}" in result["log"]
+    # README's sizing block is what the launcher logs for these lines, less the weights'
+    # parts and the node's available memory (which depends on the machine).
+    left_out = ("available host memory", "weights from config.json", "  shared experts")
+    logged = [
+        [ln for ln in r["log"].splitlines()[1:] if not any(x in ln for x in left_out)]
+        for r in readme.values()
+    ]
+    assert readme_sizing_block() == logged
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_launcher_refuses_what_does_not_fit(launches, name):
+    result = launches[name]
+    error = result["error"] or ""
+    assert error.startswith("ConfigError: sglang-echo"), error
+    totals, budget, host_limit, params = independent(result)
+    device = sum(v for k, v in totals.items() if k != "host")
+    if REFUSED[name] == "the GPU":
+        assert f"the GPU ({sizing.gib(device)} > {sizing.gib(budget)})" in error
+    else:
+        assert f"the host ({sizing.gib(8 * totals['host'])} > {sizing.gib(host_limit)})" in error
+    for key in ("rows", "keys", "metadata", "tables"):
+        assert sizing.gib(totals[key]) in error, key
+    assert f"= {sizing.gib(8 * totals['host'])}" in error  # the node's pinned pools
+    best_t, best_n = largest_fitting(budget=budget, host_limit=host_limit, **params)
+    if best_t is None:  # the weights leave too little for the device cache itself
+        assert "no --max-total-tokens fits" in error
+    else:
+        assert f"--max-total-tokens {best_t} (with" in error
+    if best_n is None:
+        assert "no NSA_DEV_CACHE_SIZE fits" in error
+    else:
+        assert f"NSA_DEV_CACHE_SIZE={best_n} (with" in error
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_launcher_accepts_bf16_rows_that_fit(launches, name):
+    result = launches[name]
+    assert result["error"] is None, result["error"]
+    assert result["fields"]["kv_cache_dtype"] == "bfloat16"
+    totals, budget, _, _ = independent(result)
+    assert sum(v for k, v in totals.items() if k != "host") <= budget
+
+
+# ------------------------------------------------------------------ the launcher (driver)
+def _driver(cases_path: str) -> None:
+    """Resolve each case as the launcher does (dry_parse.run_case), with the GPU's and the
+    node's memory stubbed; print the resolved fields or the error, and the sizing log."""
+    import logging
+
+    import dry_parse  # stubs the device-capability query
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import sglang.srt.arg_groups.memory_hook as memory_hook
+    import sglang.srt.layers.quantization.moe_wna16 as moe_wna16
+    from sglang.srt.mem_cache import host_memory
+    from sglang.srt.utils import common
+
+    machine = {}
+    gpu = lambda device=None: machine["gpu_mib"]  # noqa: E731
+    common.get_device_memory_capacity = gpu
+    memory_hook.get_device_memory_capacity = gpu
+    host_memory.available_host_memory_bytes = lambda **kwargs: machine["node_memory"]
+    moe_wna16.get_device_capability = lambda *args, **kwargs: (9, 0)  # an H20's sm90
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger("sglang_echo.sglang.args")
+    log.setLevel(logging.INFO)
+    log.addHandler(Keep())
+    names = ("hisparse_config", "kv_cache_dtype", "disaggregation_mode", "context_length",
+             "disaggregation_decode_extra_slots", "tp_size", "attn_dp_size",
+             "mem_fraction_static")  # fmt: skip
+    for c in json.loads(Path(cases_path).read_text()):
+        machine.update(gpu_mib=c["gpu_mib"], node_memory=c["node_memory"])
+        records.clear()
+        result = dry_parse.run_case(c)
+        fields = {
+            n: eval(result["fields"][n], {}) for n in names if "fields" in result
+        }  # values were written with repr()
+        out = {
+            "name": c["name"],
+            "error": result.get("error"),
+            "fields": fields,
+            "log": "\n".join(r for r in records if "pools fit" in r),
+        }
+        print("CASE " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    _driver(sys.argv[1])
