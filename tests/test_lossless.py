@@ -109,6 +109,7 @@ def run_pair(
             # Everything went back: slots and host rows of every finished request are free.
             free = caches[name].cache.free_count.tolist()
             assert free == [legal_min] * cfg.num_hidden_layers, name
+            assert caches[name].telemetry()["release_errors"] == 0, name  # nothing refused
     tel = caches["echo" if echo_baseline else "prefetch"].telemetry()
     report = {
         "evictions": sum(tel["evictions"]) + sum(tel["append_evictions"]),

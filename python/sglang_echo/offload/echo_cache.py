@@ -140,6 +140,9 @@ class EchoKVCache:
             # Decode prefetch: rows copied early, and how many of them were then selected.
             "prefetched_rows": self.manager.prefetched_rows.tolist(),
             "prefetch_hits": self.manager.prefetch_hits.tolist(),
+            # Released ids the release kernel refused on the device (sink, duplicates):
+            # nonzero means a caller's token bookkeeping is wrong.
+            "release_errors": int(self.manager.release_errors.item()),
         }
 
     def stats(self) -> dict:

@@ -42,10 +42,9 @@ class StepRunner:
         self._released: list[list[int]] = []  # token locations queued by release_later
         # Per-request state of the KV backend (ECHO's decode-prefetch thresholds) is sized
         # by the request table, once, before any step.
-        for owner in (kv_cache, model):  # and the model's (decode top-k thresholds)
-            bind = getattr(owner, "bind_request_rows", None)
-            if bind is not None:
-                bind(max_requests)
+        bind = getattr(kv_cache, "bind_request_rows", None)
+        if bind is not None:
+            bind(max_requests)
         # A backend that partitions by request (HiSparse-like) learns each token's owner.
         self._note_owner = getattr(kv_cache, "note_owner", None)
         self.decode_runner = None
@@ -89,11 +88,6 @@ class StepRunner:
         self.kv_cache.release(int64_tensor(flat))
         for locs in queued:
             self.allocator.free(locs)
-
-    @property
-    def pending_releases(self) -> int:
-        """Token locations queued by ``release_later`` and not yet flushed."""
-        return sum(len(locs) for locs in self._released)
 
     # ----------------------------------------------------------------- steps
     def prefill_chunk(
