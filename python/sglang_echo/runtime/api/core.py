@@ -201,6 +201,17 @@ class StreamingCore:
         finally:
             self.release(rid, stream, done)
 
+    async def collect(
+        self, stream: EventStream, rid: str, request: Request, out: OutputSoFar
+    ) -> OutputEvent | None:
+        """A non-streaming response's events gathered into ``out``: the request's last
+        event, or None when its client left first."""
+        last = None
+        async for batch in self.events_of(stream, rid, request):
+            out.add(batch)
+            last = batch[-1]
+        return last
+
     async def handle(
         self,
         request: Request,

@@ -136,10 +136,7 @@ async def respond_openai(
             yield sse("[DONE]")
 
         return core.streaming(body(), rid, stream)
-    last = None
-    async for batch in core.events_of(stream, rid, request):
-        out.add(batch)
-        last = batch[-1]
+    last = await core.collect(stream, rid, request, out)
     if last is None:
         return Response(status_code=499)
     if last.finish_reason["type"] == "abort":
