@@ -75,6 +75,14 @@ def program_order(request, monkeypatch):
 
 
 SMALL_BLOCKS = {"lane_block": 16, "slot_block": 16, "num_warps": 1}
+# The two launch paths of allocate_kernel: the five-launch pipeline (any batch) and the
+# one-program kernel (small batches); both must leave the reference's state.
+PATHS = {"pipeline": {"one_program_lanes": 0}, "one-program": {"one_program_lanes": 1 << 20}}
+
+
+@pytest.fixture(params=sorted(PATHS))
+def path(request) -> dict:
+    return PATHS[request.param]
 
 
 @pytest.mark.parametrize(
@@ -90,14 +98,14 @@ SMALL_BLOCKS = {"lane_block": 16, "slot_block": 16, "num_warps": 1}
 )
 @pytest.mark.parametrize("reserve", [0, 5], ids=["no-reserve", "reserve-5"])
 def test_kernels_match_reference_over_a_random_life(
-    seed: int, program_order: str, shape: dict, reserve: int
+    seed: int, program_order: str, shape: dict, reserve: int, path: dict
 ) -> None:
     """Any launch shape (many programs per launch with small blocks) leaves the state the
     reference leaves, with and without an eviction reserve."""
     rng = random.Random(seed)
     num_slots, host_tokens = 40, 200
     ref, ker = _pair(num_slots, host_tokens, reserve)
-    ws = AllocWorkspace(ker, max_lanes=num_slots, **shape)
+    ws = AllocWorkspace(ker, max_lanes=num_slots, **shape, **path)
     live: list[int] = []
     next_id = 1
     for step in range(60):
@@ -144,10 +152,10 @@ def test_old_slots_share_log2_buckets_and_lowest_slot_goes_first() -> None:
     assert victim_mask(bucket, torch.tensor(0)).tolist() == [0] * 6
 
 
-def test_resolve_after_long_idle_uses_the_log_buckets() -> None:
+def test_resolve_after_long_idle_uses_the_log_buckets(path: dict) -> None:
     """Ages beyond the exact range: state still bit-identical (clock jumps are legal)."""
     ref, ker = _pair(8, 40)
-    ws = AllocWorkspace(ker, max_lanes=8)
+    ws = AllocWorkspace(ker, max_lanes=8, **path)
     for cache in (ref, ker):
         cache.clock[:] = 5000
     ids = torch.arange(1, 9, device=DEV)
@@ -175,9 +183,10 @@ def test_lane_counts_of_any_size_reuse_one_compiled_variant() -> None:
     from sglang_echo.kernels import alloc
 
     kernels = (alloc._lookup_kernel, alloc._count_kernel, alloc._rank_kernel)
-    kernels += (alloc._assign_kernel, alloc._finish_kernel)
+    kernels += (alloc._assign_kernel, alloc._finish_kernel, alloc._one_program_kernel)
     cache = DeviceCache(1, 4096, 1 << 16, 4, torch.float32, DEV)
-    ws = AllocWorkspace(cache, max_lanes=cache.num_slots)
+    # Both paths: up to 1024 lanes one program, past it the pipeline.
+    ws = AllocWorkspace(cache, max_lanes=cache.num_slots, one_program_lanes=1024)
     device = torch.cuda.current_device()
     before = None
     for step, lanes in enumerate((1, 17, 1024, 1025, 3000, 4096, 2, 33)):
@@ -185,7 +194,7 @@ def test_lane_counts_of_any_size_reuse_one_compiled_variant() -> None:
         allocate_kernel(cache, 0, ids, append=step % 2 == 0, ws=ws)
         torch.cuda.synchronize()
         counts = [len(k.device_caches[device][0]) for k in kernels]
-        if step == 1:  # both modes (append, resolve) compiled once
+        if step == 4:  # both modes (append, resolve) of both paths compiled once
             before = counts
     assert counts == before, f"variants per kernel grew from {before} to {counts}"
 
@@ -200,6 +209,10 @@ def test_workspace_rejects_launch_shapes_the_kernels_cannot_take() -> None:
         AllocWorkspace(cache, 32, num_warps=3)
     with pytest.raises(ValueError, match="atomic_sem"):
         AllocWorkspace(cache, 32, atomic_sem="seq_cst")
+    with pytest.raises(ValueError, match="one_program_warps"):
+        AllocWorkspace(cache, 32, one_program_warps=32)
+    with pytest.raises(ValueError, match="one_program_lanes"):
+        AllocWorkspace(cache, 32, one_program_lanes=-1)
 
 
 @pytest.mark.gpu
@@ -207,7 +220,7 @@ def test_workspace_rejects_launch_shapes_the_kernels_cannot_take() -> None:
 @pytest.mark.parametrize(
     ("pdl", "sem"), [(True, "relaxed"), (False, "acq_rel")], ids=["chained", "unchained"]
 )
-def test_graph_replayed_steps_match_the_reference(pdl: bool, sem: str) -> None:
+def test_graph_replayed_steps_match_the_reference(pdl: bool, sem: str, path: dict) -> None:
     """A decode step's append + resolve captured in a CUDA graph (chained launches and
     relaxed atomics, the default on sm_90; or neither) and replayed on new ids each step
     leaves the reference's state after every replay, evictions and reserve included."""
@@ -217,7 +230,7 @@ def test_graph_replayed_steps_match_the_reference(pdl: bool, sem: str) -> None:
         pytest.skip("this GPU does not chain launches (below sm_90, or SGLANG_ECHO_PDL=0)")
     num_slots, batch, topk = 64, 3, 8
     ref, ker = _pair(num_slots, 4096, reserve=6)
-    ws = AllocWorkspace(ker, max_lanes=num_slots, pdl=pdl, atomic_sem=sem)
+    ws = AllocWorkspace(ker, max_lanes=num_slots, pdl=pdl, atomic_sem=sem, **path)
     assert ws.pdl == pdl
     new_ids = torch.zeros(batch, dtype=torch.int64, device=DEV)
     selected = torch.zeros(batch * topk, dtype=torch.int64, device=DEV)
@@ -267,12 +280,12 @@ def test_graph_replayed_steps_match_the_reference(pdl: bool, sem: str) -> None:
     assert int(ker.evictions.sum()) > 0, "no replay evicted: the test lost its pressure"
 
 
-def test_slots_are_scanned_only_when_misses_could_outnumber_free_slots() -> None:
+def test_slots_are_scanned_only_when_misses_could_outnumber_free_slots(path: dict) -> None:
     """Before the cache fills a step's misses fit the free slots: the count kernel leaves
     the age histogram empty (no slot scanned) and the state is still the reference's; once
     the misses exceed the free slots the histogram is built and victims are taken."""
     ref, ker = _pair(16, 100)
-    ws = AllocWorkspace(ker, max_lanes=16)
+    ws = AllocWorkspace(ker, max_lanes=16, **path)
     first = torch.arange(1, 11, dtype=torch.int64, device=DEV)  # 10 of 16 slots
     allocate_reference(ref, 0, first, True)
     allocate_kernel(ker, 0, first, True, ws)
@@ -289,12 +302,12 @@ def test_slots_are_scanned_only_when_misses_could_outnumber_free_slots() -> None
     assert int(ws.miss_bound) == 0  # zeroed for the next call
 
 
-def test_an_eviction_takes_the_reserve_and_the_next_steps_scan_nothing() -> None:
+def test_an_eviction_takes_the_reserve_and_the_next_steps_scan_nothing(path: dict) -> None:
     """With a reserve, a step that must evict also frees the reserve's oldest slots onto the
     free stack (unmapped), so the following steps' misses fit the free slots and no slot
     is scanned; the state stays the reference's throughout."""
     ref, ker = _pair(16, 100, reserve=4)
-    ws = AllocWorkspace(ker, max_lanes=16)
+    ws = AllocWorkspace(ker, max_lanes=16, **path)
 
     def both(ids: list[int], append: bool) -> None:
         t = torch.tensor(ids, dtype=torch.int64, device=DEV)

@@ -8,7 +8,9 @@ kernels/pdl.py (chained or not, relaxed or ordered atomics) at batch 1 and 4 too
 Selections come from a synthetic trace with a set per-step reuse (hit rate), each request
 drawing from its own context. Measured: the Triton cache kernels (management alone, the
 target's scope: <= 4 us per layer-step; and with the recall), the torch reference, the
-sort exact LRU would need, and the hit rates of the victim policies on one trace.
+sort exact LRU would need, and the hit rates of the victim policies on one trace. Small
+batches also time the one-program path against the five-launch pipeline (target: <= 8 us
+per layer-step at batch 48, <= 4 us at batch 1 with nothing to evict).
 
     python benchmark/kernels/cache_ops_bench.py --out benchmark/results
 """
@@ -31,7 +33,7 @@ from common import pyplot, save_record, time_us
 from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
-from sglang_echo.kernels.alloc import STAGES, AllocWorkspace, allocate_kernel
+from sglang_echo.kernels.alloc import ONE_PROGRAM_LANES, STAGES, AllocWorkspace, allocate_kernel
 from sglang_echo.offload.echo_cache import EchoKVCache
 
 
@@ -245,6 +247,33 @@ def chaining_study(args, dev: torch.device) -> dict:
     return out
 
 
+# Small batches: the one-program kernel against the five-launch pipeline (AllocWorkspace's
+# one_program_lanes), the resolve's management alone, on an empty cache (nothing evicted:
+# the low-load case) and on a full one (steady state: an eviction every few steps).
+ONE_PROGRAM_BATCHES = (1, 2, 4, 8)
+
+
+def one_program_study(args, dev: torch.device) -> dict:
+    """us per layer-step of both paths at each small batch; each checked against the
+    reference on a full cache first (the one-program path must be exact to be timed)."""
+    out: dict = {}
+    for batch in ONE_PROGRAM_BATCHES:
+        a = argparse.Namespace(**{**vars(args), "batch": batch})
+        tr = make_trace(a.steps, batch, a.topk, a.context, a.reuse).to(dev)
+        row: dict = {"lanes": batch * a.topk}
+        for name, lanes in (("pipeline", 0), ("one_program", 1 << 30)):
+            shape = {"one_program_lanes": lanes}
+            row[f"{name}_exact"] = shape_is_exact(a, dev, tr, shape, steps=4)
+            for fill in (False, True):
+                key = f"{name}_{'full' if fill else 'no_pressure'}"
+                timed = measure(a, dev, tr, True, "resolve", shape, fill)
+                row[f"{key}_us"] = timed["us"]
+                row[f"{key}_evictions_per_step"] = timed["evictions_per_step"]
+        out[f"batch_{batch}"] = row
+        print(f"one-program study, batch {batch}: {row}")
+    return out
+
+
 def stage_breakdown(args, dev: torch.device, trace: torch.Tensor) -> dict[str, float]:
     """Median device time of each resolve kernel (kernels/alloc.STAGES). The launches are
     queued behind a sleep kernel so the events measure the kernels, not launch gaps."""
@@ -369,6 +398,13 @@ def main() -> None:
         "torch_step": measure(args, dev, trace, False, "decode_step"),
     }
     stages = stage_breakdown(args, dev, trace) if on_gpu else None
+    one_program = one_program_study(args, dev) if on_gpu else None
+    # The low-load figure with the default launch path (one program at batch 1).
+    one = argparse.Namespace(**{**vars(args), "batch": 1})
+    one_trace = make_trace(one.steps, 1, one.topk, one.context, one.reuse).to(dev)
+    runs["kernels_batch_1_no_eviction"] = measure(
+        one, dev, one_trace, on_gpu, "resolve", fill=False
+    )
     chaining = chaining_study(args, dev) if on_gpu else None
     sweep = shape_sweep(args, dev, trace) if args.sweep and on_gpu else None
     # The timing runs use a full cache; the policy study needs one smaller than the trace's
@@ -405,7 +441,11 @@ def main() -> None:
         ).eviction_reserve,
         "trace_reuse": args.reuse,
         "hit_rate": runs["kernels_decode_management"]["hit_rate"],
-        "target_us": 4.0,
+        "target_us": 8.0,
+        "us_per_layer_step_batch_1_no_eviction": runs["kernels_batch_1_no_eviction"]["us"],
+        "target_us_batch_1_no_eviction": 4.0,
+        "one_program_lanes": ONE_PROGRAM_LANES,
+        "one_program_study": one_program,
         "victim_policies": policies,
         "victim_policy_trace": policy_source,
         "victim_policy_slots": policy_slots,

@@ -6,21 +6,25 @@ One layer's decode indexer + cache step, through the production code: the model'
 cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
 
 - unfused: logits -> top-k -> resolve (look up, evict, allocate, recall the misses);
-- fused (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1): logits + flags (misses scoring above
-  the request's predicted threshold, kernels/decode_prefetch.py) -> EchoManager.prefetch
-  maps them and copies their rows on a side stream while the top-k runs -> the predictor
-  learns the k-th scores -> resolve recalls only what is still missing.
+- fused (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1): the logits kernel fetches the misses
+  scoring above the request's predicted threshold into free slots while it scores
+  (kernels/decode_prefetch.py) -> top-k -> the predictor learns the k-th scores ->
+  resolve recalls only what is still missing.
 
 Thresholds come from two earlier steps (queries perturbed by ``--query-noise``) through
 the DecodeThresholdPredictor (EMA, alpha 0.5). Residency: a fraction ``hit`` of the
 step's exact selections is resident (90% of them last used one step ago, as consecutive
 decode steps select mostly the same tokens), the rest of the (full) cache holds
-unselected tokens aged 1..300 steps, so every allocation evicts. Before timing, each case checks that both
+unselected tokens aged 1..300 steps, but for ``--free-slots`` free ones (default: the
+product's eviction reserve, what a resolve that evicted leaves free: the slots a fetch can
+take), so every resolve evicts. Before timing, each case checks that both
 variants select the same tokens and attention would read the same bytes (= host rows),
 eagerly and from CUDA-graph replay. Times: CUDA events, warm-up, medians, cache state
 restored before every run (untimed). ``speedup`` = unfused / fused device time (graph
 replay); eager launches alongside. ``slowdown_at_hit_1.0`` = fused / unfused with
-nothing selected to fetch.
+nothing selected to fetch. Beside them, ECHO Figure 18's own measure: (logits + a recall
+of every miss) against (the fetching logits kernel + the recall of what it left), top-k
+and cache management left out (``figure18_speedup``).
 
     PYTHONPATH=python python benchmark/kernels/decode_prefetch_bench.py --out benchmark/results
     python benchmark/kernels/decode_prefetch_bench.py --device cpu --smoke --out /tmp/dp  # CPU
@@ -51,10 +55,16 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--hit-rates", default="0.5,0.9,0.97,1.0")
+    p.add_argument("--hit-rates", default="0.5,0.8,0.9,0.95,0.97,0.98,1.0")
     p.add_argument("--dev-slots", type=int, default=260_000, help="N_G")
     p.add_argument("--row-bytes", type=int, default=656)
     p.add_argument("--cap", type=int, default=None, help="candidates per request (default: ours)")
+    p.add_argument(
+        "--free-slots",
+        type=int,
+        default=None,
+        help="free device slots at the step's start (default: the product's eviction reserve)",
+    )
     p.add_argument("--query-noise", type=float, default=0.3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
@@ -76,8 +86,9 @@ ARGS = _parse()
 
 from common import graph_us, pyplot, save_record, time_us  # noqa: E402
 
-from sglang_echo.kernels.cache_layout import ABSENT  # noqa: E402
-from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch  # noqa: E402
+from sglang_echo.config import EchoConfig  # noqa: E402
+from sglang_echo.kernels.cache_layout import ABSENT, FREE  # noqa: E402
+from sglang_echo.kernels.decode_prefetch import fp8_index_logits_fetch  # noqa: E402
 from sglang_echo.kernels.indexer import fp8_index_logits  # noqa: E402
 from sglang_echo.kernels.recall import recall_rows  # noqa: E402
 from sglang_echo.model import indexer as indexer_module  # noqa: E402
@@ -152,7 +163,10 @@ class Bench:
         # Host pool (pinned, read through its UVA alias on CUDA) and the device cache.
         self.host = HostKVPool(1, n_h, args.row_bytes, torch.uint8, pin=self.cuda)
         self._fill_host(g)
-        self.cache = DeviceCache(1, args.dev_slots, n_h, args.row_bytes, torch.uint8, dev)
+        # The product's eviction reserve: a resolve that evicts leaves this many slots free.
+        reserve = EchoConfig(dev_cache_size=args.dev_slots).eviction_reserve
+        self.free_slots = reserve if args.free_slots is None else args.free_slots
+        self.cache = DeviceCache(1, args.dev_slots, n_h, args.row_bytes, torch.uint8, dev, reserve)
         self.manager = EchoManager(self.host, self.cache, use_kernels=True)
         self.prefetcher = DecodePrefetcher(
             self.manager, max_rows=B, cap=args.cap or DEFAULT_DECODE_PREFETCH_CAP
@@ -196,26 +210,31 @@ class Bench:
         others[0] = False
         others[selected] = False
         pool = others.nonzero().squeeze(1)
-        fill = n_g - keep.numel()
+        used = n_g - self.free_slots
+        fill = used - keep.numel()
         if fill < 0 or pool.numel() < fill:
-            raise SystemExit("--dev-slots must hold the resident selections and fit the host")
+            raise SystemExit(
+                "--dev-slots less --free-slots must hold the resident selections and fit the host"
+            )
         extra = pool[torch.randperm(pool.numel(), device=self.dev, generator=gen)[:fill]]
         ids = torch.cat((keep, extra))
-        slots = torch.randperm(n_g, device=self.dev, generator=gen) + 1
+        all_slots = torch.randperm(n_g, device=self.dev, generator=gen) + 1
+        slots, free = all_slots[:used], all_slots[used:]
         clock = 1000
         # Temporal locality, as in real decode: most resident selections were selected in
         # the previous step too (age 1); other resident tokens have any age up to 300.
-        ages = torch.randint(1, 301, (n_g,), device=self.dev, generator=gen)
+        ages = torch.randint(1, 301, (used,), device=self.dev, generator=gen)
         recent = torch.rand(keep.numel(), device=self.dev, generator=gen) < 0.9
         ages[: keep.numel()] = torch.where(recent, 1, ages[: keep.numel()])
         c.host_to_device[0].fill_(ABSENT)
         c.host_to_device[0, 0] = 0
         c.host_to_device[0].index_copy_(0, ids, slots.to(torch.int32))
-        c.device_to_host[0, 1 : n_g + 1].copy_(torch.zeros(n_g, dtype=torch.int32))
+        c.device_to_host[0, 1 : n_g + 1].fill_(FREE)
         c.device_to_host[0].index_copy_(0, slots, ids.to(torch.int32))
-        c.priority[0, 1 : n_g + 1].copy_(torch.zeros(n_g, dtype=torch.int64))
+        c.priority[0, 1 : n_g + 1].fill_(FREE)
         c.priority[0].index_copy_(0, slots, clock - ages)
-        c.free_count.zero_()
+        c.free_stack[0, : free.numel()].copy_(free.to(torch.int32))
+        c.free_count.fill_(free.numel())
         c.clock.fill_(clock)
         host = self.host.device_view[0] if self.cuda else self.host.rows[0]
         c.rows[0].fill_(0xAB)  # poison: a row never recalled cannot pass the check
@@ -307,6 +326,18 @@ def stateless_ms(bench: Bench, fn, warmup: int, reps: int) -> float:
         return time_us(fn, warmup=max(1, warmup), reps=reps) / 1000
 
 
+def restored_ms(bench: Bench, fn, stream, warmup: int, reps: int) -> float:
+    """A component that changes the cache state: replayed from a graph on CUDA with the
+    state restored before every run (untimed); one wall-clock run on a CPU."""
+    if not bench.cuda:
+        return time_ms(bench, fn, warmup, reps)
+    graph = capture(bench, fn, stream)
+    try:
+        return time_ms(bench, graph.replay, warmup, reps)
+    finally:
+        del graph
+
+
 def capture(bench: Bench, fn, stream) -> torch.cuda.CUDAGraph:
     bench.restore()
     fn()  # warm (allocations, compilation) before capture
@@ -346,6 +377,7 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
         hit_rate_measured=cnt_u["hits"] / max(1, cnt_u["hits"] + cnt_u["misses"]),
         recall_rows=cnt_u["misses"],
         recall_MB=cnt_u["misses"] * args.row_bytes / 1e6,
+        free_slots=bench.free_slots,
         prefetched=cnt_f["prefetched"],
         wasted=cnt_f["prefetched"] - cnt_f["prefetch_hits"],
         remaining_rows=cnt_f["misses"],
@@ -361,16 +393,17 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     lens = (bench.batch.positions + 1).to(torch.int32)
     bench.restore()
     theta = bench.prefetcher.theta(0, bench.rows_of)
-    h2d = bench.cache.host_to_device[0]
+    target = bench.manager.fetch_target(0)
     row["logits_ms"] = stateless_ms(bench, lambda: bench.logits(bench.q), w, r)
-    row["fused_logits_ms"] = stateless_ms(
-        bench,
-        lambda: fp8_index_logits_prefetch(
-            bench.q, bench.w, keys, scales, bench.locs, lens, theta, h2d, bench.cap
-        ),
-        w,
-        r,
-    )
+
+    def fetching_logits() -> None:
+        fp8_index_logits_fetch(
+            bench.q, bench.w, keys, scales, bench.locs, lens, theta, target,
+            bench.prefetcher.workspace, bench.cap,
+        )  # fmt: skip
+
+    # It changes the cache: restored before every run (untimed), replayed from a graph.
+    row["fused_logits_ms"] = restored_ms(bench, fetching_logits, stream, w, r)
     logits = bench.logits(bench.q).unsqueeze(1)
     qpos = bench.batch.positions.view(-1, 1)
     # The top-k decode runs: the radix-select kernel on CUDA, the sort on the CPU.
@@ -388,6 +421,14 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     row["recall_ms"] = stateless_ms(
         bench, lambda: recall_rows(host, bench.cache.rows[0], misses, slots, count), w, r
     )
+    # Figure 18: the recall of what the fetch left (as many random rows as remained).
+    left = torch.tensor([row["remaining_rows"]], device=bench.dev)
+    row["residual_recall_ms"] = stateless_ms(
+        bench, lambda: recall_rows(host, bench.cache.rows[0], misses, slots, left), w, r
+    )
+    row["figure18_unfused_ms"] = row["logits_ms"] + row["recall_ms"]
+    row["figure18_fused_ms"] = row["fused_logits_ms"] + row["residual_recall_ms"]
+    row["figure18_speedup"] = row["figure18_unfused_ms"] / row["figure18_fused_ms"]
     row["speedup"] = row["speedup_eager"]
     if args.graphs and bench.cuda:
         try:
@@ -468,6 +509,10 @@ def main() -> None:
             r["speedup"] = r["speedup_eager"]
     metrics = {
         **{f"speedup_at_hit_{h}": r["speedup"] for h, r in by_hit.items() if h < 1.0},
+        "figure18_speedup": {f"hit_{h}": r["figure18_speedup"] for h, r in by_hit.items()},
+        "design": "fetch during the logits (kernels/decode_prefetch.py): the logits "
+        "kernel's programs copy candidates into free slots",
+        "free_slots": bench.free_slots,
         "slowdown_at_hit_1.0": 1 / by_hit[1.0]["speedup"] if 1.0 in by_hit else None,
         "speedup_basis": "CUDA-graph replay (device time)" if graphs else "eager launches",
         "speedup_eager": {f"hit_{h}": r["speedup_eager"] for h, r in by_hit.items()},

@@ -39,6 +39,11 @@ HIST_BINS = NUM_BUCKETS  # the age histogram: one bin per bucket (unevictable: m
 LANE_BLOCK = 1024
 SLOT_BLOCK = 2048
 NUM_WARPS = 8
+# Calls of at most this many lanes run as one program (_one_program_kernel): a batch of one
+# or two decode requests at top-k 2048, where five dependent launches cost more than the
+# work. Past it, the five-launch pipeline. cache_ops_bench.py --one-program-sweep times both.
+ONE_PROGRAM_LANES = 4096
+ONE_PROGRAM_WARPS = 16
 
 
 # --------------------------------------------------------------------------- reference
@@ -205,11 +210,11 @@ def _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND: tl.constexpr
     else:
         evictable = token_slot & (owner >= 1) & (prio < stamp)
     age = stamp - prio
-    over = age - (_EXACT - 1)
-    extra = tl.zeros_like(age)
-    for j in tl.static_range(1, _BUCKETS - _EXACT):
-        extra += ((over >> j) > 0).to(tl.int64)  # over >= 2**j, no wide constant
-    bucket = tl.where(age < _EXACT, age, extra + _EXACT)
+    # floor(log2(over)) from the float64 exponent (exact: ages are far below 2**53), in
+    # place of 31 shift-and-compare steps; capped at 31 like the reference.
+    over = tl.maximum(age - (_EXACT - 1), 1)
+    exponent = (over.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1023
+    bucket = tl.where(age < _EXACT, age, tl.minimum(exponent, 31) + _EXACT)
     return tl.where(evictable, bucket, -1)
 
 
@@ -447,6 +452,143 @@ def _finish_kernel(
             tl.atomic_add(recalled_ptr, tl.load(miss_count_ptr), sem=SEM)
 
 
+@triton.jit(do_not_specialize=_PER_CALL)
+def _one_program_kernel(
+    ids_ptr, lanes, out_ptr, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr,
+    free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, miss_count_ptr,
+    extras_ptr, hits_ptr, misses_ptr, evictions_ptr, recalled_ptr, num_slots,
+    scratch_slot, reserve,
+    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr,
+    SEM: tl.constexpr,
+):  # fmt: skip
+    """The five kernels' work in one program (grid 1), phase after phase with a block
+    barrier in between: for small batches, where five dependent launches cost more than
+    the work. The slot scans run only in a step that evicts (with the reserve, one step
+    in many); the others read the lanes and the free stack only."""
+    pdl_prologue(PDL)
+    stamp = _stamp(clock_ptr, APPEND)
+    n_slots = num_slots + 2
+    # Look-up: hits stamp their slot, misses claim their id (the lowest lane wins).
+    start = 0
+    while start < lanes:
+        lane = start + tl.arange(0, LANES)
+        ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
+        valid = ids >= 0
+        looked_up = tl.load(h2d_ptr + ids, mask=valid, other=_ABSENT)
+        hit = valid & (looked_up >= 0) & (looked_up != _ABSENT)
+        stamps = tl.zeros([LANES], dtype=tl.int64) + stamp
+        if APPEND:
+            tl.store(prio_ptr + looked_up, stamps, mask=hit)
+        else:
+            before = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit, sem=SEM)
+            fresh = tl.sum((hit & (before != stamp)).to(tl.int64), 0)
+            tl.atomic_add(hits_ptr, fresh, sem=SEM)
+        tl.atomic_min(h2d_ptr + ids, (lane + _CLAIM).to(tl.int32), mask=valid & ~hit, sem=SEM)
+        start += LANES
+    tl.debug_barrier()
+    # First misses in lane order.
+    misses = tl.zeros([], dtype=tl.int64)
+    start = 0
+    while start < lanes:
+        lane = start + tl.arange(0, LANES)
+        ids, first = _first_miss(ids_ptr, lanes, h2d_ptr, lane)
+        pos = misses + tl.cumsum(first.to(tl.int64), 0) - 1
+        tl.store(miss_ids_ptr + pos, ids, mask=first)
+        misses += tl.sum(first.to(tl.int64), 0)
+        start += LANES
+    free = tl.load(free_count_ptr).to(tl.int64)
+    need = tl.maximum(misses - free, 0)
+    target = _target(need, reserve)
+    evictable = tl.zeros([], dtype=tl.int64)
+    if need > 0:  # victims: an age histogram, then one pass in slot order
+        hist = tl.zeros([_BUCKETS], dtype=tl.int32)
+        first_slot = 0
+        while first_slot < n_slots:
+            slot = first_slot + tl.arange(0, SLOTS)
+            bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
+            hist += tl.histogram(bucket.to(tl.int32), _BUCKETS, mask=bucket >= 0)
+            first_slot += SLOTS
+        tl.store(hist_ptr + tl.arange(0, _BUCKETS), hist)
+        tl.debug_barrier()
+        boundary, older, evictable = _boundary(hist_ptr, target)
+        quota = target - older
+        older_before = tl.zeros([], dtype=tl.int64)
+        at_before = tl.zeros([], dtype=tl.int64)
+        first_slot = 0
+        while first_slot < n_slots:
+            slot = first_slot + tl.arange(0, SLOTS)
+            bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
+            is_older = ((bucket >= 0) & (bucket > boundary)).to(tl.int64)
+            is_at = ((bucket >= 0) & (bucket == boundary)).to(tl.int64)
+            at_rank = at_before + tl.cumsum(is_at, 0) - is_at
+            victim = (is_older > 0) | ((is_at > 0) & (at_rank < quota))
+            pos = older_before + tl.cumsum(is_older, 0) - is_older + tl.minimum(at_rank, quota)
+            serves = victim & (pos < need)
+            extra = victim & (pos >= need)
+            ids = tl.load(miss_ids_ptr + free + pos, mask=serves, other=0)
+            old_host = tl.load(d2h_ptr + slot, mask=victim, other=0)
+            tl.store(h2d_ptr + old_host, _ABSENT, mask=victim)
+            tl.store(h2d_ptr + ids, slot.to(tl.int32), mask=serves)
+            tl.store(d2h_ptr + slot, tl.where(serves, ids, _FREE).to(tl.int32), mask=victim)
+            stamps = tl.zeros([SLOTS], dtype=tl.int64) + stamp
+            tl.store(prio_ptr + slot, tl.where(serves, stamps, _FREE), mask=victim)
+            tl.store(miss_slots_ptr + free + pos, slot.to(tl.int64), mask=serves)
+            tl.store(extras_ptr + (pos - need), slot.to(tl.int32), mask=extra)
+            tl.atomic_add(evictions_ptr, tl.sum(victim.to(tl.int64), 0), sem=SEM)
+            older_before += tl.sum(is_older, 0)
+            at_before += tl.sum(is_at, 0)
+            first_slot += SLOTS
+    else:  # an empty histogram says no slot was scanned (as the pipeline's count kernel)
+        tl.store(hist_ptr + tl.arange(0, _BUCKETS), tl.zeros([_BUCKETS], dtype=tl.int32))
+    # Misses from the free stack (a block barrier first: the victim pass wrote maps these
+    # lanes read back); unserved ones, only reachable if the cache is too small, give
+    # their claim back.
+    tl.debug_barrier()
+    start = 0
+    while start < misses:
+        rank = start + tl.arange(0, LANES)
+        live = rank < misses
+        from_stack = live & (rank < free)
+        unserved = live & (rank >= free + tl.minimum(need, evictable))
+        ids = tl.load(miss_ids_ptr + rank, mask=live, other=0)
+        slot = tl.load(free_stack_ptr + (free - 1 - rank), mask=from_stack, other=0)
+        tl.store(h2d_ptr + ids, slot, mask=from_stack)
+        tl.store(d2h_ptr + slot, ids.to(tl.int32), mask=from_stack)
+        tl.store(prio_ptr + slot, tl.zeros([LANES], dtype=tl.int64) + stamp, mask=from_stack)
+        tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=from_stack)
+        tl.store(h2d_ptr + ids, _ABSENT, mask=unserved)
+        scratch = tl.zeros([LANES], tl.int64) + scratch_slot
+        tl.store(miss_slots_ptr + rank, scratch, mask=unserved)
+        start += LANES
+    tl.debug_barrier()
+    # The reserve's victims onto the emptied stack (after the reads above), then each
+    # lane's slot.
+    extras = tl.where(need > 0, tl.maximum(tl.minimum(target, evictable) - need, 0), 0)
+    start = 0
+    while start < extras:
+        j = start + tl.arange(0, LANES)
+        moved = tl.load(extras_ptr + j, mask=j < extras, other=0)
+        tl.store(free_stack_ptr + j, moved, mask=j < extras)
+        start += LANES
+    start = 0
+    while start < lanes:
+        lane = start + tl.arange(0, LANES)
+        ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
+        valid = ids >= 0
+        slot = tl.load(h2d_ptr + ids, mask=valid, other=-1).to(tl.int64)
+        slot = tl.where(slot == _ABSENT, scratch_slot, slot)
+        tl.store(out_ptr + lane, tl.where(valid, slot, -1), mask=lane < lanes)
+        start += LANES
+    served = tl.minimum(misses, free) + tl.minimum(need, evictable)
+    tl.store(miss_count_ptr, served)
+    left = tl.where(need > 0, extras, tl.maximum(free - misses, 0))
+    tl.store(free_count_ptr, left.to(tl.int32))
+    if not APPEND:
+        tl.store(clock_ptr, stamp)
+        tl.atomic_add(misses_ptr, misses, sem=SEM)
+        tl.atomic_add(recalled_ptr, served, sem=SEM)
+
+
 # ---------------------------------------------------------------------------- launcher
 class AllocWorkspace:
     """Scratch buffers of the kernels, allocated once per cache (fixed addresses, so a
@@ -464,12 +606,17 @@ class AllocWorkspace:
         num_warps: int = NUM_WARPS,
         pdl: bool = True,
         atomic_sem: str = ATOMIC_SEM,
+        one_program_lanes: int = ONE_PROGRAM_LANES,
+        one_program_warps: int = ONE_PROGRAM_WARPS,
     ) -> None:
         for name, value in (("lane_block", lane_block), ("slot_block", slot_block)):
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
+        for name, value in (("num_warps", num_warps), ("one_program_warps", one_program_warps)):
+            if value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{name} must be 1, 2, 4, 8 or 16, got {value}")
+        if one_program_lanes < 0:
+            raise ValueError(f"one_program_lanes must be >= 0, got {one_program_lanes}")
         if atomic_sem not in ATOMIC_SEMS:
             raise ValueError(f"atomic_sem must be one of {ATOMIC_SEMS}, got {atomic_sem!r}")
         dev = cache.device
@@ -479,6 +626,9 @@ class AllocWorkspace:
         # (the offload layer's SGLANG_ECHO_PDL) is off.
         self.pdl = use_pdl(dev, pdl)
         self.atomic_sem = atomic_sem
+        # Calls of at most this many lanes take the one-program path (0: never).
+        self.one_program_lanes = one_program_lanes
+        self.one_program_warps = one_program_warps
         self.slot_programs = triton.cdiv(cache.num_slots + 2, slot_block)
         lane_programs = max(1, triton.cdiv(max_lanes, lane_block))
         # Width of the kernels' scan over per-block lane counts: fixed per workspace (not
@@ -509,7 +659,8 @@ def allocate_kernel(
     ws: AllocWorkspace,
     stage_events: list | None = None,
 ) -> Allocation:
-    """The kernels' version of :func:`allocate_reference`: five launches, no host sync.
+    """The kernels' version of :func:`allocate_reference`: five launches, or one for a
+    call of at most ``ws.one_program_lanes`` lanes; no host sync.
 
     ``stage_events`` (benchmarks only): a list that gets one recorded CUDA event before the
     first launch and one after each of the STAGES, for a per-kernel time breakdown."""
@@ -546,6 +697,18 @@ def allocate_kernel(
         num_warps=ws.num_warps, launch_pdl=ws.pdl,
     )  # fmt: skip
     evictions = (c.append_evictions if append else c.evictions)[layer : layer + 1]
+    if lanes <= ws.one_program_lanes:
+        mark()
+        _one_program_kernel[(1,)](
+            ids, lanes, out, h2d, d2h, prio, clock, ws.hist, free_count, c.free_stack[layer],
+            ws.miss_ids, ws.miss_slots, ws.miss_count, ws.extras, c.hits[layer : layer + 1],
+            c.misses[layer : layer + 1], evictions, c.recalled_rows[layer : layer + 1],
+            c.num_slots, c.scratch_slot, ws.reserve, APPEND=append, LANES=ws.lane_block,
+            SLOTS=ws.slot_block, PDL=ws.pdl, SEM=ws.atomic_sem,
+            num_warps=ws.one_program_warps, launch_pdl=ws.pdl,
+        )  # fmt: skip
+        mark()
+        return Allocation(out, ws.miss_ids, ws.miss_slots, ws.miss_count)
     mark()
     _lookup_kernel[(lane_programs,)](
         ids, lanes, h2d, prio, clock, ws.hist, c.hits[layer : layer + 1], ws.miss_bound,

@@ -2,11 +2,11 @@
 section 6).
 
 Per decode step and layer, the indexer (model/indexer.py) asks for each request's
-threshold, flags the misses that score above it while computing the logits
-(kernels/decode_prefetch.py), hands them to ``launch`` (EchoManager.prefetch: slots are
-mapped and the rows start moving on a side stream), takes the exact top-k, and reports
-each request's k-th score to ``observe``. ``resolve`` then finds the prefetched tokens
-resident and recalls only what is still missing.
+threshold and the layer's ``target``; its logits kernel fetches the misses that score
+above the threshold into free device slots while it scores (kernels/decode_prefetch.py),
+the indexer reports it to ``fetched``, takes the exact top-k and reports each request's
+k-th score to ``observe``. ``resolve`` then finds the fetched tokens resident and
+recalls only what is still missing.
 
 Thresholds are per layer (each layer's indexer has its own score scale) and per request
 row of the request table; ``reset_rows`` clears a row when a new request takes it. All
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_echo.kernels.decode_prefetch import FetchTarget, FetchWorkspace
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.predictor import DecodeThresholdPredictor
 
@@ -41,6 +42,9 @@ class DecodePrefetcher:
         self.cap = int(cap)
         self.max_rows = int(max_rows)
         layers = manager.cache.num_layers
+        # The fetch's counters and lists: one set, reused layer after layer (each layer's
+        # resolve reads its lists before the next layer's fetch writes them).
+        self.workspace = FetchWorkspace(self.max_rows, self.cap, manager.device)
         self.predictors = [
             DecodeThresholdPredictor(max_rows, manager.device, alpha) for _ in range(layers)
         ]
@@ -54,14 +58,13 @@ class DecodePrefetcher:
         """Thresholds [B] float32 of the requests in ``rows`` (+inf: no prediction yet)."""
         return self.predictors[layer].predict(rows)
 
-    def host_to_device(self, layer: int) -> torch.Tensor:
-        return self.manager.cache.host_to_device[layer]
+    def target(self, layer: int) -> FetchTarget:
+        """What the layer's fetch writes (maps, free stack, rows) and reads (host rows)."""
+        return self.manager.fetch_target(layer)
 
-    def launch(self, layer: int, candidate_ids: torch.Tensor, counts: torch.Tensor) -> None:
-        """Candidates [B, cap] (-1 past counts[b], as kernels/decode_prefetch.py writes
-        them, so the counts need no masking pass here)."""
-        del counts
-        self.manager.prefetch(layer, candidate_ids)
+    def fetched(self, layer: int, requests: int, cap: int) -> None:
+        """The layer's fetch ran for ``requests`` requests of ``cap`` candidates each."""
+        self.manager.fetched(layer, self.workspace, requests, cap)
 
     def observe(self, layer: int, kth: torch.Tensor, rows: torch.Tensor) -> None:
         """This step's exact k-th scores [B] (-inf: fewer than k visible keys) of the

@@ -7,9 +7,10 @@ CPU, bit-identical to each other. ``append`` and ``resolve`` use fixed shapes an
 every count on the device: no host synchronisation, so a decode step can be captured in a
 CUDA graph. Masked-off lanes write to scratch entries (slot N_G + 1, host id N_H + 1).
 
-``prefetch`` (decode intra-query prefetch, docs/ARCHITECTURE.md section 6) maps and
-starts copying rows the exact top-k will probably select before it is known; see its
-docstring.
+Prefetch (docs/ARCHITECTURE.md section 6): in decode, the indexer's logits kernel fetches
+rows into free slots of ``fetch_target`` while it scores (kernels/decode_prefetch.py); in
+prefill, ``prefetch`` maps and starts copying a query block's candidates on a side stream.
+Either way the resolve that follows finds them resident.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from sglang_echo.kernels.alloc import (
     allocate_kernel,
     allocate_reference,
 )
-from sglang_echo.kernels.decode_prefetch import count_prefetch_hits, count_prefetch_hits_reference
+from sglang_echo.kernels.decode_prefetch import (
+    FetchTarget,
+    FetchWorkspace,
+    count_fetch_hits,
+    count_prefetch_hits,
+)
 from sglang_echo.kernels.release import release_kernel, release_reference
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
@@ -76,6 +82,8 @@ class EchoManager:
         self._prefetch_workspace: AllocWorkspace | None = None
         self._side_stream: torch.cuda.Stream | None = None
         self._pending: dict[int, _PendingPrefetch] = {}
+        # Decode fetches not yet resolved: (workspace, requests, cap) per layer (telemetry).
+        self._fetched: dict[int, tuple[FetchWorkspace, int, int]] = {}
         i64 = dict(dtype=torch.int64, device=self.device)
         self.prefetched_rows = torch.zeros(cache.num_layers, **i64)  # rows prefetched
         self.prefetch_hits = torch.zeros(cache.num_layers, **i64)  # ... and then selected
@@ -155,7 +163,33 @@ class EchoManager:
         self._recall(layer, alloc)
         if pending is not None:
             self._count_prefetch_hits(layer, pending)
+        fetched = self._fetched.pop(layer, None)
+        if fetched is not None:
+            c = self.cache
+            count_fetch_hits(
+                *fetched, c.device_to_host[layer], c.priority[layer], c.clock[layer : layer + 1],
+                self.prefetch_hits[layer : layer + 1], use_kernel=self.use_kernels,
+            )  # fmt: skip
         return alloc.slots.view(locs.shape)
+
+    # ------------------------------------------------------------- decode fetch
+    def fetch_target(self, layer: int) -> FetchTarget:
+        """The layer's maps, free stack and rows as the decode fetch writes them during the
+        indexer's logits (kernels/decode_prefetch.py), and the host rows it reads. A
+        side-stream prefetch of the layer that no resolve joined is waited for first."""
+        self._join(layer)
+        c = self.cache
+        host = self.host_view[layer] if self.host_view is not None else self.host.rows[layer]
+        return FetchTarget(
+            c.host_to_device[layer], c.device_to_host[layer], c.priority[layer],
+            c.clock[layer : layer + 1], c.free_stack[layer], c.free_count[layer : layer + 1],
+            host, c.rows[layer], self.prefetched_rows[layer : layer + 1], c.scratch_host,
+        )  # fmt: skip
+
+    def fetched(self, layer: int, ws: FetchWorkspace, requests: int, cap: int) -> None:
+        """A decode fetch into ``layer`` ran (its lists in ``ws``): the coming resolve counts
+        how many fetched rows it selected."""
+        self._fetched[layer] = (ws, requests, cap)
 
     def _recall(self, layer: int, alloc: Allocation) -> None:
         """Copy the rows of the served misses (the first ``miss_count`` of the list)."""
@@ -179,8 +213,9 @@ class EchoManager:
     ) -> None:
         """Map and start copying rows the coming ``resolve`` of ``layer`` will probably ask
         for: candidate host ids [B, cap] (-1 = none; with ``counts`` [B], lanes at and past
-        counts[b] are ignored too), all of them misses when flagged
-        (kernels/decode_prefetch.py).
+        counts[b] are ignored too): a chunked prefill's query-block candidates
+        (offload/prefill_prefetcher.py). Decode fetches during the logits instead
+        (``fetch_target``).
 
         Allocation: the same kernels/reference as append and resolve, in append mode: the
         candidates are stamped with the layer's current clock (not the resolve's clock + 1)
@@ -276,13 +311,12 @@ class EchoManager:
         """Prefetched rows the resolve then selected: still mapped to their token and
         stamped with the resolve's clock (an unselected one kept the older stamp or was
         evicted). Telemetry; one launch with the kernels."""
-        count = count_prefetch_hits if self.use_kernels else count_prefetch_hits_reference
         c = self.cache
         for a, lanes in (*pending.earlier, (pending.alloc, pending.lanes)):
-            count(
+            count_prefetch_hits(
                 a.miss_ids, a.miss_slots, a.miss_count, lanes, c.device_to_host[layer],
                 c.priority[layer], c.clock[layer : layer + 1],
-                self.prefetch_hits[layer : layer + 1],
+                self.prefetch_hits[layer : layer + 1], use_kernel=self.use_kernels,
             )  # fmt: skip
 
     # ------------------------------------------------------------------- release
