@@ -113,6 +113,11 @@ def _assert_consistent(m: EchoManager, before_free: int, host: torch.Tensor) -> 
     assert used <= set(slots.tolist()) and len(used) == before_free - free
 
 
+@pytest.fixture(params=["inline", "queue"])
+def mode(request) -> str:
+    return request.param
+
+
 @pytest.mark.parametrize(
     ("block_n", "blocks", "keys_as_m", "cap", "quantile", "slots", "shared"),
     [
@@ -123,7 +128,7 @@ def _assert_consistent(m: EchoManager, before_free: int, host: torch.Tensor) -> 
     ids=["unbound", "cap-binds-shared-ids", "slots-run-out"],
 )
 def test_fetch_kernel_logits_bit_identical_and_state_matches_reference(
-    block_n, blocks, keys_as_m, cap, quantile, slots, shared, program_order
+    block_n, blocks, keys_as_m, cap, quantile, slots, shared, program_order, mode
 ):
     q, w, keys, scales, locs, lens = _inputs(0, shared=shared)
     n_keys = keys.shape[0] - 1
@@ -132,35 +137,45 @@ def test_fetch_kernel_logits_bit_identical_and_state_matches_reference(
     ker = _cache_manager(n_keys, slots, 1, use_kernels=True)
     ref = _cache_manager(n_keys, slots, 1, use_kernels=False)
     free0 = int(ker.cache.free_count[0])
-    ws_k, ws_r = (
-        FetchWorkspace(3, cap, torch.device(DEV)),
-        FetchWorkspace(3, cap, torch.device(DEV)),
-    )
+    ws_k = FetchWorkspace(3, cap, torch.device(DEV))
     got = fp8_index_logits_fetch(
         q, w, keys, scales, locs, lens, theta, ker.fetch_target(0), ws_k, cap,
         block_n=block_n, num_stages=1, blocks_per_program=blocks, keys_as_m=keys_as_m,
+        mode=mode,
     )  # fmt: skip
     assert torch.equal(got, plain)
-    decode_fetch_reference(got, locs, lens, theta, ref.fetch_target(0), ws_r, cap)
+    # The queue mode caps the step's candidates (3 x cap in all), not each request's.
+    ref_cap = cap if mode == "inline" else 3 * cap
+    ws_r = FetchWorkspace(3, ref_cap, torch.device(DEV))
+    decode_fetch_reference(got, locs, lens, theta, ref.fetch_target(0), ws_r, ref_cap)
     host = ker.host.rows[0]
     _assert_consistent(ker, free0, host)
     _assert_consistent(ref, free0, host)
-    k_lists, r_lists = _fetched_lists(ws_k, 3, cap), _fetched_lists(ws_r, 3, cap)
     took = free0 - int(ker.cache.free_count[0])
     assert took == int(ker.prefetched_rows[0]) > 0
-    if not shared:  # what each request asked for does not depend on order
+    lists, lanes = ws_k.lists_shape
+    k_lists = _fetched_lists(ws_k, lists, lanes)
+    r_lists = _fetched_lists(ws_r, 3, ref_cap)
+    k_all = sorted(i for x in k_lists for i in x if i >= 0)
+    assert len(k_all) == took == len(set(k_all))
+    if mode == "inline" and not shared:  # what each request asked for: order-free
         assert torch.equal(ws_k.kept[:3], ws_r.kept[:3])
-        assert took == free0 - int(ref.cache.free_count[0])
-    if not shared and slots == 600 and cap == 200:  # nothing contended: the same fetch
-        assert [sorted(x) for x in k_lists] == [sorted(x) for x in r_lists]
+    cands = set()
+    for b in range(3):
+        n = int(lens[b])
+        cands |= {int(locs[b, p]) for p in range(n) if plain[b, p] > theta[b]}
+    assert set(k_all) <= cands  # every fetch a candidate
+    unbound = not shared and slots == 600 and (cap == 200 or mode == "queue")
+    if unbound:  # nothing contended: the reference's fetch
+        assert k_all == sorted(i for x in r_lists for i in x if i >= 0)
         resident_k = ker.cache.host_to_device[0] != ABSENT
         assert torch.equal(resident_k, ref.cache.host_to_device[0] != ABSENT)
-    for b, fetched in enumerate(k_lists):  # every fetch a candidate of its request
-        n = int(lens[b])
-        cands = {int(locs[b, p]) for p in range(n) if plain[b, p] > theta[b]}
-        assert {i for i in fetched if i >= 0} <= cands
-        assert len(fetched) <= cap
-    assert int(ws_k.request_counts.abs().sum()) == int(ws_k.taken) == int(ws_k.done) == 0
+        assert took == free0 - int(ref.cache.free_count[0])
+    if mode == "inline":
+        assert all(len(x) <= cap for x in k_lists)
+    assert int(ws_k.request_counts.abs().sum()) == int(ws_k.taken) == 0
+    assert int(ws_k.tail) == int(ws_k.head) == int(ws_k.done) == 0
+    assert bool((ws_k.queue == -1).all())
     if slots == 230:
         assert int(ker.cache.free_count[0]) == 0  # every free slot went to a candidate
 

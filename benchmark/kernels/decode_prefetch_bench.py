@@ -60,6 +60,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--row-bytes", type=int, default=656)
     p.add_argument("--cap", type=int, default=None, help="candidates per request (default: ours)")
     p.add_argument(
+        "--modes",
+        default="queue,inline",
+        help="fetch modes to time (kernels/decode_prefetch.py); the product's default "
+        "gives the top-level speedups",
+    )
+    p.add_argument(
         "--free-slots",
         type=int,
         default=None,
@@ -103,6 +109,7 @@ from sglang_echo.model.indexer import (  # noqa: E402
 )
 from sglang_echo.offload.decode_prefetcher import (  # noqa: E402
     DEFAULT_DECODE_PREFETCH_CAP,
+    DEFAULT_FETCH_MODE,
     DecodePrefetcher,
 )
 from sglang_echo.offload.device_cache import DeviceCache  # noqa: E402
@@ -367,7 +374,7 @@ def graph_times(bench: Bench, row: dict, sel_u, want, stream, w: int, r: int) ->
 
 
 def run_case(bench: Bench, hit: float, args, stream) -> dict:
-    row = {"hit_rate": hit, **bench.set_residency(hit)}
+    row = {"hit_rate": hit, "mode": bench.prefetcher.mode, **bench.set_residency(hit)}
     # Correct first: same selections, and the rows attention reads are the host rows.
     sel_u, rows_u, cnt_u = bench.run_checked(bench.unfused)
     sel_f, rows_f, cnt_f = bench.run_checked(bench.fused)
@@ -396,14 +403,23 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     target = bench.manager.fetch_target(0)
     row["logits_ms"] = stateless_ms(bench, lambda: bench.logits(bench.q), w, r)
 
-    def fetching_logits() -> None:
+    mode = bench.prefetcher.mode
+
+    def fetching_logits(copy_rows: bool = True) -> None:
         fp8_index_logits_fetch(
             bench.q, bench.w, keys, scales, bench.locs, lens, theta, target,
-            bench.prefetcher.workspace, bench.cap,
+            bench.prefetcher.workspace, bench.cap, copy_rows=copy_rows, mode=mode,
         )  # fmt: skip
+        ready = bench.prefetcher.workspace.ready
+        if ready is not None:  # the copies are part of the fetch: joined
+            torch.cuda.current_stream().wait_event(ready)
 
     # It changes the cache: restored before every run (untimed), replayed from a graph.
     row["fused_logits_ms"] = restored_ms(bench, fetching_logits, stream, w, r)
+    if mode == "inline":  # what the fetch costs without its copies
+        row["fused_logits_nocopy_ms"] = restored_ms(
+            bench, lambda: fetching_logits(False), stream, w, r
+        )
     logits = bench.logits(bench.q).unsqueeze(1)
     qpos = bench.batch.positions.view(-1, 1)
     # The top-k decode runs: the radix-select kernel on CUDA, the sort on the CPU.
@@ -486,22 +502,29 @@ def main() -> None:
     head = (
         f"{'hit':>5} {'logits':>7} {'recall rows':>11} {'MB':>6} {'recall':>7} {'unfused':>8} "
         f"{'fused lg':>8} {'prefet':>7} {'wasted':>6} {'remain':>6} {'fused':>8} "
-        f"{'speedup':>7} {'eager x':>7} ok"
+        f"{'speedup':>7} {'eager x':>7} {'fig18':>6} ok"
     )
     print("ms; unfused/fused totals are CUDA-graph replays where available")
     print(head)
-    rows = []
-    for hit in (float(h) for h in args.hit_rates.split(",")):
-        r = run_case(bench, hit, args, stream)
-        rows.append(r)
-        g = lambda k, r=r: r.get(f"{k}_graph_ms", r[f"{k}_ms"])  # noqa: E731
-        print(
-            f"{hit:>5} {r['logits_ms']:>7.3f} {r['recall_rows']:>11} {r['recall_MB']:>6.2f} "
-            f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {r['fused_logits_ms']:>8.3f} "
-            f"{r['prefetched']:>7} {r['wasted']:>6} {r['remaining_rows']:>6} {g('fused'):>8.3f} "
-            f"{r['speedup']:>7.3f} {r['speedup_eager']:>7.3f} {r['correct']}",
-            flush=True,
-        )
+    rows_by_mode: dict[str, list[dict]] = {}
+    for mode in args.modes.split(","):
+        bench.prefetcher.mode = mode
+        print(f"fetch mode {mode}")
+        rows_by_mode[mode] = []
+        for hit in (float(h) for h in args.hit_rates.split(",")):
+            r = run_case(bench, hit, args, stream)
+            rows_by_mode[mode].append(r)
+            g = lambda k, r=r: r.get(f"{k}_graph_ms", r[f"{k}_ms"])  # noqa: E731
+            print(
+                f"{hit:>5} {r['logits_ms']:>7.3f} {r['recall_rows']:>11} {r['recall_MB']:>6.2f} "
+                f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {r['fused_logits_ms']:>8.3f} "
+                f"{r['prefetched']:>7} {r['wasted']:>6} {r['remaining_rows']:>6} "
+                f"{g('fused'):>8.3f} {r['speedup']:>7.3f} {r['speedup_eager']:>7.3f} "
+                f"{r['figure18_speedup']:>6.3f} {r['correct']}",
+                flush=True,
+            )
+    default = DEFAULT_FETCH_MODE if DEFAULT_FETCH_MODE in rows_by_mode else next(iter(rows_by_mode))
+    rows = rows_by_mode[default]
     by_hit = {r["hit_rate"]: r for r in rows}
     graphs = all("unfused_graph_ms" in r for r in rows)
     if not graphs:  # one basis for every case
@@ -510,8 +533,17 @@ def main() -> None:
     metrics = {
         **{f"speedup_at_hit_{h}": r["speedup"] for h, r in by_hit.items() if h < 1.0},
         "figure18_speedup": {f"hit_{h}": r["figure18_speedup"] for h, r in by_hit.items()},
-        "design": "fetch during the logits (kernels/decode_prefetch.py): the logits "
-        "kernel's programs copy candidates into free slots",
+        "mode": default,
+        "design": "fetch during the logits (kernels/decode_prefetch.py): queue = the logits "
+        "kernel appends candidates, a concurrent copy kernel on a bounded grid fetches them "
+        "into free slots; inline = the logits kernel's programs fetch",
+        "by_mode": {
+            m: {
+                "speedup": {f"hit_{r['hit_rate']}": r["speedup"] for r in rs},
+                "figure18_speedup": {f"hit_{r['hit_rate']}": r["figure18_speedup"] for r in rs},
+            }
+            for m, rs in rows_by_mode.items()
+        },
         "free_slots": bench.free_slots,
         "slowdown_at_hit_1.0": 1 / by_hit[1.0]["speedup"] if 1.0 in by_hit else None,
         "speedup_basis": "CUDA-graph replay (device time)" if graphs else "eager launches",
@@ -530,7 +562,8 @@ def main() -> None:
         "seconds": time.perf_counter() - t0,
     }
     out = Path(args.out)
-    save_record(out, "decode_prefetch", device, metrics, cases=rows)
+    cases = [r for rs in rows_by_mode.values() for r in rs]
+    save_record(out, "decode_prefetch", device, metrics, cases=cases)
     plot(rows, out / "decode_prefetch.png", device)
     summary = {k: round(v, 3) for k, v in metrics.items() if k.startswith(("speedup_at", "slow"))}
     print(f"{summary} ({metrics['speedup_basis']}); all correct {metrics['all_correct']}; "

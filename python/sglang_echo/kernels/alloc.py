@@ -42,8 +42,9 @@ NUM_WARPS = 8
 # Calls of at most this many lanes run as one program (_one_program_kernel): a batch of one
 # or two decode requests at top-k 2048, where five dependent launches cost more than the
 # work. Past it, the five-launch pipeline. cache_ops_bench.py --one-program-sweep times both.
-ONE_PROGRAM_LANES = 4096
+ONE_PROGRAM_LANES = 2048
 ONE_PROGRAM_WARPS = 16
+ONE_PROGRAM_BLOCK = 2048  # lanes per step of its loops: a batch of one in one step
 
 
 # --------------------------------------------------------------------------- reference
@@ -467,8 +468,11 @@ def _one_program_kernel(
     in many); the others read the lanes and the free stack only."""
     pdl_prologue(PDL)
     stamp = _stamp(clock_ptr, APPEND)
+    free = tl.load(free_count_ptr).to(tl.int64)
     n_slots = num_slots + 2
-    # Look-up: hits stamp their slot, misses claim their id (the lowest lane wins).
+    # Look-up: hits stamp their slot and get it as their answer, misses claim their id
+    # (the lowest lane wins). A call without misses (every selection resident) ends here.
+    missed = tl.zeros([], dtype=tl.int32)
     start = 0
     while start < lanes:
         lane = start + tl.arange(0, LANES)
@@ -476,6 +480,8 @@ def _one_program_kernel(
         valid = ids >= 0
         looked_up = tl.load(h2d_ptr + ids, mask=valid, other=_ABSENT)
         hit = valid & (looked_up >= 0) & (looked_up != _ABSENT)
+        answer = tl.where(hit, looked_up.to(tl.int64), scratch_slot)
+        tl.store(out_ptr + lane, tl.where(valid, answer, -1), mask=lane < lanes)
         stamps = tl.zeros([LANES], dtype=tl.int64) + stamp
         if APPEND:
             tl.store(prio_ptr + looked_up, stamps, mask=hit)
@@ -483,8 +489,33 @@ def _one_program_kernel(
             before = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit, sem=SEM)
             fresh = tl.sum((hit & (before != stamp)).to(tl.int64), 0)
             tl.atomic_add(hits_ptr, fresh, sem=SEM)
-        tl.atomic_min(h2d_ptr + ids, (lane + _CLAIM).to(tl.int32), mask=valid & ~hit, sem=SEM)
+        miss = valid & ~hit
+        tl.atomic_min(h2d_ptr + ids, (lane + _CLAIM).to(tl.int32), mask=miss, sem=SEM)
+        missed += tl.sum(miss.to(tl.int32), 0)
         start += LANES
+    if missed > 0:
+        _one_program_misses(
+            ids_ptr, lanes, out_ptr, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr,
+            free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, miss_count_ptr,
+            extras_ptr, misses_ptr, evictions_ptr, recalled_ptr, num_slots, scratch_slot,
+            reserve, stamp, free, n_slots, APPEND=APPEND, LANES=LANES, SLOTS=SLOTS, SEM=SEM,
+        )  # fmt: skip
+    else:
+        tl.store(miss_count_ptr, 0)
+        tl.store(hist_ptr + tl.arange(0, _BUCKETS), tl.zeros([_BUCKETS], dtype=tl.int32))
+    if not APPEND:
+        tl.store(clock_ptr, stamp)
+
+
+@triton.jit
+def _one_program_misses(
+    ids_ptr, lanes, out_ptr, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr,
+    free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, miss_count_ptr,
+    extras_ptr, misses_ptr, evictions_ptr, recalled_ptr, num_slots, scratch_slot, reserve,
+    stamp, free, n_slots, APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr,
+    SEM: tl.constexpr,
+):  # fmt: skip
+    """The one-program kernel past its look-up, when some lane missed."""
     tl.debug_barrier()
     # First misses in lane order.
     misses = tl.zeros([], dtype=tl.int64)
@@ -496,7 +527,6 @@ def _one_program_kernel(
         tl.store(miss_ids_ptr + pos, ids, mask=first)
         misses += tl.sum(first.to(tl.int64), 0)
         start += LANES
-    free = tl.load(free_count_ptr).to(tl.int64)
     need = tl.maximum(misses - free, 0)
     target = _target(need, reserve)
     evictable = tl.zeros([], dtype=tl.int64)
@@ -584,7 +614,6 @@ def _one_program_kernel(
     left = tl.where(need > 0, extras, tl.maximum(free - misses, 0))
     tl.store(free_count_ptr, left.to(tl.int32))
     if not APPEND:
-        tl.store(clock_ptr, stamp)
         tl.atomic_add(misses_ptr, misses, sem=SEM)
         tl.atomic_add(recalled_ptr, served, sem=SEM)
 
@@ -703,8 +732,9 @@ def allocate_kernel(
             ids, lanes, out, h2d, d2h, prio, clock, ws.hist, free_count, c.free_stack[layer],
             ws.miss_ids, ws.miss_slots, ws.miss_count, ws.extras, c.hits[layer : layer + 1],
             c.misses[layer : layer + 1], evictions, c.recalled_rows[layer : layer + 1],
-            c.num_slots, c.scratch_slot, ws.reserve, APPEND=append, LANES=ws.lane_block,
-            SLOTS=ws.slot_block, PDL=ws.pdl, SEM=ws.atomic_sem,
+            c.num_slots, c.scratch_slot, ws.reserve, APPEND=append,
+            LANES=min(ws.lane_block * 2, ONE_PROGRAM_BLOCK), SLOTS=ws.slot_block, PDL=ws.pdl,
+            SEM=ws.atomic_sem,
             num_warps=ws.one_program_warps, launch_pdl=ws.pdl,
         )  # fmt: skip
         mark()

@@ -18,8 +18,8 @@ scores) and its host id is not resident in the layer's device cache (``host_to_d
    resolve, which keeps its guarantee that every miss finds a slot) and the row, copied
    from pinned host memory through its device alias.
 
-The last program to finish (a ticket counter) settles the free count and resets the
-counters. The copies run on the logits kernel's own programs: each waits on its PCIe read
+A one-program launch after it settles the free count and resets the counters. The copies
+run on the logits kernel's own programs: each waits on its PCIe read
 while the SM's other programs compute, so the transfer overlaps the logits with no side
 stream, no compaction and no allocation pass. Slots come only from the free stack, which
 the resolve's eviction reserve refills (offload/device_cache.py): the fetch never evicts.
@@ -57,7 +57,7 @@ from sglang_echo.kernels.indexer import (
 
 PENDING = -3  # host_to_device value of an id being fetched (never a slot, never ABSENT)
 _NEVER = -2  # compare value no map entry holds: a masked lane's compare-and-swap fails
-WORD_BLOCK = 64  # 4-byte words per copy tile column block
+WORD_BLOCK = 32  # 4-byte words per copy tile column block (few registers: occupancy)
 _PENDING = tl.constexpr(PENDING)
 _NEVER_C = tl.constexpr(_NEVER)
 _WORD_BLOCK = tl.constexpr(WORD_BLOCK)
@@ -80,41 +80,57 @@ class FetchTarget(NamedTuple):
 
 
 class FetchWorkspace:
-    """Counters and the per-request lists of one fetch (fixed addresses: graph-safe).
+    """Counters, queue and lists of one fetch (fixed addresses: graph-safe).
 
-    ``ids``/``slots`` [max_rows * cap]: request b's lanes are b * cap .. b * cap + cap - 1;
-    the first ``kept[b]`` hold the host id and slot of each taken candidate, or -1 and 0
-    where it lost its claim or found no free slot."""
+    ``ids``/``slots`` [max_rows * cap]: the lists of what the last fetch took, as
+    ``lists_shape`` (lists, lanes per list) says: per request (inline: request b's lanes
+    are b * cap .. b * cap + cap - 1) or one list in queue order (queue); the first
+    ``kept[list]`` lanes of a list hold the host id and slot of each candidate taken, or -1
+    and 0 where it lost its claim or found no free slot. ``ready``: an event the fetch's
+    copies complete at (queue mode on CUDA), else None."""
 
-    def __init__(self, max_rows: int, cap: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, cap: int, device: torch.device | str) -> None:
         if max_rows < 1 or cap < 1:
             raise ValueError(f"need max_rows >= 1 and cap >= 1, got {max_rows} and {cap}")
         self.max_rows, self.cap = max_rows, cap
+        device = torch.device(device)
         i32 = dict(dtype=torch.int32, device=device)
         self.request_counts = torch.zeros(max_rows, **i32)
         self.taken = torch.zeros(1, **i32)
-        self.done = torch.zeros(1, **i32)
+        # Compare-and-swap targets of the lanes that claim nothing (one per lane: no two
+        # lanes of a program contend for an address; their value 0 never matches).
+        self.cas_scratch = torch.zeros(1024, **i32)
         self.ids = torch.full((max_rows * cap,), -1, dtype=torch.int64, device=device)
         self.slots = torch.zeros(max_rows * cap, dtype=torch.int64, device=device)
         self.kept = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        # Queue mode: candidates in arrival order (-1: not written yet), its tail (the
+        # logits kernel appends), head (the copy kernel takes), the logits' done flag.
+        self.queue = torch.full((max_rows * cap,), -1, dtype=torch.int64, device=device)
+        self.tail = torch.zeros(1, **i32)
+        self.head = torch.zeros(1, **i32)
+        self.done = torch.zeros(1, **i32)
+        self.lists_shape = (0, cap)
+        self.ready: torch.cuda.Event | None = None
+        self._side: torch.cuda.Stream | None = None
+
+    def side_stream(self) -> torch.cuda.Stream:
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.ids.device)
+        return self._side
 
 
 # ----------------------------------------------------------------------------- kernel
 @triton.jit
-def _fetch_block(
-    b, loc, cand, cap, clock, free0, h2d_ptr, d2h_ptr, prio_ptr, free_stack_ptr,
-    host_ptr, dev_ptr, host_stride, dev_stride, counts_ptr, taken_ptr, ids_ptr, slots_ptr,
-    scratch_host, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, ABSENT_ID: tl.constexpr,
+def _claim_copy(
+    loc, want, lane, clock, free0, h2d_ptr, d2h_ptr, prio_ptr, free_stack_ptr, host_ptr,
+    dev_ptr, host_stride, dev_stride, taken_ptr, ids_ptr, slots_ptr, cas_scratch_ptr,
+    N: tl.constexpr, WORDS: tl.constexpr, ABSENT_ID: tl.constexpr, COPY: tl.constexpr,
 ):  # fmt: skip
-    """Steps 1-4 of the module docstring for one key block's candidates."""
-    c = cand.to(tl.int32)
-    base = tl.atomic_add(counts_ptr + b, tl.sum(c, 0))
-    idx = base + tl.cumsum(c, 0) - 1
-    within = cand & (idx < cap)
-    target = tl.where(within, h2d_ptr + loc, h2d_ptr + scratch_host)
-    expect = tl.where(within, ABSENT_ID, _NEVER_C)
+    """Steps 2-4 of the module docstring for the lanes in ``want``; list entry ``lane``."""
+    target = tl.where(want, h2d_ptr + loc, cas_scratch_ptr + tl.arange(0, N))
+    expect = tl.where(want, ABSENT_ID, _NEVER_C)
     before = tl.atomic_cas(target, expect, tl.zeros_like(expect) + _PENDING)
-    won = within & (before == ABSENT_ID)
+    won = want & (before == ABSENT_ID)
     w = won.to(tl.int32)
     first = tl.atomic_add(taken_ptr, tl.sum(w, 0))
     k = (first + tl.cumsum(w, 0) - 1).to(tl.int64)
@@ -122,29 +138,30 @@ def _fetch_block(
     slot = tl.load(free_stack_ptr + (free0 - 1 - k), mask=has, other=0).to(tl.int64)
     tl.store(h2d_ptr + loc, tl.where(has, slot, ABSENT_ID).to(tl.int32), mask=won)
     tl.store(d2h_ptr + slot, loc.to(tl.int32), mask=has)
-    tl.store(prio_ptr + slot, tl.zeros([BLOCK_N], dtype=tl.int64) + clock, mask=has)
-    for w0 in tl.static_range(0, WORDS, _WORD_BLOCK):
-        col = w0 + tl.arange(0, _WORD_BLOCK)
-        m = has[:, None] & (col[None, :] < WORDS)
-        row = tl.load(host_ptr + loc[:, None] * host_stride + col[None, :], mask=m)
-        tl.store(dev_ptr + slot[:, None] * dev_stride + col[None, :], row, mask=m)
-    lane = b.to(tl.int64) * cap + idx
-    tl.store(ids_ptr + lane, tl.where(has, loc, -1), mask=within)
-    tl.store(slots_ptr + lane, slot, mask=within)
+    tl.store(prio_ptr + slot, tl.zeros([N], dtype=tl.int64) + clock, mask=has)
+    if COPY:
+        for w0 in tl.static_range(0, WORDS, _WORD_BLOCK):
+            col = w0 + tl.arange(0, _WORD_BLOCK)
+            m = has[:, None] & (col[None, :] < WORDS)
+            row = tl.load(host_ptr + loc[:, None] * host_stride + col[None, :], mask=m)
+            tl.store(dev_ptr + slot[:, None] * dev_stride + col[None, :], row, mask=m)
+    tl.store(ids_ptr + lane, tl.where(has, loc, -1), mask=want)
+    tl.store(slots_ptr + lane, slot, mask=want)
 
 
 @triton.jit
 def _fp8_logits_fetch_kernel(
     q_ptr, w_ptr, k_ptr, k_scale_ptr, locs_ptr, lens_ptr, out_ptr, theta_ptr,
-    h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, free_stack_ptr, free_count_ptr, fetched_ptr,
-    host_ptr, dev_ptr, counts_ptr, taken_ptr, done_ptr, ids_ptr, slots_ptr, kept_ptr,
-    length, k_stride, k_scale_stride, locs_stride, out_stride, host_stride, dev_stride,
-    cap, batch, n_programs, scratch_host,
+    h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, free_stack_ptr, free_count_ptr,
+    host_ptr, dev_ptr, counts_ptr, taken_ptr, ids_ptr, slots_ptr, cas_scratch_ptr,
+    queue_ptr, tail_ptr, qcap,
+    length, k_stride, k_scale_stride, locs_stride, out_stride, host_stride, dev_stride, cap,
     H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
     PRECISE_ACC: tl.constexpr, KEYS_AS_M: tl.constexpr, ABSENT_ID: tl.constexpr,
-    WORDS: tl.constexpr, ROWS: tl.constexpr,
+    WORDS: tl.constexpr, COPY: tl.constexpr, QUEUE: tl.constexpr,
 ):  # fmt: skip
-    """The plain logits kernel, plus the fetch of each key block's candidates."""
+    """The plain logits kernel, plus each key block's candidates: fetched here (inline),
+    or (QUEUE) appended to a queue that a concurrent copy kernel drains."""
     b = tl.program_id(0)
     d = tl.arange(0, D)
     h = tl.arange(0, H)
@@ -153,7 +170,7 @@ def _fp8_logits_fetch_kernel(
     seq_len = tl.load(lens_ptr + b)
     theta = tl.load(theta_ptr + b)
     clock = tl.load(clock_ptr)
-    free0 = tl.load(free_count_ptr).to(tl.int64)  # only the last program writes it
+    free0 = tl.load(free_count_ptr).to(tl.int64)  # the settle launch writes it, after
     first = tl.program_id(1) * BLOCKS * BLOCK_N
     for i in range(BLOCKS):
         n = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,26 +183,110 @@ def _fp8_logits_fetch_kernel(
         over = live & (logits > theta)
         slot = tl.load(h2d_ptr + loc, mask=over, other=0)
         cand = over & (slot == ABSENT_ID)
-        if tl.sum(cand.to(tl.int32), 0) > 0:
-            _fetch_block(
-                b, loc, cand, cap, clock, free0, h2d_ptr, d2h_ptr, prio_ptr, free_stack_ptr,
-                host_ptr, dev_ptr, host_stride, dev_stride, counts_ptr, taken_ptr, ids_ptr,
-                slots_ptr, scratch_host, BLOCK_N=BLOCK_N, WORDS=WORDS, ABSENT_ID=ABSENT_ID,
+        c = cand.to(tl.int32)
+        found = tl.sum(c, 0)
+        if found > 0:
+            if QUEUE:  # one atomic per block; the copy kernel does the rest
+                at = tl.atomic_add(tail_ptr, found) + tl.cumsum(c, 0) - 1
+                tl.store(queue_ptr + at, loc, mask=cand & (at < qcap))
+            else:  # step 1 (the request's cap), then 2-4 here
+                idx = tl.atomic_add(counts_ptr + b, found) + tl.cumsum(c, 0) - 1
+                within = cand & (idx < cap)
+                _claim_copy(
+                    loc, within, b.to(tl.int64) * cap + idx, clock, free0, h2d_ptr, d2h_ptr,
+                    prio_ptr, free_stack_ptr, host_ptr, dev_ptr, host_stride, dev_stride,
+                    taken_ptr, ids_ptr, slots_ptr, cas_scratch_ptr,
+                    N=BLOCK_N, WORDS=WORDS, ABSENT_ID=ABSENT_ID, COPY=COPY,
+                )  # fmt: skip
+
+
+@triton.jit
+def _flag_kernel(done_ptr):
+    """Queued on the logits' stream after them: the queue is complete."""
+    tl.store(done_ptr, 1)
+
+
+@triton.jit
+def _copy_queue_kernel(
+    queue_ptr, tail_ptr, head_ptr, done_ptr, qcap, clock_ptr, free_count_ptr,
+    h2d_ptr, d2h_ptr, prio_ptr, free_stack_ptr, host_ptr, dev_ptr, host_stride, dev_stride,
+    taken_ptr, ids_ptr, slots_ptr, cas_scratch_ptr,
+    R: tl.constexpr, WORDS: tl.constexpr, ABSENT_ID: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+):  # fmt: skip
+    """A few programs, running beside the logits kernel: each takes R queue entries at a
+    time, waits until the logits kernel has written them (or has finished), and fetches
+    them (steps 2-4). Gives up after SPIN_LIMIT polls: what it leaves is only not
+    fetched (the resolve recalls it), never half-mapped."""
+    clock = tl.load(clock_ptr)
+    free0 = tl.load(free_count_ptr).to(tl.int64)
+    r = tl.arange(0, R)
+    running = 1
+    while running != 0:
+        i0 = tl.atomic_add(head_ptr, R)
+        g = i0 + r
+        if i0 >= qcap:
+            running = 0
+        else:
+            v = tl.full([R], -1, dtype=tl.int64)
+            live = g < 0
+            done = 0
+            waiting = 1
+            spins = 0
+            while waiting != 0:
+                v = tl.load(queue_ptr + g, mask=g < qcap, other=-1, volatile=True)
+                done = tl.load(done_ptr, volatile=True)
+                end = tl.minimum(tl.load(tail_ptr, volatile=True), qcap)
+                live = g < end
+                missing = tl.sum((live & (v < 0)).to(tl.int32), 0)
+                if (missing == 0) & ((i0 + R <= end) | (done != 0)):
+                    waiting = 0
+                spins += 1
+                if spins >= SPIN_LIMIT:
+                    waiting = 0
+                    running = 0
+            want = live & (v >= 0)
+            _claim_copy(
+                v, want, g.to(tl.int64), clock, free0, h2d_ptr, d2h_ptr, prio_ptr,
+                free_stack_ptr, host_ptr, dev_ptr, host_stride, dev_stride, taken_ptr, ids_ptr,
+                slots_ptr, cas_scratch_ptr, N=R, WORDS=WORDS, ABSENT_ID=ABSENT_ID, COPY=True,
             )  # fmt: skip
-    # The last program settles the step: free count, telemetry, kept counts, counters.
-    ticket = tl.atomic_add(done_ptr, 1)
-    if ticket == n_programs - 1:
-        took = tl.minimum(tl.atomic_xchg(taken_ptr, 0).to(tl.int64), free0)
-        tl.store(free_count_ptr, (free0 - took).to(tl.int32))
-        tl.store(fetched_ptr, tl.load(fetched_ptr) + took)
+            end_now = tl.minimum(tl.load(tail_ptr, volatile=True), qcap)
+            if (done != 0) & (i0 + R >= end_now):
+                running = 0
+
+
+@triton.jit
+def _settle_kernel(
+    free_count_ptr, fetched_ptr, counts_ptr, taken_ptr, kept_ptr, cap, batch,
+    queue_ptr, tail_ptr, head_ptr, done_ptr, qcap, ROWS: tl.constexpr, QUEUE: tl.constexpr,
+):  # fmt: skip
+    """After the fetch: the free count, telemetry, the kept counts; counters (and the
+    queue) back to their resting values."""
+    free0 = tl.load(free_count_ptr).to(tl.int64)
+    took = tl.minimum(tl.load(taken_ptr).to(tl.int64), free0)
+    tl.store(free_count_ptr, (free0 - took).to(tl.int32))
+    tl.store(fetched_ptr, tl.load(fetched_ptr) + took)
+    tl.store(taken_ptr, 0)
+    if QUEUE:  # one list of qcap lanes: kept[0] of them queued
+        end = tl.minimum(tl.load(tail_ptr), qcap)
+        tl.store(kept_ptr, end.to(tl.int64))
+        i0 = 0
+        while i0 < end:
+            i = i0 + tl.arange(0, ROWS)
+            tl.store(queue_ptr + i, tl.full([ROWS], -1, dtype=tl.int64), mask=i < end)
+            i0 += ROWS
+        tl.store(tail_ptr, 0)
+        tl.store(head_ptr, 0)
+        tl.store(done_ptr, 0)
+    else:
         r0 = 0
         while r0 < batch:
             r = r0 + tl.arange(0, ROWS)
-            live_r = r < batch
-            got = tl.atomic_xchg(counts_ptr + r, tl.zeros([ROWS], dtype=tl.int32), mask=live_r)
-            tl.store(kept_ptr + r, tl.minimum(got, cap).to(tl.int64), mask=live_r)
+            live = r < batch
+            got = tl.load(counts_ptr + r, mask=live, other=0)
+            tl.store(kept_ptr + r, tl.minimum(got, cap).to(tl.int64), mask=live)
+            tl.store(counts_ptr + r, tl.zeros([ROWS], dtype=tl.int32), mask=live)
             r0 += ROWS
-        tl.store(done_ptr, 0)
 
 
 # ---------------------------------------------------------------------------- launcher
@@ -222,6 +323,15 @@ def _check_fetch(batch: int, length: int, locs, seq_lens, theta, target, ws, cap
             raise ValueError(f"{name} is on {t.device}, seq_lens on {seq_lens.device}")
 
 
+FETCH_MODES = ("inline", "queue")
+# Copy programs of the queue mode: a bounded share of the SMs, so that the logits keep
+# the rest (a recall over every SM overlaps nothing; 33-66 programs hid most of a 10 MB
+# recall behind the logits on an H200).
+QUEUE_COPY_PROGRAMS = 48
+QUEUE_ROWS = 16  # queue entries a copy program takes at a time
+SPIN_LIMIT = 1 << 20  # polls before a copy program gives up (never reached in practice)
+
+
 def fp8_index_logits_fetch(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -239,39 +349,95 @@ def fp8_index_logits_fetch(
     blocks_per_program: int = DEFAULT_BLOCKS_PER_PROGRAM,
     keys_as_m: bool = True,
     precise_acc: int = 32,
+    copy_rows: bool = True,
+    mode: str = "inline",
+    copy_programs: int = QUEUE_COPY_PROGRAMS,
 ) -> torch.Tensor:
     """:func:`kernels.indexer.fp8_index_logits` (same arguments, bit-identical logits) that
-    also fetches each request's candidates (logit > theta[b], not resident), at most
-    ``cap`` per request, into free slots of ``target`` (see the module docstring). One
-    launch, fixed shapes, no host synchronisation. ``ws`` gets the lists of what was
-    fetched (telemetry: :func:`count_fetch_hits`)."""
+    also fetches candidates (logit > theta[b], not resident) into free slots of ``target``
+    (see the module docstring), without host synchronisation:
+
+    - ``mode="inline"``: at most ``cap`` per request, by the logits kernel's programs;
+      then a one-program settle launch.
+    - ``mode="queue"``: the logits kernel appends candidates to a queue (at most
+      ``max_rows * cap`` in all) that ``copy_programs`` programs drain concurrently, on a
+      side stream on CUDA (fork and join by events: capturable); ``ws.ready`` is the event
+      the maps and rows are complete at, which the resolve must wait for.
+
+    ``ws`` gets the lists of what was fetched (telemetry: :func:`count_fetch_hits`).
+    ``copy_rows=False`` (inline, benchmarks only: the fetch's cost without its copies)
+    maps the slots but leaves their rows stale."""
+    if mode not in FETCH_MODES:
+        raise ValueError(f"mode must be one of {FETCH_MODES}, got {mode!r}")
     if keys.stride(1) != 1:
         raise ValueError("keys need unit stride along D")
     _check(q, weights, keys, key_scales, locs, seq_lens)
     batch, heads, dim = q.shape
     length = locs.shape[1]
     _check_fetch(batch, length, locs, seq_lens, theta, target, ws, cap)
+    queue = mode == "queue"
+    ws.lists_shape = (1, ws.queue.numel()) if queue else (batch, cap)
+    ws.ready = None
     if length == 0 or batch == 0:
         ws.kept.zero_()
         return fp8_index_logits(q, weights, keys, key_scales, locs, seq_lens)
+    if max(block_n, QUEUE_ROWS) > ws.cas_scratch.numel():
+        raise ValueError(f"block_n {block_n} exceeds the workspace's {ws.cas_scratch.numel()}")
     host_w, dev_w = _as_words(target.host_rows), _as_words(target.dev_rows)
     if host_w.shape[1] != dev_w.shape[1]:
         raise ValueError("host and device rows must have the same width")
     out = torch.empty(batch, length, dtype=torch.float32, device=q.device)
     grid = (batch, triton.cdiv(length, block_n * blocks_per_program))
     t = target
-    _fp8_logits_fetch_kernel[grid](
-        q.contiguous(), weights.contiguous().float(), keys, key_scales, locs, seq_lens, out,
-        theta.contiguous(), t.host_to_device, t.device_to_host, t.priority, t.clock,
-        t.free_stack, t.free_count, t.fetched, host_w, dev_w, ws.request_counts, ws.taken,
-        ws.done, ws.ids, ws.slots, ws.kept, length, keys.stride(0), key_scales.stride(0),
-        locs.stride(0), out.stride(0), host_w.stride(0), dev_w.stride(0), cap, batch,
-        grid[0] * grid[1], t.scratch_host,
-        H=heads, D=dim, BLOCK_N=block_n, BLOCKS=blocks_per_program, PRECISE_ACC=precise_acc,
-        KEYS_AS_M=keys_as_m, ABSENT_ID=ABSENT, WORDS=host_w.shape[1],
-        ROWS=min(1024, triton.next_power_of_2(batch)), num_warps=num_warps,
-        num_stages=num_stages,
-    )  # fmt: skip
+    qcap = ws.queue.numel()
+    maps = (t.host_to_device, t.device_to_host, t.priority)
+
+    def logits() -> None:
+        _fp8_logits_fetch_kernel[grid](
+            q.contiguous(), weights.contiguous().float(), keys, key_scales, locs, seq_lens,
+            out, theta.contiguous(), *maps, t.clock, t.free_stack, t.free_count, host_w,
+            dev_w, ws.request_counts, ws.taken, ws.ids, ws.slots, ws.cas_scratch, ws.queue,
+            ws.tail, qcap, length, keys.stride(0), key_scales.stride(0), locs.stride(0),
+            out.stride(0), host_w.stride(0), dev_w.stride(0), cap,
+            H=heads, D=dim, BLOCK_N=block_n, BLOCKS=blocks_per_program,
+            PRECISE_ACC=precise_acc, KEYS_AS_M=keys_as_m, ABSENT_ID=ABSENT,
+            WORDS=host_w.shape[1], COPY=copy_rows, QUEUE=queue, num_warps=num_warps,
+            num_stages=num_stages,
+        )  # fmt: skip
+
+    def copy_queue() -> None:
+        _copy_queue_kernel[(max(1, copy_programs),)](
+            ws.queue, ws.tail, ws.head, ws.done, qcap, t.clock, t.free_count, *maps,
+            t.free_stack, host_w, dev_w, host_w.stride(0), dev_w.stride(0), ws.taken, ws.ids,
+            ws.slots, ws.cas_scratch, R=QUEUE_ROWS, WORDS=host_w.shape[1], ABSENT_ID=ABSENT,
+            SPIN_LIMIT=SPIN_LIMIT, num_warps=4,
+        )  # fmt: skip
+
+    def settle() -> None:
+        _settle_kernel[(1,)](
+            t.free_count, t.fetched, ws.request_counts, ws.taken, ws.kept, cap, batch,
+            ws.queue, ws.tail, ws.head, ws.done, qcap, ROWS=1024, QUEUE=queue,
+        )  # fmt: skip
+
+    if not queue:
+        logits()
+        settle()
+    elif q.device.type != "cuda":  # the interpreter runs launches in order: drain after
+        logits()
+        _flag_kernel[(1,)](ws.done)
+        copy_queue()
+        settle()
+    else:
+        main, side = torch.cuda.current_stream(q.device), ws.side_stream()
+        side.wait_stream(main)  # fork: the maps and counters as the stream left them
+        with torch.cuda.stream(side):
+            copy_queue()  # polls while the logits run
+        logits()
+        _flag_kernel[(1,)](ws.done)
+        with torch.cuda.stream(side):
+            settle()
+            ws.ready = torch.cuda.Event()
+            ws.ready.record(side)
     return out
 
 
@@ -297,6 +463,7 @@ def decode_fetch_reference(
     t = target
     ws.ids.fill_(-1)
     ws.kept.zero_()
+    ws.lists_shape, ws.ready = (batch, cap), None
     if length == 0 or batch == 0:
         return
     locs = locs[:, :length].to(torch.int64)

@@ -240,8 +240,9 @@ class LightningIndexer(nn.Module):
 
                 # Candidate rows move while the logits are computed, in the same kernel.
                 scores = fp8_index_logits_fetch(
-                    q, weights, keys, scales, ctx, lens32, theta, target, prefetch.workspace, cap
-                )
+                    q, weights, keys, scales, ctx, lens32, theta, target, prefetch.workspace, cap,
+                    mode=prefetch.mode,
+                )  # fmt: skip
             else:
                 scores = fp8_index_logits(q, weights, keys, scales, ctx, lens32)
         else:
@@ -251,7 +252,7 @@ class LightningIndexer(nn.Module):
 
                 decode_fetch_reference(scores, ctx, lens, theta, target, prefetch.workspace, cap)
         if prefetch is not None:
-            prefetch.fetched(layer, q.shape[0], cap)
+            prefetch.fetched(layer)
         pos, kth = exact_topk(
             scores, batch.positions, self.topk, use_kernels(q), prefetch is not None,
             self.topk_backend,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_echo.kernels.decode_prefetch import FetchTarget, FetchWorkspace
+from sglang_echo.kernels.decode_prefetch import FETCH_MODES, FetchTarget, FetchWorkspace
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.predictor import DecodeThresholdPredictor
 
@@ -26,6 +26,7 @@ from sglang_echo.offload.predictor import DecodeThresholdPredictor
 # a request misses ~(1 - hit rate) x 2048 of its selections, so 512 covers hit rates
 # down to ~0.75 while bounding what a bad threshold can waste in one step.
 DEFAULT_DECODE_PREFETCH_CAP = 512
+DEFAULT_FETCH_MODE = "queue"
 
 
 class DecodePrefetcher:
@@ -35,10 +36,17 @@ class DecodePrefetcher:
         max_rows: int,
         cap: int = DEFAULT_DECODE_PREFETCH_CAP,
         alpha: float = 0.5,
+        mode: str = DEFAULT_FETCH_MODE,
     ) -> None:
         if cap < 1:
             raise ValueError(f"decode prefetch cap must be >= 1 candidate per request, got {cap}")
+        if mode not in FETCH_MODES:
+            raise ValueError(f"decode fetch mode must be one of {FETCH_MODES}, got {mode!r}")
         self.manager = manager
+        # How the fp8 logits kernel fetches (kernels/decode_prefetch.py): "queue", a
+        # concurrent copy kernel on a bounded grid drains a queue the logits fill; or
+        # "inline", the logits programs copy.
+        self.mode = mode
         self.cap = int(cap)
         self.max_rows = int(max_rows)
         layers = manager.cache.num_layers
@@ -62,9 +70,9 @@ class DecodePrefetcher:
         """What the layer's fetch writes (maps, free stack, rows) and reads (host rows)."""
         return self.manager.fetch_target(layer)
 
-    def fetched(self, layer: int, requests: int, cap: int) -> None:
-        """The layer's fetch ran for ``requests`` requests of ``cap`` candidates each."""
-        self.manager.fetched(layer, self.workspace, requests, cap)
+    def fetched(self, layer: int) -> None:
+        """The layer's fetch ran (into ``workspace``)."""
+        self.manager.fetched(layer, self.workspace)
 
     def observe(self, layer: int, kth: torch.Tensor, rows: torch.Tensor) -> None:
         """This step's exact k-th scores [B] (-inf: fewer than k visible keys) of the

@@ -82,8 +82,8 @@ class EchoManager:
         self._prefetch_workspace: AllocWorkspace | None = None
         self._side_stream: torch.cuda.Stream | None = None
         self._pending: dict[int, _PendingPrefetch] = {}
-        # Decode fetches not yet resolved: (workspace, requests, cap) per layer (telemetry).
-        self._fetched: dict[int, tuple[FetchWorkspace, int, int]] = {}
+        # Decode fetches not yet resolved, per layer: their workspace (lists, ready event).
+        self._fetched: dict[int, FetchWorkspace] = {}
         i64 = dict(dtype=torch.int64, device=self.device)
         self.prefetched_rows = torch.zeros(cache.num_layers, **i64)  # rows prefetched
         self.prefetch_hits = torch.zeros(cache.num_layers, **i64)  # ... and then selected
@@ -153,6 +153,9 @@ class EchoManager:
         self._check_lanes("resolve", locs.numel())
         pending = self._pending.pop(layer, None)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        fetched = self._fetched.pop(layer, None)
+        if fetched is not None and fetched.ready is not None:
+            stream.wait_event(fetched.ready)  # the fetch's maps and rows
         if pending is not None and pending.allocated is not None:
             stream.wait_event(pending.allocated)  # the maps as the prefetch left them
         alloc = self._allocate(layer, locs.reshape(-1).to(torch.int64), append=False)
@@ -163,12 +166,12 @@ class EchoManager:
         self._recall(layer, alloc)
         if pending is not None:
             self._count_prefetch_hits(layer, pending)
-        fetched = self._fetched.pop(layer, None)
         if fetched is not None:
             c = self.cache
             count_fetch_hits(
-                *fetched, c.device_to_host[layer], c.priority[layer], c.clock[layer : layer + 1],
-                self.prefetch_hits[layer : layer + 1], use_kernel=self.use_kernels,
+                fetched, *fetched.lists_shape, c.device_to_host[layer], c.priority[layer],
+                c.clock[layer : layer + 1], self.prefetch_hits[layer : layer + 1],
+                use_kernel=self.use_kernels,
             )  # fmt: skip
         return alloc.slots.view(locs.shape)
 
@@ -186,10 +189,10 @@ class EchoManager:
             host, c.rows[layer], self.prefetched_rows[layer : layer + 1], c.scratch_host,
         )  # fmt: skip
 
-    def fetched(self, layer: int, ws: FetchWorkspace, requests: int, cap: int) -> None:
-        """A decode fetch into ``layer`` ran (its lists in ``ws``): the coming resolve counts
-        how many fetched rows it selected."""
-        self._fetched[layer] = (ws, requests, cap)
+    def fetched(self, layer: int, ws: FetchWorkspace) -> None:
+        """A decode fetch into ``layer`` ran (its lists and ready event in ``ws``): the
+        coming resolve waits for it and counts how many fetched rows it selected."""
+        self._fetched[layer] = ws
 
     def _recall(self, layer: int, alloc: Allocation) -> None:
         """Copy the rows of the served misses (the first ``miss_count`` of the list)."""
@@ -303,6 +306,9 @@ class EchoManager:
 
     def _join(self, layer: int) -> None:
         """Wait (on the device) for a prefetch of ``layer`` that no resolve joined."""
+        fetched = self._fetched.pop(layer, None)
+        if fetched is not None and fetched.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(fetched.ready)
         pending = self._pending.pop(layer, None)
         if pending is not None and pending.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(pending.copied)
