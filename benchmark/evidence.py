@@ -860,6 +860,15 @@ EVIDENCE: tuple[Row, ...] = (
             "a decode step's management is the resolve's (its new tokens go to the host pool); with the append's "
             "allocation as before {metrics.us_per_layer_step_with_append:us} us",
             "eviction reserve {metrics.eviction_reserve:n} slots (the default)",
+            "?batch 1 with nothing evicted (the default path: one program up to {metrics.one_program_lanes:n} lanes): "
+            "{metrics.us_per_layer_step_batch_1_no_eviction:us} us per layer-step, target "
+            "{metrics.target_us_batch_1_no_eviction:us} us; the resolve in one program against the five launches: "
+            "{metrics.one_program_study.batch_1.one_program_no_pressure_us:us} vs "
+            "{metrics.one_program_study.batch_1.pipeline_no_pressure_us:us} us at batch 1, "
+            "{metrics.one_program_study.batch_2.one_program_no_pressure_us:us} vs "
+            "{metrics.one_program_study.batch_2.pipeline_no_pressure_us:us} us at batch 2, "
+            "{metrics.one_program_study.batch_8.one_program_no_pressure_us:us} vs "
+            "{metrics.one_program_study.batch_8.pipeline_no_pressure_us:us} us at batch 8",
             "at batch 1 without pressure, append + resolve: {metrics.launch_chaining.unchained_acq_rel.batch_1_no_pressure_management_us:us}"
             " us with plain launches and ordered atomics, {metrics.launch_chaining.unchained_relaxed.batch_1_no_pressure_management_us:us}"
             " us relaxed, {metrics.launch_chaining.chained_relaxed.batch_1_no_pressure_management_us:us} us chained and relaxed (the "

@@ -208,23 +208,19 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
     print(json.dumps(reports, indent=1))
 
 
-def test_fetching_logits_bit_identical_at_deepseek_shapes():
-    """The decode fetch kernel (logits + fetch during the logits) against the plain logits
-    kernel at DeepSeek-V3.2 indexer shapes (64 heads x 128 dims, 656-byte rows), compiled
-    for this GPU: the same logits bit for bit, the reference's per-request candidate
-    counts, and every fetched row a byte copy of its host row behind consistent maps."""
+def test_fused_prefetch_logits_bit_identical_at_deepseek_shapes():
+    """The fused decode kernel (logits + prefetch flags) against the plain logits kernel at
+    DeepSeek-V3.2 indexer shapes (64 heads x 128 dims), compiled for this GPU: the same
+    logits bit for bit, and the reference's candidates."""
+    from sglang_echo.kernels.cache_layout import ABSENT
     from sglang_echo.kernels.decode_prefetch import (
-        FetchWorkspace,
-        decode_fetch_reference,
-        fp8_index_logits_fetch,
+        decode_prefetch_reference,
+        fp8_index_logits_prefetch,
     )
     from sglang_echo.kernels.indexer import fp8_index_logits
-    from sglang_echo.offload.device_cache import DeviceCache
-    from sglang_echo.offload.host_pool import HostKVPool
-    from sglang_echo.offload.manager import EchoManager
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    batch, heads, dim, length, cap = 16, 64, 128, 8192, 512
+    batch, heads, dim, length = 16, 64, 128, 8192
     n_keys = batch * length + 2
     q = torch.randn(batch, heads, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
     keys = torch.randn(n_keys, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
@@ -234,38 +230,15 @@ def test_fetching_logits_bit_identical_at_deepseek_shapes():
     locs = locs.view(batch, length)
     lens = torch.randint(length // 2, length + 1, (batch,), device="cuda", generator=g)
     lens = lens.to(torch.int32)
-    lens[0] = length  # row 0 (theta -inf) has ~10% of 8192 keys absent: the cap binds
-
-    def manager() -> EchoManager:
-        host = HostKVPool(1, n_keys, 656, torch.uint8, pin=True)
-        host.rows[0].copy_(torch.randint(0, 256, host.rows[0].shape, dtype=torch.uint8))
-        m = EchoManager(host, DeviceCache(1, 140_000, n_keys, 656, torch.uint8, "cuda"))
-        resident = torch.randperm(n_keys, device="cuda", generator=g)[: int(0.9 * n_keys)] + 1
-        resident = resident[resident <= n_keys]
-        m.append(0, resident, host.device_view[0][resident])
-        return m
-
-    ker, ref = manager(), manager()
-    ref.cache.host_to_device.copy_(ker.cache.host_to_device)  # the same residency
-    for name in ("device_to_host", "priority", "free_stack", "free_count", "rows"):
-        getattr(ref.cache, name).copy_(getattr(ker.cache, name))
-    free0 = int(ker.cache.free_count[0])
+    lens[0] = length  # row 0 (theta -inf) flags ~10% of 8192 absent keys: the cap binds
+    resident = torch.rand(n_keys, device="cuda", generator=g) < 0.9
+    ids = torch.arange(n_keys, device="cuda", dtype=torch.int32)
+    h2d = torch.where(resident, ids, torch.full_like(ids, ABSENT))
     plain = fp8_index_logits(q, w, keys, scales, locs, lens)
     theta = plain.sort(1, descending=True).values[:, 2047].contiguous()
     theta[0] = float("-inf")
-    ws_k, ws_r = FetchWorkspace(batch, cap, "cuda"), FetchWorkspace(batch, cap, "cuda")
-    got = fp8_index_logits_fetch(
-        q, w, keys, scales, locs, lens, theta, ker.fetch_target(0), ws_k, cap
-    )
+    got, cand = fp8_index_logits_prefetch(q, w, keys, scales, locs, lens, theta, h2d, 512)
     assert torch.equal(got, plain)
-    decode_fetch_reference(got, locs, lens, theta, ref.fetch_target(0), ws_r, cap)
-    assert torch.equal(ws_k.kept[:batch], ws_r.kept[:batch])
-    assert int(ws_k.kept[0]) == cap and int(ws_k.kept[1:].min()) > 0
-    took = free0 - int(ker.cache.free_count[0])
-    assert took == free0 - int(ref.cache.free_count[0]) == int(ker.prefetched_rows[0]) > 0
-    c = ker.cache
-    fetched = ws_k.ids[ws_k.ids >= 0]
-    slots = c.host_to_device[0][fetched].long()
-    assert torch.equal(c.device_to_host[0][slots].long(), fetched)
-    assert torch.equal(c.rows[0][slots], ker.host.device_view[0][fetched])
-    assert fetched.numel() == took
+    ref = decode_prefetch_reference(got, locs, lens, theta, h2d, 512)
+    assert torch.equal(cand.ids, ref.ids) and torch.equal(cand.counts, ref.counts)
+    assert int(cand.counts[0]) == 512 and int(cand.counts[1:].min()) > 0

@@ -1,9 +1,8 @@
-"""Decode prefetch (kernels/decode_prefetch.py): the fp8 logits kernel that fetches
-candidates while it scores leaves the logits bit-identical to the plain kernel and the
-cache in the reference's state (up to which candidates win a contended cap or the last
-free slots); fetched rows are byte copies of their host rows and the maps stay a
-bijection. Manager-level prefetch (prefill's side-stream path, EchoManager.prefetch) and
-the step's epilogue kernels too. Triton runs under the interpreter on CPU."""
+"""Decode intra-query prefetch (kernels/decode_prefetch.py, EchoManager.prefetch): the fused
+fp8 logits kernel leaves the logits bit-identical to the plain kernel and flags exactly
+the reference's candidates; candidates are misses above theta, in position order, capped;
+a prefetch followed by the resolve leaves every selected row byte-equal to its host row,
+with kernels and reference in the same state. Triton runs under the interpreter on CPU."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ import torch
 
 from sglang_echo.kernels.cache_layout import ABSENT
 from sglang_echo.kernels.decode_prefetch import (
-    FetchWorkspace,
-    decode_fetch_reference,
-    fp8_index_logits_fetch,
+    decode_prefetch_reference,
+    fp8_index_logits_prefetch,
 )
 from sglang_echo.kernels.indexer import fp8_index_logits
 from sglang_echo.kernels.topk import select_topk
@@ -29,45 +27,18 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 STATE = ("host_to_device", "device_to_host", "priority", "free_stack", "free_count", "clock")
 
 
-@pytest.fixture(params=["forward", "reversed"])
-def program_order(request, monkeypatch):
-    """The interpreter runs programs in order; reversed, the ticket that settles the step
-    falls to another program and contended candidates go to other requests."""
-    if request.param == "reversed":
-        if DEV != "cpu":
-            pytest.skip("program order is the hardware's on a GPU")
-        from triton.runtime import interpreter
-
-        builder = interpreter.interpreter_builder
-        original = type(builder).set_grid_idx
-
-        def reversed_idx(self, x, y, z):
-            original(self, self.grid_dim[0] - 1 - x, self.grid_dim[1] - 1 - y, z)
-
-        monkeypatch.setattr(type(builder), "set_grid_idx", reversed_idx)
-    return request.param
-
-
-def _inputs(
-    seed: int, batch: int = 3, heads: int = 16, dim: int = 32, length: int = 150,
-    shared: bool = False,
-):  # fmt: skip
-    """Requests own disjoint host ids, as in decode; ``shared``: their ids overlap (two
-    requests may fetch the same id: one claim wins)."""
+def _inputs(seed: int, batch: int = 3, heads: int = 16, dim: int = 32, length: int = 150):
     g = torch.Generator().manual_seed(seed)
     n_keys = batch * length + 2
     q = (torch.randn(batch, heads, dim, generator=g) * 2).to(torch.float8_e4m3fn)
     keys = (torch.randn(n_keys, dim, generator=g) * 2).to(torch.float8_e4m3fn)
     scales = torch.rand(n_keys, generator=g) + 0.5
     weights = torch.randn(batch, heads, generator=g)
-    if shared:
-        locs = torch.stack(
-            [torch.randperm(n_keys - 2, generator=g)[:length] + 1 for _ in range(batch)]
-        )
-    else:
-        locs = (torch.randperm(n_keys - 2, generator=g)[: batch * length] + 1).view(batch, -1)
+    locs = torch.stack([torch.randperm(n_keys - 2, generator=g)[:length] + 1 for _ in range(batch)])
     seq_lens = torch.tensor([length, length // 2 + 3, 17][:batch], dtype=torch.int32)
-    return tuple(t.to(DEV) for t in (q, weights, keys, scales, locs, seq_lens))
+    resident = torch.rand(n_keys, generator=g) < 0.4
+    h2d = torch.where(resident, torch.arange(n_keys, dtype=torch.int32), ABSENT).to(torch.int32)
+    return tuple(t.to(DEV) for t in (q, weights, keys, scales, locs, seq_lens, h2d))
 
 
 def _thetas(logits: torch.Tensor, lens: torch.Tensor, quantile: float) -> torch.Tensor:
@@ -77,143 +48,86 @@ def _thetas(logits: torch.Tensor, lens: torch.Tensor, quantile: float) -> torch.
     return torch.tensor(values, dtype=torch.float32, device=logits.device)
 
 
-def _cache_manager(n_keys: int, slots: int, seed: int, use_kernels: bool) -> EchoManager:
-    """A one-layer cache over ``n_keys`` host ids with distinct rows, 40% of the ids
-    resident (appended), the rest of the slots free."""
-    g = torch.Generator().manual_seed(seed)
-    host = HostKVPool(1, n_keys, 8, torch.float32, pin=DEV == "cuda")
-    cache = DeviceCache(1, slots, n_keys, 8, torch.float32, DEV)
-    m = EchoManager(host, cache, use_kernels=use_kernels)
-    rows = torch.randn(n_keys + 1, 8, generator=g)
-    m.write_host(0, torch.arange(1, n_keys + 1, device=DEV), rows[1:].to(DEV))
-    resident = (torch.randperm(n_keys, generator=g)[: int(0.4 * n_keys)] + 1).to(DEV)
-    m.append(0, resident, rows[resident.cpu()].to(DEV))
-    return m
-
-
-def _fetched_lists(ws: FetchWorkspace, batch: int, cap: int) -> list[list[int]]:
-    return [ws.ids[b * cap : b * cap + int(ws.kept[b])].tolist() for b in range(batch)]
-
-
-def _assert_consistent(m: EchoManager, before_free: int, host: torch.Tensor) -> None:
-    """Maps a bijection over resident ids, fetched rows byte-equal to their host rows,
-    the free stack's untouched bottom where it was."""
-    c = m.cache
-    h2d, d2h = c.host_to_device[0], c.device_to_host[0]
-    ids = (h2d != ABSENT).nonzero().squeeze(1)
-    ids = ids[ids <= c.host_tokens]
-    slots = h2d[ids].long()
-    assert (slots >= 0).all(), "a claim was left PENDING"
-    assert torch.equal(d2h[slots].long(), ids)
-    assert len(set(slots.tolist())) == len(slots)
-    assert torch.equal(c.rows[0][slots].cpu(), host[ids.cpu()])
-    free = int(c.free_count[0])
-    assert free <= before_free
-    used = set(c.free_stack[0, free:before_free].tolist())
-    assert used <= set(slots.tolist()) and len(used) == before_free - free
-
-
-@pytest.fixture(params=["inline", "queue"])
-def mode(request) -> str:
-    return request.param
+def _assert_candidates_valid(cand, scores, locs, lens, theta, h2d, cap) -> None:
+    """ids[:count] are exactly the first `cap` positions (in order) scoring above theta and
+    absent; the rest of each row is -1."""
+    for b in range(scores.shape[0]):
+        n = int(lens[b])
+        flagged = [
+            int(locs[b, p])
+            for p in range(n)
+            if scores[b, p] > theta[b] and int(h2d[int(locs[b, p])]) == ABSENT
+        ]
+        count = int(cand.counts[b])
+        assert count == min(len(flagged), cap) <= cap
+        assert cand.ids[b, :count].tolist() == flagged[:cap]
+        assert (cand.ids[b, count:] == -1).all()
 
 
 @pytest.mark.parametrize(
-    ("block_n", "blocks", "keys_as_m", "cap", "quantile", "slots", "shared"),
+    ("block_n", "blocks", "keys_as_m", "compact_tile", "cap", "quantile"),
     [
-        (16, 1, True, 200, 0.8, 600, False),  # nothing binds: the reference's fetch exactly
-        (32, 2, False, 5, 0.5, 600, True),  # the cap binds every row; ids shared
-        (16, 4, True, 200, 0.6, 230, False),  # the free slots run out
+        (16, 1, True, 32, 40, 0.8),  # many compaction tiles, cap above row 0's count
+        (32, 2, False, 64, 5, 0.5),  # cap cuts every flagged row short
+        (16, 4, True, 2048, 200, 0.95),  # one tile, programs walking several blocks
     ],
-    ids=["unbound", "cap-binds-shared-ids", "slots-run-out"],
 )
-def test_fetch_kernel_logits_bit_identical_and_state_matches_reference(
-    block_n, blocks, keys_as_m, cap, quantile, slots, shared, program_order, mode
+def test_fused_kernel_logits_bit_identical_and_flags_match_reference(
+    block_n, blocks, keys_as_m, compact_tile, cap, quantile
 ):
-    q, w, keys, scales, locs, lens = _inputs(0, shared=shared)
-    n_keys = keys.shape[0] - 1
-    plain = fp8_index_logits(q, w, keys, scales, locs, lens, block_n, 4, 1, blocks, keys_as_m)
+    q, w, keys, scales, locs, lens, h2d = _inputs(block_n + blocks)
+    params = dict(block_n=block_n, blocks_per_program=blocks, keys_as_m=keys_as_m)
+    plain = fp8_index_logits(q, w, keys, scales, locs, lens, **params)
     theta = _thetas(plain, lens, quantile)
-    ker = _cache_manager(n_keys, slots, 1, use_kernels=True)
-    ref = _cache_manager(n_keys, slots, 1, use_kernels=False)
-    free0 = int(ker.cache.free_count[0])
-    ws_k = FetchWorkspace(3, cap, torch.device(DEV))
-    got = fp8_index_logits_fetch(
-        q, w, keys, scales, locs, lens, theta, ker.fetch_target(0), ws_k, cap,
-        block_n=block_n, num_stages=1, blocks_per_program=blocks, keys_as_m=keys_as_m,
-        mode=mode,
-    )  # fmt: skip
-    assert torch.equal(got, plain)
-    # The queue mode caps the step's candidates (3 x cap in all), not each request's.
-    ref_cap = cap if mode == "inline" else 3 * cap
-    ws_r = FetchWorkspace(3, ref_cap, torch.device(DEV))
-    decode_fetch_reference(got, locs, lens, theta, ref.fetch_target(0), ws_r, ref_cap)
-    host = ker.host.rows[0]
-    _assert_consistent(ker, free0, host)
-    _assert_consistent(ref, free0, host)
-    took = free0 - int(ker.cache.free_count[0])
-    assert took == int(ker.prefetched_rows[0]) > 0
-    lists, lanes = ws_k.lists_shape
-    k_lists = _fetched_lists(ws_k, lists, lanes)
-    r_lists = _fetched_lists(ws_r, 3, ref_cap)
-    k_all = sorted(i for x in k_lists for i in x if i >= 0)
-    assert len(k_all) == took == len(set(k_all))
-    if mode == "inline" and not shared:  # what each request asked for: order-free
-        assert torch.equal(ws_k.kept[:3], ws_r.kept[:3])
-    cands = set()
-    for b in range(3):
-        n = int(lens[b])
-        cands |= {int(locs[b, p]) for p in range(n) if plain[b, p] > theta[b]}
-    assert set(k_all) <= cands  # every fetch a candidate
-    unbound = not shared and slots == 600 and (cap == 200 or mode == "queue")
-    if unbound:  # nothing contended: the reference's fetch
-        assert k_all == sorted(i for x in r_lists for i in x if i >= 0)
-        resident_k = ker.cache.host_to_device[0] != ABSENT
-        assert torch.equal(resident_k, ref.cache.host_to_device[0] != ABSENT)
-        assert took == free0 - int(ref.cache.free_count[0])
-    if mode == "inline":
-        assert all(len(x) <= cap for x in k_lists)
-    assert int(ws_k.request_counts.abs().sum()) == int(ws_k.taken) == 0
-    assert int(ws_k.tail) == int(ws_k.head) == int(ws_k.done) == 0
-    assert bool((ws_k.queue == -1).all())
-    if slots == 230:
-        assert int(ker.cache.free_count[0]) == 0  # every free slot went to a candidate
+    got, cand = fp8_index_logits_prefetch(
+        q, w, keys, scales, locs, lens, theta, h2d, cap, compact_tile=compact_tile, **params
+    )
+    assert torch.equal(got, plain)  # the prefetch never changes the logits
+    ref = decode_prefetch_reference(got, locs, lens, theta, h2d, cap)
+    assert torch.equal(cand.ids, ref.ids) and torch.equal(cand.counts, ref.counts)
+    _assert_candidates_valid(cand, got.cpu(), locs.cpu(), lens.cpu(), theta.cpu(), h2d.cpu(), cap)
+    counts = cand.counts.tolist()
+    assert counts[0] > 0 and counts[1] > 0 and counts[2] == 0  # -inf flags, +inf does not
 
 
-def test_fetch_twice_finds_the_first_fetch_resident():
-    """The counters reset: a second fetch of the same step's candidates fetches nothing."""
-    q, w, keys, scales, locs, lens = _inputs(2)
-    plain = fp8_index_logits(q, w, keys, scales, locs, lens)
-    theta = _thetas(plain, lens, 0.7)
-    m = _cache_manager(keys.shape[0] - 1, 600, 3, use_kernels=True)
-    ws = FetchWorkspace(3, 64, torch.device(DEV))
-    fp8_index_logits_fetch(q, w, keys, scales, locs, lens, theta, m.fetch_target(0), ws, 64)
-    first = int(m.prefetched_rows[0])
-    assert first > 0
-    fp8_index_logits_fetch(q, w, keys, scales, locs, lens, theta, m.fetch_target(0), ws, 64)
-    assert int(m.prefetched_rows[0]) == first and int(ws.kept[:3].sum()) == 0
+def test_fused_kernel_with_zero_cap_is_the_plain_kernel():
+    q, w, keys, scales, locs, lens, h2d = _inputs(7, length=40)
+    theta = torch.full((3,), float("-inf"), device=DEV)
+    got, cand = fp8_index_logits_prefetch(q, w, keys, scales, locs, lens, theta, h2d, 0)
+    assert torch.equal(got, fp8_index_logits(q, w, keys, scales, locs, lens))
+    assert cand.ids.shape == (3, 0) and cand.counts.tolist() == [0, 0, 0]
 
 
-def test_fetch_bad_inputs_say_what_to_change():
-    q, w, keys, scales, locs, lens = _inputs(0)
-    m = _cache_manager(keys.shape[0] - 1, 600, 1, use_kernels=True)
+@pytest.mark.parametrize("seed", range(4))
+def test_reference_candidates_are_capped_absent_misses_above_theta(seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    batch, length, n_ids = rng.randint(1, 5), rng.randint(1, 300), 700
+    scores = torch.randn(batch, length, generator=g).to(rng.choice([torch.float32, torch.bfloat16]))
+    locs = torch.stack([torch.randperm(n_ids - 2, generator=g)[:length] + 1 for _ in range(batch)])
+    lens = torch.randint(0, length + 1, (batch,), generator=g)
+    theta = torch.randn(batch, generator=g)
+    theta[rng.randrange(batch)] = rng.choice([float("-inf"), float("inf"), 0.0])
+    resident = torch.rand(n_ids, generator=g) < rng.random()
+    h2d = torch.where(resident, torch.arange(n_ids, dtype=torch.int32), ABSENT).to(torch.int32)
+    cap = rng.randint(1, 64)
+    cand = decode_prefetch_reference(scores, locs, lens, theta, h2d, cap)
+    _assert_candidates_valid(cand, scores, locs, lens, theta, h2d, cap)
+
+
+def test_bad_inputs_say_what_to_change():
+    q, w, keys, scales, locs, lens, h2d = _inputs(1, length=20)
     theta = torch.zeros(3, device=DEV)
-    t = m.fetch_target(0)
-    small = FetchWorkspace(2, 4, torch.device(DEV))
-    with pytest.raises(ValueError, match="workspace"):
-        fp8_index_logits_fetch(q, w, keys, scales, locs, lens, theta, t, small, 4)
-    ws = FetchWorkspace(3, 4, torch.device(DEV))
-    with pytest.raises(ValueError, match="workspace"):
-        fp8_index_logits_fetch(q, w, keys, scales, locs, lens, theta, t, ws, 8)
-    with pytest.raises(ValueError, match="theta"):
-        fp8_index_logits_fetch(q, w, keys, scales, locs, lens, theta.double(), t, ws, 4)
-    with pytest.raises(ValueError, match="host_to_device"):
-        bad = t._replace(host_to_device=t.host_to_device.long())
-        fp8_index_logits_fetch(q, w, keys, scales, locs, lens, theta, bad, ws, 4)
-    with pytest.raises(ValueError, match="scores"):
-        decode_fetch_reference(theta, locs, lens, theta, t, ws, 4)
-    with pytest.raises(ValueError, match="max_rows"):
-        FetchWorkspace(0, 4, torch.device(DEV))
+    with pytest.raises(ValueError, match="theta must be"):
+        fp8_index_logits_prefetch(q, w, keys, scales, locs, lens, theta.double(), h2d, 4)
+    with pytest.raises(ValueError, match="int32 map"):
+        fp8_index_logits_prefetch(q, w, keys, scales, locs, lens, theta, h2d.long(), 4)
+    with pytest.raises(ValueError, match="cap must be"):
+        decode_prefetch_reference(theta.view(3, 1), locs, lens, theta, h2d, -1)
+    with pytest.raises(ValueError, match="compact_tile"):
+        fp8_index_logits_prefetch(
+            q, w, keys, scales, locs, lens, theta, h2d, 4, block_n=32, compact_tile=16
+        )
 
 
 def test_select_topk_reports_the_kth_score():
@@ -352,7 +266,10 @@ def test_threshold_kernel_matches_the_predictor_bit_for_bit(alpha):
 
 
 def test_prefetch_hit_count_kernel_matches_reference():
-    from sglang_echo.kernels.decode_prefetch import count_prefetch_hits
+    from sglang_echo.kernels.decode_prefetch import (
+        count_prefetch_hits,
+        count_prefetch_hits_reference,
+    )
 
     g = torch.Generator().manual_seed(4)
     d2h = torch.randint(0, 30, (40,), generator=g, dtype=torch.int32).to(DEV)
@@ -364,7 +281,7 @@ def test_prefetch_hit_count_kernel_matches_reference():
     for count, lanes in ((50, 60), (64, 64), (0, 64)):
         a, b = torch.zeros(1, dtype=torch.int64, device=DEV), torch.zeros_like(clock)
         n = torch.tensor([count], device=DEV)
-        count_prefetch_hits(ids, slots, n, lanes, d2h, prio, clock, a, use_kernel=False)
+        count_prefetch_hits_reference(ids, slots, n, lanes, d2h, prio, clock, a)
         count_prefetch_hits(ids, slots, n, lanes, d2h, prio, clock, b)
         assert torch.equal(a, b)
         assert (int(a) > 0) == (count > 0)

@@ -6,25 +6,21 @@ One layer's decode indexer + cache step, through the production code: the model'
 cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
 
 - unfused: logits -> top-k -> resolve (look up, evict, allocate, recall the misses);
-- fused (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1): the logits kernel fetches the misses
-  scoring above the request's predicted threshold into free slots while it scores
-  (kernels/decode_prefetch.py) -> top-k -> the predictor learns the k-th scores ->
-  resolve recalls only what is still missing.
+- fused (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1): logits + flags (misses scoring above
+  the request's predicted threshold, kernels/decode_prefetch.py) -> EchoManager.prefetch
+  maps them and copies their rows on a side stream while the top-k runs -> the predictor
+  learns the k-th scores -> resolve recalls only what is still missing.
 
 Thresholds come from two earlier steps (queries perturbed by ``--query-noise``) through
 the DecodeThresholdPredictor (EMA, alpha 0.5). Residency: a fraction ``hit`` of the
 step's exact selections is resident (90% of them last used one step ago, as consecutive
 decode steps select mostly the same tokens), the rest of the (full) cache holds
-unselected tokens aged 1..300 steps, but for ``--free-slots`` free ones (default: the
-product's eviction reserve, what a resolve that evicted leaves free: the slots a fetch can
-take), so every resolve evicts. Before timing, each case checks that both
+unselected tokens aged 1..300 steps, so every allocation evicts. Before timing, each case checks that both
 variants select the same tokens and attention would read the same bytes (= host rows),
 eagerly and from CUDA-graph replay. Times: CUDA events, warm-up, medians, cache state
 restored before every run (untimed). ``speedup`` = unfused / fused device time (graph
 replay); eager launches alongside. ``slowdown_at_hit_1.0`` = fused / unfused with
-nothing selected to fetch. Beside them, ECHO Figure 18's own measure: (logits + a recall
-of every miss) against (the fetching logits kernel + the recall of what it left), top-k
-and cache management left out (``figure18_speedup``).
+nothing selected to fetch.
 
     PYTHONPATH=python python benchmark/kernels/decode_prefetch_bench.py --out benchmark/results
     python benchmark/kernels/decode_prefetch_bench.py --device cpu --smoke --out /tmp/dp  # CPU
@@ -55,22 +51,10 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--hit-rates", default="0.5,0.8,0.9,0.95,0.97,0.98,1.0")
+    p.add_argument("--hit-rates", default="0.5,0.9,0.97,1.0")
     p.add_argument("--dev-slots", type=int, default=260_000, help="N_G")
     p.add_argument("--row-bytes", type=int, default=656)
     p.add_argument("--cap", type=int, default=None, help="candidates per request (default: ours)")
-    p.add_argument(
-        "--modes",
-        default="queue,inline",
-        help="fetch modes to time (kernels/decode_prefetch.py); the product's default "
-        "gives the top-level speedups",
-    )
-    p.add_argument(
-        "--free-slots",
-        type=int,
-        default=None,
-        help="free device slots at the step's start (default: the product's eviction reserve)",
-    )
     p.add_argument("--query-noise", type=float, default=0.3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
@@ -92,9 +76,8 @@ ARGS = _parse()
 
 from common import graph_us, pyplot, save_record, time_us  # noqa: E402
 
-from sglang_echo.config import EchoConfig  # noqa: E402
-from sglang_echo.kernels.cache_layout import ABSENT, FREE  # noqa: E402
-from sglang_echo.kernels.decode_prefetch import fp8_index_logits_fetch  # noqa: E402
+from sglang_echo.kernels.cache_layout import ABSENT  # noqa: E402
+from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch  # noqa: E402
 from sglang_echo.kernels.indexer import fp8_index_logits  # noqa: E402
 from sglang_echo.kernels.recall import recall_rows  # noqa: E402
 from sglang_echo.model import indexer as indexer_module  # noqa: E402
@@ -109,7 +92,6 @@ from sglang_echo.model.indexer import (  # noqa: E402
 )
 from sglang_echo.offload.decode_prefetcher import (  # noqa: E402
     DEFAULT_DECODE_PREFETCH_CAP,
-    DEFAULT_FETCH_MODE,
     DecodePrefetcher,
 )
 from sglang_echo.offload.device_cache import DeviceCache  # noqa: E402
@@ -170,10 +152,7 @@ class Bench:
         # Host pool (pinned, read through its UVA alias on CUDA) and the device cache.
         self.host = HostKVPool(1, n_h, args.row_bytes, torch.uint8, pin=self.cuda)
         self._fill_host(g)
-        # The product's eviction reserve: a resolve that evicts leaves this many slots free.
-        reserve = EchoConfig(dev_cache_size=args.dev_slots).eviction_reserve
-        self.free_slots = reserve if args.free_slots is None else args.free_slots
-        self.cache = DeviceCache(1, args.dev_slots, n_h, args.row_bytes, torch.uint8, dev, reserve)
+        self.cache = DeviceCache(1, args.dev_slots, n_h, args.row_bytes, torch.uint8, dev)
         self.manager = EchoManager(self.host, self.cache, use_kernels=True)
         self.prefetcher = DecodePrefetcher(
             self.manager, max_rows=B, cap=args.cap or DEFAULT_DECODE_PREFETCH_CAP
@@ -217,31 +196,26 @@ class Bench:
         others[0] = False
         others[selected] = False
         pool = others.nonzero().squeeze(1)
-        used = n_g - self.free_slots
-        fill = used - keep.numel()
+        fill = n_g - keep.numel()
         if fill < 0 or pool.numel() < fill:
-            raise SystemExit(
-                "--dev-slots less --free-slots must hold the resident selections and fit the host"
-            )
+            raise SystemExit("--dev-slots must hold the resident selections and fit the host")
         extra = pool[torch.randperm(pool.numel(), device=self.dev, generator=gen)[:fill]]
         ids = torch.cat((keep, extra))
-        all_slots = torch.randperm(n_g, device=self.dev, generator=gen) + 1
-        slots, free = all_slots[:used], all_slots[used:]
+        slots = torch.randperm(n_g, device=self.dev, generator=gen) + 1
         clock = 1000
         # Temporal locality, as in real decode: most resident selections were selected in
         # the previous step too (age 1); other resident tokens have any age up to 300.
-        ages = torch.randint(1, 301, (used,), device=self.dev, generator=gen)
+        ages = torch.randint(1, 301, (n_g,), device=self.dev, generator=gen)
         recent = torch.rand(keep.numel(), device=self.dev, generator=gen) < 0.9
         ages[: keep.numel()] = torch.where(recent, 1, ages[: keep.numel()])
         c.host_to_device[0].fill_(ABSENT)
         c.host_to_device[0, 0] = 0
         c.host_to_device[0].index_copy_(0, ids, slots.to(torch.int32))
-        c.device_to_host[0, 1 : n_g + 1].fill_(FREE)
+        c.device_to_host[0, 1 : n_g + 1].copy_(torch.zeros(n_g, dtype=torch.int32))
         c.device_to_host[0].index_copy_(0, slots, ids.to(torch.int32))
-        c.priority[0, 1 : n_g + 1].fill_(FREE)
+        c.priority[0, 1 : n_g + 1].copy_(torch.zeros(n_g, dtype=torch.int64))
         c.priority[0].index_copy_(0, slots, clock - ages)
-        c.free_stack[0, : free.numel()].copy_(free.to(torch.int32))
-        c.free_count.fill_(free.numel())
+        c.free_count.zero_()
         c.clock.fill_(clock)
         host = self.host.device_view[0] if self.cuda else self.host.rows[0]
         c.rows[0].fill_(0xAB)  # poison: a row never recalled cannot pass the check
@@ -333,18 +307,6 @@ def stateless_ms(bench: Bench, fn, warmup: int, reps: int) -> float:
         return time_us(fn, warmup=max(1, warmup), reps=reps) / 1000
 
 
-def restored_ms(bench: Bench, fn, stream, warmup: int, reps: int) -> float:
-    """A component that changes the cache state: replayed from a graph on CUDA with the
-    state restored before every run (untimed); one wall-clock run on a CPU."""
-    if not bench.cuda:
-        return time_ms(bench, fn, warmup, reps)
-    graph = capture(bench, fn, stream)
-    try:
-        return time_ms(bench, graph.replay, warmup, reps)
-    finally:
-        del graph
-
-
 def capture(bench: Bench, fn, stream) -> torch.cuda.CUDAGraph:
     bench.restore()
     fn()  # warm (allocations, compilation) before capture
@@ -374,7 +336,7 @@ def graph_times(bench: Bench, row: dict, sel_u, want, stream, w: int, r: int) ->
 
 
 def run_case(bench: Bench, hit: float, args, stream) -> dict:
-    row = {"hit_rate": hit, "mode": bench.prefetcher.mode, **bench.set_residency(hit)}
+    row = {"hit_rate": hit, **bench.set_residency(hit)}
     # Correct first: same selections, and the rows attention reads are the host rows.
     sel_u, rows_u, cnt_u = bench.run_checked(bench.unfused)
     sel_f, rows_f, cnt_f = bench.run_checked(bench.fused)
@@ -384,7 +346,6 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
         hit_rate_measured=cnt_u["hits"] / max(1, cnt_u["hits"] + cnt_u["misses"]),
         recall_rows=cnt_u["misses"],
         recall_MB=cnt_u["misses"] * args.row_bytes / 1e6,
-        free_slots=bench.free_slots,
         prefetched=cnt_f["prefetched"],
         wasted=cnt_f["prefetched"] - cnt_f["prefetch_hits"],
         remaining_rows=cnt_f["misses"],
@@ -400,26 +361,16 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     lens = (bench.batch.positions + 1).to(torch.int32)
     bench.restore()
     theta = bench.prefetcher.theta(0, bench.rows_of)
-    target = bench.manager.fetch_target(0)
+    h2d = bench.cache.host_to_device[0]
     row["logits_ms"] = stateless_ms(bench, lambda: bench.logits(bench.q), w, r)
-
-    mode = bench.prefetcher.mode
-
-    def fetching_logits(copy_rows: bool = True) -> None:
-        fp8_index_logits_fetch(
-            bench.q, bench.w, keys, scales, bench.locs, lens, theta, target,
-            bench.prefetcher.workspace, bench.cap, copy_rows=copy_rows, mode=mode,
-        )  # fmt: skip
-        ready = bench.prefetcher.workspace.ready
-        if ready is not None:  # the copies are part of the fetch: joined
-            torch.cuda.current_stream().wait_event(ready)
-
-    # It changes the cache: restored before every run (untimed), replayed from a graph.
-    row["fused_logits_ms"] = restored_ms(bench, fetching_logits, stream, w, r)
-    if mode == "inline":  # what the fetch costs without its copies
-        row["fused_logits_nocopy_ms"] = restored_ms(
-            bench, lambda: fetching_logits(False), stream, w, r
-        )
+    row["fused_logits_ms"] = stateless_ms(
+        bench,
+        lambda: fp8_index_logits_prefetch(
+            bench.q, bench.w, keys, scales, bench.locs, lens, theta, h2d, bench.cap
+        ),
+        w,
+        r,
+    )
     logits = bench.logits(bench.q).unsqueeze(1)
     qpos = bench.batch.positions.view(-1, 1)
     # The top-k decode runs: the radix-select kernel on CUDA, the sort on the CPU.
@@ -437,14 +388,6 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     row["recall_ms"] = stateless_ms(
         bench, lambda: recall_rows(host, bench.cache.rows[0], misses, slots, count), w, r
     )
-    # Figure 18: the recall of what the fetch left (as many random rows as remained).
-    left = torch.tensor([row["remaining_rows"]], device=bench.dev)
-    row["residual_recall_ms"] = stateless_ms(
-        bench, lambda: recall_rows(host, bench.cache.rows[0], misses, slots, left), w, r
-    )
-    row["figure18_unfused_ms"] = row["logits_ms"] + row["recall_ms"]
-    row["figure18_fused_ms"] = row["fused_logits_ms"] + row["residual_recall_ms"]
-    row["figure18_speedup"] = row["figure18_unfused_ms"] / row["figure18_fused_ms"]
     row["speedup"] = row["speedup_eager"]
     if args.graphs and bench.cuda:
         try:
@@ -502,29 +445,22 @@ def main() -> None:
     head = (
         f"{'hit':>5} {'logits':>7} {'recall rows':>11} {'MB':>6} {'recall':>7} {'unfused':>8} "
         f"{'fused lg':>8} {'prefet':>7} {'wasted':>6} {'remain':>6} {'fused':>8} "
-        f"{'speedup':>7} {'eager x':>7} {'fig18':>6} ok"
+        f"{'speedup':>7} {'eager x':>7} ok"
     )
     print("ms; unfused/fused totals are CUDA-graph replays where available")
     print(head)
-    rows_by_mode: dict[str, list[dict]] = {}
-    for mode in args.modes.split(","):
-        bench.prefetcher.mode = mode
-        print(f"fetch mode {mode}")
-        rows_by_mode[mode] = []
-        for hit in (float(h) for h in args.hit_rates.split(",")):
-            r = run_case(bench, hit, args, stream)
-            rows_by_mode[mode].append(r)
-            g = lambda k, r=r: r.get(f"{k}_graph_ms", r[f"{k}_ms"])  # noqa: E731
-            print(
-                f"{hit:>5} {r['logits_ms']:>7.3f} {r['recall_rows']:>11} {r['recall_MB']:>6.2f} "
-                f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {r['fused_logits_ms']:>8.3f} "
-                f"{r['prefetched']:>7} {r['wasted']:>6} {r['remaining_rows']:>6} "
-                f"{g('fused'):>8.3f} {r['speedup']:>7.3f} {r['speedup_eager']:>7.3f} "
-                f"{r['figure18_speedup']:>6.3f} {r['correct']}",
-                flush=True,
-            )
-    default = DEFAULT_FETCH_MODE if DEFAULT_FETCH_MODE in rows_by_mode else next(iter(rows_by_mode))
-    rows = rows_by_mode[default]
+    rows = []
+    for hit in (float(h) for h in args.hit_rates.split(",")):
+        r = run_case(bench, hit, args, stream)
+        rows.append(r)
+        g = lambda k, r=r: r.get(f"{k}_graph_ms", r[f"{k}_ms"])  # noqa: E731
+        print(
+            f"{hit:>5} {r['logits_ms']:>7.3f} {r['recall_rows']:>11} {r['recall_MB']:>6.2f} "
+            f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {r['fused_logits_ms']:>8.3f} "
+            f"{r['prefetched']:>7} {r['wasted']:>6} {r['remaining_rows']:>6} {g('fused'):>8.3f} "
+            f"{r['speedup']:>7.3f} {r['speedup_eager']:>7.3f} {r['correct']}",
+            flush=True,
+        )
     by_hit = {r["hit_rate"]: r for r in rows}
     graphs = all("unfused_graph_ms" in r for r in rows)
     if not graphs:  # one basis for every case
@@ -532,19 +468,6 @@ def main() -> None:
             r["speedup"] = r["speedup_eager"]
     metrics = {
         **{f"speedup_at_hit_{h}": r["speedup"] for h, r in by_hit.items() if h < 1.0},
-        "figure18_speedup": {f"hit_{h}": r["figure18_speedup"] for h, r in by_hit.items()},
-        "mode": default,
-        "design": "fetch during the logits (kernels/decode_prefetch.py): queue = the logits "
-        "kernel appends candidates, a concurrent copy kernel on a bounded grid fetches them "
-        "into free slots; inline = the logits kernel's programs fetch",
-        "by_mode": {
-            m: {
-                "speedup": {f"hit_{r['hit_rate']}": r["speedup"] for r in rs},
-                "figure18_speedup": {f"hit_{r['hit_rate']}": r["figure18_speedup"] for r in rs},
-            }
-            for m, rs in rows_by_mode.items()
-        },
-        "free_slots": bench.free_slots,
         "slowdown_at_hit_1.0": 1 / by_hit[1.0]["speedup"] if 1.0 in by_hit else None,
         "speedup_basis": "CUDA-graph replay (device time)" if graphs else "eager launches",
         "speedup_eager": {f"hit_{h}": r["speedup_eager"] for h, r in by_hit.items()},
@@ -562,8 +485,7 @@ def main() -> None:
         "seconds": time.perf_counter() - t0,
     }
     out = Path(args.out)
-    cases = [r for rs in rows_by_mode.values() for r in rs]
-    save_record(out, "decode_prefetch", device, metrics, cases=cases)
+    save_record(out, "decode_prefetch", device, metrics, cases=rows)
     plot(rows, out / "decode_prefetch.png", device)
     summary = {k: round(v, 3) for k, v in metrics.items() if k.startswith(("speedup_at", "slow"))}
     print(f"{summary} ({metrics['speedup_basis']}); all correct {metrics['all_correct']}; "

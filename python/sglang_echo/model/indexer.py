@@ -226,9 +226,11 @@ class LightningIndexer(nn.Module):
         Returns top-k positions [B, 1, topk] and k-th scores [B, 1] (None without prefetch)."""
         ctx = batch.context_locs
         lens = batch.positions + 1
+        theta = h2d = None
+        cap = 0
         if prefetch is not None:
             theta = prefetch.theta(layer, batch.request_rows)
-            target = prefetch.target(layer)
+            h2d = prefetch.host_to_device(layer)
             cap = prefetch.cap_for(self.topk)
         if self.mode == "fp8_hadamard" and use_kernels(q):
             from sglang_echo.kernels.indexer import fp8_index_logits
@@ -236,23 +238,22 @@ class LightningIndexer(nn.Module):
             keys, scales = unpack_fp8_rows(all_keys, self.head_dim)
             lens32 = lens.to(torch.int32)
             if prefetch is not None:
-                from sglang_echo.kernels.decode_prefetch import fp8_index_logits_fetch
+                from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch
 
-                # Candidate rows move while the logits are computed, in the same kernel.
-                scores = fp8_index_logits_fetch(
-                    q, weights, keys, scales, ctx, lens32, theta, target, prefetch.workspace, cap,
-                    mode=prefetch.mode,
-                )  # fmt: skip
+                scores, cand = fp8_index_logits_prefetch(
+                    q, weights, keys, scales, ctx, lens32, theta, h2d, cap
+                )
             else:
                 scores = fp8_index_logits(q, weights, keys, scales, ctx, lens32)
         else:
             scores = self._scores(q.unsqueeze(1), weights.unsqueeze(1), all_keys[ctx]).squeeze(1)
             if prefetch is not None:
-                from sglang_echo.kernels.decode_prefetch import decode_fetch_reference
+                from sglang_echo.kernels.decode_prefetch import decode_prefetch_reference
 
-                decode_fetch_reference(scores, ctx, lens, theta, target, prefetch.workspace, cap)
+                cand = decode_prefetch_reference(scores, ctx, lens, theta, h2d, cap)
         if prefetch is not None:
-            prefetch.fetched(layer)
+            # Rows start moving (a side stream on CUDA) while the exact top-k runs.
+            prefetch.launch(layer, cand.ids, cand.counts)
         pos, kth = exact_topk(
             scores, batch.positions, self.topk, use_kernels(q), prefetch is not None,
             self.topk_backend,

@@ -2,11 +2,11 @@
 section 6).
 
 Per decode step and layer, the indexer (model/indexer.py) asks for each request's
-threshold and the layer's ``target``; its logits kernel fetches the misses that score
-above the threshold into free device slots while it scores (kernels/decode_prefetch.py),
-the indexer reports it to ``fetched``, takes the exact top-k and reports each request's
-k-th score to ``observe``. ``resolve`` then finds the fetched tokens resident and
-recalls only what is still missing.
+threshold, flags the misses that score above it while computing the logits
+(kernels/decode_prefetch.py), hands them to ``launch`` (EchoManager.prefetch: slots are
+mapped and the rows start moving on a side stream), takes the exact top-k, and reports
+each request's k-th score to ``observe``. ``resolve`` then finds the prefetched tokens
+resident and recalls only what is still missing.
 
 Thresholds are per layer (each layer's indexer has its own score scale) and per request
 row of the request table; ``reset_rows`` clears a row when a new request takes it. All
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from sglang_echo.kernels.decode_prefetch import FETCH_MODES, FetchTarget, FetchWorkspace
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.predictor import DecodeThresholdPredictor
 
@@ -26,7 +25,6 @@ from sglang_echo.offload.predictor import DecodeThresholdPredictor
 # a request misses ~(1 - hit rate) x 2048 of its selections, so 512 covers hit rates
 # down to ~0.75 while bounding what a bad threshold can waste in one step.
 DEFAULT_DECODE_PREFETCH_CAP = 512
-DEFAULT_FETCH_MODE = "queue"
 
 
 class DecodePrefetcher:
@@ -36,23 +34,13 @@ class DecodePrefetcher:
         max_rows: int,
         cap: int = DEFAULT_DECODE_PREFETCH_CAP,
         alpha: float = 0.5,
-        mode: str = DEFAULT_FETCH_MODE,
     ) -> None:
         if cap < 1:
             raise ValueError(f"decode prefetch cap must be >= 1 candidate per request, got {cap}")
-        if mode not in FETCH_MODES:
-            raise ValueError(f"decode fetch mode must be one of {FETCH_MODES}, got {mode!r}")
         self.manager = manager
-        # How the fp8 logits kernel fetches (kernels/decode_prefetch.py): "queue", a
-        # concurrent copy kernel on a bounded grid drains a queue the logits fill; or
-        # "inline", the logits programs copy.
-        self.mode = mode
         self.cap = int(cap)
         self.max_rows = int(max_rows)
         layers = manager.cache.num_layers
-        # The fetch's counters and lists: one set, reused layer after layer (each layer's
-        # resolve reads its lists before the next layer's fetch writes them).
-        self.workspace = FetchWorkspace(self.max_rows, self.cap, manager.device)
         self.predictors = [
             DecodeThresholdPredictor(max_rows, manager.device, alpha) for _ in range(layers)
         ]
@@ -66,13 +54,14 @@ class DecodePrefetcher:
         """Thresholds [B] float32 of the requests in ``rows`` (+inf: no prediction yet)."""
         return self.predictors[layer].predict(rows)
 
-    def target(self, layer: int) -> FetchTarget:
-        """What the layer's fetch writes (maps, free stack, rows) and reads (host rows)."""
-        return self.manager.fetch_target(layer)
+    def host_to_device(self, layer: int) -> torch.Tensor:
+        return self.manager.cache.host_to_device[layer]
 
-    def fetched(self, layer: int) -> None:
-        """The layer's fetch ran (into ``workspace``)."""
-        self.manager.fetched(layer, self.workspace)
+    def launch(self, layer: int, candidate_ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """Candidates [B, cap] (-1 past counts[b], as kernels/decode_prefetch.py writes
+        them, so the counts need no masking pass here)."""
+        del counts
+        self.manager.prefetch(layer, candidate_ids)
 
     def observe(self, layer: int, kth: torch.Tensor, rows: torch.Tensor) -> None:
         """This step's exact k-th scores [B] (-inf: fewer than k visible keys) of the

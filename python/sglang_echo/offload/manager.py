@@ -7,10 +7,9 @@ CPU, bit-identical to each other. ``append`` and ``resolve`` use fixed shapes an
 every count on the device: no host synchronisation, so a decode step can be captured in a
 CUDA graph. Masked-off lanes write to scratch entries (slot N_G + 1, host id N_H + 1).
 
-Prefetch (docs/ARCHITECTURE.md section 6): in decode, the indexer's logits kernel fetches
-rows into free slots of ``fetch_target`` while it scores (kernels/decode_prefetch.py); in
-prefill, ``prefetch`` maps and starts copying a query block's candidates on a side stream.
-Either way the resolve that follows finds them resident.
+``prefetch`` (decode intra-query prefetch, docs/ARCHITECTURE.md section 6) maps and
+starts copying rows the exact top-k will probably select before it is known; see its
+docstring.
 """
 
 from __future__ import annotations
@@ -26,12 +25,7 @@ from sglang_echo.kernels.alloc import (
     allocate_kernel,
     allocate_reference,
 )
-from sglang_echo.kernels.decode_prefetch import (
-    FetchTarget,
-    FetchWorkspace,
-    count_fetch_hits,
-    count_prefetch_hits,
-)
+from sglang_echo.kernels.decode_prefetch import count_prefetch_hits, count_prefetch_hits_reference
 from sglang_echo.kernels.release import release_kernel, release_reference
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
@@ -82,8 +76,6 @@ class EchoManager:
         self._prefetch_workspace: AllocWorkspace | None = None
         self._side_stream: torch.cuda.Stream | None = None
         self._pending: dict[int, _PendingPrefetch] = {}
-        # Decode fetches not yet resolved, per layer: their workspace (lists, ready event).
-        self._fetched: dict[int, FetchWorkspace] = {}
         i64 = dict(dtype=torch.int64, device=self.device)
         self.prefetched_rows = torch.zeros(cache.num_layers, **i64)  # rows prefetched
         self.prefetch_hits = torch.zeros(cache.num_layers, **i64)  # ... and then selected
@@ -153,9 +145,6 @@ class EchoManager:
         self._check_lanes("resolve", locs.numel())
         pending = self._pending.pop(layer, None)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        fetched = self._fetched.pop(layer, None)
-        if fetched is not None and fetched.ready is not None:
-            stream.wait_event(fetched.ready)  # the fetch's maps and rows
         if pending is not None and pending.allocated is not None:
             stream.wait_event(pending.allocated)  # the maps as the prefetch left them
         alloc = self._allocate(layer, locs.reshape(-1).to(torch.int64), append=False)
@@ -166,33 +155,7 @@ class EchoManager:
         self._recall(layer, alloc)
         if pending is not None:
             self._count_prefetch_hits(layer, pending)
-        if fetched is not None:
-            c = self.cache
-            count_fetch_hits(
-                fetched, *fetched.lists_shape, c.device_to_host[layer], c.priority[layer],
-                c.clock[layer : layer + 1], self.prefetch_hits[layer : layer + 1],
-                use_kernel=self.use_kernels,
-            )  # fmt: skip
         return alloc.slots.view(locs.shape)
-
-    # ------------------------------------------------------------- decode fetch
-    def fetch_target(self, layer: int) -> FetchTarget:
-        """The layer's maps, free stack and rows as the decode fetch writes them during the
-        indexer's logits (kernels/decode_prefetch.py), and the host rows it reads. A
-        side-stream prefetch of the layer that no resolve joined is waited for first."""
-        self._join(layer)
-        c = self.cache
-        host = self.host_view[layer] if self.host_view is not None else self.host.rows[layer]
-        return FetchTarget(
-            c.host_to_device[layer], c.device_to_host[layer], c.priority[layer],
-            c.clock[layer : layer + 1], c.free_stack[layer], c.free_count[layer : layer + 1],
-            host, c.rows[layer], self.prefetched_rows[layer : layer + 1], c.scratch_host,
-        )  # fmt: skip
-
-    def fetched(self, layer: int, ws: FetchWorkspace) -> None:
-        """A decode fetch into ``layer`` ran (its lists and ready event in ``ws``): the
-        coming resolve waits for it and counts how many fetched rows it selected."""
-        self._fetched[layer] = ws
 
     def _recall(self, layer: int, alloc: Allocation) -> None:
         """Copy the rows of the served misses (the first ``miss_count`` of the list)."""
@@ -216,9 +179,8 @@ class EchoManager:
     ) -> None:
         """Map and start copying rows the coming ``resolve`` of ``layer`` will probably ask
         for: candidate host ids [B, cap] (-1 = none; with ``counts`` [B], lanes at and past
-        counts[b] are ignored too): a chunked prefill's query-block candidates
-        (offload/prefill_prefetcher.py). Decode fetches during the logits instead
-        (``fetch_target``).
+        counts[b] are ignored too), all of them misses when flagged
+        (kernels/decode_prefetch.py).
 
         Allocation: the same kernels/reference as append and resolve, in append mode: the
         candidates are stamped with the layer's current clock (not the resolve's clock + 1)
@@ -306,9 +268,6 @@ class EchoManager:
 
     def _join(self, layer: int) -> None:
         """Wait (on the device) for a prefetch of ``layer`` that no resolve joined."""
-        fetched = self._fetched.pop(layer, None)
-        if fetched is not None and fetched.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(fetched.ready)
         pending = self._pending.pop(layer, None)
         if pending is not None and pending.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(pending.copied)
@@ -317,12 +276,13 @@ class EchoManager:
         """Prefetched rows the resolve then selected: still mapped to their token and
         stamped with the resolve's clock (an unselected one kept the older stamp or was
         evicted). Telemetry; one launch with the kernels."""
+        count = count_prefetch_hits if self.use_kernels else count_prefetch_hits_reference
         c = self.cache
         for a, lanes in (*pending.earlier, (pending.alloc, pending.lanes)):
-            count_prefetch_hits(
+            count(
                 a.miss_ids, a.miss_slots, a.miss_count, lanes, c.device_to_host[layer],
                 c.priority[layer], c.clock[layer : layer + 1],
-                self.prefetch_hits[layer : layer + 1], use_kernel=self.use_kernels,
+                self.prefetch_hits[layer : layer + 1],
             )  # fmt: skip
 
     # ------------------------------------------------------------------- release
