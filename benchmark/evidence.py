@@ -1148,6 +1148,27 @@ def check_plugin(args: list[str]) -> object:
     return plan_echo(view, config, top_k=2048, context_len=view.context_length)
 
 
+def check_sizing(args: list[str]) -> object:
+    """The plugin's start-up sizing (sglang/sizing.py) of fp8 DeepSeek-V3.2 (its published
+    config.json, benchmark/configs/) as a PD decode node under DP attention on 8 GPUs of
+    ``gpu_gib`` each, at ``fraction`` (sglang's --mem-fraction-static)."""
+    from sglang_echo.sglang import sizing
+
+    kw = _words(args)
+    config = json.loads((Path(__file__).parent / "configs/deepseek-v3.2.json").read_text())
+    sizes = sizing.EchoSizes(kw["dev_cache"], kw["host_tokens"], config["index_topk"], 0)
+    shape = sizing.RankShape(
+        config["num_hidden_layers"], sizing.kv_row_bytes(config, fp8=True),
+        sizing.index_row_bytes(config), config["max_position_embeddings"],
+    )  # fmt: skip
+    weights = sizing.weight_bytes(config, sizing.Parallel(8, 8))
+    budget = sizing.Budget(int(kw["gpu_gib"] * 2**30), kw["fraction"], weights, 8)
+    result = sizing.check(sizes, shape, budget)
+    if not result.fits:
+        raise ValueError(result.message())
+    return result
+
+
 CHECKS: dict[str, tuple[str, Callable[[list[str]], object]]] = {
     "env": ("`EchoSettings.from_env`", check_env),
     "validate": ("`EchoConfig.validate`", check_validate),
@@ -1156,6 +1177,7 @@ CHECKS: dict[str, tuple[str, Callable[[list[str]], object]]] = {
     "host_pool": ("`HostKVPool` (pinned)", check_host_pool),
     "server": ("`parse_server_args`", check_server),
     "plugin": ("`sglang.args.plan_echo`", check_plugin),
+    "sizing": ("`sglang.sizing.check`", check_sizing),
 }
 
 # what the user does | where it fails | the call: a CHECKS name and its arguments
@@ -1182,6 +1204,8 @@ plugin: more running requests than the device cache serves | `sglang.launch_serv
 plugin: the same under DP attention (8 ranks) | `sglang.launch_server` with `NSA_KV_OFFLOAD=1` | plugin max_running_requests=2048 dp_size=8 enable_dp_attention=True
 plugin: flags ECHO cannot run with | `sglang.launch_server` with `NSA_KV_OFFLOAD=1` | plugin speculative_algorithm=EAGLE page_size=32 dp_size=8 kv_cache_dtype=fp8_e5m2
 plugin: a prefill node | `sglang.launch_server` with `NSA_KV_OFFLOAD=1` | plugin disaggregation_mode=prefill
+plugin: pools that do not fit the GPUs (fp8 DeepSeek-V3.2, PD decode, DP attention on 8 x H200 at `--mem-fraction-static 0.85`, `--max-total-tokens 4000000`) | `sglang.launch_server` with `NSA_KV_OFFLOAD=1`, before the weights load | sizing dev_cache=260000 host_tokens=4000000 gpu_gib=140.4 fraction=0.85
+plugin: GPUs the weights alone fill (the same on 8 x 80 GB) | `sglang.launch_server` with `NSA_KV_OFFLOAD=1`, before the weights load | sizing dev_cache=260000 host_tokens=2000000 gpu_gib=79.6 fraction=0.9
 """
 
 

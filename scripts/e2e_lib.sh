@@ -177,7 +177,9 @@ launch_sglang_pd() {
   local envs=(NSA_KV_OFFLOAD=0)
   if [[ "$mode" == "offload" ]]; then
     envs=(NSA_KV_OFFLOAD=1 "NSA_DEV_CACHE_SIZE=$OFFLOAD_NSA_DEV_CACHE_SIZE")
-    decode+=(--max-total-tokens "${OFFLOAD_MAX_TOTAL_TOKENS:-1_800_000}")
+    # 800K: what the plugin's start-up sizing admits for the W4 checkpoint on 8 x H20
+    # (README's launch lines; the artifact's 1.8M does not fit beside sglang's index keys).
+    decode+=(--max-total-tokens "${OFFLOAD_MAX_TOTAL_TOKENS:-800_000}")
   else
     decode+=(--mem-fraction-static 0.9)
     [[ -n "${NO_OFFLOAD_MAX_TOTAL_TOKENS:-}" ]] && decode+=(--max-total-tokens "$NO_OFFLOAD_MAX_TOTAL_TOKENS")

@@ -45,67 +45,8 @@ README = ROOT / "README.md"
 LAYERS, TOP_K, PAGE, N_G, T = 61, 2048, 64, 260_000, 2_000_000
 GiB = 2**30
 FP8_ROW, BF16_ROW, KEY_ROW = 656, 1152, 132
-# deepseek-ai/DeepSeek-V3.2's config.json (as published).
-DSV32_CONFIG = {
-    "architectures": ["DeepseekV32ForCausalLM"],
-    "model_type": "deepseek_v32",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "ep_size": 1,
-    "first_k_dense_replace": 3,
-    "hidden_act": "silu",
-    "hidden_size": 7168,
-    "index_head_dim": 128,
-    "index_n_heads": 64,
-    "index_topk": 2048,
-    "initializer_range": 0.02,
-    "intermediate_size": 18432,
-    "kv_lora_rank": 512,
-    "max_position_embeddings": 163840,
-    "moe_intermediate_size": 2048,
-    "moe_layer_freq": 1,
-    "n_group": 8,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
-    "num_attention_heads": 128,
-    "num_experts_per_tok": 8,
-    "num_hidden_layers": 61,
-    "num_key_value_heads": 128,
-    "num_nextn_predict_layers": 1,
-    "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "quantization_config": {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "scale_fmt": "ue8m0",
-        "weight_block_size": [128, 128],
-    },
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-    "rope_theta": 10000,
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "tie_word_embeddings": False,
-    "topk_group": 4,
-    "topk_method": "noaux_tc",
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "v_head_dim": 128,
-    "vocab_size": 129280,
-}
+# deepseek-ai/DeepSeek-V3.2's config.json (as published; the evidence generator reads it too).
+DSV32_CONFIG = json.loads((ROOT / "benchmark/configs/deepseek-v3.2.json").read_text())
 # The W4 checkpoint README names (the ECHO artifact's deployment, as the project's design
 # notes describe it: 4-bit routed experts; MLA and indexer projections, shared experts and
 # dense layers in bf16), as an AWQ config that --quantization moe_wna16 loads.
@@ -498,7 +439,7 @@ def without_flag(argv: list[str], flag: str) -> list[str]:
 
 def refusal_cases(readme: dict[str, dict]) -> dict[str, dict]:
     """README-like lines: the PD lines with sglang's default decode graphs (fp8 and bf16
-    rows on the H200, the W4 checkpoint on the H20), the W4 line at the e2e scripts' T,
+    rows on the H200, the W4 checkpoint on the H20), the W4 line at the artifact's T 1.8M,
     the PD line on a node with too little memory; and two that fit with bf16 rows (the PD
     line, and the non-PD line with the model's dtype)."""
     pd, w4, server = (readme[k] for k in ("readme_0", "readme_1", "readme_2"))

@@ -32,11 +32,15 @@ import sglang_echo.offload.manager as manager_module  # noqa: E402
 from sglang_echo.kernels import alloc as alloc_kernels  # noqa: E402
 from sglang_echo.kernels import release as release_kernels  # noqa: E402
 
-# One decode layer-step of the resolve with the kernels (kernels/alloc.py's five launches,
-# then the recall kernel): independent of the batch, of the layer and of hits or misses.
+# One decode layer-step of the resolve with the kernels, then the recall kernel:
+# kernels/alloc.py's one program (at most ONE_PROGRAM_LANES lanes: these small batches) or
+# its five-launch pipeline (past it); independent of the layer and of hits or misses.
 ALLOC_KERNELS = ("_lookup_kernel", "_count_kernel", "_rank_kernel", "_assign_kernel",
                  "_finish_kernel")  # fmt: skip
-RESOLVE_LAUNCHES = {**{name: 1 for name in ALLOC_KERNELS}, "_recall_flat_kernel": 1}
+RESOLVE_LAUNCHES = {
+    "one-program": {"_one_program_kernel": 1, "_recall_flat_kernel": 1},
+    "pipeline": {**{name: 1 for name in ALLOC_KERNELS}, "_recall_flat_kernel": 1},
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -248,10 +252,15 @@ def test_the_step_scope_wraps_sglangs_result_processing():
         assert release_finished_together in closure, name
 
 
-def test_kernel_launches_per_finish_and_per_resolve_layer_step(result_processing):
+@pytest.mark.parametrize("path", sorted(RESOLVE_LAUNCHES))
+def test_kernel_launches_per_finish_and_per_resolve_layer_step(
+    result_processing, path, monkeypatch
+):
     """With ECHO's kernels (the path a GPU runs): a step's finish is ONE release launch
-    for every layer and request; each decode layer-step of the resolve is the five
-    allocation launches and one recall launch, whatever the batch."""
+    for every layer and request; each decode layer-step of the resolve is one allocation
+    launch (small batches) or five, and one recall launch."""
+    if path == "pipeline":  # every batch past the one-program bound
+        monkeypatch.setattr(alloc_kernels, "ONE_PROGRAM_LANES", 0)
     report = {}
     for layers, finishing in ((2, 1), (4, 3)):
         node, rids, topk_for = live_node(layers, kernels=True, seed=layers)
@@ -277,11 +286,11 @@ def test_kernel_launches_per_finish_and_per_resolve_layer_step(result_processing
         del coord.swap_in_selected_pages
         assert len(per_layer) == layers
         for launches_, _ in per_layer:
-            assert launches_ == RESOLVE_LAUNCHES, launches_
+            assert launches_ == RESOLVE_LAUNCHES[path], launches_
         ops = {n for _, n in per_layer}
         assert len(ops) == 1, per_layer  # the same torch ops in every layer
         report[("resolve layer-step", layers, len(survivors))] = (
-            f"{sum(RESOLVE_LAUNCHES.values())} launches + {ops.pop()} torch ops"
+            f"{sum(RESOLVE_LAUNCHES[path].values())} launches + {ops.pop()} torch ops"
         )
         for rid in survivors:
             node.finish(rid)

@@ -635,9 +635,11 @@ class AllocWorkspace:
         num_warps: int = NUM_WARPS,
         pdl: bool = True,
         atomic_sem: str = ATOMIC_SEM,
-        one_program_lanes: int = ONE_PROGRAM_LANES,
+        one_program_lanes: int | None = None,
         one_program_warps: int = ONE_PROGRAM_WARPS,
     ) -> None:
+        if one_program_lanes is None:  # read here, not at import: tests may set it
+            one_program_lanes = ONE_PROGRAM_LANES
         for name, value in (("lane_block", lane_block), ("slot_block", slot_block)):
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")

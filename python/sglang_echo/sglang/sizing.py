@@ -567,6 +567,14 @@ class Sizing:
             if not self.fits_device
             else "free host memory"
         )
+        b = self.budget
+        if b.kv_bytes <= 0:  # nothing any ECHO setting could change
+            return (
+                f"the weights alone ({gib(b.weights.total)} per GPU) fill sglang's static "
+                f"share of the GPU ({b.mem_fraction_static} x {gib(b.gpu_memory)} = "
+                f"{gib(b.static_bytes)}): no KV pool fits; use GPUs with more memory, more "
+                "GPUs for the weights, or a smaller checkpoint.\n" + self.summary()
+            )
         return (
             f"ECHO's pools do not fit {' and '.join(where)}:\n{self.summary()}\n"
             f"    largest that fit: {by_t};\n      or {by_n};\n      or {other}."
