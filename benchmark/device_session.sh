@@ -2,7 +2,7 @@
 # Every H200 measurement behind the README, each stage under its own time limit and packed
 # into OUTDIR as it finishes (a call cut short still returns what ran). Records keep the
 # commands that made them. Stage times seen on 2026-12-01 (a call is at most 10 minutes):
-# tests ~490 s, kernels ~300 s, study ~130 s at 2 repeats (now 5: est. ~300 s), study_fp8 ~80 s, topk ~120 s, cache ~75 s,
+# tests ~490 s, kernels ~300 s, study ~165 s (5 repeats), study_fp8 ~80 s, topk ~120 s, cache ~75 s,
 # mla_profile ~20 s, indexer_profile ~25 s; topk_peer ~5 min (est.: the FlashInfer top-k JIT build is ~4).
 #   bash benchmark/device_session.sh OUTDIR tests                          # one call
 #   bash benchmark/device_session.sh OUTDIR kernels mla_profile study     # one call
@@ -122,8 +122,8 @@ run_stage() {
       stage sharegpt 200 env INFINI=0 SHAREGPT=1 NUM_PROMPTS=48 RATES=1,4,inf \
         bash benchmark/e2e_sweep.sh /tmp/ds/sharegpt/e2e_sweep_sharegpt ;;
     # Five interleaved repeats per ratio (issue 29: the cost without pressure is smaller
-    # than two repeats' spread); ~65 s per repeat on an H200.
-    study) peer_or_say; stage study 400 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 5 --deadline-s 340 ;;
+    # than two repeats' spread): ~165 s on an H200.
+    study) peer_or_say; stage study 300 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 5 --deadline-s 260 ;;
     study_fp8)
       peer_or_say
       stage study_fp8 130 python3 benchmark/e2e_study.py --out /tmp/ds/study_fp8 \

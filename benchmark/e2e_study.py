@@ -5,7 +5,7 @@
     python benchmark/e2e_study.py --smoke --out DIR                  # tiny, on the CPU
 
 benchmark/results/e2e_study.json (+ .log) came from the stage ``study`` of
-``benchmark/device_session.sh`` (``--repeats 5 --deadline-s 340``) on one H200, and
+``benchmark/device_session.sh`` (``--repeats 5 --deadline-s 260``) on one H200, and
 e2e_study_fp8.json from its stage ``study_fp8`` (``--kv-cache-dtype fp8_e4m3``); each record
 holds its command, and benchmark/results/PROVENANCE.md names the code.
 
