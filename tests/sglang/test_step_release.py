@@ -37,9 +37,11 @@ from sglang_echo.kernels import release as release_kernels  # noqa: E402
 # its five-launch pipeline (past it); independent of the layer and of hits or misses.
 ALLOC_KERNELS = ("_lookup_kernel", "_count_kernel", "_rank_kernel", "_assign_kernel",
                  "_finish_kernel")  # fmt: skip
+# Around it, the top-k -> host ids and slots -> rows kernels (kernels/topk_rows.py).
+GLUE = {"_host_ids_kernel": 1, "_rows_kernel": 1}
 RESOLVE_LAUNCHES = {
-    "one-program": {"_one_program_kernel": 1, "_recall_flat_kernel": 1},
-    "pipeline": {**{name: 1 for name in ALLOC_KERNELS}, "_recall_flat_kernel": 1},
+    "one-program": {**GLUE, "_one_program_kernel": 1, "_recall_flat_kernel": 1},
+    "pipeline": {**GLUE, **{name: 1 for name in ALLOC_KERNELS}, "_recall_flat_kernel": 1},
 }
 
 
@@ -279,6 +281,8 @@ def test_kernel_launches_per_finish_and_per_resolve_layer_step(
             with kernel_launches() as launches, OpCounter() as ops:
                 out = resolve(*args)
             per_layer.append((dict(launches), ops.total))
+            # Besides the launches only the outputs' allocations: the glue is in kernels.
+            assert set(ops.ops) <= {"aten.empty"}, ops.ops
             return out
 
         coord.swap_in_selected_pages = counted

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from sglang_echo.config import ENV_DEV_CACHE, ConfigError
+from sglang_echo.kernels.topk_rows import host_ids, host_ids_reference, rows, rows_reference
 from sglang_echo.offload.manager import EchoManager
 
 
@@ -91,29 +92,21 @@ class TopkToRows:
         # Row i is request i; rows past the requests (sglang's padding to the q rows) and
         # past max_rows (only padding can be there: check_batch) select nothing.
         n = min(num_rows, req_pool_indices.shape[0], self.max_rows)
-        if n < num_rows:
-            out[n:].fill_(-1)
-        if n == 0:
-            return out
         device = topk.device
-        positions = topk[:n].to(torch.int64)
-        req = req_pool_indices[:n].to(torch.int64)
-        seq = seq_lens[:n].to(torch.int64).unsqueeze(1)
-
-        newest = self.newest_row[req]
-        real = torch.arange(n, device=device) < num_real_reqs.to(device)
-        live = (real & (newest > 0)).unsqueeze(1)
-        selected = live & (positions >= 0) & (positions < seq)
-        is_newest = selected & (positions == seq - 1)
-
-        col = positions.clamp(min=0, max=self.req_to_host.shape[1] - 1)
-        host = self.req_to_host[req.unsqueeze(1), col]
-        lookup = torch.where(selected & ~is_newest, host, torch.full_like(host, -1))
-        slots = self.manager.resolve(layer, lookup)
-
-        rows = torch.where(slots >= 0, slots + self.row_base, torch.full_like(slots, -1))
-        rows = torch.where(is_newest, newest.unsqueeze(1).expand_as(rows), rows)
-        out[:n].copy_(rows)
+        req = req_pool_indices[:n]
+        seq = seq_lens[:n]
+        num_real = num_real_reqs.to(device).reshape(1)
+        # One launch each side of the resolve with the kernels (kernels/topk_rows.py),
+        # their torch reference elsewhere.
+        kernels = self.manager.use_kernels
+        to_ids = host_ids if kernels else host_ids_reference
+        to_rows = rows if kernels else rows_reference
+        slots = None
+        if n > 0:
+            args = (topk, req, seq, self.newest_row)
+            lookup = to_ids(*args, self.req_to_host, num_real)
+            slots = self.manager.resolve(layer, lookup)
+        to_rows(slots, topk, req, seq, self.newest_row, num_real, self.row_base, out)
         return out
 
     def _output(self, rows: int, width: int, device: torch.device) -> torch.Tensor:
