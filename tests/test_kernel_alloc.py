@@ -330,3 +330,20 @@ def test_workspace_must_match_the_cache_reserve() -> None:
     ws = AllocWorkspace(_pair(16, 100)[1], max_lanes=16)
     with pytest.raises(ValueError, match="eviction reserve"):
         allocate_kernel(ker, 0, torch.tensor([1], device=DEV), True, ws)
+
+
+def test_a_call_where_every_lane_hits_ends_after_the_look_up(path: dict) -> None:
+    """Every selection resident (the low-load case): the hits are stamped and answered, no
+    miss is counted, nothing is scanned or allocated, and the state is the reference's."""
+    ref, ker = _pair(16, 100, reserve=2)
+    ws = AllocWorkspace(ker, max_lanes=16, **path)
+    first = torch.arange(1, 13, dtype=torch.int64, device=DEV)
+    allocate_reference(ref, 0, first, True)
+    allocate_kernel(ker, 0, first, True, ws)
+    resident = torch.tensor([3, 1, 3, -1, 12, 7], dtype=torch.int64, device=DEV)  # a repeat
+    a = allocate_reference(ref, 0, resident, False)
+    b = allocate_kernel(ker, 0, resident, False, ws)
+    assert torch.equal(a.slots, b.slots) and int(b.miss_count) == 0
+    _assert_same(ref, ker, "all hits")
+    assert int(ker.hits[0]) == 4 and int(ker.misses[0]) == 0  # distinct slots hit
+    assert int(ws.hist.sum()) == 0 and int(ker.free_count[0]) == 16 - 12
