@@ -238,6 +238,59 @@ def _boundary(hist_ptr, need):
     return boundary, older, total
 
 
+@triton.jit
+def _take_victims(
+    slot, bucket, older_before, at_before, boundary, quota, need, free, stamp, h2d_ptr,
+    d2h_ptr, prio_ptr, miss_ids_ptr, miss_slots_ptr, extras_ptr, evictions_ptr,
+    SLOTS: tl.constexpr, SEM: tl.constexpr,
+):  # fmt: skip
+    """Victims among a block of slots (evictable ones older than the boundary bucket, and
+    the boundary's first ``quota`` in slot order, counting the ``older_before`` and
+    ``at_before`` of earlier blocks): each serves the miss of rank free + its position, or
+    past ``need`` joins the reserve's extras. Returns the block's older and boundary
+    counts (the next block's prefix)."""
+    is_older = ((bucket >= 0) & (bucket > boundary)).to(tl.int64)
+    is_at = ((bucket >= 0) & (bucket == boundary)).to(tl.int64)
+    at_rank = at_before + tl.cumsum(is_at, 0) - is_at
+    victim = (is_older > 0) | ((is_at > 0) & (at_rank < quota))
+    pos = older_before + tl.cumsum(is_older, 0) - is_older + tl.minimum(at_rank, quota)
+    serves = victim & (pos < need)
+    extra = victim & (pos >= need)
+    rank = free + pos
+    ids = tl.load(miss_ids_ptr + rank, mask=serves, other=0)
+    old_host = tl.load(d2h_ptr + slot, mask=victim, other=0)
+    tl.store(h2d_ptr + old_host, _ABSENT, mask=victim)
+    tl.store(h2d_ptr + ids, slot.to(tl.int32), mask=serves)
+    tl.store(d2h_ptr + slot, tl.where(serves, ids, _FREE).to(tl.int32), mask=victim)
+    stamps = tl.zeros([SLOTS], dtype=tl.int64) + stamp
+    tl.store(prio_ptr + slot, tl.where(serves, stamps, _FREE), mask=victim)
+    tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=serves)
+    tl.store(extras_ptr + (pos - need), slot.to(tl.int32), mask=extra)
+    tl.atomic_add(evictions_ptr, tl.sum(victim.to(tl.int64), 0), sem=SEM)
+    return tl.sum(is_older, 0), tl.sum(is_at, 0)
+
+
+@triton.jit
+def _serve_ranks(
+    rank, misses, free, need, evictable, stamp, scratch_slot, h2d_ptr, d2h_ptr, prio_ptr,
+    free_stack_ptr, miss_ids_ptr, miss_slots_ptr, LANES: tl.constexpr,
+):  # fmt: skip
+    """Misses of these ranks served from the free stack's top; unserved ones (past the
+    free slots and the victims: only if the cache is too small) give their claim back."""
+    live = rank < misses
+    from_stack = live & (rank < free)
+    unserved = live & (rank >= free + tl.minimum(need, evictable))
+    ids = tl.load(miss_ids_ptr + rank, mask=live, other=0)
+    slot = tl.load(free_stack_ptr + (free - 1 - rank), mask=from_stack, other=0)
+    tl.store(h2d_ptr + ids, slot, mask=from_stack)
+    tl.store(d2h_ptr + slot, ids.to(tl.int32), mask=from_stack)
+    tl.store(prio_ptr + slot, tl.zeros([LANES], dtype=tl.int64) + stamp, mask=from_stack)
+    tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=from_stack)
+    tl.store(h2d_ptr + ids, _ABSENT, mask=unserved)
+    scratch = tl.zeros([LANES], tl.int64) + scratch_slot
+    tl.store(miss_slots_ptr + rank, scratch, mask=unserved)
+
+
 @triton.jit(do_not_specialize=_PER_CALL)
 def _lookup_kernel(
     ids_ptr, lanes, h2d_ptr, prio_ptr, clock_ptr, hist_ptr, hits_ptr, miss_bound_ptr,
@@ -378,40 +431,17 @@ def _assign_kernel(
         at_before = tl.sum(tl.load(slot_counts_ptr + 2 * q + 1, mask=earlier, other=0), 0)
         slot = pid * SLOTS + tl.arange(0, SLOTS)
         bucket = tl.load(buckets_ptr + slot, mask=slot < num_slots + 2, other=-1).to(tl.int64)
-        is_older = ((bucket >= 0) & (bucket > boundary)).to(tl.int64)
-        is_at = ((bucket >= 0) & (bucket == boundary)).to(tl.int64)
-        quota = _target(need, reserve) - older
-        at_rank = at_before + tl.cumsum(is_at, 0) - is_at
-        victim = (is_older > 0) | ((is_at > 0) & (at_rank < quota))
-        pos = older_before + tl.cumsum(is_older, 0) - is_older + tl.minimum(at_rank, quota)
-        serves = victim & (pos < need)
-        extra = victim & (pos >= need)
-        rank = free + pos
-        ids = tl.load(miss_ids_ptr + rank, mask=serves, other=0)
-        old_host = tl.load(d2h_ptr + slot, mask=victim, other=0)
-        tl.store(h2d_ptr + old_host, _ABSENT, mask=victim)
-        tl.store(h2d_ptr + ids, slot.to(tl.int32), mask=serves)
-        tl.store(d2h_ptr + slot, tl.where(serves, ids, _FREE).to(tl.int32), mask=victim)
-        stamps = tl.zeros([SLOTS], dtype=tl.int64) + stamp
-        tl.store(prio_ptr + slot, tl.where(serves, stamps, _FREE), mask=victim)
-        tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=serves)
-        tl.store(extras_ptr + (pos - need), slot.to(tl.int32), mask=extra)
-        tl.atomic_add(evictions_ptr, tl.sum(victim.to(tl.int64), 0), sem=SEM)
+        _take_victims(
+            slot, bucket, older_before, at_before, boundary, _target(need, reserve) - older,
+            need, free, stamp, h2d_ptr, d2h_ptr, prio_ptr, miss_ids_ptr, miss_slots_ptr,
+            extras_ptr, evictions_ptr, SLOTS=SLOTS, SEM=SEM,
+        )  # fmt: skip
     elif pid >= slot_programs:
-        l_rank = (pid - slot_programs) * LANES + tl.arange(0, LANES)
-        l_live = l_rank < misses
-        l_from_stack = l_live & (l_rank < free)
-        l_unserved = l_live & (l_rank >= free + tl.minimum(need, evictable))
-        l_ids = tl.load(miss_ids_ptr + l_rank, mask=l_live, other=0)
-        l_slot = tl.load(free_stack_ptr + (free - 1 - l_rank), mask=l_from_stack, other=0)
-        tl.store(h2d_ptr + l_ids, l_slot, mask=l_from_stack)
-        tl.store(d2h_ptr + l_slot, l_ids.to(tl.int32), mask=l_from_stack)
-        tl.store(prio_ptr + l_slot, tl.zeros([LANES], dtype=tl.int64) + stamp, mask=l_from_stack)
-        tl.store(miss_slots_ptr + l_rank, l_slot.to(tl.int64), mask=l_from_stack)
-        tl.store(h2d_ptr + l_ids, _ABSENT, mask=l_unserved)
-        tl.store(
-            miss_slots_ptr + l_rank, tl.zeros([LANES], tl.int64) + scratch_slot, mask=l_unserved
-        )
+        _serve_ranks(
+            (pid - slot_programs) * LANES + tl.arange(0, LANES), misses, free, need, evictable,
+            stamp, scratch_slot, h2d_ptr, d2h_ptr, prio_ptr, free_stack_ptr, miss_ids_ptr,
+            miss_slots_ptr, LANES=LANES,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -548,25 +578,13 @@ def _one_program_misses(
         while first_slot < n_slots:
             slot = first_slot + tl.arange(0, SLOTS)
             bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
-            is_older = ((bucket >= 0) & (bucket > boundary)).to(tl.int64)
-            is_at = ((bucket >= 0) & (bucket == boundary)).to(tl.int64)
-            at_rank = at_before + tl.cumsum(is_at, 0) - is_at
-            victim = (is_older > 0) | ((is_at > 0) & (at_rank < quota))
-            pos = older_before + tl.cumsum(is_older, 0) - is_older + tl.minimum(at_rank, quota)
-            serves = victim & (pos < need)
-            extra = victim & (pos >= need)
-            ids = tl.load(miss_ids_ptr + free + pos, mask=serves, other=0)
-            old_host = tl.load(d2h_ptr + slot, mask=victim, other=0)
-            tl.store(h2d_ptr + old_host, _ABSENT, mask=victim)
-            tl.store(h2d_ptr + ids, slot.to(tl.int32), mask=serves)
-            tl.store(d2h_ptr + slot, tl.where(serves, ids, _FREE).to(tl.int32), mask=victim)
-            stamps = tl.zeros([SLOTS], dtype=tl.int64) + stamp
-            tl.store(prio_ptr + slot, tl.where(serves, stamps, _FREE), mask=victim)
-            tl.store(miss_slots_ptr + free + pos, slot.to(tl.int64), mask=serves)
-            tl.store(extras_ptr + (pos - need), slot.to(tl.int32), mask=extra)
-            tl.atomic_add(evictions_ptr, tl.sum(victim.to(tl.int64), 0), sem=SEM)
-            older_before += tl.sum(is_older, 0)
-            at_before += tl.sum(is_at, 0)
+            n_older, n_at = _take_victims(
+                slot, bucket, older_before, at_before, boundary, quota, need, free, stamp,
+                h2d_ptr, d2h_ptr, prio_ptr, miss_ids_ptr, miss_slots_ptr, extras_ptr,
+                evictions_ptr, SLOTS=SLOTS, SEM=SEM,
+            )  # fmt: skip
+            older_before += n_older
+            at_before += n_at
             first_slot += SLOTS
     else:  # an empty histogram says no slot was scanned (as the pipeline's count kernel)
         tl.store(hist_ptr + tl.arange(0, _BUCKETS), tl.zeros([_BUCKETS], dtype=tl.int32))
@@ -576,19 +594,11 @@ def _one_program_misses(
     tl.debug_barrier()
     start = 0
     while start < misses:
-        rank = start + tl.arange(0, LANES)
-        live = rank < misses
-        from_stack = live & (rank < free)
-        unserved = live & (rank >= free + tl.minimum(need, evictable))
-        ids = tl.load(miss_ids_ptr + rank, mask=live, other=0)
-        slot = tl.load(free_stack_ptr + (free - 1 - rank), mask=from_stack, other=0)
-        tl.store(h2d_ptr + ids, slot, mask=from_stack)
-        tl.store(d2h_ptr + slot, ids.to(tl.int32), mask=from_stack)
-        tl.store(prio_ptr + slot, tl.zeros([LANES], dtype=tl.int64) + stamp, mask=from_stack)
-        tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=from_stack)
-        tl.store(h2d_ptr + ids, _ABSENT, mask=unserved)
-        scratch = tl.zeros([LANES], tl.int64) + scratch_slot
-        tl.store(miss_slots_ptr + rank, scratch, mask=unserved)
+        _serve_ranks(
+            start + tl.arange(0, LANES), misses, free, need, evictable, stamp, scratch_slot,
+            h2d_ptr, d2h_ptr, prio_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr,
+            LANES=LANES,
+        )  # fmt: skip
         start += LANES
     tl.debug_barrier()
     # The reserve's victims onto the emptied stack (after the reads above), then each
