@@ -1,7 +1,7 @@
 """Decode top-k positions -> host ids -> device rows: the two ends of the SGLang plugin's
 per-layer resolve (sglang/topk_resolve.py), one launch each, around EchoManager.resolve.
 
-In torch these are ~20 small ops per layer-step (gathers, comparisons, wheres, a copy),
+In torch these are two dozen small ops per layer-step (gathers, comparisons, wheres, a copy),
 each its own launch inside sglang's decode graph, 61 times per step; here they are two.
 
 ``host_ids``: for row i (request i of the batch) and lane j, with p = topk[i, j]:
