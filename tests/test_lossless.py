@@ -243,9 +243,16 @@ def test_lossless_with_decode_prefetch_kernels(models, monkeypatch):
     assert report["prefetched"] > 0 and report["prefetch_hits"] > 0
 
 
-def test_lossless_with_prefill_prefetch_kernels(models):
+@pytest.mark.parametrize("alloc_path", ["one-program", "pipeline"])
+def test_lossless_with_prefill_prefetch_kernels(models, alloc_path, monkeypatch):
     """Prefill prefetch's GPU code path on the CPU: the histogram kernels and the cache
-    kernels (Triton interpreter), chunks of several query blocks, under the same equality."""
+    kernels (Triton interpreter), chunks of several query blocks, under the same equality;
+    with each allocation path (this small batch takes the one program unless forced past
+    it, kernels/alloc.py ONE_PROGRAM_LANES)."""
+    if alloc_path == "pipeline":
+        from sglang_echo.kernels import alloc
+
+        monkeypatch.setattr(alloc, "ONE_PROGRAM_LANES", 0)
     w = Workload(
         config="default-rope",
         dtype=torch.float32,
@@ -256,4 +263,4 @@ def test_lossless_with_prefill_prefetch_kernels(models):
     )
     report = run_pair(models(w.config, w.dtype), w, use_kernels=True, fuse_extend=True)
     print(f"\nkernels: prefetched {report['prefetched']} rows")
-    assert report["prefetched"] > 0
+    assert report["prefetched"] > 0 and report["resolve_evictions"] > 0
