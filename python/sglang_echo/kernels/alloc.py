@@ -40,8 +40,9 @@ LANE_BLOCK = 1024
 SLOT_BLOCK = 2048
 NUM_WARPS = 8
 # Calls of at most this many lanes run as one program (_one_program_kernel): a batch of one
-# or two decode requests at top-k 2048, where five dependent launches cost more than the
-# work. Past it, the five-launch pipeline. cache_ops_bench.py --one-program-sweep times both.
+# decode request at top-k 2048, the only batch where it beat the five launches on an H200
+# (15.6 vs 19.9 us; 26.1 vs 21.5 at batch 2: cache_ops.json, one_program_study, which
+# cache_ops_bench.py measures every run). Past it, the five-launch pipeline.
 ONE_PROGRAM_LANES = 2048
 ONE_PROGRAM_WARPS = 16
 ONE_PROGRAM_BLOCK = 2048  # lanes per step of its loops: a batch of one in one step
@@ -744,6 +745,8 @@ def allocate_kernel(
             ids, lanes, out, h2d, d2h, prio, clock, ws.hist, free_count, c.free_stack[layer],
             ws.miss_ids, ws.miss_slots, ws.miss_count, ws.extras, c.hits[layer : layer + 1],
             c.misses[layer : layer + 1], evictions, c.recalled_rows[layer : layer + 1],
+            # Loop steps of twice the pipeline's lane block, up to a batch of one per step
+            # (a workspace with small blocks, as the tests make, loops more).
             c.num_slots, c.scratch_slot, ws.reserve, APPEND=append,
             LANES=min(ws.lane_block * 2, ONE_PROGRAM_BLOCK), SLOTS=ws.slot_block, PDL=ws.pdl,
             SEM=ws.atomic_sem,

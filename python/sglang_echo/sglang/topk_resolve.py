@@ -103,8 +103,7 @@ class TopkToRows:
         to_rows = rows if kernels else rows_reference
         slots = None
         if n > 0:
-            args = (topk, req, seq, self.newest_row)
-            lookup = to_ids(*args, self.req_to_host, num_real)
+            lookup = to_ids(topk, req, seq, self.newest_row, self.req_to_host, num_real)
             slots = self.manager.resolve(layer, lookup)
         to_rows(slots, topk, req, seq, self.newest_row, num_real, self.row_base, out)
         return out
