@@ -14,7 +14,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: tests kernel_tests kernels release mla_profile indexer_profile cache topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile indexer_profile cache topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -80,7 +80,7 @@ run_stage() {
       stage release 150 python3 benchmark/kernels/release_bench.py --out /tmp/ds/release ;;
     cache)  # the cache kernels' GPU tests, then their benchmark (launch chaining beside)
       stage cache 170 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
-        tests/test_kernel_recall.py tests/test_pdl.py tests/test_decode_write.py \
+        tests/test_kernel_recall.py tests/test_kernel_topk_rows.py tests/test_pdl.py tests/test_decode_write.py \
         && python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache" ;;
     topk)  # both top-k kernels' tests, the GPU-marked ones too (the pivot's exactness at full
       # scale, which must pass before SGLANG_ECHO_TOPK_PIVOT=1 is allowed on CUDA again),
@@ -128,6 +128,12 @@ run_stage() {
       peer_or_say
       stage study_fp8 130 python3 benchmark/e2e_study.py --out /tmp/ds/study_fp8 \
         --kv-cache-dtype fp8_e4m3 --repeats 2 --deadline-s 110 ;;
+    harness)  # the plugin over sglang 0.5.23's pure-Python classes (the carried archive
+      # .harness/sglang-py.tar.gz: python -m benchmark.harness.sglang_pack), then its CUDA test
+      stage harness 240 bash -c "python3 benchmark/plugin_gpu_harness.py --out /tmp/ds/harness \
+        --sglang-pack .harness/sglang-py.tar.gz; ECHO_SGLANG_PACK=.harness/sglang-py.tar.gz \
+        ECHO_REQUIRE_SGLANG=1 PYTHONPATH=tests/sglang:\$PYTHONPATH python3 -m pytest -q \
+        -p no:cacheprovider --confcutdir=tests/sglang tests/sglang/test_gpu_harness_loop.py" ;;
     *) echo "unknown stage $1; $usage" >&2; exit 2 ;;
   esac
 }
@@ -138,7 +144,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in tests|kernel_tests|kernels|release|mla_profile|indexer_profile|cache|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in harness|tests|kernel_tests|kernels|release|mla_profile|indexer_profile|cache|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"

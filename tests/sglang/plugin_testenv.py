@@ -27,13 +27,43 @@ torch.set_num_threads(1)
 SKIP_REASON = "sglang 0.5.23 is not installed here; `make test` runs it in the second env"
 
 
+def _has_sglang() -> bool:
+    try:
+        return importlib.util.find_spec("sglang.srt") is not None
+    except ModuleNotFoundError:  # no package named sglang at all
+        return False
+
+
+def _load_sglang_pack() -> None:
+    """ECHO_SGLANG_PACK=archive (the GPU machine, where sglang cannot be installed):
+    sglang's pure-Python modules from the archive (benchmark/harness/sglang_pack.py), and
+    import stand-ins for the third-party modules it imports that the machine lacks."""
+    pack = os.environ.get("ECHO_SGLANG_PACK")
+    if not pack or _has_sglang():
+        return
+    import sys
+    import tarfile
+    import tempfile
+
+    target = tempfile.mkdtemp(prefix="sglang-pack-")
+    with tarfile.open(pack) as tar:
+        tar.extractall(target)
+    sys.path.insert(0, target)
+    from benchmark.harness import standins
+
+    standins.install_standins(standins.STANDINS)
+
+
+_load_sglang_pack()
+
+
 def require_sglang() -> None:
     """Skip the calling module without sglang (error with ECHO_REQUIRE_SGLANG=1).
 
     Looks for ``sglang.srt``: this directory is itself a namespace package named
     ``sglang`` whenever tests/ is on sys.path.
     """
-    if importlib.util.find_spec("sglang.srt") is not None:
+    if _has_sglang():
         return
     if os.environ.get("ECHO_REQUIRE_SGLANG") == "1":
         raise RuntimeError(f"ECHO_REQUIRE_SGLANG=1 but sglang is missing: {SKIP_REASON}")

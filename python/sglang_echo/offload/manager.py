@@ -129,10 +129,24 @@ class EchoManager:
     # -------------------------------------------------------------------- append
     def append(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
         """New tokens (host ids not yet resident) -> host rows and fresh device slots."""
-        c = self.cache
         self._check_lanes("append", locs.numel())
         self._join(layer)
         self._write_host(layer, locs, rows)
+        self._place(layer, locs, rows)
+
+    def insert(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Tokens whose host rows are already written and whose ``rows`` are on the
+        device (a prompt the SGLang plugin prefilled locally and staged): map them into
+        the cache, stamped now (evictable like any appended token), and copy the rows
+        device to device, so the first decode step finds them resident instead of
+        recalling them over PCIe. Host ids may already be resident (rewritten in place,
+        same bytes)."""
+        self._check_lanes("insert", locs.numel())
+        self._join(layer)
+        self._place(layer, locs, rows)
+
+    def _place(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
+        c = self.cache
         alloc = self._allocate(layer, locs.reshape(-1).to(torch.int64), append=True)
         c.rows[layer].index_copy_(0, alloc.slots, rows.to(c.rows.dtype))
 

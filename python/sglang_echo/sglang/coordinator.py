@@ -376,9 +376,13 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
     # ------------------------------------------------------------- admission
     def alloc_device_buffer(self, req) -> None:
         """Admission to decode (PD direct or after staging): the request's prompt rows,
-        if any, are freed, and it gets one page whose first row holds its newest token."""
+        if any, are freed, and it gets one page whose first row holds its newest token.
+        A staged request's (local prefill) newest prompt rows go into ECHO's cache first,
+        copied on the device (``_warm_from_prompt``)."""
         idx = req.kv.req_pool_idx
         logical = self.req_to_token_pool.req_to_token[idx, : req.kv.kv_allocated_len]
+        if getattr(req, "hisparse_staging", False):
+            self._warm_from_prompt(idx, logical)
         page = self.token_to_kv_pool_allocator.alloc_device_buffer(
             logical.to(torch.int64), self.page_size
         )
@@ -392,6 +396,33 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             )
         self._newest_page[idx] = page
         self.newest_row[idx] = page[0]
+
+    def _warm_from_prompt(self, idx: int, logical: torch.Tensor) -> None:
+        """A locally prefilled prompt is on the device (its rows are freed right after
+        this) and, staged, on the host: its newest ``warm_tokens`` rows enter ECHO's cache
+        in every layer by a device-to-device copy, as the runtime's prefill appends its
+        prompt, so the first decode step does not recall a top-k's worth of rows per
+        layer that were on the GPU a moment ago. The window is the request's fair share
+        of the cache (N_G over the request slots), so one admission does not evict the
+        running requests' working sets. Stream order keeps the copy before any reuse of
+        the freed rows (their next writer runs after this on the forward stream)."""
+        n = logical.numel()
+        take = min(n, self.warm_tokens)
+        if take == 0:
+            return
+        device_rows = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(
+            logical[n - take :].to(torch.int64)
+        )
+        host_ids = self.req_to_host_pool[idx, n - take : n].to(self.cache.device, torch.int64)
+        for layer, buf in enumerate(self.mem_pool_device.kv_buffer):
+            rows = buf.view(buf.shape[0], -1).index_select(0, device_rows.to(torch.int64))
+            self.manager.insert(layer, host_ids, rows)
+
+    @property
+    def warm_tokens(self) -> int:
+        """Prompt rows a staged request brings into ECHO's cache per layer (its share)."""
+        slots = max(1, self.req_to_token_pool.req_to_token.shape[0] - 1)
+        return min(self.num_slots, self.num_slots // slots)
 
     def admit_request_direct(self, req) -> None:
         """PD decode: the prompt's KV is already in the host pool (RDMA); no preload,

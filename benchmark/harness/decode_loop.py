@@ -1,0 +1,351 @@
+"""sglang's choreography around a decode step, reproduced over either KV side.
+
+What the loop reproduces (sglang 0.5.23's overlap scheduler and CUDA-graph runner):
+- two streams: the schedule stream builds and prepares step N+1 (logical ids, the
+  request table, the coordinator's backup of each previous token on its own backup
+  stream) while step N still runs on the forward stream; the forward stream waits for
+  the schedule stream before each step;
+- step N+1's input tokens are step N's outputs, read on the device (the host never
+  waits for them before launching);
+- the results of step N are processed after step N+1 was launched: requests that reach
+  their length finish then, while step N+1 (which still decodes them once more, as
+  sglang's overlap does) is in flight; their KV is released in one result-processing
+  scope; new requests arrive (PD: KV landed in the host pool; local: prefill and
+  staging) between steps;
+- decode CUDA graphs captured once per padded batch size and replayed with the batch
+  padded (padding rows: request 0, length 1), eager beyond the largest; IDLE steps (no
+  request: a DP-attention rank with nothing to run) replay the smallest graph with no
+  real row.
+
+The model is ``toy_model.ToyModel``: both sides compute the same functions over the rows
+their table points at, so equal logits mean every row ECHO handed to attention held the
+bytes the plain pool holds.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from benchmark.harness.kv_sides import FP8_ROW_BYTES, KV_LORA, PAGE, ROPE
+from benchmark.harness.toy_model import ToyModel, ToyShape
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    fp8: bool = True
+    mode: str = "pd"  # "pd": KV arrives in the host pool; "local": prefill + staging
+    layers: int = 4
+    top_k: int = 64
+    dev_cache: int = 256  # N_G: a step of max_running x top_k selections fills it
+    max_running: int = 4
+    max_prompt: int = 448
+    max_context: int = 768
+    vocab: int = 512
+    requests: int = 10
+    min_new: int = 6
+    max_new: int = 60
+    graph_sizes: tuple[int, ...] = (1, 2, 4)
+    graphs: bool = True
+    seed: int = 0
+
+    @property
+    def host_tokens(self) -> int:
+        return 4 * self.max_running * self.max_context
+
+    @property
+    def row_width(self) -> int:
+        return FP8_ROW_BYTES if self.fp8 else KV_LORA + ROPE
+
+
+@dataclass
+class Spec:
+    rid: str
+    arrival: int  # loop iteration at which it may be admitted
+    prompt: list[int]
+    quota: int  # decode steps
+
+
+@dataclass
+class Running:
+    spec: Spec
+    req: object
+    seq_len: int  # tokens in KV once this step's token is written
+    first_token: int
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    finished: bool = False
+
+
+def make_specs(cfg: HarnessConfig) -> list[Spec]:
+    """Arrivals in bursts with gaps (IDLE steps happen in the gaps), prompts longer than
+    top-k (so selections leave tokens out), lengths that finish at different steps."""
+    rng = random.Random(cfg.seed)
+    specs, t = [], 0
+    for i in range(cfg.requests):
+        t += rng.choice((0, 0, 1, 3, 25)) if i else 0
+        n = rng.randint(cfg.top_k // 2, cfg.max_prompt)
+        prompt = [rng.randrange(cfg.vocab) for _ in range(n)]
+        quota = rng.randint(cfg.min_new, min(cfg.max_new, cfg.max_context - n - 2))
+        specs.append(Spec(f"r{i}", t, prompt, quota))
+    return specs
+
+
+class DecodeLoop:
+    def __init__(self, side_cls, cfg: HarnessConfig, device: str, tp_group) -> None:
+        self.cfg, self.device = cfg, device
+        self.cuda = torch.device(device).type == "cuda"
+        self.schedule_stream = torch.cuda.current_stream() if self.cuda else None
+        self.forward_stream = torch.cuda.Stream() if self.cuda else None
+        self.side = side_cls(cfg, device, self.forward_stream, tp_group)
+        shape = ToyShape(cfg.layers, cfg.top_k, cfg.vocab, cfg.max_context, cfg.row_width)
+        self.model = ToyModel(shape, device, seed=cfg.seed)
+        g = max(cfg.graph_sizes)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.req_idx = torch.zeros(g, **i64)
+        self.seq = torch.ones(g, **i64)
+        self.out_loc = torch.zeros(g, **i64)
+        self.tokens_in = torch.zeros(g, **i64)
+        self.next_out = torch.zeros(g, **i64)
+        self.logits_out = torch.zeros(g, cfg.vocab, dtype=torch.float32, device=device)
+        self.context_tokens = torch.zeros(4 * cfg.max_running + 2, cfg.max_context, **i64)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.stats = {"graph_replays": 0, "eager_steps": 0, "idle_steps": 0, "steps": 0}
+        self.counter_log: list[torch.Tensor] = []
+        self._keep: list = []  # inputs of steps still in flight
+
+    # ------------------------------------------------------------ the forward
+    def _body(self, bs: int) -> None:
+        """One decode step of the first ``bs`` static rows (what a graph captures)."""
+        m, side = self.model, self.side
+        req, seq = self.req_idx[:bs], self.seq[:bs]
+        loc, tok = self.out_loc[:bs], self.tokens_in[:bs]
+        pos = seq - 1
+        self.context_tokens[req, pos] = tok
+        context = self.context_tokens[req]
+        hidden = torch.zeros(bs, m.shape.hidden, dtype=torch.float32, device=self.device)
+        for layer in range(self.cfg.layers):
+            nope, rope = m.kv(layer, tok, pos)
+            side.write(layer, loc, nope, rope)
+            topk, weights = m.select(layer, context, seq, tok)
+            table = side.table(layer, req, seq, topk)
+            valid = table >= 0
+            rows = side.rows(layer)[table.clamp(min=0).to(torch.int64)]
+            rows = torch.where(valid[..., None], rows.to(torch.float32), 0.0)
+            hidden = hidden + m.attend(rows, torch.where(valid, weights, 0.0))
+        logits = m.logits(hidden)
+        self.logits_out[:bs] = logits
+        self.next_out[:bs] = logits.argmax(-1)
+
+    def capture(self) -> None:
+        """One graph per padded batch size, captured on the forward stream after an
+        eager warm-up (Triton compiles there), with padding inputs and no real row."""
+        if not (self.cuda and self.cfg.graphs):
+            return
+        for bs in self.cfg.graph_sizes:
+            self._pad_inputs(0, bs)
+            with torch.cuda.stream(self.forward_stream):
+                self.side.before_forward(0)
+                self._body(bs)
+            self.forward_stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.forward_stream):
+                self._body(bs)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def _pad_inputs(self, n: int, bs: int) -> None:
+        self.req_idx[n:bs] = 0
+        self.seq[n:bs] = 1
+        self.out_loc[n:bs] = 0
+        self.tokens_in[n:bs] = 0
+
+    def _padded(self, n: int) -> int | None:
+        fits = [g for g in self.cfg.graph_sizes if g >= max(n, 1)]
+        return min(fits) if fits and self.graphs else None
+
+    def launch(self, batch: list[Running], prev_rows: list[int]):
+        """Prepare (schedule stream) and launch (forward stream) one step; returns what
+        the result processing needs. ``prev_rows[i]``: the row of batch[i] in the step
+        before, -1 for a request's first decode step."""
+        n, dev = len(batch), self.device
+        out_loc = None
+        if n:
+            out_loc = self.side.prepare([r.req for r in batch], [r.seq_len for r in batch])
+        idx = torch.tensor([r.req.kv.req_pool_idx for r in batch], dtype=torch.int64, device=dev)
+        seq = torch.tensor([r.seq_len for r in batch], dtype=torch.int64, device=dev)
+        prev = torch.tensor(prev_rows, dtype=torch.int64, device=dev)
+        first = torch.tensor([r.first_token for r in batch], dtype=torch.int64, device=dev)
+        self._keep = [*self._keep[-6:], (idx, seq, prev, first, out_loc)]
+        for r in batch:
+            r.seq_len += 1  # the next step's length (this one is launched with the old)
+        padded = self._padded(n)
+        bs = padded or max(n, 1)
+        if self.forward_stream is not None:
+            self.forward_stream.wait_stream(self.schedule_stream)
+        ctx = torch.cuda.stream(self.forward_stream) if self.cuda else _null()
+        with ctx:
+            self.side.before_forward(n)
+            if n:
+                inputs = torch.where(prev >= 0, self.next_out[prev.clamp(min=0)], first)
+                self.tokens_in[:n] = inputs
+                self.req_idx[:n] = idx
+                self.seq[:n] = seq
+                self.out_loc[:n] = out_loc
+            self._pad_inputs(n, bs)
+            if padded is not None:
+                self.graphs[padded].replay()
+                self.stats["graph_replays"] += 1
+            else:
+                self._body(bs)
+                self.stats["eager_steps"] += 1
+            tokens = self.next_out[:n].to("cpu", non_blocking=self.cuda)
+            logits = self.logits_out[:n].to("cpu", non_blocking=self.cuda)
+            self.counter_log.append(self.side.counters().clone())
+            done = torch.cuda.Event() if self.cuda else None
+            if done is not None:
+                done.record()
+        self.stats["steps"] += 1
+        self.stats["idle_steps"] += n == 0
+        return batch, tokens, logits, done
+
+    # ------------------------------------------------------------ admission
+    def admit(self, spec: Spec) -> Running:
+        from benchmark.harness.kv_sides import make_req
+
+        req = make_req(spec.rid, spec.prompt)
+        prompt = torch.tensor(spec.prompt, dtype=torch.int64, device=self.device)
+        positions = torch.arange(len(spec.prompt), device=self.device)
+
+        def nope_rope(layer: int):
+            return self.model.kv(layer, prompt, positions)
+
+        if self.forward_stream is not None:  # prefill after the steps in flight
+            self.schedule_stream.wait_stream(self.forward_stream)
+        if self.cfg.mode == "pd":
+            self.side.arrive_pd(req, self.prefill_node_rows(nope_rope, len(spec.prompt)))
+        else:
+            self.side.prefill_local(req, nope_rope)
+        self.context_tokens[req.kv.req_pool_idx, : len(spec.prompt)] = prompt
+        first = self.model.first_token(spec.prompt)
+        return Running(spec, req, len(spec.prompt) + 1, first)
+
+    def prefill_node_rows(self, nope_rope, n: int) -> torch.Tensor:
+        """The bytes a prefill node would send: the prompt written by sglang's own DSA
+        pool (its fp8 quantisation), read back as [n, layers, W] on the CPU."""
+        from benchmark.harness.kv_sides import flat_rows, pool_args
+
+        if getattr(self, "_prefill_pool", None) is None:
+            from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+            rows = -(-(self.cfg.max_prompt + 1) // PAGE) * PAGE
+            args = pool_args(rows, self.cfg.layers, self.cfg.fp8, self.device)
+            self._prefill_pool = DSATokenToKVPool(**args, index_buf_size=rows)
+        pool = self._prefill_pool
+        locs = torch.arange(1, n + 1, device=self.device)
+        out = []
+        for layer in range(self.cfg.layers):
+            nope, rope = nope_rope(layer)
+            pool.set_mla_kv_buffer(self.side.layers[layer], locs, nope, rope)
+            out.append(flat_rows(pool.kv_buffer[layer])[locs].cpu())
+        return torch.stack(out, 1)
+
+    # ------------------------------------------------------------ the run
+    def run(self, specs: list[Spec], profile_at: int = 1 << 30) -> dict[str, Running]:
+        """Every request to its end; returns them by id (their tokens and logits). The
+        first step with requests at or after iteration ``profile_at`` is profiled on a GPU
+        (ECHO's launches per step, ``launch_counts``)."""
+        self.capture()
+        pending = sorted(specs, key=lambda s: s.arrival)
+        running: list[Running] = []
+        done: dict[str, Running] = {}
+        inflight = None
+        prev_batch: list[Running] = []
+        it = 0
+        self.launch_counts = None
+        while True:
+            while pending and pending[0].arrival <= it and len(running) < self.cfg.max_running:
+                running.append(self.admit(pending.pop(0)))
+            if not (pending or running):
+                if inflight is None:
+                    break
+                self._finish(self._process(inflight), running, done)
+                inflight = None
+                continue
+            row_of = {id(r): i for i, r in enumerate(prev_batch)}
+            batch = list(running)  # an empty batch is an IDLE step (arrivals pending)
+            prev_rows = [row_of.get(id(r), -1) for r in batch]
+            if self.launch_counts is None and it >= profile_at and self.cuda and batch:
+                self.launch_counts, current = count_launches(self.launch, batch, prev_rows)
+            else:
+                current = self.launch(batch, prev_rows)
+            prev_batch = batch
+            if inflight is not None:  # step N's results, while step N + 1 runs
+                self._finish(self._process(inflight), running, done)
+            inflight = current
+            it += 1
+            if it > 4 * sum(s.quota + s.arrival + 2 for s in specs) + 100:
+                raise RuntimeError("the harness loop does not terminate")
+        if self.cuda:
+            torch.cuda.synchronize()
+        return done
+
+    def _finish(self, finished: list[Running], running: list[Running], done: dict) -> None:
+        if finished:
+            self.side.finish_all([r.req for r in finished])
+            for r in finished:
+                running.remove(r)
+                done[r.spec.rid] = r
+
+    def _process(self, step) -> list[Running]:
+        """sglang's result processing of one step: its tokens, then who finished."""
+        batch, tokens, logits, event = step
+        if event is not None:
+            event.synchronize()
+        finished = []
+        for i, r in enumerate(batch):
+            if r.finished:  # decoded once more after its end (overlap): discarded
+                continue
+            r.tokens.append(int(tokens[i]))
+            r.logits.append(logits[i].clone())
+            if len(r.tokens) == r.spec.quota:
+                r.finished = True
+                finished.append(r)
+        return finished
+
+    def counters_per_step(self) -> torch.Tensor:
+        """[steps, 3] evictions / misses / hits of each step (differences)."""
+        log = torch.stack(self.counter_log).cpu()
+        return torch.diff(log, dim=0, prepend=torch.zeros_like(log[:1]))
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+ECHO_KERNELS = ("_host_ids_kernel", "_rows_kernel", "_one_program_kernel", "_lookup_kernel",
+                "_count_kernel", "_rank_kernel", "_assign_kernel", "_finish_kernel",
+                "_recall_flat_kernel", "_recall_kernel", "_release_kernel")  # fmt: skip
+
+
+def count_launches(fn, *args):
+    """ECHO's kernel launches (by name) while ``fn(*args)`` runs, from the CUDA profiler
+    (a replayed graph's kernels are reported one by one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = fn(*args)
+        torch.cuda.synchronize()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        name = event.name
+        hit = next((k for k in ECHO_KERNELS if name == k or name.startswith(k)), None)
+        if hit is not None:
+            counts[hit] = counts.get(hit, 0) + 1
+    return counts, result
