@@ -71,6 +71,12 @@ CHAIN: tuple[tuple[str, str | None], ...] = (
 # unless both exist); packed whole: they are the JIT kernels' sources.
 DATA_DIRS = ("sglang/kernels/jit/include", "sglang/kernels/jit/csrc")
 
+# Packages whose .py files are packed whole: their functions import sibling modules
+# lazily on a GPU's paths that a trace on the CPU never takes (seen on the H200: the DSA
+# pool's KV write probes sglang.kernels.ops.kvcache.set_mla_kv_buffer when the device
+# supports launch chaining).
+WHOLE_PACKAGES = ("sglang/kernels", "sglang/srt/mem_cache")
+
 # The harness machine's Python distributions besides torch's own (its ``pip list``); on
 # the CUDA branch the trace hides every other installed package, as that machine lacks it.
 TARGET_DISTRIBUTIONS = frozenset((
@@ -217,7 +223,8 @@ def trace(python: Path, root: Path, cuda_branch: bool) -> dict[str, list[str]]:
 
 def files_to_pack(root: Path, traces: Iterable[dict[str, list[str]]]) -> list[Path]:
     """The traced sglang ``.py`` files and opened data files, the ``__init__.py`` of
-    every package above them, and ``DATA_DIRS``; paths under ``root``, sorted."""
+    every package above them, ``DATA_DIRS`` and ``WHOLE_PACKAGES``; paths under
+    ``root``, sorted."""
     chosen: set[Path] = set()
     for found in traces:
         for name in found["modules"] + found["opened"]:
@@ -234,6 +241,10 @@ def files_to_pack(root: Path, traces: Iterable[dict[str, list[str]]]) -> list[Pa
                 chosen.add(parent / "__init__.py")
     for folder in DATA_DIRS:
         chosen.update(p for p in (root.parent / folder).rglob("*") if p.is_file())
+    for folder in WHOLE_PACKAGES:
+        chosen.update(
+            p for p in (root.parent / folder).rglob("*.py") if "__pycache__" not in p.parts
+        )
     return sorted(chosen)
 
 
