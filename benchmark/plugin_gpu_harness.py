@@ -90,7 +90,13 @@ def run_config(name: str, cfg, device: str, group) -> dict:
     specs = make_specs(cfg)
     start = time.perf_counter()
     echo = DecodeLoop(EchoSide, cfg, device, group)
-    echo_out = echo.run(specs, profile_at=3)
+    try:
+        echo_out = echo.run(specs, profile_at=3)
+        clean = _clean(echo)
+    finally:
+        # Unregister the pinned host pool as sglang does at shutdown: the next config's
+        # pool may be given the same addresses, and registering them twice fails.
+        echo.side.coord.destroy()
     plain = DecodeLoop(PlainSide, cfg, device, group)
     plain_out = plain.run(specs)
     tokens = logits_rows = 0
@@ -134,7 +140,7 @@ def run_config(name: str, cfg, device: str, group) -> dict:
         "misses": misses,
         "launches_per_layer_step": launches or None,
         "release_errors": int(coord.manager.release_errors.item()),
-        "left_clean": _clean(echo),
+        "left_clean": clean,
         "seconds": round(time.perf_counter() - start, 2),
     }
 
