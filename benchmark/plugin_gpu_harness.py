@@ -243,13 +243,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _commit() -> str | None:
+    """ECHO_COMMIT where the caller knows better (a copied tree's git may be stale)."""
+    if os.environ.get("ECHO_COMMIT"):
+        return os.environ["ECHO_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
             check=True,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("ECHO_COMMIT")
+        return None
 
 
 if __name__ == "__main__":

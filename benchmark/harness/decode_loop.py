@@ -25,7 +25,7 @@ bytes the plain pool holds.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -79,9 +79,16 @@ class Running:
     finished: bool = False
 
 
+# An arrival that waits for the node to run dry; the loop then runs IDLE_STEPS steps
+# with no request (a DP-attention rank with nothing to run) and admits it.
+LATE = 1 << 40
+IDLE_STEPS = 3
+
+
 def make_specs(cfg: HarnessConfig) -> list[Spec]:
-    """Arrivals in bursts with gaps (IDLE steps happen in the gaps), prompts longer than
-    top-k (so selections leave tokens out), lengths that finish at different steps."""
+    """Arrivals in bursts with gaps, the last one after the node ran dry (IDLE steps),
+    prompts longer than top-k (so selections leave tokens out), lengths that finish at
+    different steps."""
     rng = random.Random(cfg.seed)
     specs, t = [], 0
     for i in range(cfg.requests):
@@ -89,6 +96,8 @@ def make_specs(cfg: HarnessConfig) -> list[Spec]:
         n = rng.randint(cfg.top_k // 2, cfg.max_prompt)
         prompt = [rng.randrange(cfg.vocab) for _ in range(n)]
         quota = rng.randint(cfg.min_new, min(cfg.max_new, cfg.max_context - n - 2))
+        if i == cfg.requests - 1 and i:  # the last one comes after everything ran dry
+            t = LATE
         specs.append(Spec(f"r{i}", t, prompt, quota))
     return specs
 
@@ -258,14 +267,16 @@ class DecodeLoop:
         first step with requests at or after iteration ``profile_at`` is profiled on a GPU
         (ECHO's launches per step, ``launch_counts``)."""
         self.capture()
-        pending = sorted(specs, key=lambda s: s.arrival)
+        pending = sorted((replace(s) for s in specs), key=lambda s: s.arrival)
         running: list[Running] = []
         done: dict[str, Running] = {}
         inflight = None
         prev_batch: list[Running] = []
-        it = 0
+        it = idle = 0
         self.launch_counts = None
         while True:
+            if pending and not running and idle >= IDLE_STEPS:
+                pending[0].arrival = it  # the late arrival, after IDLE_STEPS idle steps
             while pending and pending[0].arrival <= it and len(running) < self.cfg.max_running:
                 running.append(self.admit(pending.pop(0)))
             if not (pending or running):
@@ -282,11 +293,12 @@ class DecodeLoop:
             else:
                 current = self.launch(batch, prev_rows)
             prev_batch = batch
+            idle = idle + 1 if not batch else 0
             if inflight is not None:  # step N's results, while step N + 1 runs
                 self._finish(self._process(inflight), running, done)
             inflight = current
             it += 1
-            if it > 4 * sum(s.quota + s.arrival + 2 for s in specs) + 100:
+            if it > 4 * sum(s.quota + 2 + s.arrival % LATE for s in specs) + 100:
                 raise RuntimeError("the harness loop does not terminate")
         if self.cuda:
             torch.cuda.synchronize()
