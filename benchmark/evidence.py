@@ -892,6 +892,32 @@ EVIDENCE: tuple[Row, ...] = (
         ),
     ),
     Row(
+        "plugin on the H200 without sglang's server (issue 31)",
+        rec("plugin_gpu_harness.json"),
+        (
+            "sglang 0.5.23's pool, allocator and host-pool classes with the EchoCoordinator in sglang's decode "
+            "choreography ({metrics.configs}): greedy tokens and logits bit-identical to the plain DSA pool's: "
+            "{metrics.all_equal:yes} ({metrics.tokens_compared:n} tokens of {metrics.requests:n} requests)",
+            "{metrics.steps:n} steps, all graph replays ({metrics.graph_replays:n}), {metrics.idle_steps:n} IDLE; "
+            "{metrics.evictions_total:n} evictions in {metrics.steps_with_evictions:n} steps (at most "
+            "{metrics.evictions_per_step_max:n} in one)",
+            "ECHO launches per decode layer-step {metrics.launches_per_layer_step_total:n} "
+            "({metrics.launches_per_layer_step:keys}); left clean: {metrics.left_clean:yes}",
+        ),
+    ),
+    Row(
+        "allocation A/B (issue 29)",
+        rec("alloc_ab.json"),
+        (
+            "current alloc.py against 617151e's, five interleaved rounds on one H200: batch 1 without eviction "
+            "{metrics.cases.batch_1_no_eviction.current.median_us:us} vs "
+            "{metrics.cases.batch_1_no_eviction.617151e.median_us:us} us, through the pipeline "
+            "{metrics.cases.batch_1_no_eviction_pipeline.current.median_us:us} vs "
+            "{metrics.cases.batch_1_no_eviction_pipeline.617151e.median_us:us} us, batch 48 full "
+            "{metrics.cases.batch_48_full.current.median_us:us} vs {metrics.cases.batch_48_full.617151e.median_us:us} us",
+        ),
+    ),
+    Row(
         "victim policies",
         rec("victim_policy.json"),
         ("mean hit rate over layers on the trained model's decode traces at {@victim_policies}",),

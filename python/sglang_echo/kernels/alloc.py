@@ -41,8 +41,8 @@ SLOT_BLOCK = 2048
 NUM_WARPS = 8
 # Calls of at most this many lanes run as one program (_one_program_kernel): a batch of one
 # decode request at top-k 2048, the only batch where it beat the five launches on an H200
-# (15.6 vs 19.9 us; 26.1 vs 21.5 at batch 2: cache_ops.json, one_program_study, which
-# cache_ops_bench.py measures every run). Past it, the five-launch pipeline.
+# (15.7 vs 18.1 us, medians of five interleaved rounds: alloc_ab.json; 26.9 vs 22.9 at
+# batch 2: cache_ops.json's one_program_study, measured every run). Past it, the pipeline.
 ONE_PROGRAM_LANES = 2048
 ONE_PROGRAM_WARPS = 16
 ONE_PROGRAM_BLOCK = 2048  # lanes per step of its loops: a batch of one in one step
