@@ -6,21 +6,16 @@ step does not recall them; a PD request (KV only on the host) brings nothing. On
 from __future__ import annotations
 
 import plugin_testenv  # first: sets the process up before sglang loads
-import pytest
 import torch
 
 plugin_testenv.require_sglang()
 
-from sglang_world import DecodeNode, apply_cpu_shims, init_process_group  # noqa: E402
-from test_coordinator import check_tables  # noqa: E402
+from sglang_world import DecodeNode  # noqa: E402
+
+# cpu_machine: test_coordinator's autouse set-up (CPU shims, one-rank process group).
+from test_coordinator import check_tables, cpu_machine  # noqa: E402, F401
 
 from sglang_echo.offload.device_cache import ABSENT  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_machine(tmp_path_factory):
-    apply_cpu_shims()
-    init_process_group(str(tmp_path_factory.mktemp("pg")))
 
 
 def node() -> DecodeNode:
