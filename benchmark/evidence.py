@@ -898,6 +898,8 @@ EVIDENCE: tuple[Row, ...] = (
             "sglang 0.5.23's pool, allocator and host-pool classes with the EchoCoordinator in sglang's decode "
             "choreography ({metrics.configs}): greedy tokens and logits bit-identical to the plain DSA pool's: "
             "{metrics.all_equal:yes} ({metrics.tokens_compared:n} tokens of {metrics.requests:n} requests)",
+            "?{metrics.requests_aborted:n} of the requests aborted by their client mid-decode (released at once, "
+            "outside result processing, while a step still decoding them may run)",
             "{metrics.steps:n} steps, all graph replays ({metrics.graph_replays:n}), {metrics.idle_steps:n} IDLE; "
             "{metrics.evictions_total:n} evictions in {metrics.steps_with_evictions:n} steps (at most "
             "{metrics.evictions_per_step_max:n} in one)",

@@ -8,7 +8,8 @@ What the loop reproduces (sglang 0.5.23's overlap scheduler and CUDA-graph runne
 - step N+1's input tokens are step N's outputs, read on the device (the host never
   waits for them before launching);
 - the results of step N are processed after step N+1 was launched: requests that reach
-  their length finish then, while step N+1 (which still decodes them once more, as
+  their length finish then (others are aborted by their client before the next step,
+  each released at once outside result processing), while step N+1 (which still decodes them once more, as
   sglang's overlap does) is in flight; their KV is released in one result-processing
   scope; new requests arrive (PD: KV landed in the host pool; local: prefill and
   staging) between steps;
@@ -66,6 +67,7 @@ class Spec:
     arrival: int  # loop iteration at which it may be admitted
     prompt: list[int]
     quota: int  # decode steps
+    abort_at: int = 0  # > 0: the client aborts it once it has this many tokens
 
 
 @dataclass
@@ -77,6 +79,7 @@ class Running:
     tokens: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
+    aborting: bool = False
 
 
 # An arrival that waits for the node to run dry; the loop then runs IDLE_STEPS steps
@@ -98,7 +101,8 @@ def make_specs(cfg: HarnessConfig) -> list[Spec]:
         quota = rng.randint(cfg.min_new, min(cfg.max_new, cfg.max_context - n - 2))
         if i == cfg.requests - 1 and i:  # the last one comes after everything ran dry
             t = LATE
-        specs.append(Spec(f"r{i}", t, prompt, quota))
+        abort_at = rng.randint(1, quota - 1) if i % 3 == 1 and quota > 1 else 0
+        specs.append(Spec(f"r{i}", t, prompt, quota, abort_at))
     return specs
 
 
@@ -279,6 +283,7 @@ class DecodeLoop:
                 pending[0].arrival = it  # the late arrival, after IDLE_STEPS idle steps
             while pending and pending[0].arrival <= it and len(running) < self.cfg.max_running:
                 running.append(self.admit(pending.pop(0)))
+            self._abort([r for r in running if r.aborting], running, done)
             if not (pending or running):
                 if inflight is None:
                     break
@@ -304,6 +309,15 @@ class DecodeLoop:
             torch.cuda.synchronize()
         return done
 
+    def _abort(self, aborted: list[Running], running: list[Running], done: dict) -> None:
+        """Client aborts, between steps and outside result processing (each released at
+        once), while the step that still decodes them may be in flight."""
+        for r in aborted:
+            r.finished = True
+            self.side.abort(r.req)
+            running.remove(r)
+            done[r.spec.rid] = r
+
     def _finish(self, finished: list[Running], running: list[Running], done: dict) -> None:
         if finished:
             self.side.finish_all([r.req for r in finished])
@@ -325,6 +339,8 @@ class DecodeLoop:
             if len(r.tokens) == r.spec.quota:
                 r.finished = True
                 finished.append(r)
+            elif len(r.tokens) == r.spec.abort_at:
+                r.aborting = True  # the abort reaches the scheduler before the next step
         return finished
 
     def counters_per_step(self) -> torch.Tensor:

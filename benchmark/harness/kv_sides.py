@@ -210,9 +210,19 @@ class EchoSide:
             for req in reqs:
                 self.coord.request_finished(req)
         for req in reqs:
-            locs = self.req_to_token.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len]
-            self.allocator.free(locs.to(torch.int64))
-            self.req_to_token.free(req)
+            self._release_kv(req)
+
+    def _release_kv(self, req) -> None:
+        """sglang's release_kv_cache: the logical ids (through HiSparse's mapping), then
+        the request slot."""
+        locs = self.req_to_token.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len]
+        self.allocator.free(locs.to(torch.int64))
+        self.req_to_token.free(req)
+
+    def abort(self, req) -> None:
+        """A client abort outside result processing: released at once."""
+        self.coord.request_finished(req)
+        self._release_kv(req)
 
     def counters(self) -> torch.Tensor:
         """[evictions, misses, hits] summed over layers, on the device (no sync)."""
@@ -305,6 +315,9 @@ class PlainSide:
     def finish_all(self, reqs) -> None:
         for req in reqs:
             self.free_slots.append(self.slot_of.pop(req.rid))
+
+    def abort(self, req) -> None:
+        self.finish_all([req])
 
     def counters(self) -> torch.Tensor:
         return torch.zeros(3, dtype=torch.int64, device=self.device)

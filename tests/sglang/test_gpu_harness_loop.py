@@ -53,6 +53,7 @@ def test_echo_loop_equals_the_plain_loop_under_eviction(fp8, mode):
     assert result["release_errors"] == 0
     assert result["left_clean"], "a finished request left state in the coordinator or cache"
     assert result["steps"]["idle_steps"] > 0, "no IDLE step ran"
+    assert result["requests_aborted"] > 0, "no request was aborted mid-decode"
     if DEVICE == "cuda":
         assert result["steps"]["graph_replays"] > 0
         launches = result["launches_per_layer_step"]
