@@ -283,7 +283,10 @@ def test_record_names_committed_command(path):
     assert isinstance(record, dict), f"{path}: not a record"
     for field in ("command", "device", "date"):
         assert record.get(field), f"{path}: no {field!r}"
-    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", record["date"]), record["date"]
+    # A day, or a day and a UTC time (datetime.isoformat) where a script records when.
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}(T\d{2}:\d{2}:\d{2}\+00:00)?", record["date"]), record[
+        "date"
+    ]
     commands = [record["command"], record.get("analyze_command"), *record.get("sweeps", [])]
     for command in filter(None, commands):
         scripts = _scripts(command)
