@@ -43,6 +43,8 @@ def _scripts(command: str) -> list[str]:
             found.append("python/" + w.replace(".", "/") + ".py")
         elif i > 0 and words[i - 1] == "-m" and w.startswith(("benchmark.", "research.")):
             found.append(w.replace(".", "/") + ".py")  # run from the repository root
+        elif i > 0 and words[i - 1].startswith("--"):
+            continue  # an option's value (e.g. alloc_ab.py's --other FILE): an input, not run
         elif re.fullmatch(r"[\w./-]+\.(py|sh)", w) and not w.startswith("/"):
             found.append(w)
     return found
