@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -48,37 +47,20 @@ CONFIGS = {
 
 def prepare_imports(pack: str | None) -> dict:
     """sglang from the environment, or from the pack with stand-ins for what is missing."""
-    import importlib.util
+    from benchmark.harness.sglang_pack import has_sglang, use_pack
+    from benchmark.harness.standins import WHY
 
     info: dict = {"sglang_from": "environment", "import_standins": [], "import_standin_why": {}}
     if pack:
-        target = Path(tempfile.mkdtemp(prefix="sglang-pack-"))
-        with tarfile.open(pack) as tar:
-            tar.extractall(target)
-        sys.path.insert(0, str(target))
         info["sglang_from"] = f"pack {pack}"
-        from benchmark.harness import standins
-
-        standins.install_standins(standins.STANDINS)
-        info["import_standins"] = standins.installed()
-        info["import_standin_why"] = {k: standins.WHY.get(k, "") for k in info["import_standins"]}
-    if importlib.util.find_spec("sglang.srt") is None:
+        info["import_standins"] = use_pack(pack)
+        info["import_standin_why"] = {k: WHY.get(k, "") for k in info["import_standins"]}
+    if not has_sglang():
         raise SystemExit(
             "sglang is not importable: run in the sglang environment (make sglang-env), or "
             "pass --sglang-pack (python -m benchmark.harness.sglang_pack)"
         )
     return info
-
-
-def cpu_shims() -> None:
-    """No GPU: sglang asks the device capability while importing model code and pins its
-    host pool with cudaHostRegister; neither exists on the CPU."""
-    import torch
-
-    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
-    import sglang.srt.mem_cache.pool_host.common as host_common
-
-    host_common._cuda_host_register = lambda *a, **k: None
 
 
 def run_config(name: str, cfg, device: str, group) -> dict:
@@ -178,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     imports = prepare_imports(args.sglang_pack)
     if device == "cpu":
+        from benchmark.harness.kv_sides import cpu_shims
+
         cpu_shims()
     import torch.distributed as dist
 

@@ -26,11 +26,12 @@ bytes the plain pool holds.
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from benchmark.harness.kv_sides import FP8_ROW_BYTES, KV_LORA, PAGE, ROPE
+from benchmark.harness.kv_sides import FP8_ROW_BYTES, KV_LORA, ROPE, ceil_page
 from benchmark.harness.toy_model import ToyModel, ToyShape
 
 
@@ -198,7 +199,7 @@ class DecodeLoop:
         bs = padded or max(n, 1)
         if self.forward_stream is not None:
             self.forward_stream.wait_stream(self.schedule_stream)
-        ctx = torch.cuda.stream(self.forward_stream) if self.cuda else _null()
+        ctx = torch.cuda.stream(self.forward_stream) if self.cuda else nullcontext()
         with ctx:
             self.side.before_forward(n)
             if n:
@@ -253,7 +254,7 @@ class DecodeLoop:
         if getattr(self, "_prefill_pool", None) is None:
             from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
-            rows = -(-(self.cfg.max_prompt + 1) // PAGE) * PAGE
+            rows = ceil_page(self.cfg.max_prompt + 1)
             args = pool_args(rows, self.cfg.layers, self.cfg.fp8, self.device)
             self._prefill_pool = DSATokenToKVPool(**args, index_buf_size=rows)
         pool = self._prefill_pool
@@ -347,14 +348,6 @@ class DecodeLoop:
         """[steps, 3] evictions / misses / hits of each step (differences)."""
         log = torch.stack(self.counter_log).cpu()
         return torch.diff(log, dim=0, prepend=torch.zeros_like(log[:1]))
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 ECHO_KERNELS = ("_host_ids_kernel", "_rows_kernel", "_one_program_kernel", "_lookup_kernel",

@@ -21,6 +21,7 @@ them on (``torch_backup``).
 
 from __future__ import annotations
 
+import os
 from array import array
 
 import torch
@@ -43,6 +44,19 @@ def pool_args(rows: int, layers: int, fp8: bool, device: str) -> dict:
         enable_memory_saver=False,
         kv_cache_dim=FP8_ROW_BYTES if fp8 else KV_LORA + ROPE,
     )
+
+
+def cpu_shims() -> None:
+    """No GPU: sglang asks the device capability while importing model code and pins its
+    host pool with cudaHostRegister; neither exists on the CPU."""
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    import sglang.srt.mem_cache.pool_host.common as host_common
+
+    host_common._cuda_host_register = lambda *a, **k: None
+
+
+def ceil_page(n: int) -> int:
+    return -(-n // PAGE) * PAGE
 
 
 def flat_rows(buffer: torch.Tensor) -> torch.Tensor:
@@ -94,9 +108,8 @@ class EchoSide:
         from sglang_echo.sglang.coordinator import EchoCoordinator
 
         self.cfg, self.device = cfg, device
-        ceil = lambda n: -(-n // PAGE) * PAGE  # noqa: E731
-        rows = ceil(cfg.dev_cache + 1) + cfg.max_running * PAGE
-        rows += ceil(cfg.max_prompt) * cfg.max_running if cfg.mode == "local" else 0
+        rows = ceil_page(cfg.dev_cache + 1) + cfg.max_running * PAGE
+        rows += ceil_page(cfg.max_prompt) * cfg.max_running if cfg.mode == "local" else 0
         ratio = -(-cfg.host_tokens // rows)
         self.pool = HiSparseDSATokenToKVPool(
             **pool_args(rows, cfg.layers, cfg.fp8, device), host_to_device_ratio=ratio
@@ -106,15 +119,13 @@ class EchoSide:
             rows, PAGE, dtype, device, self.pool, need_sort=False, host_to_device_ratio=ratio
         )
         self.req_to_token = make_req_to_token(cfg, device)
-        import os
-
         os.environ["NSA_DEV_CACHE_SIZE"] = str(cfg.dev_cache)
         reset_settings()
         self.coord = EchoCoordinator(
             self.req_to_token,
             self.allocator,
             top_k=cfg.top_k,
-            device_buffer_size=ceil(cfg.top_k),
+            device_buffer_size=ceil_page(cfg.top_k),
             device=device,
             tp_group=tp_group,
             host_to_device_ratio=ratio,
@@ -257,7 +268,7 @@ class PlainSide:
 
         self.cfg, self.device = cfg, device
         slots = cfg.max_running * 2  # request slots (a finished one's slot is reused)
-        rows = -(-(1 + slots * cfg.max_context) // PAGE) * PAGE
+        rows = ceil_page(1 + slots * cfg.max_context)
         self.pool = DSATokenToKVPool(
             **pool_args(rows, cfg.layers, cfg.fp8, device), index_buf_size=rows
         )  # no decode-context parallelism: the index buffer is the pool's size

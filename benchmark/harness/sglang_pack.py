@@ -10,9 +10,8 @@ different siblings on a GPU.
 
     python -m benchmark.harness.sglang_pack --out .harness/sglang-py.tar.gz
 
-On the harness machine: extract it into a folder and put that folder first on
-``PYTHONPATH`` (with the repository's ``python/``), then call
-``standins.install_standins(standins.STANDINS)`` before importing sglang.
+On the harness machine, ``use_pack(archive)`` extracts it, puts it first on ``sys.path``
+and installs the stand-ins (standins.py), before anything imports sglang.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from benchmark.harness.standins import STANDINS, install_standins
+from benchmark.harness.standins import STANDINS, install_standins, installed
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = Path.home() / ".cache/sglang-echo/sglang-0.5.23/bin/python"  # make sglang-env
@@ -187,6 +186,26 @@ def probe(cfg: dict[str, Any]) -> None:
     }
     result = {"modules": sorted(m for m in modules if m), "opened": sorted(opened)}
     Path(cfg["out"]).write_text(json.dumps(result))
+
+
+def has_sglang() -> bool:
+    """Whether sglang's server package imports here (False also when no package named
+    sglang exists at all: find_spec of a dotted name then raises)."""
+    try:
+        return importlib.util.find_spec("sglang.srt") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def use_pack(archive: str | Path) -> list[str]:
+    """Make a pack this process's sglang: extract it, put it first on ``sys.path``, stand
+    in for what the machine lacks. Returns the names stood in (for a record)."""
+    target = tempfile.mkdtemp(prefix="sglang-pack-")
+    with tarfile.open(archive) as tar:
+        tar.extractall(target)
+    sys.path.insert(0, target)
+    install_standins(STANDINS)
+    return installed()
 
 
 def sglang_root(python: Path) -> Path:

@@ -11,12 +11,20 @@ environment the modules that need sglang are skipped, with the reason in the sum
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The repository root, for ``benchmark.harness`` (the sglang pack, the CPU shims), also
+# when a test file runs as a script (test_sizing.py's launcher subprocess).
+ROOT = str(Path(__file__).resolve().parents[2])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmark.harness.sglang_pack import has_sglang, use_pack  # noqa: E402
 
 # Before sglang or our kernels load: without a GPU, Triton kernels (sglang's own write
 # path included) run under the interpreter. One intra-op thread for tiny tensors.
@@ -27,34 +35,10 @@ torch.set_num_threads(1)
 SKIP_REASON = "sglang 0.5.23 is not installed here; `make test` runs it in the second env"
 
 
-def _has_sglang() -> bool:
-    try:
-        return importlib.util.find_spec("sglang.srt") is not None
-    except ModuleNotFoundError:  # no package named sglang at all
-        return False
-
-
-def _load_sglang_pack() -> None:
-    """ECHO_SGLANG_PACK=archive (the GPU machine, where sglang cannot be installed):
-    sglang's pure-Python modules from the archive (benchmark/harness/sglang_pack.py), and
-    import stand-ins for the third-party modules it imports that the machine lacks."""
-    pack = os.environ.get("ECHO_SGLANG_PACK")
-    if not pack or _has_sglang():
-        return
-    import sys
-    import tarfile
-    import tempfile
-
-    target = tempfile.mkdtemp(prefix="sglang-pack-")
-    with tarfile.open(pack) as tar:
-        tar.extractall(target)
-    sys.path.insert(0, target)
-    from benchmark.harness import standins
-
-    standins.install_standins(standins.STANDINS)
-
-
-_load_sglang_pack()
+# ECHO_SGLANG_PACK=archive (the GPU machine, where sglang cannot be installed): sglang's
+# pure-Python modules from the archive, with import stand-ins for what the machine lacks.
+if os.environ.get("ECHO_SGLANG_PACK") and not has_sglang():
+    use_pack(os.environ["ECHO_SGLANG_PACK"])
 
 
 def require_sglang() -> None:
@@ -63,7 +47,7 @@ def require_sglang() -> None:
     Looks for ``sglang.srt``: this directory is itself a namespace package named
     ``sglang`` whenever tests/ is on sys.path.
     """
-    if _has_sglang():
+    if has_sglang():
         return
     if os.environ.get("ECHO_REQUIRE_SGLANG") == "1":
         raise RuntimeError(f"ECHO_REQUIRE_SGLANG=1 but sglang is missing: {SKIP_REASON}")

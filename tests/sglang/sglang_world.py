@@ -22,16 +22,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from benchmark.harness.kv_sides import ceil_page
+from benchmark.harness.kv_sides import cpu_shims as apply_cpu_shims  # noqa: F401
+
 PAGE = 64
 KV_LORA, ROPE = 512, 64
 FP8_ROW_BYTES = 656  # 512 fp8 + 4 fp32 scales + 64 bf16 rope
-
-
-def apply_cpu_shims() -> None:
-    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
-    import sglang.srt.mem_cache.pool_host.common as host_common
-
-    host_common._cuda_host_register = lambda *args, **kwargs: None
 
 
 def init_process_group(tmp_dir: str) -> None:
@@ -53,10 +49,6 @@ def assert_coordinator_clean(coord, allocator) -> None:
     assert torch.all(cache.host_to_device[:, 1:] == ABSENT)
     stats = coord.get_token_stats()
     assert stats.device_tokens == 0 and stats.host_tokens == 0
-
-
-def ceil_page(n: int) -> int:
-    return -(-n // PAGE) * PAGE
 
 
 def build_pools(

@@ -30,7 +30,7 @@ def machine(tmp_path_factory):
     from sglang.srt.runtime_context import get_parallel
 
     if DEVICE == "cpu":
-        from benchmark.plugin_gpu_harness import cpu_shims
+        from benchmark.harness.kv_sides import cpu_shims
 
         cpu_shims()
     if not dist.is_initialized():

@@ -382,7 +382,7 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         idx = req.kv.req_pool_idx
         logical = self.req_to_token_pool.req_to_token[idx, : req.kv.kv_allocated_len]
         if getattr(req, "hisparse_staging", False):
-            self._warm_from_prompt(idx, logical)
+            self._warm_from_prompt(idx, logical[: req.extend_end])
         page = self.token_to_kv_pool_allocator.alloc_device_buffer(
             logical.to(torch.int64), self.page_size
         )
@@ -398,7 +398,8 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         self.newest_row[idx] = page[0]
 
     def _warm_from_prompt(self, idx: int, logical: torch.Tensor) -> None:
-        """A locally prefilled prompt is on the device (its rows are freed right after
+        """``logical``: the ids staging copied to the host (the prompt, ``extend_end``).
+        A locally prefilled prompt is on the device (its rows are freed right after
         this) and, staged, on the host: its newest ``warm_tokens`` rows enter ECHO's cache
         in every layer by a device-to-device copy, as the runtime's prefill appends its
         prompt, so the first decode step does not recall a top-k's worth of rows per
@@ -412,10 +413,10 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             return
         device_rows = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(
             logical[n - take :].to(torch.int64)
-        )
+        ).to(torch.int64)
         host_ids = self.req_to_host_pool[idx, n - take : n].to(self.cache.device, torch.int64)
         for layer, buf in enumerate(self.mem_pool_device.kv_buffer):
-            rows = buf.view(buf.shape[0], -1).index_select(0, device_rows.to(torch.int64))
+            rows = buf.view(buf.shape[0], -1).index_select(0, device_rows)
             self.manager.insert(layer, host_ids, rows)
 
     @property
