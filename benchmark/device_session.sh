@@ -80,7 +80,7 @@ run_stage() {
       stage release 150 python3 benchmark/kernels/release_bench.py --out /tmp/ds/release ;;
     cache)  # the cache kernels' GPU tests, then their benchmark (launch chaining beside)
       stage cache 170 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
-        tests/test_kernel_recall.py tests/test_kernel_topk_rows.py tests/test_pdl.py tests/test_decode_write.py \
+        tests/test_kernel_recall.py tests/test_kernel_topk_rows.py tests/test_pdl.py tests/test_decode_write.py tests/test_kernel_decode_write.py \
         && python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache" ;;
     topk)  # both top-k kernels' tests, the GPU-marked ones too (the pivot's exactness at full
       # scale, which must pass before SGLANG_ECHO_TOPK_PIVOT=1 is allowed on CUDA again),
@@ -102,7 +102,7 @@ run_stage() {
       stage kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py tests/test_kernel_release.py \
         tests/test_kernel_recall.py tests/test_kernel_indexer.py tests/test_kernel_decode_prefetch.py \
         tests/test_kernel_prefill_prefetch.py tests/test_kernel_topk.py tests/test_kernel_topk_pivot.py tests/test_kernel_sort_picks.py tests/test_kernel_sparse_mla.py \
-        tests/test_model_oracle.py tests/test_indexer.py tests/test_pdl.py tests/test_decode_write.py ;;
+        tests/test_model_oracle.py tests/test_indexer.py tests/test_pdl.py tests/test_decode_write.py tests/test_kernel_decode_write.py ;;
     prefetch)  # the prefetch benchmarks and the indexer (with top-k launch shapes) again
       peer_or_say
       stage prefetch 200 bash benchmark/gpu_checks.sh /tmp/ds/prefetch benches decode_prefetch \

@@ -1,7 +1,9 @@
-"""A decode step's new tokens go to ECHO's host pool only (``write(..., decode=True)``): no
-device slot and no allocation until a top-k selects them, and then the resolve recalls
-their rows like any other miss. Prefill writes still append. A decode step therefore
-allocates once per layer (its resolve), not twice."""
+"""A decode step's new tokens (``write(..., decode=True)``) go to ECHO's host pool and, in
+the same launch, into free device slots while the free stack lasts (kernels/
+decode_write.py): no allocation pass, and the step's resolve finds them resident (a hit,
+nothing recalled). With no free slot, or SGLANG_ECHO_DECODE_PLACE=0, they are host-only
+and the resolve recalls them like any other miss. Prefill writes still append. A decode
+step therefore allocates once per layer (its resolve), not twice."""
 
 from __future__ import annotations
 
@@ -17,30 +19,52 @@ from sglang_echo.runtime.kv_factory import echo_cache_for_model
 ROW, INDEX = 6, 4
 
 
-def _cache(slots: int = 16, host: int = 64) -> EchoKVCache:
-    config = EchoConfig(offload=True, dev_cache_size=slots, eviction_reserve=0)
+def _cache(slots: int = 16, host: int = 64, place: bool = True) -> EchoKVCache:
+    config = EchoConfig(offload=True, dev_cache_size=slots, eviction_reserve=0, decode_place=place)
     return EchoKVCache(config, 1, host, ROW, INDEX, torch.float32, "cpu", pin=False)
 
 
-def test_a_decode_write_takes_no_slot_and_its_first_selection_recalls_it() -> None:
+def _write_decode(kv: EchoKVCache) -> torch.Tensor:
+    kv.write(0, torch.arange(1, 6), torch.randn(5, ROW), torch.randn(5, INDEX))  # prefill
+    rows = torch.randn(2, ROW)
+    kv.write(0, torch.tensor([6, 7]), rows, torch.randn(2, INDEX), decode=True)
+    assert torch.equal(kv.host.rows[0, 6:8], rows), "the host rows are written at once"
+    return rows
+
+
+def test_a_decode_write_takes_a_free_slot_and_its_selection_hits() -> None:
     kv = _cache()
-    prefill = torch.arange(1, 6)
-    kv.write(0, prefill, torch.randn(5, ROW), torch.randn(5, INDEX))
     c = kv.cache
-    free_before = int(c.free_count[0])
-    new = torch.tensor([6, 7])
-    rows, keys = torch.randn(2, ROW), torch.randn(2, INDEX)
-    kv.write(0, new, rows, keys, decode=True)
-    assert torch.equal(kv.host.rows[0, new], rows), "the host row is written at once"
-    assert torch.equal(kv.index_keys(0)[new], keys), "the indexer scores it at once"
-    assert all(int(c.host_to_device[0, i]) == ABSENT for i in new), "no device slot yet"
-    assert int(c.free_count[0]) == free_before and int(c.append_evictions[0]) == 0
+    free_before = int(c.free_count[0]) - 5  # after the prefill's five
+    rows = _write_decode(kv)
+    assert int(c.free_count[0]) == free_before - 2 and int(c.append_evictions[0]) == 0
+    for i, h in enumerate((6, 7)):
+        s = int(c.host_to_device[0, h])
+        assert s != ABSENT and torch.equal(c.rows[0, s], rows[i])
+    misses, recalled = int(c.misses[0]), int(c.recalled_rows[0])
+    buffer, slots = kv.resolve(0, torch.tensor([[1, 6, -1, 3]]))
+    assert int(c.misses[0]) == misses and int(c.recalled_rows[0]) == recalled, "no recall"
+    assert torch.equal(buffer[int(slots[0, 1])], rows[0])
+
+
+def test_without_a_free_slot_a_decode_write_is_host_only_and_recalled() -> None:
+    """Five slots, all taken by the prefill: the decode write never evicts."""
+    kv = _cache(slots=5)
+    rows = _write_decode(kv)
+    c = kv.cache
+    assert all(int(c.host_to_device[0, i]) == ABSENT for i in (6, 7)), "no device slot"
+    assert int(c.free_count[0]) == 0 and int(c.append_evictions[0]) == 0
     misses, recalled = int(c.misses[0]), int(c.recalled_rows[0])
     buffer, slots = kv.resolve(0, torch.tensor([[1, 6, -1, 3]]))
     assert int(c.misses[0]) == misses + 1 and int(c.recalled_rows[0]) == recalled + 1
-    s = int(slots[0, 1])
-    assert int(c.host_to_device[0, 6]) == s and torch.equal(buffer[s], rows[0])
+    assert torch.equal(buffer[int(slots[0, 1])], rows[0])
     assert int(c.host_to_device[0, 7]) == ABSENT, "unselected: still host-only"
+
+
+def test_decode_place_off_writes_the_host_only() -> None:
+    kv = _cache(place=False)
+    _write_decode(kv)
+    assert all(int(kv.cache.host_to_device[0, i]) == ABSENT for i in (6, 7))
 
 
 def test_a_prefill_write_still_appends_to_the_device_cache() -> None:

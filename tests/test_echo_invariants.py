@@ -5,7 +5,8 @@ A model of live requests drives ``EchoKVCache``: requests start (prefill writes)
 (write one token each as the runtime does, to the host only, then one top-k resolve per
 layer), run prefill-like resolves whose rows overlap, and finish (release, host ids go
 back to the allocator and get reused). The machines run the configuration users run, the
-default eviction reserve and decode-mode writes; a variant keeps reserve 0 and appends.
+default eviction reserve and decode-mode writes with placement; variants keep reserve 0
+and append, or write decode tokens to the host only.
 After every operation the device cache's tensors are read directly and checked against
 the invariants of the design:
 
@@ -83,14 +84,19 @@ class EchoModel:
         n_h: int = N_H,
         reserve: int | None = None,
         decode_writes: bool = True,
+        decode_place: bool = True,
     ) -> None:
         self.n_g = n_g
         self.n_h = n_h
         # None: the default reserve for N_G, as a server runs; decode_writes: a decode
-        # step's tokens go to the host only (write(..., decode=True)), as the runtime does.
-        config = EchoConfig(offload=True, dev_cache_size=n_g, eviction_reserve=reserve)
+        # step's tokens go through write(..., decode=True), as the runtime does, placed in
+        # free slots (decode_place, the default) or host-only; else appended.
+        config = EchoConfig(
+            offload=True, dev_cache_size=n_g, eviction_reserve=reserve, decode_place=decode_place
+        )
         self.reserve = config.eviction_reserve
         self.decode_writes = decode_writes
+        self.decode_place = decode_place
         self.kv = EchoKVCache(
             config,
             num_layers=NUM_LAYERS,
@@ -184,18 +190,36 @@ class EchoModel:
     # --------------------------------------------------------------- operations
     @_marks_broken
     def write_decode(self, layer: int, locs: list[int]) -> None:
-        """A decode step's ``cache.write(..., decode=True)``: host rows and index keys only;
-        no slot, no eviction, the maps untouched."""
+        """A decode step's ``cache.write(..., decode=True)``: host rows and index keys; with
+        placement, the first min(tokens, free) ids in lane order take the slots on top of
+        the free stack, stamped with the layer's clock, their rows written there; the rest
+        stay host-only. Nothing is evicted, no other mapping moves, no counter changes."""
         rows = self._fresh_rows(len(locs), ROW_DIM)
         keys = self._fresh_rows(len(locs), INDEX_DIM)
         before = self._snapshot(layer)
+        stack = self.c.free_stack[layer].tolist()
+        assert all(before["h2d"][h] == ABSENT for h in locs), "a fresh id was mapped"
         t = torch.tensor(locs, dtype=torch.int64)
         self.kv.write(layer, t, rows, keys, decode=True)
         self.expected_host[layer, t] = rows
         assert torch.equal(self.kv.host.rows[layer, t], rows)
         assert torch.equal(self.kv.index_keys(layer)[t], keys)
-        assert self._snapshot(layer) == before, f"layer {layer}: a decode write moved the cache"
-        assert all(before["h2d"][h] == ABSENT for h in locs), "a fresh id was mapped"
+        after = self._snapshot(layer)
+        placed = min(len(locs), before["free"]) if self.decode_place else 0
+        for i, h in enumerate(locs):
+            if i < placed:
+                s = stack[before["free"] - 1 - i]
+                assert after["h2d"][h] == s and after["d2h"][s] == h, f"id {h}: not in slot {s}"
+                assert after["prio"][s] == before["clock"], f"slot {s}: not stamped now"
+                assert torch.equal(self.c.rows[layer, s], rows[i]), f"slot {s}: wrong row"
+            else:
+                assert after["h2d"][h] == ABSENT, f"id {h} mapped with no free slot"
+        assert after["free"] == before["free"] - placed
+        for key in ("clock", "hits", "misses", "evictions", "append_evictions", "recalled"):
+            assert after[key] == before[key], f"layer {layer}: a decode write moved {key}"
+        res_before, res_after = self._resident(before), self._resident(after)
+        assert all(res_after.get(h) == s for h, s in res_before.items()), "a resident moved"
+        assert set(res_after) - set(res_before) == set(locs[:placed])
 
     @_marks_broken
     def write(self, layer: int, locs: list[int]) -> None:
@@ -402,10 +426,11 @@ class EchoMachine(RuleBasedStateMachine):
     n_h = N_H
     reserve: int | None = None
     decode_writes = True
+    decode_place = True
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = EchoModel(self.n_g, self.n_h, self.reserve, self.decode_writes)
+        self.m = EchoModel(self.n_g, self.n_h, self.reserve, self.decode_writes, self.decode_place)
 
     @precondition(lambda self: self.m.alloc.num_free >= 1)
     @rule(data=st.data())
@@ -505,6 +530,12 @@ class NoReserveAppendMachine(EchoMachine):
     decode_writes = False
 
 
+class HostWritesMachine(EchoMachine):
+    """Decode tokens written to the host only (SGLANG_ECHO_DECODE_PLACE=0)."""
+
+    decode_place = False
+
+
 class LargeReserveMachine(EchoMachine):
     """A quarter of the cache freed ahead by every evicting step."""
 
@@ -541,11 +572,13 @@ def test_echo_invariants_small_host_stateful():
 def test_the_machines_run_the_default_configuration():
     m = EchoModel()
     assert m.reserve == EchoConfig(offload=True, dev_cache_size=N_G).eviction_reserve >= 1
-    assert m.decode_writes
+    assert m.decode_writes and m.decode_place
 
 
 @pytest.mark.parametrize(
-    "machine", [NoReserveAppendMachine, LargeReserveMachine], ids=["reserve0-append", "reserve3"]
+    "machine",
+    [NoReserveAppendMachine, LargeReserveMachine, HostWritesMachine],
+    ids=["reserve0-append", "reserve3", "host-writes"],
 )
 def test_echo_invariants_variants_stateful(machine):
     run_state_machine_as_test(machine, settings=FAST)

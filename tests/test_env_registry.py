@@ -95,6 +95,7 @@ BAD = {
     "SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND": "on",
     "SGLANG_ECHO_EVICTION_RESERVE": "-1",
     "SGLANG_ECHO_PDL": "true",
+    "SGLANG_ECHO_DECODE_PLACE": "yes",
     "SGLANG_ECHO_TOPK": "fast",
     "SGLANG_ECHO_SPARSE_MLA": "triton",
 }
@@ -161,13 +162,15 @@ def test_the_kernel_switches_come_from_the_settings(small_checkpoint, monkeypatc
 
 
 def test_the_plugin_parses_only_what_it_reads():
-    """A runtime-only variable (the model's top-k, sparse MLA, engine profile) can neither
+    """A runtime-only variable (the model's top-k, sparse MLA, engine profile, the decode
+    writes' placement) can neither
     change nor fail an sglang launch; what both read fails there as here."""
     runtime_only = {v.name for v in VARIABLES if v.applies_to == "runtime"}
     assert runtime_only == {
         ENV_TOPK,
         "SGLANG_ECHO_SPARSE_MLA",
         "ECHO_ENGINE_PROFILE",
+        "SGLANG_ECHO_DECODE_PLACE",
     }
     bad_runtime_only = {name: BAD.get(name, "x") for name in runtime_only}
     plugin = EchoSettings.from_env({ENV_OFFLOAD: "1", **bad_runtime_only}, reader="plugin")
@@ -176,7 +179,7 @@ def test_the_plugin_parses_only_what_it_reads():
     assert plugin.from_environment == {ENV_OFFLOAD}
     with pytest.raises(ConfigError, match=ENV_PDL):
         EchoSettings.from_env({ENV_PDL: "yes"}, reader="plugin")
-    with pytest.raises(ConfigError, match=ENV_TOPK):
+    with pytest.raises(ConfigError, match="|".join(runtime_only)):  # the first bad one
         EchoSettings.from_env(bad_runtime_only)
 
 

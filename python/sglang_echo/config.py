@@ -57,6 +57,10 @@ ENV_FUSE_EXTEND = "SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND"
 # 2026-12-01-kernels-18b7783/cache_ops_reserve.json; the default's run is cache_ops.json).
 ENV_EVICTION_RESERVE = "SGLANG_ECHO_EVICTION_RESERVE"
 ENV_PDL = "SGLANG_ECHO_PDL"
+# 1 (default): a decode step's new tokens also take a free device slot as their host rows
+# are written (kernels/decode_write.py), so the step's top-k finds them resident; 0: host
+# only, and the resolve recalls each one it selects (the A/B of benchmark/e2e_study.py).
+ENV_DECODE_PLACE = "SGLANG_ECHO_DECODE_PLACE"
 ENV_TOPK = "SGLANG_ECHO_TOPK"
 ENV_SPARSE_MLA = "SGLANG_ECHO_SPARSE_MLA"
 # A path: the engine thread runs under cProfile and writes PATH (pstats) and PATH.txt (the
@@ -219,6 +223,13 @@ VARIABLES: tuple[Variable, ...] = (
         parse_switch_on,
     ),
     Variable(
+        ENV_DECODE_PLACE, "decode_place", "1", "runtime", False,
+        "`1`: a decode step's new tokens are written to the host pool and, while free "
+        "slots last, to the device cache in the same launch (`kernels/decode_write.py`); "
+        "`0`: host only (the step's resolve recalls each one it selects)",
+        parse_switch_on,
+    ),
+    Variable(
         ENV_TOPK, "topk", "radix", "runtime", False,
         "the kernel top-k on CUDA: `radix` (`kernels/topk.py`) or `flashinfer` "
         "(`kernels/topk_flashinfer.py`: the same tensor; needs flashinfer-python >= 0.7.2)",
@@ -256,6 +267,9 @@ class EchoConfig:
     fuse_extend: bool = False
     # Extra victims per evicting step (ENV_EVICTION_RESERVE); None = the default for N_G.
     eviction_reserve: int | None = None
+    # A decode step's new tokens placed in free device slots as they are written
+    # (ENV_DECODE_PLACE); False: host only, recalled by the resolve.
+    decode_place: bool = True
 
     def __post_init__(self) -> None:
         if self.eviction_reserve is None:
@@ -312,6 +326,7 @@ class EchoSettings:
     fuse_extend: bool = False
     eviction_reserve: int | None = None  # None: default_eviction_reserve(N_G)
     pdl: bool = True
+    decode_place: bool = True
     topk: str = TOPK_BACKENDS[0]
     sparse_mla: str = SPARSE_MLA_BACKENDS[0]
     engine_profile: str | None = None
@@ -350,6 +365,7 @@ class EchoSettings:
             fuse_decode=self.fuse_decode,
             fuse_extend=self.fuse_extend,
             eviction_reserve=self.eviction_reserve,
+            decode_place=self.decode_place,
         )
 
     def shown(self, name: str) -> str:

@@ -83,13 +83,17 @@ class EchoKVCache:
         index_keys: torch.Tensor,
         decode: bool = False,
     ) -> None:
-        """New tokens: index keys on the device, MLA rows to the host pool, and (prefill)
-        device slots. A decode step's tokens get no slot here: the device cache holds what
-        the top-k selects, and the step's ``resolve`` recalls each new token it selects (one
-        row per request) with the rest of its misses. That keeps five allocation launches
-        and a row copy per layer out of every decode step."""
+        """New tokens: index keys on the device, MLA rows to the host pool, and device
+        slots. A prefill chunk appends (allocating, evicting if it must). A decode step's
+        tokens (one per request, nearly always selected by the step's own top-k) take free
+        slots in the launch that writes their host rows, and only while free slots last
+        (``EchoManager.write_decode``): no allocation pass, and the step's resolve finds
+        them resident instead of recalling one row per request over PCIe. With
+        SGLANG_ECHO_DECODE_PLACE=0 they go to the host only and the resolve recalls them."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        if decode:
+        if decode and self.config.decode_place:
+            self.manager.write_decode(layer, locs, self._stored(kv_rows))
+        elif decode:
             self.manager.write_host(layer, locs, self._stored(kv_rows))
         else:
             self.manager.append(layer, locs, self._stored(kv_rows))

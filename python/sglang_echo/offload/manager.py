@@ -26,6 +26,7 @@ from sglang_echo.kernels.alloc import (
     allocate_reference,
 )
 from sglang_echo.kernels.decode_prefetch import count_prefetch_hits, count_prefetch_hits_reference
+from sglang_echo.kernels.decode_write import decode_write_kernel, decode_write_reference
 from sglang_echo.kernels.release import release_kernel, release_reference
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
@@ -99,6 +100,20 @@ class EchoManager:
         elsewhere (a decode node's transferred prompt). Through the UVA view on CUDA."""
         self._join(layer)
         self._write_host(layer, locs, rows)
+
+    def write_decode(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
+        """A decode step's new tokens: host rows, and device slots from the free stack
+        while it has room (kernels/decode_write.py: one launch, never evicts), so that the
+        step's resolve finds them resident instead of recalling them. Distinct ids."""
+        self._join(layer)
+        c = self.cache
+        args = (
+            rows.reshape(locs.numel(), -1).to(c.rows.dtype), locs.reshape(-1).to(torch.int64),
+            self.host_view[layer] if self.host_view is not None else self.host.rows[layer],
+            c.rows[layer], c.host_to_device[layer], c.device_to_host[layer], c.priority[layer],
+            c.clock[layer : layer + 1], c.free_stack[layer], c.free_count[layer : layer + 1],
+        )  # fmt: skip
+        (decode_write_kernel if self.use_kernels else decode_write_reference)(*args)
 
     def _read_host(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         if self.host_view is not None:

@@ -1,0 +1,173 @@
+"""A decode step's new KV rows: written to the host pool and, while the layer's free stack
+has room, placed in device slots too, in one launch; the Triton kernel, its launcher and
+the torch reference.
+
+Why: the exact top-k of a decode step nearly always selects the token the step just
+wrote. Written to the host only, that token is a miss in every layer of every step, and
+its recall is one latency-bound read over PCIe per request and layer, plus an allocation
+that serves a miss, where every other selection hits (an H200's batch-1 profile: most of
+ECHO's cost when nothing needs offloading). Here the kernel that writes the host row also
+takes a slot from the top of the free stack, maps it and writes the row there: the step's
+resolve then finds the token resident, its allocation ends after the look-up and its
+recall copies nothing. One launch replaces the host write's one, so a step launches no
+more kernels than before, and nothing here evicts: the resolve's eviction reserve refills
+the free stack. When the stack is empty the token stays host-only and the resolve
+recalls it, as any miss.
+
+Semantics per lane, in lane order: the host row is written (host id 0, the padding sink's
+row, too, as a plain write would); an id that is not resident (``host_to_device`` ABSENT)
+is placed while free slots last, popped from the top of the stack and stamped with the
+layer's clock (like an append: it looks last used in the previous step, so it is evictable
+unless this step selects it); an id that is already resident gets its device row rewritten
+too, so the device row always equals the host row. Ids must be distinct (one new token
+per request).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_echo.kernels.cache_layout import ABSENT, FREE
+
+WRITE_LANES = 16  # rows per step of the one program's loop
+WRITE_WARPS = 4
+_ABSENT = tl.constexpr(ABSENT)
+
+
+@triton.jit(do_not_specialize=("lanes",))
+def _decode_write_kernel(
+    rows_ptr, locs_ptr, lanes, host_ptr, dev_ptr, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr,
+    free_stack_ptr, free_count_ptr, row_stride, host_stride, dev_stride,
+    WORDS: tl.constexpr, WORD_BLOCK: tl.constexpr, LANES: tl.constexpr,
+):  # fmt: skip
+    """One program: the free count is read once and written once, so the stack's pops
+    need no atomics and their order is the lanes' (the reference's)."""
+    free0 = tl.load(free_count_ptr)
+    clock = tl.load(clock_ptr)
+    taken = free0 * 0
+    start = 0
+    while start < lanes:  # a while, not a range: the trip count is a runtime value
+        lane = start + tl.arange(0, LANES)
+        live = lane < lanes
+        loc = tl.load(locs_ptr + lane, mask=live, other=0).to(tl.int64)
+        token = live & (loc > 0)
+        old = tl.load(h2d_ptr + loc, mask=token, other=_ABSENT)
+        new = token & (old == _ABSENT)
+        rank = taken + tl.cumsum(new.to(tl.int32), 0) - 1
+        placed = new & (rank < free0)
+        slot = tl.load(free_stack_ptr + (free0 - 1 - rank), mask=placed, other=0).to(tl.int64)
+        resident = token & (old != _ABSENT)
+        dest = tl.where(placed, slot, tl.where(resident, old.to(tl.int64), 0))
+        to_dev = placed | resident
+        for w0 in tl.static_range(0, WORDS, WORD_BLOCK):
+            col = w0 + tl.arange(0, WORD_BLOCK)
+            in_row = col[None, :] < WORDS
+            v = tl.load(rows_ptr + lane[:, None] * row_stride + col[None, :],
+                        mask=live[:, None] & in_row)  # fmt: skip
+            tl.store(host_ptr + loc[:, None] * host_stride + col[None, :], v,
+                     mask=live[:, None] & in_row)  # fmt: skip
+            tl.store(dev_ptr + dest[:, None] * dev_stride + col[None, :], v,
+                     mask=to_dev[:, None] & in_row)  # fmt: skip
+        tl.store(h2d_ptr + loc, slot.to(tl.int32), mask=placed)
+        tl.store(d2h_ptr + slot, loc.to(tl.int32), mask=placed)
+        tl.store(prio_ptr + slot, tl.zeros_like(slot) + clock, mask=placed)
+        taken += tl.sum(new.to(tl.int32), 0)
+        start += LANES
+    tl.store(free_count_ptr, free0 - tl.minimum(taken, free0))
+
+
+def _as_words(rows: torch.Tensor) -> torch.Tensor:
+    """The widest of 4-, 2- and 1-byte words that tiles a row and its stride."""
+    b = rows.view(torch.uint8)
+    for dtype, size in ((torch.int32, 4), (torch.int16, 2)):
+        if b.shape[1] % size == 0 and b.stride(0) % size == 0:
+            return b.view(dtype)
+    return b
+
+
+def _check(rows, locs, host_rows, dev_rows) -> None:
+    if rows.dim() != 2 or locs.dim() != 1 or rows.shape[0] != locs.shape[0]:
+        raise ValueError(
+            f"expected rows [n, W] and locs [n], got {tuple(rows.shape)} and {tuple(locs.shape)}"
+        )
+    for name, t in (("rows", rows), ("host_rows", host_rows), ("dev_rows", dev_rows)):
+        if t.dim() != 2 or t.stride(1) != 1 or t.dtype != dev_rows.dtype:
+            raise ValueError(f"{name} must be [*, W] {dev_rows.dtype} with contiguous rows")
+        if t.shape[1] != dev_rows.shape[1]:
+            raise ValueError(f"{name} rows are {t.shape[1]} wide, device rows {dev_rows.shape[1]}")
+
+
+def decode_write_kernel(
+    rows: torch.Tensor,
+    locs: torch.Tensor,
+    host_rows: torch.Tensor,
+    dev_rows: torch.Tensor,
+    host_to_device: torch.Tensor,
+    device_to_host: torch.Tensor,
+    priority: torch.Tensor,
+    clock: torch.Tensor,
+    free_stack: torch.Tensor,
+    free_count: torch.Tensor,
+) -> None:
+    """The module's write for one layer: ``rows`` [n, W] (the pools' dtype) of host ids
+    ``locs`` [n] into ``host_rows`` (on CUDA the pinned pool's device alias) and, where
+    placed, ``dev_rows``; the layer's maps, its 1-element ``clock`` and ``free_count``.
+    One program; fixed shapes, no host synchronisation (CUDA-graph safe)."""
+    _check(rows, locs, host_rows, dev_rows)
+    n = locs.numel()
+    if n == 0:
+        return
+    src, host, dev = _as_words(rows.contiguous()), _as_words(host_rows), _as_words(dev_rows)
+    words = src.shape[1]
+    _decode_write_kernel[(1,)](
+        src, locs.contiguous(), n, host, dev, host_to_device, device_to_host, priority, clock,
+        free_stack, free_count, src.stride(0), host.stride(0), dev.stride(0),
+        WORDS=words, WORD_BLOCK=min(128, triton.next_power_of_2(words)), LANES=WRITE_LANES,
+        num_warps=WRITE_WARPS,
+    )  # fmt: skip
+
+
+def decode_write_reference(
+    rows: torch.Tensor,
+    locs: torch.Tensor,
+    host_rows: torch.Tensor,
+    dev_rows: torch.Tensor,
+    host_to_device: torch.Tensor,
+    device_to_host: torch.Tensor,
+    priority: torch.Tensor,
+    clock: torch.Tensor,
+    free_stack: torch.Tensor,
+    free_count: torch.Tensor,
+) -> None:
+    """Plain torch (fixed shapes, no host synchronisation) of :func:`decode_write_kernel`.
+    ``host_rows`` may live on the CPU while the rest is on a device (the CPU path's pool);
+    the last entries of ``host_to_device`` and ``device_to_host`` are the cache's scratch
+    entries (offload/device_cache.py), left at their resting values."""
+    _check(rows, locs, host_rows, dev_rows)
+    if locs.numel() == 0:
+        return
+    host_rows.index_copy_(0, locs.to(host_rows.device), rows.to(host_rows.device))
+    scratch_host = host_to_device.shape[0] - 1
+    scratch_slot = device_to_host.shape[0] - 1
+    loc = locs.to(torch.int64)
+    token = loc > 0
+    key = torch.where(token, loc, torch.full_like(loc, scratch_host))
+    old = host_to_device[key].to(torch.int64)
+    new = token & (old == ABSENT)
+    rank = torch.cumsum(new.to(torch.int64), 0) - 1
+    free0 = free_count.to(torch.int64).reshape(())
+    placed = new & (rank < free0)
+    popped = free_stack[(free0 - 1 - rank).clamp(min=0, max=free_stack.shape[0] - 1)]
+    slot = torch.where(placed, popped.to(torch.int64), scratch_slot)
+    resident = token & (old != ABSENT)
+    dest = torch.where(placed, slot, torch.where(resident, old, scratch_slot))
+    dev_rows.index_copy_(0, dest, rows)
+    host_to_device.scatter_(0, torch.where(placed, loc, scratch_host), slot.to(torch.int32))
+    device_to_host.scatter_(0, slot, torch.where(placed, loc, FREE).to(torch.int32))
+    priority.scatter_(0, slot, torch.where(placed, clock.reshape(()), FREE))
+    host_to_device.narrow(0, scratch_host, 1).fill_(ABSENT)
+    device_to_host.narrow(0, scratch_slot, 1).fill_(FREE)
+    priority.narrow(0, scratch_slot, 1).fill_(FREE)
+    free_count.sub_(torch.minimum(new.sum(), free0).to(free_count.dtype))
