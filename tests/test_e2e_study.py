@@ -19,6 +19,7 @@ from benchmark.e2e.lossless import (
     outputs_agree,
     tokens_in_common,
 )
+from benchmark.e2e.measure import joint_groups
 from benchmark.e2e.plan import StudyPlan, tag
 from benchmark.study.decode_node import DecodeNode
 from benchmark.study.locality import Locality
@@ -206,7 +207,14 @@ def test_e2e_study_schedule_interleaves_baselines(e2e_study, tmp_path: Path) -> 
     ]  # fmt: skip
     assert paper.count("echo_paper/random") == 1  # unrepeated phases run once
     i = paper.index("noff_low/b1")
-    assert paper[i : i + 4] == ["noff_low/b1", "echo_paper/b1", "noff_low/b1#1", "echo_paper/b1#1"]
+    assert paper[i : i + 6] == [
+        "noff_low/b1", "echo_inline/b1", "echo_paper/b1",
+        "noff_low/b1#1", "echo_inline/b1#1", "echo_paper/b1#1",
+    ]  # fmt: skip
+    # The low-load phases run alternated, a repeat's three engines together.
+    low = [g for g in joint_groups(blocks[0]) if g[0][1].label == "b1"]
+    assert [[e.label for e, _ in g] for g in low] == [["noff_low", "echo_inline", "echo_paper"]] * 3
+    assert [g[0][0].label for g in joint_groups(blocks[0])][:2] == ["noff_paper", "echo_paper"]
     assert ["echo_pressure/b2"] in order and order[-2][:2] == ["noff_400/full", "echo_400/full"]
     profiled = {ph.repeat for block in blocks for e, ph in block if ph.profile}
     assert profiled == {0}  # the profiler only ever slows the first measurement
@@ -263,6 +271,15 @@ def test_e2e_study_smoke_writes_the_record(e2e_study, tmp_path: Path) -> None:
     assert low["per_batch"].keys() == low["per_batch_range"].keys() == {"1", "2"}
     for b, (lo, hi) in low["per_batch_range"].items():
         assert lo <= low["per_batch"][b] <= hi
+    # From steps taken side by side (alternated), beside ECHO without the step's defaults.
+    assert all(how.startswith("paired steps") for how in low["method"].values())
+    assert all(v is not None for v in low["inline_per_batch"].values())
+    assert all(v is not None for v in low["inline_over_default_per_batch"].values())
+    inline = [r for r in rec["runs"] if r["engine"] == "echo_inline"]
+    assert len(inline) == 2 * repeats and all(r["leak_free"] for r in inline)
+    assert inline[0]["echo_options"] == {"decode_place": False, "resolve_overlap": False}
+    assert inline[0]["alternated_with"] == ["noff_low", "echo_paper"]
+    assert len(inline[0]["step_ms_device_steps"]) == rec["config"]["measured_steps"]
     assert all(d["greedy_outputs_equal_at_low_load"].values())  # every repeat, both sides
 
     # The 61-layer estimate: labelled, from a fixed part timed in this run, same batches.

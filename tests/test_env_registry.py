@@ -96,6 +96,7 @@ BAD = {
     "SGLANG_ECHO_EVICTION_RESERVE": "-1",
     "SGLANG_ECHO_PDL": "true",
     "SGLANG_ECHO_DECODE_PLACE": "yes",
+    "SGLANG_ECHO_RESOLVE_OVERLAP": "on",
     "SGLANG_ECHO_TOPK": "fast",
     "SGLANG_ECHO_SPARSE_MLA": "triton",
 }
@@ -163,7 +164,7 @@ def test_the_kernel_switches_come_from_the_settings(small_checkpoint, monkeypatc
 
 def test_the_plugin_parses_only_what_it_reads():
     """A runtime-only variable (the model's top-k, sparse MLA, engine profile, the decode
-    writes' placement) can neither
+    writes' placement, the resolve's overlap) can neither
     change nor fail an sglang launch; what both read fails there as here."""
     runtime_only = {v.name for v in VARIABLES if v.applies_to == "runtime"}
     assert runtime_only == {
@@ -171,6 +172,7 @@ def test_the_plugin_parses_only_what_it_reads():
         "SGLANG_ECHO_SPARSE_MLA",
         "ECHO_ENGINE_PROFILE",
         "SGLANG_ECHO_DECODE_PLACE",
+        "SGLANG_ECHO_RESOLVE_OVERLAP",
     }
     bad_runtime_only = {name: BAD.get(name, "x") for name in runtime_only}
     plugin = EchoSettings.from_env({ENV_OFFLOAD: "1", **bad_runtime_only}, reader="plugin")

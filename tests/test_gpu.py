@@ -202,6 +202,10 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
         {"graph_runs": reports, "eager_sync_checked": eager},
     )
     assert all(r["evictions"] > 0 for r in reports)
+    # The default ran: each decode resolve on the side stream (model/attention.py).
+    from sglang_echo.model import attention
+
+    assert attention._SIDE_STREAMS, "no decode resolve ran beside the query projection"
     if fuse_decode:
         assert sum(r["prefetched_rows"] for r in reports) > 0
         assert sum(r["prefetch_hits"] for r in reports) > 0

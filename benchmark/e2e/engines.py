@@ -36,7 +36,12 @@ def build(
         )
         tokens = eng.host
     else:
-        echo = EchoConfig(offload=True, dev_cache_size=eng.dev_cache)
+        echo = EchoConfig(
+            offload=True,
+            dev_cache_size=eng.dev_cache,
+            decode_place=eng.decode_place,
+            resolve_overlap=eng.resolve_overlap,
+        )
         kv = echo_cache_for_model(
             echo, cfg, eng.host, p.dtype, device, kv_cache_dtype=p.kv_cache_dtype
         )

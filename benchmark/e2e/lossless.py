@@ -54,12 +54,13 @@ def tokens_in_common(a: list[list[int]], b: list[list[int]]) -> int:
 def low_load_agreement(
     runs: list[dict], batches: list[int], min_compared: int
 ) -> tuple[dict, dict, dict]:
-    """Without pressure, at each batch: whether every repeat of ECHO (echo_paper) and of the
-    plain pool (noff_low) agrees with the plain pool's first run, the first difference
-    found, and the fewest tokens any of them compared."""
+    """Without pressure, at each batch: whether every repeat of ECHO (echo_paper, and
+    echo_inline where it ran) and of the plain pool (noff_low) agrees with the plain pool's
+    first run, the first difference found, and the fewest tokens any of them compared."""
     lossless, low_diff, low_tokens = {}, {}, {}
     for b in batches:
         es, ns = find_all(runs, "echo_paper", f"b{b}"), find_all(runs, "noff_low", f"b{b}")
+        es = es + find_all(runs, "echo_inline", f"b{b}")
         if es and ns:
             ref = ns[0]["outputs"]
             lossless[b] = all(outputs_agree(r["outputs"], ref, min_compared) for r in es + ns)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,7 +47,7 @@ class DecodeBench:
         self.cuda = device.type == "cuda"
         self.runs, self.errors = runs, errors
         self.save = save
-        self.node: DecodeNode | None = None
+        self.nodes: list[DecodeNode] = []  # of the phases running now (released on failure)
 
     def past_deadline(self) -> float | None:
         """Seconds since the start when past ``--deadline-s`` (None: not past, or none)."""
@@ -58,41 +59,51 @@ class DecodeBench:
         at its end, so a ratio's two sides share the GPU's state while they alternate."""
         built: dict[str, tuple] = {}
         dropped: set[str] = set()
-        for eng, phase in steps:
-            if eng.label in dropped:
-                continue
-            late = self.past_deadline()
-            if eng.label not in built:
-                if late is not None:
-                    msg = f"{eng.label}: skipped at {late:.0f}s, past the {self.args.deadline_s}s deadline"
-                    log(msg)
-                    self.errors.append(msg)
-                    dropped.add(eng.label)
-                    continue
-                try:
-                    built[eng.label] = self.build_logged(eng)
-                except Exception as exc:
-                    msg = f"{eng.label}: {type(exc).__name__}: {exc}"
-                    log("ERROR " + msg)
-                    self.errors.append(msg)
-                    dropped.add(eng.label)
-                    gc.collect()
-                    if self.cuda:
-                        torch.cuda.empty_cache()
-                    continue
-            elif phase.repeat and late is not None:
-                msg = (f"{eng.label}/{tag(phase)}: repeat skipped at {late:.0f}s, past the "
-                       f"{self.args.deadline_s}s deadline")  # fmt: skip
-                log(msg)
-                self.errors.append(msg)
-                continue
-            self.run_step(eng, phase, *built[eng.label])
+        for group in joint_groups(steps):
+            ready = [(eng, phase) for eng, phase in group if self.ready(eng, phase, built, dropped)]
+            if len(ready) > 1:
+                self.run_joint([(eng, phase, *built[eng.label]) for eng, phase in ready])
+            elif ready:
+                eng, phase = ready[0]
+                self.run_step(eng, phase, *built[eng.label])
         built.clear()
-        self.node = None
+        self.nodes = []
         gc.collect()
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+    def ready(self, eng: Engine, phase: Phase, built: dict, dropped: set[str]) -> bool:
+        """Whether (eng, phase) runs: its engine built (now, at its first step) and the
+        deadline not passed for a repeat; a skip or a failed build is logged as an error."""
+        if eng.label in dropped:
+            return False
+        late = self.past_deadline()
+        if eng.label not in built:
+            if late is not None:
+                msg = f"{eng.label}: skipped at {late:.0f}s, past the {self.args.deadline_s}s deadline"
+                log(msg)
+                self.errors.append(msg)
+                dropped.add(eng.label)
+                return False
+            try:
+                built[eng.label] = self.build_logged(eng)
+            except Exception as exc:
+                msg = f"{eng.label}: {type(exc).__name__}: {exc}"
+                log("ERROR " + msg)
+                self.errors.append(msg)
+                dropped.add(eng.label)
+                gc.collect()
+                if self.cuda:
+                    torch.cuda.empty_cache()
+                return False
+        elif phase.repeat and late is not None:
+            msg = (f"{eng.label}/{tag(phase)}: repeat skipped at {late:.0f}s, past the "
+                   f"{self.args.deadline_s}s deadline")  # fmt: skip
+            log(msg)
+            self.errors.append(msg)
+            return False
+        return True
 
     def build_logged(self, eng: Engine) -> tuple:
         """``build`` with its sizes logged; also the KV state's device bytes once built."""
@@ -106,25 +117,47 @@ class DecodeBench:
         return kv, runner, timer, dev_bytes
 
     def run_step(self, eng: Engine, phase: Phase, kv, runner, timer, dev_bytes: int) -> None:
-        """Measure one phase and keep its result; a failure is an error, not the end."""
+        """Measure one phase (admit, warm up, time ``--steps`` decode steps, profile,
+        release) and keep its result; a failure is an error, not the end."""
+        self.run_joint([(eng, phase, kv, runner, timer, dev_bytes)])
+
+    def run_joint(self, items: list[tuple]) -> None:
+        """Measure phases of several engines together, their timed steps alternating one
+        engine after the other (A B C A B C ...), so that each step of one has its partners'
+        steps beside it in time: the GPU's drift over the run cancels in their ratios
+        (``step_ms_device_steps``). A failure is an error for every engine of the group,
+        not the end."""
+        self.nodes = []
         try:
-            res = self.run_phase(eng, phase, kv, runner, timer)
+            lives = [self.start_phase(eng, phase, kv, runner, timer) for eng, phase, kv, runner, timer, _ in items]  # fmt: skip
+            for _ in range(self.args.steps):
+                for live in lives:
+                    live.timed_step()
+            results = [self.finish_phase(live) for live in lives]
         except Exception as exc:  # keep what the other phases measure
-            msg = f"{eng.label}/{tag(phase)}: {type(exc).__name__}: {exc}"
-            log("ERROR " + msg)
-            self.errors.append(msg)
-            if self.node is not None:
-                self.node.release_all()
+            for eng, phase, *_ in items:
+                msg = f"{eng.label}/{tag(phase)}: {type(exc).__name__}: {exc}"
+                log("ERROR " + msg)
+                self.errors.append(msg)
+            for node in self.nodes:
+                node.release_all()
             return
-        res["kv_device_bytes"] = kv_device_bytes(kv) if eng.backend != "no-offload" else dev_bytes
-        self.runs.append(res)
+        for res, (eng, _, kv, _, _, dev_bytes) in zip(results, items, strict=True):
+            res["kv_device_bytes"] = (
+                kv_device_bytes(kv) if eng.backend != "no-offload" else dev_bytes
+            )
+            if len(items) > 1:
+                res["alternated_with"] = [e.label for e, *_ in items if e.label != eng.label]
+            self.runs.append(res)
         self.save()
 
-    def run_phase(self, eng: Engine, phase: Phase, kv, runner: StepRunner, timer) -> dict:
-        """Admit, warm up (fill), time ``--steps`` decode steps, profile, release: one result."""
+    def start_phase(self, eng: Engine, phase: Phase, kv, runner: StepRunner, timer) -> LivePhase:
+        """Admit the phase's requests, warm up (and fill), reset the counters: ready for
+        its timed steps."""
         a = self.args
         synth = SyntheticKV(self.cfg, self.directions, phase.locality, self.plan.dtype, self.device)
-        node = self.node = DecodeNode(runner, synth, self.cfg.vocab_size)
+        node = DecodeNode(runner, synth, self.cfg.vocab_size)
+        self.nodes.append(node)
         admit_s, admitted = [], []
         seed = 0
         while phase.batch is None or len(node.running) < phase.batch:
@@ -162,21 +195,20 @@ class DecodeBench:
             m.forwards.zero_()
         if timer is not None:
             timer.events.clear()
-        wall, prep, post = [], [], []
-        for _ in range(a.steps):
-            t0 = time.perf_counter()
-            node.step()
-            t1 = time.perf_counter()
-            wall.append((t1 - t0) * 1e3)
-            if timer is not None:
-                prep.append((timer.entered - t0) * 1e3)
-                post.append((t1 - timer.left) * 1e3)
+        return LivePhase(eng, phase, kv, runner, timer, node, admitted, admit_s, ctx, filled, moes)
+
+    def finish_phase(self, live: LivePhase) -> dict:
+        """The phase's result after its timed steps: device and wall times, telemetry, the
+        profile (where asked), every request's greedy output; then release and check."""
+        a, eng, phase, kv, node = self.args, live.eng, live.phase, live.kv, live.node
+        wall, prep, post = live.wall, live.prep, live.post
         if self.cuda:
             torch.cuda.synchronize()
-            device_ms = [s.elapsed_time(e) for s, e in timer.events]
+            device_ms = [s.elapsed_time(e) for s, e in live.timer.events]
         else:
             device_ms = list(wall)
         step_ms = median(device_ms)
+        b = len(node.running)
         res = {
             "engine": eng.label,
             "backend": eng.backend,
@@ -186,10 +218,10 @@ class DecodeBench:
             "dev_cache": eng.dev_cache,
             "host_pool": eng.host,
             "batch": b,
-            "context": [min(ctx), max(ctx)],
-            "fill_steps": filled,
+            "context": [min(live.ctx), max(live.ctx)],
+            "fill_steps": live.filled,
             "locality_source": phase.locality.source,
-            "admission_s": {"median": median(admit_s), "max": max(admit_s)},
+            "admission_s": {"median": median(live.admit_s), "max": max(live.admit_s)},
             "step_ms_device": step_ms,
             "step_ms_device_p10_p90": spread(device_ms),
             "step_ms_wall": median(wall),
@@ -201,9 +233,16 @@ class DecodeBench:
             "layer_us_device": step_ms * 1e3 / self.plan.layers,
             "tokens_per_s_device": b / step_ms * 1e3,
             "tokens_per_s_wall": b / median(wall) * 1e3,
-            "experts_touched_per_layer": touched(moes),
+            "experts_touched_per_layer": touched(live.moes),
         }
-        if counters is not None:
+        if phase.paired:  # each timed step, for the ratios of steps taken side by side
+            res["step_ms_device_steps"] = [round(x, 5) for x in device_ms]
+        if eng.backend == "echo":
+            res["echo_options"] = {
+                "decode_place": eng.decode_place,
+                "resolve_overlap": eng.resolve_overlap,
+            }
+        if eviction_counter(kv) is not None:
             tel = kv.telemetry()
             res["hit_rate_per_layer"] = [round(h, 4) for h in tel["hit_rate"]]
             res["evictions_per_step"] = sum(tel["evictions"]) / a.steps
@@ -215,15 +254,64 @@ class DecodeBench:
                 res["breakdown"] = {"error": f"{type(exc).__name__}: {exc}"}
         # Greedy outputs of every admitted request: backends that ran the same seeds at the
         # same batch must agree token for token (ECHO is lossless).
-        res["outputs"] = [list(r.output) for r in admitted]
+        res["outputs"] = [list(r.output) for r in live.admitted]
         node.release_all()
-        res["leak_free"] = leak_free(eng, kv, runner)
+        res["leak_free"] = leak_free(eng, kv, live.runner)
         hit = res.get("hit_rate_per_layer")
         log(f"  {eng.label}/{tag(phase)}: b={b} step {step_ms:.3f} ms device, "
             f"{res['step_ms_wall']:.3f} ms wall, {res['tokens_per_s_device']:.1f} tok/s"
             + (f", hit {min(hit):.3f}-{max(hit):.3f}, evict/step {res['evictions_per_step']:.0f}"
                if hit else "") + f", leak_free {res['leak_free']}")  # fmt: skip
         return res
+
+
+@dataclass
+class LivePhase:
+    """One engine's phase between its admission and its result: its node and requests,
+    and the clocks of its timed steps so far."""
+
+    eng: Engine
+    phase: Phase
+    kv: object
+    runner: StepRunner
+    timer: object
+    node: DecodeNode
+    admitted: list
+    admit_s: list[float]
+    ctx: list[int]
+    filled: int
+    moes: list
+    wall: list[float] = field(default_factory=list)
+    prep: list[float] = field(default_factory=list)
+    post: list[float] = field(default_factory=list)
+
+    def timed_step(self) -> None:
+        t0 = time.perf_counter()
+        self.node.step()
+        t1 = time.perf_counter()
+        self.wall.append((t1 - t0) * 1e3)
+        if self.timer is not None:
+            self.prep.append((self.timer.entered - t0) * 1e3)
+            self.post.append((t1 - self.timer.left) * 1e3)
+
+
+def joint_groups(steps: list[tuple[Engine, Phase]]) -> list[list[tuple[Engine, Phase]]]:
+    """The block's steps in order, consecutive steps of one paired phase (same label and
+    repeat, different engines) grouped to run alternated; every other step alone."""
+    groups: list[list[tuple[Engine, Phase]]] = []
+    for eng, phase in steps:
+        last = groups[-1] if groups else None
+        if (
+            last
+            and phase.paired
+            and last[-1][1].paired
+            and (last[-1][1].label, last[-1][1].repeat) == (phase.label, phase.repeat)
+            and all(e.label != eng.label for e, _ in last)
+        ):
+            last.append((eng, phase))
+        else:
+            groups.append([(eng, phase)])
+    return groups
 
 
 def touched(moes: list[LocalRoutedMoE]) -> float | None:

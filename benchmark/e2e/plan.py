@@ -118,6 +118,10 @@ class Phase:
     fill: bool = False  # ECHO: keep warming up until the device cache evicts (steady state)
     repeated: bool = True  # measured --repeats times (a ratio's input), else once
     repeat: int = 0  # which measurement of this phase (0 first)
+    # Run beside its partners' phase of the same label and repeat, their timed steps
+    # alternating (measure.run_joint): the low-load cost is a few percent, less than the
+    # drift between two phases run one after the other.
+    paired: bool = False
 
 
 def _nth(phase: Phase, r: int) -> Phase:
@@ -145,6 +149,10 @@ class Engine:
     # a ratio then see the same drift of the GPU's clocks and temperature.
     partners: list[str] = field(default_factory=list)
     buffer: int = 0  # HiSparse-like: rows per request and layer (0: --hisparse-buffer)
+    # ECHO: decode tokens placed in free slots as written, and the decode resolve beside
+    # the query's up-projection (the defaults; both off: the per-layer step before them).
+    decode_place: bool = True
+    resolve_overlap: bool = True
 
 
 class StudyPlan:
@@ -182,7 +190,13 @@ class StudyPlan:
         # No pressure: no fill. The smallest batch is profiled too, so the record says
         # where ECHO's cost without pressure goes (breakdown_low_load).
         low = [
-            Phase(f"b{b}", b, loc, profile=a.profile_steps > 0 and b == min(p.low_load_batches))
+            Phase(
+                f"b{b}",
+                b,
+                loc,
+                profile=a.profile_steps > 0 and b == min(p.low_load_batches),
+                paired=True,
+            )
             for b in p.low_load_batches
         ]
         sweep = [
@@ -198,7 +212,7 @@ class StudyPlan:
                 dev_cache=p.paper_dev_cache,
                 host=p.host_pool,
                 phases=[*full, *([random_phase] if a.random_keys else []), *sweep, *low],
-                partners=["noff_paper", "noff_low"],
+                partners=["noff_paper", "noff_low", "echo_inline"],
             ),
             Engine(
                 "noff_low",
@@ -206,11 +220,23 @@ class StudyPlan:
                 pool=max(p.low_load_batches) * (p.ctx_max + self.max_new),
                 phases=low,
             ),
+            # The A/B of the per-layer step's two defaults at low load: ECHO with decode
+            # tokens written to the host only and the resolve in line, alternated step by
+            # step with echo_paper and noff_low (no profile: its first repeat is timed too).
+            Engine(
+                "echo_inline",
+                "echo",
+                dev_cache=p.paper_dev_cache,
+                host=max(p.low_load_batches) * (p.ctx_max + self.max_new),
+                phases=[replace(ph, profile=False) for ph in low],
+                decode_place=False,
+                resolve_overlap=False,
+            ),
         ]
         # Lossless at scale: the batch no-offload holds in the paper's pool, under a device
         # cache of the batch's selections plus an eighth of a top-k, fewer spare slots than
         # a step's new selections at this locality, so every step evicts (a decode step's
-        # new tokens take no slot until selected: the selections alone fill the cache);
+        # new tokens take free slots only, never evict: the selections fill the cache);
         # greedy outputs must equal noff_low's at the same batch and seeds.
         b_p = self.pressure_batch
         out.append(

@@ -30,6 +30,33 @@ def ratio_range(echo: list[dict], noff: list[dict]) -> tuple[float, float, float
     return mid, min(pairs), max(pairs)
 
 
+def paired_cost(side: list[dict], base: list[dict]) -> dict | None:
+    """The cost of ``side`` against ``base`` (1 - throughput ratio, i.e. 1 - base step time
+    / side step time) from steps they took side by side (measure.run_joint: their timed
+    steps alternated, step i of one beside step i of the other, repeat by repeat). The
+    median over every pair; the range of the repeats' own medians (widened to hold the
+    median over every pair); the pairs' p10-p90. None without alternated steps."""
+    costs, medians = [], []
+    for s, b in zip(side, base, strict=False):
+        ss, bs = s.get("step_ms_device_steps"), b.get("step_ms_device_steps")
+        if not ss or not bs or len(ss) != len(bs) or s["repeat"] != b["repeat"]:
+            continue
+        these = [1 - bt / st for st, bt in zip(ss, bs, strict=True)]
+        costs += these
+        medians.append(statistics.median(these))
+    if not costs:
+        return None
+    q = statistics.quantiles(costs, n=10) if len(costs) > 1 else [costs[0]] * 9
+    cost = statistics.median(costs)
+    return {
+        "cost": round(cost, 4),
+        "repeat_medians": [round(m, 4) for m in medians],
+        "range": [round(min(*medians, cost), 4), round(max(*medians, cost), 4)],
+        "step_p10_p90": [round(q[0], 4), round(q[-1], 4)],
+        "pairs": len(costs),
+    }
+
+
 def ratio(runs: list[dict], echo: str, noff: str, phase: str = "full") -> dict | None:
     """ECHO's throughput over no-offload's (at its "full" phase), each side the median
     of its repeats, with the range over every (ECHO, no-offload) pair of measurements:

@@ -61,6 +61,9 @@ ENV_PDL = "SGLANG_ECHO_PDL"
 # are written (kernels/decode_write.py), so the step's top-k finds them resident; 0: host
 # only, and the resolve recalls each one it selects (the A/B of benchmark/e2e_study.py).
 ENV_DECODE_PLACE = "SGLANG_ECHO_DECODE_PLACE"
+# 1 (default): a decode step's resolve runs on a side stream beside the query's
+# up-projection (model/attention.py resolve_beside); 0: in line, on the main stream.
+ENV_RESOLVE_OVERLAP = "SGLANG_ECHO_RESOLVE_OVERLAP"
 ENV_TOPK = "SGLANG_ECHO_TOPK"
 ENV_SPARSE_MLA = "SGLANG_ECHO_SPARSE_MLA"
 # A path: the engine thread runs under cProfile and writes PATH (pstats) and PATH.txt (the
@@ -230,6 +233,12 @@ VARIABLES: tuple[Variable, ...] = (
         parse_switch_on,
     ),
     Variable(
+        ENV_RESOLVE_OVERLAP, "resolve_overlap", "1", "runtime", False,
+        "`1`: on CUDA a decode step's resolve (cache management, recall) runs on a side "
+        "stream while the query's up-projection runs (`model/attention.py`); `0`: in line",
+        parse_switch_on,
+    ),
+    Variable(
         ENV_TOPK, "topk", "radix", "runtime", False,
         "the kernel top-k on CUDA: `radix` (`kernels/topk.py`) or `flashinfer` "
         "(`kernels/topk_flashinfer.py`: the same tensor; needs flashinfer-python >= 0.7.2)",
@@ -270,6 +279,9 @@ class EchoConfig:
     # A decode step's new tokens placed in free device slots as they are written
     # (ENV_DECODE_PLACE); False: host only, recalled by the resolve.
     decode_place: bool = True
+    # A decode resolve on a side stream beside the query's up-projection (CUDA;
+    # ENV_RESOLVE_OVERLAP); False: in line.
+    resolve_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.eviction_reserve is None:
@@ -327,6 +339,7 @@ class EchoSettings:
     eviction_reserve: int | None = None  # None: default_eviction_reserve(N_G)
     pdl: bool = True
     decode_place: bool = True
+    resolve_overlap: bool = True
     topk: str = TOPK_BACKENDS[0]
     sparse_mla: str = SPARSE_MLA_BACKENDS[0]
     engine_profile: str | None = None
@@ -366,6 +379,7 @@ class EchoSettings:
             fuse_extend=self.fuse_extend,
             eviction_reserve=self.eviction_reserve,
             decode_place=self.decode_place,
+            resolve_overlap=self.resolve_overlap,
         )
 
     def shown(self, name: str) -> str:

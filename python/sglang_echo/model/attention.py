@@ -114,6 +114,45 @@ def _resolve_distinct(
     return buffer, row_of[flat].view(selected.shape)
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+class ResolvedBeside:
+    """A decode resolve running on a side stream; ``join`` makes the current stream wait
+    for it and returns its (buffer, rows)."""
+
+    def __init__(self, buffer: torch.Tensor, rows: torch.Tensor, side: torch.cuda.Stream):
+        self.buffer, self.rows, self.side = buffer, rows, side
+
+    def join(self) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.cuda.current_stream(self.rows.device).wait_stream(self.side)
+        return self.buffer, self.rows
+
+
+def resolve_beside(
+    kv_cache: KVCache, layer_id: int, selected: torch.Tensor, is_decode: bool
+) -> ResolvedBeside | None:
+    """Start a decode step's resolve on a side stream, forked from the current one (event
+    fork and join: it captures in a CUDA graph), where the backend asks for it
+    (``resolve_beside``: ECHO, SGLANG_ECHO_RESOLVE_OVERLAP). Why: the resolve (cache
+    management and the recall of misses over PCIe) is a chain of small, latency-bound
+    launches that needs only the selection; beside it the query's up-projection and
+    absorption (weight-bound GEMMs) run on the main stream, so at low load the resolve
+    costs little more than its join. None: resolve in place, on the current stream. The
+    same kernels run in the same order on each stream, so the bits do not change."""
+    if not (is_decode and selected.is_cuda and getattr(kv_cache, "resolve_beside", False)):
+        return None
+    main = torch.cuda.current_stream(selected.device)
+    index = selected.device.index if selected.device.index is not None else 0
+    side = _SIDE_STREAMS.get(index)
+    if side is None:
+        side = _SIDE_STREAMS[index] = torch.cuda.Stream(device=selected.device)
+    side.wait_stream(main)  # fork: the selection and the step's writes first
+    with torch.cuda.stream(side):
+        buffer, rows = kv_cache.resolve(layer_id, selected)
+    return ResolvedBeside(buffer, rows, side)
+
+
 class MLAttention(nn.Module):
     def __init__(self, config: DeepseekV32Config) -> None:
         super().__init__()
@@ -158,13 +197,10 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         n_tokens = hidden.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
-        q = self.q_b_proj(q_resid).view(n_tokens, self.n_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split(
             [self.kv_lora_rank, self.rope_dim], dim=-1
         )
         latent = self.kv_a_layernorm(latent)
-        q_pe = self._rope(q_pe, cos, sin)
         k_pe = self._rope(k_pe.unsqueeze(1), cos, sin).squeeze(1)
 
         kv_cache.write(
@@ -186,11 +222,16 @@ class MLAttention(nn.Module):
             selected = self.indexer.select(
                 iq, iw, keys, batch, prefetch, layer_id, extend_prefetch=extend_prefetch
             )
-
+        # The query's up-projection and absorption need nothing from the cache: they run
+        # after the selection, so that a decode resolve started beside them overlaps them.
+        resolved = resolve_beside(kv_cache, layer_id, selected, batch.is_decode)
+        q = self.q_b_proj(q_resid).view(n_tokens, self.n_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe = self._rope(q_pe, cos, sin)
         w_uk, w_uv = self._absorbed_weights()
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
         q_full = torch.cat((q_lat, q_pe), dim=-1)
-        out_lat = self._attend(q_full, selected, batch, kv_cache, layer_id)
+        out_lat = self._attend(q_full, selected, batch, kv_cache, layer_id, resolved)
         out = torch.einsum("thr,hvr->thv", out_lat, w_uv)
         return self.o_proj(out.reshape(n_tokens, self.n_heads * self.v_dim))
 
@@ -201,6 +242,7 @@ class MLAttention(nn.Module):
         batch: ForwardBatch,
         kv_cache: KVCache,
         layer_id: int,
+        resolved: ResolvedBeside | None = None,
     ) -> torch.Tensor:
         # The kernel runs on CUDA, and on the CPU only under the Triton interpreter when asked
         # for by name (tests); elsewhere the torch path runs, whatever the switch says.
@@ -211,7 +253,10 @@ class MLAttention(nn.Module):
         if batch.is_decode:
             # One resolve for the whole decode step (the config guarantees it fits), so the
             # step keeps fixed shapes and stays capturable in a CUDA graph.
-            buffer, rows = kv_cache.resolve(layer_id, selected)
+            if resolved is not None:
+                buffer, rows = resolved.join()
+            else:
+                buffer, rows = kv_cache.resolve(layer_id, selected)
             if kernel:  # rows are -1 where selected is (KVCache.resolve)
                 return self._kernel(q_full, buffer, rows, splits=DECODE_SPLITS)
             kv = decode_kv_rows(buffer[rows.clamp(min=0)], self.kv_lora_rank, q_full.dtype)

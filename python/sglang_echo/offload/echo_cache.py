@@ -51,6 +51,9 @@ class EchoKVCache:
             eviction_reserve=config.eviction_reserve,
         )  # fmt: skip
         self.manager = EchoManager(self.host, self.cache, use_kernels=use_kernels)
+        # A decode resolve runs on a side stream beside the query's up-projection (CUDA;
+        # model/attention.py resolve_beside).
+        self.resolve_beside = config.resolve_overlap
         self.index = torch.zeros(
             num_layers, host_tokens + 1, index_dim, dtype=index_dtype or dtype, device=device
         )
