@@ -709,6 +709,8 @@ EVIDENCE: tuple[Row, ...] = (
             "{metrics.details.random_keys_paper_all_hbm.ratio:x}",
             "ECHO hit rate per layer {metrics.hit_rate_per_layer:f3-}",
             "batch {metrics.low_load_cost.per_batch:keys} cost {metrics.low_load_cost.per_batch:f3/}",
+            "?medians of steps alternated with no-offload's; ECHO with decode tokens host-only and the "
+            "resolve in line (`echo_inline`, in the same alternation) {metrics.low_load_cost.inline_per_batch:f3/}",
             "step {metrics.breakdown.no_offload.step_ms_device:ms} ms (no-offload, batch {metrics.breakdown.no_offload.batch}) "
             "vs {metrics.breakdown.echo.step_ms_device:ms} ms (ECHO, batch {metrics.breakdown.echo.batch})",
             "greedy outputs equal under eviction ({metrics.details.lossless_under_eviction.evictions_per_step:n} evictions per step, {metrics.details.lossless_under_eviction.tokens_compared} tokens{@compared}): {metrics.details.lossless_under_eviction.greedy_outputs_equal:yes}",
