@@ -118,6 +118,7 @@ class DecodeNode:
     fp8: bool = False
     prefill_rows: int = 0  # device rows for local prefills, as the plugin's plan adds
     running: dict[str, Token] = field(default_factory=dict)
+    retracted: dict[str, Token] = field(default_factory=dict)
     host_owners: dict[int, set[str]] = field(default_factory=dict)
     next_rid: int = 0
 
@@ -262,6 +263,7 @@ class DecodeNode:
             self.host_rows(layer)[host_ids] = rows[:prompt_len, layer]
         for h in host_ids.tolist():
             self.host_owners.setdefault(h, set()).add(rid)
+        req.output_ids.append(1)  # the prefill node's first token (its KV comes next step)
         if admit:
             self.coord.admit_request_direct(req)
         self.running[rid] = Token(req, prompt_len, rows)
@@ -280,18 +282,64 @@ class DecodeNode:
         self.allocator.free(locs.to(torch.int64))
         self.req_to_token.free(req)
 
-    def retract(self, rid: str, backup: str) -> bool:
-        """sglang's release_req on a PD decode node: the coordinator's retract_req, then
-        the retraction backup (sglang's own backup_kv_cache with ``backup``), then
-        release_kv_cache. Returns whether a backup was kept (False: sglang aborts it)."""
+    def retract(self, rid: str, backup: str, backs_up: bool = True) -> bool:
+        """sglang's release_req on a PD decode node: inside the coordinator's retraction
+        scope (the plugin's hook on release_req), the coordinator's retract_req, then the
+        retraction backup (sglang's backup_kv_cache with ``backup``, hooked by the plugin;
+        ``backs_up=False``: a release that skips it), then release_kv_cache. Returns
+        whether a backup was kept (False: sglang aborts it)."""
         from sglang.srt.mem_cache.common import backup_kv_cache
 
-        req = self.running.pop(rid).req
-        self.coord.retract_req(req)
-        try:
-            return backup_kv_cache(req, None, self.req_to_token, self.allocator, backup)
-        finally:
-            self._release_kv(req)
+        token = self.running.pop(rid)
+        req = token.req
+        saved = False
+        with self.coord.retraction_scope():
+            self.coord.retract_req(req)
+            try:
+                if backs_up:
+                    saved = backup_kv_cache(req, None, self.req_to_token, self.allocator, backup)
+            finally:
+                self._release_kv(req)
+        if saved:
+            self.retracted[rid] = token
+        return saved
+
+    def resume(self, rid: str) -> None:
+        """sglang's resume of a retracted request (resume_retracted_reqs): _pre_alloc's
+        HiSparse branch (a request slot, logical ids and host slots for the tokens it
+        restores; the plugin's hook installs the kept host row first), then
+        restore_kv_cache (hooked: the coordinator admits it directly)."""
+        from sglang.srt.disaggregation.decode import (
+            DecodePreallocQueue,
+            alloc_for_decode_prealloc_hisparse,
+        )
+        from sglang.srt.mem_cache.common import restore_kv_cache
+
+        from sglang_echo.sglang.retraction import kept_of
+
+        token = self.retracted.pop(rid)
+        req = token.req
+        kept = kept_of(req)
+        assert kept is not None
+        fill = DecodePreallocQueue._pre_alloc_fill_len(req)
+        with self.coord.installing_kept_row(kept):
+            assert self.req_to_token.alloc([req]) is not None
+            idx = req.kv.req_pool_idx
+            kv_loc = alloc_for_decode_prealloc_hisparse(
+                self.allocator, req=req, fill_len=fill, uses_swa_tail=False, swa_tail_len=0
+            )
+            self.req_to_token.write((idx, slice(0, fill)), kv_loc.to(torch.int32))
+            self.coord.mem_pool_host.alloc_paged_token_slots(
+                self.coord.req_to_host_pool, self.coord.req_to_host_pool_allocated_len, idx, 0, fill
+            )
+        restore_kv_cache(req, None, self.req_to_token, self.allocator, "none")
+        self.running[rid] = token
+
+    def discard(self, rid: str) -> None:
+        """A retracted request aborted by its client (sglang's discard_kv_cache_backup)."""
+        from sglang.srt.mem_cache.common import discard_kv_cache_backup
+
+        discard_kv_cache_backup(self.retracted.pop(rid).req, None, "none")
 
     # ------------------------------------------------------------ decode step
     def step(self, rids: list[str], padded_bs: int, topk_for) -> list[torch.Tensor]:
@@ -319,6 +367,7 @@ class DecodeNode:
             token = self.running[rid]
             token.rows[token.seq_len] = new[i]
             token.seq_len += 1
+            token.req.output_ids.append(1)  # the step's sampled token (its KV comes next)
 
         pad = padded_bs - bs
         pad_idx = torch.cat((idx, torch.zeros(pad, dtype=torch.int64)))

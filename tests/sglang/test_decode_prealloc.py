@@ -166,6 +166,7 @@ class DecodeRank:
             waiting_queue=[],
             last_batch=None,
             enable_priority_scheduling=False,
+            enable_overlap=False,  # read by resume_retracted_reqs
             enable_lora=False,
             enable_decode_hicache=False,
             scheduler_stage_metrics=None,
@@ -360,5 +361,45 @@ def test_hisparse_per_request_charge_would_admit_fewer(model_dir):
         rest = rank.step()
         assert len(admitted) + len(rest) == len(reqs) and rank.queued() == 0
         for req in rest:
+            rank.finish(req)
+        assert_nothing_leaked(rank)
+
+
+def test_a_retracted_request_resumes_through_sglangs_queue_with_its_host_ids(model_dir):
+    """sglang's own retraction and resume with the plugin's hooks: ``release_req`` keeps
+    the request (no abort), the prealloc queue holds it as retracted, and
+    ``process_decode_queue`` resumes it (``resume_retracted_reqs`` -> ``_pre_alloc`` ->
+    ``restore_kv_cache``) in a new request slot that holds the same host ids, taking no
+    host slot anew; then everything comes back."""
+    import sglang.srt.managers.schedule_batch as schedule_batch
+
+    plan = rank_plan(None, 1)
+    with decode_rank(model_dir, plan) as rank:
+        # Looked up at call time, as ScheduleBatch.release_req does: hooked by now (the
+        # coordinator applies the hooks when it is built).
+        release_req = schedule_batch.release_req
+        reqs = [rank.submit(n) for n in PROMPTS[:2]]
+        assert rids(rank.step()) == rids(reqs)
+        victim = reqs[0]
+        n = len(victim.origin_input_ids)
+        host_ids = rank.coord.req_to_host_pool[victim.kv.req_pool_idx, :n].clone()
+        host_free = rank.coord.mem_pool_host.available_size()
+        rank.sched.running_batch.reqs.remove(victim)
+        kept = release_req(
+            req=victim, remaing_req_count=1, req_to_token_pool=rank.req_to_token,
+            token_to_kv_pool_allocator=rank.allocator, tree_cache=rank.tree,
+            hisparse_coordinator=rank.coord,
+        )  # fmt: skip
+        assert kept is True, "kept, not aborted with 503"
+        assert rank.coord.mem_pool_host.available_size() == host_free
+        rank.prealloc.extend([victim], is_retracted=True)
+        assert rank.prealloc.retracted_queue == [victim]
+        assert rids(rank.step()) == [victim.rid]  # resumed first
+        assert not rank.prealloc.retracted_queue and victim.kv.retraction_backup is None
+        idx = victim.kv.req_pool_idx
+        assert torch.equal(rank.coord.req_to_host_pool[idx, :n], host_ids)
+        assert rank.coord.mem_pool_host.available_size() == host_free, "no host slot anew"
+        assert rank.coord.newest_row[idx] > 0  # admitted directly: its newest page
+        for req in list(rank.sched.running_batch.reqs):
             rank.finish(req)
         assert_nothing_leaked(rank)

@@ -1,9 +1,12 @@
 """Retraction on a PD decode node with ECHO, on sglang's real pool, allocator and
-retraction backup (``backup_kv_cache``). The plugin declares
-``disaggregation_decode_retraction_backup="none"``: a retracted request keeps no KV copy
-(sglang aborts it with 503 for the client to resubmit), its host and device rows are
-freed, and the requests still running keep byte-exact rows. sglang's inferred default for
-this pool ("cpu_tensor") would crash the scheduler instead, which the test also shows."""
+retraction functions (``backup_kv_cache``, ``restore_kv_cache``,
+``discard_kv_cache_backup``, hooked by the plugin: sglang_echo/sglang/retraction.py). The
+plugin declares ``disaggregation_decode_retraction_backup="none"``; a retracted PD request
+keeps its host ids instead (its KV is all in the host pool, the newest row's token backed
+up first), is queued as retracted (no 503), and resumes with the same host ids, reading
+byte-exact rows; an abort while retracted, a release without a backup and a locally
+prefilled request release everything, as before. sglang's resume path itself
+(``resume_retracted_reqs`` -> ``_pre_alloc``) runs in test_decode_prealloc.py."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import random
 
 import plugin_testenv  # first: sets the process up before sglang loads
 import pytest
+import torch
 
 plugin_testenv.require_sglang()
 
@@ -18,6 +22,7 @@ from sglang_world import DecodeNode, apply_cpu_shims, init_process_group  # noqa
 from test_coordinator import assert_back_to_start, check_tables, selections  # noqa: E402
 
 from sglang_echo.sglang.args import RETRACTION_BACKUP  # noqa: E402
+from sglang_echo.sglang.retraction import kept_of  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,34 +37,81 @@ def node() -> DecodeNode:
     )
 
 
-def test_retraction_with_the_declared_backup_frees_and_continues():
+def run(n: DecodeNode, rids: list[str], steps: int, topk_for) -> None:
+    for _ in range(steps):
+        check_tables(n, rids, n.step(rids, padded_bs=4, topk_for=topk_for))
+
+
+@pytest.mark.parametrize("steps_before", [0, 4])
+def test_a_retracted_pd_request_keeps_its_host_ids_and_resumes(steps_before):
+    """0 steps: its whole KV arrived in the host pool; 4: its newest row is backed up."""
     n = node()
-    rng = random.Random(11)
-    topk_for = selections(n, rng)
+    topk_for = selections(n, random.Random(11))
     rids = [n.arrive(90), n.arrive(60), n.arrive(120)]
-    for _ in range(4):
-        check_tables(n, rids, n.step(rids, padded_bs=4, topk_for=topk_for))
+    run(n, rids, steps_before, topk_for)
     retracted = rids.pop(1)
-    idx = n.running[retracted].req.kv.req_pool_idx
-    host_before = n.coord.mem_pool_host.available_size()
-    assert n.retract(retracted, RETRACTION_BACKUP) is False  # sglang aborts it: 503, retry
-    assert n.coord.mem_pool_host.available_size() > host_before  # its host KV is freed
+    token = n.running[retracted]
+    idx = token.req.kv.req_pool_idx
+    before = n.counters()
+    assert n.retract(retracted, RETRACTION_BACKUP) is True  # queued as retracted: no 503
+    kept = kept_of(token.req)
+    assert kept.tokens == token.seq_len, "every token with KV is kept"
+    host_ids = kept.row[: kept.tokens]
+    assert torch.all(host_ids >= 0) and host_ids.unique().numel() == kept.tokens
+    for layer in range(n.layers):  # the newest row's token reached the host too
+        assert torch.equal(n.host_rows(layer)[host_ids], token.rows[: kept.tokens, layer])
+    after = n.counters()
+    pages = -(-(token.seq_len) // 64) - -(-(token.seq_len - 1) // 64)
+    assert after["host"] == before["host"] - (steps_before > 0) * 64 * pages  # kept, not freed
+    assert after["device_rows"] == before["device_rows"] + 64  # its newest page is free
     assert int(n.coord.newest_row[idx]) == 0
-    assert int(n.coord.req_to_host_pool_allocated_len[idx]) == 0
-    # The resubmitted request arrives again (new host ids, some the freed ones).
-    rids.append(n.arrive(62))
-    for _ in range(4):
-        check_tables(n, rids, n.step(rids, padded_bs=4, topk_for=topk_for))
+    run(n, rids, 3, topk_for)  # the others decode on
+    host_free = n.coord.mem_pool_host.available_size()
+    n.resume(retracted)
+    new_idx = token.req.kv.req_pool_idx
+    assert n.coord.mem_pool_host.available_size() == host_free, "no host slot taken anew"
+    assert torch.equal(n.coord.req_to_host_pool[new_idx, : kept.tokens], host_ids)
+    assert int(n.coord.newest_row[new_idx]) > 0
+    rids.append(retracted)
+    run(n, rids, 4, topk_for)  # byte-exact rows, its old tokens included
     for rid in rids:
         n.finish(rid)
     assert_back_to_start(n)
 
 
-def test_sglangs_default_backup_would_crash():
-    """Without the declaration sglang infers "cpu_tensor" for this pool: the copy is not
-    implemented by the DSA pool, and the scheduler would die on the first retraction."""
+def test_an_abort_while_retracted_releases_everything():
     n = node()
-    rid = n.arrive(70)
-    with pytest.raises(NotImplementedError):
-        n.retract(rid, "cpu_tensor")
+    topk_for = selections(n, random.Random(3))
+    rids = [n.arrive(70), n.arrive(130)]
+    run(n, rids, 2, topk_for)
+    assert n.retract(rids[0], RETRACTION_BACKUP) is True
+    n.discard(rids[0])
+    run(n, rids[1:], 2, topk_for)
+    n.finish(rids[1])
+    assert_back_to_start(n)
+
+
+def test_a_release_without_backup_releases_the_host_ids():
+    """release_req without a backup (sglang's offload_kv=False): the kept row no backup
+    claimed is released when the scope closes."""
+    n = node()
+    topk_for = selections(n, random.Random(5))
+    rids = [n.arrive(70), n.arrive(40)]
+    run(n, rids, 2, topk_for)
+    assert n.retract(rids[0], RETRACTION_BACKUP, backs_up=False) is False
+    run(n, rids[1:], 2, topk_for)
+    n.finish(rids[1])
+    assert_back_to_start(n)
+
+
+def test_a_locally_prefilled_request_is_not_kept():
+    """Staged from a local prefill: not a PD arrival, sglang's path (no backup, abort)."""
+    n = DecodeNode(
+        layers=2, top_k=16, dev_cache=64, max_running=4, host_tokens=1536, max_context=256,
+        prefill_rows=256,
+    )  # fmt: skip
+    rid = n.prefill(50)
+    host = n.coord.mem_pool_host.available_size()
+    assert n.retract(rid, RETRACTION_BACKUP) is False
+    assert n.coord.mem_pool_host.available_size() > host
     assert_back_to_start(n)

@@ -58,7 +58,7 @@ DECODE_BACKENDS = {
     "fp8_e4m3": ("flashmla_kv", "flashinfer_sparse_mla"),
 }
 KV_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
-RETRACTION_BACKUP = "none"  # PD decode retraction keeps no KV copy (see declarations)
+RETRACTION_BACKUP = "none"  # no copy: the plugin keeps the host ids (see declarations)
 
 
 def _ceil(n: int, multiple: int) -> int:
@@ -120,9 +120,9 @@ class EchoPlan:
         if self.pd_decode:
             # Retraction on a PD decode node: sglang would back the request's KV up with
             # the device pool's get_cpu_copy (not implemented by the DSA pools; the
-            # scheduler crashes) after the coordinator has already freed its host KV.
-            # "none": the retracted request is aborted with 503 "Retry later" and the
-            # client (or router) submits it again; its host and device rows are freed.
+            # scheduler crashes). "none": no copy is made; the plugin's hooks keep the
+            # request's host ids instead (its KV is all in the host pool) and resume it
+            # with them (sglang/retraction.py), so it is neither copied nor aborted.
             fields["disaggregation_decode_retraction_backup"] = RETRACTION_BACKUP
         return fields
 
@@ -161,8 +161,8 @@ def incompatible_flags(view: Any) -> list[str]:
         problems.append(
             f"--disaggregation-decode-retraction-backup {backup}: ECHO's KV lives in its "
             "host pool, which sglang's retraction backups cannot copy; drop the flag "
-            f"(sglang-echo sets {RETRACTION_BACKUP!r}: a retracted request is aborted with "
-            "503 for the client to retry)."
+            f"(sglang-echo sets {RETRACTION_BACKUP!r} and keeps a retracted request's host "
+            "KV, resuming it from there)."
         )
     if get("enable_hierarchical_cache"):
         problems.append(

@@ -37,9 +37,11 @@ import torch
 
 from sglang_echo.config import ENV_DEV_CACHE, ConfigError, settings
 from sglang_echo.offload.manager import EchoManager
+from sglang_echo.sglang import retraction
 from sglang_echo.sglang.args import ECHO_EXTRA_KEY
 from sglang_echo.sglang.guards import capacity_problems, decode_graphs_enabled, graph_problem
 from sglang_echo.sglang.prefill_budget import EchoPrefillBudget
+from sglang_echo.sglang.retraction import KeptHostIds, install_retraction
 from sglang_echo.sglang.storage import (
     ExternalHostRows,
     ExternalRowsCache,
@@ -220,7 +222,15 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         # step (one_release_per_step), or at once outside a step's result processing.
         self._finished_host_rows: list[torch.Tensor] = []
         self._step_depth = 0
+        # Retraction (sglang_echo/sglang/retraction.py): requests admitted directly (PD),
+        # whose KV is all in the host pool; how many of each one's tokens the host pool
+        # holds; host-id rows a retraction kept that no backup has claimed yet.
+        self._admitted_direct: set[int] = set()
+        self._host_len: dict[int, int] = {}
+        self._unclaimed: dict[int, KeptHostIds] = {}
+        self._retraction_depth = 0
         install_step_release()
+        install_retraction()
         self._patch_decode_capacity()
         self._patch_prefill_budget()
         logger.info(
@@ -430,7 +440,10 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         ECHO recalls what the indexer selects."""
         self.alloc_device_buffer(req)
         req.hisparse_staging = False
-        self._skip_first_backup[req.kv.req_pool_idx] = True
+        idx = req.kv.req_pool_idx
+        self._skip_first_backup[idx] = True
+        self._admitted_direct.add(idx)
+        self._host_len[idx] = self.host_token_len(req.kv.kv_allocated_len)
 
     # ------------------------------------------------------------ decode step
     def map_last_loc_to_buffer(
@@ -469,22 +482,25 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
                 self._skip_first_backup[req_idx] = False
                 continue
             batch_rows.append(i)
-            host_ids.append(
-                self.mem_pool_host.alloc_paged_token_slots(
-                    self.req_to_host_pool,
-                    self.req_to_host_pool_allocated_len,
-                    req_idx,
-                    seq_len - 2,
-                    1,
-                )
-            )
+            host_ids.append(self._host_slot(req_idx, seq_len - 2))
         if not batch_rows:
             return
         rows = torch.tensor(batch_rows, dtype=torch.int64, pin_memory=self.is_cuda)
         rows = rows.to(self.device, non_blocking=True)
-        device_rows = self.newest_row[req_pool_indices[rows]]
-        host_locs = torch.cat(host_ids)
+        self._backup_newest_rows(self.newest_row[req_pool_indices[rows]], torch.cat(host_ids))
 
+    def _host_slot(self, req_idx: int, position: int) -> torch.Tensor:
+        """The host slot of the request's token at ``position`` (allocated by page)."""
+        slot = self.mem_pool_host.alloc_paged_token_slots(
+            self.req_to_host_pool, self.req_to_host_pool_allocated_len, req_idx, position, 1
+        )
+        if req_idx in self._host_len:
+            self._host_len[req_idx] = max(self._host_len[req_idx], position + 1)
+        return slot
+
+    def _backup_newest_rows(self, device_rows: torch.Tensor, host_locs: torch.Tensor) -> None:
+        """Copy newest rows (all layers) to their host slots on the backup stream, after
+        the forward that wrote them."""
         device_module = hisparse.device_module
         self.wait_for_pending_backup()
         schedule_stream = device_module.current_stream()
@@ -575,6 +591,18 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         ids now; its host ids are released from ECHO's cache, then given back to the
         host pool, with the other requests finished in this step (or at once outside a
         step's result processing)."""
+        self._end_decode_state(req)
+        idx = req.kv.req_pool_idx
+        row = self._host_id_row(idx)
+        if row is not None:
+            self._finished_host_rows.append(row)
+        self._clear_host_row(idx)
+        if self._step_depth == 0:
+            self.release_finished()
+
+    def _end_decode_state(self, req) -> None:
+        """After the in-flight forward and the last backup: the newest page freed and the
+        request's token ids unmapped from it."""
         device_module = hisparse.device_module
         if self.decode_producer_stream is not None:
             device_module.current_stream().wait_stream(self.decode_producer_stream)
@@ -588,12 +616,136 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             self.newest_row[idx] = 0
         # Without a page the request ended during prefill: release_kv_cache frees its
         # prompt rows through the mapping, as in HiSparse.
-        row = self._host_id_row(idx)
-        if row is not None:
-            self._finished_host_rows.append(row)
+
+    def _clear_host_row(self, idx: int) -> None:
         self.req_to_host_pool[idx, :] = -1
         self.req_to_host_pool_allocated_len[idx] = 0
         self._skip_first_backup[idx] = False
+        self._admitted_direct.discard(idx)
+        self._host_len.pop(idx, None)
+
+    # ------------------------------------------------------------- retraction
+    @contextmanager
+    def retraction_scope(self) -> Iterator[None]:
+        """sglang's release_req (retraction.py): inside it, a PD request's retraction
+        keeps its host ids for sglang's backup to claim; the ones not claimed are released
+        when the outermost scope closes."""
+        self._retraction_depth += 1
+        retraction.SCOPES.append(self)
+        try:
+            yield
+        finally:
+            retraction.SCOPES.remove(self)
+            self._retraction_depth -= 1
+            if self._retraction_depth == 0:
+                unclaimed, self._unclaimed = list(self._unclaimed.values()), {}
+                for kept in unclaimed:
+                    self.discard_kept(kept)
+
+    def retract_req(self, req) -> None:
+        """A retraction inside sglang's release_req of a request admitted directly (PD
+        decode: its KV is in the host pool) keeps its host ids; any other retraction
+        releases like a finish (HiSparse's behaviour)."""
+        idx = req.kv.req_pool_idx
+        keeps = retraction.ENABLED and self._retraction_depth > 0
+        if not keeps or idx not in self._admitted_direct or getattr(req, "hisparse_staging", False):
+            super().retract_req(req)
+            return
+        self._unclaimed[id(req)] = self._keep_host_ids(req)
+
+    def _keep_host_ids(self, req) -> KeptHostIds:
+        """The request's host-id row, holding every token sglang restores at resume (its
+        prompt and outputs but the last, whose KV the resumed step computes): the newest
+        row's token is backed up first if the host pool lacks it (the host waits: the
+        page is freed right after). The ids stay allocated and mapped in ECHO's cache."""
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+        idx = req.kv.req_pool_idx
+        tokens = DecodePreallocQueue._pre_alloc_fill_len(req)
+        self._end_decode_state_backing_up(req, tokens)
+        row = self._host_id_row(idx)
+        kept = KeptHostIds(
+            self,
+            row if row is not None else torch.empty(0, dtype=torch.int64),
+            int(self.req_to_host_pool_allocated_len[idx]),
+            tokens,
+        )
+        self._clear_host_row(idx)
+        return kept
+
+    def _end_decode_state_backing_up(self, req, tokens: int) -> None:
+        idx = req.kv.req_pool_idx
+        held = self._host_len.get(idx, 0)
+        if held < tokens:
+            page = self._newest_page.get(idx)
+            if held != tokens - 1 or page is None or self._skip_first_backup[idx]:
+                raise RuntimeError(
+                    f"sglang-echo: retracting request {req.rid!r}: the host pool holds "
+                    f"{held} of its {tokens} tokens and its newest row cannot supply the "
+                    "rest; the coordinator's bookkeeping is wrong"
+                )
+            if self.decode_producer_stream is not None:
+                hisparse.device_module.current_stream().wait_stream(self.decode_producer_stream)
+            self._backup_newest_rows(
+                self.newest_row[idx : idx + 1].clone(), self._host_slot(idx, tokens - 1)
+            )
+            self._finish_backup_on_host()
+        self._end_decode_state(req)
+
+    def claim_kept(self, req) -> KeptHostIds | None:
+        """The host ids this coordinator's retraction of ``req`` kept (sglang's backup)."""
+        return self._unclaimed.pop(id(req), None)
+
+    @contextmanager
+    def installing_kept_row(self, kept: KeptHostIds) -> Iterator[None]:
+        """sglang's resume (_pre_alloc) allocates the request slot, then host slots for the
+        tokens it restores from position 0: that allocation is given the kept row first,
+        so it allocates nothing."""
+        host = self.mem_pool_host
+        own = "alloc_paged_token_slots" in vars(host)
+        original = host.alloc_paged_token_slots
+
+        def alloc(req_to_host_pool, allocated_len, req_pool_idx, start_pos, num_tokens):
+            if not kept.installed and start_pos == 0 and int(allocated_len[req_pool_idx]) == 0:
+                n = kept.row.numel()
+                req_to_host_pool[req_pool_idx, :n] = kept.row.to(req_to_host_pool.device)
+                allocated_len[req_pool_idx] = kept.allocated
+                kept.installed = True
+            return original(req_to_host_pool, allocated_len, req_pool_idx, start_pos, num_tokens)
+
+        host.alloc_paged_token_slots = alloc
+        try:
+            yield
+        finally:
+            if own:
+                host.alloc_paged_token_slots = original
+            else:
+                del host.alloc_paged_token_slots
+
+    def resume_kept(self, req, kept: KeptHostIds) -> None:
+        """sglang's restore of a resumed request: its row holds the kept host ids (its KV
+        in the host pool, the tokens still cached in ECHO's cache where they were); admit
+        it directly, as a PD arrival."""
+        idx = req.kv.req_pool_idx
+        n = kept.row.numel()
+        row = self.req_to_host_pool[idx, :n].to(kept.row.device)
+        if not kept.installed or not torch.equal(row, kept.row):
+            raise RuntimeError(
+                f"sglang-echo: request {req.rid!r} resumed without its kept host ids "
+                "(sglang's resume path changed?); its KV would be read from the wrong host "
+                "rows"
+            )
+        if req.kv.kv_allocated_len != kept.tokens:
+            raise RuntimeError(
+                f"sglang-echo: request {req.rid!r} resumed with {req.kv.kv_allocated_len} "
+                f"tokens, its kept host ids hold {kept.tokens}"
+            )
+        self.admit_request_direct(req)
+
+    def discard_kept(self, kept: KeptHostIds) -> None:
+        """Kept host ids of a request that will not resume: released like a finish's."""
+        if kept.row.numel():
+            self._finished_host_rows.append(kept.row)
         if self._step_depth == 0:
             self.release_finished()
 
