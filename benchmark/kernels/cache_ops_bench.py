@@ -141,7 +141,9 @@ def measure(
     """Median time per layer-step of ``part``, graph-replayed, and the trace's hit rate:
     "management", the two allocations only (append, resolve); "step", append + resolve
     with the recall; "resolve" and "decode_step", the same without the append's allocation
-    (a decode step's new tokens go to the host only and are recalled when selected).
+    (a decode step's new tokens take free slots in the launch that writes their host rows,
+    kernels/decode_write.py, or stay host-only and are recalled when selected: no
+    allocation pass either way).
     ``shape``: the kernels' launch shape (AllocWorkspace's lane_block, slot_block,
     num_warps, pdl, atomic_sem) instead of the default. ``fill=False``: the cache starts
     empty, so below its capacity nothing is evicted (the no-pressure path)."""

@@ -202,8 +202,8 @@ class TopkTracer:
 
     def _attend_hook(self, layer_id: int, attn):
         def factory(original):
-            def attend(q_full, selected, batch: ForwardBatch, kv_cache, lid):
-                out = original(q_full, selected, batch, kv_cache, lid)
+            def attend(q_full, selected, batch: ForwardBatch, kv_cache, lid, *rest):
+                out = original(q_full, selected, batch, kv_cache, lid, *rest)
                 if self.recording and batch.is_decode and self._last_sel[layer_id] is not None:
                     self._record_attention(layer_id, attn, q_full, batch)
                 return out
