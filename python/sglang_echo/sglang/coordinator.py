@@ -662,7 +662,8 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
 
         idx = req.kv.req_pool_idx
         tokens = DecodePreallocQueue._pre_alloc_fill_len(req)
-        self._end_decode_state_backing_up(req, tokens)
+        self._back_up_missing_token(req, tokens)
+        self._end_decode_state(req)
         row = self._host_id_row(idx)
         kept = KeptHostIds(
             self,
@@ -673,7 +674,11 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         self._clear_host_row(idx)
         return kept
 
-    def _end_decode_state_backing_up(self, req, tokens: int) -> None:
+    def _back_up_missing_token(self, req, tokens: int) -> None:
+        """The host pool holds the first ``tokens - 1`` of the request's tokens when its
+        last step's results were processed (its newest row holds the last one), or all of
+        them when the retraction comes while that step is in flight (its backup was
+        issued when the step was prepared): in the first case copy the newest row now."""
         idx = req.kv.req_pool_idx
         held = self._host_len.get(idx, 0)
         if held < tokens:
@@ -690,7 +695,6 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
                 self.newest_row[idx : idx + 1].clone(), self._host_slot(idx, tokens - 1)
             )
             self._finish_backup_on_host()
-        self._end_decode_state(req)
 
     def claim_kept(self, req) -> KeptHostIds | None:
         """The host ids this coordinator's retraction of ``req`` kept (sglang's backup)."""
