@@ -45,10 +45,7 @@ def _cache(seed: int, dtype: torch.dtype, width: int, drain_to: int) -> DeviceCa
 
 
 def _args(c: DeviceCache, host: torch.Tensor, rows: torch.Tensor, locs: torch.Tensor):
-    return (
-        rows, locs, host, c.rows[0], c.host_to_device[0], c.device_to_host[0], c.priority[0],
-        c.clock[0:1], c.free_stack[0], c.free_count[0:1],
-    )  # fmt: skip
+    return c, 0, locs, rows, host, c.rows[0]
 
 
 def _rows(n: int, dtype: torch.dtype, width: int) -> torch.Tensor:

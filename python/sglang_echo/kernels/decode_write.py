@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_echo.kernels.cache_layout import ABSENT, FREE
+from sglang_echo.kernels.cache_layout import ABSENT, FREE, CacheState
 
 WRITE_LANES = 16  # rows per step of the one program's loop
 WRITE_WARPS = 4
@@ -100,57 +100,53 @@ def _check(rows, locs, host_rows, dev_rows) -> None:
 
 
 def decode_write_kernel(
-    rows: torch.Tensor,
+    cache: CacheState,
+    layer: int,
     locs: torch.Tensor,
+    rows: torch.Tensor,
     host_rows: torch.Tensor,
     dev_rows: torch.Tensor,
-    host_to_device: torch.Tensor,
-    device_to_host: torch.Tensor,
-    priority: torch.Tensor,
-    clock: torch.Tensor,
-    free_stack: torch.Tensor,
-    free_count: torch.Tensor,
 ) -> None:
-    """The module's write for one layer: ``rows`` [n, W] (the pools' dtype) of host ids
-    ``locs`` [n] into ``host_rows`` (on CUDA the pinned pool's device alias) and, where
-    placed, ``dev_rows``; the layer's maps, its 1-element ``clock`` and ``free_count``.
-    One program; fixed shapes, no host synchronisation (CUDA-graph safe)."""
+    """The module's write for one layer of ``cache``: ``rows`` [n, W] (the pools' dtype)
+    of host ids ``locs`` [n] into ``host_rows`` (on CUDA the pinned pool's device alias)
+    and, where placed, ``dev_rows`` (the layer's device rows); the layer's maps, clock and
+    free stack. One program; fixed shapes, no host synchronisation (CUDA-graph safe)."""
     _check(rows, locs, host_rows, dev_rows)
     n = locs.numel()
     if n == 0:
         return
+    c = cache
     src, host, dev = _as_words(rows.contiguous()), _as_words(host_rows), _as_words(dev_rows)
     words = src.shape[1]
     _decode_write_kernel[(1,)](
-        src, locs.contiguous(), n, host, dev, host_to_device, device_to_host, priority, clock,
-        free_stack, free_count, src.stride(0), host.stride(0), dev.stride(0),
+        src, locs.contiguous(), n, host, dev, c.host_to_device[layer], c.device_to_host[layer],
+        c.priority[layer], c.clock[layer : layer + 1], c.free_stack[layer],
+        c.free_count[layer : layer + 1], src.stride(0), host.stride(0), dev.stride(0),
         WORDS=words, WORD_BLOCK=min(128, triton.next_power_of_2(words)), LANES=WRITE_LANES,
         num_warps=WRITE_WARPS,
     )  # fmt: skip
 
 
 def decode_write_reference(
-    rows: torch.Tensor,
+    cache: CacheState,
+    layer: int,
     locs: torch.Tensor,
+    rows: torch.Tensor,
     host_rows: torch.Tensor,
     dev_rows: torch.Tensor,
-    host_to_device: torch.Tensor,
-    device_to_host: torch.Tensor,
-    priority: torch.Tensor,
-    clock: torch.Tensor,
-    free_stack: torch.Tensor,
-    free_count: torch.Tensor,
 ) -> None:
     """Plain torch (fixed shapes, no host synchronisation) of :func:`decode_write_kernel`.
     ``host_rows`` may live on the CPU while the rest is on a device (the CPU path's pool);
-    the last entries of ``host_to_device`` and ``device_to_host`` are the cache's scratch
-    entries (offload/device_cache.py), left at their resting values."""
+    the cache's scratch entries are left at their resting values."""
     _check(rows, locs, host_rows, dev_rows)
     if locs.numel() == 0:
         return
     host_rows.index_copy_(0, locs.to(host_rows.device), rows.to(host_rows.device))
-    scratch_host = host_to_device.shape[0] - 1
-    scratch_slot = device_to_host.shape[0] - 1
+    c = cache
+    scratch_host, scratch_slot = c.scratch_host, c.scratch_slot
+    host_to_device, device_to_host = c.host_to_device[layer], c.device_to_host[layer]
+    priority, free_stack = c.priority[layer], c.free_stack[layer]
+    clock, free_count = c.clock[layer : layer + 1], c.free_count[layer : layer + 1]
     loc = locs.to(torch.int64)
     token = loc > 0
     key = torch.where(token, loc, torch.full_like(loc, scratch_host))

@@ -114,7 +114,7 @@ def _resolve_distinct(
     return buffer, row_of[flat].view(selected.shape)
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device
 
 
 class ResolvedBeside:
@@ -142,12 +142,12 @@ def resolve_beside(
     same kernels run in the same order on each stream, so the bits do not change."""
     if not (is_decode and selected.is_cuda and getattr(kv_cache, "resolve_beside", False)):
         return None
-    main = torch.cuda.current_stream(selected.device)
-    index = selected.device.index if selected.device.index is not None else 0
-    side = _SIDE_STREAMS.get(index)
+    side = _SIDE_STREAMS.get(selected.device)
     if side is None:
-        side = _SIDE_STREAMS[index] = torch.cuda.Stream(device=selected.device)
-    side.wait_stream(main)  # fork: the selection and the step's writes first
+        side = _SIDE_STREAMS[selected.device] = torch.cuda.Stream(device=selected.device)
+    side.wait_stream(
+        torch.cuda.current_stream(selected.device)
+    )  # fork: the selection and the step's writes first
     with torch.cuda.stream(side):
         buffer, rows = kv_cache.resolve(layer_id, selected)
     return ResolvedBeside(buffer, rows, side)

@@ -107,13 +107,11 @@ class EchoManager:
         step's resolve finds them resident instead of recalling them. Distinct ids."""
         self._join(layer)
         c = self.cache
-        args = (
-            rows.reshape(locs.numel(), -1).to(c.rows.dtype), locs.reshape(-1).to(torch.int64),
-            self.host_view[layer] if self.host_view is not None else self.host.rows[layer],
-            c.rows[layer], c.host_to_device[layer], c.device_to_host[layer], c.priority[layer],
-            c.clock[layer : layer + 1], c.free_stack[layer], c.free_count[layer : layer + 1],
-        )  # fmt: skip
-        (decode_write_kernel if self.use_kernels else decode_write_reference)(*args)
+        write = decode_write_kernel if self.use_kernels else decode_write_reference
+        host = self.host_view if self.host_view is not None else self.host.rows
+        ids = locs.reshape(-1).to(torch.int64)
+        rows = rows.reshape(ids.numel(), -1).to(c.rows.dtype)
+        write(c, layer, ids, rows, host[layer], c.rows[layer])
 
     def _read_host(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         if self.host_view is not None:

@@ -222,13 +222,11 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         # step (one_release_per_step), or at once outside a step's result processing.
         self._finished_host_rows: list[torch.Tensor] = []
         self._step_depth = 0
-        # Retraction (sglang_echo/sglang/retraction.py): requests admitted directly (PD),
-        # whose KV is all in the host pool; how many of each one's tokens the host pool
-        # holds; host-id rows a retraction kept that no backup has claimed yet.
-        self._admitted_direct: set[int] = set()
+        # Retraction (sglang_echo/sglang/retraction.py): for each request admitted
+        # directly (PD: its KV is all in the host pool), how many of its tokens the host
+        # pool holds; host-id rows a retraction kept that no backup has claimed yet.
         self._host_len: dict[int, int] = {}
         self._unclaimed: dict[int, KeptHostIds] = {}
-        self._retraction_depth = 0
         install_step_release()
         install_retraction()
         self._patch_decode_capacity()
@@ -442,7 +440,6 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         req.hisparse_staging = False
         idx = req.kv.req_pool_idx
         self._skip_first_backup[idx] = True
-        self._admitted_direct.add(idx)
         self._host_len[idx] = self.host_token_len(req.kv.kv_allocated_len)
 
     # ------------------------------------------------------------ decode step
@@ -621,7 +618,6 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         self.req_to_host_pool[idx, :] = -1
         self.req_to_host_pool_allocated_len[idx] = 0
         self._skip_first_backup[idx] = False
-        self._admitted_direct.discard(idx)
         self._host_len.pop(idx, None)
 
     # ------------------------------------------------------------- retraction
@@ -630,14 +626,12 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         """sglang's release_req (retraction.py): inside it, a PD request's retraction
         keeps its host ids for sglang's backup to claim; the ones not claimed are released
         when the outermost scope closes."""
-        self._retraction_depth += 1
         retraction.SCOPES.append(self)
         try:
             yield
         finally:
             retraction.SCOPES.remove(self)
-            self._retraction_depth -= 1
-            if self._retraction_depth == 0:
+            if self not in retraction.SCOPES:
                 unclaimed, self._unclaimed = list(self._unclaimed.values()), {}
                 for kept in unclaimed:
                     self.discard_kept(kept)
@@ -646,9 +640,9 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         """A retraction inside sglang's release_req of a request admitted directly (PD
         decode: its KV is in the host pool) keeps its host ids; any other retraction
         releases like a finish (HiSparse's behaviour)."""
-        idx = req.kv.req_pool_idx
-        keeps = retraction.ENABLED and self._retraction_depth > 0
-        if not keeps or idx not in self._admitted_direct or getattr(req, "hisparse_staging", False):
+        direct = req.kv.req_pool_idx in self._host_len
+        keeps = retraction.ENABLED and self in retraction.SCOPES and direct
+        if not keeps or getattr(req, "hisparse_staging", False):
             super().retract_req(req)
             return
         self._unclaimed[id(req)] = self._keep_host_ids(req)
@@ -689,9 +683,7 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
                     f"{held} of its {tokens} tokens and its newest row cannot supply the "
                     "rest; the coordinator's bookkeeping is wrong"
                 )
-            if self.decode_producer_stream is not None:
-                hisparse.device_module.current_stream().wait_stream(self.decode_producer_stream)
-            self._backup_newest_rows(
+            self._backup_newest_rows(  # on the backup stream, after the in-flight forward
                 self.newest_row[idx : idx + 1].clone(), self._host_slot(idx, tokens - 1)
             )
             self._finish_backup_on_host()
