@@ -6,21 +6,29 @@ One layer's decode indexer + cache step, through the production code: the model'
 cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
 
 - unfused: logits -> top-k -> resolve (look up, evict, allocate, recall the misses);
-- fused (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1): logits + flags (misses scoring above
-  the request's predicted threshold, kernels/decode_prefetch.py) -> EchoManager.prefetch
-  maps them and copies their rows on a side stream while the top-k runs -> the predictor
-  learns the k-th scores -> resolve recalls only what is still missing.
+- staged (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1, the default design): the logits in
+  chunks of key positions; after each, a side stream stages the chunk's misses scoring
+  above the request's predicted threshold into a staging buffer (kernels/decode_stage.py,
+  bounded grid) while the next chunks and the top-k run -> resolve, whose recall takes
+  staged rows device to device;
+- fused (the earlier, allocating design, for the A/B): logits + flags
+  (kernels/decode_prefetch.py) -> EchoManager.prefetch maps them and copies their rows on
+  a side stream while the top-k runs -> resolve recalls only what is still missing.
+
+``speedup`` = unfused / staged. Figure 18's own definition (ECHO), top-k and cache
+management left out: (logits; recall of every miss) against (staged logits; the recall
+with the staging), ``fig18_speedup``.
 
 Thresholds come from two earlier steps (queries perturbed by ``--query-noise``) through
 the DecodeThresholdPredictor (EMA, alpha 0.5). Residency: a fraction ``hit`` of the
 step's exact selections is resident (90% of them last used one step ago, as consecutive
 decode steps select mostly the same tokens), the rest of the (full) cache holds
-unselected tokens aged 1..300 steps, so every allocation evicts. Before timing, each case checks that both
-variants select the same tokens and attention would read the same bytes (= host rows),
-eagerly and from CUDA-graph replay. Times: CUDA events, warm-up, medians, cache state
-restored before every run (untimed). ``speedup`` = unfused / fused device time (graph
-replay); eager launches alongside. ``slowdown_at_hit_1.0`` = fused / unfused with
-nothing selected to fetch.
+unselected tokens aged 1..300 steps, so every allocation evicts. Before timing, each
+case checks that all variants select the same tokens and attention would read the same
+bytes (= host rows), eagerly and from CUDA-graph replay. Times: CUDA events, warm-up,
+medians of graph replays in interleaved rounds (the range of the rounds recorded), cache
+state restored before every run (untimed); eager launches alongside.
+``slowdown_at_hit_1.0`` = staged / unfused with nothing selected to fetch.
 
     PYTHONPATH=python python benchmark/kernels/decode_prefetch_bench.py --out benchmark/results
     python benchmark/kernels/decode_prefetch_bench.py --device cpu --smoke --out /tmp/dp  # CPU
@@ -51,10 +59,15 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--hit-rates", default="0.5,0.9,0.97,1.0")
+    p.add_argument("--hit-rates", default="0.5,0.8,0.9,0.97,0.98,1.0")
     p.add_argument("--dev-slots", type=int, default=260_000, help="N_G")
     p.add_argument("--row-bytes", type=int, default=656)
-    p.add_argument("--cap", type=int, default=None, help="candidates per request (default: ours)")
+    p.add_argument(
+        "--cap", type=int, default=None, help="allocating design: candidates per request"
+    )
+    p.add_argument("--stage-cap", type=int, default=None, help="staged rows per request")
+    p.add_argument("--stage-chunks", type=int, default=None, help="logits chunks (staged)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved graph-timing rounds")
     p.add_argument("--query-noise", type=float, default=0.3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
@@ -78,7 +91,7 @@ from common import graph_us, pyplot, save_record, time_us  # noqa: E402
 
 from sglang_echo.kernels.cache_layout import ABSENT  # noqa: E402
 from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch  # noqa: E402
-from sglang_echo.kernels.indexer import fp8_index_logits  # noqa: E402
+from sglang_echo.kernels.indexer import fp8_index_logits, program_span  # noqa: E402
 from sglang_echo.kernels.recall import recall_rows  # noqa: E402
 from sglang_echo.model import indexer as indexer_module  # noqa: E402
 from sglang_echo.model.config import fp8_row_bytes  # noqa: E402
@@ -92,6 +105,8 @@ from sglang_echo.model.indexer import (  # noqa: E402
 )
 from sglang_echo.offload.decode_prefetcher import (  # noqa: E402
     DEFAULT_DECODE_PREFETCH_CAP,
+    DEFAULT_STAGE_CAP,
+    DEFAULT_STAGE_CHUNKS,
     DecodePrefetcher,
 )
 from sglang_echo.offload.device_cache import DeviceCache  # noqa: E402
@@ -155,9 +170,15 @@ class Bench:
         self.cache = DeviceCache(1, args.dev_slots, n_h, args.row_bytes, torch.uint8, dev)
         self.manager = EchoManager(self.host, self.cache, use_kernels=True)
         self.prefetcher = DecodePrefetcher(
-            self.manager, max_rows=B, cap=args.cap or DEFAULT_DECODE_PREFETCH_CAP
+            self.manager, max_rows=B, cap=args.cap or DEFAULT_DECODE_PREFETCH_CAP, staged=False
         )
         self.cap = self.prefetcher.cap_for(args.topk)  # candidates per request
+        self.stager = DecodePrefetcher(
+            self.manager,
+            max_rows=B,
+            cap=args.stage_cap or min(DEFAULT_STAGE_CAP, args.topk),
+            chunks=args.stage_chunks or DEFAULT_STAGE_CHUNKS,
+        )
         self._learn_thresholds()
 
     def _fill_host(self, g: torch.Generator) -> None:
@@ -178,7 +199,8 @@ class Bench:
         qpos = self.batch.positions.view(-1, 1)
         for q in self.q_prev:
             _, kth = select_topk(self.logits(q).unsqueeze(1), qpos, self.args.topk, True)
-            self.prefetcher.observe(0, kth.squeeze(1), self.rows_of)
+            for prefetcher in (self.prefetcher, self.stager):
+                prefetcher.observe(0, kth.squeeze(1), self.rows_of)
         p = self.prefetcher.predictors[0]
         self.theta0, self.finite0 = p.theta.clone(), p.finite.clone()
 
@@ -229,9 +251,10 @@ class Bench:
             getattr(self.cache, name).copy_(self.saved[name])
         if rows:
             self.cache.rows.copy_(self.saved_rows)
-        p = self.prefetcher.predictors[0]
-        p.theta.copy_(self.theta0)
-        p.finite.copy_(self.finite0)
+        for prefetcher in (self.prefetcher, self.stager):
+            p = prefetcher.predictors[0]
+            p.theta.copy_(self.theta0)
+            p.finite.copy_(self.finite0)
 
     # ------------------------------------------------------------------- variants
     def unfused(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,6 +264,37 @@ class Bench:
     def fused(self) -> tuple[torch.Tensor, torch.Tensor]:
         sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.prefetcher, 0)
         return sel, self.manager.resolve(0, sel)
+
+    def staged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.stager, 0)
+        return sel, self.manager.resolve(0, sel)
+
+    # Figure 18's definition: the indexer's logits and the recall of every miss, top-k and
+    # cache management left out. The miss list and its slots are fixed (distinct slots).
+    def fig18_plain(self) -> None:
+        self.logits(self.q)
+        recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses)
+
+    def fig18_staged(self) -> None:
+        keys, scales = unpack_fp8_rows(self.key_rows, self.args.dim)
+        lens = (self.batch.positions + 1).to(torch.int32)
+        theta = self.stager.theta(0, self.rows_of)
+        scores = torch.empty(self.locs.shape, dtype=torch.float32, device=self.dev)
+        bounds = self.stager.chunk_bounds(self.locs.shape[1], program_span())
+        for i, (start, end) in enumerate(bounds):
+            fp8_index_logits(
+                self.q, self.w, keys, scales, self.locs, lens, out=scores, start=start, end=end
+            )
+            last = i == len(bounds) - 1
+            self.stager.stage(0, i, scores, self.locs, lens, theta, start, end, last)
+        staged, copied = self.manager._staged.pop(0)
+        self.manager._stage_inputs.pop(0, None)
+        if copied is not None:
+            torch.cuda.current_stream().wait_event(copied)
+        recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses, staged=staged)
+
+    def host_rows(self) -> torch.Tensor:
+        return self.host.device_view[0] if self.cuda else self.host.rows[0]
 
     def counters(self) -> dict:
         c, m = self.cache, self.manager
@@ -318,20 +372,35 @@ def capture(bench: Bench, fn, stream) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def graph_times(bench: Bench, row: dict, sel_u, want, stream, w: int, r: int) -> bool:
-    """Device time: both variants replayed from CUDA graphs (the side stream forks and
-    joins inside). Returns whether each replay left the right rows."""
+GRAPHED = ("unfused", "fused", "staged", "fig18_plain", "fig18_staged")
+
+
+def graph_times(bench: Bench, row: dict, sel_u, want, stream, args) -> bool:
+    """Device time: every variant replayed from its CUDA graph (the side streams fork and
+    join inside), in ``args.rounds`` interleaved rounds; each round's figure is a median
+    of ``args.reps`` replays, the record keeps the median round and the range. Returns
+    whether each step replay left the right rows."""
     ok = True
-    for name, fn in (("unfused", bench.unfused), ("fused", bench.fused)):
-        graph = capture(bench, fn, stream)
+    graphs = {}
+    for name in GRAPHED:
+        fn = getattr(bench, name)
+        graphs[name] = capture(bench, fn, stream)
+        if name.startswith("fig18"):
+            continue
         bench.restore(rows=True)
-        graph.replay()
+        graphs[name].replay()
         torch.cuda.synchronize()
         sel = sel_u.to(bench.dev)
         slots = bench.cache.host_to_device[0][sel.clamp(min=0)].long()
         ok = ok and torch.equal(bench.cache.rows[0][slots].cpu(), want)
-        row[f"{name}_graph_ms"] = time_ms(bench, graph.replay, w, r)
-        del graph
+    rounds = {name: [] for name in GRAPHED}
+    for _ in range(args.rounds):
+        for name in GRAPHED:
+            rounds[name].append(time_ms(bench, graphs[name].replay, args.warmup, args.reps))
+    for name, times in rounds.items():
+        row[f"{name}_graph_ms"] = statistics.median(times)
+        row[f"{name}_graph_ms_range"] = [min(times), max(times)]
+    graphs.clear()
     return ok
 
 
@@ -340,8 +409,10 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     # Correct first: same selections, and the rows attention reads are the host rows.
     sel_u, rows_u, cnt_u = bench.run_checked(bench.unfused)
     sel_f, rows_f, cnt_f = bench.run_checked(bench.fused)
+    sel_s, rows_s, cnt_s = bench.run_checked(bench.staged)
     want = bench.expected_rows(sel_u)
-    ok = torch.equal(sel_u, sel_f) and torch.equal(rows_u, want) and torch.equal(rows_f, want)
+    ok = torch.equal(sel_u, sel_f) and torch.equal(sel_u, sel_s)
+    ok = ok and all(torch.equal(r, want) for r in (rows_u, rows_f, rows_s))
     row.update(
         hit_rate_measured=cnt_u["hits"] / max(1, cnt_u["hits"] + cnt_u["misses"]),
         recall_rows=cnt_u["misses"],
@@ -350,11 +421,18 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
         wasted=cnt_f["prefetched"] - cnt_f["prefetch_hits"],
         remaining_rows=cnt_f["misses"],
         cap=bench.cap,
+        staged_rows=cnt_s["prefetched"],
+        staged_used=cnt_s["prefetch_hits"],
+        staged_remaining=cnt_s["misses"] - cnt_s["prefetch_hits"],
+        stage_cap=bench.stager.cap,
+        stage_chunks=bench.stager.chunks,
     )
     w, r = args.warmup, args.reps
     row["unfused_ms"] = time_ms(bench, bench.unfused, w, r)
     row["fused_ms"] = time_ms(bench, bench.fused, w, r)
-    row["speedup_eager"] = row["unfused_ms"] / row["fused_ms"]
+    row["staged_ms"] = time_ms(bench, bench.staged, w, r)
+    row["speedup_eager"] = row["unfused_ms"] / row["staged_ms"]
+    row["alloc_speedup_eager"] = row["unfused_ms"] / row["fused_ms"]
     # Components (stateless): logits alone, logits + flags alone, top-k alone, the
     # unfused recall alone (its miss count, into distinct slots).
     keys, scales = unpack_fp8_rows(bench.key_rows, bench.args.dim)
@@ -384,15 +462,28 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     misses = misses[bench.saved["host_to_device"][0][misses] == ABSENT]
     count = torch.tensor([misses.numel()], device=bench.dev)
     slots = torch.arange(1, misses.numel() + 1, device=bench.dev)
-    host = bench.host.device_view[0] if bench.cuda else bench.host.rows[0]
+    host = bench.host_rows()
+    bench.scratch_rows = torch.zeros(misses.numel() + 1, args.row_bytes, dtype=torch.uint8,
+                                     device=bench.dev)  # fmt: skip
+    bench.fig18_misses = (misses, slots, count)
     row["recall_ms"] = stateless_ms(
         bench, lambda: recall_rows(host, bench.cache.rows[0], misses, slots, count), w, r
     )
+    # Figure 18's staged path moves every miss's row (from the staging or the host).
+    bench.restore()
+    bench.fig18_staged()
+    bench.sync()
+    ok = ok and torch.equal(bench.scratch_rows[1:].cpu(), bench.host.rows[0][misses.cpu()])
     row["speedup"] = row["speedup_eager"]
     if args.graphs and bench.cuda:
         try:
-            ok = ok and graph_times(bench, row, sel_u, want, stream, w, r)
-            row["speedup"] = row["unfused_graph_ms"] / row["fused_graph_ms"]
+            ok = ok and graph_times(bench, row, sel_u, want, stream, args)
+            row["speedup"] = row["unfused_graph_ms"] / row["staged_graph_ms"]
+            row["alloc_speedup"] = row["unfused_graph_ms"] / row["fused_graph_ms"]
+            row["fig18_speedup"] = row["fig18_plain_graph_ms"] / row["fig18_staged_graph_ms"]
+            lo_u, hi_u = row["unfused_graph_ms_range"]
+            lo_s, hi_s = row["staged_graph_ms_range"]
+            row["speedup_range"] = [lo_u / hi_s, hi_u / lo_s]
         except RuntimeError as exc:  # keep the eager results; say why graphs are missing
             row["graph_error"] = str(exc)[:300]
             print(f"CUDA graphs failed at hit {hit}: {row['graph_error']}", flush=True)
@@ -409,17 +500,18 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
     labels = [f"hit {r['hit_rate']}" for r in rows]
     x = list(range(len(rows)))
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.bar([i - 0.2 for i in x], [r["unfused" + suffix] for r in rows], 0.4, label="unfused")
-    a.bar([i + 0.2 for i in x], [r["fused" + suffix] for r in rows], 0.4, label="fused")
+    for k, name in enumerate(("unfused", "fused", "staged")):
+        label = {"fused": "allocating prefetch", "staged": "staged prefetch"}.get(name, name)
+        a.bar([i + 0.27 * (k - 1) for i in x], [r[name + suffix] for r in rows], 0.27, label=label)
     a.set_xticks(x, labels)
     a.set_ylabel("ms, indexer + top-k + cache step" + (" (graph)" if graphs else ""))
     a.legend()
-    b.bar(x, [r["speedup"] for r in rows], label="device time" if graphs else "eager")
+    b.bar(x, [r["speedup"] for r in rows], label="whole step" if graphs else "eager")
     if graphs:
-        b.plot(x, [r["speedup_eager"] for r in rows], "rx", label="eager")
+        b.plot(x, [r["fig18_speedup"] for r in rows], "rx", label="Figure 18's definition")
     b.axhline(1.0, color="k", lw=0.8)
     b.set_xticks(x, labels)
-    b.set_ylabel("unfused / fused")
+    b.set_ylabel("unfused / staged")
     b.legend()
     fig.suptitle(f"Decode intra-query prefetch ({device})")
     fig.tight_layout()
@@ -444,10 +536,10 @@ def main() -> None:
     )
     head = (
         f"{'hit':>5} {'logits':>7} {'recall rows':>11} {'MB':>6} {'recall':>7} {'unfused':>8} "
-        f"{'fused lg':>8} {'prefet':>7} {'wasted':>6} {'remain':>6} {'fused':>8} "
-        f"{'speedup':>7} {'eager x':>7} ok"
+        f"{'fused':>8} {'staged':>7} {'used':>6} {'remain':>6} {'staged':>8} "
+        f"{'speedup':>7} {'fig18':>6} {'alloc':>6} ok"
     )
-    print("ms; unfused/fused totals are CUDA-graph replays where available")
+    print("ms; step totals are CUDA-graph replays where available (fused: allocating design)")
     print(head)
     rows = []
     for hit in (float(h) for h in args.hit_rates.split(",")):
@@ -456,9 +548,10 @@ def main() -> None:
         g = lambda k, r=r: r.get(f"{k}_graph_ms", r[f"{k}_ms"])  # noqa: E731
         print(
             f"{hit:>5} {r['logits_ms']:>7.3f} {r['recall_rows']:>11} {r['recall_MB']:>6.2f} "
-            f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {r['fused_logits_ms']:>8.3f} "
-            f"{r['prefetched']:>7} {r['wasted']:>6} {r['remaining_rows']:>6} {g('fused'):>8.3f} "
-            f"{r['speedup']:>7.3f} {r['speedup_eager']:>7.3f} {r['correct']}",
+            f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {g('fused'):>8.3f} "
+            f"{r['staged_rows']:>7} {r['staged_used']:>6} {r['staged_remaining']:>6} "
+            f"{g('staged'):>8.3f} {r['speedup']:>7.3f} {r.get('fig18_speedup', 0):>6.3f} "
+            f"{r.get('alloc_speedup', r['alloc_speedup_eager']):>6.3f} {r['correct']}",
             flush=True,
         )
     by_hit = {r["hit_rate"]: r for r in rows}
@@ -469,6 +562,13 @@ def main() -> None:
     metrics = {
         **{f"speedup_at_hit_{h}": r["speedup"] for h, r in by_hit.items() if h < 1.0},
         "slowdown_at_hit_1.0": 1 / by_hit[1.0]["speedup"] if 1.0 in by_hit else None,
+        "design": "staged (kernels/decode_stage.py); alloc_* is the allocating design",
+        "speedup_range": {f"hit_{h}": r.get("speedup_range") for h, r in by_hit.items()},
+        "fig18_speedup": {f"hit_{h}": r.get("fig18_speedup") for h, r in by_hit.items()},
+        "alloc_speedup": {f"hit_{h}": r.get("alloc_speedup") for h, r in by_hit.items()},
+        "stage_cap": bench.stager.cap,
+        "stage_chunks": bench.stager.chunks,
+        "rounds": args.rounds,
         "speedup_basis": "CUDA-graph replay (device time)" if graphs else "eager launches",
         "speedup_eager": {f"hit_{h}": r["speedup_eager"] for h, r in by_hit.items()},
         "all_correct": all(r["correct"] for r in rows),

@@ -72,6 +72,7 @@ def _fp8_index_logits_kernel(
     k_scale_stride,
     locs_stride,
     out_stride,
+    first_program,
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -86,7 +87,7 @@ def _fp8_index_logits_kernel(
     q = tl.load(q_ptr + b * H * D + h[:, None] * D + d[None, :])
     w = tl.load(w_ptr + b * H + h)
     seq_len = tl.load(lens_ptr + b)
-    first = tl.program_id(1) * BLOCKS * BLOCK_N
+    first = (first_program + tl.program_id(1)) * BLOCKS * BLOCK_N
     for i in range(BLOCKS):
         n = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
         logits, _loc, _live = _fp8_logits_block(
@@ -94,6 +95,14 @@ def _fp8_index_logits_kernel(
             locs_stride, D=D, PRECISE_ACC=PRECISE_ACC, KEYS_AS_M=KEYS_AS_M,
         )  # fmt: skip
         tl.store(out_ptr + b * out_stride + n, logits, mask=n < length)
+
+
+def program_span(
+    block_n: int = DEFAULT_BLOCK_N, blocks_per_program: int = DEFAULT_BLOCKS_PER_PROGRAM
+) -> int:
+    """Key positions one program of :func:`fp8_index_logits` scores: ranges of positions
+    start at multiples of it."""
+    return block_n * blocks_per_program
 
 
 def _check(q, weights, keys, key_scales, locs, seq_lens) -> None:
@@ -122,19 +131,34 @@ def fp8_index_logits(
     blocks_per_program: int = DEFAULT_BLOCKS_PER_PROGRAM,
     keys_as_m: bool = True,
     precise_acc: int = 32,
+    out: torch.Tensor | None = None,
+    start: int = 0,
+    end: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] e4m3, weights [B, H] fp32, keys [N, D] e4m3, key_scales [N] fp32,
     locs [B, L] key rows per position, seq_lens [B] -> logits [B, L] fp32.
 
     ``keys`` and ``key_scales`` may be strided views into packed [N, D + 4] byte rows
-    (unit stride along D)."""
+    (unit stride along D). ``out`` [B, L] float32, ``start``/``end``: score only positions
+    [start, end) into ``out`` (the decode prefetch's chunks, kernels/decode_stage.py);
+    ``start`` a multiple of ``program_span(...)``. Every key block is computed by the same
+    code whatever the range, so chunked logits equal whole ones bit for bit."""
     if keys.stride(1) != 1:
         raise ValueError("keys need unit stride along D")
     _check(q, weights, keys, key_scales, locs, seq_lens)
     batch, heads, dim = q.shape
     length = locs.shape[1]
-    out = torch.empty(batch, length, dtype=torch.float32, device=q.device)
-    grid = (batch, triton.cdiv(length, block_n * blocks_per_program))
+    span = program_span(block_n, blocks_per_program)
+    end = length if end is None else min(end, length)
+    if start % span or start < 0 or (end < length and end % span):
+        raise ValueError(f"start and end (short of L) must be multiples of {span} positions")
+    if out is None:
+        out = torch.empty(batch, length, dtype=torch.float32, device=q.device)
+    elif out.shape != (batch, length) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be [B, L] = [{batch}, {length}] float32, unit stride")
+    if end <= start or batch == 0:
+        return out
+    grid = (batch, triton.cdiv(end - start, span))
     _fp8_index_logits_kernel[grid](
         q.contiguous(),
         weights.contiguous().float(),
@@ -148,6 +172,7 @@ def fp8_index_logits(
         key_scales.stride(0),
         locs.stride(0),
         out.stride(0),
+        start // span,
         H=heads,
         D=dim,
         BLOCK_N=block_n,

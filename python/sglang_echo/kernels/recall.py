@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_echo.kernels.decode_stage import StagedRows, staged_entries
 from sglang_echo.kernels.device_info import sm_count
 from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 
@@ -69,15 +70,28 @@ def _recall_flat_kernel(
     count_ptr,
     host_stride,
     dev_stride,
+    stage_ptr,
+    stage_map_ptr,
+    stage_ids_ptr,
+    stage_counts_ptr,
+    stage_hits_ptr,
+    stage_stride,
+    stage_cap,
+    stage_entries,
     ROW_BYTES: tl.constexpr,
     VEC: tl.constexpr,
     CHUNKS: tl.constexpr,
     PDL: tl.constexpr,
+    STAGED: tl.constexpr,
 ):
     """Same copy, over the flat (row, VEC-byte chunk) space: no masked-off lanes for rows
     that are not a power of two wide (656 B = 41 x 16 B). A grid-stride loop up to the
     count: the grid is a few programs per SM whatever the worst case, so a step with few
-    misses does not pay for launching one program per chunk of the worst case."""
+    misses does not pay for launching one program per chunk of the worst case.
+
+    ``STAGED``: a miss whose row the decode prefetch staged this layer-step
+    (kernels/decode_stage.py, validity rule in ``staged_entries``) is copied from the
+    staging buffer instead of the host, and counted in ``stage_hits``."""
     pdl_prologue(PDL)
     per_row: tl.constexpr = ROW_BYTES // VEC
     total = tl.load(count_ptr).to(tl.int64) * per_row
@@ -90,9 +104,22 @@ def _recall_flat_kernel(
         live = chunk < total
         ids = tl.load(ids_ptr + lane, mask=live, other=0).to(tl.int64)
         slots = tl.load(slots_ptr + lane, mask=live, other=0).to(tl.int64)
-        src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
         dst = dev_ptr + (slots * dev_stride + col)[:, None] + v[None, :]
-        tl.store(dst, tl.load(src, mask=live[:, None]), mask=live[:, None])
+        src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
+        if STAGED:
+            entry = tl.load(stage_map_ptr + ids, mask=live, other=0).to(tl.int64)
+            entry = tl.minimum(tl.maximum(entry, 0), stage_entries - 1)
+            count = tl.load(stage_counts_ptr + entry // stage_cap, mask=live, other=0)
+            owner = tl.load(stage_ids_ptr + entry, mask=live, other=-1)
+            staged = live & (owner == ids) & (entry % stage_cap < tl.minimum(count, stage_cap))
+            near = stage_ptr + (entry * stage_stride + col)[:, None] + v[None, :]
+            from_stage = tl.load(near, mask=staged[:, None])
+            from_host = tl.load(src, mask=(live & ~staged)[:, None])
+            values = tl.where(staged[:, None], from_stage, from_host)
+            tl.atomic_add(stage_hits_ptr, tl.sum((staged & (col == 0)).to(tl.int64), 0))
+        else:
+            values = tl.load(src, mask=live[:, None])
+        tl.store(dst, values, mask=live[:, None])
         base += tl.num_programs(0) * CHUNKS
 
 
@@ -123,8 +150,13 @@ def recall_rows(
     num_warps: int = DEFAULT_NUM_WARPS,
     flat_chunks: int = DEFAULT_FLAT_CHUNKS,
     pdl: bool = True,
+    staged: StagedRows | None = None,
 ) -> None:
     """dev_rows[miss_slots[i]] = host_rows[miss_ids[i]] for i < miss_count (a 1-element tensor).
+
+    ``staged``: the decode prefetch's staging of this layer-step (kernels/decode_stage.py):
+    misses staged there are copied device to device and counted in ``staged.hits``
+    (the flat kernel only).
 
     ``host_rows`` must be addressable by the kernel's device: a CUDA alias of pinned memory
     on GPU (see offload.host_pool), any tensor under TRITON_INTERPRET=1. ``pdl``: chain the
@@ -141,12 +173,26 @@ def recall_rows(
     chained = use_pdl(dev_b.device, pdl)
     launch = dict(PDL=chained, launch_pdl=chained, num_warps=num_warps)
     args = (host_b, dev_b, miss_ids, miss_slots, miss_count, host_b.stride(0), dev_b.stride(0))
-    if flat_chunks:
+    if flat_chunks or staged is not None:
         vec = 16
         while row_bytes % vec:
             vec //= 2
-        grid = (flat_programs(dev_b.device, lanes * (row_bytes // vec), flat_chunks),)
-        _recall_flat_kernel[grid](*args, ROW_BYTES=row_bytes, VEC=vec, CHUNKS=flat_chunks, **launch)
+        if staged is None:
+            stage = (dev_b, miss_ids, miss_ids, miss_ids, miss_count, 0, 1, 1)  # unread
+        else:
+            stage_b = _as_bytes(staged.rows)
+            if stage_b.shape[1] != row_bytes:
+                raise ValueError("staging rows must be as wide as the cache rows")
+            stage = (
+                stage_b, staged.stage_map, staged.ids, staged.counts, staged.hits,
+                stage_b.stride(0), staged.cap, staged.ids.numel(),
+            )  # fmt: skip
+        chunks = flat_chunks or DEFAULT_FLAT_CHUNKS
+        grid = (flat_programs(dev_b.device, lanes * (row_bytes // vec), chunks),)
+        _recall_flat_kernel[grid](
+            *args, *stage, ROW_BYTES=row_bytes, VEC=vec, CHUNKS=chunks,
+            STAGED=staged is not None, **launch,
+        )  # fmt: skip
     else:
         grid = (triton.cdiv(lanes, rows_per_program),)
         _recall_kernel[grid](
@@ -164,8 +210,16 @@ def recall_rows_reference(
     miss_ids: torch.Tensor,
     miss_slots: torch.Tensor,
     miss_count: torch.Tensor,
+    staged: StagedRows | None = None,
 ) -> None:
     """Plain torch: the semantics the kernel must reproduce (reads the count on the host)."""
     n = int(miss_count.item())
     ids = miss_ids[:n].long()
-    dev_rows[miss_slots[:n].long()] = host_rows[ids.to(host_rows.device)].to(dev_rows.device)
+    slots = miss_slots[:n].long()
+    dev_rows[slots] = host_rows[ids.to(host_rows.device)].to(dev_rows.device)
+    if staged is None:
+        return
+    entry = staged_entries(ids, staged.stage_map, staged.ids, staged.counts, staged.cap)
+    hit = entry >= 0
+    dev_rows[slots[hit]] = staged.rows[entry[hit]].to(dev_rows.device)
+    staged.hits.add_(hit.sum())

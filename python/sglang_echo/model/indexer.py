@@ -232,12 +232,25 @@ class LightningIndexer(nn.Module):
             theta = prefetch.theta(layer, batch.request_rows)
             h2d = prefetch.host_to_device(layer)
             cap = prefetch.cap_for(self.topk)
+        staged = prefetch is not None and prefetch.staged
         if self.mode == "fp8_hadamard" and use_kernels(q):
-            from sglang_echo.kernels.indexer import fp8_index_logits
+            from sglang_echo.kernels.indexer import fp8_index_logits, program_span
 
             keys, scales = unpack_fp8_rows(all_keys, self.head_dim)
             lens32 = lens.to(torch.int32)
-            if prefetch is not None:
+            if staged:
+                # Chunks of key positions: each chunk's misses start moving (side stream)
+                # while the next chunks and the top-k are computed.
+                scores = torch.empty(ctx.shape[0], ctx.shape[1], dtype=torch.float32,
+                                     device=q.device)  # fmt: skip
+                bounds = prefetch.chunk_bounds(ctx.shape[1], program_span())
+                for i, (start, end) in enumerate(bounds):
+                    fp8_index_logits(
+                        q, weights, keys, scales, ctx, lens32, out=scores, start=start, end=end
+                    )
+                    last = i == len(bounds) - 1
+                    prefetch.stage(layer, i, scores, ctx, lens32, theta, start, end, last)
+            elif prefetch is not None:
                 from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch
 
                 scores, cand = fp8_index_logits_prefetch(
@@ -247,11 +260,14 @@ class LightningIndexer(nn.Module):
                 scores = fp8_index_logits(q, weights, keys, scales, ctx, lens32)
         else:
             scores = self._scores(q.unsqueeze(1), weights.unsqueeze(1), all_keys[ctx]).squeeze(1)
-            if prefetch is not None:
+            if staged:
+                length = scores.shape[1]
+                prefetch.stage(layer, 0, scores.float(), ctx, lens, theta, 0, length, True)
+            elif prefetch is not None:
                 from sglang_echo.kernels.decode_prefetch import decode_prefetch_reference
 
                 cand = decode_prefetch_reference(scores, ctx, lens, theta, h2d, cap)
-        if prefetch is not None:
+        if prefetch is not None and not staged:
             # Rows start moving (a side stream on CUDA) while the exact top-k runs.
             prefetch.launch(layer, cand.ids, cand.counts)
         pos, kth = exact_topk(

@@ -2,29 +2,48 @@
 section 6).
 
 Per decode step and layer, the indexer (model/indexer.py) asks for each request's
-threshold, flags the misses that score above it while computing the logits
-(kernels/decode_prefetch.py), hands them to ``launch`` (EchoManager.prefetch: slots are
-mapped and the rows start moving on a side stream), takes the exact top-k, and reports
-each request's k-th score to ``observe``. ``resolve`` then finds the prefetched tokens
-resident and recalls only what is still missing.
+threshold and scores the keys. Two designs:
 
-Thresholds are per layer (each layer's indexer has its own score scale) and per request
-row of the request table; ``reset_rows`` clears a row when a new request takes it. All
-state has fixed shapes and every step-time call is a plain tensor op, so a decode step
-with prefetch is capturable in a CUDA graph.
+- *staged* (the default): the logits run in ``chunks`` pieces of key positions; after
+  each, ``stage`` selects the chunk's misses above the threshold and copies their rows
+  into a staging buffer on a side stream, on a bounded grid, while the next chunks and
+  the top-k run (kernels/decode_stage.py). Nothing is allocated; the resolve's recall
+  takes staged rows device to device (EchoManager.resolve).
+- *allocating* (``staged=False``, the earlier design, kept for the A/B in
+  benchmark/kernels/decode_prefetch_bench.py): the fused logits kernel flags the
+  candidates, ``launch`` maps them into cache slots and copies their rows on a side stream
+  while the top-k runs.
+
+Either way the exact top-k decides what attention reads, and each request's k-th score
+goes to ``observe``. Thresholds are per layer (each layer's indexer has its own score
+scale) and per request row of the request table; ``reset_rows`` clears a row when a new
+request takes it. All state has fixed shapes and every step-time call is a plain tensor
+op or a kernel, so a decode step with prefetch is capturable in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sglang_echo.kernels.decode_stage import (
+    StagedRows,
+    stage_copy,
+    stage_copy_reference,
+    stage_select,
+    stage_select_reference,
+)
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.predictor import DecodeThresholdPredictor
 
-# Candidates per request and layer. ECHO suggests ~64 growing with context; at top-k 2048
-# a request misses ~(1 - hit rate) x 2048 of its selections, so 512 covers hit rates
-# down to ~0.75 while bounding what a bad threshold can waste in one step.
+# Candidates per request and layer (allocating design). ECHO suggests ~64 growing with
+# context; at top-k 2048 a request misses ~(1 - hit rate) x 2048 of its selections, so
+# 512 covers hit rates down to ~0.75 while bounding what a bad threshold can waste.
 DEFAULT_DECODE_PREFETCH_CAP = 512
+# Staged design: rows per request and layer, split evenly over the chunks. Staging costs
+# no cache slots, only this buffer (chunks x rows x cap/chunks rows), so it may cover
+# hit rates down to ~0.4 at top-k 2048 (misses spread unevenly over the chunks).
+DEFAULT_STAGE_CAP = 1536
+DEFAULT_STAGE_CHUNKS = 4
 
 
 class DecodePrefetcher:
@@ -32,18 +51,120 @@ class DecodePrefetcher:
         self,
         manager: EchoManager,
         max_rows: int,
-        cap: int = DEFAULT_DECODE_PREFETCH_CAP,
+        cap: int | None = None,
         alpha: float = 0.5,
+        staged: bool = True,
+        chunks: int = DEFAULT_STAGE_CHUNKS,
     ) -> None:
+        if cap is None:
+            cap = DEFAULT_STAGE_CAP if staged else DEFAULT_DECODE_PREFETCH_CAP
         if cap < 1:
             raise ValueError(f"decode prefetch cap must be >= 1 candidate per request, got {cap}")
+        if staged and not 1 <= chunks <= cap:
+            raise ValueError(f"decode prefetch chunks must be in 1..cap ({cap}), got {chunks}")
         self.manager = manager
         self.cap = int(cap)
         self.max_rows = int(max_rows)
+        self.staged = staged
         layers = manager.cache.num_layers
         self.predictors = [
             DecodeThresholdPredictor(max_rows, manager.device, alpha) for _ in range(layers)
         ]
+        if staged:
+            self.chunks = int(chunks)
+            self.chunk_cap = self.cap // self.chunks
+            self._build_staging()
+
+    def _build_staging(self) -> None:
+        """The staging buffer and its index (shared by the layers: a layer's staging is
+        consumed by its resolve before the next layer's logits start)."""
+        m, c = self.manager, self.manager.cache
+        entries = self.chunks * self.max_rows * self.chunk_cap
+        dev = m.device
+        self.stage_rows = torch.zeros(entries, c.row_dim, dtype=c.rows.dtype, device=dev)
+        self.stage_ids = torch.full((entries,), -1, dtype=torch.int64, device=dev)
+        self.stage_counts = torch.zeros(self.chunks * self.max_rows, dtype=torch.int32, device=dev)
+        self.stage_map = torch.zeros(c.host_tokens + 2, dtype=torch.int32, device=dev)
+        self._side: torch.cuda.Stream | None = None
+        self._batch = 0
+
+    def chunk_bounds(self, length: int, span: int) -> list[tuple[int, int]]:
+        """[start, end) of each chunk of a [B, length] score table, starts aligned to the
+        logits kernel's ``span`` positions per program (fewer chunks for short tables)."""
+        per_chunk = -(-length // self.chunks)
+        per = -(-per_chunk // span) * span
+        return [(s, min(s + per, length)) for s in range(0, length, per)] or [(0, 0)]
+
+    def stage(
+        self,
+        layer: int,
+        chunk: int,
+        scores: torch.Tensor,
+        locs: torch.Tensor,
+        seq_lens: torch.Tensor,
+        theta: torch.Tensor,
+        start: int,
+        end: int,
+        last: bool,
+    ) -> None:
+        """Stage the misses above theta among positions [start, end) of ``scores`` (just
+        computed on the current stream). On CUDA with the kernels: on a side stream
+        forked here; ``last`` hands the layer's staging to the manager, whose resolve
+        waits for the copies before its recall. Elsewhere: synchronous, in torch."""
+        m = self.manager
+        batch = scores.shape[0]
+        if batch > self.max_rows:
+            raise ValueError(f"decode batch of {batch} exceeds the {self.max_rows} request rows")
+        region = chunk * self.max_rows * self.chunk_cap
+        counts = self.stage_counts[chunk * self.max_rows : (chunk + 1) * self.max_rows]
+        h2d = m.cache.host_to_device[layer]
+        args = (scores, locs, seq_lens, theta, h2d, start, end, self.stage_ids, counts,
+                self.stage_map, region, self.chunk_cap)  # fmt: skip
+        host = m.host_view if m.host_view is not None else m.host.rows
+        side = self._side_stream()
+        if side is None:
+            if chunk == 0:
+                self.stage_counts.zero_()
+            select = stage_select if m.use_kernels else stage_select_reference
+            select(*args)
+            copy = stage_copy if m.use_kernels else stage_copy_reference
+            copy(host[layer], self.stage_rows, self.stage_ids, counts, region, batch,
+                 self.chunk_cap)  # fmt: skip
+            if last:
+                m.stage_ready(layer, self._staged(layer), None)
+            return
+        side.wait_stream(torch.cuda.current_stream(m.device))  # fork: this chunk's logits
+        with torch.cuda.stream(side):
+            if chunk == 0:
+                self.stage_counts.zero_()
+            stage_select(*args)
+            stage_copy(host[layer], self.stage_rows, self.stage_ids, counts, region, batch,
+                       self.chunk_cap)  # fmt: skip
+            if last:
+                staged = self._staged(layer)
+                done = torch.cuda.Event()
+                done.record(side)
+        if last:
+            m.stage_ready(layer, staged, done)
+        # The tensors read on the side stream stay alive until the resolve joins it.
+        m.keep_alive(layer, (scores, locs, seq_lens, theta))
+
+    def _staged(self, layer: int) -> StagedRows:
+        m = self.manager
+        kept = self.stage_counts.view(self.chunks, self.max_rows).clamp(max=self.chunk_cap)
+        m.prefetched_rows[layer : layer + 1] += kept.sum()
+        return StagedRows(
+            self.stage_rows, self.stage_map, self.stage_ids, self.stage_counts,
+            self.chunk_cap, m.prefetch_hits[layer : layer + 1],
+        )  # fmt: skip
+
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        m = self.manager
+        if m.device.type != "cuda" or not m.use_kernels:
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=m.device)
+        return self._side
 
     def cap_for(self, topk: int) -> int:
         """Candidates per request: at most top-k, so a step's list (B x cap lanes) fits
@@ -58,8 +179,8 @@ class DecodePrefetcher:
         return self.manager.cache.host_to_device[layer]
 
     def launch(self, layer: int, candidate_ids: torch.Tensor, counts: torch.Tensor) -> None:
-        """Candidates [B, cap] (-1 past counts[b], as kernels/decode_prefetch.py writes
-        them, so the counts need no masking pass here)."""
+        """Allocating design: candidates [B, cap] (-1 past counts[b], as
+        kernels/decode_prefetch.py writes them, so the counts need no masking pass here)."""
         del counts
         self.manager.prefetch(layer, candidate_ids)
 

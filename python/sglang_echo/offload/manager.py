@@ -26,6 +26,7 @@ from sglang_echo.kernels.alloc import (
     allocate_reference,
 )
 from sglang_echo.kernels.decode_prefetch import count_prefetch_hits, count_prefetch_hits_reference
+from sglang_echo.kernels.decode_stage import StagedRows, staged_entries
 from sglang_echo.kernels.decode_write import decode_write_kernel, decode_write_reference
 from sglang_echo.kernels.release import release_kernel, release_reference
 from sglang_echo.offload.device_cache import DeviceCache
@@ -77,6 +78,11 @@ class EchoManager:
         self._prefetch_workspace: AllocWorkspace | None = None
         self._side_stream: torch.cuda.Stream | None = None
         self._pending: dict[int, _PendingPrefetch] = {}
+        # Staged decode prefetch (offload/decode_prefetcher.py): per layer, the staging
+        # the next resolve's recall reads, the side stream's event after its copies, and
+        # the tensors that stream reads (kept alive until then).
+        self._staged: dict[int, tuple[StagedRows, torch.cuda.Event | None]] = {}
+        self._stage_inputs: dict[int, list] = {}
         i64 = dict(dtype=torch.int64, device=self.device)
         self.prefetched_rows = torch.zeros(cache.num_layers, **i64)  # rows prefetched
         self.prefetch_hits = torch.zeros(cache.num_layers, **i64)  # ... and then selected
@@ -179,26 +185,52 @@ class EchoManager:
             # Before our copies: a slot the prefetch is still filling may have just been
             # handed to one of our misses (an unselected prefetch is evictable).
             stream.wait_event(pending.copied)
-        self._recall(layer, alloc)
+        staged, copied = self._staged.pop(layer, (None, None))
+        self._stage_inputs.pop(layer, None)
+        if copied is not None:
+            # The allocation above may run while rows are still being staged (staging
+            # touches no cache state); the recall reads the staging buffer.
+            stream.wait_event(copied)
+        self._recall(layer, alloc, staged)
         if pending is not None:
             self._count_prefetch_hits(layer, pending)
         return alloc.slots.view(locs.shape)
 
-    def _recall(self, layer: int, alloc: Allocation) -> None:
-        """Copy the rows of the served misses (the first ``miss_count`` of the list)."""
+    def _recall(self, layer: int, alloc: Allocation, staged: StagedRows | None = None) -> None:
+        """Copy the rows of the served misses (the first ``miss_count`` of the list); with
+        ``staged``, those the decode prefetch staged come from its buffer."""
         c = self.cache
         if self.use_kernels:
             from sglang_echo.kernels.recall import recall_rows  # triton only where used
 
             recall_rows(
                 self.host_view[layer], c.rows[layer], alloc.miss_ids, alloc.miss_slots,
-                alloc.miss_count, pdl=self.pdl,
+                alloc.miss_count, pdl=self.pdl, staged=staged,
             )  # fmt: skip
             return
         live = torch.arange(alloc.miss_ids.shape[0], device=self.device) < alloc.miss_count
         fetch = torch.where(live, alloc.miss_ids, c.scratch_host)
         slots = torch.where(live, alloc.miss_slots, c.scratch_slot)
-        c.rows[layer].index_copy_(0, slots, self._read_host(layer, fetch).to(c.rows.dtype))
+        rows = self._read_host(layer, fetch).to(c.rows.dtype)
+        if staged is not None:
+            entry = staged_entries(
+                torch.where(live, fetch, -1), staged.stage_map, staged.ids, staged.counts,
+                staged.cap,
+            )  # fmt: skip
+            hit = entry >= 0
+            rows = torch.where(hit[:, None], staged.rows[entry.clamp(min=0)], rows)
+            staged.hits.add_(hit.sum())
+        c.rows[layer].index_copy_(0, slots, rows)
+
+    # ------------------------------------------------------------- staged prefetch
+    def stage_ready(self, layer: int, staged: StagedRows, copied: torch.cuda.Event | None) -> None:
+        """The decode prefetch staged rows for ``layer``'s coming resolve; ``copied``: the
+        side stream's event after its copies (None: already done)."""
+        self._staged[layer] = (staged, copied)
+
+    def keep_alive(self, layer: int, tensors: tuple) -> None:
+        """Tensors a side stream reads for ``layer``'s staging: held until its resolve."""
+        self._stage_inputs.setdefault(layer, []).append(tensors)
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(
