@@ -9,18 +9,23 @@ allocation pass. Here the indexer's logits run in a few chunks of key positions 
 main stream; after each chunk a side stream
 
 1. *selects* the chunk's candidates (:func:`stage_select`): positions whose logit beats
-   the request's predicted threshold and whose token is not resident, appended to the
-   request's region of the chunk (``ids[chunk, b, :cap]``, count ``counts[chunk, b]``),
-   and marks ``stage_map[host id] = entry``; one short program per (request, tile);
-2. *copies* their rows into ``rows[entry]`` (:func:`stage_copy`) on a bounded grid, so
-   the next chunk's logits keep most of the SMs.
+   the request's predicted threshold and whose token is not resident, appended densely
+   to the chunk's region (``ids[region : region + cap]``, count ``counts[chunk]``, one
+   atomic counter for the chunk's requests), and marks ``stage_map[host id] = entry``;
+   one short program per (request, tile);
+2. *copies* their rows into ``rows[entry]`` (:func:`stage_copy`) on a bounded grid that
+   loops over the staged rows only, so the next chunk's logits keep most of the SMs and a
+   chunk with nothing staged costs a launch.
 
-An entry is valid for a host id when ``ids[entry] == id`` and the entry's lane is below
-its region's count: both written in this layer-step, so a stale ``stage_map`` value (an
-earlier layer's, or another request's) is never mistaken for a staged row, and the map
-needs no clearing. Which candidates fill a full region depends on the order of the
-atomic counter, so it is not deterministic; what attention reads is: a staged row is the
-host row's bytes, and the exact top-k and the allocation never look at the staging.
+A region holds ``cap`` rows for all the batch's requests (the prefetcher sizes it as
+request rows x rows per request); a request with a poor threshold can take more than its
+share of a chunk, never more than the region. An entry is valid for a host id when
+``ids[entry] == id`` and the entry lies below its region's count: both written in this
+layer-step, so a stale ``stage_map`` value (an earlier layer's, or another request's) is
+never mistaken for a staged row, and the map needs no clearing. Which candidates fill a
+full region depends on the order of the atomic counter, so it is not deterministic; what
+attention reads is: a staged row is the host row's bytes, and the exact top-k and the
+allocation never look at the staging.
 """
 
 from __future__ import annotations
@@ -42,17 +47,20 @@ COPY_CHUNKS = 512  # 16-byte pieces per copy program and iteration (kernels/reca
 
 
 class StagedRows(NamedTuple):
-    """One layer-step's staging as the recall reads it (entries = chunks x rows x cap).
+    """One layer-step's staging as the recall reads it (entries = chunks x cap).
 
     rows [entries, row_dim] (the cache rows' dtype); stage_map [host tokens + 2] int32
-    (host id -> entry, validated, never cleared); ids [entries] int64; counts
-    [chunks * rows] int32 (may exceed cap); hits [1] int64, += staged rows recalled."""
+    (host id -> entry, validated, never cleared); ids [entries] int64; counts [chunks]
+    int32 (may exceed limit); cap: entries per chunk (the regions' stride); limit: the
+    entries of a region this step may fill (<= cap); hits [1] int64, += staged rows
+    recalled."""
 
     rows: torch.Tensor
     stage_map: torch.Tensor
     ids: torch.Tensor
     counts: torch.Tensor
     cap: int
+    limit: int
     hits: torch.Tensor
 
 
@@ -72,32 +80,33 @@ def _select_kernel(
     flag = over & (slot == ABSENT_ID)
     flags = flag.to(tl.int32)
     n_flags = tl.sum(flags, 0)
-    base = tl.atomic_add(counts_ptr + b, n_flags)  # this tile's ranks in the region
+    base = tl.atomic_add(counts_ptr, n_flags)  # this tile's ranks in the region
     rank = base + tl.cumsum(flags, 0) - 1
     take = flag & (rank < cap)
-    entry = region + b * cap + rank
+    entry = region + rank
     tl.store(ids_ptr + entry, loc, mask=take)
     tl.store(map_ptr + loc, entry.to(tl.int32), mask=take)
 
 
 @triton.jit
 def _copy_kernel(
-    host_ptr, rows_ptr, ids_ptr, counts_ptr, region, lanes, cap, host_stride, rows_stride,
+    host_ptr, rows_ptr, ids_ptr, count_ptr, total_ptr, region, cap, host_stride, rows_stride,
     ROW_BYTES: tl.constexpr, VEC: tl.constexpr, CHUNKS: tl.constexpr,
 ):  # fmt: skip
-    """rows[region + lane] = host[ids[region + lane]] for the region's lanes below their
-    request's count; a grid-stride loop over (lane, VEC-byte piece), as the recall."""
+    """rows[region + lane] = host[ids[region + lane]] for lanes below the region's count
+    (at most cap); a grid-stride loop over (lane, VEC-byte piece), as the recall.
+    Program 0 adds the staged rows to ``total`` (telemetry, no extra launch)."""
     per_row: tl.constexpr = ROW_BYTES // VEC
-    total = lanes.to(tl.int64) * per_row
+    staged = tl.minimum(tl.load(count_ptr), cap)
+    tl.atomic_add(total_ptr, staged.to(tl.int64), mask=tl.program_id(0) == 0)
+    total = staged.to(tl.int64) * per_row
     v = tl.arange(0, VEC)
     base = tl.program_id(0).to(tl.int64) * CHUNKS
     while base < total:
         piece = base + tl.arange(0, CHUNKS)
         lane = piece // per_row
         col = (piece % per_row) * VEC
-        inside = piece < total
-        count = tl.load(counts_ptr + lane // cap, mask=inside, other=0)
-        live = inside & (lane % cap < tl.minimum(count, cap))
+        live = piece < total
         ids = tl.load(ids_ptr + region + lane, mask=live, other=0).to(tl.int64)
         src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
         dst = rows_ptr + ((region + lane) * rows_stride + col)[:, None] + v[None, :]
@@ -121,22 +130,22 @@ def stage_select(
     start: int,
     end: int,
     ids: torch.Tensor,
-    counts: torch.Tensor,
+    count: torch.Tensor,
     stage_map: torch.Tensor,
     region: int,
     cap: int,
 ) -> None:
-    """Append request b's candidates among positions [start, end) (scores [B, L] float32,
-    locs [B, >= L] host ids, seq_lens [B], theta [B] float32) to its region
-    ``ids[region + b * cap : ... + cap]`` (int64), ``counts[b]`` (int32, zeroed by the
-    caller before the chunk's first selection; it may exceed ``cap``: only the first
-    ``cap`` are kept) and mark ``stage_map[id] = entry`` (int32). One launch."""
+    """Append the candidates among positions [start, end) (scores [B, L] float32, locs
+    [B, >= L] host ids, seq_lens [B], theta [B] float32) of every request to the chunk's
+    region ``ids[region : region + cap]`` (int64), counted in ``count`` (a 1-element int32
+    tensor zeroed by the caller; it may exceed ``cap``: only ranks below ``cap`` are
+    kept), and mark ``stage_map[id] = entry`` (int32). One launch."""
     batch = scores.shape[0]
     if batch == 0 or end <= start:
         return
     grid = (batch, triton.cdiv(end - start, STAGE_TILE))
     _select_kernel[grid](
-        scores, locs, seq_lens, theta, host_to_device, ids, counts, stage_map,
+        scores, locs, seq_lens, theta, host_to_device, ids, count, stage_map,
         start, end, scores.stride(0), locs.stride(0), cap, region,
         TILE=STAGE_TILE, ABSENT_ID=ABSENT,
     )  # fmt: skip
@@ -152,21 +161,21 @@ def stage_copy(
     host_rows: torch.Tensor,
     rows: torch.Tensor,
     ids: torch.Tensor,
-    counts: torch.Tensor,
+    count: torch.Tensor,
+    total: torch.Tensor,
     region: int,
-    batch: int,
     cap: int,
     programs: int | None = None,
 ) -> None:
-    """Copy the staged rows of one region: ``rows[region + b * cap + i] =
-    host_rows[ids[...]]`` for i < min(counts[b], cap), b < batch. ``host_rows`` must be
-    addressable by the kernel (the pinned pool's CUDA alias; any tensor when
-    interpreted). A bounded grid (``programs``, default a quarter of the SMs)."""
+    """Copy the staged rows of one region: ``rows[region + i] = host_rows[ids[region +
+    i]]`` for i < min(count, cap), and add that number to ``total`` (int64 [1]).
+    ``host_rows`` must be addressable by the kernel (the pinned pool's CUDA alias; any
+    tensor when interpreted). A bounded grid (``programs``, default a quarter of the
+    SMs)."""
     host_b, rows_b = _as_bytes(host_rows), _as_bytes(rows)
     if host_b.shape[1] != rows_b.shape[1]:
         raise ValueError("host and staging rows must have the same width")
-    lanes = batch * cap
-    if lanes == 0:
+    if cap == 0:
         return
     row_bytes = host_b.shape[1]
     vec = 16
@@ -174,7 +183,7 @@ def stage_copy(
         vec //= 2
     grid = (programs or copy_programs(rows_b.device),)
     _copy_kernel[grid](
-        host_b, rows_b, ids, counts, region, lanes, cap, host_b.stride(0), rows_b.stride(0),
+        host_b, rows_b, ids, count, total, region, cap, host_b.stride(0), rows_b.stride(0),
         ROW_BYTES=row_bytes, VEC=vec, CHUNKS=COPY_CHUNKS,
     )  # fmt: skip
 
@@ -189,13 +198,13 @@ def stage_select_reference(
     start: int,
     end: int,
     ids: torch.Tensor,
-    counts: torch.Tensor,
+    count: torch.Tensor,
     stage_map: torch.Tensor,
     region: int,
     cap: int,
 ) -> None:
-    """:func:`stage_select` in torch, candidates in position order (the kernel's order
-    within a region may differ; its set may too when a region overflows)."""
+    """:func:`stage_select` in torch, candidates in (request, position) order (the
+    kernel's order within a region may differ; its set may too when a region overflows)."""
     batch = scores.shape[0]
     if batch == 0 or end <= start:
         return
@@ -203,44 +212,38 @@ def stage_select_reference(
     visible = pos[None, :] < seq_lens.to(torch.int64)[:, None]
     loc = torch.where(visible, locs[:, start:end].to(torch.int64), 0)
     over = visible & (scores[:, start:end] > theta[:, None])
-    flag = over & (host_to_device[loc] == ABSENT)
-    rank = counts[:batch, None].to(torch.int64) + torch.cumsum(flag.to(torch.int64), 1) - 1
+    flag = (over & (host_to_device[loc] == ABSENT)).reshape(-1)
+    loc = loc.reshape(-1)
+    rank = count.to(torch.int64) + torch.cumsum(flag.to(torch.int64), 0) - 1
     take = flag & (rank < cap)
-    rows = torch.arange(batch, device=scores.device)[:, None]
-    entry = region + rows * cap + rank
+    entry = region + rank
     ids[entry[take]] = loc[take]
     stage_map[loc[take]] = entry[take].to(stage_map.dtype)
-    counts[:batch] += flag.sum(1).to(counts.dtype)
+    count += flag.sum().to(count.dtype)
 
 
 def stage_copy_reference(
     host_rows: torch.Tensor,
     rows: torch.Tensor,
     ids: torch.Tensor,
-    counts: torch.Tensor,
+    count: torch.Tensor,
+    total: torch.Tensor,
     region: int,
-    batch: int,
     cap: int,
 ) -> None:
-    """:func:`stage_copy` in torch (reads the counts on the host)."""
-    for b in range(batch):
-        n = min(int(counts[b]), cap)
-        if n == 0:
-            continue
-        entries = torch.arange(region + b * cap, region + b * cap + n, device=rows.device)
-        src = ids[entries].to(host_rows.device)
-        rows[entries] = host_rows[src].to(rows.device)
+    """:func:`stage_copy` in torch (reads the count on the host)."""
+    n = min(int(count), cap)
+    total += n
+    entries = torch.arange(region, region + n, device=rows.device)
+    rows[entries] = host_rows[ids[entries].to(host_rows.device)].to(rows.device)
 
 
-def staged_entries(
-    ids: torch.Tensor, stage_map: torch.Tensor, stage_ids: torch.Tensor,
-    stage_counts: torch.Tensor, cap: int,
-) -> torch.Tensor:  # fmt: skip
+def staged_entries(ids: torch.Tensor, staged: StagedRows) -> torch.Tensor:
     """The staging entry holding each host id's row this layer-step, -1 where none: the
-    validity rule the recall kernel applies (module docstring). ``stage_counts`` is the
-    flat [chunks * rows] count array."""
-    entry = stage_map[ids.clamp(min=0)].to(torch.int64).clamp(0, stage_ids.numel() - 1)
-    lane = entry % cap
-    count = stage_counts.to(torch.int64)[entry // cap].clamp(max=cap)
+    validity rule the recall kernel applies (module docstring)."""
+    stage_ids = staged.ids
+    entry = staged.stage_map[ids.clamp(min=0)].to(torch.int64).clamp(0, stage_ids.numel() - 1)
+    lane = entry % staged.cap
+    count = staged.counts.to(torch.int64)[entry // staged.cap].clamp(max=staged.limit)
     valid = (ids >= 0) & (stage_ids[entry] == ids) & (lane < count)
     return torch.where(valid, entry, -1)

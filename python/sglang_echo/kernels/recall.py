@@ -77,6 +77,7 @@ def _recall_flat_kernel(
     stage_hits_ptr,
     stage_stride,
     stage_cap,
+    stage_limit,
     stage_entries,
     ROW_BYTES: tl.constexpr,
     VEC: tl.constexpr,
@@ -111,7 +112,7 @@ def _recall_flat_kernel(
             entry = tl.minimum(tl.maximum(entry, 0), stage_entries - 1)
             count = tl.load(stage_counts_ptr + entry // stage_cap, mask=live, other=0)
             owner = tl.load(stage_ids_ptr + entry, mask=live, other=-1)
-            staged = live & (owner == ids) & (entry % stage_cap < tl.minimum(count, stage_cap))
+            staged = live & (owner == ids) & (entry % stage_cap < tl.minimum(count, stage_limit))
             near = stage_ptr + (entry * stage_stride + col)[:, None] + v[None, :]
             from_stage = tl.load(near, mask=staged[:, None])
             from_host = tl.load(src, mask=(live & ~staged)[:, None])
@@ -178,14 +179,14 @@ def recall_rows(
         while row_bytes % vec:
             vec //= 2
         if staged is None:
-            stage = (dev_b, miss_ids, miss_ids, miss_ids, miss_count, 0, 1, 1)  # unread
+            stage = (dev_b, miss_ids, miss_ids, miss_ids, miss_count, 0, 1, 1, 1)  # unread
         else:
             stage_b = _as_bytes(staged.rows)
             if stage_b.shape[1] != row_bytes:
                 raise ValueError("staging rows must be as wide as the cache rows")
             stage = (
                 stage_b, staged.stage_map, staged.ids, staged.counts, staged.hits,
-                stage_b.stride(0), staged.cap, staged.ids.numel(),
+                stage_b.stride(0), staged.cap, staged.limit, staged.ids.numel(),
             )  # fmt: skip
         chunks = flat_chunks or DEFAULT_FLAT_CHUNKS
         grid = (flat_programs(dev_b.device, lanes * (row_bytes // vec), chunks),)
@@ -219,7 +220,7 @@ def recall_rows_reference(
     dev_rows[slots] = host_rows[ids.to(host_rows.device)].to(dev_rows.device)
     if staged is None:
         return
-    entry = staged_entries(ids, staged.stage_map, staged.ids, staged.counts, staged.cap)
+    entry = staged_entries(ids, staged)
     hit = entry >= 0
     dev_rows[slots[hit]] = staged.rows[entry[hit]].to(dev_rows.device)
     staged.hits.add_(hit.sum())

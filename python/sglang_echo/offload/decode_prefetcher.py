@@ -39,9 +39,9 @@ from sglang_echo.offload.predictor import DecodeThresholdPredictor
 # context; at top-k 2048 a request misses ~(1 - hit rate) x 2048 of its selections, so
 # 512 covers hit rates down to ~0.75 while bounding what a bad threshold can waste.
 DEFAULT_DECODE_PREFETCH_CAP = 512
-# Staged design: rows per request and layer, split evenly over the chunks. Staging costs
-# no cache slots, only this buffer (chunks x rows x cap/chunks rows), so it may cover
-# hit rates down to ~0.4 at top-k 2048 (misses spread unevenly over the chunks).
+# Staged design: rows per request and layer, split evenly over the chunks (a chunk's
+# share is pooled over the batch's requests). Staging costs no cache slots, only this
+# buffer (request rows x cap rows), so it may cover hit rates down to ~0.4 at top-k 2048.
 DEFAULT_STAGE_CAP = 1536
 DEFAULT_STAGE_CHUNKS = 4
 
@@ -83,7 +83,7 @@ class DecodePrefetcher:
         dev = m.device
         self.stage_rows = torch.zeros(entries, c.row_dim, dtype=c.rows.dtype, device=dev)
         self.stage_ids = torch.full((entries,), -1, dtype=torch.int64, device=dev)
-        self.stage_counts = torch.zeros(self.chunks * self.max_rows, dtype=torch.int32, device=dev)
+        self.stage_counts = torch.zeros(self.chunks, dtype=torch.int32, device=dev)
         self.stage_map = torch.zeros(c.host_tokens + 2, dtype=torch.int32, device=dev)
         self._side: torch.cuda.Stream | None = None
         self._batch = 0
@@ -115,12 +115,17 @@ class DecodePrefetcher:
         batch = scores.shape[0]
         if batch > self.max_rows:
             raise ValueError(f"decode batch of {batch} exceeds the {self.max_rows} request rows")
-        region = chunk * self.max_rows * self.chunk_cap
-        counts = self.stage_counts[chunk * self.max_rows : (chunk + 1) * self.max_rows]
+        # A chunk's region: its share of the buffer, of which this batch may fill
+        # ``limit`` rows (rows per request x requests), in any split between requests.
+        stride = self.max_rows * self.chunk_cap
+        region, limit = chunk * stride, batch * self.chunk_cap
+        count = self.stage_counts[chunk : chunk + 1]
         h2d = m.cache.host_to_device[layer]
-        args = (scores, locs, seq_lens, theta, h2d, start, end, self.stage_ids, counts,
-                self.stage_map, region, self.chunk_cap)  # fmt: skip
+        args = (scores, locs, seq_lens, theta, h2d, start, end, self.stage_ids, count,
+                self.stage_map, region, limit)  # fmt: skip
         host = m.host_view if m.host_view is not None else m.host.rows
+        total = m.prefetched_rows[layer : layer + 1]
+        copy_args = (host[layer], self.stage_rows, self.stage_ids, count, total, region, limit)
         side = self._side_stream()
         if side is None:
             if chunk == 0:
@@ -128,20 +133,18 @@ class DecodePrefetcher:
             select = stage_select if m.use_kernels else stage_select_reference
             select(*args)
             copy = stage_copy if m.use_kernels else stage_copy_reference
-            copy(host[layer], self.stage_rows, self.stage_ids, counts, region, batch,
-                 self.chunk_cap)  # fmt: skip
+            copy(*copy_args)
             if last:
-                m.stage_ready(layer, self._staged(layer), None)
+                m.stage_ready(layer, self._staged(layer, limit), None)
             return
         side.wait_stream(torch.cuda.current_stream(m.device))  # fork: this chunk's logits
         with torch.cuda.stream(side):
             if chunk == 0:
                 self.stage_counts.zero_()
             stage_select(*args)
-            stage_copy(host[layer], self.stage_rows, self.stage_ids, counts, region, batch,
-                       self.chunk_cap)  # fmt: skip
+            stage_copy(*copy_args)
             if last:
-                staged = self._staged(layer)
+                staged = self._staged(layer, limit)
                 done = torch.cuda.Event()
                 done.record(side)
         if last:
@@ -149,13 +152,11 @@ class DecodePrefetcher:
         # The tensors read on the side stream stay alive until the resolve joins it.
         m.keep_alive(layer, (scores, locs, seq_lens, theta))
 
-    def _staged(self, layer: int) -> StagedRows:
+    def _staged(self, layer: int, limit: int) -> StagedRows:
         m = self.manager
-        kept = self.stage_counts.view(self.chunks, self.max_rows).clamp(max=self.chunk_cap)
-        m.prefetched_rows[layer : layer + 1] += kept.sum()
         return StagedRows(
             self.stage_rows, self.stage_map, self.stage_ids, self.stage_counts,
-            self.chunk_cap, m.prefetch_hits[layer : layer + 1],
+            self.max_rows * self.chunk_cap, limit, m.prefetch_hits[layer : layer + 1],
         )  # fmt: skip
 
     def _side_stream(self) -> torch.cuda.Stream | None:

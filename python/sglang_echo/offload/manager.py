@@ -213,10 +213,7 @@ class EchoManager:
         slots = torch.where(live, alloc.miss_slots, c.scratch_slot)
         rows = self._read_host(layer, fetch).to(c.rows.dtype)
         if staged is not None:
-            entry = staged_entries(
-                torch.where(live, fetch, -1), staged.stage_map, staged.ids, staged.counts,
-                staged.cap,
-            )  # fmt: skip
+            entry = staged_entries(torch.where(live, fetch, -1), staged)
             hit = entry >= 0
             rows = torch.where(hit[:, None], staged.rows[entry.clamp(min=0)], rows)
             staged.hits.add_(hit.sum())
