@@ -214,8 +214,8 @@ def _prefetch_summary(reports: list[dict], kind: str = "decode") -> str:
 
 
 def test_lossless_with_decode_prefetch(models):
-    """SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 (torch flagging and allocation): output
-    identical to no-offload and to ECHO without prefetch, and prefetch does fire."""
+    """SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 (the staged prefetch, torch reference):
+    output identical to no-offload and to ECHO without prefetch, and prefetch does fire."""
     reports = []
     for seed in range(300, 316):
         w = make_workload(seed)
@@ -240,8 +240,9 @@ def test_lossless_with_prefill_prefetch(models):
 
 
 def test_lossless_with_decode_prefetch_kernels(models, monkeypatch):
-    """The GPU code path on the CPU: the fused fp8 logits + flag kernels and the cache
-    kernels (Triton interpreter) under the same equality, for an fp8-indexer workload."""
+    """The GPU code path on the CPU: the chunked fp8 logits, the staging kernels, the
+    staged recall and the cache kernels (Triton interpreter) under the same equality, for
+    an fp8-indexer workload."""
     monkeypatch.setattr(indexer_module, "INDEXER_KERNELS_ON_CPU", True)
     w = Workload(
         config="fp8-indexer",

@@ -73,6 +73,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--stream-priority", choices=("equal", "high"), default="equal")
     p.add_argument("--no-graphs", dest="graphs", action="store_false")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="hit rates (comma-separated) whose graph replays are profiled instead of timed: "
+        "each variant's kernels in start order, with start offsets and durations",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the bench)")
     args = p.parse_args()
     if args.device == "auto":
@@ -518,6 +524,37 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def profile(bench: Bench, hits: str, stream) -> None:
+    """One graph replay of each variant under the profiler: the kernels in start order
+    (offset from the first, duration; us). Where the staged step's extra time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for hit in (float(h) for h in hits.split(",")):
+        bench.set_residency(hit)
+        for name in GRAPHED:
+            graph = capture(bench, getattr(bench, name), stream)
+            bench.restore(rows=True)
+            graph.replay()
+            bench.restore(rows=True)
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                graph.replay()
+                torch.cuda.synchronize()
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            kernels.sort(key=lambda e: e.time_range.start)
+            if not kernels:
+                print(f"profile hit {hit} {name}: no kernels recorded")
+                continue
+            t0 = kernels[0].time_range.start
+            end = max(e.time_range.end for e in kernels)
+            print(f"profile hit {hit} {name}: {len(kernels)} kernels, span {end - t0:.1f} us")
+            for e in kernels:
+                start = e.time_range.start - t0
+                print(f"  {start:8.1f} {e.time_range.elapsed_us():7.1f}  {e.name[:90]}")
+            del graph
+
+
 def main() -> None:
     args = ARGS
     dev = torch.device(args.device)
@@ -530,6 +567,11 @@ def main() -> None:
         torch.cuda.set_stream(stream)
     bench = Bench(args, dev)
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter smoke)"
+    if args.profile:
+        if dev.type != "cuda":
+            raise SystemExit("--profile needs CUDA (graph replays)")
+        profile(bench, args.profile, stream)
+        return
     print(
         f"{device}: batch {args.batch} x {args.context} ctx, {args.heads}h x {args.dim}d fp8, "
         f"top-k {args.topk}, {args.dev_slots} slots, {args.row_bytes} B rows, cap {bench.cap}"
