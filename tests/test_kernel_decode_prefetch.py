@@ -265,6 +265,35 @@ def test_threshold_kernel_matches_the_predictor_bit_for_bit(alpha):
         assert torch.equal(ref.theta, ker.theta) and torch.equal(ref.finite, ker.finite)
 
 
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "reference"])
+def test_thresholds_from_the_topk_match_exact_topk_kth(use_kernels):
+    """observe_topk (one launch: k-th score from the top-k, then the EMA) leaves the same
+    thresholds bit for bit as exact_topk's k-th score through observe, including rows
+    that see fewer than k keys (-inf) and steps back to finite."""
+    from sglang_echo.model.indexer import exact_topk
+
+    m = EchoManager(
+        HostKVPool(1, 10, 4, torch.float32, pin=False),
+        DeviceCache(1, 8, 10, 4, torch.float32, DEV),
+        use_kernels=use_kernels,
+    )
+    ref, ker = DecodePrefetcher(m, 6, cap=8), DecodePrefetcher(m, 6, cap=8)
+    g = torch.Generator().manual_seed(5)
+    k = 8
+    for step in range(5):
+        scores = (torch.randn(4, 40, generator=g) * 3).to(DEV)
+        qpos = torch.tensor([39, 20, 5 if step % 2 else 30, 39], device=DEV)  # row 2: < k keys
+        visible = torch.arange(40, device=DEV)[None, :] <= qpos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        rows = torch.randperm(6, generator=g)[:4].to(DEV)
+        pos, kth = exact_topk(scores, qpos, k, use_kernels, True)
+        ref.observe(0, kth, rows)
+        ker.observe_topk(0, scores, pos, rows)
+        p, q = ref.predictors[0], ker.predictors[0]
+        assert torch.equal(p.theta, q.theta) and torch.equal(p.finite, q.finite)
+    assert torch.isfinite(q.theta[rows]).any() and not torch.isfinite(q.theta).all()
+
+
 def test_prefetch_hit_count_kernel_matches_reference():
     from sglang_echo.kernels.decode_prefetch import (
         count_prefetch_hits,

@@ -532,7 +532,7 @@ def profile(bench: Bench, hits: str, stream) -> None:
 
     for hit in (float(h) for h in hits.split(",")):
         bench.set_residency(hit)
-        for name in GRAPHED:
+        for name in ("unfused", "fused", "staged"):
             graph = capture(bench, getattr(bench, name), stream)
             bench.restore(rows=True)
             graph.replay()

@@ -257,13 +257,8 @@ def decode_prefetch_reference(
 # One launch each instead of a dozen tiny torch ops on the main stream: at hit rate 1.0
 # these sit on the critical path of every layer's decode step.
 @triton.jit
-def _threshold_kernel(
-    theta_ptr, finite_ptr, kth_ptr, rows_ptr, n, kth_stride, alpha, LANES: tl.constexpr
-):  # fmt: skip
-    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
-    live = lane < n
-    row = tl.load(rows_ptr + lane, mask=live, other=0).to(tl.int64)
-    new = tl.load(kth_ptr + lane * kth_stride, mask=live, other=0.0).to(tl.float32)
+def _ema_store(theta_ptr, finite_ptr, row, new, alpha, live):
+    """DecodeThresholdPredictor.update's rule for the lanes' rows and new k-th scores."""
     old = tl.load(theta_ptr + row, mask=live, other=0.0)
     was_finite = tl.load(finite_ptr + row, mask=live, other=0) != 0
     new_finite = tl.abs(new) < float("inf")
@@ -274,6 +269,37 @@ def _threshold_kernel(
     value = tl.where(blend, alpha * a + (1.0 - alpha) * b, new)
     tl.store(theta_ptr + row, value, mask=live)
     tl.store(finite_ptr + row, new_finite, mask=live)
+
+
+@triton.jit
+def _threshold_kernel(
+    theta_ptr, finite_ptr, kth_ptr, rows_ptr, n, kth_stride, alpha, LANES: tl.constexpr
+):  # fmt: skip
+    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    live = lane < n
+    row = tl.load(rows_ptr + lane, mask=live, other=0).to(tl.int64)
+    new = tl.load(kth_ptr + lane * kth_stride, mask=live, other=0.0).to(tl.float32)
+    _ema_store(theta_ptr, finite_ptr, row, new, alpha, live)
+
+
+@triton.jit
+def _topk_threshold_kernel(
+    theta_ptr, finite_ptr, scores_ptr, pos_ptr, rows_ptr, scores_stride, pos_stride, topk,
+    alpha, K: tl.constexpr,
+):  # fmt: skip
+    """One program per request: its k-th score (the smallest picked score; -inf where the
+    top-k has empty lanes) straight from the scores and positions, then the EMA."""
+    b = tl.program_id(0)
+    lane = tl.arange(0, K)
+    inside = lane < topk
+    pos = tl.load(pos_ptr + b * pos_stride + lane, mask=inside, other=0)
+    picked = tl.load(scores_ptr + b * scores_stride + pos, mask=inside & (pos >= 0), other=0.0)
+    picked = tl.where(inside & (pos >= 0), picked, float("inf"))
+    kth = tl.min(picked, 0)
+    missing = tl.sum((inside & (pos < 0)).to(tl.int32), 0) > 0
+    kth = tl.where(missing, float("-inf"), kth)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    _ema_store(theta_ptr, finite_ptr, row, kth, alpha, row >= 0)
 
 
 def update_thresholds(
@@ -297,6 +323,32 @@ def update_thresholds(
     _threshold_kernel[(triton.cdiv(n, lanes),)](
         theta, finite, kth, rows.contiguous(), n, kth.stride(0), float(alpha), LANES=lanes,
         enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def update_thresholds_from_topk(
+    theta: torch.Tensor,
+    finite: torch.Tensor,
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    alpha: float,
+) -> None:
+    """:func:`update_thresholds` with the k-th scores taken from the top-k itself (scores
+    [B, L] float32, positions [B, topk], -1 = none): one launch in place of the gather,
+    the two reductions and the fills that ``exact_topk`` would run on the main stream.
+    The k-th score is the smallest picked score, -inf where a lane is empty (exact_topk's
+    rule), so the thresholds are bit-identical to exact_topk + update_thresholds."""
+    if theta.dtype != torch.float32 or finite.dtype != torch.bool:
+        raise ValueError("theta must be float32 and finite bool (DecodeThresholdPredictor)")
+    batch, topk = positions.shape
+    if scores.shape[0] != batch or rows.shape != (batch,) or scores.dtype != torch.float32:
+        raise ValueError("expected scores [B, L] float32, positions [B, topk], rows [B]")
+    if batch == 0 or topk == 0:
+        return
+    _topk_threshold_kernel[(batch,)](
+        theta, finite, scores, positions, rows, scores.stride(0), positions.stride(0), topk,
+        float(alpha), K=triton.next_power_of_2(topk), enable_fp_fusion=False,
     )  # fmt: skip
 
 

@@ -221,9 +221,10 @@ class LightningIndexer(nn.Module):
         batch: ForwardBatch,
         prefetch: DecodePrefetcher | None,
         layer: int,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> torch.Tensor:
         """One query per request; context padded to the table width: fixed shapes only.
-        Returns top-k positions [B, 1, topk] and k-th scores [B, 1] (None without prefetch)."""
+        Returns top-k positions [B, 1, topk]; with ``prefetch``, its thresholds learn the
+        step's k-th scores."""
         ctx = batch.context_locs
         lens = batch.positions + 1
         theta = h2d = None
@@ -270,11 +271,13 @@ class LightningIndexer(nn.Module):
         if prefetch is not None and not staged:
             # Rows start moving (a side stream on CUDA) while the exact top-k runs.
             prefetch.launch(layer, cand.ids, cand.counts)
-        pos, kth = exact_topk(
-            scores, batch.positions, self.topk, use_kernels(q), prefetch is not None,
-            self.topk_backend,
-        )  # fmt: skip
-        return pos.unsqueeze(1), None if kth is None else kth.unsqueeze(1)
+        # The thresholds learn this step's k-th scores: from the top-k in one launch.
+        pos, _ = exact_topk(
+            scores, batch.positions, self.topk, use_kernels(q), False, self.topk_backend
+        )
+        if prefetch is not None:
+            prefetch.observe_topk(layer, scores.float(), pos, batch.request_rows)
+        return pos.unsqueeze(1)
 
     def select(
         self,
@@ -297,9 +300,7 @@ class LightningIndexer(nn.Module):
         if batch.is_decode:
             if batch.request_rows is None:
                 prefetch = None
-            pos, kth = self._decode_topk(q, weights, all_keys, batch, prefetch, layer)
-            if prefetch is not None:
-                prefetch.observe(layer, kth.squeeze(1), batch.request_rows)
+            pos = self._decode_topk(q, weights, all_keys, batch, prefetch, layer)
             return positions_to_locs(pos, batch.context_locs).squeeze(1)
 
         out = torch.empty(q.shape[0], self.topk, dtype=torch.int64, device=q.device)

@@ -196,6 +196,23 @@ class DecodePrefetcher:
 
         update_thresholds(p.theta, p.finite, kth, rows, p.alpha)
 
+    def observe_topk(
+        self, layer: int, scores: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """:meth:`observe` from the exact top-k itself (scores [B, L] float32, positions
+        [B, topk]): with the kernels one launch computes the k-th scores and updates the
+        thresholds, off the gather and reductions a separate k-th score costs."""
+        p = self.predictors[layer]
+        if not self.manager.use_kernels:
+            missing = positions < 0
+            picked = torch.gather(scores, 1, positions.clamp(min=0))
+            kth = picked.masked_fill(missing, float("inf")).amin(dim=1)
+            p.update(kth.masked_fill(missing.any(dim=1), float("-inf")), rows)
+            return
+        from sglang_echo.kernels.decode_prefetch import update_thresholds_from_topk
+
+        update_thresholds_from_topk(p.theta, p.finite, scores, positions, rows, p.alpha)
+
     def reset_rows(self, rows: torch.Tensor | list[int]) -> None:
         for p in self.predictors:
             p.reset(rows)
