@@ -293,10 +293,10 @@ class Bench:
             )
             last = i == len(bounds) - 1
             self.stager.stage(0, i, scores, self.locs, lens, theta, start, end, last)
-        staged, copied = self.manager._staged.pop(0)
+        staged = self.stager._staged(0, self.stager._limit)  # no top-k: no finish()
+        if self.cuda:
+            torch.cuda.current_stream().wait_stream(self.stager._side_stream())
         self.manager._stage_inputs.pop(0, None)
-        if copied is not None:
-            torch.cuda.current_stream().wait_event(copied)
         recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses, staged=staged)
 
     def host_rows(self) -> torch.Tensor:

@@ -275,7 +275,9 @@ class LightningIndexer(nn.Module):
         pos, _ = exact_topk(
             scores, batch.positions, self.topk, use_kernels(q), False, self.topk_backend
         )
-        if prefetch is not None:
+        if staged:
+            prefetch.finish(layer, scores.float(), pos, batch.request_rows)
+        elif prefetch is not None:
             prefetch.observe_topk(layer, scores.float(), pos, batch.request_rows)
         return pos.unsqueeze(1)
 

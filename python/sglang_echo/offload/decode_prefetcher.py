@@ -27,6 +27,7 @@ import torch
 
 from sglang_echo.kernels.decode_stage import (
     StagedRows,
+    recall_programs,
     stage_copy,
     stage_copy_reference,
     stage_select,
@@ -86,7 +87,7 @@ class DecodePrefetcher:
         self.stage_counts = torch.zeros(self.chunks, dtype=torch.int32, device=dev)
         self.stage_map = torch.zeros(c.host_tokens + 2, dtype=torch.int32, device=dev)
         self._side: torch.cuda.Stream | None = None
-        self._batch = 0
+        self._limit = 0  # the current step's rows per chunk (batch x rows per request)
 
     def chunk_bounds(self, length: int, span: int) -> list[tuple[int, int]]:
         """[start, end) of each chunk of a [B, length] score table, starts aligned to the
@@ -109,8 +110,8 @@ class DecodePrefetcher:
     ) -> None:
         """Stage the misses above theta among positions [start, end) of ``scores`` (just
         computed on the current stream). On CUDA with the kernels: on a side stream
-        forked here; ``last`` hands the layer's staging to the manager, whose resolve
-        waits for the copies before its recall. Elsewhere: synchronous, in torch."""
+        forked here (``last``: the step's last chunk); :meth:`finish` then hands the
+        layer's staging to the manager. Elsewhere: synchronous, in torch."""
         m = self.manager
         batch = scores.shape[0]
         if batch > self.max_rows:
@@ -126,6 +127,7 @@ class DecodePrefetcher:
         host = m.host_view if m.host_view is not None else m.host.rows
         total = m.prefetched_rows[layer : layer + 1]
         copy_args = (host[layer], self.stage_rows, self.stage_ids, count, total, region, limit)
+        self._limit = limit
         side = self._side_stream()
         if side is None:
             if chunk == 0:
@@ -134,23 +136,39 @@ class DecodePrefetcher:
             select(*args)
             copy = stage_copy if m.use_kernels else stage_copy_reference
             copy(*copy_args)
-            if last:
-                m.stage_ready(layer, self._staged(layer, limit), None)
             return
         side.wait_stream(torch.cuda.current_stream(m.device))  # fork: this chunk's logits
         with torch.cuda.stream(side):
             if chunk == 0:
                 self.stage_counts.zero_()
             stage_select(*args)
-            stage_copy(*copy_args)
-            if last:
-                staged = self._staged(layer, limit)
-                done = torch.cuda.Event()
-                done.record(side)
-        if last:
-            m.stage_ready(layer, staged, done)
+            # The last chunk's copy runs beside the top-k only, which leaves most SMs idle:
+            # the recall's full grid; earlier ones share the SMs with the logits.
+            stage_copy(*copy_args, programs=recall_programs(m.device) if last else None)
         # The tensors read on the side stream stay alive until the resolve joins it.
         m.keep_alive(layer, (scores, locs, seq_lens, theta))
+
+    def finish(
+        self, layer: int, scores: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """After the exact top-k of a staged step: the thresholds learn its k-th scores
+        (:meth:`observe_topk`) and the layer's staging goes to the manager, whose resolve
+        waits for the copies before its recall. On CUDA both run on the side stream: the
+        threshold update leaves the main stream's critical path."""
+        m = self.manager
+        staged = self._staged(layer, self._limit)
+        side = self._side_stream()
+        if side is None:
+            self.observe_topk(layer, scores, positions, rows)
+            m.stage_ready(layer, staged, None)
+            return
+        side.wait_stream(torch.cuda.current_stream(m.device))  # fork: the top-k
+        with torch.cuda.stream(side):
+            self.observe_topk(layer, scores, positions, rows)
+            done = torch.cuda.Event()
+            done.record(side)
+        m.stage_ready(layer, staged, done)
+        m.keep_alive(layer, (scores, positions, rows))
 
     def _staged(self, layer: int, limit: int) -> StagedRows:
         m = self.manager
