@@ -201,8 +201,7 @@ def _steps(use_kernels: bool, staged: bool, seed: int) -> tuple[EchoManager, lis
         if staged:
             bounds = p.chunk_bounds(length, 16)
             for i, (start, end) in enumerate(bounds):
-                last = i == len(bounds) - 1
-                p.stage(0, i, scores, locs, lens, theta.float(), start, end, last)
+                p.stage(0, i, scores, locs, lens, theta.float(), start, end)
             p.finish(0, scores, top.indices, torch.arange(batch, device=DEV))
         sel = locs.gather(1, top.indices)
         slots = m.resolve(0, sel)

@@ -291,8 +291,7 @@ class Bench:
             fp8_index_logits(
                 self.q, self.w, keys, scales, self.locs, lens, out=scores, start=start, end=end
             )
-            last = i == len(bounds) - 1
-            self.stager.stage(0, i, scores, self.locs, lens, theta, start, end, last)
+            self.stager.stage(0, i, scores, self.locs, lens, theta, start, end)
         staged = self.stager._staged(0, self.stager._limit)  # no top-k: no finish()
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.stager._side_stream())

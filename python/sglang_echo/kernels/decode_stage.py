@@ -39,9 +39,9 @@ import triton.language as tl
 from sglang_echo.kernels.cache_layout import ABSENT
 from sglang_echo.kernels.device_info import sm_count
 
-# Positions per select program: few programs, so the select of a chunk takes few SMs
-# from the logits and the top-k running beside it (1024 took 10-12 us per 1M scores).
-STAGE_TILE = 4096
+# Positions per select program. On an H200 (batch 16 x 64K-position chunks) 1024 took
+# 10-12 us per chunk and slowed the top-k beside it less than 4096 did (19 us).
+STAGE_TILE = 1024
 # The copy's grid: a quarter of the SMs' worth of programs. The overlap probe (issue 29)
 # hid the logits behind a recall on 33-66 programs and nothing at 132 or more.
 COPY_PROGRAMS_PER_SM = 0.25
@@ -157,15 +157,6 @@ def copy_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 2  # the interpreter: the loop runs more than once in tests
     return max(1, int(COPY_PROGRAMS_PER_SM * sm_count(device.index)))
-
-
-def recall_programs(device: torch.device) -> int:
-    """The recall's grid (kernels/recall.py): a copy with the SMs to itself."""
-    from sglang_echo.kernels.recall import PROGRAMS_PER_SM  # recall imports this module
-
-    if device.type != "cuda":
-        return 2
-    return PROGRAMS_PER_SM * sm_count(device.index)
 
 
 def stage_copy(

@@ -249,8 +249,7 @@ class LightningIndexer(nn.Module):
                     fp8_index_logits(
                         q, weights, keys, scales, ctx, lens32, out=scores, start=start, end=end
                     )
-                    last = i == len(bounds) - 1
-                    prefetch.stage(layer, i, scores, ctx, lens32, theta, start, end, last)
+                    prefetch.stage(layer, i, scores, ctx, lens32, theta, start, end)
             elif prefetch is not None:
                 from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch
 
@@ -263,7 +262,7 @@ class LightningIndexer(nn.Module):
             scores = self._scores(q.unsqueeze(1), weights.unsqueeze(1), all_keys[ctx]).squeeze(1)
             if staged:
                 length = scores.shape[1]
-                prefetch.stage(layer, 0, scores.float(), ctx, lens, theta, 0, length, True)
+                prefetch.stage(layer, 0, scores.float(), ctx, lens, theta, 0, length)
             elif prefetch is not None:
                 from sglang_echo.kernels.decode_prefetch import decode_prefetch_reference
 
