@@ -14,7 +14,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage indexer_profile cache topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests indexer_profile cache topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -109,6 +109,10 @@ run_stage() {
       stage decode_stage 330 bash -c "python3 -m pytest -q -p no:cacheprovider \
         tests/test_kernel_decode_stage.py tests/test_kernel_decode_prefetch.py tests/test_kernel_recall.py \
         tests/test_kernel_indexer.py && python3 benchmark/kernels/decode_prefetch_bench.py --out /tmp/ds/decode_stage" ;;
+    prefetch_tests)  # the CUDA tests of decode prefetch: lossless through the runtime's decode
+      # graphs (the staged prefetch on a side stream, under eviction) and the kernels at DeepSeek shapes
+      stage prefetch_tests 300 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py \
+        -k "lossless_cuda_graph_decode or fused_prefetch" ;;
     prefetch)  # the prefetch benchmarks and the indexer (with top-k launch shapes) again
       peer_or_say
       stage prefetch 200 bash benchmark/gpu_checks.sh /tmp/ds/prefetch benches decode_prefetch \
@@ -150,7 +154,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|mla_profile|indexer_profile|cache|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|mla_profile|indexer_profile|cache|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"
