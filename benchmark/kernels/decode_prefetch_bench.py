@@ -68,6 +68,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--stage-cap", type=int, default=None, help="staged rows per request")
     p.add_argument("--stage-chunks", type=int, default=None, help="logits chunks (staged)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved graph-timing rounds")
+    p.add_argument(
+        "--stage-priority", type=int, default=None, help="staging stream priority (lower: higher)"
+    )
     p.add_argument("--query-noise", type=float, default=0.3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
@@ -113,6 +116,7 @@ from sglang_echo.offload.decode_prefetcher import (  # noqa: E402
     DEFAULT_DECODE_PREFETCH_CAP,
     DEFAULT_STAGE_CAP,
     DEFAULT_STAGE_CHUNKS,
+    STAGE_STREAM_PRIORITY,
     DecodePrefetcher,
 )
 from sglang_echo.offload.device_cache import DeviceCache  # noqa: E402
@@ -184,6 +188,9 @@ class Bench:
             max_rows=B,
             cap=args.stage_cap or min(DEFAULT_STAGE_CAP, args.topk),
             chunks=args.stage_chunks or DEFAULT_STAGE_CHUNKS,
+            side_priority=(
+                STAGE_STREAM_PRIORITY if args.stage_priority is None else args.stage_priority
+            ),
         )
         self._learn_thresholds()
 
@@ -609,6 +616,7 @@ def main() -> None:
         "alloc_speedup": {f"hit_{h}": r.get("alloc_speedup") for h, r in by_hit.items()},
         "stage_cap": bench.stager.cap,
         "stage_chunks": bench.stager.chunks,
+        "stage_stream_priority": bench.stager.side_priority,
         "rounds": args.rounds,
         "speedup_basis": "CUDA-graph replay (device time)" if graphs else "eager launches",
         "speedup_eager": {f"hit_{h}": r["speedup_eager"] for h, r in by_hit.items()},

@@ -47,6 +47,10 @@ DEFAULT_STAGE_CAP = 1536
 # 16 x 128K, 911a4d4) four chunks started the copies earlier but cost more launches and
 # tails: 1.12x / 1.02x / 0.93x at hit 0.5 / 0.9 / 0.97 against 1.12x / 1.06x / 0.96x.
 DEFAULT_STAGE_CHUNKS = 2
+# The staging stream's priority (lower is higher; CUDA clamps to its range). A chunk's
+# select and copy are queued behind the next chunk's logits programs, which fill every
+# SM: at equal priority they ran only once the logits drained (H200 profile, a192da2).
+STAGE_STREAM_PRIORITY = -10
 
 
 class DecodePrefetcher:
@@ -58,6 +62,7 @@ class DecodePrefetcher:
         alpha: float = 0.5,
         staged: bool = True,
         chunks: int = DEFAULT_STAGE_CHUNKS,
+        side_priority: int = STAGE_STREAM_PRIORITY,
     ) -> None:
         if cap is None:
             cap = DEFAULT_STAGE_CAP if staged else DEFAULT_DECODE_PREFETCH_CAP
@@ -69,6 +74,7 @@ class DecodePrefetcher:
         self.cap = int(cap)
         self.max_rows = int(max_rows)
         self.staged = staged
+        self.side_priority = int(side_priority)
         layers = manager.cache.num_layers
         self.predictors = [
             DecodeThresholdPredictor(max_rows, manager.device, alpha) for _ in range(layers)
@@ -183,7 +189,7 @@ class DecodePrefetcher:
         if m.device.type != "cuda" or not m.use_kernels:
             return None
         if self._side is None:
-            self._side = torch.cuda.Stream(device=m.device)
+            self._side = torch.cuda.Stream(device=m.device, priority=self.side_priority)
         return self._side
 
     def cap_for(self, topk: int) -> int:
