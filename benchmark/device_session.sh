@@ -14,7 +14,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests indexer_profile cache topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_study indexer_profile cache topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -113,6 +113,11 @@ run_stage() {
       # graphs (the staged prefetch on a side stream, under eviction) and the kernels at DeepSeek shapes
       stage prefetch_tests 300 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py \
         -k "lossless_cuda_graph_decode or fused_prefetch" ;;
+    prefetch_study)  # the decode prefetch under its rule (auto) end to end: echo_auto beside
+      # echo_paper (off) and no-offload at the paper's setting and the random-keys run
+      stage prefetch_study 300 python3 benchmark/e2e_study.py --out /tmp/ds/prefetch_study \
+        --decode-prefetch --only echo_paper,noff_paper,echo_auto --locality-sweep "" --repeats 3 \
+        --profile-steps 0 --skip-components --deadline-s 230 ;;
     prefetch)  # the prefetch benchmarks and the indexer (with top-k launch shapes) again
       peer_or_say
       stage prefetch 200 bash benchmark/gpu_checks.sh /tmp/ds/prefetch benches decode_prefetch \
@@ -154,7 +159,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|mla_profile|indexer_profile|cache|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_study|mla_profile|indexer_profile|cache|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"

@@ -84,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also the random-keys run (the pessimistic bound)")  # fmt: skip
     ap.add_argument("--only", default="", help="comma-separated engine labels to run")
     ap.add_argument(
+        "--decode-prefetch",
+        action="store_true",
+        help="also ECHO with SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=auto (engine echo_auto), "
+        "beside echo_paper at the paper's setting and the random-keys run",
+    )
+    ap.add_argument(
         "--fill-max",
         type=int,
         default=150,

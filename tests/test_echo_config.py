@@ -18,7 +18,7 @@ from sglang_echo.config import (
 from sglang_echo.offload import host_pool
 from sglang_echo.offload.host_pool import HostKVPool
 
-FLAGS = {ENV_OFFLOAD: "offload", ENV_FUSE_DECODE: "fuse_decode", ENV_FUSE_EXTEND: "fuse_extend"}
+FLAGS = {ENV_OFFLOAD: "offload", ENV_FUSE_EXTEND: "fuse_extend"}
 
 
 def test_variable_names() -> None:
@@ -82,7 +82,7 @@ def test_defaults_when_unset() -> None:
     cfg = EchoConfig.from_env({})
     assert cfg == EchoConfig()
     assert cfg.offload is False
-    assert cfg.fuse_decode is False
+    assert cfg.fuse_decode == "0"
     assert cfg.fuse_extend is False
     assert cfg.dev_cache_size == DEFAULT_DEV_CACHE_SIZE == 260_000
 
@@ -120,6 +120,30 @@ def test_flags_bad_values(name: str, raw: str) -> None:
     msg = str(info.value)
     assert f"{name}={raw!r}" in msg
     assert "1 (on) or 0 (off)" in msg
+
+
+@pytest.mark.parametrize(
+    ("raw", "mode"),
+    [("0", "0"), ("", "0"), ("1", "1"), (" 1\n", "1"), ("auto", "auto"), (" AUTO ", "auto")],
+)
+def test_decode_prefetch_modes(raw: str, mode: str) -> None:
+    cfg = EchoConfig.from_env({ENV_FUSE_DECODE: raw})
+    assert cfg.fuse_decode == mode
+    assert cfg.offload is False and cfg.fuse_extend is False
+
+
+@pytest.mark.parametrize("raw", ["yes", "on", "2", "automatic"])
+def test_decode_prefetch_bad_modes(raw: str) -> None:
+    with pytest.raises(ConfigError, match=f"{ENV_FUSE_DECODE}={raw!r}") as info:
+        EchoConfig.from_env({ENV_FUSE_DECODE: raw})
+    assert "auto" in str(info.value)
+
+
+def test_decode_prefetch_mode_from_a_bool() -> None:
+    assert EchoConfig(fuse_decode=True).fuse_decode == "1"
+    assert EchoConfig(fuse_decode=False).fuse_decode == "0"
+    with pytest.raises(ConfigError, match="mode"):
+        EchoConfig(fuse_decode="yes")
 
 
 @pytest.mark.parametrize(("raw", "value"), [("260_000", 260_000), ("64", 64), ("1_000_000", 10**6)])

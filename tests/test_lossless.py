@@ -62,7 +62,7 @@ def models(checkpoints):
 def run_pair(
     model,
     w: Workload,
-    fuse_decode: bool = False,
+    fuse_decode: bool | str = False,
     use_kernels: bool | None = None,
     echo_baseline: bool = True,
     fuse_extend: bool = False,
@@ -129,6 +129,7 @@ def run_pair(
         report["prefetched"] = sum(ptel["prefetched_rows"])
         report["prefetch_hits"] = sum(ptel["prefetch_hits"])
         report["misses_with_prefetch"] = sum(ptel["misses"])
+        report["prefetch_steps"] = ptel["prefetch_steps"]  # [on, all] decode steps, auto
     return report
 
 
@@ -224,6 +225,21 @@ def test_lossless_with_decode_prefetch(models):
     assert sum(r["prefetched"] for r in reports) > 0
     assert sum(r["prefetch_hits"] for r in reports) > 0  # some prefetched rows were selected
     assert sum(r["resolve_evictions"] for r in reports) > 0
+
+
+def test_lossless_with_decode_prefetch_auto(models):
+    """SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=auto: the rule turns the prefetch on after
+    decode steps that missed >= 7% of their selections and off after the others; output
+    identical to no-offload and to ECHO without prefetch across both kinds of step."""
+    reports = []
+    for seed in range(300, 316):
+        w = make_workload(seed)
+        reports.append(run_pair(models(w.config, w.dtype), w, fuse_decode="auto"))
+    on = sum(r["prefetch_steps"][0] for r in reports)
+    steps = sum(r["prefetch_steps"][1] for r in reports)
+    print(f"\nauto: prefetch on in {on} of {steps} decode steps; " + _prefetch_summary(reports))
+    assert 0 < on < steps  # both modes ran
+    assert sum(r["prefetch_hits"] for r in reports) > 0
 
 
 def test_lossless_with_prefill_prefetch(models):

@@ -78,7 +78,9 @@ def _serve(model, cache, cap: int, prompts: list[list[int]]):
     step_logits = _record_logits(steps)
     sched = Scheduler(steps, MAX_RUNNING, CHUNK, 128, list(model.config.eos_token_ids))
     reqs = _arrive_and_run(sched, prompts, step_every=3)
-    assert steps.decode_runner.graphs and max(steps.decode_runner.graphs) <= GRAPH_BS
+    assert (
+        steps.decode_runner.graphs and max(bs for bs, _ in steps.decode_runner.graphs) <= GRAPH_BS
+    )
     assert steps.allocator.num_free == cap and not sched.live
     logits = [step_logits[r.rid] for r in reqs]
     assert all(len(rows) == NEW for rows in logits)

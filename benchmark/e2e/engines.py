@@ -41,6 +41,7 @@ def build(
             dev_cache_size=eng.dev_cache,
             decode_place=eng.decode_place,
             resolve_overlap=eng.resolve_overlap,
+            fuse_decode=eng.fuse_decode,
         )
         kv = echo_cache_for_model(
             echo, cfg, eng.host, p.dtype, device, kv_cache_dtype=p.kv_cache_dtype

@@ -241,12 +241,17 @@ class DecodeBench:
             res["echo_options"] = {
                 "decode_place": eng.decode_place,
                 "resolve_overlap": eng.resolve_overlap,
+                "fuse_decode": eng.fuse_decode,
             }
         if eviction_counter(kv) is not None:
             tel = kv.telemetry()
             res["hit_rate_per_layer"] = [round(h, 4) for h in tel["hit_rate"]]
             res["evictions_per_step"] = sum(tel["evictions"]) / a.steps
             res["recalled_mb_per_step"] = sum(tel["recalled_bytes"]) / a.steps / 2**20
+            if tel.get("prefetch_steps"):  # decode prefetch under auto: [on, all] steps
+                res["prefetch_steps"] = tel["prefetch_steps"]
+                res["prefetched_rows"] = sum(tel["prefetched_rows"])
+                res["prefetch_hits"] = sum(tel["prefetch_hits"])
         if phase.profile and self.cuda:
             try:
                 res["breakdown"] = profile_breakdown(node, a.profile_steps)

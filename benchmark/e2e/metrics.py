@@ -62,6 +62,7 @@ def metrics(setup: StudyPlan, runs: list[dict], components: dict) -> dict:
     if echo_runs:  # per layer, the median over the repeats
         hit = [round(statistics.median(v), 4) for v in zip(*(r["hit_rate_per_layer"] for r in echo_runs), strict=True)]  # fmt: skip
     return {
+        "decode_prefetch_auto": prefetch_auto(runs),
         "ratio_paper_all_hbm": paper and paper["ratio"],
         "ratio_paper_200k": p200 and p200["ratio"],
         "ratio_paper_110k": p110 and p110["ratio"],
@@ -166,3 +167,30 @@ def repeats(setup: StudyPlan, runs: list[dict]) -> dict[str, list[float]]:
                 key = eng.label if ph.label == "full" else f"{eng.label}/{ph.label}"
                 out[key] = [round(r["step_ms_device"], 4) for r in own]
     return out
+
+
+def prefetch_auto(runs: list[dict]) -> dict | None:
+    """ECHO with the decode prefetch under its rule (echo_auto) against ECHO without it
+    (echo_paper), phase by phase (interleaved repeats): throughput ratio with its range,
+    the hit rate, the decode steps the rule ran it in, and whether their greedy outputs
+    agree token for token. None when echo_auto did not run (``--decode-prefetch``)."""
+    out = {}
+    for phase in ("full", "random"):
+        autos, offs = find_all(runs, "echo_auto", phase), find_all(runs, "echo_paper", phase)
+        if not autos or not offs:
+            continue
+        mid, lo, hi = ratio_range(autos, offs)
+        out[phase] = {
+            "ratio": round(mid, 3),
+            "ratio_min": round(lo, 3),
+            "ratio_max": round(hi, 3),
+            "repeats": len(autos),
+            "hit_rate_mean": round(statistics.mean(autos[0]["hit_rate_per_layer"]), 4),
+            "prefetch_steps_on_all": autos[-1].get("prefetch_steps"),
+            "prefetched_rows": autos[-1].get("prefetched_rows"),
+            "prefetch_hits": autos[-1].get("prefetch_hits"),
+            "outputs_equal": all(
+                a["outputs"] == o["outputs"] for a, o in zip(autos, offs, strict=False)
+            ),
+        }
+    return out or None

@@ -153,6 +153,8 @@ class Engine:
     # the query's up-projection (the defaults; both off: the per-layer step before them).
     decode_place: bool = True
     resolve_overlap: bool = True
+    # ECHO: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE ("0", "1" or "auto").
+    fuse_decode: str = "0"
 
 
 class StudyPlan:
@@ -212,7 +214,12 @@ class StudyPlan:
                 dev_cache=p.paper_dev_cache,
                 host=p.host_pool,
                 phases=[*full, *([random_phase] if a.random_keys else []), *sweep, *low],
-                partners=["noff_paper", "noff_low", "echo_inline"],
+                partners=[
+                    "noff_paper",
+                    "noff_low",
+                    "echo_inline",
+                    *(["echo_auto"] if a.decode_prefetch else []),
+                ],
             ),
             Engine(
                 "noff_low",
@@ -233,6 +240,19 @@ class StudyPlan:
                 resolve_overlap=False,
             ),
         ]
+        if a.decode_prefetch:
+            # The decode prefetch under its rule (auto), beside echo_paper (prefetch off)
+            # phase by phase: the paper's setting and the random-keys run.
+            out.append(
+                Engine(
+                    "echo_auto",
+                    "echo",
+                    dev_cache=p.paper_dev_cache,
+                    host=p.host_pool,
+                    phases=[*full, *([random_phase] if a.random_keys else [])],
+                    fuse_decode="auto",
+                )
+            )
         # Lossless at scale: the batch no-offload holds in the paper's pool, under a device
         # cache of the batch's selections plus an eighth of a top-k, fewer spare slots than
         # a step's new selections at this locality, so every step evicts (a decode step's

@@ -76,6 +76,7 @@ MAX_DEFAULT_EVICTION_RESERVE = 8192
 # kernels/topk_flashinfer.py) and the sparse-MLA path (model/attention.py); the first of
 # each is the default.
 TOPK_BACKENDS = ("radix", "flashinfer")
+DECODE_PREFETCH_MODES = ("0", "1", "auto")  # ENV_FUSE_DECODE
 SPARSE_MLA_BACKENDS = ("auto", "torch", "kernel")
 APPLIES_TO = ("runtime", "plugin", "both")
 
@@ -201,9 +202,11 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         ENV_FUSE_DECODE, "fuse_decode", "0", "both", True,
-        "`1`, with ECHO: decode intra-query prefetch (likely misses start moving during the "
-        "top-k; output unchanged); the SGLang plugin logs it as not available yet",
-        parse_flag,
+        "with ECHO, decode intra-query prefetch (output unchanged): `1` every step (likely "
+        "misses are staged while the indexer runs), `auto` on decode steps after one that "
+        "missed >= 7% of its selections (where it paid on an H200), `0` off; the SGLang "
+        "plugin logs it as not available yet",
+        parse_choice(DECODE_PREFETCH_MODES),
     ),
     Variable(
         ENV_FUSE_EXTEND, "fuse_extend", "0", "both", True,
@@ -268,11 +271,22 @@ EXTERNAL_VARIABLES: dict[str, str] = {
 }
 
 
+def decode_prefetch_mode(value: bool | str) -> str:
+    """ENV_FUSE_DECODE's mode, "0" | "1" | "auto" (a bool: "1" / "0", as tests pass it)."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if value not in DECODE_PREFETCH_MODES:
+        raise ConfigError(f"decode prefetch mode must be one of {DECODE_PREFETCH_MODES}")
+    return value
+
+
 @dataclass(frozen=True)
 class EchoConfig:
     offload: bool = False
     dev_cache_size: int = DEFAULT_DEV_CACHE_SIZE  # N_G: usable device slots per layer
-    fuse_decode: bool = False
+    # Decode prefetch (ENV_FUSE_DECODE): "0" off, "1" every step, "auto" by the measured
+    # rule (offload/prefetch_rule.py); True / False are read as "1" / "0".
+    fuse_decode: str = "0"
     fuse_extend: bool = False
     # Extra victims per evicting step (ENV_EVICTION_RESERVE); None = the default for N_G.
     eviction_reserve: int | None = None
@@ -284,6 +298,7 @@ class EchoConfig:
     resolve_overlap: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fuse_decode", decode_prefetch_mode(self.fuse_decode))
         if self.eviction_reserve is None:
             object.__setattr__(
                 self, "eviction_reserve", default_eviction_reserve(self.dev_cache_size)
@@ -334,7 +349,7 @@ class EchoSettings:
 
     offload: bool = False
     dev_cache_size: int = DEFAULT_DEV_CACHE_SIZE
-    fuse_decode: bool = False
+    fuse_decode: str = "0"
     fuse_extend: bool = False
     eviction_reserve: int | None = None  # None: default_eviction_reserve(N_G)
     pdl: bool = True

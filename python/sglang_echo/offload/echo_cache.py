@@ -15,6 +15,7 @@ from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
+from sglang_echo.offload.prefetch_rule import DecodePrefetchRule
 from sglang_echo.offload.prefill_prefetcher import PrefillPrefetcher
 
 
@@ -57,26 +58,47 @@ class EchoKVCache:
         self.index = torch.zeros(
             num_layers, host_tokens + 1, index_dim, dtype=index_dtype or dtype, device=device
         )
-        # Decode prefetch (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1): built once the runtime
-        # says how many request rows there are (bind_request_rows); None = off.
-        self.decode_prefetch: DecodePrefetcher | None = None
+        # Decode prefetch (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 or auto): built once the
+        # runtime says how many request rows there are (bind_request_rows); None = off.
+        # Under auto, ``rule`` picks the decode steps it runs in (``decode_prefetch``).
+        self.decode_prefetcher: DecodePrefetcher | None = None
+        self.rule = DecodePrefetchRule(device) if config.fuse_decode == "auto" else None
         # Prefill prefetch (SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1), built the same way.
         self.prefill_prefetch: PrefillPrefetcher | None = None
 
     def bind_request_rows(self, max_rows: int) -> None:
         """The request table has ``max_rows`` rows: size the per-request prefetch state
         (once, before any step, so captured CUDA graphs keep their tensors)."""
-        if self.config.fuse_decode and self.decode_prefetch is None:
-            self.decode_prefetch = DecodePrefetcher(self.manager, max_rows)
+        if self.config.fuse_decode != "0" and self.decode_prefetcher is None:
+            self.decode_prefetcher = DecodePrefetcher(self.manager, max_rows)
         if self.config.fuse_extend and self.prefill_prefetch is None:
             self.prefill_prefetch = PrefillPrefetcher(self.manager, max_rows)
 
     def admit_row(self, row: int) -> None:
         """A new request takes request-table row ``row``: forget the old one's thresholds
         and score offsets."""
-        for prefetcher in (self.decode_prefetch, self.prefill_prefetch):
+        for prefetcher in (self.decode_prefetcher, self.prefill_prefetch):
             if prefetcher is not None:
                 prefetcher.reset_rows([row])
+
+    @property
+    def decode_prefetch(self) -> DecodePrefetcher | None:
+        """The prefetcher the model's decode step uses: None when off, or under auto when
+        the rule left this step without it."""
+        if self.rule is not None and not self.rule.on:
+            return None
+        return self.decode_prefetcher
+
+    def before_decode_step(self) -> None:
+        """Under auto: decide whether the coming decode step prefetches (the previous
+        decode step's miss fraction) and snapshot the counters."""
+        if self.rule is not None and self.decode_prefetcher is not None:
+            self.rule.decide()
+            self.rule.before_step(self.cache.hits, self.cache.misses)
+
+    def after_decode_step(self) -> None:
+        if self.rule is not None and self.decode_prefetcher is not None:
+            self.rule.after_step(self.cache.hits, self.cache.misses)
 
     def write(
         self,
@@ -147,6 +169,8 @@ class EchoKVCache:
             # Decode prefetch: rows copied early, and how many of them were then selected.
             "prefetched_rows": self.manager.prefetched_rows.tolist(),
             "prefetch_hits": self.manager.prefetch_hits.tolist(),
+            # Under auto: decode steps the rule ran the prefetch in, of all decode steps.
+            "prefetch_steps": [self.rule.steps_on, self.rule.steps] if self.rule else [],
             # Released ids the release kernel refused on the device (sink, duplicates):
             # nonzero means a caller's token bookkeeping is wrong.
             "release_errors": int(self.manager.release_errors.item()),
@@ -164,7 +188,7 @@ class EchoKVCache:
             "prefetch": [
                 name
                 for name, on in (
-                    ("decode", self.decode_prefetch),
+                    ("decode", self.decode_prefetcher),
                     ("prefill", self.prefill_prefetch),
                 )
                 if on is not None

@@ -47,7 +47,9 @@ class CudaGraphDecodeRunner:
         self.context_width = context_width
         self.max_batch_size = max_batch_size  # larger decode batches run eagerly; None = all
         self.device = model.lm_head.weight.device
-        self.graphs: dict[int, _Captured] = {}
+        # One graph per batch size and decode-prefetch mode (on / off: under
+        # SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=auto the rule picks per step).
+        self.graphs: dict[tuple[int, bool], _Captured] = {}
         self.captures = 0  # batch sizes captured so far (each once, at its first step)
         self.capture_s = 0.0  # their eager first steps and captures, host seconds
         model.set_graph_safe(True)
@@ -82,7 +84,8 @@ class CudaGraphDecodeRunner:
         bs = batch.num_requests
         if self.max_batch_size is not None and bs > self.max_batch_size:
             return self.model(batch, self.kv_cache)
-        captured = self.graphs.get(bs)
+        key = (bs, getattr(self.kv_cache, "decode_prefetch", None) is not None)
+        captured = self.graphs.get(key)
         if captured is not None:
             self._load(captured.batch, batch)
             captured.graph.replay()
@@ -95,7 +98,7 @@ class CudaGraphDecodeRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits = self.model(static, self.kv_cache)  # recorded, not executed
-        self.graphs[bs] = _Captured(graph, static, logits)
+        self.graphs[key] = _Captured(graph, static, logits)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0  # the eager step included
         return result

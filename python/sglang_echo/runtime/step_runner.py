@@ -151,9 +151,18 @@ class StepRunner:
         batch = self._make_batch(
             ids, positions, out_locs, active, [1] * len(active), is_decode=True, logits_rows=None
         )
+        # ECHO's decode prefetch under auto picks this step's mode (and graph) here.
+        before = getattr(self.kv_cache, "before_decode_step", None)
+        if before is not None:
+            before()
         if self.decode_runner is not None:
-            return self.decode_runner(batch)
-        return self.model(batch, self.kv_cache)
+            logits = self.decode_runner(batch)
+        else:
+            logits = self.model(batch, self.kv_cache)
+        after = getattr(self.kv_cache, "after_decode_step", None)
+        if after is not None:
+            after()
+        return logits
 
     def place(self, req: SeqState, start: int, locs: list[int]) -> torch.Tensor:
         """Token locations ``locs`` hold ``req``'s positions start.. (not yet cached).

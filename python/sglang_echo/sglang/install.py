@@ -120,9 +120,10 @@ def install() -> None:
 
 def log_prefetch_switches(config: Any) -> None:
     """The prefetch switches are accepted, and the log says what they do in the plugin."""
-    if config.fuse_decode:
+    if config.fuse_decode in (True, "1", "auto"):
         logger.warning(
-            "sglang-echo: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 accepted, but the SGLang "
+            f"sglang-echo: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE={config.fuse_decode} accepted, "
+            "but the SGLang "
             "plugin has no decode prefetch yet; decode runs the exact top-k, then ECHO's "
             "resolve (lossless either way)."
         )

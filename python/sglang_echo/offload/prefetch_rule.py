@@ -1,0 +1,66 @@
+"""When the decode prefetch runs under SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=auto: a
+measured rule on the previous decode step's miss fraction.
+
+Why a rule: the staged prefetch (kernels/decode_stage.py) pays when a step recalls many
+rows and costs a few percent when it recalls few (the chunked logits, the side stream's
+kernels beside the top-k). On an H200 (benchmark/results/decode_prefetch.json, batch 16
+x 128K) it was faster from hit rate 0.9 down and slower from 0.97 up, so it runs when
+the previous step missed at least ``AUTO_MISS_FRACTION`` of its selections. Decode steps
+of a running batch select mostly the same tokens, so the last step's misses predict the
+next one's.
+
+The counters are the device cache's cumulative hits and misses (all layers). Before and
+after each decode step their sums are copied to pinned host memory without waiting (the
+difference is the decode step's own, whatever prefill chunks ran in between); the caller
+reads them before the next decode step, when the step's results have long been
+synchronised (sampling reads the logits), so the rule never stalls the device. Under CUDA graphs the
+runner keeps one graph per (batch size, prefetch on or off) and replays the one the rule
+picks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Prefetch from this miss fraction of a decode step's selections up: between the hit
+# rates where the staged prefetch was last faster (0.9) and slower (0.97) on the H200.
+AUTO_MISS_FRACTION = 0.07
+
+
+class DecodePrefetchRule:
+    def __init__(self, device: torch.device, threshold: float = AUTO_MISS_FRACTION) -> None:
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"miss fraction threshold must be in [0, 1], got {threshold}")
+        self.threshold = float(threshold)
+        pin = device.type == "cuda"
+        # [before, after] x [hits, misses] of the last decode step
+        self._sums = torch.zeros(2, 2, dtype=torch.int64, pin_memory=pin)
+        self._pending = False
+        self.on = False  # the first decode step has no measurement: off
+        self.steps_on = 0
+        self.steps = 0
+
+    def _snapshot(self, which: int, hits: torch.Tensor, misses: torch.Tensor) -> None:
+        sums = torch.stack((hits.sum(), misses.sum()))
+        self._sums[which].copy_(sums, non_blocking=sums.device.type == "cuda")
+
+    def before_step(self, hits: torch.Tensor, misses: torch.Tensor) -> None:
+        """Enqueue the copy of the counters' sums (device tensors, one entry per layer)."""
+        self._snapshot(0, hits, misses)
+
+    def after_step(self, hits: torch.Tensor, misses: torch.Tensor) -> None:
+        self._snapshot(1, hits, misses)
+        self._pending = True
+
+    def decide(self) -> bool:
+        """Whether the coming decode step prefetches: the previous step's miss fraction.
+        Reads the pinned copy (complete once the previous step's results were read)."""
+        self.steps += 1
+        if self._pending:
+            (h0, m0), (h1, m1) = self._sums.tolist()
+            d_hits, d_misses = h1 - h0, m1 - m0
+            self._pending = False
+            selected = d_hits + d_misses
+            self.on = selected > 0 and d_misses >= self.threshold * selected
+        self.steps_on += int(self.on)
+        return self.on

@@ -1,0 +1,40 @@
+"""The decode-prefetch rule under SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=auto
+(offload/prefetch_rule.py): off before any measurement, then on exactly when the previous
+decode step missed at least the threshold's share of its selections, counting only that
+step's own hits and misses (not a prefill chunk's between two decode steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_echo.offload.prefetch_rule import AUTO_MISS_FRACTION, DecodePrefetchRule
+
+
+def _step(rule: DecodePrefetchRule, hits: torch.Tensor, misses: torch.Tensor, h, m) -> bool:
+    """One decode step adding h hits and m misses (spread over two layers)."""
+    on = rule.decide()
+    rule.before_step(hits, misses)
+    hits += torch.tensor([h // 2, h - h // 2])
+    misses += torch.tensor([m // 2, m - m // 2])
+    rule.after_step(hits, misses)
+    return on
+
+
+def test_rule_follows_the_previous_decode_steps_miss_fraction():
+    rule = DecodePrefetchRule(torch.device("cpu"), threshold=0.1)
+    hits, misses = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    assert _step(rule, hits, misses, 80, 20) is False  # nothing measured yet
+    assert _step(rule, hits, misses, 95, 5) is True  # 20% missed before
+    assert _step(rule, hits, misses, 90, 10) is False  # 5% before
+    hits += 10  # a prefill chunk between decode steps: all hits, not the decode step's
+    assert _step(rule, hits, misses, 0, 0) is True  # 10% before: the boundary counts
+    assert _step(rule, hits, misses, 50, 50) is False  # nothing selected before
+    assert _step(rule, hits, misses, 1, 0) is True
+    assert (rule.steps_on, rule.steps) == (3, 6)
+
+
+def test_rule_threshold_is_checked_and_defaults_to_the_measured_one():
+    assert DecodePrefetchRule(torch.device("cpu")).threshold == AUTO_MISS_FRACTION
+    with pytest.raises(ValueError, match="threshold"):
+        DecodePrefetchRule(torch.device("cpu"), threshold=1.5)
