@@ -302,7 +302,6 @@ class Bench:
         staged = self.stager._staged(0, self.stager._limit)  # no top-k: no finish()
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.stager._side_stream())
-        self.manager._stage_inputs.pop(0, None)
         recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses, staged=staged)
 
     def host_rows(self) -> torch.Tensor:

@@ -152,8 +152,7 @@ class DecodePrefetcher:
             # A bounded grid even beside the top-k alone: with the recall's full grid the
             # last chunk's copy held the top-k back (H200, hit 0.5: 1.03x against 1.12x).
             stage_copy(*copy_args)
-        # The tensors read on the side stream stay alive until the resolve joins it.
-        m.keep_alive(layer, (scores, locs, seq_lens, theta))
+        _used_on(side, scores, locs, seq_lens, theta)
 
     def finish(
         self, layer: int, scores: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
@@ -175,7 +174,7 @@ class DecodePrefetcher:
             done = torch.cuda.Event()
             done.record(side)
         m.stage_ready(layer, staged, done)
-        m.keep_alive(layer, (scores, positions, rows))
+        _used_on(side, scores, positions, rows)
 
     def _staged(self, layer: int, limit: int) -> StagedRows:
         m = self.manager
@@ -241,3 +240,14 @@ class DecodePrefetcher:
     def reset_rows(self, rows: torch.Tensor | list[int]) -> None:
         for p in self.predictors:
             p.reset(rows)
+
+
+def _used_on(stream: torch.cuda.Stream, *tensors: torch.Tensor) -> None:
+    """Tensors of the current stream that ``stream`` reads: their memory is not handed
+    out again before ``stream``'s work queued so far is done (the caching allocator's
+    record_stream; under graph capture it holds them to the end of the capture). Without
+    it, a step's next allocation on the main stream could reuse a freed score or position
+    table while the side stream still reads it (an illegal address on the H200 at 17 x
+    100K, eager first steps)."""
+    for t in tensors:
+        t.record_stream(stream)

@@ -79,10 +79,8 @@ class EchoManager:
         self._side_stream: torch.cuda.Stream | None = None
         self._pending: dict[int, _PendingPrefetch] = {}
         # Staged decode prefetch (offload/decode_prefetcher.py): per layer, the staging
-        # the next resolve's recall reads, the side stream's event after its copies, and
-        # the tensors that stream reads (kept alive until then).
+        # the next resolve's recall reads and the side stream's event after its work.
         self._staged: dict[int, tuple[StagedRows, torch.cuda.Event | None]] = {}
-        self._stage_inputs: dict[int, list] = {}
         i64 = dict(dtype=torch.int64, device=self.device)
         self.prefetched_rows = torch.zeros(cache.num_layers, **i64)  # rows prefetched
         self.prefetch_hits = torch.zeros(cache.num_layers, **i64)  # ... and then selected
@@ -186,7 +184,6 @@ class EchoManager:
             # handed to one of our misses (an unselected prefetch is evictable).
             stream.wait_event(pending.copied)
         staged, copied = self._staged.pop(layer, (None, None))
-        self._stage_inputs.pop(layer, None)
         if copied is not None:
             # The allocation above may run while rows are still being staged (staging
             # touches no cache state); the recall reads the staging buffer.
@@ -224,10 +221,6 @@ class EchoManager:
         """The decode prefetch staged rows for ``layer``'s coming resolve; ``copied``: the
         side stream's event after its copies (None: already done)."""
         self._staged[layer] = (staged, copied)
-
-    def keep_alive(self, layer: int, tensors: tuple) -> None:
-        """Tensors a side stream reads for ``layer``'s staging: held until its resolve."""
-        self._stage_inputs.setdefault(layer, []).append(tensors)
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(
