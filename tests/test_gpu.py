@@ -122,7 +122,7 @@ def _lossless_pair(
     # fuse_decode: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 (decode prefetch on a side stream)
     # and, with it, SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1 (prefill prefetch, same stream).
     echo_cfg = EchoConfig(
-        offload=True, dev_cache_size=n_g, fuse_decode=fuse_decode, fuse_extend=fuse_decode
+        offload=True, dev_cache_size=n_g, fuse_decode=fuse_decode, fuse_extend=bool(fuse_decode)
     )
     echo = echo_cache_for_model(echo_cfg, cfg, cap, dtype, "cuda")
     assert echo.host.pinned and echo.manager.graph_safe, "pinned host pool must have a UVA view"
@@ -146,6 +146,7 @@ def _lossless_pair(
         "append_evictions": sum(tel["append_evictions"]),
         "prefetched_rows": sum(tel["prefetched_rows"]),
         "prefetch_hits": sum(tel["prefetch_hits"]),
+        "prefetch_steps": tel["prefetch_steps"],  # auto: [on, all] decode steps
     }
 
 
@@ -165,7 +166,7 @@ def _install_sync_check(cache: EchoKVCache) -> None:
         setattr(manager, op, checked)
 
 
-@pytest.mark.parametrize("fuse_decode", [False, True])
+@pytest.mark.parametrize("fuse_decode", [False, True, "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
     import random
@@ -196,7 +197,7 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
         model, _prompts(3, [40, 70, 25]), 12, 3, 32, use_graph=False, sync_check=True,
         fuse_decode=fuse_decode,
     )  # fmt: skip
-    suffix = "/prefetch" if fuse_decode else ""
+    suffix = {False: "", True: "/prefetch", "auto": "/prefetch_auto"}[fuse_decode]
     _save(
         f"lossless_graph/{str(dtype).split('.')[-1]}{suffix}",
         {"graph_runs": reports, "eager_sync_checked": eager},
@@ -209,6 +210,9 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
     if fuse_decode:
         assert sum(r["prefetched_rows"] for r in reports) > 0
         assert sum(r["prefetch_hits"] for r in reports) > 0
+    if fuse_decode == "auto":  # both decode graphs of a batch size ran: prefetch on and off
+        on = sum(r["prefetch_steps"][0] for r in reports)
+        assert 0 < on < sum(r["prefetch_steps"][1] for r in reports)
     print(json.dumps(reports, indent=1))
 
 
