@@ -1454,6 +1454,8 @@ ALLOWED_FIGURES = (
     "~16 GB at T = 2M",
     "about 4 B per host token and 16 B per slot",
     "alpha 0.5",
+    ">= 7% of",  # the decode-prefetch rule's threshold (offload/prefetch_rule.py), a knob
+    "or above 7% the",
     "0.88 on CUDA, 0.25 on the CPU",
     "interval to 0.5 ms",
     "ECHO's published 2.15x / 3.10x / 4.12x",  # published by others

@@ -277,7 +277,11 @@ def test_e2e_study_smoke_writes_the_record(e2e_study, tmp_path: Path) -> None:
     assert all(v is not None for v in low["inline_over_default_per_batch"].values())
     inline = [r for r in rec["runs"] if r["engine"] == "echo_inline"]
     assert len(inline) == 2 * repeats and all(r["leak_free"] for r in inline)
-    assert inline[0]["echo_options"] == {"decode_place": False, "resolve_overlap": False}
+    assert inline[0]["echo_options"] == {
+        "decode_place": False,
+        "resolve_overlap": False,
+        "fuse_decode": "0",
+    }
     assert inline[0]["alternated_with"] == ["noff_low", "echo_paper"]
     assert len(inline[0]["step_ms_device_steps"]) == rec["config"]["measured_steps"]
     assert all(d["greedy_outputs_equal_at_low_load"].values())  # every repeat, both sides

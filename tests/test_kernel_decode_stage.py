@@ -25,27 +25,16 @@ from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
+from test_kernel_decode_prefetch import _inputs  # the fp8 logits inputs, shared
 
 STATE = ("host_to_device", "device_to_host", "priority", "free_stack", "free_count", "clock")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _logit_inputs(seed: int, batch: int = 3, heads: int = 16, dim: int = 32, length: int = 150):
-    g = torch.Generator().manual_seed(seed)
-    n_keys = batch * length + 2
-    q = (torch.randn(batch, heads, dim, generator=g) * 2).to(torch.float8_e4m3fn)
-    keys = (torch.randn(n_keys, dim, generator=g) * 2).to(torch.float8_e4m3fn)
-    scales = torch.rand(n_keys, generator=g) + 0.5
-    weights = torch.randn(batch, heads, generator=g)
-    locs = torch.stack([torch.randperm(n_keys - 2, generator=g)[:length] + 1 for _ in range(batch)])
-    seq_lens = torch.tensor([length, length // 2 + 3, 17][:batch], dtype=torch.int32)
-    return tuple(t.to(DEV) for t in (q, weights, keys, scales, locs, seq_lens))
-
-
 @pytest.mark.parametrize(("block_n", "blocks"), [(16, 1), (16, 2)])
 def test_chunked_logits_equal_whole_logits(block_n, blocks):
-    q, w, keys, scales, locs, lens = _logit_inputs(block_n + blocks)
+    q, w, keys, scales, locs, lens = _inputs(block_n + blocks)[:6]
     params = dict(block_n=block_n, blocks_per_program=blocks)
     whole = fp8_index_logits(q, w, keys, scales, locs, lens, **params)
     out = torch.full_like(whole, float("nan"))

@@ -40,3 +40,20 @@ class CacheState(Protocol):
 
     @property
     def device(self) -> torch.device: ...
+
+
+def byte_rows(rows: torch.Tensor, what: str) -> torch.Tensor:
+    """KV rows [rows, row_dim] as bytes: the copy kernels (recall, staging) move rows as
+    bytes, so bf16 rows and SGLang's fp8 layout share one kernel."""
+    if rows.dim() != 2 or rows.stride(1) != 1:
+        raise ValueError(f"{what} expects [rows, row_dim] tensors with contiguous rows")
+    return rows.view(torch.uint8)
+
+
+def byte_vector(row_bytes: int) -> int:
+    """The widest power-of-two piece (<= 16 bytes) that divides a row: the copy kernels'
+    load and store width."""
+    vec = 16
+    while row_bytes % vec:
+        vec //= 2
+    return vec

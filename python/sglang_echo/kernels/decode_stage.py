@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_echo.kernels.cache_layout import ABSENT
+from sglang_echo.kernels.cache_layout import ABSENT, byte_rows, byte_vector
 from sglang_echo.kernels.device_info import sm_count
 
 # Positions per select program. On an H200 (batch 16 x 64K-position chunks) 1024 took
@@ -117,12 +117,6 @@ def _copy_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
-def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
-    if rows.dim() != 2 or rows.stride(1) != 1:
-        raise ValueError("staging expects [rows, row_dim] tensors with contiguous rows")
-    return rows.view(torch.uint8)
-
-
 def stage_select(
     scores: torch.Tensor,
     locs: torch.Tensor,
@@ -174,15 +168,13 @@ def stage_copy(
     ``host_rows`` must be addressable by the kernel (the pinned pool's CUDA alias; any
     tensor when interpreted). A bounded grid (``programs``, default a quarter of the
     SMs)."""
-    host_b, rows_b = _as_bytes(host_rows), _as_bytes(rows)
+    host_b, rows_b = byte_rows(host_rows, "staging"), byte_rows(rows, "staging")
     if host_b.shape[1] != rows_b.shape[1]:
         raise ValueError("host and staging rows must have the same width")
     if cap == 0:
         return
     row_bytes = host_b.shape[1]
-    vec = 16
-    while row_bytes % vec:
-        vec //= 2
+    vec = byte_vector(row_bytes)
     grid = (programs or copy_programs(rows_b.device),)
     _copy_kernel[grid](
         host_b, rows_b, ids, count, total, region, cap, host_b.stride(0), rows_b.stride(0),

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_echo.kernels.cache_layout import byte_rows, byte_vector
 from sglang_echo.kernels.decode_stage import StagedRows, staged_entries
 from sglang_echo.kernels.device_info import sm_count
 from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
@@ -134,12 +135,6 @@ def flat_programs(device: torch.device, worst_chunks: int, chunks: int) -> int:
     return min(need, PROGRAMS_PER_SM * sm_count(device.index))
 
 
-def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
-    if rows.dim() != 2 or rows.stride(1) != 1:
-        raise ValueError("recall expects [rows, row_dim] tensors with contiguous rows")
-    return rows.view(torch.uint8)
-
-
 def recall_rows(
     host_rows: torch.Tensor,
     dev_rows: torch.Tensor,
@@ -166,7 +161,7 @@ def recall_rows(
     """
     if host_rows.shape[1] != dev_rows.shape[1] or host_rows.dtype != dev_rows.dtype:
         raise ValueError("host and device rows must have the same width and dtype")
-    host_b, dev_b = _as_bytes(host_rows), _as_bytes(dev_rows)
+    host_b, dev_b = byte_rows(host_rows, "recall"), byte_rows(dev_rows, "recall")
     lanes = miss_ids.numel()
     if lanes == 0:
         return
@@ -175,13 +170,11 @@ def recall_rows(
     launch = dict(PDL=chained, launch_pdl=chained, num_warps=num_warps)
     args = (host_b, dev_b, miss_ids, miss_slots, miss_count, host_b.stride(0), dev_b.stride(0))
     if flat_chunks or staged is not None:
-        vec = 16
-        while row_bytes % vec:
-            vec //= 2
+        vec = byte_vector(row_bytes)
         if staged is None:
             stage = (dev_b, miss_ids, miss_ids, miss_ids, miss_count, 0, 1, 1, 1)  # unread
         else:
-            stage_b = _as_bytes(staged.rows)
+            stage_b = byte_rows(staged.rows, "recall")
             if stage_b.shape[1] != row_bytes:
                 raise ValueError("staging rows must be as wide as the cache rows")
             stage = (

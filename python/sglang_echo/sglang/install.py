@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_echo.config import ConfigError, load_settings, settings
+from sglang_echo.config import ConfigError, decode_prefetch_mode, load_settings, settings
 from sglang_echo.sglang.args import (
     DEFAULT_TOP_K,
     SOURCE,
@@ -120,10 +120,10 @@ def install() -> None:
 
 def log_prefetch_switches(config: Any) -> None:
     """The prefetch switches are accepted, and the log says what they do in the plugin."""
-    if config.fuse_decode in (True, "1", "auto"):
+    mode = decode_prefetch_mode(config.fuse_decode)
+    if mode != "0":
         logger.warning(
-            f"sglang-echo: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE={config.fuse_decode} accepted, "
-            "but the SGLang "
+            f"sglang-echo: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE={mode} accepted, but the SGLang "
             "plugin has no decode prefetch yet; decode runs the exact top-k, then ECHO's "
             "resolve (lossless either way)."
         )
