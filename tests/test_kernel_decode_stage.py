@@ -212,3 +212,23 @@ def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed):
             assert torch.equal(getattr(m.cache, name), getattr(plain.cache, name)), name
         staged, used = int(m.prefetched_rows[0]), int(m.prefetch_hits[0])
         assert 0 < used <= staged and used <= int(m.cache.misses[0])
+
+
+def test_stats_count_the_staging_buffer():
+    """The start-up log's device bytes include the staging buffer when decode prefetch is
+    on: request rows x rows per request x row bytes, plus its index."""
+    from sglang_echo.config import EchoConfig
+    from sglang_echo.offload.echo_cache import EchoKVCache
+
+    def cache(mode: str) -> EchoKVCache:
+        config = EchoConfig(offload=True, dev_cache_size=64, fuse_decode=mode)
+        kv = EchoKVCache(config, 2, 100, 16, 8, torch.float32, DEV, pin=False)
+        kv.bind_request_rows(4)
+        return kv
+
+    off, on = cache("0"), cache("auto")
+    p = on.decode_prefetcher
+    rows = p.chunks * 4 * p.chunk_cap
+    assert rows == 4 * p.cap  # rows x rows per request
+    want = rows * 16 * 4 + rows * 8 + p.chunks * 4 + (100 + 2) * 4
+    assert on.stats()["device_bytes"] - off.stats()["device_bytes"] == want == p.nbytes

@@ -97,6 +97,15 @@ class DecodePrefetcher:
         self._side: torch.cuda.Stream | None = None
         self._limit = 0  # the current step's rows per chunk (batch x rows per request)
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the staged design's buffers (rows, ids, counts, map); the
+        thresholds are a few bytes per request row."""
+        if not self.staged:
+            return 0
+        buffers = (self.stage_rows, self.stage_ids, self.stage_counts, self.stage_map)
+        return sum(t.nbytes for t in buffers)
+
     def chunk_bounds(self, length: int, span: int) -> list[tuple[int, int]]:
         """[start, end) of each chunk of a [B, length] score table, starts aligned to the
         logits kernel's ``span`` positions per program (fewer chunks for short tables)."""

@@ -183,7 +183,10 @@ class EchoKVCache:
             "host_tokens": self.host.num_tokens,
             "host_bytes": self.host.nbytes,
             "host_pinned": self.host.pinned,
-            "device_bytes": self.cache.nbytes + self.index.nbytes,
+            # With decode prefetch, its staging buffer and index (built once, at start-up).
+            "device_bytes": self.cache.nbytes
+            + self.index.nbytes
+            + (self.decode_prefetcher.nbytes if self.decode_prefetcher is not None else 0),
             "graph_safe": self.manager.graph_safe,
             "prefetch": [
                 name
