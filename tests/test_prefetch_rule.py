@@ -22,7 +22,7 @@ def _step(rule: DecodePrefetchRule, hits: torch.Tensor, misses: torch.Tensor, h,
 
 
 def test_rule_follows_the_previous_decode_steps_miss_fraction():
-    rule = DecodePrefetchRule(torch.device("cpu"), threshold=0.1)
+    rule = DecodePrefetchRule(torch.device("cpu"), 2, threshold=0.1)
     hits, misses = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
     assert _step(rule, hits, misses, 80, 20) is False  # nothing measured yet
     assert _step(rule, hits, misses, 95, 5) is True  # 20% missed before
@@ -35,6 +35,6 @@ def test_rule_follows_the_previous_decode_steps_miss_fraction():
 
 
 def test_rule_threshold_is_checked_and_defaults_to_the_measured_one():
-    assert DecodePrefetchRule(torch.device("cpu")).threshold == AUTO_MISS_FRACTION
+    assert DecodePrefetchRule(torch.device("cpu"), 2).threshold == AUTO_MISS_FRACTION
     with pytest.raises(ValueError, match="threshold"):
-        DecodePrefetchRule(torch.device("cpu"), threshold=1.5)
+        DecodePrefetchRule(torch.device("cpu"), 2, threshold=1.5)

@@ -299,7 +299,7 @@ class Bench:
                 self.q, self.w, keys, scales, self.locs, lens, out=scores, start=start, end=end
             )
             self.stager.stage(0, i, scores, self.locs, lens, theta, start, end)
-        staged = self.stager._staged(0, self.stager._limit)  # no top-k: no finish()
+        staged = self.stager.staged_rows(0, self.args.batch)  # no top-k: no finish()
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.stager._side_stream())
         recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses, staged=staged)

@@ -262,7 +262,7 @@ class LightningIndexer(nn.Module):
             scores = self._scores(q.unsqueeze(1), weights.unsqueeze(1), all_keys[ctx]).squeeze(1)
             if staged:
                 length = scores.shape[1]
-                prefetch.stage(layer, 0, scores.float(), ctx, lens, theta, 0, length)
+                prefetch.stage(layer, 0, scores, ctx, lens, theta, 0, length)
             elif prefetch is not None:
                 from sglang_echo.kernels.decode_prefetch import decode_prefetch_reference
 

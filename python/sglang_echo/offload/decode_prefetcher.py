@@ -95,7 +95,6 @@ class DecodePrefetcher:
         self.stage_counts = torch.zeros(self.chunks, dtype=torch.int32, device=dev)
         self.stage_map = torch.zeros(c.host_tokens + 2, dtype=torch.int32, device=dev)
         self._side: torch.cuda.Stream | None = None
-        self._limit = 0  # the current step's rows per chunk (batch x rows per request)
 
     @property
     def nbytes(self) -> int:
@@ -135,7 +134,7 @@ class DecodePrefetcher:
         # A chunk's region: its share of the buffer, of which this batch may fill
         # ``limit`` rows (rows per request x requests), in any split between requests.
         stride = self.max_rows * self.chunk_cap
-        region, limit = chunk * stride, batch * self.chunk_cap
+        region, limit = chunk * stride, self.region_limit(batch)
         count = self.stage_counts[chunk : chunk + 1]
         h2d = m.cache.host_to_device[layer]
         args = (scores, locs, seq_lens, theta, h2d, start, end, self.stage_ids, count,
@@ -143,7 +142,6 @@ class DecodePrefetcher:
         host = m.host_view if m.host_view is not None else m.host.rows
         total = m.prefetched_rows[layer : layer + 1]
         copy_args = (host[layer], self.stage_rows, self.stage_ids, count, total, region, limit)
-        self._limit = limit
         side = self._side_stream()
         if side is None:
             if chunk == 0:
@@ -171,7 +169,7 @@ class DecodePrefetcher:
         waits for the copies before its recall. On CUDA both run on the side stream: the
         threshold update leaves the main stream's critical path."""
         m = self.manager
-        staged = self._staged(layer, self._limit)
+        staged = self.staged_rows(layer, positions.shape[0])
         side = self._side_stream()
         if side is None:
             self.observe_topk(layer, scores, positions, rows)
@@ -185,11 +183,19 @@ class DecodePrefetcher:
         m.stage_ready(layer, staged, done)
         _used_on(side, scores, positions, rows)
 
-    def _staged(self, layer: int, limit: int) -> StagedRows:
+    def region_limit(self, batch: int) -> int:
+        """Rows a batch of ``batch`` requests may stage per chunk (rows per request x
+        requests, in any split between them)."""
+        return batch * self.chunk_cap
+
+    def staged_rows(self, layer: int, batch: int) -> StagedRows:
+        """The staging of ``layer``'s current step (a batch of ``batch`` requests) as the
+        recall reads it."""
         m = self.manager
         return StagedRows(
             self.stage_rows, self.stage_map, self.stage_ids, self.stage_counts,
-            self.max_rows * self.chunk_cap, limit, m.prefetch_hits[layer : layer + 1],
+            self.max_rows * self.chunk_cap, self.region_limit(batch),
+            m.prefetch_hits[layer : layer + 1],
         )  # fmt: skip
 
     def _side_stream(self) -> torch.cuda.Stream | None:

@@ -62,7 +62,7 @@ class EchoKVCache:
         # runtime says how many request rows there are (bind_request_rows); None = off.
         # Under auto, ``rule`` picks the decode steps it runs in (``decode_prefetch``).
         self.decode_prefetcher: DecodePrefetcher | None = None
-        self.rule = DecodePrefetchRule(device) if config.fuse_decode == "auto" else None
+        self.rule = DecodePrefetchRule(device, num_layers) if config.fuse_decode == "auto" else None
         # Prefill prefetch (SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1), built the same way.
         self.prefill_prefetch: PrefillPrefetcher | None = None
 

@@ -9,13 +9,13 @@ the previous step missed at least ``AUTO_MISS_FRACTION`` of its selections. Deco
 of a running batch select mostly the same tokens, so the last step's misses predict the
 next one's.
 
-The counters are the device cache's cumulative hits and misses (all layers). Before and
-after each decode step their sums are copied to pinned host memory without waiting (the
-difference is the decode step's own, whatever prefill chunks ran in between); the caller
-reads them before the next decode step, when the step's results have long been
-synchronised (sampling reads the logits), so the rule never stalls the device. Under CUDA graphs the
-runner keeps one graph per (batch size, prefetch on or off) and replays the one the rule
-picks.
+The counters are the device cache's cumulative hits and misses per layer. Before and
+after each decode step they are copied to pinned host memory without waiting (two small
+copies, no kernel; the difference is the decode step's own, whatever prefill chunks ran in
+between); the caller reads them before the next decode step, when the step's results have
+long been synchronised (sampling reads the logits), so the rule never stalls the device.
+Under CUDA graphs the runner keeps one graph per (batch size, prefetch on or off) and
+replays the one the rule picks.
 """
 
 from __future__ import annotations
@@ -28,24 +28,27 @@ AUTO_MISS_FRACTION = 0.07
 
 
 class DecodePrefetchRule:
-    def __init__(self, device: torch.device, threshold: float = AUTO_MISS_FRACTION) -> None:
+    def __init__(
+        self, device: torch.device, layers: int, threshold: float = AUTO_MISS_FRACTION
+    ) -> None:
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"miss fraction threshold must be in [0, 1], got {threshold}")
         self.threshold = float(threshold)
         pin = device.type == "cuda"
-        # [before, after] x [hits, misses] of the last decode step
-        self._sums = torch.zeros(2, 2, dtype=torch.int64, pin_memory=pin)
+        # [before, after] x [hits, misses] x layers of the last decode step
+        self._counts = torch.zeros(2, 2, layers, dtype=torch.int64, pin_memory=pin)
         self._pending = False
         self.on = False  # the first decode step has no measurement: off
         self.steps_on = 0
         self.steps = 0
 
     def _snapshot(self, which: int, hits: torch.Tensor, misses: torch.Tensor) -> None:
-        sums = torch.stack((hits.sum(), misses.sum()))
-        self._sums[which].copy_(sums, non_blocking=sums.device.type == "cuda")
+        async_copy = hits.device.type == "cuda"
+        self._counts[which, 0].copy_(hits, non_blocking=async_copy)
+        self._counts[which, 1].copy_(misses, non_blocking=async_copy)
 
     def before_step(self, hits: torch.Tensor, misses: torch.Tensor) -> None:
-        """Enqueue the copy of the counters' sums (device tensors, one entry per layer)."""
+        """Enqueue the copy of the counters (device tensors [layers] int64)."""
         self._snapshot(0, hits, misses)
 
     def after_step(self, hits: torch.Tensor, misses: torch.Tensor) -> None:
@@ -57,7 +60,7 @@ class DecodePrefetchRule:
         Reads the pinned copy (complete once the previous step's results were read)."""
         self.steps += 1
         if self._pending:
-            (h0, m0), (h1, m1) = self._sums.tolist()
+            (h0, m0), (h1, m1) = self._counts.sum(dim=2).tolist()
             d_hits, d_misses = h1 - h0, m1 - m0
             self._pending = False
             selected = d_hits + d_misses
