@@ -240,6 +240,7 @@ def test_lossless_with_decode_prefetch_auto(models):
     print(f"\nauto: prefetch on in {on} of {steps} decode steps; " + _prefetch_summary(reports))
     assert 0 < on < steps  # both modes ran
     assert sum(r["prefetch_hits"] for r in reports) > 0
+    assert sum(r["resolve_evictions"] for r in reports) > 0  # under cache pressure
 
 
 def test_lossless_with_prefill_prefetch(models):
