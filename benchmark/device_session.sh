@@ -79,7 +79,7 @@ run_stage() {
       # per-layer torch release it replaced, at 61 layers x 260K slots x 2M host tokens
       stage release 150 python3 benchmark/kernels/release_bench.py --out /tmp/ds/release ;;
     cache)  # the cache kernels' GPU tests, then their benchmark (launch chaining beside)
-      stage cache 170 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
+      stage cache 260 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
         tests/test_kernel_recall.py tests/test_kernel_topk_rows.py tests/test_pdl.py tests/test_decode_write.py tests/test_kernel_decode_write.py \
         && python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache" ;;
     topk)  # both top-k kernels' tests, the GPU-marked ones too (the pivot's exactness at full

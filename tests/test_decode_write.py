@@ -67,6 +67,56 @@ def test_decode_place_off_writes_the_host_only() -> None:
     assert all(int(kv.cache.host_to_device[0, i]) == ABSENT for i in (6, 7))
 
 
+def _write_prompt(kv: EchoKVCache, first: int, n: int) -> torch.Tensor:
+    rows = torch.randn(n, ROW)
+    kv.write_prompt(0, torch.arange(first, first + n), rows, torch.randn(n, INDEX))
+    assert torch.equal(kv.host.rows[0, first : first + n], rows), "every host row written"
+    return rows
+
+
+def test_a_transferred_prompt_is_placed_while_free_slots_last_and_then_hits() -> None:
+    """Dynamic residency: a decode node's prompt takes free slots (oldest priority), never
+    evicts; a resolve of its placed rows recalls nothing."""
+    kv = _cache(slots=16)
+    c = kv.cache
+    rows = _write_prompt(kv, 1, 10)
+    assert int(c.free_count[0]) == 6 and int(c.append_evictions[0]) == 0
+    for i in range(10):
+        s = int(c.host_to_device[0, 1 + i])
+        assert s != ABSENT and torch.equal(c.rows[0, s], rows[i])
+        assert int(c.priority[0, s]) == 0
+    buffer, slots = kv.resolve(0, torch.tensor([[1, 5, 10, -1]]))
+    assert int(c.misses[0]) == 0 and int(c.recalled_rows[0]) == 0
+    assert torch.equal(buffer[int(slots[0, 2])], rows[9])
+    _write_prompt(kv, 20, 10)  # room for six: the first six in order, the rest host-only
+    placed = [int(c.host_to_device[0, h]) != ABSENT for h in range(20, 30)]
+    assert placed == [True] * 6 + [False] * 4 and int(c.free_count[0]) == 0
+    assert int(c.append_evictions[0]) == 0 and int(c.evictions[0]) == 0
+
+
+def test_under_pressure_placed_prompt_rows_are_the_first_victims() -> None:
+    """Rows a step selected (3, 4: stamped by the resolve) outlive a placed prompt's rows
+    no step selected, though the prompt came later."""
+    kv = _cache(slots=8)
+    c = kv.cache
+    kv.write(0, torch.arange(1, 5), torch.randn(4, ROW), torch.randn(4, INDEX))  # prefill
+    kv.resolve(0, torch.tensor([[1, 2, 3, 4]]))
+    _write_prompt(kv, 10, 4)  # the last four free slots
+    _write_prompt(kv, 20, 1)  # no room: host-only
+    assert int(c.free_count[0]) == 0 and int(c.host_to_device[0, 20]) == ABSENT
+    kv.resolve(0, torch.tensor([[1, 2, 20, -1]]))  # one miss: one victim
+    assert int(c.evictions[0]) == 1
+    assert all(int(c.host_to_device[0, h]) != ABSENT for h in (1, 2, 3, 4, 20))
+    assert sum(int(c.host_to_device[0, h]) == ABSENT for h in range(10, 14)) == 1
+
+
+def test_decode_place_off_leaves_a_transferred_prompt_host_only() -> None:
+    kv = _cache(place=False)
+    _write_prompt(kv, 1, 4)
+    assert all(int(kv.cache.host_to_device[0, h]) == ABSENT for h in range(1, 5))
+    assert int(kv.cache.free_count[0]) == 16
+
+
 def test_a_prefill_write_still_appends_to_the_device_cache() -> None:
     kv = _cache()
     rows = torch.randn(3, ROW)

@@ -139,10 +139,19 @@ def test_decode_node_admits_decodes_releases_without_leaks(worker) -> None:
     assert not node.running and len(req.output) == 5  # finished and released
     assert runner.allocator.num_free == 1200 and runner.table.num_free_rows == 4
 
-    # ECHO with evictions: host rows + device index keys only at admission, no slots.
+    # ECHO with evictions: host rows + device index keys at admission, and rows in free
+    # slots while they last (never evicting): the first request's first 64 here.
     kv, runner, node = _echo_node(cfg, model, directions, 0.5, n_g=64, host=2000)
     reqs = [node.admit(300 + 10 * i, seed=i, max_new_tokens=20) for i in range(4)]
-    assert kv.cache.free_count.tolist() == [64, 64]  # nothing resident before decoding
+    assert kv.cache.free_count.tolist() == [0, 0] and sum(kv.telemetry()["evictions"]) == 0
+    first = torch.tensor(reqs[0].locs)
+    placed = kv.cache.host_to_device[:, first] != ABSENT
+    assert placed[:, :64].all() and not placed[:, 64:].any()
+    for layer in range(2):
+        slots = kv.cache.host_to_device[layer, first[:64]].long()
+        assert torch.equal(kv.cache.rows[layer, slots], kv.host.rows[layer, first[:64]])
+    for r in reqs[1:]:
+        assert (kv.cache.host_to_device[:, torch.tensor(r.locs)] == ABSENT).all()
     host_rows, keys = SyntheticKV(cfg, directions, Locality(0.5), torch.float32, "cpu").rows(
         1, 320, seed=2
     )

@@ -6,7 +6,11 @@ up, protect, evict, allocate, map, recall). Beside it, the step as it was before
 tokens left the append's allocation (append + resolve), and the launch variants of
 kernels/pdl.py (chained or not, relaxed or ordered atomics) at batch 1 and 4 too.
 Selections come from a synthetic trace with a set per-step reuse (hit rate), each request
-drawing from its own context. Measured: the Triton cache kernels (management alone, the
+drawing from its own context. One graph holds ``--group`` consecutive layer-steps (as a
+model's decode graph holds one per layer) and a replay's time is divided by them: a lone
+layer-step per replay would count the graph launch's own fixed cost, which a decode step
+pays once for all its layers (``graph_replay_floor_us`` times it, with one no-op kernel,
+and ``launch_floor_us`` a chain of such kernels per layer-step: the floor of the launches). Measured: the Triton cache kernels (management alone, the
 target's scope: <= 4 us per layer-step; and with the recall), the torch reference, the
 sort exact LRU would need, and the hit rates of the victim policies on one trace. Small
 batches also time the one-program path against the five-launch pipeline (target: <= 8 us
@@ -25,6 +29,8 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,6 +40,7 @@ from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.alloc import ONE_PROGRAM_LANES, STAGES, AllocWorkspace, allocate_kernel
+from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 from sglang_echo.offload.echo_cache import EchoKVCache
 
 
@@ -137,6 +144,7 @@ def measure(
     part: str,
     shape: dict | None = None,
     fill: bool = True,
+    group: int | None = None,
 ) -> dict:
     """Median time per layer-step of ``part``, graph-replayed, and the trace's hit rate:
     "management", the two allocations only (append, resolve); "step", append + resolve
@@ -146,37 +154,41 @@ def measure(
     allocation pass either way).
     ``shape``: the kernels' launch shape (AllocWorkspace's lane_block, slot_block,
     num_warps, pdl, atomic_sem) instead of the default. ``fill=False``: the cache starts
-    empty, so below its capacity nothing is evicted (the no-pressure path)."""
+    empty, so below its capacity nothing is evicted (the no-pressure path). ``group``:
+    layer-steps per graph replay (default ``--group``; 1 is the records' old definition,
+    which counts a graph launch per layer-step)."""
     cache = _cache(args, dev, _host_tokens(args), use_kernels, shape)
     if fill:
         _fill(cache, args, dev)
     m = cache.manager
-    sel = torch.empty_like(trace[0])
-    new_locs = torch.empty(args.batch, dtype=torch.int64, device=dev)
+    group = args.group if group is None else group
+    sels = [torch.empty_like(trace[0]) for _ in range(group)]
+    new_locs = [torch.empty(args.batch, dtype=torch.int64, device=dev) for _ in range(group)]
     new_rows = torch.randn(args.batch, 576, device=dev, dtype=torch.bfloat16)
     keys = torch.randn(args.batch, 128, device=dev, dtype=torch.bfloat16)
     next_loc = args.batch * args.context + 1
 
-    def step() -> None:
+    def step(i: int) -> None:
+        sel, locs = sels[i], new_locs[i]
         if part == "management":
-            m._allocate(0, new_locs, append=True)
+            m._allocate(0, locs, append=True)
             m._allocate(0, sel.reshape(-1), append=False)
         elif part == "resolve":
             m._allocate(0, sel.reshape(-1), append=False)
         else:
-            cache.write(0, new_locs, new_rows, keys, decode=part == "decode_step")
+            cache.write(0, locs, new_rows, keys, decode=part == "decode_step")
             cache.resolve(0, sel)
 
-    def load(t: int) -> None:
+    def load(i: int, t: int) -> None:
         nonlocal next_loc
-        sel.copy_(trace[t])
-        new_locs.copy_(torch.arange(next_loc, next_loc + args.batch, device=dev))
+        sels[i].copy_(trace[t])
+        new_locs[i].copy_(torch.arange(next_loc, next_loc + args.batch, device=dev))
         next_loc += args.batch
 
-    half = args.steps // 2  # eager warm-up: fills the cache, reaches steady state
-    for t in range(half):
-        load(t)
-        step()
+    warm = args.warmup_steps  # eager warm-up: fills the cache, reaches steady state
+    for t in range(warm):
+        load(0, t)
+        step(0)
     c = cache.cache
     hits0, misses0 = c.hits.sum().item(), c.misses.sum().item()
     evicted0 = (c.evictions.sum() + c.append_evictions.sum()).item()
@@ -185,29 +197,70 @@ def measure(
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            step()
+            for i in range(group):
+                step(i)
     times = []
-    for t in range(half, args.steps):
-        load(t)
+    timed = 0
+    for t0 in range(warm, trace.shape[0] - group + 1, group):
+        for i in range(group):
+            load(i, t0 + i)
+        timed += group
         if not on_gpu:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e6)
+            start_s = time.perf_counter()
+            for i in range(group):
+                step(i)
+            times.append((time.perf_counter() - start_s) * 1e6 / group)
             continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
+        times.append(start.elapsed_time(end) * 1000 / group)
+    if not times:
+        raise ValueError(f"the trace has no {group} steps past the {warm} warm-up steps")
     hits, misses = c.hits.sum().item() - hits0, c.misses.sum().item() - misses0
     return {
         "us": statistics.median(times),
         "us_min": min(times),
+        "layer_steps_per_replay": group,
+        "replays": len(times),
         "hit_rate": hits / max(1, hits + misses),
         "evictions_per_step": ((c.evictions.sum() + c.append_evictions.sum()).item() - evicted0)
-        / max(1, args.steps - half),
+        / max(1, timed),
     }
+
+
+@triton.jit
+def _noop_kernel(counter_ptr, PDL: tl.constexpr):
+    """The least a dependent launch can do: wait for its predecessor, bump a counter."""
+    pdl_prologue(PDL)
+    tl.store(counter_ptr, tl.load(counter_ptr) + 1)
+
+
+def launch_floor(args, dev: torch.device, launches: int, group: int) -> float:
+    """Median us per layer-step of ``launches`` chained no-op launches (the allocation's
+    launch chain with no work), ``group`` layer-steps per graph replay: what no pipeline of
+    that many dependent launches can beat. group=1, launches=1: a graph replay's own fixed
+    cost under this timing."""
+    pdl = use_pdl(dev)
+    counter = torch.zeros(1, dtype=torch.int64, device=dev)
+    for _ in range(3):  # compile, warm up
+        _noop_kernel[(1,)](counter, PDL=pdl, launch_pdl=pdl)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(group * launches):
+            _noop_kernel[(1,)](counter, PDL=pdl, launch_pdl=pdl)
+    times = []
+    for _ in range(max(20, args.replays)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / group)
+    return statistics.median(times[2:])
 
 
 # Launch variants timed beside the default (kernels/pdl.py): chained launches and relaxed
@@ -286,11 +339,11 @@ def stage_breakdown(args, dev: torch.device, trace: torch.Tensor) -> dict[str, f
     keys = torch.randn(args.batch, 128, device=dev, dtype=torch.bfloat16)
     next_loc = args.batch * args.context + 1
     per_stage: dict[str, list[float]] = {name: [] for name in STAGES}
-    for t in range(args.steps):
+    for t in range(trace.shape[0]):
         new_locs = torch.arange(next_loc, next_loc + args.batch, device=dev)
         next_loc += args.batch
         cache.write(0, new_locs, new_rows, keys)
-        if t < args.steps // 2:
+        if t < args.warmup_steps:
             cache.resolve(0, trace[t])
             continue
         torch.cuda.synchronize()
@@ -358,7 +411,17 @@ def main() -> None:
         help="extra victims per evicting step (SGLANG_ECHO_EVICTION_RESERVE; 0: none; "
         "default: the product's, N_G / 32 up to 8192)",
     )
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument(
+        "--warmup-steps", type=int, default=20, help="eager steps before timing (steady state)"
+    )
+    p.add_argument("--replays", type=int, default=10, help="timed graph replays per figure")
+    p.add_argument(
+        "--group",
+        type=int,
+        default=8,
+        help="layer-steps per graph replay (a decode graph holds one per layer); the record "
+        "also keeps the headline figures at 1, the old definition",
+    )
     p.add_argument(
         "--policy-slots",
         type=int,
@@ -385,6 +448,9 @@ def main() -> None:
     if args.plot_only:
         print(plot(Path(args.plot_only)))
         return
+    if min(args.warmup_steps, args.replays - 1, args.group - 1) < 0:
+        p.error("--warmup-steps must be >= 0, --replays and --group >= 1")
+    args.steps = args.warmup_steps + args.replays * args.group  # the traces' length
     dev = torch.device(args.device)
     trace = make_trace(args.steps, args.batch, args.topk, args.context, args.reuse).to(dev)
     on_gpu = dev.type == "cuda"
@@ -407,6 +473,45 @@ def main() -> None:
     runs["kernels_batch_1_no_eviction"] = measure(
         one, dev, one_trace, on_gpu, "resolve", fill=False
     )
+    # Dynamic residency at low load: a decode node places a request's prompt in free slots
+    # (EchoManager.write_prompt), so every selection is resident and a step only looks up.
+    resident = argparse.Namespace(**{**vars(one), "reuse": 1.0})
+    resident_trace = make_trace(one.steps, 1, one.topk, one.context, 1.0).to(dev)
+    runs["kernels_batch_1_resident"] = measure(
+        resident, dev, resident_trace, on_gpu, "resolve", fill=False
+    )
+    # The one program's width where it only looks up (16 warps is the default).
+    resident_by_warps = (
+        {
+            str(w): measure(
+                resident, dev, resident_trace, on_gpu, "resolve", {"one_program_warps": w}, False
+            )["us"]
+            for w in (4, 8, 16)
+        }
+        if on_gpu
+        else None
+    )
+    runs["kernels_batch_1_resident_with_recall"] = measure(
+        resident, dev, resident_trace, on_gpu, "decode_step", fill=False
+    )
+    # The old definition (one layer-step per replay: a graph launch each) beside.
+    runs["kernels_decode_management_single_replay"] = measure(
+        args, dev, trace, on_gpu, "resolve", group=1
+    )
+    runs["kernels_batch_1_no_eviction_single_replay"] = measure(
+        one, dev, one_trace, on_gpu, "resolve", fill=False, group=1
+    )
+    floors = (
+        {
+            "graph_replay_floor_us": launch_floor(args, dev, 1, 1),
+            "launch_floor_us": {
+                str(n): launch_floor(args, dev, n, args.group) for n in (1, len(STAGES))
+            },
+        }
+        if on_gpu
+        else {}
+    )
+    print("launch floors:", floors)
     chaining = chaining_study(args, dev) if on_gpu else None
     sweep = shape_sweep(args, dev, trace) if args.sweep and on_gpu else None
     # The timing runs use a full cache; the policy study needs one smaller than the trace's
@@ -445,7 +550,18 @@ def main() -> None:
         "hit_rate": runs["kernels_decode_management"]["hit_rate"],
         "target_us": 8.0,
         "us_per_layer_step_batch_1_no_eviction": runs["kernels_batch_1_no_eviction"]["us"],
+        "us_per_layer_step_batch_1_resident": runs["kernels_batch_1_resident"]["us"],
+        "us_per_layer_step_batch_1_resident_with_recall": runs[
+            "kernels_batch_1_resident_with_recall"
+        ]["us"],
+        "us_batch_1_resident_by_one_program_warps": resident_by_warps,
         "target_us_batch_1_no_eviction": 4.0,
+        "layer_steps_per_replay": args.group,
+        "us_per_layer_step_single_replay": runs["kernels_decode_management_single_replay"]["us"],
+        "us_per_layer_step_batch_1_no_eviction_single_replay": runs[
+            "kernels_batch_1_no_eviction_single_replay"
+        ]["us"],
+        **floors,
         "one_program_lanes": ONE_PROGRAM_LANES,
         "one_program_study": one_program,
         "victim_policies": policies,

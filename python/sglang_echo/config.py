@@ -231,8 +231,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         ENV_DECODE_PLACE, "decode_place", "1", "runtime", False,
         "`1`: a decode step's new tokens are written to the host pool and, while free "
-        "slots last, to the device cache in the same launch (`kernels/decode_write.py`); "
-        "`0`: host only (the step's resolve recalls each one it selects)",
+        "slots last, to the device cache in the same launch (`kernels/decode_write.py`), "
+        "and a decode node's transferred prompt is placed in free slots too (never "
+        "evicting; oldest priority); `0`: host only (the step's resolve recalls each row "
+        "it selects)",
         parse_switch_on,
     ),
     Variable(

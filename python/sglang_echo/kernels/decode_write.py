@@ -31,6 +31,9 @@ import triton.language as tl
 
 from sglang_echo.kernels.cache_layout import ABSENT, FREE, CacheState
 
+# Priority of a transferred prompt's placed rows (decode_write_reference): older than any
+# stamp a resolve or an append gives (clocks start at 0 and a resolve stamps clock + 1).
+PROMPT_PRIORITY = 0
 WRITE_LANES = 16  # rows per step of the one program's loop
 WRITE_WARPS = 4
 _ABSENT = tl.constexpr(ABSENT)
@@ -134,10 +137,17 @@ def decode_write_reference(
     rows: torch.Tensor,
     host_rows: torch.Tensor,
     dev_rows: torch.Tensor,
+    priority_of_placed: int | None = None,
 ) -> None:
     """Plain torch (fixed shapes, no host synchronisation) of :func:`decode_write_kernel`.
     ``host_rows`` may live on the CPU while the rest is on a device (the CPU path's pool);
-    the cache's scratch entries are left at their resting values."""
+    the cache's scratch entries are left at their resting values.
+
+    ``priority_of_placed``: the priority placed rows get instead of the layer's clock. A
+    decode node's transferred prompt is placed with 0 (``PROMPT_PRIORITY``), the oldest a
+    slot can be, so under pressure its never-selected rows are the first victims; torch
+    is this path's implementation too (a prompt is written once, eagerly, at any length,
+    where the kernel's single program would loop over every row)."""
     _check(rows, locs, host_rows, dev_rows)
     if locs.numel() == 0:
         return
@@ -162,7 +172,8 @@ def decode_write_reference(
     dev_rows.index_copy_(0, dest, rows)
     host_to_device.scatter_(0, torch.where(placed, loc, scratch_host), slot.to(torch.int32))
     device_to_host.scatter_(0, slot, torch.where(placed, loc, FREE).to(torch.int32))
-    priority.scatter_(0, slot, torch.where(placed, clock.reshape(()), FREE))
+    stamp = clock.reshape(()) if priority_of_placed is None else priority_of_placed
+    priority.scatter_(0, slot, torch.where(placed, stamp, FREE))
     host_to_device.narrow(0, scratch_host, 1).fill_(ABSENT)
     device_to_host.narrow(0, scratch_slot, 1).fill_(FREE)
     priority.narrow(0, scratch_slot, 1).fill_(FREE)

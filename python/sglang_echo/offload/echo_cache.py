@@ -126,12 +126,16 @@ class EchoKVCache:
     def write_prompt(
         self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
     ) -> None:
-        """A decode node's transferred prompt: index keys on the device and MLA rows in the
-        host pool only, no device slots. A prompt of 100K tokens would otherwise take 100K
-        slots per layer through ``append`` (evicting every other request's working set, or
-        not fitting at all); the first decode step recalls what the top-k selects."""
+        """A decode node's transferred prompt: index keys on the device, MLA rows in the
+        host pool and, with ``decode_place``, in free device slots while they last (never
+        evicting: ``EchoManager.write_prompt``). Through ``append`` a prompt of 100K tokens
+        would take 100K slots per layer (evicting every other request's working set, or not
+        fitting at all); what is not placed, the first decode step recalls when selected."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        self.manager.write_host(layer, locs, self._stored(kv_rows))
+        if self.config.decode_place:
+            self.manager.write_prompt(layer, locs, self._stored(kv_rows))
+        else:
+            self.manager.write_host(layer, locs, self._stored(kv_rows))
 
     @property
     def kv_dtype(self) -> torch.dtype:

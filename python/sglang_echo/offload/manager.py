@@ -27,7 +27,11 @@ from sglang_echo.kernels.alloc import (
 )
 from sglang_echo.kernels.decode_prefetch import count_prefetch_hits, count_prefetch_hits_reference
 from sglang_echo.kernels.decode_stage import StagedRows, staged_entries
-from sglang_echo.kernels.decode_write import decode_write_kernel, decode_write_reference
+from sglang_echo.kernels.decode_write import (
+    PROMPT_PRIORITY,
+    decode_write_kernel,
+    decode_write_reference,
+)
 from sglang_echo.kernels.release import release_kernel, release_reference
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
@@ -116,6 +120,21 @@ class EchoManager:
         ids = locs.reshape(-1).to(torch.int64)
         rows = rows.reshape(ids.numel(), -1).to(c.rows.dtype)
         write(c, layer, ids, rows, host[layer], c.rows[layer])
+
+    def write_prompt(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
+        """A decode node's transferred prompt: host rows, and device slots while the free
+        stack has room, never evicting (dynamic residency: at low load a request's whole
+        prompt stays on the device and its decode steps only look up). Placed rows get the
+        oldest priority, so under pressure the ones no step selected go first. Torch, not
+        the one-program kernel: written once per request, eagerly, at any length."""
+        self._join(layer)
+        c = self.cache
+        host = self.host_view if self.host_view is not None else self.host.rows
+        ids = locs.reshape(-1).to(torch.int64)
+        rows = rows.reshape(ids.numel(), -1).to(c.rows.dtype)
+        decode_write_reference(
+            c, layer, ids, rows, host[layer], c.rows[layer], priority_of_placed=PROMPT_PRIORITY
+        )
 
     def _read_host(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         if self.host_view is not None:
