@@ -12,6 +12,7 @@ import torch
 from benchmark.e2e.plan import Engine, StudyPlan
 from benchmark.e2e.timing import EventTimer
 from sglang_echo.config import EchoConfig
+from sglang_echo.kernels.decode_write import PROMPT_PRIORITY
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.offload.hisparse_cache import HiSparseKVCache
 from sglang_echo.runtime.kv_factory import echo_cache_for_model
@@ -82,6 +83,17 @@ def eviction_counter(kv) -> torch.Tensor | None:
         return kv.evictions
     cache = getattr(kv, "cache", None)
     return cache.evictions if cache is not None else None
+
+
+def placed_unselected(kv) -> int:
+    """Device slots of an ECHO cache that hold a transferred prompt's row no step has
+    selected yet (still at the placement's priority): 0 for other backends."""
+    cache = getattr(kv, "cache", None)
+    if cache is None or isinstance(kv, HiSparseKVCache):
+        return 0
+    n = cache.num_slots
+    occupied = cache.device_to_host[:, 1 : n + 1] >= 1
+    return int((occupied & (cache.priority[:, 1 : n + 1] == PROMPT_PRIORITY)).sum())
 
 
 def leak_free(eng: Engine, kv, runner: StepRunner) -> bool:

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmark.e2e.engines import build, eviction_counter, kv_device_bytes, leak_free
+from benchmark.e2e.engines import (
+    build,
+    eviction_counter,
+    kv_device_bytes,
+    leak_free,
+    placed_unselected,
+)
 from benchmark.e2e.plan import Engine, Phase, StudyPlan, prompt_len, tag
 from benchmark.e2e.profiler import profile_breakdown
 from benchmark.e2e.timing import elapsed, log, median, spread
@@ -181,10 +187,15 @@ class DecodeBench:
         filled = 0
         counters = eviction_counter(kv)
         if counters is not None and phase.fill:
-            # Steady state: a cache that has not filled yet never evicts. Warm up on until
-            # it does (or fill_max steps), so the measured steps pay evictions.
+            # Steady state: a cache that has not filled yet never evicts, and one that still
+            # holds placed prompt rows no step selected (ECHO places a transferred prompt in
+            # free slots; they are the first victims) has less room for selected rows than
+            # it will have. Warm up on until it evicts and those rows are gone (or fill_max
+            # steps), so the measured steps pay a steady state's evictions.
             start = int(counters.sum())
-            while filled < a.fill_max and int(counters.sum()) == start:
+            while filled < a.fill_max and (
+                int(counters.sum()) == start or placed_unselected(kv) > 0
+            ):
                 node.step()
                 filled += 1
         moes = [m for m in self.model.modules() if isinstance(m, LocalRoutedMoE)]

@@ -304,7 +304,8 @@ def chaining_study(args, dev: torch.device) -> dict:
 
 # Small batches: the one-program kernel against the five-launch pipeline (AllocWorkspace's
 # one_program_lanes), the resolve's management alone, on an empty cache (nothing evicted:
-# the low-load case) and on a full one (steady state: an eviction every few steps).
+# the low-load case), on a full one (steady state: an eviction every few steps) and with
+# every selection resident (look-ups only).
 ONE_PROGRAM_BATCHES = (1, 2, 4, 8)
 
 
@@ -315,6 +316,9 @@ def one_program_study(args, dev: torch.device) -> dict:
     for batch in ONE_PROGRAM_BATCHES:
         a = argparse.Namespace(**{**vars(args), "batch": batch})
         tr = make_trace(a.steps, batch, a.topk, a.context, a.reuse).to(dev)
+        # Every selection resident (a decode node's placed prompts at low load): look-ups.
+        resident = argparse.Namespace(**{**vars(a), "reuse": 1.0})
+        resident_tr = make_trace(a.steps, batch, a.topk, a.context, 1.0).to(dev)
         row: dict = {"lanes": batch * a.topk}
         for name, lanes in (("pipeline", 0), ("one_program", 1 << 30)):
             shape = {"one_program_lanes": lanes}
@@ -324,6 +328,9 @@ def one_program_study(args, dev: torch.device) -> dict:
                 timed = measure(a, dev, tr, True, "resolve", shape, fill)
                 row[f"{key}_us"] = timed["us"]
                 row[f"{key}_evictions_per_step"] = timed["evictions_per_step"]
+            timed = measure(resident, dev, resident_tr, True, "resolve", shape, False)
+            row[f"{name}_resident_us"] = timed["us"]
+            row[f"{name}_resident_hit_rate"] = timed["hit_rate"]
         out[f"batch_{batch}"] = row
         print(f"one-program study, batch {batch}: {row}")
     return out
