@@ -42,6 +42,9 @@ CONFIGS = {
     "bf16-pd": dict(fp8=False, mode="pd"),
     "fp8-local": dict(fp8=True, mode="local"),
     "bf16-local": dict(fp8=False, mode="local"),
+    # The decode prefetch's switch on: staged from the toy indexer's logits through the
+    # plugin's hook (side stream, stage kernels and the recall's staged path in the graphs).
+    "fp8-pd-prefetch": dict(fp8=True, mode="pd", prefetch=True),
 }
 
 
@@ -123,6 +126,14 @@ def run_config(name: str, cfg, device: str, group) -> dict:
         "misses": misses,
         "launches_per_layer_step": launches or None,
         "release_errors": int(coord.manager.release_errors.item()),
+        "decode_prefetch": cfg.prefetch,
+        # Whether sglang's own Indexer._get_topk_paged took the hook on this machine (the
+        # loop calls the hook function itself, as the wrapped method would).
+        "indexer_hook_applied": bool(
+            coord.decode_prefetch is not None and coord.decode_prefetch.hook_applied
+        ),
+        "prefetched_rows": int(coord.manager.prefetched_rows.sum()),
+        "prefetch_hits": int(coord.manager.prefetch_hits.sum()),
         "left_clean": clean,
         "seconds": round(time.perf_counter() - start, 2),
     }

@@ -52,6 +52,9 @@ class HarnessConfig:
     graph_sizes: tuple[int, ...] = (1, 2, 4)
     graphs: bool = True
     seed: int = 0
+    # SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1: the ECHO side's top-k goes through the plugin's
+    # indexer hook (sglang/decode_prefetch.py), staging from the toy indexer's logits.
+    prefetch: bool = False
 
     @property
     def host_tokens(self) -> int:
@@ -143,7 +146,7 @@ class DecodeLoop:
         for layer in range(self.cfg.layers):
             nope, rope = m.kv(layer, tok, pos)
             side.write(layer, loc, nope, rope)
-            topk, weights = m.select(layer, context, seq, tok)
+            topk, weights = side.select(m, layer, context, req, seq, tok)
             table = side.table(layer, req, seq, topk)
             valid = table >= 0
             rows = side.rows(layer)[table.clamp(min=0).to(torch.int64)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from array import array
+from types import SimpleNamespace
 
 import torch
 
@@ -97,6 +98,32 @@ def torch_backup(coordinator) -> None:
     coordinator.mem_pool_host.backup_from_device_all_layer = backup_from_device_all_layer
 
 
+class _DecodeMode:
+    """sglang's ForwardMode as the indexer hook asks it: a decode batch."""
+
+    def is_decode(self) -> bool:
+        return True
+
+
+class _TopkMetadata:
+    """sglang's indexer metadata as the hook sees it: its top-k over the logits."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def topk_transform(self, logits: torch.Tensor, topk: int) -> torch.Tensor:
+        return self.model.top(logits)
+
+
+def _paged_topk(scores: torch.Tensor):
+    """``Indexer._get_topk_paged`` of the toy indexer: its logits are ``scores``."""
+
+    def get_topk_paged(indexer, forward_batch, layer_id, q_fp8, weights, metadata):
+        return metadata.topk_transform(scores, scores.shape[1])
+
+    return get_topk_paged
+
+
 class EchoSide:
     name = "echo"
 
@@ -104,7 +131,7 @@ class EchoSide:
         from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
         from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
 
-        from sglang_echo.config import reset_settings
+        from sglang_echo.config import ENV_FUSE_DECODE, reset_settings
         from sglang_echo.sglang.coordinator import EchoCoordinator
 
         self.cfg, self.device = cfg, device
@@ -120,6 +147,7 @@ class EchoSide:
         )
         self.req_to_token = make_req_to_token(cfg, device)
         os.environ["NSA_DEV_CACHE_SIZE"] = str(cfg.dev_cache)
+        os.environ[ENV_FUSE_DECODE] = "1" if cfg.prefetch else "0"
         reset_settings()
         self.coord = EchoCoordinator(
             self.req_to_token,
@@ -209,6 +237,23 @@ class EchoSide:
 
     def write(self, layer: int, out_cache_loc, nope, rope) -> None:
         self.pool.set_mla_kv_buffer(self.layers[layer], out_cache_loc, nope, rope)
+
+    def select(self, model, layer: int, context, req_pool_indices, seq_lens, current):
+        """The toy indexer's top-k and weights; with the decode prefetch on, its top-k
+        runs through the plugin's hook on sglang's ``Indexer._get_topk_paged``, as
+        sglang's decode would (staging from the logits around the unchanged top-k)."""
+        if self.coord.decode_prefetch is None:
+            return model.select(layer, context, seq_lens, current)
+        from sglang_echo.sglang.decode_prefetch import topk_with_decode_prefetch
+
+        scores = model.scores(layer, context, seq_lens, current)
+        batch = SimpleNamespace(
+            forward_mode=_DecodeMode(), req_pool_indices=req_pool_indices, seq_lens=seq_lens
+        )
+        topk = topk_with_decode_prefetch(
+            _paged_topk(scores), None, batch, layer, None, None, _TopkMetadata(model)
+        )
+        return topk, model.weights(scores, topk)
 
     def table(self, layer: int, req_pool_indices, seq_lens, topk) -> torch.Tensor:
         return self.coord.swap_in_selected_pages(req_pool_indices, seq_lens, topk, layer)
@@ -315,6 +360,9 @@ class PlainSide:
 
     def write(self, layer: int, out_cache_loc, nope, rope) -> None:
         self.pool.set_mla_kv_buffer(self.layers[layer], out_cache_loc, nope, rope)
+
+    def select(self, model, layer: int, context, req_pool_indices, seq_lens, current):
+        return model.select(layer, context, seq_lens, current)
 
     def table(self, layer: int, req_pool_indices, seq_lens, topk) -> torch.Tensor:
         rows = torch.arange(topk.shape[0], device=topk.device)

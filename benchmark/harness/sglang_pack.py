@@ -64,6 +64,8 @@ CHAIN: tuple[tuple[str, str | None], ...] = (
         "sglang.srt.managers.scheduler_components.batch_result_processor",
         "SchedulerBatchResultProcessor",
     ),
+    # With the decode prefetch on, it hooks the DSA indexer's paged top-k too.
+    ("sglang.srt.layers.attention.dsa.dsa_indexer", "Indexer"),
 )
 
 # Folders sglang checks for at import (sglang.kernels.jit.utils.compile.paths raises

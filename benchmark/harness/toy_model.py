@@ -69,19 +69,35 @@ class ToyModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Top-k positions [bs, K] int32 (-1: none; sequences shorter than K) and their
         softmax weights [bs, K] float32, over positions < seq_len (current one included)."""
-        s = self.shape
+        scores = self.scores(layer, context_tokens, seq_lens, current)
+        positions = self.top(scores)
+        return positions, self.weights(scores, positions)
+
+    def scores(
+        self, layer: int, context_tokens: torch.Tensor, seq_lens: torch.Tensor,
+        current: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The indexer's logits [bs, max_context] float32 (-inf past each sequence)."""
         scores = (
             self.position_score[layer][None, :]
             + self.token_score[layer][context_tokens]
             + self.query_score[layer][current][:, None] * self.wave[None, :]
         )
         live = self.positions[None, :] < seq_lens[:, None]
-        scores = torch.where(live, scores, torch.full_like(scores, float("-inf")))
-        values, positions = torch.topk(scores, s.top_k, dim=1, sorted=True)
+        return torch.where(live, scores, torch.full_like(scores, float("-inf")))
+
+    def top(self, scores: torch.Tensor) -> torch.Tensor:
+        """The exact top-k positions [bs, K] int32 of ``scores`` (-1: fewer live keys)."""
+        values, positions = torch.topk(scores, self.shape.top_k, dim=1, sorted=True)
         picked = values > float("-inf")
-        positions = torch.where(picked, positions, torch.full_like(positions, -1))
+        return torch.where(picked, positions, torch.full_like(positions, -1)).to(torch.int32)
+
+    def weights(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Softmax weights [bs, K] float32 of the selected positions' scores (0: none)."""
+        picked = positions >= 0
+        values = torch.gather(scores, 1, positions.clamp(min=0).to(torch.int64))
         weights = torch.softmax(torch.where(picked, values, torch.full_like(values, -1e30)), 1)
-        return positions.to(torch.int32), torch.where(picked, weights, torch.zeros_like(weights))
+        return torch.where(picked, weights, torch.zeros_like(weights))
 
     def attend(self, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """rows [bs, K, W] (any dtype; read as numbers, zero where nothing was selected),

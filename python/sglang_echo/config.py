@@ -205,7 +205,7 @@ VARIABLES: tuple[Variable, ...] = (
         "with ECHO, decode intra-query prefetch (output unchanged): `1` every step (likely "
         "misses are staged while the indexer runs), `auto` on decode steps after one that "
         "missed >= 7% of its selections (where it paid on an H200), `0` off; the SGLang "
-        "plugin logs it as not available yet",
+        "plugin stages from sglang's own indexer logits with `1` and runs `auto` as `0`",
         parse_choice(DECODE_PREFETCH_MODES),
     ),
     Variable(

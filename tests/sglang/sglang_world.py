@@ -342,9 +342,13 @@ class DecodeNode:
         discard_kv_cache_backup(self.retracted.pop(rid).req, None, "none")
 
     # ------------------------------------------------------------ decode step
-    def step(self, rids: list[str], padded_bs: int, topk_for) -> list[torch.Tensor]:
+    def step(
+        self, rids: list[str], padded_bs: int, topk_for=None, select=None
+    ) -> list[torch.Tensor]:
         """One decode step of ``rids`` (padded to ``padded_bs`` as a CUDA-graph replay
-        pads). ``topk_for(layer, rid, seq_len)`` gives each request's selections.
+        pads). ``topk_for(layer, rid, seq_len)`` gives each request's selections, or
+        ``select(layer, req_pool_indices, seq_lens)`` the whole [padded_bs, top_k] table
+        (as sglang's indexer computes it, padding rows included).
         Returns each layer's [padded_bs, top_k] row table."""
         reqs = [self.running[r].req for r in rids]
         bs = len(reqs)
@@ -374,12 +378,15 @@ class DecodeNode:
         pad_seq = torch.cat((seq, torch.ones(pad, dtype=torch.int64)))
         tables = []
         for layer in range(self.layers):
-            topk = torch.full((padded_bs, self.top_k), -1, dtype=torch.int32)
-            for i, rid in enumerate(rids):
-                sel = topk_for(layer, rid, int(seq[i]))
-                topk[i, : sel.numel()] = sel
-            # Padding rows carry garbage selections that must be ignored.
-            topk[bs:] = torch.randint(0, 8, (pad, self.top_k), generator=self.gen)
+            if select is not None:
+                topk = select(layer, pad_idx, pad_seq)
+            else:
+                topk = torch.full((padded_bs, self.top_k), -1, dtype=torch.int32)
+                for i, rid in enumerate(rids):
+                    sel = topk_for(layer, rid, int(seq[i]))
+                    topk[i, : sel.numel()] = sel
+                # Padding rows carry garbage selections that must be ignored.
+                topk[bs:] = torch.randint(0, 8, (pad, self.top_k), generator=self.gen)
             table = self.coord.swap_in_selected_pages(pad_idx, pad_seq, topk, layer)
             tables.append((topk.clone(), table.clone()))
         return tables

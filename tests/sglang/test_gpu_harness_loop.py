@@ -60,6 +60,29 @@ def test_echo_loop_equals_the_plain_loop_under_eviction(fp8, mode):
         assert launches and launches.get("_recall_flat_kernel") == 1, launches
 
 
+def test_the_decode_prefetch_stages_through_the_indexer_hook_and_changes_nothing():
+    """SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1: the toy indexer's top-k goes through the
+    plugin's hook (on the GPU: the side stream, the stage kernels and the recall's staged
+    path inside the decode graphs); outputs stay bit-identical under eviction and staged
+    rows serve misses."""
+    import torch.distributed as dist
+
+    from sglang_echo.sglang import decode_prefetch
+
+    cfg = HarnessConfig(fp8=True, mode="pd", prefetch=True, **TINY)
+    try:
+        result = run_config("fp8-pd-prefetch", cfg, DEVICE, dist.group.WORLD)
+    finally:
+        decode_prefetch.uninstall_decode_prefetch()
+    assert result["equal"], result["first_difference"]
+    assert result["evictions_total"] > 0 and result["misses"] > 0
+    assert result["decode_prefetch"] and result["prefetched_rows"] > 0
+    assert 0 < result["prefetch_hits"] <= result["misses"]
+    assert result["left_clean"] and result["release_errors"] == 0
+    if DEVICE == "cuda":
+        assert result["steps"]["graph_replays"] > 0
+
+
 def test_a_wrong_row_in_the_table_is_caught(monkeypatch):
     """The comparison can fail: ECHO's table with two selections swapped in one layer
     (each row still a real row of the request) must change the logits."""

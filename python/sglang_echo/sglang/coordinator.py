@@ -35,10 +35,11 @@ from contextlib import contextmanager
 import sglang.srt.managers.hisparse_coordinator as hisparse
 import torch
 
-from sglang_echo.config import ENV_DEV_CACHE, ConfigError, settings
+from sglang_echo.config import ENV_DEV_CACHE, ConfigError, decode_prefetch_mode, settings
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.sglang import retraction
 from sglang_echo.sglang.args import ECHO_EXTRA_KEY
+from sglang_echo.sglang.decode_prefetch import install_decode_prefetch, uninstall_decode_prefetch
 from sglang_echo.sglang.guards import capacity_problems, decode_graphs_enabled, graph_problem
 from sglang_echo.sglang.prefill_budget import EchoPrefillBudget
 from sglang_echo.sglang.retraction import KeptHostIds, install_retraction
@@ -162,12 +163,12 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         if not self.is_cuda:
             self._use_torch_transfers()
         self._drop_per_request_buffers()
-        settings = echo_settings()
-        self.num_slots = int(settings[ECHO_EXTRA_KEY])
+        plan = echo_settings()
+        self.num_slots = int(plan[ECHO_EXTRA_KEY])
         self.reserved_host_ids = self._reserve_host_pages()
         self.reserved_logical_ids = self._match_logical_to_host()
         problems = capacity_problems(
-            settings,
+            plan,
             device_rows=self.mem_pool_device.size,
             host_tokens=self.mem_pool_host.available_size(),
         )
@@ -229,6 +230,19 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         self._unclaimed: dict[int, KeptHostIds] = {}
         install_step_release()
         install_retraction()
+        # SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1: stage predicted misses from sglang's own
+        # indexer logits while its top-k runs (sglang/decode_prefetch.py).
+        self.decode_prefetch = (
+            install_decode_prefetch(self)
+            if decode_prefetch_mode(settings().fuse_decode) == "1"
+            else uninstall_decode_prefetch()
+        )
+        if self.decode_prefetch is not None:
+            logger.info(
+                "sglang-echo: decode prefetch on (staged from sglang's indexer logits); its "
+                "staging buffer holds %.1f MB on the device",
+                self.decode_prefetch.nbytes / 1e6,
+            )
         self._patch_decode_capacity()
         self._patch_prefill_budget()
         logger.info(
@@ -404,6 +418,8 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             )
         self._newest_page[idx] = page
         self.newest_row[idx] = page[0]
+        if self.decode_prefetch is not None:
+            self.decode_prefetch.reset_row(idx)
 
     def _warm_from_prompt(self, idx: int, logical: torch.Tensor) -> None:
         """``logical``: the ids staging copied to the host (the prompt, ``extend_end``).

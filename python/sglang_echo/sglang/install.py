@@ -121,11 +121,17 @@ def install() -> None:
 def log_prefetch_switches(config: Any) -> None:
     """The prefetch switches are accepted, and the log says what they do in the plugin."""
     mode = decode_prefetch_mode(config.fuse_decode)
-    if mode != "0":
+    if mode == "1":
+        logger.info(
+            "sglang-echo: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1: decode steps stage the "
+            "predicted misses from sglang's indexer logits while its top-k runs "
+            "(lossless: the exact top-k decides every row)."
+        )
+    elif mode == "auto":
         logger.warning(
-            f"sglang-echo: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE={mode} accepted, but the SGLang "
-            "plugin has no decode prefetch yet; decode runs the exact top-k, then ECHO's "
-            "resolve (lossless either way)."
+            "sglang-echo: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=auto accepted, but its rule "
+            "needs two decode graphs per batch size, which sglang's graph runner does not "
+            "keep; the plugin runs it as 0 (no decode prefetch). Set 1 to prefetch always."
         )
     if config.fuse_extend:
         logger.warning(
