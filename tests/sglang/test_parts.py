@@ -281,18 +281,24 @@ def test_borrowed_cache_matches_an_owned_one(kernels, monkeypatch):
 
 
 # ------------------------------------------------------------------------ prefetch
-def test_prefetch_switches_are_logged_not_wired(caplog):
+def test_prefetch_switches_are_logged(caplog):
+    """Off: silence. ``1``: the decode prefetch says what it does; ``auto`` says it runs
+    as ``0`` in the plugin; the prefill switch says it does not apply."""
     from types import SimpleNamespace
 
     from sglang_echo.sglang.install import log_prefetch_switches
 
-    with caplog.at_level(logging.WARNING):
-        log_prefetch_switches(SimpleNamespace(fuse_decode=False, fuse_extend=False))
+    with caplog.at_level(logging.INFO):
+        log_prefetch_switches(SimpleNamespace(fuse_decode="0", fuse_extend=False))
     assert caplog.text == ""
-    with caplog.at_level(logging.WARNING):
-        log_prefetch_switches(SimpleNamespace(fuse_decode=True, fuse_extend=True))
-    assert "RECALL_DECODE=1 accepted" in caplog.text and "no decode prefetch" in caplog.text
+    with caplog.at_level(logging.INFO):
+        log_prefetch_switches(SimpleNamespace(fuse_decode="1", fuse_extend=True))
+    assert "RECALL_DECODE=1: decode steps stage" in caplog.text
     assert "RECALL_EXTEND=1 accepted" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        log_prefetch_switches(SimpleNamespace(fuse_decode="auto", fuse_extend=False))
+    assert "RECALL_DECODE=auto accepted" in caplog.text and "runs it as 0" in caplog.text
 
 
 # ---------------------------------------------------------------------- entry point
