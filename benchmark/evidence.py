@@ -864,6 +864,15 @@ EVIDENCE: tuple[Row, ...] = (
             "batch {metrics.batch} x top-k {metrics.topk}, {metrics.slots:n} slots, {metrics.evictions_per_step:n} "
             "evictions per step, hit rate {metrics.hit_rate:f3}: {metrics.us_per_layer_step:us} us per layer-step "
             "replayed ({metrics.us_per_layer_step_with_recall:us} us with recall), project target {metrics.target_us:us} us",
+            "?{metrics.layer_steps_per_replay} layer-steps per graph replay, as a decode graph holds one per layer "
+            "(one per replay, the earlier records' definition: {metrics.us_per_layer_step_single_replay:us} us; a "
+            "replay of a one-kernel graph alone {metrics.graph_replay_floor_us:us} us); the floor of the launches: "
+            "{metrics.launch_floor_us.1:us} us for one no-op launch per layer-step, {metrics.launch_floor_us.5:us} "
+            "us for five chained",
+            "?batch 1 with every selection resident (a decode node's placed prompt at low load): "
+            "{metrics.us_per_layer_step_batch_1_resident:us} us per layer-step "
+            "({metrics.us_per_layer_step_batch_1_resident_with_recall:us} us with the write and the recall), "
+            "target {metrics.target_us_batch_1_no_eviction:us} us",
             "torch reference {metrics.torch_reference_us_per_layer_step:us} us; one sort of all priorities "
             "{metrics.exact_lru_sort_us:us} us; stages {@stages} us",
             "a decode step's management is the resolve's (its new tokens go to the host pool); with the append's "

@@ -355,7 +355,9 @@ class DecodeLoop:
 
 ECHO_KERNELS = ("_host_ids_kernel", "_rows_kernel", "_one_program_kernel", "_lookup_kernel",
                 "_count_kernel", "_rank_kernel", "_assign_kernel", "_finish_kernel",
-                "_recall_flat_kernel", "_recall_kernel", "_release_kernel")  # fmt: skip
+                "_recall_flat_kernel", "_recall_kernel", "_release_kernel",
+                # the decode prefetch's (sglang/decode_prefetch.py): select, copy, thresholds
+                "_select_kernel", "_copy_kernel", "_topk_threshold_kernel")  # fmt: skip
 
 
 def count_launches(fn, *args):

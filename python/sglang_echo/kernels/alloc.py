@@ -39,11 +39,14 @@ HIST_BINS = NUM_BUCKETS  # the age histogram: one bin per bucket (unevictable: m
 LANE_BLOCK = 1024
 SLOT_BLOCK = 2048
 NUM_WARPS = 8
-# Calls of at most this many lanes run as one program (_one_program_kernel): a batch of one
-# decode request at top-k 2048, the only batch where it beat the five launches on an H200
-# (15.7 vs 18.1 us, medians of five interleaved rounds: alloc_ab.json; 26.9 vs 22.9 at
-# batch 2: cache_ops.json's one_program_study, measured every run). Past it, the pipeline.
-ONE_PROGRAM_LANES = 2048
+# Calls of at most this many lanes run as one program (_one_program_kernel): up to a batch
+# of two decode requests at top-k 2048. On an H200 (cache_ops.json's one_program_study,
+# 8 layer-steps per graph replay, code of 94b997e) the one program took 4.7 / 7.9 us at
+# batch 1 / 2 with every selection resident (a decode node's placed prompts at low load:
+# look-ups only) against the five launches' 12.6 / 13.5 us, and 11.7 us against 13.7 at
+# batch 1 with misses served from free slots; at batch 2 with misses it loses (20.0 against
+# 14.6 us), at batch 4 even when resident (14.1 against 13.5). Past it, the pipeline.
+ONE_PROGRAM_LANES = 4096
 ONE_PROGRAM_WARPS = 16
 ONE_PROGRAM_BLOCK = 2048  # lanes per step of its loops: a batch of one in one step
 
