@@ -11,6 +11,8 @@
 #   bash benchmark/device_session.sh OUTDIR e2e      # decode-node sweep + the study, bf16 and fp8 (~9 min)
 #   bash benchmark/device_session.sh OUTDIR figures  # Figure 13 at 110K, 14 and 15 (~10 min; est.)
 # (`checks` = tests + kernels, more than one call's 10 minutes now: name the stages.)
+# Records that name their commit read ECHO_COMMIT: give the sha literally (the tree's git on
+# the device machine is the last landed commit, so `$(git rev-parse HEAD)` expanded there lies).
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail

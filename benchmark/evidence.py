@@ -253,6 +253,12 @@ class Result:
 # ---- derived values ---------------------------------------------------------------------
 
 
+@derived
+def harness_prefetch(d: dict, r: Records) -> dict | None:
+    """The harness configuration that ran the plugin's decode prefetch (None: none did)."""
+    return next((x for x in d.get("results", []) if x.get("decode_prefetch")), None)
+
+
 def _engines(d: dict) -> dict[str, dict]:
     """The study's engines by label (pool, dev_cache and host are token counts)."""
     return {e["label"]: e for e in d["config"]["engines"]}
@@ -715,7 +721,8 @@ EVIDENCE: tuple[Row, ...] = (
             "random keys (pessimistic, hit {metrics.details.random_keys_paper_all_hbm.echo_hit_rate_mean:f2}) "
             "{metrics.details.random_keys_paper_all_hbm.ratio:x}",
             "ECHO hit rate per layer {metrics.hit_rate_per_layer:f3-}",
-            "batch {metrics.low_load_cost.per_batch:keys} cost {metrics.low_load_cost.per_batch:f3/}",
+            "batch {metrics.low_load_cost.per_batch:keys} cost {metrics.low_load_cost.per_batch:f3/} "
+            "(mean {metrics.low_load_cost.mean:f3}, project target 0.015)",
             "?medians of steps alternated with no-offload's; ECHO with decode tokens host-only and the "
             "resolve in line (`echo_inline`, in the same alternation) {metrics.low_load_cost.inline_per_batch:f3/}",
             "step {metrics.breakdown.no_offload.step_ms_device:ms} ms (no-offload, batch {metrics.breakdown.no_offload.batch}) "
@@ -923,6 +930,9 @@ EVIDENCE: tuple[Row, ...] = (
             "{metrics.evictions_per_step_max:n} in one)",
             "ECHO launches per decode layer-step {metrics.launches_per_layer_step_total:n} "
             "({metrics.launches_per_layer_step:keys}); left clean: {metrics.left_clean:yes}",
+            "?with the decode prefetch on ({@harness_prefetch.config}): {@harness_prefetch.prefetched_rows:n} rows "
+            "staged from the indexer's logits, {@harness_prefetch.prefetch_hits:n} of them served misses, sglang's own "
+            "indexer method hooked on that machine: {@harness_prefetch.indexer_hook_applied:yes}",
         ),
     ),
     Row(
