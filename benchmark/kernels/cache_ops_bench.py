@@ -211,12 +211,7 @@ def measure(
                 step(i)
             times.append((time.perf_counter() - start_s) * 1e6 / group)
             continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / group)
+        times.append(replay_us(graph) / group)
     if not times:
         raise ValueError(f"the trace has no {group} steps past the {warm} warm-up steps")
     hits, misses = c.hits.sum().item() - hits0, c.misses.sum().item() - misses0
@@ -252,15 +247,18 @@ def launch_floor(args, dev: torch.device, launches: int, group: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(group * launches):
             _noop_kernel[(1,)](counter, PDL=pdl, launch_pdl=pdl)
-    times = []
-    for _ in range(max(20, args.replays)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / group)
+    times = [replay_us(graph) / group for _ in range(max(20, args.replays))]
     return statistics.median(times[2:])
+
+
+def replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    """One replay of ``graph`` between device events, in us."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000
 
 
 # Launch variants timed beside the default (kernels/pdl.py): chained launches and relaxed
