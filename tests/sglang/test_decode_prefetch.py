@@ -144,6 +144,28 @@ def test_the_switch_on_stages_from_sglangs_logits_and_changes_no_row(switch):
     assert torch.equal(m_on.cache.evictions, m_off.cache.evictions)
 
 
+def test_a_steps_tables_are_built_once_and_follow_the_batch(switch):
+    """The host-id rows are gathered at a forward's first layer and reused by its later
+    layers; the next forward (its layer ids start again) gathers the new batch's rows."""
+    switch("1")
+    node = DecodeNode(layers=LAYERS, top_k=TOP_K, dev_cache=3 * TOP_K + 8,
+                      max_running=MAX_RUNNING, host_tokens=4096, max_context=256)  # fmt: skip
+    prefetch = node.coord.decode_prefetch
+    a, b = (node.running[node.arrive(n)].req.kv.req_pool_idx for n in (40, 60))
+    node.coord.num_real_reqs.fill_(2)
+    logits = torch.zeros(2, node.max_context)
+
+    def tables(layer, slots, lens):
+        idx, seq = torch.tensor(slots), torch.tensor(lens)
+        return prefetch._step_tables(layer, 2, logits, idx, seq)
+
+    first = tables(0, [a, b], [41, 61])
+    assert tables(1, [a, b], [41, 61]) is first, "a step's later layers reuse its tables"
+    rows, locs, visible = tables(0, [b, a], [61, 41])  # the next forward
+    assert rows.tolist() == [b, a] and visible.tolist() == [60, 40]
+    assert torch.equal(locs[0, :60], node.coord.req_to_host_pool[b, :60])
+
+
 def test_auto_runs_as_off_in_the_plugin(switch):
     node, _ = _life(switch, "auto", seed=6)
     assert node.coord.decode_prefetch is None

@@ -15,6 +15,7 @@ docstring.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -113,13 +114,8 @@ class EchoManager:
         """A decode step's new tokens: host rows, and device slots from the free stack
         while it has room (kernels/decode_write.py: one launch, never evicts), so that the
         step's resolve finds them resident instead of recalling them. Distinct ids."""
-        self._join(layer)
-        c = self.cache
         write = decode_write_kernel if self.use_kernels else decode_write_reference
-        host = self.host_view if self.host_view is not None else self.host.rows
-        ids = locs.reshape(-1).to(torch.int64)
-        rows = rows.reshape(ids.numel(), -1).to(c.rows.dtype)
-        write(c, layer, ids, rows, host[layer], c.rows[layer])
+        self._write_placed(layer, locs, rows, write)
 
     def write_prompt(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
         """A decode node's transferred prompt: host rows, and device slots while the free
@@ -127,14 +123,18 @@ class EchoManager:
         prompt stays on the device and its decode steps only look up). Placed rows get the
         oldest priority, so under pressure the ones no step selected go first. Torch, not
         the one-program kernel: written once per request, eagerly, at any length."""
+        self._write_placed(
+            layer, locs, rows, partial(decode_write_reference, priority_of_placed=PROMPT_PRIORITY)
+        )
+
+    def _write_placed(self, layer: int, locs: torch.Tensor, rows: torch.Tensor, write) -> None:
+        """Host rows of ``locs`` and device rows where ``write`` places them."""
         self._join(layer)
         c = self.cache
         host = self.host_view if self.host_view is not None else self.host.rows
         ids = locs.reshape(-1).to(torch.int64)
         rows = rows.reshape(ids.numel(), -1).to(c.rows.dtype)
-        decode_write_reference(
-            c, layer, ids, rows, host[layer], c.rows[layer], priority_of_placed=PROMPT_PRIORITY
-        )
+        write(c, layer, ids, rows, host[layer], c.rows[layer])
 
     def _read_host(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         if self.host_view is not None:

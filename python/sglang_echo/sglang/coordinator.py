@@ -232,11 +232,11 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         install_retraction()
         # SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1: stage predicted misses from sglang's own
         # indexer logits while its top-k runs (sglang/decode_prefetch.py).
-        self.decode_prefetch = (
-            install_decode_prefetch(self)
-            if decode_prefetch_mode(settings().fuse_decode) == "1"
-            else uninstall_decode_prefetch()
-        )
+        self.decode_prefetch = None
+        if decode_prefetch_mode(settings().fuse_decode) == "1":
+            self.decode_prefetch = install_decode_prefetch(self)
+        else:  # a coordinator built earlier in this process may have turned it on
+            uninstall_decode_prefetch()
         if self.decode_prefetch is not None:
             logger.info(
                 "sglang-echo: decode prefetch on (staged from sglang's indexer logits); its "

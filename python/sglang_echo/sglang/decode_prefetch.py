@@ -65,6 +65,9 @@ class PluginDecodePrefetch:
         self.scratch_row = self.prefetcher.predictors[0].scratch_row
         # Whether sglang's Indexer._get_topk_paged is wrapped (install_decode_prefetch).
         self.hook_applied = False
+        # The current forward's tables (_step_tables) and the last layer that asked.
+        self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._last_layer = -1
 
     @property
     def nbytes(self) -> int:
@@ -88,22 +91,42 @@ class PluginDecodePrefetch:
         n = min(logits.shape[0], req_pool_indices.shape[0])
         if n == 0:
             return run_topk()
-        device = logits.device
-        real = torch.arange(n, device=device) < self.num_real_reqs.to(device).reshape(1)
-        slots = req_pool_indices[:n].to(device, torch.int64)
-        rows = torch.where(real, slots, self.scratch_row)
-        width = min(logits.shape[1], self.req_to_host.shape[1])
-        locs = self.req_to_host[slots, :width].to(torch.int64)
-        locs = torch.where(locs >= 0, locs, 0)
-        # Positions before the newest one, real rows only (the rest stage nothing).
-        visible = torch.where(real, seq_lens[:n].to(device, torch.int64) - 1, 0).clamp(min=0)
+        rows, locs, visible = self._step_tables(layer, n, logits, req_pool_indices, seq_lens)
         scores = logits[:n]
         theta = self.prefetcher.theta(layer, rows)
-        self.prefetcher.stage(layer, 0, scores, locs, visible, theta, 0, width)
+        self.prefetcher.stage(layer, 0, scores, locs, visible, theta, 0, locs.shape[1])
         result = run_topk()
         positions = result[:n].to(torch.int64)
         self.prefetcher.finish(layer, scores, positions, rows)
         return result
+
+    def _step_tables(
+        self,
+        layer: int,
+        n: int,
+        logits: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's predictor rows [n], host-id table [n, positions] and staged lengths
+        [n]. They do not change between a step's layers, so they are built at its first
+        layer (a layer id not above the previous call's: a new forward, eager or being
+        captured) and reused by the later ones, instead of gathering the host-id rows once
+        per layer."""
+        if self._tables is None or layer <= self._last_layer:
+            device = logits.device
+            real = torch.arange(n, device=device) < self.num_real_reqs.to(device).reshape(1)
+            slots = req_pool_indices[:n].to(device, torch.int64)
+            width = min(logits.shape[1], self.req_to_host.shape[1])
+            locs = self.req_to_host[slots, :width].to(torch.int64)
+            self._tables = (
+                torch.where(real, slots, self.scratch_row),
+                torch.where(locs >= 0, locs, 0),
+                # Positions before the newest one, real rows only (the rest stage nothing).
+                torch.where(real, seq_lens[:n].to(device, torch.int64) - 1, 0).clamp(min=0),
+            )
+        self._last_layer = layer
+        return self._tables
 
 
 class _StagingMetadata:
