@@ -95,7 +95,7 @@ def test_publish_and_copy_match_the_reference(cap, grid, block):
 def test_a_second_step_starts_clean_and_hides_stale_regions():
     """Step 1 with four lanes, step 2 with two: region 2's and 3's entries of step 1 stay
     in the buffer but the recall's validity rule does not take them."""
-    cap, block = 40, (16, 1)
+    cap, block = 200, (16, 1)  # room for every candidate: the sets are exact
     first = _inputs(1, batch=3, length=150)
     keys, h2d = first[2], first[6]
     theta = torch.full((3,), -float("inf"), device=DEV)  # every visible miss
