@@ -1,7 +1,8 @@
-"""Live decode prefetch: the indexer's logits kernel publishes each key block's likely
-misses the moment it has scored them, and a copy kernel on a bounded grid, running beside
-it, moves their rows from pinned host memory into a per-request staging region while the
-rest of the logits are still being computed.
+"""Live decode prefetch: the indexer's logits launch also copies. Its producer programs
+publish each key block's likely misses the moment they have scored them, and a few copier
+programs of the same launch move those rows from pinned host memory into a per-request
+staging region while the rest of the logits are still being computed; a short drain after
+it (beside the top-k) copies what is left.
 
 Why (issue 29's overlap probe, docs/ARCHITECTURE.md section 6): a copy that starts after
 the logits overlaps only the top-k; one on a bounded grid that runs *during* the logits
@@ -9,32 +10,39 @@ hid them behind a recall almost entirely. The chunked design (kernels/decode_sta
 gets part of the way with two logits launches and a select pass per chunk; here there is
 one logits launch, no select pass, and the copy starts with the first key block.
 
+Why one launch: a copy kernel on another stream that waits for the logits kernel's
+progress deadlocks whenever CUDA runs the two one after the other (nothing guarantees
+that two kernels, in a graph or on two streams, run at the same time; an H200 hung so).
+Programs of one launch are placed while the launch lasts, so a copier that waits only
+delays itself.
+
 Protocol (per layer-step; every buffer has a fixed shape, so the step stays capturable):
 
-- *Producer* (:func:`logits_and_publish`, one program per (request lane b, key block)):
-  computes the block's logits exactly as the plain kernel (the shared
-  ``_fp8_logits_block``), stores them, and appends the block's candidates (logit above
-  the request's threshold, token not resident) to lane b's region: ranks from an atomic
-  counter ``counts[b]``, kept below ``cap``; it writes ``ids[entry]`` and
-  ``stage_map[id] = entry`` (what the recall validates against, kernels/recall.py) and
-  then ``queue[entry] = id`` (what the copy polls). After a CTA barrier, one atomic
-  (acquire-release) counts the program in ``done[b]``.
-- *Consumer* (:func:`copy_published`, a grid of a quarter of the SMs): walks lane b's
-  region in chunks of ``LANES`` entries, chunk ``j = c * batch + b`` in program-strided
-  order, so every request is served from its first candidates on. A chunk is copied once
-  every entry below the count is written and either the chunk is full or lane b's
-  producers are all done (``done[b]`` read with acquire, then the count). The copy resets
-  the chunk's queue entries to -1, so the queue is empty at every step's start with no
-  clearing launch. Once every producer is done and no region reaches the next chunk, the
-  program stops; the last program to stop (an exit counter) publishes ``final[b] =
-  min(counts[b], cap)`` for the recall (0 for regions past the batch, which hold an
-  earlier step's entries) and zeroes the counters for the next step.
+- *Producer* (one program per (request lane b, key block)): computes the block's logits
+  exactly as the plain kernel (the shared ``_fp8_logits_block``), stores them, and
+  appends the block's candidates (logit above the request's threshold, token not
+  resident) to lane b's region: ranks from an atomic counter ``counts[b]``, kept below
+  ``cap``; it writes ``ids[entry]`` and ``stage_map[id] = entry`` (what the recall
+  validates against, kernels/recall.py) and then ``queue[entry] = id`` (what the copiers
+  poll). After a CTA barrier, one atomic (acquire-release) counts it in ``done[b]``.
+- *Copier* (``copiers`` programs, a quarter of the SMs, placed first): walks the regions
+  in chunks of ``LANES`` entries, chunk ``j = c * batch + b`` program-strided, so every
+  request is served from its first candidates on. It copies a chunk once it is full and
+  every entry is written, resets those queue entries to -1, and stops as soon as every
+  producer is done: it never waits for anything once the logits end.
+- *Drain* (:func:`drain_published`, after the launch; nothing to wait for): copies the
+  entries below each lane's count still in the queue (partial chunks, and whatever the
+  copiers did not reach), so the queue is empty at every step's start with no clearing
+  launch; its last program (an exit counter) publishes ``final[b] = min(counts[b], cap)``
+  for the recall (0 for regions past the batch, which hold an earlier step's entries)
+  and zeroes the counters for the next step.
 
-No program ever waits for a consumer, and the consumer's grid leaves most SMs to the
-producers, so any schedule terminates (also serialised: the launcher enqueues the
-producer first). The entries a full region keeps depend on the atomic order, so which
-candidates are staged is not deterministic; what attention reads is: a staged row is
-the host row's bytes, and the exact top-k and the allocation never look at the staging.
+The interpreter runs programs in order, so there the copiers come after the producers,
+find them done and leave everything to the drain: CPU tests check the publishing and the
+drain; the copiers' overlap runs on the GPU only (the GPU tests and the benchmark). The
+entries a full region keeps depend on the atomic order, so which candidates are staged is
+not deterministic; what attention reads is: a staged row is the host row's bytes, and the
+exact top-k and the allocation never look at the staging.
 """
 
 from __future__ import annotations
@@ -54,11 +62,12 @@ from sglang_echo.kernels.indexer import (
     program_span,
 )
 
-# Entries a consumer program copies per poll: 16 rows of 656 bytes are 10.5 KB in flight.
+# Entries a copier or drain program copies at once: 16 rows of 656 bytes are 10.5 KB in flight.
 CHUNK_LANES = 16
-# The copy's grid, as the chunked design's (kernels/decode_stage.py): the overlap probe hid
-# the logits behind a recall on 33-66 programs and nothing at 132 or more.
-CONSUMER_PROGRAMS_PER_SM = 0.25
+# Copier programs in the logits launch, and the drain's grid, as the chunked design's copy
+# (kernels/decode_stage.py): the overlap probe hid the logits behind a recall on 33-66
+# programs and nothing at 132 or more.
+COPIER_PROGRAMS_PER_SM = 0.25
 
 
 class LiveStaging:
@@ -102,14 +111,30 @@ class LiveStaging:
 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
-def _logits_publish_kernel(
+def _copy_chunk(
+    host_ptr, rows_ptr, queue_ptr, ids, ok, region, lanes, host_stride, rows_stride,
+    LANES: tl.constexpr, PIECES: tl.constexpr, ROW_BYTES: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    """rows[region + lane] = host[ids[lane]] where ``ok``; those queue entries back to -1."""
+    per_row: tl.constexpr = ROW_BYTES // VEC
+    col = tl.arange(0, PIECES)
+    v = tl.arange(0, VEC)
+    mask = (ok[:, None] & (col < per_row)[None, :])[:, :, None]
+    src = (ids[:, None] * host_stride + col[None, :] * VEC)[:, :, None] + v[None, None, :]
+    dst = ((region + lanes)[:, None] * rows_stride + col[None, :] * VEC)[:, :, None]
+    tl.store(rows_ptr + dst + v[None, None, :], tl.load(host_ptr + src, mask=mask), mask=mask)
+    tl.store(queue_ptr + region + lanes, tl.full([LANES], -1, tl.int64), mask=ok)
+
+
+@triton.jit
+def _publish(
     q_ptr, w_ptr, k_ptr, k_scale_ptr, locs_ptr, lens_ptr, out_ptr,
     theta_ptr, rows_ptr, h2d_ptr, ids_ptr, queue_ptr, map_ptr, counts_ptr, done_ptr,
-    length, k_stride, k_scale_stride, locs_stride, out_stride, cap,
+    b, block, length, k_stride, k_scale_stride, locs_stride, out_stride, cap,
     H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
     PRECISE_ACC: tl.constexpr, KEYS_AS_M: tl.constexpr, ABSENT_ID: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    """A producer: lane ``b``'s key blocks from ``block``: logits, candidates, count."""
     d = tl.arange(0, D)
     h = tl.arange(0, H)
     q = tl.load(q_ptr + b * H * D + h[:, None] * D + d[None, :])
@@ -117,7 +142,7 @@ def _logits_publish_kernel(
     seq_len = tl.load(lens_ptr + b)
     theta = tl.load(theta_ptr + tl.load(rows_ptr + b))
     region = b.to(tl.int64) * cap
-    first = tl.program_id(1) * BLOCKS * BLOCK_N
+    first = block * BLOCKS * BLOCK_N
     for i in range(BLOCKS):
         n = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
         logits, loc, live = _fp8_logits_block(
@@ -144,75 +169,135 @@ def _logits_publish_kernel(
 
 
 @triton.jit
-def _copy_published_kernel(
-    host_ptr, rows_ptr, queue_ptr, counts_ptr, done_ptr, final_ptr, exited_ptr, total_ptr,
-    batch, regions, programs, cap, host_stride, rows_stride,
+def _copy_while_publishing(
+    host_ptr, rows_ptr, queue_ptr, counts_ptr, done_ptr, g, n_copiers, batch, per_lane,
+    cap, host_stride, rows_stride,
     LANES: tl.constexpr, PIECES: tl.constexpr, BATCH_BLOCK: tl.constexpr,
     ROW_BYTES: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
-    per_row: tl.constexpr = ROW_BYTES // VEC
-    n_programs = tl.num_programs(0)
+    """A copier: full chunks ``j = g, g + n_copiers, ...`` (chunk j: lane j % batch,
+    entries from (j // batch) x LANES) as their entries are written, until each lane's
+    ``per_lane`` producers are done; the drain copies the rest."""
     total_chunks = batch * tl.cdiv(cap, LANES)
     bs = tl.arange(0, BATCH_BLOCK)
     in_batch = bs < batch
     lane = tl.arange(0, LANES)
-    col = tl.arange(0, PIECES)
-    col_ok = col < per_row
-    v = tl.arange(0, VEC)
     all_done = tl.full([], 0, tl.int32)
-    j = tl.program_id(0)
-    while j < total_chunks:
+    j = g
+    while (all_done == 0) & (j < total_chunks):
         c = j // batch
         b = j - c * batch
         lo = c * LANES
         lanes = lo + lane
         region = b.to(tl.int64) * cap
-        ready = tl.full([], 0, tl.int32)
-        need = lane < 0
-        ids = tl.full([LANES], -1, tl.int64)
-        most = tl.full([], 0, tl.int32)
-        while ready == 0:
-            # done before counts: a finished lane's count is then its last.
-            done = tl.atomic_add(done_ptr + bs, 0, mask=in_batch, sem="acquire")
-            counts = tl.load(counts_ptr + bs, mask=in_batch, other=0, volatile=True)
-            counts = tl.minimum(counts, cap)
-            finished = in_batch & (done >= programs)
-            all_done = (tl.sum((in_batch & ~finished).to(tl.int32), 0) == 0).to(tl.int32)
-            most = tl.max(tl.where(in_batch, counts, 0), 0)
-            mine = bs == b
-            fin = tl.sum((mine & finished).to(tl.int32), 0) > 0
-            cnt = tl.sum(tl.where(mine, counts, 0), 0)
-            need = lanes < cnt
-            ids = tl.load(queue_ptr + region + lanes, mask=need, other=-1, volatile=True)
-            unwritten = tl.sum((need & (ids < 0)).to(tl.int32), 0)
-            full = cnt >= tl.minimum(lo + LANES, cap)
-            ready = ((unwritten == 0) & (fin | full)).to(tl.int32)
-        ok = need[:, None] & col_ok[None, :]
-        src = (ids[:, None] * host_stride + col[None, :] * VEC)[:, :, None] + v[None, None, :]
-        dst = ((region + lanes)[:, None] * rows_stride + col[None, :] * VEC)[:, :, None]
-        dst = dst + v[None, None, :]
-        tl.store(rows_ptr + dst, tl.load(host_ptr + src, mask=ok[:, :, None]), mask=ok[:, :, None])
-        tl.store(queue_ptr + region + lanes, tl.full([LANES], -1, tl.int64), mask=need)
-        # Chunks after this one start at or past ``lo``: once every lane is done and no
-        # region reaches past ``lo``, they are all empty.
-        j = tl.where((all_done != 0) & (most <= lo), total_chunks, j + n_programs)
-    # Stop only once every producer is done: the last program zeroes their counters.
-    while all_done == 0:
         done = tl.atomic_add(done_ptr + bs, 0, mask=in_batch, sem="acquire")
-        all_done = (tl.sum((in_batch & (done < programs)).to(tl.int32), 0) == 0).to(tl.int32)
+        all_done = (tl.sum((in_batch & (done < per_lane)).to(tl.int32), 0) == 0).to(tl.int32)
+        cnt = tl.minimum(tl.load(counts_ptr + b, volatile=True), cap)
+        need = lanes < cnt
+        ids = tl.load(queue_ptr + region + lanes, mask=need, other=-1, volatile=True)
+        written = tl.sum((need & (ids < 0)).to(tl.int32), 0) == 0
+        go = written & (cnt >= tl.minimum(lo + LANES, cap)) & (all_done == 0)
+        _copy_chunk(
+            host_ptr, rows_ptr, queue_ptr, ids, need & go, region, lanes, host_stride,
+            rows_stride, LANES=LANES, PIECES=PIECES, ROW_BYTES=ROW_BYTES, VEC=VEC,
+        )  # fmt: skip
+        j = tl.where(go, j + n_copiers, j)
+
+
+@triton.jit
+def _logits_publish_kernel(
+    q_ptr, w_ptr, k_ptr, k_scale_ptr, locs_ptr, lens_ptr, out_ptr,
+    theta_ptr, rows_ptr, h2d_ptr, ids_ptr, queue_ptr, map_ptr, counts_ptr, done_ptr,
+    host_ptr, stage_ptr,
+    batch, blocks_per_lane, copiers, copiers_at, length, k_stride, k_scale_stride,
+    locs_stride, out_stride, cap, host_stride, rows_stride,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+    PRECISE_ACC: tl.constexpr, KEYS_AS_M: tl.constexpr, ABSENT_ID: tl.constexpr,
+    LANES: tl.constexpr, PIECES: tl.constexpr, BATCH_BLOCK: tl.constexpr,
+    ROW_BYTES: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if (pid >= copiers_at) & (pid < copiers_at + copiers):
+        _copy_while_publishing(
+            host_ptr, stage_ptr, queue_ptr, counts_ptr, done_ptr, pid - copiers_at, copiers,
+            batch, blocks_per_lane, cap, host_stride, rows_stride,
+            LANES=LANES, PIECES=PIECES, BATCH_BLOCK=BATCH_BLOCK, ROW_BYTES=ROW_BYTES, VEC=VEC,
+        )  # fmt: skip
+    else:
+        p = tl.where(pid < copiers_at, pid, pid - copiers)
+        block = p // batch
+        _publish(
+            q_ptr, w_ptr, k_ptr, k_scale_ptr, locs_ptr, lens_ptr, out_ptr,
+            theta_ptr, rows_ptr, h2d_ptr, ids_ptr, queue_ptr, map_ptr, counts_ptr, done_ptr,
+            p - block * batch, block, length, k_stride, k_scale_stride, locs_stride,
+            out_stride, cap, H=H, D=D, BLOCK_N=BLOCK_N, BLOCKS=BLOCKS,
+            PRECISE_ACC=PRECISE_ACC, KEYS_AS_M=KEYS_AS_M, ABSENT_ID=ABSENT_ID,
+        )  # fmt: skip
+
+
+@triton.jit
+def _drain_kernel(
+    host_ptr, rows_ptr, queue_ptr, counts_ptr, done_ptr, final_ptr, exited_ptr, total_ptr,
+    batch, regions, cap, host_stride, rows_stride,
+    LANES: tl.constexpr, PIECES: tl.constexpr, BATCH_BLOCK: tl.constexpr,
+    ROW_BYTES: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    """After the producers (stream order, nothing to wait for): copy every entry below a
+    lane's count still in the queue; the last program to finish publishes ``final`` and
+    zeroes the counters for the next step."""
+    n_programs = tl.num_programs(0)
+    total_chunks = batch * tl.cdiv(cap, LANES)
+    bs = tl.arange(0, BATCH_BLOCK)
+    in_batch = bs < batch
+    lane = tl.arange(0, LANES)
+    counts = tl.minimum(tl.load(counts_ptr + bs, mask=in_batch, other=0), cap)
+    most = tl.max(counts, 0)
+    j = tl.program_id(0)
+    # Chunk j starts at (j // batch) x LANES: past the longest lane, all are empty.
+    while (j < total_chunks) & ((j // batch) * LANES < most):
+        c = j // batch
+        b = j - c * batch
+        lanes = c * LANES + lane
+        region = b.to(tl.int64) * cap
+        cnt = tl.sum(tl.where(bs == b, counts, 0), 0)
+        ids = tl.load(queue_ptr + region + lanes, mask=lanes < cnt, other=-1)
+        _copy_chunk(
+            host_ptr, rows_ptr, queue_ptr, ids, ids >= 0, region, lanes, host_stride,
+            rows_stride, LANES=LANES, PIECES=PIECES, ROW_BYTES=ROW_BYTES, VEC=VEC,
+        )  # fmt: skip
+        j += n_programs
     tl.debug_barrier()
     last = tl.atomic_add(exited_ptr, 1) == n_programs - 1
-    mask = in_batch & last
-    kept = tl.minimum(tl.load(counts_ptr + bs, mask=mask, other=0, volatile=True), cap)
     # Regions past the batch hold an earlier step's entries: final 0 keeps them out.
-    tl.store(final_ptr + bs, kept, mask=(bs < regions) & last)
-    tl.store(counts_ptr + bs, tl.zeros([BATCH_BLOCK], tl.int32), mask=mask)
-    tl.store(done_ptr + bs, tl.zeros([BATCH_BLOCK], tl.int32), mask=mask)
+    tl.store(final_ptr + bs, counts, mask=(bs < regions) & last)
+    tl.store(counts_ptr + bs, tl.zeros([BATCH_BLOCK], tl.int32), mask=in_batch & last)
+    tl.store(done_ptr + bs, tl.zeros([BATCH_BLOCK], tl.int32), mask=in_batch & last)
     tl.store(exited_ptr, 0, mask=last)
-    tl.atomic_add(total_ptr, tl.sum(kept, 0).to(tl.int64), mask=last)
+    tl.atomic_add(total_ptr, tl.sum(counts, 0).to(tl.int64), mask=last)
 
 
 # --------------------------------------------------------------------------- launchers
+def copier_programs(device: torch.device) -> int:
+    """A quarter of the SMs, and never all of them: the producers must always find room."""
+    if device.type != "cuda":
+        return 2
+    sms = sm_count(device.index)
+    return max(1, min(sms - 1, int(COPIER_PROGRAMS_PER_SM * sms)))
+
+
+def _copy_constants(host_rows: torch.Tensor, staging: LiveStaging) -> tuple:
+    host_b, rows_b = byte_rows(host_rows, "staging"), byte_rows(staging.rows, "staging")
+    if host_b.shape[1] != rows_b.shape[1]:
+        raise ValueError("host and staging rows must have the same width")
+    row_bytes = host_b.shape[1]
+    vec = byte_vector(row_bytes)
+    constants = dict(
+        LANES=CHUNK_LANES, PIECES=triton.next_power_of_2(row_bytes // vec),
+        BATCH_BLOCK=triton.next_power_of_2(staging.regions), ROW_BYTES=row_bytes, VEC=vec,
+    )  # fmt: skip
+    return host_b, rows_b, constants
+
+
 def logits_and_publish(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -223,73 +308,68 @@ def logits_and_publish(
     theta_table: torch.Tensor,
     request_rows: torch.Tensor,
     host_to_device: torch.Tensor,
+    host_rows: torch.Tensor,
     staging: LiveStaging,
+    copiers: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     blocks_per_program: int = DEFAULT_BLOCKS_PER_PROGRAM,
     num_warps: int = 4,
     num_stages: int = DEFAULT_NUM_STAGES,
-) -> tuple[torch.Tensor, int]:
+) -> torch.Tensor:
     """The fp8 indexer logits [B, L] (bit-identical to kernels/indexer.fp8_index_logits
-    with the same block parameters) and, per request lane b, its candidates published into
+    with the same block parameters); per request lane b, its candidates published into
     ``staging`` (threshold ``theta_table[request_rows[b]]``, residency ``host_to_device``
-    of the layer). Returns (logits, producer programs per lane) for :func:`copy_published`.
-    """
+    of the layer) and, by ``copiers`` programs of the same launch (default a quarter of
+    the SMs), their rows copied from ``host_rows`` while the logits run. Follow it with
+    :func:`drain_published`. ``host_rows`` must be addressable by the kernel (the pinned
+    pool's CUDA alias; any tensor when interpreted)."""
     if keys.stride(1) != 1:
         raise ValueError("keys need unit stride along D")
     _check(q, weights, keys, key_scales, locs, seq_lens)
     batch, heads, dim = q.shape
     if batch > staging.regions:
         raise ValueError(f"batch of {batch} exceeds the staging's {staging.regions} regions")
+    host_b, rows_b, constants = _copy_constants(host_rows, staging)
     length = locs.shape[1]
-    span = program_span(block_n, blocks_per_program)
     out = torch.empty(batch, length, dtype=torch.float32, device=q.device)
-    programs = triton.cdiv(length, span)
+    blocks = triton.cdiv(length, program_span(block_n, blocks_per_program))
     if batch == 0 or length == 0:
-        return out, 0
-    _logits_publish_kernel[(batch, programs)](
+        return out
+    copiers = copier_programs(q.device) if copiers is None else copiers
+    # The copiers' programs come first on the GPU, so they are placed before the logits
+    # fill the SMs; the interpreter runs programs in order, so there they come last (and,
+    # every producer done, leave everything to the drain).
+    copiers_at = 0 if q.is_cuda else batch * blocks
+    _logits_publish_kernel[(batch * blocks + copiers,)](
         q.contiguous(), weights.contiguous().float(), keys, key_scales, locs, seq_lens, out,
         theta_table, request_rows, host_to_device, staging.ids, staging.queue,
-        staging.stage_map, staging.counts, staging.done,
-        length, keys.stride(0), key_scales.stride(0), locs.stride(0), out.stride(0), staging.cap,
+        staging.stage_map, staging.counts, staging.done, host_b, rows_b,
+        batch, blocks, copiers, copiers_at, length, keys.stride(0), key_scales.stride(0),
+        locs.stride(0), out.stride(0), staging.cap, host_b.stride(0), rows_b.stride(0),
         H=heads, D=dim, BLOCK_N=block_n, BLOCKS=blocks_per_program, PRECISE_ACC=32,
         KEYS_AS_M=True, ABSENT_ID=ABSENT, num_warps=num_warps, num_stages=num_stages,
+        **constants,
     )  # fmt: skip
-    return out, programs
+    return out
 
 
-def consumer_programs(device: torch.device) -> int:
-    """A quarter of the SMs, and never all of them: the producers must always find room."""
-    if device.type != "cuda":
-        return 3  # the interpreter: programs share the chunks in tests
-    sms = sm_count(device.index)
-    return max(1, min(sms - 1, int(CONSUMER_PROGRAMS_PER_SM * sms)))
-
-
-def copy_published(
+def drain_published(
     host_rows: torch.Tensor,
     staging: LiveStaging,
     batch: int,
-    programs: int,
     total: torch.Tensor,
     grid: int | None = None,
 ) -> None:
-    """Copy every row the producers of :func:`logits_and_publish` (``programs`` per lane,
-    ``batch`` lanes) publish into ``staging.rows``, then set ``staging.final`` and add the
-    staged rows to ``total`` (int64 [1]). Launch it after the producer (on a side stream
-    on CUDA: it runs beside them). ``host_rows`` must be addressable by the kernel (the
-    pinned pool's CUDA alias; any tensor when interpreted)."""
-    host_b, rows_b = byte_rows(host_rows, "staging"), byte_rows(staging.rows, "staging")
-    if host_b.shape[1] != rows_b.shape[1]:
-        raise ValueError("host and staging rows must have the same width")
+    """After :func:`logits_and_publish` (stream order): copy the published rows its
+    copiers left, set ``staging.final`` and add the staged rows to ``total`` (int64 [1]).
+    Waits for nothing, so it may run on a side stream beside the top-k."""
+    host_b, rows_b, constants = _copy_constants(host_rows, staging)
     if batch == 0:
         return
-    row_bytes = host_b.shape[1]
-    vec = byte_vector(row_bytes)
-    _copy_published_kernel[(grid or consumer_programs(rows_b.device),)](
+    _drain_kernel[(grid or copier_programs(rows_b.device),)](
         host_b, rows_b, staging.queue, staging.counts, staging.done, staging.final,
-        staging.exited, total, batch, staging.regions, programs, staging.cap, host_b.stride(0), rows_b.stride(0),
-        LANES=CHUNK_LANES, PIECES=triton.next_power_of_2(row_bytes // vec),
-        BATCH_BLOCK=triton.next_power_of_2(staging.regions), ROW_BYTES=row_bytes, VEC=vec,
+        staging.exited, total, batch, staging.regions, staging.cap, host_b.stride(0),
+        rows_b.stride(0), **constants,
     )  # fmt: skip
 
 
