@@ -217,7 +217,7 @@ def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed):
 def test_stats_count_the_staging_buffer():
     """The start-up log's device bytes include the staging buffer when decode prefetch is
     on: request rows x rows per request x row bytes, plus its index (the default live
-    design: ids, queue, map, three counters per request row and an exit counter)."""
+    design: ids, queue, map, two counters per request row and an exit counter)."""
     from sglang_echo.config import EchoConfig
     from sglang_echo.offload.echo_cache import EchoKVCache
 
@@ -231,7 +231,7 @@ def test_stats_count_the_staging_buffer():
     p = on.decode_prefetcher
     assert p.live
     rows = 4 * p.cap  # rows x rows per request
-    want = rows * 16 * 4 + rows * 8 * 2 + (100 + 2) * 4 + 3 * 4 * 4 + 4
+    want = rows * 16 * 4 + rows * 8 * 2 + (100 + 2) * 4 + 2 * 4 * 4 + 4
     assert on.stats()["device_bytes"] - off.stats()["device_bytes"] == want == p.nbytes
     chunked = DecodePrefetcher(on.manager, 4, live=False)
     rows = chunked.chunks * 4 * chunked.chunk_cap

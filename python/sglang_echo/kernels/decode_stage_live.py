@@ -1,48 +1,38 @@
-"""Live decode prefetch: the indexer's logits launch also copies. Its producer programs
-publish each key block's likely misses the moment they have scored them, and a few copier
-programs of the same launch move those rows from pinned host memory into a per-request
-staging region while the rest of the logits are still being computed; a short drain after
-it (beside the top-k) copies what is left.
+"""Published decode prefetch: the indexer's logits launch also selects. Each program
+publishes its key block's likely misses (logit above the request's predicted threshold,
+token not resident) the moment it has scored them, into a per-request region; a copy on a
+bounded grid, on a side stream beside the top-k, then moves their rows from pinned host
+memory into the staging, and the resolve takes them device to device.
 
-Why (issue 29's overlap probe, docs/ARCHITECTURE.md section 6): a copy that starts after
-the logits overlaps only the top-k; one on a bounded grid that runs *during* the logits
-hid them behind a recall almost entirely. The chunked design (kernels/decode_stage.py)
-gets part of the way with two logits launches and a select pass per chunk; here there is
-one logits launch, no select pass, and the copy starts with the first key block.
+Why (docs/ARCHITECTURE.md section 6): the chunked design (kernels/decode_stage.py) splits
+the logits into launches and adds a select pass per chunk, a fixed cost that made it
+slower where few selections miss. Here the logits stay one launch, their programs
+select as they go (the residency map is read only for keys above the threshold), and
+there is no select pass; benchmark/kernels/decode_prefetch_bench.py times both designs.
 
-Why one launch: a copy kernel on another stream that waits for the logits kernel's
-progress deadlocks whenever CUDA runs the two one after the other (nothing guarantees
-that two kernels, in a graph or on two streams, run at the same time; an H200 hung so).
-Programs of one launch are placed while the launch lasts, so a copier that waits only
-delays itself.
+What was tried and is not here: copying *during* the logits. A copy kernel on another
+stream that polls the logits' progress hung an H200 (nothing guarantees two kernels, in
+a graph or on two streams, run at the same time); copier programs inside the logits
+launch, placed first, wrote wrong rows and then faulted on the H200 at 656-byte rows,
+for a reason not found (the same copy code after the launch is right).
 
 Protocol (per layer-step; every buffer has a fixed shape, so the step stays capturable):
 
-- *Producer* (one program per (request lane b, key block)): computes the block's logits
-  exactly as the plain kernel (the shared ``_fp8_logits_block``), stores them, and
-  appends the block's candidates (logit above the request's threshold, token not
-  resident) to lane b's region: ranks from an atomic counter ``counts[b]``, kept below
-  ``cap``; it writes ``ids[entry]`` and ``stage_map[id] = entry`` (what the recall
-  validates against, kernels/recall.py) and then ``queue[entry] = id`` (what the copiers
-  poll). After a CTA barrier, one atomic (acquire-release) counts it in ``done[b]``.
-- *Copier* (``copiers`` programs, a quarter of the SMs, placed first): walks the regions
-  in chunks of ``LANES`` entries, chunk ``j = c * batch + b`` program-strided, so every
-  request is served from its first candidates on. It copies a chunk once it is full and
-  every entry is written, resets those queue entries to -1, and stops as soon as every
-  producer is done: it never waits for anything once the logits end.
-- *Drain* (:func:`drain_published`, after the launch; nothing to wait for): copies the
-  entries below each lane's count still in the queue (partial chunks, and whatever the
-  copiers did not reach), so the queue is empty at every step's start with no clearing
-  launch; its last program (an exit counter) publishes ``final[b] = min(counts[b], cap)``
-  for the recall (0 for regions past the batch, which hold an earlier step's entries)
-  and zeroes the counters for the next step.
+- *Publish* (:func:`logits_and_publish`, one program per (request lane b, key block)):
+  computes the block's logits exactly as the plain kernel (the shared
+  ``_fp8_logits_block``), stores them, and appends the block's candidates to lane b's
+  region: ranks from an atomic counter ``counts[b]``, kept below ``cap``; it writes
+  ``ids[entry]`` and ``stage_map[id] = entry`` (what the recall validates against,
+  kernels/recall.py) and ``queue[entry] = id``.
+- *Copy* (:func:`copy_published`, after the logits): copies the entries below each
+  lane's count and resets them in the queue, so the queue is empty at every step's start
+  with no clearing launch; its last program (an exit counter) publishes ``final[b] =
+  min(counts[b], cap)`` for the recall (0 for regions past the batch, which hold an
+  earlier step's entries) and zeroes the counters for the next step.
 
-The interpreter runs programs in order, so there the copiers come after the producers,
-find them done and leave everything to the drain: CPU tests check the publishing and the
-drain; the copiers' overlap runs on the GPU only (the GPU tests and the benchmark). The
-entries a full region keeps depend on the atomic order, so which candidates are staged is
-not deterministic; what attention reads is: a staged row is the host row's bytes, and the
-exact top-k and the allocation never look at the staging.
+The entries a full region keeps depend on the atomic order, so which candidates are
+staged is not deterministic; what attention reads is: a staged row is the host row's
+bytes, and the exact top-k and the allocation never look at the staging.
 """
 
 from __future__ import annotations
@@ -62,12 +52,11 @@ from sglang_echo.kernels.indexer import (
     program_span,
 )
 
-# Entries a copier or drain program copies at once: 16 rows of 656 bytes are 10.5 KB in flight.
+# Entries a copy program moves at once: 16 rows of 656 bytes are 10.5 KB in flight.
 CHUNK_LANES = 16
-# Copier programs in the logits launch, and the drain's grid, as the chunked design's copy
-# (kernels/decode_stage.py): the overlap probe hid the logits behind a recall on 33-66
-# programs and nothing at 132 or more.
-COPIER_PROGRAMS_PER_SM = 0.25
+# The copy's grid, as the chunked design's (kernels/decode_stage.py): with the recall's
+# full grid the copy held the top-k beside it back.
+COPY_PROGRAMS_PER_SM = 0.25
 
 
 class LiveStaging:
@@ -87,8 +76,8 @@ class LiveStaging:
         self.ids = torch.full((entries,), -1, dtype=torch.int64, device=device)
         self.queue = torch.full((entries,), -1, dtype=torch.int64, device=device)
         self.stage_map = torch.zeros(host_tokens + 2, dtype=torch.int32, device=device)
-        # counts, done, final per region; exited [1]
-        self.counters = torch.zeros(3, regions, dtype=torch.int32, device=device)
+        # counts, final per region; exited [1]
+        self.counters = torch.zeros(2, regions, dtype=torch.int32, device=device)
         self.exited = torch.zeros(1, dtype=torch.int32, device=device)
 
     @property
@@ -96,12 +85,8 @@ class LiveStaging:
         return self.counters[0]
 
     @property
-    def done(self) -> torch.Tensor:
-        return self.counters[1]
-
-    @property
     def final(self) -> torch.Tensor:
-        return self.counters[2]
+        return self.counters[1]
 
     @property
     def nbytes(self) -> int:
@@ -129,12 +114,12 @@ def _copy_chunk(
 @triton.jit
 def _publish(
     q_ptr, w_ptr, k_ptr, k_scale_ptr, locs_ptr, lens_ptr, out_ptr,
-    theta_ptr, rows_ptr, h2d_ptr, ids_ptr, queue_ptr, map_ptr, counts_ptr, done_ptr,
+    theta_ptr, rows_ptr, h2d_ptr, ids_ptr, queue_ptr, map_ptr, counts_ptr,
     b, block, length, k_stride, k_scale_stride, locs_stride, out_stride, cap,
     H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
     PRECISE_ACC: tl.constexpr, KEYS_AS_M: tl.constexpr, ABSENT_ID: tl.constexpr,
 ):  # fmt: skip
-    """A producer: lane ``b``'s key blocks from ``block``: logits, candidates, count."""
+    """Lane ``b``'s key blocks from ``block``: logits, and the candidates published."""
     d = tl.arange(0, D)
     h = tl.arange(0, H)
     q = tl.load(q_ptr + b * H * D + h[:, None] * D + d[None, :])
@@ -163,88 +148,35 @@ def _publish(
         tl.store(ids_ptr + entry, loc, mask=take)
         tl.store(map_ptr + loc, entry.to(tl.int32), mask=take)
         tl.store(queue_ptr + entry, loc, mask=take)
-    # Every thread's stores above happen before the count below (acquire-release).
-    tl.debug_barrier()
-    tl.atomic_add(done_ptr + b, 1)
-
-
-@triton.jit
-def _copy_while_publishing(
-    host_ptr, rows_ptr, queue_ptr, counts_ptr, done_ptr, g, n_copiers, batch, per_lane,
-    cap, host_stride, rows_stride,
-    LANES: tl.constexpr, PIECES: tl.constexpr, BATCH_BLOCK: tl.constexpr,
-    ROW_BYTES: tl.constexpr, VEC: tl.constexpr,
-):  # fmt: skip
-    """A copier: full chunks ``j = g, g + n_copiers, ...`` (chunk j: lane j % batch,
-    entries from (j // batch) x LANES) as their entries are written, until each lane's
-    ``per_lane`` producers are done; the drain copies the rest."""
-    total_chunks = batch * tl.cdiv(cap, LANES)
-    bs = tl.arange(0, BATCH_BLOCK)
-    in_batch = bs < batch
-    lane = tl.arange(0, LANES)
-    all_done = tl.full([], 0, tl.int32)
-    j = g
-    while (all_done == 0) & (j < total_chunks):
-        c = j // batch
-        b = j - c * batch
-        lo = c * LANES
-        lanes = lo + lane
-        region = b.to(tl.int64) * cap
-        done = tl.atomic_add(done_ptr + bs, 0, mask=in_batch, sem="acquire")
-        all_done = (tl.sum((in_batch & (done < per_lane)).to(tl.int32), 0) == 0).to(tl.int32)
-        cnt = tl.minimum(tl.load(counts_ptr + b, volatile=True), cap)
-        need = lanes < cnt
-        ids = tl.load(queue_ptr + region + lanes, mask=need, other=-1, volatile=True)
-        written = tl.sum((need & (ids < 0)).to(tl.int32), 0) == 0
-        go = written & (cnt >= tl.minimum(lo + LANES, cap)) & (all_done == 0)
-        _copy_chunk(
-            host_ptr, rows_ptr, queue_ptr, ids, need & go, region, lanes, host_stride,
-            rows_stride, LANES=LANES, PIECES=PIECES, ROW_BYTES=ROW_BYTES, VEC=VEC,
-        )  # fmt: skip
-        j = tl.where(go, j + n_copiers, j)
 
 
 @triton.jit
 def _logits_publish_kernel(
     q_ptr, w_ptr, k_ptr, k_scale_ptr, locs_ptr, lens_ptr, out_ptr,
-    theta_ptr, rows_ptr, h2d_ptr, ids_ptr, queue_ptr, map_ptr, counts_ptr, done_ptr,
-    host_ptr, stage_ptr,
-    batch, blocks_per_lane, copiers, copiers_at, length, k_stride, k_scale_stride,
-    locs_stride, out_stride, cap, host_stride, rows_stride,
+    theta_ptr, rows_ptr, h2d_ptr, ids_ptr, queue_ptr, map_ptr, counts_ptr,
+    length, k_stride, k_scale_stride, locs_stride, out_stride, cap,
     H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
     PRECISE_ACC: tl.constexpr, KEYS_AS_M: tl.constexpr, ABSENT_ID: tl.constexpr,
-    LANES: tl.constexpr, PIECES: tl.constexpr, BATCH_BLOCK: tl.constexpr,
-    ROW_BYTES: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    if (pid >= copiers_at) & (pid < copiers_at + copiers):
-        _copy_while_publishing(
-            host_ptr, stage_ptr, queue_ptr, counts_ptr, done_ptr, pid - copiers_at, copiers,
-            batch, blocks_per_lane, cap, host_stride, rows_stride,
-            LANES=LANES, PIECES=PIECES, BATCH_BLOCK=BATCH_BLOCK, ROW_BYTES=ROW_BYTES, VEC=VEC,
-        )  # fmt: skip
-    else:
-        p = tl.where(pid < copiers_at, pid, pid - copiers)
-        block = p // batch
-        _publish(
-            q_ptr, w_ptr, k_ptr, k_scale_ptr, locs_ptr, lens_ptr, out_ptr,
-            theta_ptr, rows_ptr, h2d_ptr, ids_ptr, queue_ptr, map_ptr, counts_ptr, done_ptr,
-            p - block * batch, block, length, k_stride, k_scale_stride, locs_stride,
-            out_stride, cap, H=H, D=D, BLOCK_N=BLOCK_N, BLOCKS=BLOCKS,
-            PRECISE_ACC=PRECISE_ACC, KEYS_AS_M=KEYS_AS_M, ABSENT_ID=ABSENT_ID,
-        )  # fmt: skip
+    _publish(
+        q_ptr, w_ptr, k_ptr, k_scale_ptr, locs_ptr, lens_ptr, out_ptr,
+        theta_ptr, rows_ptr, h2d_ptr, ids_ptr, queue_ptr, map_ptr, counts_ptr,
+        tl.program_id(0), tl.program_id(1), length, k_stride, k_scale_stride, locs_stride,
+        out_stride, cap, H=H, D=D, BLOCK_N=BLOCK_N, BLOCKS=BLOCKS,
+        PRECISE_ACC=PRECISE_ACC, KEYS_AS_M=KEYS_AS_M, ABSENT_ID=ABSENT_ID,
+    )  # fmt: skip
 
 
 @triton.jit
-def _drain_kernel(
-    host_ptr, rows_ptr, queue_ptr, counts_ptr, done_ptr, final_ptr, exited_ptr, total_ptr,
+def _copy_kernel(
+    host_ptr, rows_ptr, queue_ptr, counts_ptr, final_ptr, exited_ptr, total_ptr,
     batch, regions, cap, host_stride, rows_stride,
     LANES: tl.constexpr, PIECES: tl.constexpr, BATCH_BLOCK: tl.constexpr,
     ROW_BYTES: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
-    """After the producers (stream order, nothing to wait for): copy every entry below a
-    lane's count still in the queue; the last program to finish publishes ``final`` and
-    zeroes the counters for the next step."""
+    """After the logits (stream order, nothing to wait for): copy every entry below a
+    lane's count, reset it in the queue; the last program to finish publishes ``final``
+    and zeroes the counters for the next step."""
     n_programs = tl.num_programs(0)
     total_chunks = batch * tl.cdiv(cap, LANES)
     bs = tl.arange(0, BATCH_BLOCK)
@@ -271,18 +203,16 @@ def _drain_kernel(
     # Regions past the batch hold an earlier step's entries: final 0 keeps them out.
     tl.store(final_ptr + bs, counts, mask=(bs < regions) & last)
     tl.store(counts_ptr + bs, tl.zeros([BATCH_BLOCK], tl.int32), mask=in_batch & last)
-    tl.store(done_ptr + bs, tl.zeros([BATCH_BLOCK], tl.int32), mask=in_batch & last)
     tl.store(exited_ptr, 0, mask=last)
     tl.atomic_add(total_ptr, tl.sum(counts, 0).to(tl.int64), mask=last)
 
 
 # --------------------------------------------------------------------------- launchers
-def copier_programs(device: torch.device) -> int:
-    """A quarter of the SMs, and never all of them: the producers must always find room."""
+def copy_programs(device: torch.device) -> int:
+    """A quarter of the SMs: the top-k beside the copy keeps the rest."""
     if device.type != "cuda":
-        return 2
-    sms = sm_count(device.index)
-    return max(1, min(sms - 1, int(COPIER_PROGRAMS_PER_SM * sms)))
+        return 2  # the interpreter: programs share the chunks in tests
+    return max(1, int(COPY_PROGRAMS_PER_SM * sm_count(device.index)))
 
 
 def _copy_constants(host_rows: torch.Tensor, staging: LiveStaging) -> tuple:
@@ -308,66 +238,55 @@ def logits_and_publish(
     theta_table: torch.Tensor,
     request_rows: torch.Tensor,
     host_to_device: torch.Tensor,
-    host_rows: torch.Tensor,
     staging: LiveStaging,
-    copiers: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     blocks_per_program: int = DEFAULT_BLOCKS_PER_PROGRAM,
     num_warps: int = 4,
     num_stages: int = DEFAULT_NUM_STAGES,
 ) -> torch.Tensor:
     """The fp8 indexer logits [B, L] (bit-identical to kernels/indexer.fp8_index_logits
-    with the same block parameters); per request lane b, its candidates published into
+    with the same block parameters) and, per request lane b, its candidates published into
     ``staging`` (threshold ``theta_table[request_rows[b]]``, residency ``host_to_device``
-    of the layer) and, by ``copiers`` programs of the same launch (default a quarter of
-    the SMs), their rows copied from ``host_rows`` while the logits run. Follow it with
-    :func:`drain_published`. ``host_rows`` must be addressable by the kernel (the pinned
-    pool's CUDA alias; any tensor when interpreted)."""
+    of the layer). Follow it with :func:`copy_published`."""
     if keys.stride(1) != 1:
         raise ValueError("keys need unit stride along D")
     _check(q, weights, keys, key_scales, locs, seq_lens)
     batch, heads, dim = q.shape
     if batch > staging.regions:
         raise ValueError(f"batch of {batch} exceeds the staging's {staging.regions} regions")
-    host_b, rows_b, constants = _copy_constants(host_rows, staging)
     length = locs.shape[1]
     out = torch.empty(batch, length, dtype=torch.float32, device=q.device)
-    blocks = triton.cdiv(length, program_span(block_n, blocks_per_program))
     if batch == 0 or length == 0:
         return out
-    copiers = copier_programs(q.device) if copiers is None else copiers
-    # The copiers' programs come first on the GPU, so they are placed before the logits
-    # fill the SMs; the interpreter runs programs in order, so there they come last (and,
-    # every producer done, leave everything to the drain).
-    copiers_at = 0 if q.is_cuda else batch * blocks
-    _logits_publish_kernel[(batch * blocks + copiers,)](
+    grid = (batch, triton.cdiv(length, program_span(block_n, blocks_per_program)))
+    _logits_publish_kernel[grid](
         q.contiguous(), weights.contiguous().float(), keys, key_scales, locs, seq_lens, out,
         theta_table, request_rows, host_to_device, staging.ids, staging.queue,
-        staging.stage_map, staging.counts, staging.done, host_b, rows_b,
-        batch, blocks, copiers, copiers_at, length, keys.stride(0), key_scales.stride(0),
-        locs.stride(0), out.stride(0), staging.cap, host_b.stride(0), rows_b.stride(0),
+        staging.stage_map, staging.counts,
+        length, keys.stride(0), key_scales.stride(0), locs.stride(0), out.stride(0), staging.cap,
         H=heads, D=dim, BLOCK_N=block_n, BLOCKS=blocks_per_program, PRECISE_ACC=32,
         KEYS_AS_M=True, ABSENT_ID=ABSENT, num_warps=num_warps, num_stages=num_stages,
-        **constants,
     )  # fmt: skip
     return out
 
 
-def drain_published(
+def copy_published(
     host_rows: torch.Tensor,
     staging: LiveStaging,
     batch: int,
     total: torch.Tensor,
     grid: int | None = None,
 ) -> None:
-    """After :func:`logits_and_publish` (stream order): copy the published rows its
-    copiers left, set ``staging.final`` and add the staged rows to ``total`` (int64 [1]).
-    Waits for nothing, so it may run on a side stream beside the top-k."""
+    """After :func:`logits_and_publish` (stream order): copy the published rows into
+    ``staging.rows``, set ``staging.final`` and add the staged rows to ``total`` (int64
+    [1]). On a bounded grid (default a quarter of the SMs), so on a side stream it runs
+    beside the top-k. ``host_rows`` must be addressable by the kernel (the pinned pool's
+    CUDA alias; any tensor when interpreted)."""
     host_b, rows_b, constants = _copy_constants(host_rows, staging)
     if batch == 0:
         return
-    _drain_kernel[(grid or copier_programs(rows_b.device),)](
-        host_b, rows_b, staging.queue, staging.counts, staging.done, staging.final,
+    _copy_kernel[(grid or copy_programs(rows_b.device),)](
+        host_b, rows_b, staging.queue, staging.counts, staging.final,
         staging.exited, total, batch, staging.regions, staging.cap, host_b.stride(0),
         rows_b.stride(0), **constants,
     )  # fmt: skip

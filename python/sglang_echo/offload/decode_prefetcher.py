@@ -5,9 +5,9 @@ Per decode step and layer, the indexer (model/indexer.py) asks for each request'
 threshold and scores the keys. Two designs:
 
 - *live* (the default): one logits launch publishes each key block's misses above the
-  threshold as it scores them, and copier programs of the same launch move their rows
-  into a per-request staging region while the logits still run; a drain on a side stream
-  copies the rest beside the top-k (kernels/decode_stage_live.py, :meth:`publish`). Needs our logits kernel, so it is the
+  threshold into a per-request region as it scores them; a copy on a side stream, on a
+  bounded grid, moves their rows into the staging beside the top-k
+  (kernels/decode_stage_live.py, :meth:`publish`). Needs our logits kernel, so it is the
   runtime's design; the SGLang plugin, whose logits come from sglang, uses the chunked one.
 - *chunked* (``live=False``): the logits run in ``chunks`` pieces of key positions; after
   each, ``stage`` selects the chunk's misses above the threshold and copies their rows
@@ -41,7 +41,7 @@ from sglang_echo.kernels.decode_stage import (
 )
 from sglang_echo.kernels.decode_stage_live import (
     LiveStaging,
-    drain_published,
+    copy_published,
     logits_and_publish,
     publish_and_copy_reference,
 )
@@ -139,26 +139,26 @@ class DecodePrefetcher:
         request_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Live design with the kernels: the fp8 logits [B, L] in one launch whose
-        programs publish their candidates and copy their rows while the logits run (the
-        current stream), then the drain of what is left (a side stream on CUDA, beside the
-        top-k; :meth:`finish` hands its completion to the resolve)."""
+        programs publish their candidates (the current stream), then the copy of their
+        rows (a side stream on CUDA, beside the top-k; :meth:`finish` hands its
+        completion to the resolve)."""
         m, st = self.manager, self.live_staging
         batch = q.shape[0]
         if batch > self.max_rows:
             raise ValueError(f"decode batch of {batch} exceeds the {self.max_rows} request rows")
-        host = (m.host_view if m.host_view is not None else m.host.rows)[layer]
         scores = logits_and_publish(
             q, weights, keys, key_scales, locs, seq_lens, self.predictors[layer].theta,
-            request_rows, self.host_to_device(layer), host, st,
+            request_rows, self.host_to_device(layer), st,
         )  # fmt: skip
+        host = (m.host_view if m.host_view is not None else m.host.rows)[layer]
         total = m.prefetched_rows[layer : layer + 1]
         side = self._side_stream()
         if side is None:
-            drain_published(host, st, batch, total)
+            copy_published(host, st, batch, total)
             return scores
         side.wait_stream(torch.cuda.current_stream(m.device))  # fork: after the logits
         with torch.cuda.stream(side):
-            drain_published(host, st, batch, total)
+            copy_published(host, st, batch, total)
         return scores
 
     def publish_reference(
