@@ -177,7 +177,7 @@ def _steps(use_kernels: bool, staged: bool, seed: int) -> tuple[EchoManager, lis
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn(tokens, 8, generator=g)
     m.write_host(0, torch.arange(1, tokens + 1, device=DEV), rows.to(DEV))
-    p = DecodePrefetcher(m, max_rows=4, cap=24, chunks=3, live=False)
+    p = DecodePrefetcher(m, max_rows=4, cap=24, chunks=3)
     locs = torch.stack([torch.randperm(tokens, generator=g)[:length] + 1 for _ in range(batch)])
     locs, lens = locs.to(DEV), torch.tensor([96, 80, 50], device=DEV)
     reads = []
@@ -216,8 +216,7 @@ def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed):
 
 def test_stats_count_the_staging_buffer():
     """The start-up log's device bytes include the staging buffer when decode prefetch is
-    on: request rows x rows per request x row bytes, plus its index (the default live
-    design: ids, queue, map, two counters per request row and an exit counter)."""
+    on: request rows x rows per request x row bytes, plus its index."""
     from sglang_echo.config import EchoConfig
     from sglang_echo.offload.echo_cache import EchoKVCache
 
@@ -229,10 +228,7 @@ def test_stats_count_the_staging_buffer():
 
     off, on = cache("0"), cache("auto")
     p = on.decode_prefetcher
-    assert p.live
-    rows = 4 * p.cap  # rows x rows per request
-    want = rows * 16 * 4 + rows * 8 * 2 + (100 + 2) * 4 + 2 * 4 * 4 + 4
+    rows = p.chunks * 4 * p.chunk_cap
+    assert rows == 4 * p.cap  # rows x rows per request
+    want = rows * 16 * 4 + rows * 8 + p.chunks * 4 + (100 + 2) * 4
     assert on.stats()["device_bytes"] - off.stats()["device_bytes"] == want == p.nbytes
-    chunked = DecodePrefetcher(on.manager, 4, live=False)
-    rows = chunked.chunks * 4 * chunked.chunk_cap
-    assert chunked.nbytes == rows * 16 * 4 + rows * 8 + chunked.chunks * 4 + (100 + 2) * 4

@@ -6,22 +6,18 @@ One layer's decode indexer + cache step, through the production code: the model'
 cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
 
 - unfused: logits -> top-k -> resolve (look up, evict, allocate, recall the misses);
-- live (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1, the default design): one logits launch
-  whose programs publish their misses scoring above the request's predicted threshold,
-  and a copy kernel on a bounded grid beside it that stages their rows while the logits
-  still run (kernels/decode_stage_live.py) -> top-k -> resolve, whose recall takes staged
-  rows device to device;
-- staged (the chunked design, the SGLang plugin's): the logits in chunks of key
-  positions; after each, a side stream stages the chunk's misses into a staging buffer
-  (kernels/decode_stage.py, bounded grid) while the next chunks and the top-k run;
+- staged (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1, the default design): the logits in
+  chunks of key positions; after each, a side stream stages the chunk's misses scoring
+  above the request's predicted threshold into a staging buffer (kernels/decode_stage.py,
+  bounded grid) while the next chunks and the top-k run -> resolve, whose recall takes
+  staged rows device to device;
 - fused (the earlier, allocating design, for the A/B): logits + flags
   (kernels/decode_prefetch.py) -> EchoManager.prefetch maps them and copies their rows on
   a side stream while the top-k runs -> resolve recalls only what is still missing.
 
-``speedup`` = unfused / live (``chunked_speedup``: unfused / staged). Figure 18's own
-definition (ECHO), top-k and cache management left out: (logits; recall of every miss)
-against (publishing logits and their copy; the recall with the staging),
-``fig18_speedup`` (``chunked_fig18_speedup`` for the chunked design).
+``speedup`` = unfused / staged. Figure 18's own definition (ECHO), top-k and cache
+management left out: (logits; recall of every miss) against (staged logits; the recall
+with the staging), ``fig18_speedup``.
 
 Thresholds come from two earlier steps (queries perturbed by ``--query-noise``) through
 the DecodeThresholdPredictor (EMA, alpha 0.5). Residency: a fraction ``hit`` of the
@@ -32,7 +28,7 @@ case checks that all variants select the same tokens and attention would read th
 bytes (= host rows), eagerly and from CUDA-graph replay. Times: CUDA events, warm-up,
 medians of graph replays in interleaved rounds (the range of the rounds recorded), cache
 state restored before every run (untimed); eager launches alongside.
-``slowdown_at_hit_1.0`` = live / unfused with nothing selected to fetch.
+``slowdown_at_hit_1.0`` = staged / unfused with nothing selected to fetch.
 
     PYTHONPATH=python python benchmark/kernels/decode_prefetch_bench.py --out benchmark/results
     python benchmark/kernels/decode_prefetch_bench.py --device cpu --smoke --out /tmp/dp  # CPU
@@ -187,16 +183,15 @@ class Bench:
             self.manager, max_rows=B, cap=args.cap or DEFAULT_DECODE_PREFETCH_CAP, staged=False
         )
         self.cap = self.prefetcher.cap_for(args.topk)  # candidates per request
-        stage_cap = args.stage_cap or min(DEFAULT_STAGE_CAP, args.topk)
-        priority = STAGE_STREAM_PRIORITY if args.stage_priority is None else args.stage_priority
         self.stager = DecodePrefetcher(
-            self.manager, max_rows=B, cap=stage_cap, live=False,
-            chunks=args.stage_chunks or DEFAULT_STAGE_CHUNKS, side_priority=priority,
-        )  # fmt: skip
-        self.live_stager = DecodePrefetcher(
-            self.manager, max_rows=B, cap=stage_cap, live=True, side_priority=priority
+            self.manager,
+            max_rows=B,
+            cap=args.stage_cap or min(DEFAULT_STAGE_CAP, args.topk),
+            chunks=args.stage_chunks or DEFAULT_STAGE_CHUNKS,
+            side_priority=(
+                STAGE_STREAM_PRIORITY if args.stage_priority is None else args.stage_priority
+            ),
         )
-        self.prefetchers = (self.prefetcher, self.stager, self.live_stager)
         self._learn_thresholds()
 
     def _fill_host(self, g: torch.Generator) -> None:
@@ -217,7 +212,7 @@ class Bench:
         qpos = self.batch.positions.view(-1, 1)
         for q in self.q_prev:
             _, kth = select_topk(self.logits(q).unsqueeze(1), qpos, self.args.topk, True)
-            for prefetcher in self.prefetchers:
+            for prefetcher in (self.prefetcher, self.stager):
                 prefetcher.observe(0, kth.squeeze(1), self.rows_of)
         p = self.prefetcher.predictors[0]
         self.theta0, self.finite0 = p.theta.clone(), p.finite.clone()
@@ -269,7 +264,7 @@ class Bench:
             getattr(self.cache, name).copy_(self.saved[name])
         if rows:
             self.cache.rows.copy_(self.saved_rows)
-        for prefetcher in self.prefetchers:
+        for prefetcher in (self.prefetcher, self.stager):
             p = prefetcher.predictors[0]
             p.theta.copy_(self.theta0)
             p.finite.copy_(self.finite0)
@@ -285,10 +280,6 @@ class Bench:
 
     def staged(self) -> tuple[torch.Tensor, torch.Tensor]:
         sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.stager, 0)
-        return sel, self.manager.resolve(0, sel)
-
-    def live(self) -> tuple[torch.Tensor, torch.Tensor]:
-        sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.live_stager, 0)
         return sel, self.manager.resolve(0, sel)
 
     # Figure 18's definition: the indexer's logits and the recall of every miss, top-k and
@@ -311,16 +302,6 @@ class Bench:
         staged = self.stager.staged_rows(0, self.args.batch)  # no top-k: no finish()
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.stager._side_stream())
-        recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses, staged=staged)
-
-    def fig18_live(self) -> None:
-        keys, scales = unpack_fp8_rows(self.key_rows, self.args.dim)
-        lens = (self.batch.positions + 1).to(torch.int32)
-        p = self.live_stager
-        p.publish(0, self.q, self.w, keys, scales, self.locs, lens, self.rows_of)
-        staged = p.staged_rows(0, self.args.batch)  # no top-k: no finish()
-        if self.cuda:
-            torch.cuda.current_stream().wait_stream(p._side_stream())
         recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses, staged=staged)
 
     def host_rows(self) -> torch.Tensor:
@@ -402,7 +383,7 @@ def capture(bench: Bench, fn, stream) -> torch.cuda.CUDAGraph:
     return graph
 
 
-GRAPHED = ("unfused", "fused", "staged", "live", "fig18_plain", "fig18_staged", "fig18_live")
+GRAPHED = ("unfused", "fused", "staged", "fig18_plain", "fig18_staged")
 
 
 def graph_times(bench: Bench, row: dict, sel_u, want, stream, args) -> bool:
@@ -440,10 +421,9 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     sel_u, rows_u, cnt_u = bench.run_checked(bench.unfused)
     sel_f, rows_f, cnt_f = bench.run_checked(bench.fused)
     sel_s, rows_s, cnt_s = bench.run_checked(bench.staged)
-    sel_l, rows_l, cnt_l = bench.run_checked(bench.live)
     want = bench.expected_rows(sel_u)
-    ok = all(torch.equal(sel_u, sel) for sel in (sel_f, sel_s, sel_l))
-    ok = ok and all(torch.equal(r, want) for r in (rows_u, rows_f, rows_s, rows_l))
+    ok = torch.equal(sel_u, sel_f) and torch.equal(sel_u, sel_s)
+    ok = ok and all(torch.equal(r, want) for r in (rows_u, rows_f, rows_s))
     row.update(
         hit_rate_measured=cnt_u["hits"] / max(1, cnt_u["hits"] + cnt_u["misses"]),
         recall_rows=cnt_u["misses"],
@@ -457,17 +437,12 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
         staged_remaining=cnt_s["misses"] - cnt_s["prefetch_hits"],
         stage_cap=bench.stager.cap,
         stage_chunks=bench.stager.chunks,
-        live_rows=cnt_l["prefetched"],
-        live_used=cnt_l["prefetch_hits"],
-        live_remaining=cnt_l["misses"] - cnt_l["prefetch_hits"],
     )
     w, r = args.warmup, args.reps
     row["unfused_ms"] = time_ms(bench, bench.unfused, w, r)
     row["fused_ms"] = time_ms(bench, bench.fused, w, r)
     row["staged_ms"] = time_ms(bench, bench.staged, w, r)
-    row["live_ms"] = time_ms(bench, bench.live, w, r)
-    row["speedup_eager"] = row["unfused_ms"] / row["live_ms"]
-    row["chunked_speedup_eager"] = row["unfused_ms"] / row["staged_ms"]
+    row["speedup_eager"] = row["unfused_ms"] / row["staged_ms"]
     row["alloc_speedup_eager"] = row["unfused_ms"] / row["fused_ms"]
     # Components (stateless): logits alone, logits + flags alone, top-k alone, the
     # unfused recall alone (its miss count, into distinct slots).
@@ -510,24 +485,15 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     bench.fig18_staged()
     bench.sync()
     ok = ok and torch.equal(bench.scratch_rows[1:].cpu(), bench.host.rows[0][misses.cpu()])
-    bench.scratch_rows.zero_()
-    bench.restore()
-    bench.fig18_live()
-    bench.sync()
-    ok = ok and torch.equal(bench.scratch_rows[1:].cpu(), bench.host.rows[0][misses.cpu()])
     row["speedup"] = row["speedup_eager"]
     if args.graphs and bench.cuda:
         try:
             ok = ok and graph_times(bench, row, sel_u, want, stream, args)
-            row["speedup"] = row["unfused_graph_ms"] / row["live_graph_ms"]
-            row["chunked_speedup"] = row["unfused_graph_ms"] / row["staged_graph_ms"]
+            row["speedup"] = row["unfused_graph_ms"] / row["staged_graph_ms"]
             row["alloc_speedup"] = row["unfused_graph_ms"] / row["fused_graph_ms"]
-            row["fig18_speedup"] = row["fig18_plain_graph_ms"] / row["fig18_live_graph_ms"]
-            row["chunked_fig18_speedup"] = (
-                row["fig18_plain_graph_ms"] / row["fig18_staged_graph_ms"]
-            )
+            row["fig18_speedup"] = row["fig18_plain_graph_ms"] / row["fig18_staged_graph_ms"]
             lo_u, hi_u = row["unfused_graph_ms_range"]
-            lo_s, hi_s = row["live_graph_ms_range"]
+            lo_s, hi_s = row["staged_graph_ms_range"]
             row["speedup_range"] = [lo_u / hi_s, hi_u / lo_s]
         except RuntimeError as exc:  # keep the eager results; say why graphs are missing
             row["graph_error"] = str(exc)[:300]
@@ -617,8 +583,8 @@ def main() -> None:
     )
     head = (
         f"{'hit':>5} {'logits':>7} {'recall rows':>11} {'MB':>6} {'recall':>7} {'unfused':>8} "
-        f"{'fused':>8} {'staged':>8} {'live':>7} {'used':>6} {'remain':>6} {'live':>8} "
-        f"{'speedup':>7} {'fig18':>6} {'chunked':>7} {'alloc':>6} ok"
+        f"{'fused':>8} {'staged':>7} {'used':>6} {'remain':>6} {'staged':>8} "
+        f"{'speedup':>7} {'fig18':>6} {'alloc':>6} ok"
     )
     print("ms; step totals are CUDA-graph replays where available (fused: allocating design)")
     print(head)
@@ -630,10 +596,8 @@ def main() -> None:
         print(
             f"{hit:>5} {r['logits_ms']:>7.3f} {r['recall_rows']:>11} {r['recall_MB']:>6.2f} "
             f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {g('fused'):>8.3f} "
-            f"{g('staged'):>8.3f} {r['live_rows']:>7} {r['live_used']:>6} "
-            f"{r['live_remaining']:>6} {g('live'):>8.3f} {r['speedup']:>7.3f} "
-            f"{r.get('fig18_speedup', 0):>6.3f} "
-            f"{r.get('chunked_speedup', r['chunked_speedup_eager']):>7.3f} "
+            f"{r['staged_rows']:>7} {r['staged_used']:>6} {r['staged_remaining']:>6} "
+            f"{g('staged'):>8.3f} {r['speedup']:>7.3f} {r.get('fig18_speedup', 0):>6.3f} "
             f"{r.get('alloc_speedup', r['alloc_speedup_eager']):>6.3f} {r['correct']}",
             flush=True,
         )
@@ -645,12 +609,7 @@ def main() -> None:
     metrics = {
         **{f"speedup_at_hit_{h}": r["speedup"] for h, r in by_hit.items() if h < 1.0},
         "slowdown_at_hit_1.0": 1 / by_hit[1.0]["speedup"] if 1.0 in by_hit else None,
-        "design": "live (kernels/decode_stage_live.py); chunked_* is the chunked staged "
-        "design (kernels/decode_stage.py), alloc_* the allocating one",
-        "chunked_speedup": {f"hit_{h}": r.get("chunked_speedup") for h, r in by_hit.items()},
-        "chunked_fig18_speedup": {
-            f"hit_{h}": r.get("chunked_fig18_speedup") for h, r in by_hit.items()
-        },
+        "design": "staged (kernels/decode_stage.py); alloc_* is the allocating design",
         "speedup_range": {f"hit_{h}": r.get("speedup_range") for h, r in by_hit.items()},
         "fig18_speedup": {f"hit_{h}": r.get("fig18_speedup") for h, r in by_hit.items()},
         "alloc_speedup": {f"hit_{h}": r.get("alloc_speedup") for h, r in by_hit.items()},

@@ -229,24 +229,17 @@ class LightningIndexer(nn.Module):
         lens = batch.positions + 1
         theta = h2d = None
         cap = 0
-        staged = prefetch is not None and prefetch.staged
-        live = staged and prefetch.live
-        fp8_kernels = self.mode == "fp8_hadamard" and use_kernels(q)
-        if prefetch is not None and not (live and fp8_kernels):  # the live kernel reads them
+        if prefetch is not None:
             theta = prefetch.theta(layer, batch.request_rows)
             h2d = prefetch.host_to_device(layer)
             cap = prefetch.cap_for(self.topk)
-        if fp8_kernels:
+        staged = prefetch is not None and prefetch.staged
+        if self.mode == "fp8_hadamard" and use_kernels(q):
             from sglang_echo.kernels.indexer import fp8_index_logits, program_span
 
             keys, scales = unpack_fp8_rows(all_keys, self.head_dim)
             lens32 = lens.to(torch.int32)
-            if live:
-                # One launch whose programs publish their misses; their copy runs beside.
-                scores = prefetch.publish(
-                    layer, q, weights, keys, scales, ctx, lens32, batch.request_rows
-                )
-            elif staged:
+            if staged:
                 # Chunks of key positions: each chunk's misses start moving (side stream)
                 # while the next chunks and the top-k are computed.
                 scores = torch.empty(ctx.shape[0], ctx.shape[1], dtype=torch.float32,
@@ -267,9 +260,7 @@ class LightningIndexer(nn.Module):
                 scores = fp8_index_logits(q, weights, keys, scales, ctx, lens32)
         else:
             scores = self._scores(q.unsqueeze(1), weights.unsqueeze(1), all_keys[ctx]).squeeze(1)
-            if live:
-                prefetch.publish_reference(layer, scores, ctx, lens, theta)
-            elif staged:
+            if staged:
                 length = scores.shape[1]
                 prefetch.stage(layer, 0, scores, ctx, lens, theta, 0, length)
             elif prefetch is not None:

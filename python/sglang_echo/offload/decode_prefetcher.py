@@ -4,18 +4,11 @@ section 6).
 Per decode step and layer, the indexer (model/indexer.py) asks for each request's
 threshold and scores the keys. Two designs:
 
-- *live* (the default): one logits launch publishes each key block's misses above the
-  threshold into a per-request region as it scores them; a copy on a side stream, on a
-  bounded grid, moves their rows into the staging beside the top-k
-  (kernels/decode_stage_live.py, :meth:`publish`). Needs our logits kernel, so it is the
-  runtime's design; the SGLang plugin, whose logits come from sglang, uses the chunked one.
-- *chunked* (``live=False``): the logits run in ``chunks`` pieces of key positions; after
+- *staged* (the default): the logits run in ``chunks`` pieces of key positions; after
   each, ``stage`` selects the chunk's misses above the threshold and copies their rows
   into a staging buffer on a side stream, on a bounded grid, while the next chunks and
-  the top-k run (kernels/decode_stage.py).
-
-Either staged design allocates nothing; the resolve's recall takes staged rows device to
-device (EchoManager.resolve).
+  the top-k run (kernels/decode_stage.py). Nothing is allocated; the resolve's recall
+  takes staged rows device to device (EchoManager.resolve).
 - *allocating* (``staged=False``, the earlier design, kept for the A/B in
   benchmark/kernels/decode_prefetch_bench.py): the fused logits kernel flags the
   candidates, ``launch`` maps them into cache slots and copies their rows on a side stream
@@ -38,12 +31,6 @@ from sglang_echo.kernels.decode_stage import (
     stage_copy_reference,
     stage_select,
     stage_select_reference,
-)
-from sglang_echo.kernels.decode_stage_live import (
-    LiveStaging,
-    copy_published,
-    logits_and_publish,
-    publish_and_copy_reference,
 )
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.predictor import DecodeThresholdPredictor
@@ -74,7 +61,6 @@ class DecodePrefetcher:
         cap: int | None = None,
         alpha: float = 0.5,
         staged: bool = True,
-        live: bool = True,
         chunks: int = DEFAULT_STAGE_CHUNKS,
         side_priority: int = STAGE_STREAM_PRIORITY,
     ) -> None:
@@ -88,19 +74,12 @@ class DecodePrefetcher:
         self.cap = int(cap)
         self.max_rows = int(max_rows)
         self.staged = staged
-        self.live = staged and live
         self.side_priority = int(side_priority)
         layers = manager.cache.num_layers
         self.predictors = [
             DecodeThresholdPredictor(max_rows, manager.device, alpha) for _ in range(layers)
         ]
-        self._side: torch.cuda.Stream | None = None
-        if self.live:
-            c = manager.cache
-            self.live_staging = LiveStaging(
-                self.max_rows, self.cap, c.row_dim, c.rows.dtype, c.host_tokens, manager.device
-            )
-        elif staged:
+        if staged:
             self.chunks = int(chunks)
             self.chunk_cap = self.cap // self.chunks
             self._build_staging()
@@ -115,6 +94,7 @@ class DecodePrefetcher:
         self.stage_ids = torch.full((entries,), -1, dtype=torch.int64, device=dev)
         self.stage_counts = torch.zeros(self.chunks, dtype=torch.int32, device=dev)
         self.stage_map = torch.zeros(c.host_tokens + 2, dtype=torch.int32, device=dev)
+        self._side: torch.cuda.Stream | None = None
 
     @property
     def nbytes(self) -> int:
@@ -122,65 +102,8 @@ class DecodePrefetcher:
         thresholds are a few bytes per request row."""
         if not self.staged:
             return 0
-        if self.live:
-            return self.live_staging.nbytes
         buffers = (self.stage_rows, self.stage_ids, self.stage_counts, self.stage_map)
         return sum(t.nbytes for t in buffers)
-
-    def publish(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        weights: torch.Tensor,
-        keys: torch.Tensor,
-        key_scales: torch.Tensor,
-        locs: torch.Tensor,
-        seq_lens: torch.Tensor,
-        request_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """Live design with the kernels: the fp8 logits [B, L] in one launch whose
-        programs publish their candidates (the current stream), then the copy of their
-        rows (a side stream on CUDA, beside the top-k; :meth:`finish` hands its
-        completion to the resolve)."""
-        m, st = self.manager, self.live_staging
-        batch = q.shape[0]
-        if batch > self.max_rows:
-            raise ValueError(f"decode batch of {batch} exceeds the {self.max_rows} request rows")
-        scores = logits_and_publish(
-            q, weights, keys, key_scales, locs, seq_lens, self.predictors[layer].theta,
-            request_rows, self.host_to_device(layer), st,
-        )  # fmt: skip
-        host = (m.host_view if m.host_view is not None else m.host.rows)[layer]
-        total = m.prefetched_rows[layer : layer + 1]
-        side = self._side_stream()
-        if side is None:
-            copy_published(host, st, batch, total)
-            return scores
-        side.wait_stream(torch.cuda.current_stream(m.device))  # fork: after the logits
-        with torch.cuda.stream(side):
-            copy_published(host, st, batch, total)
-        return scores
-
-    def publish_reference(
-        self,
-        layer: int,
-        scores: torch.Tensor,
-        locs: torch.Tensor,
-        seq_lens: torch.Tensor,
-        theta: torch.Tensor,
-    ) -> None:
-        """Live design without the kernels: the same staging from computed scores."""
-        m = self.manager
-        if scores.shape[0] > self.max_rows:
-            raise ValueError(
-                f"decode batch of {scores.shape[0]} exceeds the {self.max_rows} request rows"
-            )
-        host = m.host_view if m.host_view is not None else m.host.rows
-        total = m.prefetched_rows[layer : layer + 1]
-        publish_and_copy_reference(
-            scores, locs, seq_lens, theta, self.host_to_device(layer), host[layer],
-            self.live_staging, total,
-        )  # fmt: skip
 
     def chunk_bounds(self, length: int, span: int) -> list[tuple[int, int]]:
         """[start, end) of each chunk of a [B, length] score table, starts aligned to the
@@ -204,8 +127,6 @@ class DecodePrefetcher:
         computed on the current stream). On CUDA with the kernels: on a side stream
         forked here; after the step's last chunk and its top-k, :meth:`finish` hands the
         layer's staging to the manager. Elsewhere: synchronous, in torch."""
-        if not self.staged or self.live:
-            raise RuntimeError("stage() is the chunked design's; the live design publishes")
         m = self.manager
         batch = scores.shape[0]
         if batch > self.max_rows:
@@ -271,12 +192,6 @@ class DecodePrefetcher:
         """The staging of ``layer``'s current step (a batch of ``batch`` requests) as the
         recall reads it."""
         m = self.manager
-        if self.live:
-            st = self.live_staging
-            return StagedRows(
-                st.rows, st.stage_map, st.ids, st.final, st.cap, st.cap,
-                m.prefetch_hits[layer : layer + 1],
-            )  # fmt: skip
         return StagedRows(
             self.stage_rows, self.stage_map, self.stage_ids, self.stage_counts,
             self.max_rows * self.chunk_cap, self.region_limit(batch),

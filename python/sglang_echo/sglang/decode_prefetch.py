@@ -59,10 +59,7 @@ class PluginDecodePrefetch:
         """``req_to_host`` [request slots, positions] host ids (-1 none), sglang's
         ``req_to_host_pool``; ``num_real_reqs`` the step's real request count (a device
         scalar the model runner fills); ``max_rows`` the request slots."""
-        # sglang computes the logits: the chunked design stages from them (live needs ours).
-        self.prefetcher = DecodePrefetcher(
-            manager, max_rows, live=False, chunks=PLUGIN_STAGE_CHUNKS
-        )
+        self.prefetcher = DecodePrefetcher(manager, max_rows, chunks=PLUGIN_STAGE_CHUNKS)
         self.req_to_host = req_to_host
         self.num_real_reqs = num_real_reqs
         self.scratch_row = self.prefetcher.predictors[0].scratch_row
