@@ -102,45 +102,6 @@ def test_select_stages_the_reference_candidates(cap):
             assert int(ker[0][int(ker[2][token])]) == token
 
 
-@pytest.mark.parametrize("cap", [400, 30], ids=["room", "overflow"])
-def test_logits_and_select_equal_logits_then_select(cap):
-    """One launch per chunk (the default kernel path) computes the plain kernel's logits
-    bit for bit and stages the select pass's candidates (as a set; a subset of cap under
-    overflow)."""
-    from sglang_echo.kernels.decode_stage import logits_and_select
-
-    q, w, keys, scales, locs, lens, h2d = _inputs(4, batch=3, length=150)
-    params = dict(block_n=16, blocks_per_program=1)
-    whole = fp8_index_logits(q, w, keys, scales, locs, lens, **params)
-    theta = torch.tensor(
-        [whole[0, : int(lens[0])].quantile(0.6).item(), -float("inf"), float("inf")],
-        device=DEV,
-    )
-    tokens = keys.shape[0]
-    ker, ref = _buffers(2, cap, tokens), _buffers(2, cap, tokens)
-    out = torch.full_like(whole, float("nan"))
-    for chunk, (start, end) in enumerate([(0, 64), (64, 150)]):
-        ids, counts, smap = ker
-        logits_and_select(q, w, keys, scales, locs, lens, out, start, end, theta, h2d, ids,
-                          counts[chunk : chunk + 1], smap, chunk * cap, cap, **params)  # fmt: skip
-        ids, counts, smap = ref
-        stage_select_reference(whole, locs, lens, theta, h2d, start, end, ids,
-                               counts[chunk : chunk + 1], smap, chunk * cap, cap)  # fmt: skip
-    assert torch.equal(out, whole)
-    assert torch.equal(ker[1], ref[1]) and int(ker[1].sum()) > 0  # counts (uncapped)
-    for chunk in range(2):
-        kept = min(int(ker[1][chunk]), cap)
-        got = ker[0][chunk * cap : chunk * cap + kept].tolist()
-        want = _candidates(whole, locs, lens, theta, h2d, *[(0, 64), (64, 150)][chunk])
-        pool = list(want)
-        for token in got:
-            pool.remove(token)
-        if len(want) <= cap:
-            assert not pool
-        for token in got:  # the map points at an entry holding the token
-            assert int(ker[0][int(ker[2][token])]) == token
-
-
 def test_copy_moves_exactly_the_staged_rows():
     g = torch.Generator().manual_seed(2)
     chunks, cap = 3, 5

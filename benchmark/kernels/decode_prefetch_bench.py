@@ -7,10 +7,10 @@ cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
 
 - unfused: logits -> top-k -> resolve (look up, evict, allocate, recall the misses);
 - staged (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1, the default design): the logits in
-  chunks of key positions, each chunk's launch also selecting its misses scoring above
-  the request's predicted threshold into a staging buffer; after each, a side stream
-  copies their rows (kernels/decode_stage.py, bounded grid) while the next chunks and the
-  top-k run -> resolve, whose recall takes staged rows device to device;
+  chunks of key positions; after each, a side stream stages the chunk's misses scoring
+  above the request's predicted threshold into a staging buffer (kernels/decode_stage.py,
+  bounded grid) while the next chunks and the top-k run -> resolve, whose recall takes
+  staged rows device to device;
 - fused (the earlier, allocating design, for the A/B): logits + flags
   (kernels/decode_prefetch.py) -> EchoManager.prefetch maps them and copies their rows on
   a side stream while the top-k runs -> resolve recalls only what is still missing.
@@ -295,8 +295,10 @@ class Bench:
         scores = torch.empty(self.locs.shape, dtype=torch.float32, device=self.dev)
         bounds = self.stager.chunk_bounds(self.locs.shape[1], program_span())
         for i, (start, end) in enumerate(bounds):
-            self.stager.stage(0, i, scores, self.locs, lens, theta, start, end,
-                              logits=(self.q, self.w, keys, scales))  # fmt: skip
+            fp8_index_logits(
+                self.q, self.w, keys, scales, self.locs, lens, out=scores, start=start, end=end
+            )
+            self.stager.stage(0, i, scores, self.locs, lens, theta, start, end)
         staged = self.stager.staged_rows(0, self.args.batch)  # no top-k: no finish()
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.stager._side_stream())

@@ -38,14 +38,6 @@ import triton.language as tl
 
 from sglang_echo.kernels.cache_layout import ABSENT, byte_rows, byte_vector
 from sglang_echo.kernels.device_info import sm_count
-from sglang_echo.kernels.indexer import (
-    DEFAULT_BLOCK_N,
-    DEFAULT_BLOCKS_PER_PROGRAM,
-    DEFAULT_NUM_STAGES,
-    _check,
-    _fp8_logits_block,
-    program_span,
-)
 
 # Positions per select program. On an H200 (batch 16 x 64K-position chunks) 1024 took
 # 10-12 us per chunk and slowed the top-k beside it less than 4096 did (19 us).
@@ -84,60 +76,18 @@ def _select_kernel(
     n = start + tl.program_id(1) * TILE + tl.arange(0, TILE)
     live = (n < end) & (n < tl.load(lens_ptr + b))
     s = tl.load(scores_ptr + b * scores_stride + n, mask=live, other=float("-inf"))
-    theta = tl.load(theta_ptr + b)
-    loc = tl.load(locs_ptr + b * locs_stride + n, mask=live & (s > theta), other=0).to(tl.int64)
-    _select_block(s, loc, live, theta, h2d_ptr, ids_ptr, counts_ptr, map_ptr, cap, region,
-                  ABSENT_ID=ABSENT_ID)  # fmt: skip
-
-
-@triton.jit
-def _select_block(
-    logits, loc, live, theta, h2d_ptr, ids_ptr, counts_ptr, map_ptr, cap, region,
-    ABSENT_ID: tl.constexpr,
-):  # fmt: skip
-    """Append a block's candidates (above theta, not resident) to the chunk's region."""
-    over = live & (logits > theta)
+    over = live & (s > tl.load(theta_ptr + b))
+    loc = tl.load(locs_ptr + b * locs_stride + n, mask=over, other=0).to(tl.int64)
     slot = tl.load(h2d_ptr + loc, mask=over, other=0)
     flag = over & (slot == ABSENT_ID)
     flags = flag.to(tl.int32)
     n_flags = tl.sum(flags, 0)
-    base = tl.atomic_add(counts_ptr, n_flags, mask=n_flags > 0)  # the block's ranks
+    base = tl.atomic_add(counts_ptr, n_flags)  # this tile's ranks in the region
     rank = base + tl.cumsum(flags, 0) - 1
     take = flag & (rank < cap)
     entry = region + rank
     tl.store(ids_ptr + entry, loc, mask=take)
     tl.store(map_ptr + loc, entry.to(tl.int32), mask=take)
-
-
-@triton.jit
-def _logits_select_kernel(
-    q_ptr, w_ptr, k_ptr, k_scale_ptr, locs_ptr, lens_ptr, out_ptr,
-    theta_ptr, h2d_ptr, ids_ptr, counts_ptr, map_ptr,
-    length, k_stride, k_scale_stride, locs_stride, out_stride, first_program, cap, region,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-    PRECISE_ACC: tl.constexpr, KEYS_AS_M: tl.constexpr, ABSENT_ID: tl.constexpr,
-):  # fmt: skip
-    """The plain fp8 logits kernel (kernels/indexer.py, same block code, so the same bits)
-    whose programs also select their block's candidates: no select pass after it."""
-    b = tl.program_id(0)
-    d = tl.arange(0, D)
-    h = tl.arange(0, H)
-    q = tl.load(q_ptr + b * H * D + h[:, None] * D + d[None, :])
-    w = tl.load(w_ptr + b * H + h)
-    seq_len = tl.load(lens_ptr + b)
-    theta = tl.load(theta_ptr + b)
-    first = (first_program + tl.program_id(1)) * BLOCKS * BLOCK_N
-    for i in range(BLOCKS):
-        n = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        logits, loc, live = _fp8_logits_block(
-            q, w, k_ptr, k_scale_ptr, locs_ptr, b, n, seq_len, k_stride, k_scale_stride,
-            locs_stride, D=D, PRECISE_ACC=PRECISE_ACC, KEYS_AS_M=KEYS_AS_M,
-        )  # fmt: skip
-        tl.store(out_ptr + b * out_stride + n, logits, mask=n < length)
-        _select_block(
-            logits, loc, live, theta, h2d_ptr, ids_ptr, counts_ptr, map_ptr, cap, region,
-            ABSENT_ID=ABSENT_ID,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -194,54 +144,6 @@ def stage_select(
         scores, locs, seq_lens, theta, host_to_device, ids, count, stage_map,
         start, end, scores.stride(0), locs.stride(0), cap, region,
         TILE=STAGE_TILE, ABSENT_ID=ABSENT,
-    )  # fmt: skip
-
-
-def logits_and_select(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    keys: torch.Tensor,
-    key_scales: torch.Tensor,
-    locs: torch.Tensor,
-    seq_lens: torch.Tensor,
-    out: torch.Tensor,
-    start: int,
-    end: int,
-    theta: torch.Tensor,
-    host_to_device: torch.Tensor,
-    ids: torch.Tensor,
-    count: torch.Tensor,
-    stage_map: torch.Tensor,
-    region: int,
-    cap: int,
-    block_n: int = DEFAULT_BLOCK_N,
-    blocks_per_program: int = DEFAULT_BLOCKS_PER_PROGRAM,
-    num_warps: int = 4,
-    num_stages: int = DEFAULT_NUM_STAGES,
-) -> None:
-    """:func:`kernels.indexer.fp8_index_logits` over positions [start, end) into ``out``
-    (the same bits) and :func:`stage_select` over the same positions, in one launch: each
-    program selects the candidates of the key blocks it has just scored."""
-    if keys.stride(1) != 1:
-        raise ValueError("keys need unit stride along D")
-    _check(q, weights, keys, key_scales, locs, seq_lens)
-    batch, heads, dim = q.shape
-    length = locs.shape[1]
-    span = program_span(block_n, blocks_per_program)
-    end = min(end, length)
-    if start % span or start < 0 or (end < length and end % span):
-        raise ValueError(f"start and end (short of L) must be multiples of {span} positions")
-    if out.shape != (batch, length) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be [B, L] = [{batch}, {length}] float32, unit stride")
-    if end <= start or batch == 0:
-        return
-    _logits_select_kernel[(batch, triton.cdiv(end - start, span))](
-        q.contiguous(), weights.contiguous().float(), keys, key_scales, locs, seq_lens, out,
-        theta, host_to_device, ids, count, stage_map,
-        length, keys.stride(0), key_scales.stride(0), locs.stride(0), out.stride(0),
-        start // span, cap, region,
-        H=heads, D=dim, BLOCK_N=block_n, BLOCKS=blocks_per_program, PRECISE_ACC=32,
-        KEYS_AS_M=True, ABSENT_ID=ABSENT, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 

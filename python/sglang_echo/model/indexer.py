@@ -246,9 +246,10 @@ class LightningIndexer(nn.Module):
                                      device=q.device)  # fmt: skip
                 bounds = prefetch.chunk_bounds(ctx.shape[1], program_span())
                 for i, (start, end) in enumerate(bounds):
-                    # One launch per chunk scores and selects; the copy forks after it.
-                    prefetch.stage(layer, i, scores, ctx, lens32, theta, start, end,
-                                   logits=(q, weights, keys, scales))  # fmt: skip
+                    fp8_index_logits(
+                        q, weights, keys, scales, ctx, lens32, out=scores, start=start, end=end
+                    )
+                    prefetch.stage(layer, i, scores, ctx, lens32, theta, start, end)
             elif prefetch is not None:
                 from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch
 

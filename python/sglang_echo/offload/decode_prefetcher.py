@@ -27,7 +27,6 @@ import torch
 
 from sglang_echo.kernels.decode_stage import (
     StagedRows,
-    logits_and_select,
     stage_copy,
     stage_copy_reference,
     stage_select,
@@ -123,15 +122,11 @@ class DecodePrefetcher:
         theta: torch.Tensor,
         start: int,
         end: int,
-        logits: tuple[torch.Tensor, ...] | None = None,
     ) -> None:
         """Stage the misses above theta among positions [start, end) of ``scores`` (just
-        computed on the current stream). ``logits`` = (q, weights, keys, key_scales): the
-        chunk's fp8 logits are still to be computed, and with the kernels one launch
-        computes them into ``scores`` and selects (kernels/decode_stage.py
-        ``logits_and_select``: no select pass). On CUDA the copy runs on a side stream
+        computed on the current stream). On CUDA with the kernels: on a side stream
         forked here; after the step's last chunk and its top-k, :meth:`finish` hands the
-        layer's staging to the manager. Elsewhere: synchronous."""
+        layer's staging to the manager. Elsewhere: synchronous, in torch."""
         m = self.manager
         batch = scores.shape[0]
         if batch > self.max_rows:
@@ -142,33 +137,25 @@ class DecodePrefetcher:
         region, limit = chunk * stride, self.region_limit(batch)
         count = self.stage_counts[chunk : chunk + 1]
         h2d = m.cache.host_to_device[layer]
-        select_args = (self.stage_ids, count, self.stage_map, region, limit)
+        args = (scores, locs, seq_lens, theta, h2d, start, end, self.stage_ids, count,
+                self.stage_map, region, limit)  # fmt: skip
         host = m.host_view if m.host_view is not None else m.host.rows
         total = m.prefetched_rows[layer : layer + 1]
         copy_args = (host[layer], self.stage_rows, self.stage_ids, count, total, region, limit)
         side = self._side_stream()
-        fused = logits is not None and m.use_kernels
-        if logits is not None and not fused:
-            raise ValueError("the logits come with the staging only where the kernels run")
-        if fused:
-            if chunk == 0:
-                self.stage_counts.zero_()  # the previous layer's resolve has read them
-            logits_and_select(*logits, locs, seq_lens, scores, start, end, theta, h2d, *select_args)
         if side is None:
-            if chunk == 0 and not fused:
+            if chunk == 0:
                 self.stage_counts.zero_()
-            if not fused:
-                select = stage_select if m.use_kernels else stage_select_reference
-                select(scores, locs, seq_lens, theta, h2d, start, end, *select_args)
+            select = stage_select if m.use_kernels else stage_select_reference
+            select(*args)
             copy = stage_copy if m.use_kernels else stage_copy_reference
             copy(*copy_args)
             return
         side.wait_stream(torch.cuda.current_stream(m.device))  # fork: this chunk's logits
         with torch.cuda.stream(side):
-            if not fused:
-                if chunk == 0:
-                    self.stage_counts.zero_()
-                stage_select(scores, locs, seq_lens, theta, h2d, start, end, *select_args)
+            if chunk == 0:
+                self.stage_counts.zero_()
+            stage_select(*args)
             # A bounded grid even beside the top-k alone: with the recall's full grid the
             # last chunk's copy held the top-k back (H200, hit 0.5: 1.03x against 1.12x).
             stage_copy(*copy_args)
