@@ -35,7 +35,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import pyplot, save_record, time_us
+from common import event_us, pyplot, save_record, time_us
 from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
@@ -211,7 +211,7 @@ def measure(
                 step(i)
             times.append((time.perf_counter() - start_s) * 1e6 / group)
             continue
-        times.append(replay_us(graph) / group)
+        times.append(event_us(graph.replay) / group)
     if not times:
         raise ValueError(f"the trace has no {group} steps past the {warm} warm-up steps")
     hits, misses = c.hits.sum().item() - hits0, c.misses.sum().item() - misses0
@@ -247,18 +247,8 @@ def launch_floor(args, dev: torch.device, launches: int, group: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(group * launches):
             _noop_kernel[(1,)](counter, PDL=pdl, launch_pdl=pdl)
-    times = [replay_us(graph) / group for _ in range(max(20, args.replays))]
+    times = [event_us(graph.replay) / group for _ in range(max(20, args.replays))]
     return statistics.median(times[2:])
-
-
-def replay_us(graph: torch.cuda.CUDAGraph) -> float:
-    """One replay of ``graph`` between device events, in us."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000
 
 
 # Launch variants timed beside the default (kernels/pdl.py): chained launches and relaxed

@@ -13,20 +13,22 @@ from pathlib import Path
 import torch
 
 
+def event_us(fn: Callable[[], object]) -> float:
+    """One run of ``fn`` between two events on the current CUDA stream, in microseconds."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000
+
+
 def time_us(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
     """Median wall time of ``fn`` on the current CUDA stream, in microseconds."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+    return statistics.median(event_us(fn) for _ in range(reps))
 
 
 def capture(fn: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:
