@@ -19,11 +19,12 @@ import os
 from array import array
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from benchmark.harness.kv_sides import ceil_page
-from benchmark.harness.kv_sides import cpu_shims as apply_cpu_shims  # noqa: F401
+from benchmark.harness.kv_sides import cpu_shims as apply_cpu_shims
 
 PAGE = 64
 KV_LORA, ROPE = 512, 64
@@ -33,6 +34,14 @@ FP8_ROW_BYTES = 656  # 512 fp8 + 4 fp32 scales + 64 bf16 rope
 def init_process_group(tmp_dir: str) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/pg", rank=0, world_size=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_machine(tmp_path_factory):
+    """What every scripted decode-node module needs first: sglang's classes on the CPU
+    (the shims) and a one-rank gloo process group. Autouse in each module that imports it."""
+    apply_cpu_shims()
+    init_process_group(str(tmp_path_factory.mktemp("pg")))
 
 
 def assert_coordinator_clean(coord, allocator) -> None:

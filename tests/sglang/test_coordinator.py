@@ -14,9 +14,8 @@ plugin_testenv.require_sglang()
 
 from sglang_world import (  # noqa: E402
     DecodeNode,
-    apply_cpu_shims,
     assert_coordinator_clean,
-    init_process_group,
+    cpu_machine,  # noqa: F401 (autouse: CPU shims, process group)
 )
 
 from sglang_echo.config import (  # noqa: E402
@@ -25,12 +24,6 @@ from sglang_echo.config import (  # noqa: E402
     EchoConfig,
     reset_settings,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_machine(tmp_path_factory):
-    apply_cpu_shims()
-    init_process_group(str(tmp_path_factory.mktemp("pg")))
 
 
 def selections(node: DecodeNode, rng: random.Random):

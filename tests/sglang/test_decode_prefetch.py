@@ -15,19 +15,16 @@ import torch
 
 plugin_testenv.require_sglang()
 
-from sglang_world import DecodeNode, apply_cpu_shims, init_process_group  # noqa: E402
+from sglang_world import (  # noqa: E402
+    DecodeNode,
+    cpu_machine,  # noqa: F401 (autouse: CPU shims, process group)
+)
 from test_coordinator import check_tables  # noqa: E402
 
 from sglang_echo.config import ENV_FUSE_DECODE, reset_settings  # noqa: E402
 from sglang_echo.sglang import decode_prefetch  # noqa: E402
 
 LAYERS, TOP_K, MAX_RUNNING = 2, 16, 3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_machine(tmp_path_factory):
-    apply_cpu_shims()
-    init_process_group(str(tmp_path_factory.mktemp("pg")))
 
 
 @pytest.fixture

@@ -12,24 +12,20 @@ import random
 from types import SimpleNamespace
 
 import plugin_testenv  # first: sets the process up before sglang loads
-import pytest
 import torch
 
 plugin_testenv.require_sglang()
 
-from sglang_world import DecodeNode, apply_cpu_shims, init_process_group  # noqa: E402
+from sglang_world import (  # noqa: E402
+    DecodeNode,
+    cpu_machine,  # noqa: F401 (autouse: CPU shims, process group)
+)
 from test_coordinator import assert_back_to_start, check_tables, run_life  # noqa: E402
 
 from sglang_echo.config import EchoConfig  # noqa: E402
 from sglang_echo.sglang.args import plan_echo  # noqa: E402
 
 TOP_K, DEV_CACHE, RANKS = 16, 64, 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_machine(tmp_path_factory):
-    apply_cpu_shims()
-    init_process_group(str(tmp_path_factory.mktemp("pg")))
 
 
 def per_rank_plan():

@@ -17,19 +17,17 @@ import torch.distributed as dist
 
 plugin_testenv.require_sglang()
 
-from sglang_world import PAGE, apply_cpu_shims, build_pools, init_process_group  # noqa: E402
+from sglang_world import (  # noqa: E402
+    PAGE,
+    build_pools,
+    cpu_machine,  # noqa: F401 (autouse: CPU shims, process group)
+)
 
 from sglang_echo.config import ConfigError, EchoConfig  # noqa: E402
 from sglang_echo.sglang import guards  # noqa: E402
 from sglang_echo.sglang.args import plan_echo  # noqa: E402
 
 TOP_K, DEV_CACHE = 16, 64
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_machine(tmp_path_factory):
-    apply_cpu_shims()
-    init_process_group(str(tmp_path_factory.mktemp("pg")))
 
 
 def plan(host_tokens: int = 1536):

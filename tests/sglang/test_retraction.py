@@ -18,17 +18,14 @@ import torch
 
 plugin_testenv.require_sglang()
 
-from sglang_world import DecodeNode, apply_cpu_shims, init_process_group  # noqa: E402
+from sglang_world import (  # noqa: E402
+    DecodeNode,
+    cpu_machine,  # noqa: F401 (autouse: CPU shims, process group)
+)
 from test_coordinator import assert_back_to_start, check_tables, selections  # noqa: E402
 
 from sglang_echo.sglang.args import RETRACTION_BACKUP  # noqa: E402
 from sglang_echo.sglang.retraction import kept_of  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_machine(tmp_path_factory):
-    apply_cpu_shims()
-    init_process_group(str(tmp_path_factory.mktemp("pg")))
 
 
 def node() -> DecodeNode:

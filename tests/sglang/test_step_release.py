@@ -25,7 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 plugin_testenv.require_sglang()
 
-from sglang_world import DecodeNode, apply_cpu_shims, init_process_group  # noqa: E402
+from sglang_world import (  # noqa: E402
+    DecodeNode,
+    cpu_machine,  # noqa: F401 (autouse: CPU shims, process group)
+)
 from test_coordinator import assert_back_to_start, check_tables, selections  # noqa: E402
 
 import sglang_echo.offload.manager as manager_module  # noqa: E402
@@ -43,12 +46,6 @@ RESOLVE_LAUNCHES = {
     "one-program": {**GLUE, "_one_program_kernel": 1, "_recall_flat_kernel": 1},
     "pipeline": {**GLUE, **{name: 1 for name in ALLOC_KERNELS}, "_recall_flat_kernel": 1},
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_machine(tmp_path_factory):
-    apply_cpu_shims()
-    init_process_group(str(tmp_path_factory.mktemp("pg")))
 
 
 # ------------------------------------------------------------------ counters
