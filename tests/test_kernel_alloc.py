@@ -75,9 +75,14 @@ def program_order(request, monkeypatch):
 
 
 SMALL_BLOCKS = {"lane_block": 16, "slot_block": 16, "num_warps": 1}
-# The two launch paths of allocate_kernel: the five-launch pipeline (any batch) and the
-# one-program kernel (small batches); both must leave the reference's state.
-PATHS = {"pipeline": {"one_program_lanes": 0}, "one-program": {"one_program_lanes": 1 << 20}}
+# The launch paths of allocate_kernel: the look-back resolve (past the one program; appends
+# take the pipeline there), the five-launch pipeline for everything, and the one-program
+# kernel (small batches); each must leave the reference's state.
+PATHS = {
+    "lookback": {"one_program_lanes": 0},
+    "pipeline": {"one_program_lanes": 0, "lookback": False},
+    "one-program": {"one_program_lanes": 1 << 20},
+}
 
 
 @pytest.fixture(params=sorted(PATHS))

@@ -40,6 +40,7 @@ from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.alloc import ONE_PROGRAM_LANES, STAGES, AllocWorkspace, allocate_kernel
+from sglang_echo.kernels.alloc_lookback import STAGES as LOOKBACK_STAGES
 from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 from sglang_echo.offload.echo_cache import EchoKVCache
 
@@ -325,15 +326,18 @@ def one_program_study(args, dev: torch.device) -> dict:
 
 
 def stage_breakdown(args, dev: torch.device, trace: torch.Tensor) -> dict[str, float]:
-    """Median device time of each resolve kernel (kernels/alloc.STAGES). The launches are
-    queued behind a sleep kernel so the events measure the kernels, not launch gaps."""
+    """Median device time of each resolve kernel (the default path's: the look-back
+    resolve's alloc_lookback.STAGES). The launches are queued behind a sleep kernel so the
+    events measure the kernels, not launch gaps."""
     cache = _cache(args, dev, _host_tokens(args), True)
     _fill(cache, args, dev)
     m = cache.manager
+    m._workspace = AllocWorkspace(m.cache, m.cache.num_slots, pdl=m.pdl)
     new_rows = torch.randn(args.batch, 576, device=dev, dtype=torch.bfloat16)
     keys = torch.randn(args.batch, 128, device=dev, dtype=torch.bfloat16)
     next_loc = args.batch * args.context + 1
-    per_stage: dict[str, list[float]] = {name: [] for name in STAGES}
+    names = LOOKBACK_STAGES if m._workspace.lookback else STAGES
+    per_stage: dict[str, list[float]] = {name: [] for name in names}
     for t in range(trace.shape[0]):
         new_locs = torch.arange(next_loc, next_loc + args.batch, device=dev)
         next_loc += args.batch
@@ -347,7 +351,7 @@ def stage_breakdown(args, dev: torch.device, trace: torch.Tensor) -> dict[str, f
         alloc = allocate_kernel(m.cache, 0, trace[t].reshape(-1), False, m._workspace, events)
         m._recall(0, alloc)
         torch.cuda.synchronize()
-        for name, a, b in zip(STAGES, events, events[1:], strict=False):
+        for name, a, b in zip(names, events, events[1:], strict=True):
             per_stage[name].append(a.elapsed_time(b) * 1000)
     return {name: statistics.median(v) for name, v in per_stage.items()}
 
@@ -454,6 +458,10 @@ def main() -> None:
         # tokens go to the host pool; kvcache write(decode=True)), then with the writes and
         # the recall; before it, the append's allocation as well (prefill still appends).
         "kernels_decode_management": measure(args, dev, trace, on_gpu, "resolve"),
+        # The same resolve through the five-launch pipeline (no look-back), the baseline.
+        "kernels_decode_management_pipeline": measure(
+            args, dev, trace, on_gpu, "resolve", {"lookback": False}
+        ),
         "kernels_decode_step": measure(args, dev, trace, on_gpu, "decode_step"),
         "kernels_management": measure(args, dev, trace, on_gpu, "management"),
         "kernels_step": measure(args, dev, trace, on_gpu, "step"),
@@ -528,6 +536,9 @@ def main() -> None:
         if on_gpu
         else "torch reference on CPU (smoke run)",
         "us_per_layer_step": us,
+        "resolve_path": "look-back (kernels/alloc_lookback.py)",
+        "us_per_layer_step_pipeline": runs["kernels_decode_management_pipeline"]["us"],
+        "speedup_over_pipeline": runs["kernels_decode_management_pipeline"]["us"] / us,
         "us_per_layer_step_with_recall": runs["kernels_decode_step"]["us"],
         "us_per_layer_step_with_append": runs["kernels_management"]["us"],
         "us_per_layer_step_with_append_and_recall": runs["kernels_step"]["us"],

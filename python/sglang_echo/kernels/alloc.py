@@ -651,6 +651,7 @@ class AllocWorkspace:
         atomic_sem: str = ATOMIC_SEM,
         one_program_lanes: int | None = None,
         one_program_warps: int = ONE_PROGRAM_WARPS,
+        lookback: bool = True,
     ) -> None:
         if one_program_lanes is None:  # read here, not at import: tests may set it
             one_program_lanes = ONE_PROGRAM_LANES
@@ -674,6 +675,9 @@ class AllocWorkspace:
         # Calls of at most this many lanes take the one-program path (0: never).
         self.one_program_lanes = one_program_lanes
         self.one_program_warps = one_program_warps
+        # Resolves past the one program take kernels/alloc_lookback.py's four launches
+        # (False: the five-launch pipeline, which appends always take).
+        self.lookback = lookback
         self.slot_programs = triton.cdiv(cache.num_slots + 2, slot_block)
         lane_programs = max(1, triton.cdiv(max_lanes, lane_block))
         # Width of the kernels' scan over per-block lane counts: fixed per workspace (not
@@ -691,6 +695,14 @@ class AllocWorkspace:
         self.reserve = cache.eviction_reserve
         self.extras = torch.zeros(max(1, self.reserve), dtype=torch.int32, device=dev)
         self.buckets = torch.full((cache.num_slots + 2,), -1, dtype=torch.int16, device=dev)
+        # The look-back resolve's: tickets (lane tiles, slot tiles), each lane tile's
+        # "claimed" and first-miss count words, each slot tile's counts word, the call's
+        # first misses, and each lane's miss rank or first lane. Zero between calls.
+        self.tickets = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.tile_words = torch.zeros(2, lane_programs, dtype=torch.int32, device=dev)
+        self.slot_words = torch.zeros(self.slot_programs, dtype=torch.int64, device=dev)
+        self.miss_total = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.lane_ref = torch.zeros(max(1, max_lanes), dtype=torch.int32, device=dev)
 
 
 STAGES = ("lookup", "count", "rank", "assign", "finish")
@@ -704,11 +716,13 @@ def allocate_kernel(
     ws: AllocWorkspace,
     stage_events: list | None = None,
 ) -> Allocation:
-    """The kernels' version of :func:`allocate_reference`: five launches, or one for a
-    call of at most ``ws.one_program_lanes`` lanes; no host sync.
+    """The kernels' version of :func:`allocate_reference`: one launch for a call of at
+    most ``ws.one_program_lanes`` lanes, else four for a resolve (kernels/alloc_lookback.py,
+    unless ``ws.lookback`` is off) and five for an append; no host sync.
 
     ``stage_events`` (benchmarks only): a list that gets one recorded CUDA event before the
-    first launch and one after each of the STAGES, for a per-kernel time breakdown."""
+    first launch and one after each launch (STAGES, or alloc_lookback.STAGES for a
+    look-back resolve), for a per-kernel time breakdown."""
 
     def mark() -> None:
         if stage_events is not None:
@@ -757,6 +771,10 @@ def allocate_kernel(
         )  # fmt: skip
         mark()
         return Allocation(out, ws.miss_ids, ws.miss_slots, ws.miss_count)
+    if ws.lookback and not append:
+        from sglang_echo.kernels.alloc_lookback import resolve_lookback  # imports this module
+
+        return resolve_lookback(c, layer, ids, ws, out, mark)
     mark()
     _lookup_kernel[(lane_programs,)](
         ids, lanes, h2d, prio, clock, ws.hist, c.hits[layer : layer + 1], ws.miss_bound,
