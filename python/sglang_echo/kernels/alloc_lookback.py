@@ -40,7 +40,6 @@ from sglang_echo.kernels.alloc import (
     _CLAIM,
     _PER_CALL,
     CLAIM,
-    HIST_BINS,
     Allocation,
     AllocWorkspace,
     _boundary,
