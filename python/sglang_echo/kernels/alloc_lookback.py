@@ -61,7 +61,7 @@ assert CLAIM == -(2**31)
 
 
 @triton.jit
-def _wait_for_earlier(words_ptr, tile, WIDTH: tl.constexpr):
+def _earlier_words(words_ptr, tile, WIDTH: tl.constexpr):
     """Spin until every tile before ``tile`` has published its word (non-zero), then
     return the words (0 at and past ``tile``). Acquire loads: what a tile wrote before
     publishing is visible after this returns (and a block barrier)."""
@@ -71,6 +71,18 @@ def _wait_for_earlier(words_ptr, tile, WIDTH: tl.constexpr):
     while tl.min(tl.where(earlier, words, 1), 0) == 0:
         words = tl.atomic_add(words_ptr + p, 0, mask=earlier, sem="acquire")
     return tl.where(earlier, words, 0)
+
+
+@triton.jit
+def _wait_for_earlier(words_ptr, tile, WIDTH: tl.constexpr):
+    """:func:`_earlier_words` without the words (a loop carrying only a scalar: Triton
+    3.6's layout pass failed on a loop whose carried tensor nothing used after it)."""
+    p = tl.arange(0, WIDTH)
+    earlier = p < tile
+    waiting = 1
+    while waiting != 0:
+        words = tl.atomic_add(words_ptr + p, 0, mask=earlier, sem="acquire")
+        waiting = tl.sum((earlier & (words == 0)).to(tl.int32), 0)
 
 
 @triton.jit
@@ -125,7 +137,7 @@ def _lookup_rank_kernel(
     n_first = tl.sum(first_here, 0)
     _publish(counts_ptr, tile, (n_first + 1).to(tl.int32))
     tl.atomic_add(hits_ptr, tl.sum((hit & (before != stamp)).to(tl.int64), 0), sem=SEM)
-    earlier = _wait_for_earlier(counts_ptr, tile, MAXP).to(tl.int64)
+    earlier = _earlier_words(counts_ptr, tile, MAXP).to(tl.int64)
     ranked_before = tl.sum(tl.where(earlier > 0, earlier - 1, 0), 0)
     if tile == lane_programs - 1:  # the call's total, for the launches after this one
         tl.store(miss_total_ptr, ranked_before + n_first)
@@ -186,7 +198,7 @@ def _evict_victims_kernel(
         older_here = tl.sum(((bucket >= 0) & (bucket > boundary)).to(tl.int64), 0)
         at_here = tl.sum(((bucket >= 0) & (bucket == boundary)).to(tl.int64), 0)
         _publish(slot_words_ptr, tile, 1 + (older_here << _AT_BITS) + at_here)
-        words = _wait_for_earlier(slot_words_ptr, tile, MAXS) - 1
+        words = _earlier_words(slot_words_ptr, tile, MAXS) - 1
         earlier = words >= 0
         older_before = tl.sum(tl.where(earlier, words >> _AT_BITS, 0), 0)
         at_before = tl.sum(tl.where(earlier, words & _AT_MASK, 0), 0)

@@ -207,6 +207,11 @@ def echo_metadata_bytes(
         + 8 + 4  # miss_count int64, miss_bound int32
         + 4 * max(1, reserve)  # extras int32
         + 2 * (n + 2)  # buckets int16 [N_G + 2]
+        + 4 * 2  # tickets int32 (the look-back resolve's, kernels/alloc_lookback.py)
+        + 4 * 2 * max(1, -(-n // ALLOC_LANE_BLOCK))  # tile_words int32 [2, lane programs]
+        + 8 * -(-(n + 2) // ALLOC_SLOT_BLOCK)  # slot_words int64
+        + 8  # miss_total int64
+        + 4 * max(1, n)  # lane_ref int32 [N_G]
     )  # fmt: skip
     coordinator = (
         8 * ceil_to(n + 1, PAGE)  # reserved_device_rows int64: ECHO's rows' ids
