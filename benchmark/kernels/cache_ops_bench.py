@@ -351,7 +351,7 @@ def stage_breakdown(args, dev: torch.device, trace: torch.Tensor) -> dict[str, f
         alloc = allocate_kernel(m.cache, 0, trace[t].reshape(-1), False, m._workspace, events)
         m._recall(0, alloc)
         torch.cuda.synchronize()
-        for name, a, b in zip(names, events, events[1:], strict=True):
+        for name, a, b in zip(names, events[:-1], events[1:], strict=True):
             per_stage[name].append(a.elapsed_time(b) * 1000)
     return {name: statistics.median(v) for name, v in per_stage.items()}
 
