@@ -352,3 +352,27 @@ def test_a_call_where_every_lane_hits_ends_after_the_look_up(path: dict) -> None
     _assert_same(ref, ker, "all hits")
     assert int(ker.hits[0]) == 4 and int(ker.misses[0]) == 0  # distinct slots hit
     assert int(ws.hist.sum()) == 0 and int(ker.free_count[0]) == 16 - 12
+
+
+def test_lookback_resolve_waits_on_many_tiles() -> None:
+    """The look-back resolve with hundreds of lane tiles (16-lane blocks, a workspace of
+    4,096 lanes: 256-wide waits, the width a batch of 48 waits at), duplicates across
+    tiles and evictions: the reference's state after every call. The launches recorded
+    here are also the sm_90 compile check's, at that width."""
+    ref, ker = _pair(64, 600, reserve=3)
+    ws = AllocWorkspace(ker, max_lanes=4096, lane_block=16, one_program_lanes=0)
+    assert ws.lookback and ws.max_lane_programs_pow2 == 256
+    rng = random.Random(11)
+    first = torch.arange(1, 65, dtype=torch.int64, device=DEV)
+    allocate_reference(ref, 0, first, True)
+    allocate_kernel(ker, 0, first, True, ws)
+    for step in range(6):
+        ids = [rng.randrange(1, 400) if rng.random() > 0.1 else -1 for _ in range(60)]
+        t = torch.tensor(ids, dtype=torch.int64, device=DEV)
+        a = allocate_reference(ref, 0, t, False)
+        b = allocate_kernel(ker, 0, t, False, ws)
+        assert torch.equal(a.slots, b.slots), step
+        assert _served(a) == _served(b), step
+        _assert_same(ref, ker, f"step {step}")
+    assert int(ker.evictions[0]) > 0
+    assert int(ws.tickets.abs().sum()) == 0 and int(ws.tile_words.abs().sum()) == 0

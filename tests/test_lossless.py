@@ -275,13 +275,14 @@ def test_lossless_with_decode_prefetch_kernels(models, monkeypatch):
     assert report["prefetched"] > 0 and report["prefetch_hits"] > 0
 
 
-@pytest.mark.parametrize("alloc_path", ["one-program", "pipeline"])
+@pytest.mark.parametrize("alloc_path", ["one-program", "multi-launch"])
 def test_lossless_with_prefill_prefetch_kernels(models, alloc_path, monkeypatch):
     """Prefill prefetch's GPU code path on the CPU: the histogram kernels and the cache
     kernels (Triton interpreter), chunks of several query blocks, under the same equality;
     with each allocation path (this small batch takes the one program unless forced past
-    it, kernels/alloc.py ONE_PROGRAM_LANES)."""
-    if alloc_path == "pipeline":
+    it, kernels/alloc.py ONE_PROGRAM_LANES; past it resolves take the look-back launches of
+    kernels/alloc_lookback.py and appends the five-launch pipeline)."""
+    if alloc_path == "multi-launch":
         from sglang_echo.kernels import alloc
 
         monkeypatch.setattr(alloc, "ONE_PROGRAM_LANES", 0)

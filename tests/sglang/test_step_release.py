@@ -37,14 +37,15 @@ from sglang_echo.kernels import release as release_kernels  # noqa: E402
 
 # One decode layer-step of the resolve with the kernels, then the recall kernel:
 # kernels/alloc.py's one program (at most ONE_PROGRAM_LANES lanes: these small batches) or
-# its five-launch pipeline (past it); independent of the layer and of hits or misses.
-ALLOC_KERNELS = ("_lookup_kernel", "_count_kernel", "_rank_kernel", "_assign_kernel",
-                 "_finish_kernel")  # fmt: skip
+# the look-back resolve's four launches (past it, kernels/alloc_lookback.py); independent of
+# the layer and of hits or misses.
+ALLOC_KERNELS = ("_lookup_rank_kernel", "_evict_hist_kernel", "_evict_victims_kernel",
+                 "_map_misses_kernel")  # fmt: skip
 # Around it, the top-k -> host ids and slots -> rows kernels (kernels/topk_rows.py).
 GLUE = {"_host_ids_kernel": 1, "_rows_kernel": 1}
 RESOLVE_LAUNCHES = {
     "one-program": {**GLUE, "_one_program_kernel": 1, "_recall_flat_kernel": 1},
-    "pipeline": {**GLUE, **{name: 1 for name in ALLOC_KERNELS}, "_recall_flat_kernel": 1},
+    "lookback": {**GLUE, **{name: 1 for name in ALLOC_KERNELS}, "_recall_flat_kernel": 1},
 }
 
 
@@ -257,8 +258,8 @@ def test_kernel_launches_per_finish_and_per_resolve_layer_step(
 ):
     """With ECHO's kernels (the path a GPU runs): a step's finish is ONE release launch
     for every layer and request; each decode layer-step of the resolve is one allocation
-    launch (small batches) or five, and one recall launch."""
-    if path == "pipeline":  # every batch past the one-program bound
+    launch (small batches) or four, and one recall launch."""
+    if path == "lookback":  # every batch past the one-program bound
         monkeypatch.setattr(alloc_kernels, "ONE_PROGRAM_LANES", 0)
     report = {}
     for layers, finishing in ((2, 1), (4, 3)):

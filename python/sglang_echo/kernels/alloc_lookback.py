@@ -210,7 +210,7 @@ def _evict_victims_kernel(
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
-def _finish_kernel(
+def _map_misses_kernel(
     ids_ptr, lanes, out_ptr, h2d_ptr, clock_ptr, hist_ptr, miss_total_ptr, free_count_ptr,
     free_stack_ptr, extras_ptr, miss_slots_ptr, miss_count_ptr, misses_ptr, recalled_ptr,
     tickets_ptr, claimed_ptr, counts_ptr, slot_words_ptr, slot_programs, lane_ref_ptr,
@@ -307,7 +307,7 @@ def resolve_lookback(
         ws.reserve, SLOTS=ws.slot_block, MAXS=triton.next_power_of_2(sp), **flags,
     )  # fmt: skip
     mark()
-    _finish_kernel[(lane_programs,)](
+    _map_misses_kernel[(lane_programs,)](
         ids, lanes, out, h2d, clock, ws.hist, ws.miss_total, free_count, c.free_stack[layer],
         ws.extras, ws.miss_slots, ws.miss_count, c.misses[layer : layer + 1],
         c.recalled_rows[layer : layer + 1], ws.tickets, claimed, counts, ws.slot_words, sp,
