@@ -871,6 +871,9 @@ EVIDENCE: tuple[Row, ...] = (
             "batch {metrics.batch} x top-k {metrics.topk}, {metrics.slots:n} slots, {metrics.evictions_per_step:n} "
             "evictions per step, hit rate {metrics.hit_rate:f3}: {metrics.us_per_layer_step:us} us per layer-step "
             "replayed ({metrics.us_per_layer_step_with_recall:us} us with recall), project target {metrics.target_us:us} us",
+            "?the resolve's four look-back launches against the five-launch pipeline in the same run: "
+            "{metrics.us_per_layer_step:us} vs {metrics.us_per_layer_step_pipeline:us} us "
+            "({metrics.speedup_over_pipeline:f2}x)",
             "?{metrics.layer_steps_per_replay} layer-steps per graph replay, as a decode graph holds one per layer "
             "(one per replay, the earlier records' definition: {metrics.us_per_layer_step_single_replay:us} us; a "
             "replay of a one-kernel graph alone {metrics.graph_replay_floor_us:us} us); the floor of the launches: "
@@ -887,7 +890,7 @@ EVIDENCE: tuple[Row, ...] = (
             "eviction reserve {metrics.eviction_reserve:n} slots (the default)",
             "?batch 1 with nothing evicted (the default path: one program up to {metrics.one_program_lanes:n} lanes): "
             "{metrics.us_per_layer_step_batch_1_no_eviction:us} us per layer-step, target "
-            "{metrics.target_us_batch_1_no_eviction:us} us; the resolve in one program against the five launches: "
+            "{metrics.target_us_batch_1_no_eviction:us} us; the resolve in one program against the launches past it: "
             "{metrics.one_program_study.batch_1.one_program_no_pressure_us:us} vs "
             "{metrics.one_program_study.batch_1.pipeline_no_pressure_us:us} us at batch 1, "
             "{metrics.one_program_study.batch_2.one_program_no_pressure_us:us} vs "

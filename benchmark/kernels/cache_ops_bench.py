@@ -12,9 +12,12 @@ layer-step per replay would count the graph launch's own fixed cost, which a dec
 pays once for all its layers (``graph_replay_floor_us`` times it, with one no-op kernel,
 and ``launch_floor_us`` a chain of such kernels per layer-step: the floor of the launches). Measured: the Triton cache kernels (management alone, the
 target's scope: <= 4 us per layer-step; and with the recall), the torch reference, the
-sort exact LRU would need, and the hit rates of the victim policies on one trace. Small
-batches also time the one-program path against the five-launch pipeline (target: <= 8 us
-per layer-step at batch 48, <= 4 us at batch 1 with nothing to evict).
+sort exact LRU would need, and the hit rates of the victim policies on one trace. The
+resolve's look-back launches (the default past the one program) are timed beside the
+five-launch pipeline in the same run, and small batches time the one-program path against
+the launches past it ("pipeline" in ``one_program_study``: the look-back resolve since
+2026-12-03). Targets: <= 8 us per layer-step at batch 48, <= 4 us at batch 1 with nothing
+to evict.
 
     python benchmark/kernels/cache_ops_bench.py --out benchmark/results
 """
@@ -291,8 +294,8 @@ def chaining_study(args, dev: torch.device) -> dict:
     return out
 
 
-# Small batches: the one-program kernel against the five-launch pipeline (AllocWorkspace's
-# one_program_lanes), the resolve's management alone, on an empty cache (nothing evicted:
+# Small batches: the one-program kernel against the launches past it (AllocWorkspace's
+# one_program_lanes; resolves there take the look-back launches), the resolve's management alone, on an empty cache (nothing evicted:
 # the low-load case), on a full one (steady state: an eviction every few steps) and with
 # every selection resident (look-ups only).
 ONE_PROGRAM_BATCHES = (1, 2, 4, 8)
