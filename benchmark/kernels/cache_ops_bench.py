@@ -359,6 +359,49 @@ def stage_breakdown(args, dev: torch.device, trace: torch.Tensor) -> dict[str, f
     return {name: statistics.median(v) for name, v in per_stage.items()}
 
 
+def profile(args, dev: torch.device, trace: torch.Tensor) -> None:
+    """One graph replay of ``--group`` resolves (look-back, then the five-launch pipeline)
+    under the profiler, after the warm-up: each kernel's start (offset from the first) and
+    duration, us. With chained launches a kernel starts once every program of the one before
+    it has started, and waits for it to finish: the starts show where a step's time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for path, shape in (("look-back", {}), ("pipeline", {"lookback": False})):
+        cache = _cache(args, dev, _host_tokens(args), True, shape)
+        _fill(cache, args, dev)
+        m = cache.manager
+        sels = [torch.empty_like(trace[0]) for _ in range(args.group)]
+        for t in range(args.warmup_steps):
+            sels[0].copy_(trace[t])
+            m._allocate(0, sels[0].reshape(-1), append=False)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for sel in sels:
+                m._allocate(0, sel.reshape(-1), append=False)
+        for first in (args.warmup_steps, args.warmup_steps + args.group):  # the 2nd profiled
+            for i, sel in enumerate(sels):
+                sel.copy_(trace[first + i])
+            if first == args.warmup_steps:
+                graph.replay()
+        evicted = cache.cache.evictions.sum().item()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        evicted = cache.cache.evictions.sum().item() - evicted
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels.sort(key=lambda e: e.time_range.start)
+        t0 = kernels[0].time_range.start
+        span = max(e.time_range.end for e in kernels) - t0
+        print(f"profile {path}: {args.group} resolves, {evicted} evictions, span {span:.1f} us")
+        for e in kernels:
+            print(
+                f"  {e.time_range.start - t0:8.1f} {e.time_range.elapsed_us():7.1f}  {e.name[:60]}"
+            )
+
+
 def sort_us(slots: int, dev: torch.device) -> float | None:
     """What exact LRU would pay every step: one stable sort of every slot's last use."""
     if dev.type != "cuda":
@@ -446,6 +489,12 @@ def main() -> None:
         "against the reference first) and report the best",
     )
     p.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the kernels of one graph replay (look-back and pipeline resolves) under "
+        "the profiler instead of timing; writes no record (CUDA only)",
+    )
     args = p.parse_args()
     if args.plot_only:
         print(plot(Path(args.plot_only)))
@@ -455,6 +504,11 @@ def main() -> None:
     args.steps = args.warmup_steps + args.replays * args.group  # the traces' length
     dev = torch.device(args.device)
     trace = make_trace(args.steps, args.batch, args.topk, args.context, args.reuse).to(dev)
+    if args.profile:
+        if dev.type != "cuda":
+            p.error("--profile needs CUDA (graph replays)")
+        profile(args, dev, trace)
+        return
     on_gpu = dev.type == "cuda"
     runs = {
         # A decode layer-step as the model runs it: the resolve's allocation only (the new
