@@ -275,6 +275,22 @@ def _take_victims(
 
 
 @triton.jit
+def _reserve_onto_stack(
+    extras_ptr, free_stack_ptr, free_count_ptr, need, evictable, free, misses,
+    RESERVE: tl.constexpr, LANES: tl.constexpr,
+):  # fmt: skip
+    """After an eviction, the reserve's victims (``extras``) onto the emptied free stack
+    from its bottom; then the layer's free count: those extras, or what the misses left."""
+    extras = tl.where(need > 0, tl.maximum(tl.minimum(need + RESERVE, evictable) - need, 0), 0)
+    for j0 in tl.static_range(0, RESERVE, LANES):  # masked past the extras
+        j = j0 + tl.arange(0, LANES)
+        moved = tl.load(extras_ptr + j, mask=j < extras, other=0)
+        tl.store(free_stack_ptr + j, moved, mask=j < extras)
+    left = tl.where(need > 0, extras, tl.maximum(free - misses, 0))
+    tl.store(free_count_ptr, left.to(tl.int32))
+
+
+@triton.jit
 def _serve_ranks(
     rank, misses, free, need, evictable, stamp, scratch_slot, h2d_ptr, d2h_ptr, prio_ptr,
     free_stack_ptr, miss_ids_ptr, miss_slots_ptr, LANES: tl.constexpr,
@@ -473,13 +489,10 @@ def _finish_kernel(
         free = tl.load(free_count_ptr).to(tl.int64)
         need = tl.maximum(misses - free, 0)
         _b, _o, evictable = _boundary(hist_ptr, _target(need, RESERVE))
-        extras = tl.where(need > 0, tl.maximum(tl.minimum(need + RESERVE, evictable) - need, 0), 0)
-        for j0 in tl.static_range(0, RESERVE, LANES):  # masked past the extras
-            j = j0 + tl.arange(0, LANES)
-            moved = tl.load(extras_ptr + j, mask=j < extras, other=0)
-            tl.store(free_stack_ptr + j, moved, mask=j < extras)
-        left = tl.where(need > 0, extras, tl.maximum(free - misses, 0))
-        tl.store(free_count_ptr, left.to(tl.int32))
+        _reserve_onto_stack(
+            extras_ptr, free_stack_ptr, free_count_ptr, need, evictable, free, misses,
+            RESERVE=RESERVE, LANES=LANES,
+        )  # fmt: skip
         tl.store(miss_bound_ptr, 0)  # for the next call's look-up to count into
         if not APPEND:
             tl.store(clock_ptr, tl.load(clock_ptr) + 1)

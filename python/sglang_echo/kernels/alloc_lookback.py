@@ -43,6 +43,7 @@ from sglang_echo.kernels.alloc import (
     Allocation,
     AllocWorkspace,
     _boundary,
+    _reserve_onto_stack,
     _slot_bucket,
     _stamp,
     _take_victims,
@@ -246,13 +247,10 @@ def _map_misses_kernel(
     tl.store(claimed_ptr + pid, 0)
     tl.store(counts_ptr + pid, 0)
     if pid == 0:
-        extras = tl.where(need > 0, tl.maximum(tl.minimum(target, evictable) - need, 0), 0)
-        for j0 in tl.static_range(0, RESERVE, LANES):  # masked past the extras
-            j = j0 + tl.arange(0, LANES)
-            moved = tl.load(extras_ptr + j, mask=j < extras, other=0)
-            tl.store(free_stack_ptr + j, moved, mask=j < extras)
-        left = tl.where(need > 0, extras, tl.maximum(free - misses, 0))
-        tl.store(free_count_ptr, left.to(tl.int32))
+        _reserve_onto_stack(
+            extras_ptr, free_stack_ptr, free_count_ptr, need, evictable, free, misses,
+            RESERVE=RESERVE, LANES=LANES,
+        )  # fmt: skip
         tl.store(clock_ptr, tl.load(clock_ptr) + 1)
         tl.atomic_add(misses_ptr, misses, sem=SEM)
         tl.atomic_add(recalled_ptr, served, sem=SEM)
