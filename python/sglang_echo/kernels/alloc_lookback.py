@@ -3,10 +3,13 @@ step that evicts nothing in the first launch: programs of one launch hand each o
 counts by look-back. Triton kernels and their launcher; the reference is kernels/alloc.py's
 ``allocate_reference`` (the same state, bit for bit).
 
-Why: on an H200 the five-launch pipeline's resolve at batch 48 spends ~18 us in a step that
-evicts nothing (each launch re-reads the ids and the map and hands its counts to the next),
-though all that step needs is a look-up, the lane order of the first misses and a slot
-from the free stack for each. Here one launch does all of that:
+Why: in the five-launch pipeline each launch re-reads the ids and the map and hands its
+counts to the next through a kernel boundary, though a step that evicts nothing needs only
+a look-up, the lane order of the first misses and a slot from the free stack for each.
+Here one launch does all of that (measured on an H200 at batch 48: benchmark/results/
+cache_ops.json times both paths in one run, and history/2026-12-03-cache-profile-c8968ca/
+shows this first launch is now most of such a step: its two waits on earlier tiles, each
+after a release, cost round trips much as the launch boundaries did):
 
 1. Each program takes the next tile of lanes from a ticket (so it only ever waits for
    programs already running: no assumption about the order the GPU starts them in), looks
