@@ -16,7 +16,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_study indexer_profile cache topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_study indexer_profile cache cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -69,6 +69,14 @@ run_stage() {
           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
           python3 benchmark/kernels/sparse_mla_once.py --batch $b > /tmp/ds/mla_profile/ncu_b$b.txt 2>&1
           echo "batch $b: ncu exit $?"; done' ;;
+    cache_profile)  # Nsight Compute on the look-back resolve's first launch at batch 48 (a graph
+      # replay past cache_ops_bench --profile's 20 warm-up resolves): what its warps stall on
+      stage cache_profile 150 bash -c 'n=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+        "$n" --clock-control none -k regex:_lookup_rank_kernel --launch-skip 20 -c 1 \
+          --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+          python3 benchmark/kernels/cache_ops_bench.py --profile > /tmp/ds/cache_profile/ncu_lookup_rank.txt 2>&1
+        echo "ncu exit $?"' ;;
     indexer_profile)  # Nsight Compute on one decode indexer step at batches 1 and 48: the fp8
       # logits launch and the radix top-k's six, what bounds each (DRAM, issue, stalls)
       stage indexer_profile 150 bash -c 'n=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
@@ -161,7 +169,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_study|mla_profile|indexer_profile|cache|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_study|mla_profile|indexer_profile|cache|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"
