@@ -376,3 +376,24 @@ def test_lookback_resolve_waits_on_many_tiles() -> None:
         _assert_same(ref, ker, f"step {step}")
     assert int(ker.evictions[0]) > 0
     assert int(ws.tickets.abs().sum()) == 0 and int(ws.tile_words.abs().sum()) == 0
+
+
+def test_lookback_resolve_serves_from_free_slots_across_tiles() -> None:
+    """A resolve past the one program on a cache with free slots (nothing evicted), its
+    misses in several tiles: the launches after the first must see the free count of the
+    call's start, not the one the last launch's program 0 writes while the others still
+    read it (the interpreter runs program 0 first, so a read of the live count fails)."""
+    ref, ker = _pair(40, 200)
+    ws = AllocWorkspace(ker, max_lanes=64, lane_block=16, one_program_lanes=0)
+    ids = torch.arange(1, 33, dtype=torch.int64, device=DEV)  # 32 misses, 40 free slots
+    a = allocate_reference(ref, 0, ids, False)
+    b = allocate_kernel(ker, 0, ids, False, ws)
+    assert torch.equal(a.slots, b.slots)
+    _assert_same(ref, ker, "32 misses into 40 free slots")
+
+
+def test_lookback_resolve_refuses_slot_tiles_its_words_cannot_count() -> None:
+    _, ker = _pair(16, 100)
+    ws = AllocWorkspace(ker, max_lanes=16, slot_block=1 << 20, one_program_lanes=0)
+    with pytest.raises(ValueError, match="slot_block must be below"):
+        allocate_kernel(ker, 0, torch.tensor([1, 2], device=DEV), False, ws)

@@ -273,7 +273,7 @@ def closed_form(n_g, t, row: int, context: int, prefill: int = 0, extra: int = 0
         + 8  # the look-back resolve's tickets
         + 8 * np.maximum(1, (n_g + 1023) // 1024)  # its lane tiles' words
         + 8 * ((n_g + 2 + 2047) // 2048)  # its slot tiles' words
-        + 8  # miss_total
+        + 16  # call_counts
         + 4 * np.maximum(1, n_g)  # lane_ref
         + 8
         + 8 * ((n_g + PAGE) // PAGE * PAGE + PAGE)

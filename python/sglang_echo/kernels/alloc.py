@@ -710,11 +710,12 @@ class AllocWorkspace:
         self.buckets = torch.full((cache.num_slots + 2,), -1, dtype=torch.int16, device=dev)
         # The look-back resolve's: tickets (lane tiles, slot tiles), each lane tile's
         # "claimed" and first-miss count words, each slot tile's counts word, the call's
-        # first misses, and each lane's miss rank or first lane. Zero between calls.
+        # first misses and free slots at its start, and each lane's miss rank or first
+        # lane. The tickets and words are zero between calls.
         self.tickets = torch.zeros(2, dtype=torch.int32, device=dev)
         self.tile_words = torch.zeros(2, lane_programs, dtype=torch.int32, device=dev)
         self.slot_words = torch.zeros(self.slot_programs, dtype=torch.int64, device=dev)
-        self.miss_total = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.call_counts = torch.zeros(2, dtype=torch.int64, device=dev)
         self.lane_ref = torch.zeros(max(1, max_lanes), dtype=torch.int32, device=dev)
 
 

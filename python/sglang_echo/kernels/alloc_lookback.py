@@ -97,11 +97,12 @@ def _publish(words_ptr, tile, word):
 
 
 @triton.jit
-def _misses_and_need(miss_total_ptr, free_count_ptr):
-    """First misses of the call (the last tile's total), free slots, and how many misses
-    the free slots cannot serve."""
-    misses = tl.load(miss_total_ptr)
-    free = tl.load(free_count_ptr).to(tl.int64)
+def _misses_and_need(call_counts_ptr):
+    """First misses of the call and the free slots at its start (the first launch's last
+    tile saved both: the last launch rewrites the layer's free count while its other
+    programs still need the old one), and how many misses the free slots cannot serve."""
+    misses = tl.load(call_counts_ptr)
+    free = tl.load(call_counts_ptr + 1)
     return misses, free, tl.maximum(misses - free, 0)
 
 
@@ -109,7 +110,7 @@ def _misses_and_need(miss_total_ptr, free_count_ptr):
 def _lookup_rank_kernel(
     ids_ptr, lanes, lane_programs, out_ptr, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr,
     free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, hits_ptr, ticket_ptr,
-    claimed_ptr, counts_ptr, miss_total_ptr, lane_ref_ptr,
+    claimed_ptr, counts_ptr, call_counts_ptr, lane_ref_ptr,
     LANES: tl.constexpr, MAXP: tl.constexpr, PDL: tl.constexpr, SEM: tl.constexpr,
 ):  # fmt: skip
     """Look up, stamp hits, claim misses; rank the first misses in lane order across the
@@ -143,10 +144,11 @@ def _lookup_rank_kernel(
     tl.atomic_add(hits_ptr, tl.sum((hit & (before != stamp)).to(tl.int64), 0), sem=SEM)
     earlier = _earlier_words(counts_ptr, tile, MAXP).to(tl.int64)
     ranked_before = tl.sum(tl.where(earlier > 0, earlier - 1, 0), 0)
-    if tile == lane_programs - 1:  # the call's total, for the launches after this one
-        tl.store(miss_total_ptr, ranked_before + n_first)
-    rank = ranked_before + tl.cumsum(first_here, 0) - first_here
     free = tl.load(free_count_ptr).to(tl.int64)
+    if tile == lane_programs - 1:  # the call's counts, for the launches after this one
+        tl.store(call_counts_ptr, ranked_before + n_first)
+        tl.store(call_counts_ptr + 1, free)
+    rank = ranked_before + tl.cumsum(first_here, 0) - first_here
     from_stack = first & (rank < free)
     slot = tl.load(free_stack_ptr + (free - 1 - rank), mask=from_stack, other=0).to(tl.int64)
     tl.store(d2h_ptr + slot, ids.to(tl.int32), mask=from_stack)
@@ -160,13 +162,13 @@ def _lookup_rank_kernel(
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _evict_hist_kernel(
-    d2h_ptr, prio_ptr, clock_ptr, hist_ptr, miss_total_ptr, free_count_ptr, num_slots,
+    d2h_ptr, prio_ptr, clock_ptr, hist_ptr, call_counts_ptr, num_slots,
     SLOTS: tl.constexpr, PDL: tl.constexpr, SEM: tl.constexpr,
 ):  # fmt: skip
     """Age histogram of the evictable slots, only in a step whose misses outnumber the
     free slots."""
     pdl_prologue(PDL)
-    _misses, _free, need = _misses_and_need(miss_total_ptr, free_count_ptr)
+    _misses, _free, need = _misses_and_need(call_counts_ptr)
     if need > 0:
         stamp = _stamp(clock_ptr, False)
         slot = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
@@ -183,7 +185,7 @@ _AT_MASK = tl.constexpr((1 << AT_BITS) - 1)
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _evict_victims_kernel(
-    h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, miss_total_ptr, free_count_ptr,
+    h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, call_counts_ptr,
     miss_ids_ptr, miss_slots_ptr, evictions_ptr, extras_ptr, ticket_ptr, slot_words_ptr,
     num_slots, reserve,
     SLOTS: tl.constexpr, MAXS: tl.constexpr, PDL: tl.constexpr, SEM: tl.constexpr,
@@ -191,7 +193,7 @@ def _evict_victims_kernel(
     """Victims in slot order (the tiles' older and boundary counts by look-back), each
     serving the miss of rank free + its position or joining the reserve's extras."""
     pdl_prologue(PDL)
-    _misses, free, need = _misses_and_need(miss_total_ptr, free_count_ptr)
+    _misses, free, need = _misses_and_need(call_counts_ptr)
     if need > 0:
         tile = tl.atomic_add(ticket_ptr, 1, sem=SEM)
         stamp = _stamp(clock_ptr, False)
@@ -215,7 +217,7 @@ def _evict_victims_kernel(
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _map_misses_kernel(
-    ids_ptr, lanes, out_ptr, h2d_ptr, clock_ptr, hist_ptr, miss_total_ptr, free_count_ptr,
+    ids_ptr, lanes, out_ptr, h2d_ptr, clock_ptr, hist_ptr, call_counts_ptr, free_count_ptr,
     free_stack_ptr, extras_ptr, miss_slots_ptr, miss_count_ptr, misses_ptr, recalled_ptr,
     tickets_ptr, claimed_ptr, counts_ptr, slot_words_ptr, slot_programs, lane_ref_ptr,
     scratch_slot, reserve,
@@ -228,7 +230,7 @@ def _map_misses_kernel(
     resets the tickets; each program resets its tile's words for the next call."""
     pdl_prologue(PDL)
     pid = tl.program_id(0)
-    misses, free, need = _misses_and_need(miss_total_ptr, free_count_ptr)
+    misses, free, need = _misses_and_need(call_counts_ptr)
     target = _target(need, reserve)
     _b, _o, evictable = _boundary(hist_ptr, target)
     served = tl.minimum(misses, free) + tl.minimum(need, evictable)
@@ -279,6 +281,12 @@ def resolve_lookback(
 ) -> Allocation:
     """A resolve (not an append) of ``ids`` in four launches; ``out`` gets a slot per lane.
     ``mark`` runs before the first launch and after each (a benchmark's stage events)."""
+    if ws.slot_block >= 1 << AT_BITS:
+        raise ValueError(
+            f"the look-back resolve packs a slot tile's counts in {AT_BITS} bits: slot_block "
+            f"must be below {1 << AT_BITS}, got {ws.slot_block} (or make the workspace with "
+            "lookback=False)"
+        )
     c = cache
     lanes = ids.shape[0]
     lane_programs = triton.cdiv(lanes, ws.lane_block)
@@ -293,23 +301,23 @@ def resolve_lookback(
     _lookup_rank_kernel[(lane_programs,)](
         ids, lanes, lane_programs, out, h2d, d2h, prio, clock, ws.hist, free_count,
         c.free_stack[layer], ws.miss_ids, ws.miss_slots, c.hits[layer : layer + 1],
-        lane_ticket, claimed, counts, ws.miss_total, ws.lane_ref,
+        lane_ticket, claimed, counts, ws.call_counts, ws.lane_ref,
         LANES=ws.lane_block, MAXP=ws.max_lane_programs_pow2, **flags,
     )  # fmt: skip
     mark()
     _evict_hist_kernel[(sp,)](
-        d2h, prio, clock, ws.hist, ws.miss_total, free_count, c.num_slots,
+        d2h, prio, clock, ws.hist, ws.call_counts, c.num_slots,
         SLOTS=ws.slot_block, **flags,
     )  # fmt: skip
     mark()
     _evict_victims_kernel[(sp,)](
-        h2d, d2h, prio, clock, ws.hist, ws.miss_total, free_count, ws.miss_ids, ws.miss_slots,
+        h2d, d2h, prio, clock, ws.hist, ws.call_counts, ws.miss_ids, ws.miss_slots,
         c.evictions[layer : layer + 1], ws.extras, slot_ticket, ws.slot_words, c.num_slots,
         ws.reserve, SLOTS=ws.slot_block, MAXS=triton.next_power_of_2(sp), **flags,
     )  # fmt: skip
     mark()
     _map_misses_kernel[(lane_programs,)](
-        ids, lanes, out, h2d, clock, ws.hist, ws.miss_total, free_count, c.free_stack[layer],
+        ids, lanes, out, h2d, clock, ws.hist, ws.call_counts, free_count, c.free_stack[layer],
         ws.extras, ws.miss_slots, ws.miss_count, c.misses[layer : layer + 1],
         c.recalled_rows[layer : layer + 1], ws.tickets, claimed, counts, ws.slot_words, sp,
         ws.lane_ref, c.scratch_slot, ws.reserve,

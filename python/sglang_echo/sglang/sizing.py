@@ -210,7 +210,7 @@ def echo_metadata_bytes(
         + 4 * 2  # tickets int32 (the look-back resolve's, kernels/alloc_lookback.py)
         + 4 * 2 * max(1, -(-n // ALLOC_LANE_BLOCK))  # tile_words int32 [2, lane programs]
         + 8 * -(-(n + 2) // ALLOC_SLOT_BLOCK)  # slot_words int64
-        + 8  # miss_total int64
+        + 2 * 8  # call_counts int64 [2]
         + 4 * max(1, n)  # lane_ref int32 [N_G]
     )  # fmt: skip
     coordinator = (
