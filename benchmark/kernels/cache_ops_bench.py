@@ -295,9 +295,9 @@ def chaining_study(args, dev: torch.device) -> dict:
 
 
 # Small batches: the one-program kernel against the launches past it (AllocWorkspace's
-# one_program_lanes; resolves there take the look-back launches), the resolve's management alone, on an empty cache (nothing evicted:
-# the low-load case), on a full one (steady state: an eviction every few steps) and with
-# every selection resident (look-ups only).
+# one_program_lanes; resolves there take the look-back launches), the resolve's management
+# alone, on an empty cache (nothing evicted: the low-load case), on a full one (steady
+# state: an eviction every few steps) and with every selection resident (look-ups only).
 ONE_PROGRAM_BATCHES = (1, 2, 4, 8)
 
 

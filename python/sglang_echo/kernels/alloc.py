@@ -224,6 +224,19 @@ def _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND: tl.constexpr
 
 
 @triton.jit
+def _add_age_histogram(
+    tile, d2h_ptr, prio_ptr, hist_ptr, stamp, num_slots,
+    APPEND: tl.constexpr, SLOTS: tl.constexpr, SEM: tl.constexpr,
+):  # fmt: skip
+    """Add one tile of slots' evictable ages to the launch's histogram (256 masked bins,
+    not 512 with the unevictable slots in the upper half)."""
+    slot = tile * SLOTS + tl.arange(0, SLOTS)
+    bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
+    counts = tl.histogram(bucket.to(tl.int32), _BUCKETS, mask=bucket >= 0)
+    tl.atomic_add(hist_ptr + tl.arange(0, _BUCKETS), counts, sem=SEM)
+
+
+@triton.jit
 def _target(need, reserve):
     """Victims wanted: none, or the misses' worth and the reserve."""
     return tl.where(need > 0, need + reserve, 0)
@@ -368,11 +381,10 @@ def _count_kernel(
     if pid < slot_programs:
         could_evict = tl.load(miss_bound_ptr) > tl.load(free_count_ptr)
         if could_evict:
-            slot = pid * SLOTS + tl.arange(0, SLOTS)
-            bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
-            # 256 masked bins, not 512 with the unevictable slots in the upper half.
-            counts = tl.histogram(bucket.to(tl.int32), _BUCKETS, mask=bucket >= 0)
-            tl.atomic_add(hist_ptr + tl.arange(0, _BUCKETS), counts, sem=SEM)
+            _add_age_histogram(
+                pid, d2h_ptr, prio_ptr, hist_ptr, stamp, num_slots,
+                APPEND=APPEND, SLOTS=SLOTS, SEM=SEM,
+            )  # fmt: skip
     else:
         l_block = pid - slot_programs
         l_lane = l_block * LANES + tl.arange(0, LANES)

@@ -45,6 +45,7 @@ from sglang_echo.kernels.alloc import (
     CLAIM,
     Allocation,
     AllocWorkspace,
+    _add_age_histogram,
     _boundary,
     _reserve_onto_stack,
     _slot_bucket,
@@ -122,6 +123,7 @@ def _lookup_rank_kernel(
     ids = tl.load(ids_ptr + lane, mask=in_call, other=-1).to(tl.int64)
     valid = ids >= 0
     stamp = _stamp(clock_ptr, False)
+    free = tl.load(free_count_ptr).to(tl.int64)  # no launch writes it before the last one
     looked_up = tl.load(h2d_ptr + ids, mask=valid, other=_ABSENT)
     hit = valid & (looked_up >= 0) & (looked_up != _ABSENT)
     miss = valid & ~hit
@@ -144,7 +146,6 @@ def _lookup_rank_kernel(
     tl.atomic_add(hits_ptr, tl.sum((hit & (before != stamp)).to(tl.int64), 0), sem=SEM)
     earlier = _earlier_words(counts_ptr, tile, MAXP).to(tl.int64)
     ranked_before = tl.sum(tl.where(earlier > 0, earlier - 1, 0), 0)
-    free = tl.load(free_count_ptr).to(tl.int64)
     if tile == lane_programs - 1:  # the call's counts, for the launches after this one
         tl.store(call_counts_ptr, ranked_before + n_first)
         tl.store(call_counts_ptr + 1, free)
@@ -170,11 +171,10 @@ def _evict_hist_kernel(
     pdl_prologue(PDL)
     _misses, _free, need = _misses_and_need(call_counts_ptr)
     if need > 0:
-        stamp = _stamp(clock_ptr, False)
-        slot = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
-        bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, False)
-        counts = tl.histogram(bucket.to(tl.int32), _BUCKETS, mask=bucket >= 0)
-        tl.atomic_add(hist_ptr + tl.arange(0, _BUCKETS), counts, sem=SEM)
+        _add_age_histogram(
+            tl.program_id(0), d2h_ptr, prio_ptr, hist_ptr, _stamp(clock_ptr, False), num_slots,
+            APPEND=False, SLOTS=SLOTS, SEM=SEM,
+        )  # fmt: skip
 
 
 # A slot tile's published word: 1 + (older << AT_BITS) + at (at <= SLOT_BLOCK < 2**AT_BITS).
@@ -268,7 +268,7 @@ def _map_misses_kernel(
             w0 += WORDS
 
 
-STAGES = ("lookup_rank", "evict_hist", "evict_victims", "finish")
+STAGES = ("lookup_rank", "evict_hist", "evict_victims", "map_misses")
 
 
 def resolve_lookback(
