@@ -393,6 +393,9 @@ def profile(args, dev: torch.device, trace: torch.Tensor) -> None:
         evicted = cache.cache.evictions.sum().item() - evicted
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         kernels.sort(key=lambda e: e.time_range.start)
+        if not kernels:  # under Nsight Compute (stage cache_profile) it holds CUPTI
+            print(f"profile {path}: no kernel events (another profiler holds CUPTI)")
+            continue
         t0 = kernels[0].time_range.start
         span = max(e.time_range.end for e in kernels) - t0
         print(f"profile {path}: {args.group} resolves, {evicted} evictions, span {span:.1f} us")

@@ -288,13 +288,19 @@ def _take_victims(
 
 
 @triton.jit
+def _extras_count(need, evictable, reserve):
+    """The reserve's victims of a step that evicts (those past its misses' own), else 0."""
+    return tl.where(need > 0, tl.maximum(tl.minimum(need + reserve, evictable) - need, 0), 0)
+
+
+@triton.jit
 def _reserve_onto_stack(
     extras_ptr, free_stack_ptr, free_count_ptr, need, evictable, free, misses,
     RESERVE: tl.constexpr, LANES: tl.constexpr,
 ):  # fmt: skip
     """After an eviction, the reserve's victims (``extras``) onto the emptied free stack
     from its bottom; then the layer's free count: those extras, or what the misses left."""
-    extras = tl.where(need > 0, tl.maximum(tl.minimum(need + RESERVE, evictable) - need, 0), 0)
+    extras = _extras_count(need, evictable, RESERVE)
     for j0 in tl.static_range(0, RESERVE, LANES):  # masked past the extras
         j = j0 + tl.arange(0, LANES)
         moved = tl.load(extras_ptr + j, mask=j < extras, other=0)
@@ -632,7 +638,7 @@ def _one_program_misses(
     tl.debug_barrier()
     # The reserve's victims onto the emptied stack (after the reads above), then each
     # lane's slot.
-    extras = tl.where(need > 0, tl.maximum(tl.minimum(target, evictable) - need, 0), 0)
+    extras = _extras_count(need, evictable, reserve)
     start = 0
     while start < extras:
         j = start + tl.arange(0, LANES)

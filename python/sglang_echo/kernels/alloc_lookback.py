@@ -47,7 +47,7 @@ from sglang_echo.kernels.alloc import (
     AllocWorkspace,
     _add_age_histogram,
     _boundary,
-    _reserve_onto_stack,
+    _extras_count,
     _slot_bucket,
     _stamp,
     _take_victims,
@@ -221,18 +221,18 @@ def _map_misses_kernel(
     free_stack_ptr, extras_ptr, miss_slots_ptr, miss_count_ptr, misses_ptr, recalled_ptr,
     tickets_ptr, claimed_ptr, counts_ptr, slot_words_ptr, slot_programs, lane_ref_ptr,
     scratch_slot, reserve,
-    LANES: tl.constexpr, RESERVE: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr,
-    SEM: tl.constexpr,
+    LANES: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr, SEM: tl.constexpr,
 ):  # fmt: skip
     """Each miss lane's slot (a repeat reads its first lane's rank), the map of the first
-    misses (their slot, or absent again if the cache could not serve them); program 0
-    updates the layer's scalars, puts the reserve's victims on the emptied free stack and
-    resets the tickets; each program resets its tile's words for the next call."""
+    misses (their slot, or absent again if the cache could not serve them); the reserve's
+    victims onto the emptied free stack; program 0 updates the layer's scalars and resets
+    the tickets; each program resets its tile's words for the next call."""
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     misses, free, need = _misses_and_need(call_counts_ptr)
-    target = _target(need, reserve)
-    _b, _o, evictable = _boundary(hist_ptr, target)
+    evictable = tl.zeros([], dtype=tl.int64)
+    if need > 0:  # the histogram is read only by a step that evicts
+        _b, _o, evictable = _boundary(hist_ptr, _target(need, reserve))
     served = tl.minimum(misses, free) + tl.minimum(need, evictable)
     lane = pid * LANES + tl.arange(0, LANES)
     in_call = lane < lanes
@@ -251,11 +251,17 @@ def _map_misses_kernel(
     tl.store(miss_slots_ptr + rank, slot, mask=first & ~served_lane)
     tl.store(claimed_ptr + pid, 0)
     tl.store(counts_ptr + pid, 0)
+    # The reserve's victims onto the emptied free stack, spread over the programs (in
+    # program 0 alone its thousands of rows took several dependent rounds).
+    extras = _extras_count(need, evictable, reserve)
+    j0 = pid * LANES
+    while j0 < extras:
+        j = j0 + tl.arange(0, LANES)
+        tl.store(free_stack_ptr + j, tl.load(extras_ptr + j, mask=j < extras), mask=j < extras)
+        j0 += tl.num_programs(0) * LANES
     if pid == 0:
-        _reserve_onto_stack(
-            extras_ptr, free_stack_ptr, free_count_ptr, need, evictable, free, misses,
-            RESERVE=RESERVE, LANES=LANES,
-        )  # fmt: skip
+        left = tl.where(need > 0, extras, tl.maximum(free - misses, 0))
+        tl.store(free_count_ptr, left.to(tl.int32))
         tl.store(clock_ptr, tl.load(clock_ptr) + 1)
         tl.atomic_add(misses_ptr, misses, sem=SEM)
         tl.atomic_add(recalled_ptr, served, sem=SEM)
@@ -321,7 +327,7 @@ def resolve_lookback(
         ws.extras, ws.miss_slots, ws.miss_count, c.misses[layer : layer + 1],
         c.recalled_rows[layer : layer + 1], ws.tickets, claimed, counts, ws.slot_words, sp,
         ws.lane_ref, c.scratch_slot, ws.reserve,
-        LANES=ws.lane_block, RESERVE=ws.reserve, WORDS=min(1024, triton.next_power_of_2(sp)),
+        LANES=ws.lane_block, WORDS=min(1024, triton.next_power_of_2(sp)),
         **flags,
     )  # fmt: skip
     mark()
