@@ -16,7 +16,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_study indexer_profile cache cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_study prefetch_rows indexer_profile cache cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -128,6 +128,12 @@ run_stage() {
       stage prefetch_study 300 python3 benchmark/e2e_study.py --out /tmp/ds/prefetch_study \
         --decode-prefetch --only echo_paper,noff_paper,echo_auto --locality-sweep "" --repeats 3 \
         --profile-steps 0 --skip-components --deadline-s 230 ;;
+    prefetch_rows)  # the decode prefetch's staged rows per request end to end: the prefetch
+      # study (its random-keys run repeated too) at 384, 512 and 1536 rows, one process each
+      stage prefetch_rows 420 bash -c 'for r in 384 512 1536; do python3 benchmark/e2e_study.py \
+        --out /tmp/ds/prefetch_rows/rows$r --decode-prefetch --decode-stage-rows $r --only echo_paper,echo_auto \
+        --locality-sweep "" --repeats 3 --profile-steps 0 --skip-components --skip-fixed --deadline-s 120 \
+        > /tmp/ds/prefetch_rows/rows$r.log 2>&1; echo "rows $r: exit $?"; grep -E "metrics|Error" /tmp/ds/prefetch_rows/rows$r.log | tail -2; done' ;;
     prefetch)  # the prefetch benchmarks and the indexer (with top-k launch shapes) again
       peer_or_say
       stage prefetch 200 bash benchmark/gpu_checks.sh /tmp/ds/prefetch benches decode_prefetch \
@@ -169,7 +175,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_study|mla_profile|indexer_profile|cache|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"

@@ -407,3 +407,29 @@ def test_an_equal_hbm_split_without_room_for_a_step_is_skipped_with_its_reason(
     assert not any(label.startswith(("echo_equal_hbm", "hisparse_equal_hbm")) for label in labels)
     assert len(study.setup.skipped) == 1 and "batch 10000" in study.setup.skipped[0]
     assert "not run" in study.setup.skipped[0] and not study.errors
+
+
+def test_prefetch_precision_is_each_phases_share_of_the_cumulative_counters() -> None:
+    """echo_auto's counters run over the engine's life: a phase's staged and used rows are
+    the difference from the auto run before the phase's first (not the totals)."""
+    from benchmark.e2e.metrics import prefetch_auto
+
+    def run(engine: str, phase: str, staged: int = 0, used: int = 0) -> dict:
+        r = {"engine": engine, "phase": phase, "tokens_per_s_device": 100.0}
+        r |= {"hit_rate_per_layer": [0.5], "outputs": [[1]]}
+        if engine == "echo_auto":
+            r |= {"prefetched_rows": staged, "prefetch_hits": used, "prefetch_steps": [1, 2]}
+        return r
+
+    runs = [
+        run("echo_paper", "full"),
+        run("echo_auto", "full", 100, 40),
+        run("echo_auto", "full", 300, 90),
+        run("echo_paper", "random"),
+        run("echo_auto", "random", 1300, 890),
+        run("echo_auto", "random", 2300, 1690),
+    ]
+    got = prefetch_auto(runs)
+    assert (got["full"]["phase_staged_rows"], got["full"]["phase_staged_used"]) == (300, 90)
+    assert (got["random"]["phase_staged_rows"], got["random"]["phase_staged_used"]) == (2000, 1600)
+    assert got["random"]["phase_precision"] == 0.8 and got["random"]["repeats"] == 2

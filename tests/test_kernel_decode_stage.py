@@ -232,3 +232,25 @@ def test_stats_count_the_staging_buffer():
     assert rows == 4 * p.cap  # rows x rows per request
     want = rows * 16 * 4 + rows * 8 + p.chunks * 4 + (100 + 2) * 4
     assert on.stats()["device_bytes"] - off.stats()["device_bytes"] == want == p.nbytes
+
+
+def test_staged_rows_per_request_come_from_the_config():
+    """EchoConfig.decode_stage_rows sizes the staging (the e2e study's
+    --decode-stage-rows); below one row is a configuration error, not a kernel fault."""
+    from sglang_echo.config import ConfigError, EchoConfig
+    from sglang_echo.offload.decode_prefetcher import DEFAULT_STAGE_CAP
+    from sglang_echo.offload.echo_cache import EchoKVCache
+
+    def prefetcher(rows: int | None):
+        config = EchoConfig(
+            offload=True, dev_cache_size=64, fuse_decode="1", decode_stage_rows=rows
+        )
+        kv = EchoKVCache(config, 2, 100, 16, 8, torch.float32, DEV, pin=False)
+        kv.bind_request_rows(4)
+        return kv.decode_prefetcher
+
+    assert prefetcher(None).cap == DEFAULT_STAGE_CAP
+    small = prefetcher(6)
+    assert small.cap == 6 and small.stage_rows.shape[0] == small.chunks * 4 * small.chunk_cap
+    with pytest.raises(ConfigError, match="decode_stage_rows"):
+        EchoConfig(offload=True, decode_stage_rows=0)

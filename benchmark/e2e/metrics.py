@@ -175,11 +175,18 @@ def prefetch_auto(runs: list[dict]) -> dict | None:
     the hit rate, the decode steps the rule ran it in, and whether their greedy outputs
     agree token for token. None when echo_auto did not run (``--decode-prefetch``)."""
     out = {}
+    in_order = [r for r in runs if r.get("engine") == "echo_auto"]
     for phase in ("full", "random"):
         autos, offs = find_all(runs, "echo_auto", phase), find_all(runs, "echo_paper", phase)
         if not autos or not offs:
             continue
         mid, lo, hi = ratio_range(autos, offs)
+        # The engine's counters are cumulative: this phase's share is the difference from
+        # echo_auto's run just before the phase's first.
+        first = next(i for i, r in enumerate(in_order) if r is autos[0])
+        before = in_order[first - 1] if first > 0 else {}
+        staged = (autos[-1].get("prefetched_rows") or 0) - (before.get("prefetched_rows") or 0)
+        used = (autos[-1].get("prefetch_hits") or 0) - (before.get("prefetch_hits") or 0)
         out[phase] = {
             "ratio": round(mid, 3),
             "ratio_min": round(lo, 3),
@@ -189,6 +196,9 @@ def prefetch_auto(runs: list[dict]) -> dict | None:
             "prefetch_steps_on_all": autos[-1].get("prefetch_steps"),
             "prefetched_rows": autos[-1].get("prefetched_rows"),
             "prefetch_hits": autos[-1].get("prefetch_hits"),
+            "phase_staged_rows": staged,
+            "phase_staged_used": used,
+            "phase_precision": round(used / staged, 4) if staged > 0 else None,
             "outputs_equal": all(
                 a["outputs"] == o["outputs"] for a, o in zip(autos, offs, strict=False)
             ),

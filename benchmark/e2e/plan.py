@@ -155,6 +155,8 @@ class Engine:
     resolve_overlap: bool = True
     # ECHO: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE ("0", "1" or "auto").
     fuse_decode: str = "0"
+    # ECHO with the decode prefetch: staged rows per request and layer (None: default).
+    stage_rows: int | None = None
 
 
 class StudyPlan:
@@ -205,7 +207,8 @@ class StudyPlan:
             Phase(f"p{x:g}", None, Locality(x), fill=True, repeated=False)
             for x in (float(v) for v in a.locality_sweep.split(",") if v)
         ]
-        random_phase = Phase("random", None, rand, fill=True, repeated=False)
+        # Once, as a bound; repeated where it is a ratio's input (the prefetch's A/B).
+        random_phase = Phase("random", None, rand, fill=True, repeated=a.decode_prefetch)
         out = [
             Engine("noff_paper", "no-offload", pool=p.paper_pool, phases=list(full)),
             Engine(
@@ -251,6 +254,7 @@ class StudyPlan:
                     host=p.host_pool,
                     phases=[*full, *([random_phase] if a.random_keys else [])],
                     fuse_decode="auto",
+                    stage_rows=a.decode_stage_rows,
                 )
             )
         # Lossless at scale: the batch no-offload holds in the paper's pool, under a device

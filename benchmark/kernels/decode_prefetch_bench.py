@@ -635,7 +635,11 @@ def main() -> None:
     out = Path(args.out)
     save_record(out, "decode_prefetch", device, metrics, cases=rows)
     plot(rows, out / "decode_prefetch.png", device)
-    summary = {k: round(v, 3) for k, v in metrics.items() if k.startswith(("speedup_at", "slow"))}
+    summary = {
+        k: round(v, 3)
+        for k, v in metrics.items()
+        if k.startswith(("speedup_at", "slow")) and v is not None  # rates not run: None
+    }
     print(f"{summary} ({metrics['speedup_basis']}); all correct {metrics['all_correct']}; "
           f"{metrics['seconds']:.1f} s")  # fmt: skip
 

@@ -298,9 +298,17 @@ class EchoConfig:
     # A decode resolve on a side stream beside the query's up-projection (CUDA;
     # ENV_RESOLVE_OVERLAP); False: in line.
     resolve_overlap: bool = True
+    # Decode prefetch: staged rows per request and layer (None: the prefetcher's default,
+    # offload/decode_prefetcher.py); benchmarks set it to measure that default.
+    decode_stage_rows: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fuse_decode", decode_prefetch_mode(self.fuse_decode))
+        if self.decode_stage_rows is not None and self.decode_stage_rows < 1:
+            raise ConfigError(
+                f"decode_stage_rows must be >= 1 staged row per request, got "
+                f"{self.decode_stage_rows} (or None for the default)"
+            )
         if self.eviction_reserve is None:
             object.__setattr__(
                 self, "eviction_reserve", default_eviction_reserve(self.dev_cache_size)

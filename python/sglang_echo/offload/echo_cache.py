@@ -70,7 +70,9 @@ class EchoKVCache:
         """The request table has ``max_rows`` rows: size the per-request prefetch state
         (once, before any step, so captured CUDA graphs keep their tensors)."""
         if self.config.fuse_decode != "0" and self.decode_prefetcher is None:
-            self.decode_prefetcher = DecodePrefetcher(self.manager, max_rows)
+            self.decode_prefetcher = DecodePrefetcher(
+                self.manager, max_rows, cap=self.config.decode_stage_rows
+            )
         if self.config.fuse_extend and self.prefill_prefetch is None:
             self.prefill_prefetch = PrefillPrefetcher(self.manager, max_rows)
 
