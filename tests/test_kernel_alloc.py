@@ -392,6 +392,34 @@ def test_lookback_resolve_serves_from_free_slots_across_tiles() -> None:
     _assert_same(ref, ker, "32 misses into 40 free slots")
 
 
+@pytest.mark.parametrize("evict", [False, True], ids=["free-slots", "evicting"])
+def test_lookback_resolve_ranks_tiles_before_and_after_the_first_repeat(
+    program_order: str, evict: bool
+) -> None:
+    """Tiles before the first repeated id rank their misses from the misses counts alone;
+    from the first tile that saw a repeat on they count first misses. Here tiles 0-2
+    repeat nothing, tile 3 repeats an id of tile 1 and tile 4 one of its own, in either
+    program order (which of two lanes claims later, and so flags, flips with it)."""
+    ref, ker = _pair(64 if evict else 120, 400, reserve=2)
+    ws = AllocWorkspace(ker, max_lanes=80, lane_block=16, one_program_lanes=0)
+    if evict:  # a full cache: the 70-odd misses evict
+        resident = torch.arange(300, 364, dtype=torch.int64, device=DEV)
+        allocate_reference(ref, 0, resident, True)
+        allocate_kernel(ker, 0, resident, True, ws)
+    ids = list(range(1, 81))
+    ids[50] = ids[20]  # tile 3 repeats a lane of tile 1
+    ids[70] = ids[66]  # tile 4 repeats one of its own lanes
+    ids[75] = -1  # padding
+    t = torch.tensor(ids, dtype=torch.int64, device=DEV)
+    a = allocate_reference(ref, 0, t, False)
+    b = allocate_kernel(ker, 0, t, False, ws)
+    assert torch.equal(a.slots, b.slots)
+    assert _served(a) == _served(b)
+    _assert_same(ref, ker, f"repeats in tiles 3 and 4 ({program_order})")
+    assert (int(ker.evictions[0]) > 0) == evict
+    assert int(ws.tickets.abs().sum()) == 0 and int(ws.tile_words.abs().sum()) == 0
+
+
 def test_lookback_resolve_refuses_slot_tiles_its_words_cannot_count() -> None:
     _, ker = _pair(16, 100)
     ws = AllocWorkspace(ker, max_lanes=16, slot_block=1 << 20, one_program_lanes=0)

@@ -8,18 +8,23 @@ counts to the next through a kernel boundary, though a step that evicts nothing 
 a look-up, the lane order of the first misses and a slot from the free stack for each.
 Here one launch does all of that (measured on an H200 at batch 48: benchmark/results/
 cache_ops.json times both paths in one run, and history/2026-12-03-cache-profile-c8968ca/
-shows this first launch is now most of such a step: its two waits on earlier tiles, each
-after a release, cost round trips much as the launch boundaries did):
+shows this first launch is now most of such a step: its waits on earlier tiles, each
+after a release, cost round trips much as the launch boundaries did, so a call where no
+id repeats waits once, not twice):
 
 1. Each program takes the next tile of lanes from a ticket (so it only ever waits for
    programs already running: no assumption about the order the GPU starts them in), looks
    up, stamps its hits and claims its misses (``CLAIM + lane``, an atomic min: the lowest
-   lane wins), then publishes "claimed".
-2. Once every earlier tile has claimed, an entry that still holds this lane's claim makes
-   it the id's first miss (later tiles only claim higher lanes). The tile publishes its
-   first-miss count.
-3. Once every earlier tile's count is in, their sum is the tile's first rank: misses of
-   rank below the free count take their slot from the free stack at once.
+   lane wins), then publishes its misses count and whether a claim was already there (of
+   two lanes with one id, the later to claim sees the other's).
+2. Once every earlier tile has published: while no tile up to this one saw a repeated id,
+   every miss is a first miss, and the earlier tiles' misses counts sum to the tile's
+   first rank (one wait: decode selections repeat an id only where requests share a
+   prefix, and then mostly as hits). From the first tile that saw one on, an entry that
+   still holds this lane's claim makes it the id's first miss (later tiles only claim
+   higher lanes); the tile publishes its first-miss count and, once those of the tiles
+   from the flagged one on are in, adds them to the clean tiles' misses.
+3. Misses of rank below the free count take their slot from the free stack at once.
 
 The map (host_to_device) of the misses is written in the last launch, not here: a later
 tile's atomic-min claim would overwrite a slot written while it still claims. The two slot
@@ -66,28 +71,16 @@ assert CLAIM == -(2**31)
 
 
 @triton.jit
-def _earlier_words(words_ptr, tile, WIDTH: tl.constexpr):
-    """Spin until every tile before ``tile`` has published its word (non-zero), then
-    return the words (0 at and past ``tile``). Acquire loads: what a tile wrote before
-    publishing is visible after this returns (and a block barrier)."""
+def _earlier_words(words_ptr, tile, WIDTH: tl.constexpr, first=0):
+    """Spin until every tile in [first, tile) has published its word (non-zero), then
+    return the words (0 elsewhere). Acquire loads: what a tile wrote before publishing is
+    visible after this returns (and a block barrier)."""
     p = tl.arange(0, WIDTH)
-    earlier = p < tile
+    earlier = (p >= first) & (p < tile)
     words = tl.atomic_add(words_ptr + p, 0, mask=earlier, sem="acquire")
     while tl.min(tl.where(earlier, words, 1), 0) == 0:
         words = tl.atomic_add(words_ptr + p, 0, mask=earlier, sem="acquire")
     return tl.where(earlier, words, 0)
-
-
-@triton.jit
-def _wait_for_earlier(words_ptr, tile, WIDTH: tl.constexpr):
-    """:func:`_earlier_words` without the words (a loop carrying only a scalar: Triton
-    3.6's layout pass failed on a loop whose carried tensor nothing used after it)."""
-    p = tl.arange(0, WIDTH)
-    earlier = p < tile
-    waiting = 1
-    while waiting != 0:
-        words = tl.atomic_add(words_ptr + p, 0, mask=earlier, sem="acquire")
-        waiting = tl.sum((earlier & (words == 0)).to(tl.int32), 0)
 
 
 @triton.jit
@@ -131,21 +124,40 @@ def _lookup_rank_kernel(
     stamps = tl.zeros([LANES], dtype=tl.int64) + stamp
     before = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit, sem=SEM)
     claim = (lane + _CLAIM).to(tl.int32)
-    tl.atomic_min(h2d_ptr + ids, claim, mask=miss, sem=SEM)
+    held = tl.atomic_min(h2d_ptr + ids, claim, mask=miss, sem=SEM)
+    # A claim already there (of another lane of this call: a previous call leaves none)
+    # flags a repeated id; of any two lanes of one id, the later to claim sees it.
+    n_miss = tl.sum(miss.to(tl.int64), 0)
+    repeat_here = tl.sum((miss & (held < 0)).to(tl.int32), 0) > 0
     if tile == 0:  # the slot launches' histogram starts empty (they add only if evicting)
         tl.store(hist_ptr + tl.arange(0, _BUCKETS), tl.zeros([_BUCKETS], dtype=tl.int32))
-    _publish(claimed_ptr, tile, 1)
-    _wait_for_earlier(claimed_ptr, tile, MAXP)
-    tl.debug_barrier()
-    # Every lower lane has claimed: an entry holding this lane's claim is the id's first.
-    entry = tl.atomic_add(h2d_ptr + ids, 0, mask=miss, sem=SEM)
-    first = miss & (entry == claim)
+    _publish(claimed_ptr, tile, (1 + (n_miss << 1) + repeat_here.to(tl.int64)).to(tl.int32))
+    words = _earlier_words(claimed_ptr, tile, MAXP).to(tl.int64) - 1
+    p = tl.arange(0, MAXP)
+    earlier = p < tile
+    # The first tile (up to this one) whose lanes saw a repeated id. Before it, no lane
+    # repeats a lower lane's id (the later of the two to claim would have flagged it), so
+    # there every miss is a first miss and a tile's count is its misses.
+    flagged = tl.min(tl.where(earlier & ((words & 1) != 0), p, MAXP), 0)
+    flagged = tl.where(repeat_here, tl.minimum(flagged, tile), flagged)
+    clean_misses = tl.sum(tl.where(earlier & (p < flagged), words >> 1, 0), 0)
+    if flagged == MAXP:  # no repeat so far: ranks from the misses counts alone
+        entry = claim
+        first = miss
+        n_first = n_miss
+        ranked_before = clean_misses
+    else:
+        # Every lower lane has claimed: an entry holding this lane's claim is the id's
+        # first. Tiles from the flagged one on publish and read their first-miss counts.
+        tl.debug_barrier()
+        entry = tl.atomic_add(h2d_ptr + ids, 0, mask=miss, sem=SEM)
+        first = miss & (entry == claim)
+        n_first = tl.sum(first.to(tl.int64), 0)
+        _publish(counts_ptr, tile, (n_first + 1).to(tl.int32))
+        counted = _earlier_words(counts_ptr, tile, MAXP, flagged).to(tl.int64)
+        ranked_before = clean_misses + tl.sum(tl.where(counted > 0, counted - 1, 0), 0)
     first_here = first.to(tl.int64)
-    n_first = tl.sum(first_here, 0)
-    _publish(counts_ptr, tile, (n_first + 1).to(tl.int32))
     tl.atomic_add(hits_ptr, tl.sum((hit & (before != stamp)).to(tl.int64), 0), sem=SEM)
-    earlier = _earlier_words(counts_ptr, tile, MAXP).to(tl.int64)
-    ranked_before = tl.sum(tl.where(earlier > 0, earlier - 1, 0), 0)
     if tile == lane_programs - 1:  # the call's counts, for the launches after this one
         tl.store(call_counts_ptr, ranked_before + n_first)
         tl.store(call_counts_ptr + 1, free)
