@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="with --decode-prefetch: echo_auto's staged rows per request and layer "
-        "(default: the prefetcher's, DEFAULT_STAGE_CAP in offload/decode_prefetcher.py)",
+        "(default: the prefetcher's for the rows' bytes, default_stage_rows in "
+        "offload/decode_prefetcher.py)",
     )
     ap.add_argument(
         "--fill-max",

@@ -238,7 +238,7 @@ def test_staged_rows_per_request_come_from_the_config():
     """EchoConfig.decode_stage_rows sizes the staging (the e2e study's
     --decode-stage-rows); below one row is a configuration error, not a kernel fault."""
     from sglang_echo.config import ConfigError, EchoConfig
-    from sglang_echo.offload.decode_prefetcher import DEFAULT_STAGE_CAP
+    from sglang_echo.offload.decode_prefetcher import default_stage_rows
     from sglang_echo.offload.echo_cache import EchoKVCache
 
     def prefetcher(rows: int | None):
@@ -249,8 +249,21 @@ def test_staged_rows_per_request_come_from_the_config():
         kv.bind_request_rows(4)
         return kv.decode_prefetcher
 
-    assert prefetcher(None).cap == DEFAULT_STAGE_CAP
+    assert prefetcher(None).cap == default_stage_rows(16 * 4)  # float32 rows of 16
     small = prefetcher(6)
     assert small.cap == 6 and small.stage_rows.shape[0] == small.chunks * 4 * small.chunk_cap
     with pytest.raises(ConfigError, match="decode_stage_rows"):
         EchoConfig(offload=True, decode_stage_rows=0)
+
+
+def test_default_staged_rows_follow_the_rows_bytes():
+    """The default stages a byte budget per request (what fits beside the logits and the
+    top-k): 512 bf16 rows of 1152 bytes, 896 fp8 rows of 656 bytes, in 64-row steps,
+    between 64 rows and 1536."""
+    from sglang_echo.offload.decode_prefetcher import MAX_STAGE_ROWS, default_stage_rows
+
+    assert default_stage_rows(1152) == 512 and default_stage_rows(656) == 896
+    assert default_stage_rows(64) == MAX_STAGE_ROWS == 1536
+    assert default_stage_rows(10**6) == 64
+    with pytest.raises(ValueError, match="row_bytes"):
+        default_stage_rows(0)

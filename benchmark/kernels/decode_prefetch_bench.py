@@ -65,7 +65,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument(
         "--cap", type=int, default=None, help="allocating design: candidates per request"
     )
-    p.add_argument("--stage-cap", type=int, default=None, help="staged rows per request")
+    p.add_argument(
+        "--stage-cap",
+        type=int,
+        default=None,
+        help="staged rows per request (default: the prefetcher's for --row-bytes)",
+    )
     p.add_argument("--stage-chunks", type=int, default=None, help="logits chunks (staged)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved graph-timing rounds")
     p.add_argument(
@@ -114,10 +119,10 @@ from sglang_echo.model.indexer import (  # noqa: E402
 )
 from sglang_echo.offload.decode_prefetcher import (  # noqa: E402
     DEFAULT_DECODE_PREFETCH_CAP,
-    DEFAULT_STAGE_CAP,
     DEFAULT_STAGE_CHUNKS,
     STAGE_STREAM_PRIORITY,
     DecodePrefetcher,
+    default_stage_rows,
 )
 from sglang_echo.offload.device_cache import DeviceCache  # noqa: E402
 from sglang_echo.offload.host_pool import HostKVPool  # noqa: E402
@@ -186,7 +191,7 @@ class Bench:
         self.stager = DecodePrefetcher(
             self.manager,
             max_rows=B,
-            cap=args.stage_cap or min(DEFAULT_STAGE_CAP, args.topk),
+            cap=args.stage_cap or min(default_stage_rows(args.row_bytes), args.topk),
             chunks=args.stage_chunks or DEFAULT_STAGE_CHUNKS,
             side_priority=(
                 STAGE_STREAM_PRIORITY if args.stage_priority is None else args.stage_priority
