@@ -995,9 +995,11 @@ EVIDENCE: tuple[Row, ...] = (
             "{metrics.decode_prefetch_auto.full.hit_rate_mean:f3}, range {metrics.decode_prefetch_auto.full.ratio_min:f3}-"
             "{metrics.decode_prefetch_auto.full.ratio_max:f3}, {metrics.decode_prefetch_auto.full.repeats} repeats)",
             "{metrics.decode_prefetch_auto.random.ratio:x} on random keys (hit "
-            "{metrics.decode_prefetch_auto.random.hit_rate_mean:f3}, one repeat; the rule ran the prefetch there: "
-            "{metrics.decode_prefetch_auto.random.prefetch_hits:n} of {metrics.decode_prefetch_auto.random.prefetched_rows:n} "
-            "staged rows selected, counted over the engine's life)",
+            "{metrics.decode_prefetch_auto.random.hit_rate_mean:f3}, range {metrics.decode_prefetch_auto.random.ratio_min:f3}-"
+            "{metrics.decode_prefetch_auto.random.ratio_max:f3}, {metrics.decode_prefetch_auto.random.repeats} repeats; the "
+            "rule ran the prefetch there: {metrics.decode_prefetch_auto.random.phase_staged_used:n} of "
+            "{metrics.decode_prefetch_auto.random.phase_staged_rows:n} staged rows selected, "
+            "{metrics.decode_prefetch_auto.random.phase_precision:f3})",
             "greedy outputs equal to ECHO without it: {metrics.decode_prefetch_auto.full.outputs_equal:yes} / "
             "{metrics.decode_prefetch_auto.random.outputs_equal:yes}",
         ),
