@@ -94,8 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="with --decode-prefetch: echo_auto's staged rows per request and layer "
-        "(default: the prefetcher's for the rows' bytes, default_stage_rows in "
-        "offload/decode_prefetcher.py)",
+        "(default: the prefetcher's for the rows' bytes, config.default_stage_rows)",
     )
     ap.add_argument(
         "--fill-max",

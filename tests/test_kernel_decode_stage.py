@@ -237,8 +237,7 @@ def test_stats_count_the_staging_buffer():
 def test_staged_rows_per_request_come_from_the_config():
     """EchoConfig.decode_stage_rows sizes the staging (the e2e study's
     --decode-stage-rows); below one row is a configuration error, not a kernel fault."""
-    from sglang_echo.config import ConfigError, EchoConfig
-    from sglang_echo.offload.decode_prefetcher import default_stage_rows
+    from sglang_echo.config import ConfigError, EchoConfig, default_stage_rows
     from sglang_echo.offload.echo_cache import EchoKVCache
 
     def prefetcher(rows: int | None):
@@ -260,7 +259,7 @@ def test_default_staged_rows_follow_the_rows_bytes():
     """The default stages a byte budget per request (what fits beside the logits and the
     top-k): 512 bf16 rows of 1152 bytes, 896 fp8 rows of 656 bytes, in 64-row steps,
     between 64 rows and 1536."""
-    from sglang_echo.offload.decode_prefetcher import MAX_STAGE_ROWS, default_stage_rows
+    from sglang_echo.config import MAX_STAGE_ROWS, default_stage_rows
 
     assert default_stage_rows(1152) == 512 and default_stage_rows(656) == 896
     assert default_stage_rows(64) == MAX_STAGE_ROWS == 1536

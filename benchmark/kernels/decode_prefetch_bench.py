@@ -103,6 +103,7 @@ ARGS = _parse()
 
 from common import graph_us, pyplot, save_record, time_us  # noqa: E402
 
+from sglang_echo.config import default_stage_rows  # noqa: E402
 from sglang_echo.kernels.cache_layout import ABSENT  # noqa: E402
 from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch  # noqa: E402
 from sglang_echo.kernels.indexer import fp8_index_logits, program_span  # noqa: E402
@@ -122,7 +123,6 @@ from sglang_echo.offload.decode_prefetcher import (  # noqa: E402
     DEFAULT_STAGE_CHUNKS,
     STAGE_STREAM_PRIORITY,
     DecodePrefetcher,
-    default_stage_rows,
 )
 from sglang_echo.offload.device_cache import DeviceCache  # noqa: E402
 from sglang_echo.offload.host_pool import HostKVPool  # noqa: E402

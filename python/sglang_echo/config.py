@@ -162,6 +162,29 @@ def parse_path(name: str, raw: str | None) -> str | None:
     return raw or None
 
 
+# The decode prefetch's staged rows per request and layer (offload/decode_prefetcher.py)
+# by default: as many as fit in DEFAULT_STAGE_BYTES. Why bytes: what pays is the copy
+# that fits beside the logits and the top-k, and a staged row that loses the top-k costs
+# its PCIe time. End to end on an H200 (benchmark/results/e2e_prefetch/ and its history,
+# batch 17 x ~104K, 1152-byte rows, random keys, where about half of what beat the
+# threshold was then selected), 1536 rows per request ran 0.97x of ECHO without the
+# prefetch and 384 or 512 rows 1.05x; the paper's setting was 1.00x at 384 and 512 and
+# 0.99x at 1536. At 656-byte rows the same bytes are 896 rows, more than the kernel
+# bench's batch 16 x 128K staged per request at any hit rate. Here, not beside the
+# prefetcher, because the start-up sizing (sglang/sizing.py, free of torch) counts them.
+DEFAULT_STAGE_BYTES = 512 * 1152
+MAX_STAGE_ROWS = 1536  # and never more rows than this (small rows: the tests' models)
+STAGE_ROWS_ALIGN = 64
+
+
+def default_stage_rows(row_bytes: int) -> int:
+    """Staged rows per request and layer for cache rows of ``row_bytes`` bytes."""
+    if row_bytes < 1:
+        raise ValueError(f"row_bytes must be >= 1, got {row_bytes}")
+    rows = DEFAULT_STAGE_BYTES // row_bytes // STAGE_ROWS_ALIGN * STAGE_ROWS_ALIGN
+    return max(STAGE_ROWS_ALIGN, min(MAX_STAGE_ROWS, rows))
+
+
 def default_eviction_reserve(dev_cache_size: int) -> int:
     """N_G / 32 rounded up, at most 8192 (and at most half the cache): a step that evicts
     leaves this many slots free, so the next few steps' misses fit without a scan, while

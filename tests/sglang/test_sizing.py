@@ -307,6 +307,37 @@ def test_metadata_is_echos_tensors(n_g, t):
     assert sizing.echo_metadata_bytes(n_g, s * r + PAGE, LAYERS) == echo_tensors(n_g, s * r + PAGE)
 
 
+@pytest.mark.parametrize("row", [FP8_ROW, BF16_ROW], ids=["fp8", "bf16"])
+def test_decode_prefetch_is_the_plugins_prefetcher(row):
+    """With SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 the coordinator builds the plugin's
+    DecodePrefetcher after sglang profiled memory: the sizing counts its tensors."""
+    from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
+    from sglang_echo.offload.device_cache import DeviceCache
+    from sglang_echo.offload.host_pool import HostKVPool
+    from sglang_echo.offload.manager import EchoManager
+    from sglang_echo.sglang.decode_prefetch import PLUGIN_STAGE_CHUNKS
+
+    assert sizing.PLUGIN_STAGE_CHUNKS == PLUGIN_STAGE_CHUNKS
+    layers, host_tokens, slots = 3, 100, 5
+    host = HostKVPool(layers, host_tokens, row, torch.uint8, pin=False)
+    cache_ = DeviceCache(layers, 64, host_tokens, row, torch.uint8, "cpu")
+    manager = EchoManager(host, cache_, use_kernels=False)
+    p = DecodePrefetcher(manager, slots, chunks=PLUGIN_STAGE_CHUNKS)
+    thresholds = sum(q.theta.nbytes + q.finite.nbytes for q in p.predictors)
+    want = p.nbytes + thresholds
+    assert sizing.decode_prefetch_bytes(slots, host_tokens + 2, row, layers) == want
+    sizes = sizing.EchoSizes(N_G, T, TOP_K, 0)
+    off = sizing.RankShape(LAYERS, row, KEY_ROW, 163840)
+    on = sizing.RankShape(LAYERS, row, KEY_ROW, 163840, decode_prefetch=True)
+    extra = sizing.device_bytes(sizes, on).total - sizing.device_bytes(sizes, off).total
+    assert extra == sizing.decode_prefetch_bytes(
+        sizing.request_slots(sizes, on), sizes.host_slots, row, LAYERS
+    )
+    assert any(
+        "decode prefetch" in line for line in sizing.device_bytes(sizes, on).lines(sizes, on)
+    )
+
+
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("node", ["pd_decode", "server"])
 def test_totals_at_real_sizes(fp8, node):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_echo.config import default_stage_rows
 from sglang_echo.kernels.decode_stage import (
     StagedRows,
     stage_copy,
@@ -40,27 +41,8 @@ from sglang_echo.offload.predictor import DecodeThresholdPredictor
 # 512 covers hit rates down to ~0.75 while bounding what a bad threshold can waste.
 DEFAULT_DECODE_PREFETCH_CAP = 512
 # Staged design: rows per request and layer, split evenly over the chunks (a chunk's
-# share is pooled over the batch's requests), by default as many as fit in
-# DEFAULT_STAGE_BYTES. Why bytes: what pays is the copy that fits beside the logits and
-# the top-k, and a staged row that loses the top-k costs its PCIe time. End to end on an
-# H200 (benchmark/results/e2e_prefetch/, batch 17 x ~104K, 1152-byte rows, random keys,
-# where about half of what beat the threshold was then selected), 1536 rows per request
-# ran 0.97x of ECHO without the prefetch and 384 or 512 rows 1.05x; the paper's setting
-# was 1.00x at 384 and 512 and 0.99x at 1536. At 656-byte rows the same bytes are 896
-# rows, more than the kernel bench's batch 16 x 128K staged per request at any hit rate.
-DEFAULT_STAGE_BYTES = 512 * 1152
-MAX_STAGE_ROWS = 1536  # and never more rows than this (small rows: the tests' models)
-STAGE_ROWS_ALIGN = 64
-
-
-def default_stage_rows(row_bytes: int) -> int:
-    """Staged rows per request and layer for cache rows of ``row_bytes`` bytes."""
-    if row_bytes < 1:
-        raise ValueError(f"row_bytes must be >= 1, got {row_bytes}")
-    rows = DEFAULT_STAGE_BYTES // row_bytes // STAGE_ROWS_ALIGN * STAGE_ROWS_ALIGN
-    return max(STAGE_ROWS_ALIGN, min(MAX_STAGE_ROWS, rows))
-
-
+# share is pooled over the batch's requests), by default what DEFAULT_STAGE_BYTES holds
+# (config.default_stage_rows, where the start-up sizing reads it too).
 # Two chunks: the first chunk's rows move while the second is scored. On an H200 (batch
 # 16 x 128K, 911a4d4) four chunks started the copies earlier but cost more launches and
 # tails: 1.12x / 1.02x / 0.93x at hit 0.5 / 0.9 / 0.97 against 1.12x / 1.06x / 0.96x.

@@ -40,7 +40,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_echo.config import ENV_DEV_CACHE, ENV_OFFLOAD, ConfigError, EchoConfig, settings
+from sglang_echo.config import (
+    ENV_DEV_CACHE,
+    ENV_OFFLOAD,
+    ConfigError,
+    EchoConfig,
+    decode_prefetch_mode,
+    settings,
+)
 from sglang_echo.sglang import sizing
 
 logger = logging.getLogger(__name__)
@@ -410,6 +417,7 @@ def sizing_inputs(view: Any, plan: EchoPlan) -> tuple[sizing.RankShape, sizing.B
                 else 0
             ),
             eviction_reserve=settings().eviction_reserve,
+            decode_prefetch=decode_prefetch_mode(settings().fuse_decode) == "1",
         )
     except (sizing.UnknownWeights, KeyError, TypeError, ValueError) as exc:
         return f"the weights' bytes are unknown ({exc})"

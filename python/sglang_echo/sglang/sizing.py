@@ -24,6 +24,8 @@ On the GPU (``device_bytes``):
   [slots, context + 68], its top-k row table, ECHO's newest-row table, and the
   per-request buffer tables that ECHO frees right away (counted: the caching allocator
   need not reuse their blocks).
+- with the plugin's decode prefetch (``SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1``), its
+  staging buffer, host-id map and thresholds, also allocated by the coordinator.
 
 On the host (``host_bytes``): HiSparse's pinned pool, ``(S x R + 64) x row x L`` per rank,
 once per GPU of a node.
@@ -47,7 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sglang_echo.config import default_eviction_reserve
+from sglang_echo.config import default_eviction_reserve, default_stage_rows
 
 PAGE = 64  # DSA's page size (sglang forces 64)
 SCALE_BLOCK = 128  # DSATokenToKVPool.quant_block_size: one fp32 scale per 128 values
@@ -59,6 +61,9 @@ REQ_EXTRA_CONTEXT = 4
 # so that this module stays free of torch and triton; tests/sglang/test_sizing.py builds
 # the real workspace and compares).
 ALLOC_HIST_BINS, ALLOC_LANE_BLOCK, ALLOC_SLOT_BLOCK = 256, 1024, 2048
+# sglang/decode_prefetch.py's PLUGIN_STAGE_CHUNKS (copied for the same reason; the test
+# builds the plugin's prefetcher and compares).
+PLUGIN_STAGE_CHUNKS = 1
 GiB = 2**30
 
 
@@ -123,6 +128,7 @@ class RankShape:
     context_len: int  # sglang's context length (the request tables' width)
     extra_req_slots: int = 0  # PD decode's pre-allocation slots (sglang's resolved value)
     eviction_reserve: int | None = None  # SGLANG_ECHO_EVICTION_RESERVE; None: its default
+    decode_prefetch: bool = False  # SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1: its staging
 
 
 def kv_row_bytes(config: Mapping[str, Any], fp8: bool) -> int:
@@ -149,10 +155,17 @@ class DeviceBytes:
     index_keys: int  # sglang's index keys for every host-pool token
     echo_metadata: int  # ECHO's maps, priorities, free stacks, counters; its workspace
     request_tables: int  # HiSparse's request tables allocated after profiling
+    decode_prefetch: int = 0  # the plugin's decode prefetch staging, when on
 
     @property
     def total(self) -> int:
-        return self.echo_rows + self.index_keys + self.echo_metadata + self.request_tables
+        return (
+            self.echo_rows
+            + self.index_keys
+            + self.echo_metadata
+            + self.request_tables
+            + self.decode_prefetch
+        )
 
     def lines(self, sizes: EchoSizes, shape: RankShape) -> list[str]:
         """One line per total: what it is, its formula with the numbers, its bytes."""
@@ -173,7 +186,12 @@ class DeviceBytes:
                 f"{request_slots(sizes, shape)} slots x context {shape.context_len}",
             ),
         ]
-        values = (self.echo_rows, self.index_keys, self.echo_metadata, self.request_tables)
+        values = [self.echo_rows, self.index_keys, self.echo_metadata, self.request_tables]
+        if self.decode_prefetch:
+            per_request = default_stage_rows(shape.row_bytes)
+            formula = f"{request_slots(sizes, shape)} slots x {per_request} rows + host map"
+            rows.append(("decode prefetch", formula))
+            values.append(self.decode_prefetch)
         return [
             f"{name:<20}{formula:<58}{gib(v):>11}"
             for (name, formula), v in zip(rows, values, strict=True)
@@ -221,6 +239,19 @@ def echo_metadata_bytes(
     return layers * per_layer + workspace + coordinator
 
 
+def decode_prefetch_bytes(request_slots: int, host_slots: int, row_bytes: int, layers: int) -> int:
+    """The plugin's decode prefetch (sglang/decode_prefetch.py's DecodePrefetcher, made by
+    the coordinator after sglang profiled memory): staging rows and their int64 host ids
+    (request slots x the default rows per request), the chunks' int32 counters, the int32
+    host-id map over the host pool (N_H + 2 = host slots), and each layer's thresholds
+    (float32 and bool per request slot, plus a scratch row)."""
+    chunks = PLUGIN_STAGE_CHUNKS
+    entries = request_slots * (default_stage_rows(row_bytes) // chunks * chunks)
+    return (
+        entries * (row_bytes + 8) + 4 * chunks + 4 * host_slots + layers * 5 * (request_slots + 1)
+    )
+
+
 def request_slots(sizes: EchoSizes, shape: RankShape) -> int:
     """sglang's request slots per rank: running + PD pre-allocation + the padding slot."""
     return sizes.per_rank_running + shape.extra_req_slots + 1
@@ -258,6 +289,13 @@ def device_bytes(sizes: EchoSizes, shape: RankShape) -> DeviceBytes:
             sizes.dev_cache_size, sizes.host_slots, layers, shape.eviction_reserve
         ),
         request_tables=request_table_bytes(sizes, shape),
+        decode_prefetch=(
+            decode_prefetch_bytes(
+                request_slots(sizes, shape), sizes.host_slots, shape.row_bytes, layers
+            )
+            if shape.decode_prefetch
+            else 0
+        ),
     )
 
 
