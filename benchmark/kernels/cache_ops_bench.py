@@ -513,6 +513,8 @@ def main() -> None:
         profile(args, dev, trace)
         return
     on_gpu = dev.type == "cuda"
+    paired = trace.clone()
+    paired[:, 1::2] = trace[:, 0::2][:, : paired[:, 1::2].shape[1]]
     runs = {
         # A decode layer-step as the model runs it: the resolve's allocation only (the new
         # tokens go to the host pool; kvcache write(decode=True)), then with the writes and
@@ -525,6 +527,12 @@ def main() -> None:
         "kernels_decode_step": measure(args, dev, trace, on_gpu, "decode_step"),
         "kernels_management": measure(args, dev, trace, on_gpu, "management"),
         "kernels_step": measure(args, dev, trace, on_gpu, "step"),
+        # Requests in pairs selecting the same ids (a shared prefix, at its worst: every id
+        # of a step twice): from the first repeat on, the look-back tiles wait twice.
+        "kernels_decode_management_repeats": measure(args, dev, paired, on_gpu, "resolve"),
+        "kernels_decode_management_repeats_pipeline": measure(
+            args, dev, paired, on_gpu, "resolve", {"lookback": False}
+        ),
         "torch_management": measure(args, dev, trace, False, "resolve"),
         "torch_step": measure(args, dev, trace, False, "decode_step"),
     }
@@ -598,6 +606,10 @@ def main() -> None:
         "us_per_layer_step": us,
         "resolve_path": "look-back (kernels/alloc_lookback.py)",
         "us_per_layer_step_pipeline": runs["kernels_decode_management_pipeline"]["us"],
+        "us_per_layer_step_repeats": runs["kernels_decode_management_repeats"]["us"],
+        "us_per_layer_step_repeats_pipeline": runs["kernels_decode_management_repeats_pipeline"][
+            "us"
+        ],
         "speedup_over_pipeline": runs["kernels_decode_management_pipeline"]["us"] / us,
         "us_per_layer_step_with_recall": runs["kernels_decode_step"]["us"],
         "us_per_layer_step_with_append": runs["kernels_management"]["us"],
