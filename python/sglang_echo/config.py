@@ -321,8 +321,8 @@ class EchoConfig:
     # A decode resolve on a side stream beside the query's up-projection (CUDA;
     # ENV_RESOLVE_OVERLAP); False: in line.
     resolve_overlap: bool = True
-    # Decode prefetch: staged rows per request and layer (None: the prefetcher's default,
-    # offload/decode_prefetcher.py); benchmarks set it to measure that default.
+    # Decode prefetch: staged rows per request and layer (None: default_stage_rows of the
+    # cache rows' bytes); benchmarks set it to measure that default.
     decode_stage_rows: int | None = None
 
     def __post_init__(self) -> None:

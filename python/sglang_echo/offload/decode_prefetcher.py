@@ -40,9 +40,6 @@ from sglang_echo.offload.predictor import DecodeThresholdPredictor
 # context; at top-k 2048 a request misses ~(1 - hit rate) x 2048 of its selections, so
 # 512 covers hit rates down to ~0.75 while bounding what a bad threshold can waste.
 DEFAULT_DECODE_PREFETCH_CAP = 512
-# Staged design: rows per request and layer, split evenly over the chunks (a chunk's
-# share is pooled over the batch's requests), by default what DEFAULT_STAGE_BYTES holds
-# (config.default_stage_rows, where the start-up sizing reads it too).
 # Two chunks: the first chunk's rows move while the second is scored. On an H200 (batch
 # 16 x 128K, 911a4d4) four chunks started the copies earlier but cost more launches and
 # tails: 1.12x / 1.02x / 0.93x at hit 0.5 / 0.9 / 0.97 against 1.12x / 1.06x / 0.96x.
@@ -65,6 +62,8 @@ class DecodePrefetcher:
         side_priority: int = STAGE_STREAM_PRIORITY,
     ) -> None:
         if cap is None and staged:
+            # Staged rows per request and layer (split over the chunks, a chunk's share
+            # pooled over the batch's requests): what config's byte budget holds.
             rows = manager.cache.rows
             cap = default_stage_rows(rows.shape[-1] * rows.element_size())
         elif cap is None:
