@@ -294,6 +294,18 @@ def _extras_count(need, evictable, reserve):
 
 
 @triton.jit
+def _extras_onto_stack(extras_ptr, free_stack_ptr, extras, first, stride, LANES: tl.constexpr):
+    """The reserve's ``extras`` victims onto the bottom of the emptied free stack, LANES at a
+    time from ``first``, every ``stride`` (one program: 0 and LANES; a launch's programs
+    share the move with their own first and stride)."""
+    j0 = first
+    while j0 < extras:
+        j = j0 + tl.arange(0, LANES)
+        tl.store(free_stack_ptr + j, tl.load(extras_ptr + j, mask=j < extras), mask=j < extras)
+        j0 += stride
+
+
+@triton.jit
 def _reserve_onto_stack(
     extras_ptr, free_stack_ptr, free_count_ptr, need, evictable, free, misses,
     RESERVE: tl.constexpr, LANES: tl.constexpr,
@@ -639,12 +651,7 @@ def _one_program_misses(
     # The reserve's victims onto the emptied stack (after the reads above), then each
     # lane's slot.
     extras = _extras_count(need, evictable, reserve)
-    start = 0
-    while start < extras:
-        j = start + tl.arange(0, LANES)
-        moved = tl.load(extras_ptr + j, mask=j < extras, other=0)
-        tl.store(free_stack_ptr + j, moved, mask=j < extras)
-        start += LANES
+    _extras_onto_stack(extras_ptr, free_stack_ptr, extras, 0, LANES, LANES=LANES)
     start = 0
     while start < lanes:
         lane = start + tl.arange(0, LANES)

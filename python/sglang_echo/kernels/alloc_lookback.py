@@ -53,6 +53,7 @@ from sglang_echo.kernels.alloc import (
     _add_age_histogram,
     _boundary,
     _extras_count,
+    _extras_onto_stack,
     _slot_bucket,
     _stamp,
     _take_victims,
@@ -266,11 +267,9 @@ def _map_misses_kernel(
     # The reserve's victims onto the emptied free stack, spread over the programs (in
     # program 0 alone its thousands of rows took several dependent rounds).
     extras = _extras_count(need, evictable, reserve)
-    j0 = pid * LANES
-    while j0 < extras:
-        j = j0 + tl.arange(0, LANES)
-        tl.store(free_stack_ptr + j, tl.load(extras_ptr + j, mask=j < extras), mask=j < extras)
-        j0 += tl.num_programs(0) * LANES
+    _extras_onto_stack(
+        extras_ptr, free_stack_ptr, extras, pid * LANES, tl.num_programs(0) * LANES, LANES=LANES
+    )
     if pid == 0:
         left = tl.where(need > 0, extras, tl.maximum(free - misses, 0))
         tl.store(free_count_ptr, left.to(tl.int32))
