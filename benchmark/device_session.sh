@@ -88,10 +88,11 @@ run_stage() {
     release)  # the batched release of a finished request (kernels/release.py) against the
       # per-layer torch release it replaced, at 61 layers x 260K slots x 2M host tokens
       stage release 150 python3 benchmark/kernels/release_bench.py --out /tmp/ds/release ;;
-    cache)  # the cache kernels' GPU tests, then their benchmark (launch chaining beside)
-      stage cache 260 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
+    cache)  # the cache kernels' GPU tests, then their benchmark (launch chaining beside, the look-back
+      # resolve's launch shapes swept)
+      stage cache 330 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
         tests/test_kernel_recall.py tests/test_kernel_topk_rows.py tests/test_pdl.py tests/test_decode_write.py tests/test_kernel_decode_write.py \
-        && python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache" ;;
+        && python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache --sweep" ;;
     topk)  # both top-k kernels' tests, the GPU-marked ones too (the pivot's exactness at full
       # scale, which must pass before SGLANG_ECHO_TOPK_PIVOT=1 is allowed on CUDA again),
       # then the indexer bench (the pivot's states beside)
@@ -123,15 +124,15 @@ run_stage() {
       # graphs (the staged prefetch on a side stream, under eviction) and the kernels at DeepSeek shapes
       stage prefetch_tests 300 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py \
         -k "lossless_cuda_graph_decode or fused_prefetch" ;;
-    prefetch_study)  # the decode prefetch under its rule (auto) end to end: echo_auto beside
-      # echo_paper (off) and no-offload at the paper's setting and the random-keys run
+    prefetch_study)  # the decode prefetch under its rule (auto, the default) end to end: echo_paper beside
+      # echo_noprefetch (off) and no-offload at the paper's setting and the random-keys run
       stage prefetch_study 300 python3 benchmark/e2e_study.py --out /tmp/ds/prefetch_study \
-        --decode-prefetch --only echo_paper,noff_paper,echo_auto --locality-sweep "" --repeats 3 \
+        --decode-prefetch --only echo_paper,noff_paper,echo_noprefetch --locality-sweep "" --repeats 3 \
         --profile-steps 0 --skip-components --deadline-s 230 ;;
     prefetch_rows)  # the decode prefetch's staged rows per request end to end: the prefetch
       # study (its random-keys run repeated too) at 384, 512 and 1536 rows, one process each
       stage prefetch_rows 420 bash -c 'for r in 384 512 1536; do python3 benchmark/e2e_study.py \
-        --out /tmp/ds/prefetch_rows/rows$r --decode-prefetch --decode-stage-rows $r --only echo_paper,echo_auto \
+        --out /tmp/ds/prefetch_rows/rows$r --decode-prefetch --decode-stage-rows $r --only echo_paper,echo_noprefetch \
         --locality-sweep "" --repeats 3 --profile-steps 0 --skip-components --skip-fixed --deadline-s 120 \
         > /tmp/ds/prefetch_rows/rows$r.log 2>&1; echo "rows $r: exit $?"; grep -E "metrics|Error" /tmp/ds/prefetch_rows/rows$r.log | tail -2; done' ;;
     prefetch)  # the prefetch benchmarks and the indexer (with top-k launch shapes) again

@@ -86,14 +86,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--decode-prefetch",
         action="store_true",
-        help="also ECHO with SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=auto (engine echo_auto), "
-        "beside echo_paper at the paper's setting and the random-keys run",
+        help="the decode prefetch's A/B: echo_paper (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=auto, "
+        "the default) beside ECHO without it (engine echo_noprefetch), phase by phase at the "
+        "paper's setting and on random keys",
     )
     ap.add_argument(
         "--decode-stage-rows",
         type=int,
         default=None,
-        help="with --decode-prefetch: echo_auto's staged rows per request and layer "
+        help="with --decode-prefetch: echo_paper's staged rows per request and layer "
         "(default: the prefetcher's for the rows' bytes, config.default_stage_rows)",
     )
     ap.add_argument(

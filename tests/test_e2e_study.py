@@ -289,7 +289,7 @@ def test_e2e_study_smoke_writes_the_record(e2e_study, tmp_path: Path) -> None:
     assert inline[0]["echo_options"] == {
         "decode_place": False,
         "resolve_overlap": False,
-        "fuse_decode": "0",
+        "fuse_decode": "auto",  # the product default: only the two options differ
     }
     assert inline[0]["alternated_with"] == ["noff_low", "echo_paper"]
     assert len(inline[0]["step_ms_device_steps"]) == rec["config"]["measured_steps"]
@@ -328,6 +328,26 @@ def test_e2e_study_smoke_at_fp8_kv(e2e_study, tmp_path: Path) -> None:
     for key in ("lossless_under_eviction", "lossless_under_eviction_hisparse"):
         assert det[key]["evictions_per_step"] > 0 and det[key]["greedy_outputs_equal"], key
     assert rec["metrics"]["ratio_equal_hbm_380k"] is not None
+
+
+def test_e2e_study_smoke_decode_prefetch_ab(e2e_study, tmp_path: Path) -> None:
+    """``--decode-prefetch``: echo_paper runs the product's default (auto) and the A/B's
+    other side the same ECHO with the prefetch off, phase by phase, so the record's ratio
+    compares the prefetch against its absence (not the default against itself)."""
+    e2e_study.main(["--smoke", "--out", str(tmp_path), "--decode-prefetch", "--only",
+                    "echo_paper,echo_noprefetch", "--locality-sweep", "", "--skip-components",
+                    "--skip-fixed", "--repeats", "2"])  # fmt: skip
+    rec = json.loads((tmp_path / "e2e_study.json").read_text())
+    assert rec["complete"] and not rec["errors"]
+    modes = {r["engine"]: r["echo_options"]["fuse_decode"] for r in rec["runs"]}
+    assert modes == {"echo_paper": "auto", "echo_noprefetch": "0"}
+    ab = rec["metrics"]["decode_prefetch_auto"]
+    assert ab.keys() == {"full", "random"}
+    for phase in ab.values():
+        assert phase["repeats"] == 2 and phase["ratio_min"] <= phase["ratio"] <= phase["ratio_max"]
+        assert phase["outputs_equal"] is True
+    # The prefetching side kept its rule's counters: steps with the prefetch on, of all.
+    assert all(len(phase["prefetch_steps_on_all"]) == 2 for phase in ab.values())
 
 
 def test_decode_node_echo_equals_no_offload_under_eviction(worker) -> None:
@@ -410,24 +430,24 @@ def test_an_equal_hbm_split_without_room_for_a_step_is_skipped_with_its_reason(
 
 
 def test_prefetch_precision_is_each_phases_share_of_the_cumulative_counters() -> None:
-    """echo_auto's counters run over the engine's life: a phase's staged and used rows are
-    the difference from the auto run before the phase's first (not the totals)."""
+    """The prefetching engine's counters run over its life: a phase's staged and used rows
+    are the difference from its run before the phase's first (not the totals)."""
     from benchmark.e2e.metrics import prefetch_auto
 
     def run(engine: str, phase: str, staged: int = 0, used: int = 0) -> dict:
         r = {"engine": engine, "phase": phase, "tokens_per_s_device": 100.0}
         r |= {"hit_rate_per_layer": [0.5], "outputs": [[1]]}
-        if engine == "echo_auto":
+        if engine == "echo_paper":
             r |= {"prefetched_rows": staged, "prefetch_hits": used, "prefetch_steps": [1, 2]}
         return r
 
     runs = [
-        run("echo_paper", "full"),
-        run("echo_auto", "full", 100, 40),
-        run("echo_auto", "full", 300, 90),
-        run("echo_paper", "random"),
-        run("echo_auto", "random", 1300, 890),
-        run("echo_auto", "random", 2300, 1690),
+        run("echo_noprefetch", "full"),
+        run("echo_paper", "full", 100, 40),
+        run("echo_paper", "full", 300, 90),
+        run("echo_noprefetch", "random"),
+        run("echo_paper", "random", 1300, 890),
+        run("echo_paper", "random", 2300, 1690),
     ]
     got = prefetch_auto(runs)
     assert (got["full"]["phase_staged_rows"], got["full"]["phase_staged_used"]) == (300, 90)

@@ -82,7 +82,7 @@ def test_defaults_when_unset() -> None:
     cfg = EchoConfig.from_env({})
     assert cfg == EchoConfig()
     assert cfg.offload is False
-    assert cfg.fuse_decode == "0"
+    assert cfg.fuse_decode == "auto"  # the decode prefetch under its measured rule
     assert cfg.fuse_extend is False
     assert cfg.dev_cache_size == DEFAULT_DEV_CACHE_SIZE == 260_000
 
@@ -124,7 +124,7 @@ def test_flags_bad_values(name: str, raw: str) -> None:
 
 @pytest.mark.parametrize(
     ("raw", "mode"),
-    [("0", "0"), ("", "0"), ("1", "1"), (" 1\n", "1"), ("auto", "auto"), (" AUTO ", "auto")],
+    [("0", "0"), ("", "auto"), ("1", "1"), (" 1\n", "1"), ("auto", "auto"), (" AUTO ", "auto")],
 )
 def test_decode_prefetch_modes(raw: str, mode: str) -> None:
     cfg = EchoConfig.from_env({ENV_FUSE_DECODE: raw})

@@ -322,7 +322,7 @@ def test_help_lists_the_public_variables_with_the_values_in_force(module):
     assert done.returncode == 0, done.stderr
     out = " ".join(done.stdout.split())  # argparse wraps to the terminal's width
     assert "NSA_KV_OFFLOAD=1 (set)" in out and "NSA_DEV_CACHE_SIZE=1_024 (set)" in out
-    assert "SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=0 (default)" in out
+    assert "SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=auto (default)" in out
     assert "SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=0 (default)" in out
     assert "docs/CONFIGURATION.md" in out
     for v in VARIABLES:

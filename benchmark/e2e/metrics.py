@@ -11,7 +11,7 @@ import statistics
 from benchmark.e2e.components import component_at
 from benchmark.e2e.extrapolate import estimate_61_layers
 from benchmark.e2e.lossless import lossless_check, low_load_agreement
-from benchmark.e2e.plan import StudyPlan
+from benchmark.e2e.plan import PREFETCH_OFF, PREFETCH_ON, StudyPlan
 from benchmark.e2e.runs import find, find_all, med, paired_cost, ratio, ratio_range, sweep
 
 
@@ -170,19 +170,19 @@ def repeats(setup: StudyPlan, runs: list[dict]) -> dict[str, list[float]]:
 
 
 def prefetch_auto(runs: list[dict]) -> dict | None:
-    """ECHO with the decode prefetch under its rule (echo_auto) against ECHO without it
-    (echo_paper), phase by phase (interleaved repeats): throughput ratio with its range,
-    the hit rate, the decode steps the rule ran it in, and whether their greedy outputs
-    agree token for token. None when echo_auto did not run (``--decode-prefetch``)."""
+    """ECHO with the decode prefetch under its rule (PREFETCH_ON, auto) against ECHO
+    without it (PREFETCH_OFF), phase by phase (interleaved repeats): throughput ratio with
+    its range, the hit rate, the decode steps the rule ran it in, and whether their greedy
+    outputs agree token for token. None when the A/B did not run (``--decode-prefetch``)."""
     out = {}
-    in_order = [r for r in runs if r.get("engine") == "echo_auto"]
+    in_order = [r for r in runs if r.get("engine") == PREFETCH_ON]
     for phase in ("full", "random"):
-        autos, offs = find_all(runs, "echo_auto", phase), find_all(runs, "echo_paper", phase)
+        autos, offs = find_all(runs, PREFETCH_ON, phase), find_all(runs, PREFETCH_OFF, phase)
         if not autos or not offs:
             continue
         mid, lo, hi = ratio_range(autos, offs)
         # The engine's counters are cumulative: this phase's share is the difference from
-        # echo_auto's run just before the phase's first.
+        # its run just before the phase's first.
         first = next(i for i, r in enumerate(in_order) if r is autos[0])
         before = in_order[first - 1] if first > 0 else {}
         staged = (autos[-1].get("prefetched_rows") or 0) - (before.get("prefetched_rows") or 0)

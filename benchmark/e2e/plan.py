@@ -15,6 +15,7 @@ import torch
 from benchmark.e2e.lossless import min_tokens_compared
 from benchmark.study.locality import Locality
 from benchmark.study.worker import DSV32_DIMS, DSV32_MOE, SMOKE_DIMS, SMOKE_MOE, study_config
+from sglang_echo.config import DEFAULT_DECODE_PREFETCH
 from sglang_echo.offload.hisparse_cache import DEFAULT_DEVICE_BUFFER_SIZE
 
 # Per-token bytes of ECHO state per layer besides the MLA rows: device_to_host (int32),
@@ -23,6 +24,10 @@ from sglang_echo.offload.hisparse_cache import DEFAULT_DEVICE_BUFFER_SIZE
 SLOT_META_BYTES = 4 + 8 + 4
 HOST_META_BYTES = 4
 PRESSURE_SPARE = 8  # the pressure checks' spare rows: top-k / this (per request: HiSparse)
+# The decode prefetch's A/B (--decode-prefetch): ECHO at the paper's setting under the
+# prefetch's rule (auto, the default) against the same ECHO without the prefetch.
+PREFETCH_ON = "echo_paper"
+PREFETCH_OFF = "echo_noprefetch"
 
 
 @dataclass
@@ -153,8 +158,9 @@ class Engine:
     # the query's up-projection (the defaults; both off: the per-layer step before them).
     decode_place: bool = True
     resolve_overlap: bool = True
-    # ECHO: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE ("0", "1" or "auto").
-    fuse_decode: str = "0"
+    # ECHO: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE ("0", "1" or "auto"): the product's
+    # default unless an engine is an A/B's other side.
+    fuse_decode: str = DEFAULT_DECODE_PREFETCH
     # ECHO with the decode prefetch: staged rows per request and layer (None: default).
     stage_rows: int | None = None
 
@@ -221,7 +227,7 @@ class StudyPlan:
                     "noff_paper",
                     "noff_low",
                     "echo_inline",
-                    *(["echo_auto"] if a.decode_prefetch else []),
+                    *([PREFETCH_OFF] if a.decode_prefetch else []),
                 ],
             ),
             Engine(
@@ -244,17 +250,18 @@ class StudyPlan:
             ),
         ]
         if a.decode_prefetch:
-            # The decode prefetch under its rule (auto), beside echo_paper (prefetch off)
-            # phase by phase: the paper's setting and the random-keys run.
+            # The decode prefetch's A/B: echo_paper (the default, auto) beside ECHO without
+            # it, phase by phase: the paper's setting and the random-keys run.
+            assert out[1].label == PREFETCH_ON
+            out[1] = replace(out[1], fuse_decode="auto", stage_rows=a.decode_stage_rows)
             out.append(
                 Engine(
-                    "echo_auto",
+                    PREFETCH_OFF,
                     "echo",
                     dev_cache=p.paper_dev_cache,
                     host=p.host_pool,
                     phases=[*full, *([random_phase] if a.random_keys else [])],
-                    fuse_decode="auto",
-                    stage_rows=a.decode_stage_rows,
+                    fuse_decode="0",
                 )
             )
         # Lossless at scale: the batch no-offload holds in the paper's pool, under a device

@@ -42,7 +42,13 @@ from common import event_us, pyplot, save_record, time_us
 from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
-from sglang_echo.kernels.alloc import ONE_PROGRAM_LANES, STAGES, AllocWorkspace, allocate_kernel
+from sglang_echo.kernels.alloc import (
+    ONE_PROGRAM_LANES,
+    SLOT_BLOCK,
+    STAGES,
+    AllocWorkspace,
+    allocate_kernel,
+)
 from sglang_echo.kernels.alloc_lookback import STAGES as LOOKBACK_STAGES
 from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 from sglang_echo.offload.echo_cache import EchoKVCache
@@ -104,13 +110,13 @@ def _cache(
     return cache
 
 
-# Launch shapes timed by --sweep (lanes per program, slots per program, warps): more
-# programs hide the random-access latency of look-ups; fewer cut the per-program scans.
+# Launch shapes of the look-back resolve timed by --sweep (lanes per program, warps; the
+# slot tiles at the default): more programs hide more of the look-ups' random-access
+# latency but add tiles to every look-back; more warps per program more loads in flight.
 SWEEP_SHAPES = [
-    {"lane_block": lane, "slot_block": slot, "num_warps": warps}
-    for lane in (256, 1024)
-    for slot in (512, 2048)
-    for warps in (4, 8)
+    {"lane_block": lane, "slot_block": SLOT_BLOCK, "num_warps": warps}
+    for lane in (256, 512, 1024, 2048)
+    for warps in (4, 8, 16)
 ]
 STATE = ("host_to_device", "device_to_host", "priority", "free_stack", "free_count", "clock")
 
@@ -132,7 +138,7 @@ def shape_sweep(args, dev: torch.device, trace: torch.Tensor) -> list[dict]:
     rows = []
     for shape in SWEEP_SHAPES:
         exact = shape_is_exact(args, dev, trace, shape, steps=4)
-        timing = measure(args, dev, trace, True, "management", shape) if exact else {}
+        timing = measure(args, dev, trace, True, "resolve", shape) if exact else {}
         rows.append({**shape, "exact": exact, **timing})
         us = f"{timing['us']:8.1f} us" if exact else "   (not exact: not timed)"
         print(f"shape lanes {shape['lane_block']:5d} slots {shape['slot_block']:5d} "

@@ -76,7 +76,8 @@ MAX_DEFAULT_EVICTION_RESERVE = 8192
 # kernels/topk_flashinfer.py) and the sparse-MLA path (model/attention.py); the first of
 # each is the default.
 TOPK_BACKENDS = ("radix", "flashinfer")
-DECODE_PREFETCH_MODES = ("0", "1", "auto")  # ENV_FUSE_DECODE
+DECODE_PREFETCH_MODES = ("auto", "0", "1")  # ENV_FUSE_DECODE; the first is the default
+DEFAULT_DECODE_PREFETCH = DECODE_PREFETCH_MODES[0]
 SPARSE_MLA_BACKENDS = ("auto", "torch", "kernel")
 APPLIES_TO = ("runtime", "plugin", "both")
 
@@ -224,11 +225,11 @@ VARIABLES: tuple[Variable, ...] = (
         parse_dev_cache_size,
     ),
     Variable(
-        ENV_FUSE_DECODE, "fuse_decode", "0", "both", True,
-        "with ECHO, decode intra-query prefetch (output unchanged): `1` every step (likely "
-        "misses are staged while the indexer runs), `auto` on decode steps after one that "
-        "missed >= 7% of its selections (where it paid on an H200), `0` off; the SGLang "
-        "plugin stages from sglang's own indexer logits with `1` and runs `auto` as `0`",
+        ENV_FUSE_DECODE, "fuse_decode", "auto", "both", True,
+        "with ECHO, decode intra-query prefetch (output unchanged): `auto` on decode steps "
+        "after one that missed >= 7% of its selections (where it paid on an H200), `1` every "
+        "step (likely misses are staged while the indexer runs), `0` off; the SGLang plugin "
+        "stages from sglang's own indexer logits with `1` and runs `auto` as `0`",
         parse_choice(DECODE_PREFETCH_MODES),
     ),
     Variable(
@@ -311,7 +312,7 @@ class EchoConfig:
     dev_cache_size: int = DEFAULT_DEV_CACHE_SIZE  # N_G: usable device slots per layer
     # Decode prefetch (ENV_FUSE_DECODE): "0" off, "1" every step, "auto" by the measured
     # rule (offload/prefetch_rule.py); True / False are read as "1" / "0".
-    fuse_decode: str = "0"
+    fuse_decode: str = DEFAULT_DECODE_PREFETCH
     fuse_extend: bool = False
     # Extra victims per evicting step (ENV_EVICTION_RESERVE); None = the default for N_G.
     eviction_reserve: int | None = None
@@ -382,7 +383,7 @@ class EchoSettings:
 
     offload: bool = False
     dev_cache_size: int = DEFAULT_DEV_CACHE_SIZE
-    fuse_decode: str = "0"
+    fuse_decode: str = DEFAULT_DECODE_PREFETCH
     fuse_extend: bool = False
     eviction_reserve: int | None = None  # None: default_eviction_reserve(N_G)
     pdl: bool = True

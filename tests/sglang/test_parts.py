@@ -282,8 +282,9 @@ def test_borrowed_cache_matches_an_owned_one(kernels, monkeypatch):
 
 # ------------------------------------------------------------------------ prefetch
 def test_prefetch_switches_are_logged(caplog):
-    """Off: silence. ``1``: the decode prefetch says what it does; ``auto`` says it runs
-    as ``0`` in the plugin; the prefill switch says it does not apply."""
+    """Off: silence. ``1``: the decode prefetch says what it does; ``auto`` set in the
+    environment says it runs as ``0`` in the plugin (as the default, unset: silence); the
+    prefill switch says it does not apply."""
     from types import SimpleNamespace
 
     from sglang_echo.sglang.install import log_prefetch_switches
@@ -296,8 +297,16 @@ def test_prefetch_switches_are_logged(caplog):
     assert "RECALL_DECODE=1: decode steps stage" in caplog.text
     assert "RECALL_EXTEND=1 accepted" in caplog.text
     caplog.clear()
+    with caplog.at_level(logging.INFO):  # auto as the default (unset): off, quietly
+        log_prefetch_switches(
+            SimpleNamespace(fuse_decode="auto", fuse_extend=False, from_environment=frozenset())
+        )
+    assert caplog.text == ""
+    set_here = frozenset({"SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE"})
     with caplog.at_level(logging.WARNING):
-        log_prefetch_switches(SimpleNamespace(fuse_decode="auto", fuse_extend=False))
+        log_prefetch_switches(
+            SimpleNamespace(fuse_decode="auto", fuse_extend=False, from_environment=set_here)
+        )
     assert "RECALL_DECODE=auto accepted" in caplog.text and "runs it as 0" in caplog.text
 
 

@@ -19,7 +19,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_echo.config import ConfigError, decode_prefetch_mode, load_settings, settings
+from sglang_echo.config import (
+    ENV_FUSE_DECODE,
+    ConfigError,
+    decode_prefetch_mode,
+    load_settings,
+    settings,
+)
 from sglang_echo.sglang.args import (
     DEFAULT_TOP_K,
     SOURCE,
@@ -127,7 +133,8 @@ def log_prefetch_switches(config: Any) -> None:
             "predicted misses from sglang's indexer logits while its top-k runs "
             "(lossless: the exact top-k decides every row)."
         )
-    elif mode == "auto":
+    elif mode == "auto" and ENV_FUSE_DECODE in getattr(config, "from_environment", ()):
+        # Set, not the default: say that the plugin does not run it (unset, it is off quietly).
         logger.warning(
             "sglang-echo: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=auto accepted, but its rule "
             "needs two decode graphs per batch size, which sglang's graph runner does not "
