@@ -354,13 +354,18 @@ def test_a_call_where_every_lane_hits_ends_after_the_look_up(path: dict) -> None
     assert int(ws.hist.sum()) == 0 and int(ker.free_count[0]) == 16 - 12
 
 
-def test_lookback_resolve_waits_on_many_tiles() -> None:
+@pytest.mark.parametrize("ordered_tiles", [False, True], ids=["ticket", "program-ordered"])
+def test_lookback_resolve_waits_on_many_tiles(ordered_tiles: bool) -> None:
     """The look-back resolve with hundreds of lane tiles (16-lane blocks, a workspace of
     4,096 lanes: 256-wide waits, the width a batch of 48 waits at), duplicates across
-    tiles and evictions: the reference's state after every call. The launches recorded
-    here are also the sm_90 compile check's, at that width."""
+    tiles and evictions: the reference's state after every call, with tiles numbered by
+    ticket or by program id (the interpreter runs programs in order, as the launcher
+    requires of the second). The launches recorded here are also the sm_90 compile
+    check's, at that width."""
     ref, ker = _pair(64, 600, reserve=3)
-    ws = AllocWorkspace(ker, max_lanes=4096, lane_block=16, one_program_lanes=0)
+    ws = AllocWorkspace(
+        ker, max_lanes=4096, lane_block=16, one_program_lanes=0, ordered_tiles=ordered_tiles
+    )
     assert ws.lookback and ws.max_lane_programs_pow2 == 256
     rng = random.Random(11)
     first = torch.arange(1, 65, dtype=torch.int64, device=DEV)

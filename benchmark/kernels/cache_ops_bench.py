@@ -113,10 +113,13 @@ def _cache(
 # Launch shapes of the look-back resolve timed by --sweep (lanes per program, warps; the
 # slot tiles at the default): more programs hide more of the look-ups' random-access
 # latency but add tiles to every look-back; more warps per program more loads in flight.
+# Where the grid fits the SMs (batch 48: 96 or 48 programs) also with program-ordered tiles
+# (no ticket: one dependent round trip less).
 SWEEP_SHAPES = [
-    {"lane_block": lane, "slot_block": SLOT_BLOCK, "num_warps": warps}
+    {"lane_block": lane, "slot_block": SLOT_BLOCK, "num_warps": warps, "ordered_tiles": ordered}
     for lane in (256, 512, 1024, 2048)
     for warps in (4, 8, 16)
+    for ordered in ((False, True) if lane >= 1024 else (False,))
 ]
 STATE = ("host_to_device", "device_to_host", "priority", "free_stack", "free_count", "clock")
 
@@ -142,7 +145,7 @@ def shape_sweep(args, dev: torch.device, trace: torch.Tensor) -> list[dict]:
         rows.append({**shape, "exact": exact, **timing})
         us = f"{timing['us']:8.1f} us" if exact else "   (not exact: not timed)"
         print(f"shape lanes {shape['lane_block']:5d} slots {shape['slot_block']:5d} "
-              f"warps {shape['num_warps']}: {us}")  # fmt: skip
+              f"warps {shape['num_warps']:2d} ordered {shape['ordered_tiles']:d}: {us}")  # fmt: skip
     return rows
 
 

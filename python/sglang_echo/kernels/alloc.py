@@ -690,6 +690,7 @@ class AllocWorkspace:
         one_program_lanes: int | None = None,
         one_program_warps: int = ONE_PROGRAM_WARPS,
         lookback: bool = True,
+        ordered_tiles: bool = False,
     ) -> None:
         if one_program_lanes is None:  # read here, not at import: tests may set it
             one_program_lanes = ONE_PROGRAM_LANES
@@ -716,6 +717,12 @@ class AllocWorkspace:
         # Resolves past the one program take kernels/alloc_lookback.py's four launches
         # (False: the five-launch pipeline, which appends always take).
         self.lookback = lookback
+        # The look-back's first launch numbers its lane tiles by program id instead of a
+        # ticket (one dependent round trip less) where its grid fits the SMs at once, one
+        # program each: a waiting program then never holds the place of an earlier one
+        # that has not started (kernels/alloc_lookback.py). Off by default until measured
+        # better (cache_ops_bench --sweep); the interpreter runs programs in order.
+        self.ordered_tiles = ordered_tiles
         self.slot_programs = triton.cdiv(cache.num_slots + 2, slot_block)
         lane_programs = max(1, triton.cdiv(max_lanes, lane_block))
         # Width of the kernels' scan over per-block lane counts: fixed per workspace (not

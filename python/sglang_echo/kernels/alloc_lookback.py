@@ -36,6 +36,7 @@ slots would look evictable to the victim scan (an append may evict this step's s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -60,6 +61,7 @@ from sglang_echo.kernels.alloc import (
     _target,
 )
 from sglang_echo.kernels.cache_layout import CacheState
+from sglang_echo.kernels.device_info import sm_count
 from sglang_echo.kernels.pdl import pdl_prologue
 
 # A lane's reference in ``lane_ref``: its miss rank (>= 0, a first miss), NO_MISS (a hit or
@@ -106,12 +108,14 @@ def _lookup_rank_kernel(
     ids_ptr, lanes, lane_programs, out_ptr, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr,
     free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, hits_ptr, ticket_ptr,
     claimed_ptr, counts_ptr, call_counts_ptr, lane_ref_ptr,
-    LANES: tl.constexpr, MAXP: tl.constexpr, PDL: tl.constexpr, SEM: tl.constexpr,
+    LANES: tl.constexpr, MAXP: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
+    SEM: tl.constexpr,
 ):  # fmt: skip
     """Look up, stamp hits, claim misses; rank the first misses in lane order across the
-    launch (look-back); serve those the free stack covers."""
+    launch (look-back); serve those the free stack covers. ``ORDERED``: tiles by program
+    id (the launcher allows it only where the grid fits the SMs), else by ticket."""
     pdl_prologue(PDL)
-    tile = tl.atomic_add(ticket_ptr, 1, sem=SEM)
+    tile = tl.program_id(0) if ORDERED else tl.atomic_add(ticket_ptr, 1, sem=SEM)
     lane = tile * LANES + tl.arange(0, LANES)
     in_call = lane < lanes
     ids = tl.load(ids_ptr + lane, mask=in_call, other=-1).to(tl.int64)
@@ -288,6 +292,14 @@ def _map_misses_kernel(
 STAGES = ("lookup_rank", "evict_hist", "evict_victims", "map_misses")
 
 
+def _sm_count(device: torch.device) -> int:
+    """Programs that certainly run at once: one per SM on a GPU; the interpreter runs a
+    grid's programs one after another in order, which program-ordered tiles allow too."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return 1 << 30
+    return sm_count(device.index)
+
+
 def resolve_lookback(
     cache: CacheState,
     layer: int,
@@ -314,12 +326,13 @@ def resolve_lookback(
     flags = dict(PDL=ws.pdl, SEM=ws.atomic_sem, num_warps=ws.num_warps, launch_pdl=ws.pdl)
     lane_ticket, slot_ticket = ws.tickets[0:1], ws.tickets[1:2]
     claimed, counts = ws.tile_words[0], ws.tile_words[1]
+    ordered = ws.ordered_tiles and lane_programs <= _sm_count(ids.device)
     mark()
     _lookup_rank_kernel[(lane_programs,)](
         ids, lanes, lane_programs, out, h2d, d2h, prio, clock, ws.hist, free_count,
         c.free_stack[layer], ws.miss_ids, ws.miss_slots, c.hits[layer : layer + 1],
         lane_ticket, claimed, counts, ws.call_counts, ws.lane_ref,
-        LANES=ws.lane_block, MAXP=ws.max_lane_programs_pow2, **flags,
+        LANES=ws.lane_block, MAXP=ws.max_lane_programs_pow2, ORDERED=ordered, **flags,
     )  # fmt: skip
     mark()
     _evict_hist_kernel[(sp,)](
