@@ -721,6 +721,10 @@ EVIDENCE: tuple[Row, ...] = (
             "random keys (pessimistic, hit {metrics.details.random_keys_paper_all_hbm.echo_hit_rate_mean:f2}) "
             "{metrics.details.random_keys_paper_all_hbm.ratio:x}",
             "ECHO hit rate per layer {metrics.hit_rate_per_layer:f3-}",
+            "?ECHO's decode prefetch `{metrics.echo_decode_prefetch.mode}`: on in "
+            "{metrics.echo_decode_prefetch.steps_on_all.full.0:n} of {metrics.echo_decode_prefetch.steps_on_all.full.1:n} "
+            "decode steps at the paper's setting, {metrics.echo_decode_prefetch.steps_on_all.random.0:n} of "
+            "{metrics.echo_decode_prefetch.steps_on_all.random.1:n} on random keys",
             "batch {metrics.low_load_cost.per_batch:keys} cost {metrics.low_load_cost.per_batch:f3/} "
             "(mean {metrics.low_load_cost.mean:f3}, project target 0.015)",
             "?medians of steps alternated with no-offload's; ECHO with decode tokens host-only and the "

@@ -246,6 +246,7 @@ def test_e2e_study_smoke_writes_the_record(e2e_study, tmp_path: Path) -> None:
     ):  # fmt: skip
         assert m[key] is not None, key
     assert "hisparse_ratio_equal_hbm_380k" in m and m["locality_source"] == "synthetic-keys:0.9"
+    assert m["echo_decode_prefetch"]["mode"] == "auto"  # the study runs the product default
     assert len(m["hit_rate_per_layer"]) == rec["config"]["layers"]
     assert all(r["leak_free"] for r in rec["runs"])
     batches = {r["engine"]: r["batch"] for r in rec["runs"] if r["phase"] == "full"}
@@ -348,6 +349,10 @@ def test_e2e_study_smoke_decode_prefetch_ab(e2e_study, tmp_path: Path) -> None:
         assert phase["outputs_equal"] is True
     # The prefetching side kept its rule's counters: steps with the prefetch on, of all.
     assert all(len(phase["prefetch_steps_on_all"]) == 2 for phase in ab.values())
+    mode = rec["metrics"]["echo_decode_prefetch"]
+    assert mode["mode"] == "auto" and {"full", "random"} <= mode["steps_on_all"].keys()
+    for on, steps in mode["steps_on_all"].values():  # each phase's own decode steps
+        assert 0 <= on <= steps and steps > 0
 
 
 def test_decode_node_echo_equals_no_offload_under_eviction(worker) -> None:

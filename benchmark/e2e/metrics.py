@@ -63,6 +63,7 @@ def metrics(setup: StudyPlan, runs: list[dict], components: dict) -> dict:
         hit = [round(statistics.median(v), 4) for v in zip(*(r["hit_rate_per_layer"] for r in echo_runs), strict=True)]  # fmt: skip
     return {
         "decode_prefetch_auto": prefetch_auto(runs),
+        "echo_decode_prefetch": echo_decode_prefetch(runs),
         "ratio_paper_all_hbm": paper and paper["ratio"],
         "ratio_paper_200k": p200 and p200["ratio"],
         "ratio_paper_110k": p110 and p110["ratio"],
@@ -169,6 +170,35 @@ def repeats(setup: StudyPlan, runs: list[dict]) -> dict[str, list[float]]:
     return out
 
 
+def run_before(in_order: list[dict], phase_runs: list[dict]) -> dict:
+    """An engine's counters are cumulative over its life: a phase's share is its last
+    run's value less this run's, the engine's run just before the phase's first ({} if
+    none; ``in_order``: the engine's runs in run order)."""
+    first = next(i for i, r in enumerate(in_order) if r is phase_runs[0])
+    return in_order[first - 1] if first > 0 else {}
+
+
+def phase_share(in_order: list[dict], phase_runs: list[dict], key: str) -> int:
+    """A phase's share of the cumulative counter ``key`` (see run_before)."""
+    return (phase_runs[-1].get(key) or 0) - (run_before(in_order, phase_runs).get(key) or 0)
+
+
+def echo_decode_prefetch(runs: list[dict]) -> dict | None:
+    """The decode prefetch mode echo_paper ran (the product's default unless an A/B set
+    it) and, under ``auto``, in how many of each phase's decode steps its rule ran it:
+    [on, all]. None when echo_paper did not run."""
+    in_order = [r for r in runs if r.get("engine") == PREFETCH_ON]
+    if not in_order:
+        return None
+    steps = {}
+    for phase in dict.fromkeys(r["phase"] for r in in_order):
+        own = find_all(runs, PREFETCH_ON, phase)
+        if own[-1].get("prefetch_steps"):
+            before = run_before(in_order, own).get("prefetch_steps") or [0, 0]
+            steps[phase] = [a - b for a, b in zip(own[-1]["prefetch_steps"], before, strict=True)]
+    return {"mode": in_order[0]["echo_options"]["fuse_decode"], "steps_on_all": steps}
+
+
 def prefetch_auto(runs: list[dict]) -> dict | None:
     """ECHO with the decode prefetch under its rule (PREFETCH_ON, auto) against ECHO
     without it (PREFETCH_OFF), phase by phase (interleaved repeats): throughput ratio with
@@ -181,12 +211,8 @@ def prefetch_auto(runs: list[dict]) -> dict | None:
         if not autos or not offs:
             continue
         mid, lo, hi = ratio_range(autos, offs)
-        # The engine's counters are cumulative: this phase's share is the difference from
-        # its run just before the phase's first.
-        first = next(i for i, r in enumerate(in_order) if r is autos[0])
-        before = in_order[first - 1] if first > 0 else {}
-        staged = (autos[-1].get("prefetched_rows") or 0) - (before.get("prefetched_rows") or 0)
-        used = (autos[-1].get("prefetch_hits") or 0) - (before.get("prefetch_hits") or 0)
+        staged = phase_share(in_order, autos, "prefetched_rows")
+        used = phase_share(in_order, autos, "prefetch_hits")
         out[phase] = {
             "ratio": round(mid, 3),
             "ratio_min": round(lo, 3),
