@@ -409,6 +409,36 @@ def stages(d: dict, _r: Records) -> str:
 
 
 @derived
+def launch_shapes(d: dict, _r: Records) -> str:
+    """The look-back resolve's launch-shape sweep: fastest, slowest and the default shape,
+    with the ticket against program-ordered tiles at the default, all from one sweep."""
+    rows = [r for r in d["metrics"]["launch_shape_sweep"] if r["exact"]]
+
+    def name(r: dict) -> str:
+        order = ", program-ordered" if r.get("ordered_tiles") else ""
+        return f"{r['lane_block']} lanes x {r['num_warps']} warps{order}"
+
+    def at(lanes: int, warps: int, ordered: bool) -> dict | None:
+        hits = [
+            r for r in rows
+            if (r["lane_block"], r["num_warps"], bool(r.get("ordered_tiles"))) == (lanes, warps, ordered)
+        ]  # fmt: skip
+        return hits[0] if hits else None
+
+    fast, slow = min(rows, key=lambda r: r["us"]), max(rows, key=lambda r: r["us"])
+    default, ordered = at(1024, 8, False), at(1024, 8, True)
+    parts = [
+        f"{len(rows)} shapes, each checked against the reference first: fastest {name(fast)} "
+        f"{us(fast['us'])} us, slowest {name(slow)} {us(slow['us'])} us"
+    ]
+    if default:
+        parts.append(f"the default (1024 lanes x 8 warps, ticket) {us(default['us'])} us")
+    if ordered:
+        parts.append(f"with program-ordered tiles {us(ordered['us'])} us")
+    return "; ".join(parts)
+
+
+@derived
 def victim_policies(d: dict, _r: Records) -> str:
     t = d["metrics"]["trained"]
     names = {
@@ -905,9 +935,9 @@ EVIDENCE: tuple[Row, ...] = (
             " us with plain launches and ordered atomics, {metrics.launch_chaining.unchained_relaxed.batch_1_no_pressure_management_us:us}"
             " us relaxed, {metrics.launch_chaining.chained_relaxed.batch_1_no_pressure_management_us:us} us chained and relaxed (the "
             "default); the decode path {metrics.launch_chaining.chained_relaxed.batch_1_no_pressure_resolve_us:us} us ({metrics.launch_chaining.chained_relaxed.batch_1_no_pressure_decode_step_us:us} us with writes and recall, against {metrics.launch_chaining.unchained_acq_rel.batch_1_no_pressure_step_us:us} us before)",
-            "?fastest launch shape (cache_ops_bench.py --sweep): {metrics.best_launch_shape.lane_block} lanes / "
-            "{metrics.best_launch_shape.slot_block} slots per program, {metrics.best_launch_shape.num_warps} warps "
-            "({metrics.best_launch_shape.us:us} us)",
+            "?the look-back resolve's launch shapes (cache_ops_bench.py --sweep, one run): {@launch_shapes}",
+            "?requests selecting in pairs (every id twice: the look-back's two-wait path): "
+            "{metrics.us_per_layer_step_repeats:us} vs {metrics.us_per_layer_step_repeats_pipeline:us} us through the pipeline",
         ),
     ),
     Row(

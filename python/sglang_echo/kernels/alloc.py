@@ -33,9 +33,11 @@ CLAIM = -(2**31)  # host_to_device value CLAIM + lane: lane is the id's first mi
 EXACT_AGES = 224  # ages below this are exact buckets; older ones share log2 buckets
 NUM_BUCKETS = 256
 HIST_BINS = NUM_BUCKETS  # the age histogram: one bin per bucket (unevictable: masked out)
-# The default launch shape: the fastest of the 8 that cache_ops_bench --sweep timed on an
-# H200 (69 us per layer-step against 77-82 us for the others with 4 warps;
-# benchmark/results/cache_ops.json, launch_shape_sweep).
+# The default launch shape. For the five-launch pipeline it was the fastest of 8 shapes on
+# an H200; for the look-back resolve, cache_ops_bench --sweep timed 18 shapes at batch 48
+# (benchmark/results/cache_ops.json, launch_shape_sweep, 86a5112): 17.3-18.5 us for 512 or
+# 1024 lanes with 8 or 16 warps, this one included, within the ~1 us between two runs of
+# one shape; fewer lanes or warps per program were slower (up to 40.5 us at 256 x 4).
 LANE_BLOCK = 1024
 SLOT_BLOCK = 2048
 NUM_WARPS = 8
@@ -720,8 +722,9 @@ class AllocWorkspace:
         # The look-back's first launch numbers its lane tiles by program id instead of a
         # ticket (one dependent round trip less) where its grid fits the SMs at once, one
         # program each: a waiting program then never holds the place of an earlier one
-        # that has not started (kernels/alloc_lookback.py). Off by default until measured
-        # better (cache_ops_bench --sweep); the interpreter runs programs in order.
+        # that has not started (kernels/alloc_lookback.py). Off: on an H200 at batch 48 it
+        # saved less than the spread between two runs of one shape (17.5 against 18.5 us
+        # in cache_ops.json's sweep, the default timed at 17.5 in the same record's main run).
         self.ordered_tiles = ordered_tiles
         self.slot_programs = triton.cdiv(cache.num_slots + 2, slot_block)
         lane_programs = max(1, triton.cdiv(max_lanes, lane_block))
