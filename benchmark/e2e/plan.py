@@ -218,7 +218,7 @@ class StudyPlan:
         out = [
             Engine("noff_paper", "no-offload", pool=p.paper_pool, phases=list(full)),
             Engine(
-                "echo_paper",
+                PREFETCH_ON,
                 "echo",
                 dev_cache=p.paper_dev_cache,
                 host=p.host_pool,
@@ -229,6 +229,9 @@ class StudyPlan:
                     "echo_inline",
                     *([PREFETCH_OFF] if a.decode_prefetch else []),
                 ],
+                # The A/B's prefetching side: auto whatever the default (then the default).
+                fuse_decode="auto" if a.decode_prefetch else DEFAULT_DECODE_PREFETCH,
+                stage_rows=a.decode_stage_rows,
             ),
             Engine(
                 "noff_low",
@@ -250,10 +253,8 @@ class StudyPlan:
             ),
         ]
         if a.decode_prefetch:
-            # The decode prefetch's A/B: echo_paper (the default, auto) beside ECHO without
+            # The decode prefetch's A/B: echo_paper (auto, the default) beside ECHO without
             # it, phase by phase: the paper's setting and the random-keys run.
-            assert out[1].label == PREFETCH_ON
-            out[1] = replace(out[1], fuse_decode="auto", stage_rows=a.decode_stage_rows)
             out.append(
                 Engine(
                     PREFETCH_OFF,
