@@ -138,9 +138,9 @@ def test_a_decode_step_allocates_once_per_layer(checkpoints) -> None:
     calls: list[bool] = []
     allocate = kv.manager._allocate
 
-    def counting(layer: int, ids: torch.Tensor, append: bool):
+    def counting(layer: int, ids: torch.Tensor, append: bool, distinct: bool = False):
         calls.append(append)
-        return allocate(layer, ids, append)
+        return allocate(layer, ids, append, distinct)
 
     kv.manager._allocate = counting
     engine = Engine(model, kv, capacity, 2, max(map(len, prompts)) + new_tokens, 16)

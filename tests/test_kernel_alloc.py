@@ -354,6 +354,70 @@ def test_a_call_where_every_lane_hits_ends_after_the_look_up(path: dict) -> None
     assert int(ws.hist.sum()) == 0 and int(ker.free_count[0]) == 16 - 12
 
 
+@pytest.mark.parametrize("reserve", [0, 5], ids=["no-reserve", "reserve-5"])
+@pytest.mark.parametrize("distinct", [False, True], ids=["exchange", "distinct"])
+def test_one_block_resolves_match_the_reference(distinct: bool, reserve: int) -> None:
+    """Resolves that fit one block of the one-program kernel (a decode request): every
+    lane resident, misses straight from the free stack, repeated misses and steps that
+    evict (the general path from the claims made) all leave the reference's state, hit
+    counter included, whether the caller promises distinct ids (plain stamps) or not.
+    Calls of 17-40 lanes take the loop past the block (16-lane blocks: 32 lanes a step)."""
+    rng = random.Random(11)
+    num_slots, host_tokens = 40, 200
+    ref, ker = _pair(num_slots, host_tokens, reserve)
+    ws = AllocWorkspace(ker, max_lanes=num_slots, lane_block=16, one_program_lanes=1 << 20)
+    live = list(range(1, 31))
+    first = torch.tensor(live, dtype=torch.int64, device=DEV)
+    allocate_reference(ref, 0, first, True)
+    allocate_kernel(ker, 0, first, True, ws)
+    cases = {"resident": 0, "from free slots": 0, "evicting": 0, "repeated misses": 0}
+    next_id = 31
+    for step in range(40):
+        n = rng.randint(1, 40)
+        fresh = rng.randint(0, min(n, 12)) if step % 4 else 0
+        ids = rng.sample(live, n - fresh) + list(range(next_id, next_id + fresh))
+        live += list(range(next_id, next_id + fresh))
+        next_id += fresh
+        if not distinct and fresh and rng.random() < 0.5:
+            ids.append(next_id - 1)  # a repeated miss (a promise of distinct ids breaks)
+            cases["repeated misses"] += 1
+        rng.shuffle(ids)
+        ids = [i if rng.random() > 0.1 else -1 for i in ids]  # padding lanes repeat -1
+        t = torch.tensor(ids, dtype=torch.int64, device=DEV)
+        free, evicted = int(ker.free_count[0]), int(ker.evictions[0])
+        a = allocate_reference(ref, 0, t, False)
+        b = allocate_kernel(ker, 0, t, False, ws, distinct=distinct)
+        what = f"step {step} {ids}"
+        assert torch.equal(a.slots, b.slots), what
+        assert _served(a) == _served(b), what
+        _assert_same(ref, ker, what)
+        misses = int(b.miss_count)
+        if int(ker.evictions[0]) > evicted:
+            cases["evicting"] += 1
+        elif misses:
+            cases["from free slots"] += misses <= free
+        else:
+            cases["resident"] += 1
+    assert all(cases[k] for k in ("resident", "from free slots", "evicting")), cases
+
+
+def test_a_wrong_promise_of_distinct_ids_only_over_counts_hits() -> None:
+    """A caller that promises distinct ids and repeats some (hits and misses) gets the
+    reference's maps, stamps and miss counts: only the hit counter counts the repeats."""
+    ref, ker = _pair(16, 100)
+    ws = AllocWorkspace(ker, max_lanes=16, one_program_lanes=1 << 20)
+    first = torch.arange(1, 9, dtype=torch.int64, device=DEV)
+    allocate_reference(ref, 0, first, True)
+    allocate_kernel(ker, 0, first, True, ws)
+    repeats = torch.tensor([3, 3, 20, 5, 20, 21, -1, 3], dtype=torch.int64, device=DEV)
+    a = allocate_reference(ref, 0, repeats, False)
+    b = allocate_kernel(ker, 0, repeats, False, ws, distinct=True)
+    assert torch.equal(a.slots, b.slots) and _served(a) == _served(b)
+    assert int(ref.hits[0]) == 2 and int(ker.hits[0]) == 4  # slots 3, 5; lanes 3, 3, 5, 3
+    ker.hits.copy_(ref.hits)
+    _assert_same(ref, ker, "wrong promise")
+
+
 @pytest.mark.parametrize("ordered_tiles", [False, True], ids=["ticket", "program-ordered"])
 def test_lookback_resolve_waits_on_many_tiles(ordered_tiles: bool) -> None:
     """The look-back resolve with hundreds of lane tiles (16-lane blocks, a workspace of

@@ -275,6 +275,25 @@ def test_lossless_with_decode_prefetch_kernels(models, monkeypatch):
     assert report["prefetched"] > 0 and report["prefetch_hits"] > 0
 
 
+def test_lossless_with_cache_kernels_at_batch_one(models):
+    """A lone request's decode resolves carry one query, which allocate_kernel takes as
+    distinct ids (plain stamps, misses straight from the free stack when no eviction is
+    due): the cache kernels (interpreted) on that path, under eviction, stay lossless."""
+    w = Workload(
+        config="default-rope",
+        dtype=torch.float32,
+        batch_size=1,
+        chunk=12,
+        prompts=[
+            [(13 * j + 5) % 250 + 3 for j in range(70)],
+            [(3 * j) % 250 + 3 for j in range(41)],
+        ],
+        new_tokens=6,
+    )
+    report = run_pair(models(w.config, w.dtype), w, use_kernels=True)
+    assert report["resolve_evictions"] > 0, "no resolve evicted: the test lost its pressure"
+
+
 @pytest.mark.parametrize("alloc_path", ["one-program", "multi-launch"])
 def test_lossless_with_prefill_prefetch_kernels(models, alloc_path, monkeypatch):
     """Prefill prefetch's GPU code path on the CPU: the histogram kernels and the cache

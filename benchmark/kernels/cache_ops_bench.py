@@ -185,9 +185,9 @@ def measure(
         sel, locs = sels[i], new_locs[i]
         if part == "management":
             m._allocate(0, locs, append=True)
-            m._allocate(0, sel.reshape(-1), append=False)
+            m._allocate_selection(0, sel)
         elif part == "resolve":
-            m._allocate(0, sel.reshape(-1), append=False)
+            m._allocate_selection(0, sel)
         else:
             cache.write(0, locs, new_rows, keys, decode=part == "decode_step")
             cache.resolve(0, sel)
@@ -383,12 +383,12 @@ def profile(args, dev: torch.device, trace: torch.Tensor) -> None:
         sels = [torch.empty_like(trace[0]) for _ in range(args.group)]
         for t in range(args.warmup_steps):
             sels[0].copy_(trace[t])
-            m._allocate(0, sels[0].reshape(-1), append=False)
+            m._allocate_selection(0, sels[0])
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for sel in sels:
-                m._allocate(0, sel.reshape(-1), append=False)
+                m._allocate_selection(0, sel)
         for first in (args.warmup_steps, args.warmup_steps + args.group):  # the 2nd profiled
             for i, sel in enumerate(sels):
                 sel.copy_(trace[first + i])

@@ -538,52 +538,136 @@ def _one_program_kernel(
     free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, miss_count_ptr,
     extras_ptr, hits_ptr, misses_ptr, evictions_ptr, recalled_ptr, num_slots,
     scratch_slot, reserve,
-    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr,
-    SEM: tl.constexpr,
+    APPEND: tl.constexpr, DISTINCT: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr,
+    PDL: tl.constexpr, SEM: tl.constexpr,
 ):  # fmt: skip
     """The five kernels' work in one program (grid 1), phase after phase with a block
     barrier in between: for small batches, where five dependent launches cost more than
     the work. The slot scans run only in a step that evicts (with the reserve, one step
-    in many); the others read the lanes and the free stack only."""
+    in many); the others read the lanes and the free stack only. A resolve of one block
+    of lanes takes _one_block_resolve first (``DISTINCT``: see allocate_kernel)."""
     pdl_prologue(PDL)
     stamp = _stamp(clock_ptr, APPEND)
     free = tl.load(free_count_ptr).to(tl.int64)
     n_slots = num_slots + 2
-    # Look-up: hits stamp their slot and get it as their answer, misses claim their id
-    # (the lowest lane wins). A call without misses (every selection resident) ends here.
-    missed = tl.zeros([], dtype=tl.int32)
-    start = 0
-    while start < lanes:
-        lane = start + tl.arange(0, LANES)
-        ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
-        valid = ids >= 0
-        looked_up = tl.load(h2d_ptr + ids, mask=valid, other=_ABSENT)
-        hit = valid & (looked_up >= 0) & (looked_up != _ABSENT)
-        answer = tl.where(hit, looked_up.to(tl.int64), scratch_slot)
-        tl.store(out_ptr + lane, tl.where(valid, answer, -1), mask=lane < lanes)
-        stamps = tl.zeros([LANES], dtype=tl.int64) + stamp
-        if APPEND:
-            tl.store(prio_ptr + looked_up, stamps, mask=hit)
-        else:
-            before = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit, sem=SEM)
-            fresh = tl.sum((hit & (before != stamp)).to(tl.int64), 0)
-            tl.atomic_add(hits_ptr, fresh, sem=SEM)
-        miss = valid & ~hit
-        tl.atomic_min(h2d_ptr + ids, (lane + _CLAIM).to(tl.int32), mask=miss, sem=SEM)
-        missed += tl.sum(miss.to(tl.int32), 0)
-        start += LANES
-    if missed > 0:
-        _one_program_misses(
+    one_block = lanes <= LANES
+    if APPEND:
+        one_block = lanes < 0  # appends keep the loop below
+    if one_block:
+        _one_block_resolve(
             ids_ptr, lanes, out_ptr, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr,
             free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, miss_count_ptr,
-            extras_ptr, misses_ptr, evictions_ptr, recalled_ptr, num_slots, scratch_slot,
-            reserve, stamp, free, n_slots, APPEND=APPEND, LANES=LANES, SLOTS=SLOTS, SEM=SEM,
+            extras_ptr, hits_ptr, misses_ptr, evictions_ptr, recalled_ptr, num_slots,
+            scratch_slot, reserve, stamp, free, n_slots,
+            DISTINCT=DISTINCT, LANES=LANES, SLOTS=SLOTS, SEM=SEM,
         )  # fmt: skip
     else:
-        tl.store(miss_count_ptr, 0)
-        tl.store(hist_ptr + tl.arange(0, _BUCKETS), tl.zeros([_BUCKETS], dtype=tl.int32))
+        # Look-up: hits stamp their slot and get it as their answer, misses claim their id
+        # (the lowest lane wins). A call without misses (every selection resident) ends here.
+        missed = tl.zeros([], dtype=tl.int32)
+        start = 0
+        while start < lanes:
+            lane = start + tl.arange(0, LANES)
+            ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
+            valid = ids >= 0
+            looked_up = tl.load(h2d_ptr + ids, mask=valid, other=_ABSENT)
+            hit = valid & (looked_up >= 0) & (looked_up != _ABSENT)
+            answer = tl.where(hit, looked_up.to(tl.int64), scratch_slot)
+            tl.store(out_ptr + lane, tl.where(valid, answer, -1), mask=lane < lanes)
+            stamps = tl.zeros([LANES], dtype=tl.int64) + stamp
+            if APPEND:
+                tl.store(prio_ptr + looked_up, stamps, mask=hit)
+            else:
+                before = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit, sem=SEM)
+                fresh = tl.sum((hit & (before != stamp)).to(tl.int64), 0)
+                tl.atomic_add(hits_ptr, fresh, sem=SEM)
+            miss = valid & ~hit
+            tl.atomic_min(h2d_ptr + ids, (lane + _CLAIM).to(tl.int32), mask=miss, sem=SEM)
+            missed += tl.sum(miss.to(tl.int32), 0)
+            start += LANES
+        if missed > 0:
+            _one_program_misses(
+                ids_ptr, lanes, out_ptr, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr,
+                free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, miss_count_ptr,
+                extras_ptr, misses_ptr, evictions_ptr, recalled_ptr, num_slots, scratch_slot,
+                reserve, stamp, free, n_slots, APPEND=APPEND, LANES=LANES, SLOTS=SLOTS,
+                SEM=SEM,
+            )  # fmt: skip
+        else:
+            tl.store(miss_count_ptr, 0)
+            tl.store(hist_ptr + tl.arange(0, _BUCKETS), tl.zeros([_BUCKETS], dtype=tl.int32))
     if not APPEND:
         tl.store(clock_ptr, stamp)
+
+
+@triton.jit
+def _one_block_resolve(
+    ids_ptr, lanes, out_ptr, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr,
+    free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, miss_count_ptr,
+    extras_ptr, hits_ptr, misses_ptr, evictions_ptr, recalled_ptr, num_slots, scratch_slot,
+    reserve, stamp, free, n_slots,
+    DISTINCT: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, SEM: tl.constexpr,
+):  # fmt: skip
+    """A resolve whose lanes fit one block (a decode request at top-k 2048), in as few
+    dependent round trips as its case allows: a decode step at low load finds every
+    selection resident, and its cost is then the look-up's chain alone.
+
+    - Every lane a hit: look up, stamp, answer. ``DISTINCT`` stamps with plain stores and
+      counts hit lanes; otherwise an exchange tells a slot's first stamp of the step from
+      a repeat's (one round trip more: its value must come back before the count).
+    - Misses, no id among them twice, all of them within the free slots: the claims'
+      returned values show no repeat, so each miss's rank is its position among the miss
+      lanes and its slot comes from the free stack at once (the general path's rank pass
+      re-reads every id and map entry first).
+    - Anything else (repeated misses, or a step that evicts): the general path, from the
+      claims just made. The claims never depend on ``DISTINCT``: a caller's wrong promise
+      could over-count hits, never corrupt the maps."""
+    lane = tl.arange(0, LANES)
+    in_call = lane < lanes
+    ids = tl.load(ids_ptr + lane, mask=in_call, other=-1).to(tl.int64)
+    valid = ids >= 0
+    looked_up = tl.load(h2d_ptr + ids, mask=valid, other=_ABSENT)
+    hit = valid & (looked_up >= 0) & (looked_up != _ABSENT)
+    miss = valid & ~hit
+    tl.store(out_ptr + lane, tl.where(hit, looked_up.to(tl.int64), -1), mask=in_call & ~miss)
+    stamps = tl.zeros([LANES], dtype=tl.int64) + stamp
+    if DISTINCT:
+        tl.store(prio_ptr + looked_up, stamps, mask=hit)
+        fresh = tl.sum(hit.to(tl.int64), 0)
+    else:
+        before = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit, sem=SEM)
+        fresh = tl.sum((hit & (before != stamp)).to(tl.int64), 0)
+    tl.atomic_add(hits_ptr, fresh, sem=SEM)
+    n_miss = tl.sum(miss.to(tl.int64), 0)
+    if n_miss == 0:
+        tl.store(miss_count_ptr, 0)
+        tl.store(hist_ptr + tl.arange(0, _BUCKETS), tl.zeros([_BUCKETS], dtype=tl.int32))
+    else:
+        claim = (lane + _CLAIM).to(tl.int32)
+        held = tl.atomic_min(h2d_ptr + ids, claim, mask=miss, sem=SEM)
+        repeats = tl.sum((miss & (held < 0)).to(tl.int32), 0)
+        if (repeats > 0) | (n_miss > free):
+            _one_program_misses(
+                ids_ptr, lanes, out_ptr, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr,
+                free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, miss_count_ptr,
+                extras_ptr, misses_ptr, evictions_ptr, recalled_ptr, num_slots, scratch_slot,
+                reserve, stamp, free, n_slots, APPEND=False, LANES=LANES, SLOTS=SLOTS,
+                SEM=SEM,
+            )  # fmt: skip
+        else:
+            rank = tl.cumsum(miss.to(tl.int64), 0) - 1
+            slot = tl.load(free_stack_ptr + (free - 1 - rank), mask=miss, other=0).to(tl.int64)
+            tl.store(h2d_ptr + ids, slot.to(tl.int32), mask=miss)
+            tl.store(d2h_ptr + slot, ids.to(tl.int32), mask=miss)
+            tl.store(prio_ptr + slot, stamps, mask=miss)
+            tl.store(miss_ids_ptr + rank, ids, mask=miss)
+            tl.store(miss_slots_ptr + rank, slot, mask=miss)
+            tl.store(out_ptr + lane, slot, mask=miss)
+            tl.store(miss_count_ptr, n_miss)
+            tl.store(free_count_ptr, (free - n_miss).to(tl.int32))
+            tl.store(hist_ptr + tl.arange(0, _BUCKETS), tl.zeros([_BUCKETS], dtype=tl.int32))
+            tl.atomic_add(misses_ptr, n_miss, sem=SEM)
+            tl.atomic_add(recalled_ptr, n_miss, sem=SEM)
 
 
 @triton.jit
@@ -764,10 +848,18 @@ def allocate_kernel(
     append: bool,
     ws: AllocWorkspace,
     stage_events: list | None = None,
+    distinct: bool = False,
 ) -> Allocation:
     """The kernels' version of :func:`allocate_reference`: one launch for a call of at
     most ``ws.one_program_lanes`` lanes, else four for a resolve (kernels/alloc_lookback.py,
     unless ``ws.lookback`` is off) and five for an append; no host sync.
+
+    ``distinct``: the caller promises no id occurs twice among ``ids`` (one query's top-k:
+    its positions are distinct, and so are their host ids). A resolve of one program's
+    block then stamps its hits with plain stores, one dependent round trip less than the
+    exchange that tells a repeated hit from a first one. The promise feeds the hit counter
+    only: a wrong one over-counts hits and changes nothing else (the misses' claims still
+    find repeats).
 
     ``stage_events`` (benchmarks only): a list that gets one recorded CUDA event before the
     first launch and one after each launch (STAGES, or alloc_lookback.STAGES for a
@@ -813,7 +905,7 @@ def allocate_kernel(
             c.misses[layer : layer + 1], evictions, c.recalled_rows[layer : layer + 1],
             # Loop steps of twice the pipeline's lane block, up to a batch of one per step
             # (a workspace with small blocks, as the tests make, loops more).
-            c.num_slots, c.scratch_slot, ws.reserve, APPEND=append,
+            c.num_slots, c.scratch_slot, ws.reserve, APPEND=append, DISTINCT=distinct and not append,
             LANES=min(ws.lane_block * 2, ONE_PROGRAM_BLOCK), SLOTS=ws.slot_block, PDL=ws.pdl,
             SEM=ws.atomic_sem,
             num_warps=ws.one_program_warps, launch_pdl=ws.pdl,

@@ -151,7 +151,9 @@ class EchoManager:
             )
 
     # ------------------------------------------------------------------ allocation
-    def _allocate(self, layer: int, ids: torch.Tensor, append: bool) -> Allocation:
+    def _allocate(
+        self, layer: int, ids: torch.Tensor, append: bool, distinct: bool = False
+    ) -> Allocation:
         """Look up, protect, evict, allocate and map (kernels/alloc.py): the Triton kernels
         on CUDA, their torch reference elsewhere; both leave bit-identical state."""
         if not self.use_kernels:
@@ -160,7 +162,16 @@ class EchoManager:
             self._workspace = AllocWorkspace(
                 self.cache, max_lanes=self.cache.num_slots, pdl=self.pdl
             )
-        return allocate_kernel(self.cache, layer, ids, append, self._workspace)
+        return allocate_kernel(self.cache, layer, ids, append, self._workspace, distinct=distinct)
+
+    def _allocate_selection(self, layer: int, locs: torch.Tensor) -> Allocation:
+        """A resolve's allocation of selections [Q, K]. One query's selections are
+        distinct ids (a top-k's positions are distinct, and so are their host ids), which
+        spares the one-program look-up a round trip (allocate_kernel's ``distinct``)."""
+        one_query = locs.dim() == 2 and locs.shape[0] == 1
+        return self._allocate(
+            layer, locs.reshape(-1).to(torch.int64), append=False, distinct=one_query
+        )
 
     # -------------------------------------------------------------------- append
     def append(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
@@ -197,7 +208,7 @@ class EchoManager:
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if pending is not None and pending.allocated is not None:
             stream.wait_event(pending.allocated)  # the maps as the prefetch left them
-        alloc = self._allocate(layer, locs.reshape(-1).to(torch.int64), append=False)
+        alloc = self._allocate_selection(layer, locs)
         if pending is not None and pending.copied is not None:
             # Before our copies: a slot the prefetch is still filling may have just been
             # handed to one of our misses (an unselected prefetch is evictable).
