@@ -308,6 +308,15 @@ def chaining_study(args, dev: torch.device) -> dict:
 # alone, on an empty cache (nothing evicted: the low-load case), on a full one (steady
 # state: an eviction every few steps) and with every selection resident (look-ups only).
 ONE_PROGRAM_BATCHES = (1, 2, 4, 8)
+# The paths compared: the launches past the one program, the one program (its default
+# loop step: a batch of one), and the one program stepping over a batch of two at once
+# (a resident batch of two then looks up in one round of dependent loads, not two; more
+# registers per thread).
+ONE_PROGRAM_VARIANTS = {
+    "pipeline": {"one_program_lanes": 0},
+    "one_program": {"one_program_lanes": 1 << 30},
+    "one_program_4096": {"one_program_lanes": 1 << 30, "one_program_block": 4096},
+}
 
 
 def one_program_study(args, dev: torch.device) -> dict:
@@ -321,8 +330,7 @@ def one_program_study(args, dev: torch.device) -> dict:
         resident = argparse.Namespace(**{**vars(a), "reuse": 1.0})
         resident_tr = make_trace(a.steps, batch, a.topk, a.context, 1.0).to(dev)
         row: dict = {"lanes": batch * a.topk}
-        for name, lanes in (("pipeline", 0), ("one_program", 1 << 30)):
-            shape = {"one_program_lanes": lanes}
+        for name, shape in ONE_PROGRAM_VARIANTS.items():
             row[f"{name}_exact"] = shape_is_exact(a, dev, tr, shape, steps=4)
             for fill in (False, True):
                 key = f"{name}_{'full' if fill else 'no_pressure'}"

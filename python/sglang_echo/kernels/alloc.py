@@ -51,6 +51,7 @@ NUM_WARPS = 8
 ONE_PROGRAM_LANES = 4096
 ONE_PROGRAM_WARPS = 16
 ONE_PROGRAM_BLOCK = 2048  # lanes per step of its loops: a batch of one in one step
+# (cache_ops.json's one_program_study times 4,096 too: a batch of two in one step)
 
 
 # --------------------------------------------------------------------------- reference
@@ -775,12 +776,18 @@ class AllocWorkspace:
         atomic_sem: str = ATOMIC_SEM,
         one_program_lanes: int | None = None,
         one_program_warps: int = ONE_PROGRAM_WARPS,
+        one_program_block: int | None = None,
         lookback: bool = True,
         ordered_tiles: bool = False,
     ) -> None:
         if one_program_lanes is None:  # read here, not at import: tests may set it
             one_program_lanes = ONE_PROGRAM_LANES
-        for name, value in (("lane_block", lane_block), ("slot_block", slot_block)):
+        if one_program_block is None:
+            # Twice the pipeline's lane block, up to a batch of one per loop step (a
+            # workspace with small blocks, as the tests make, loops more).
+            one_program_block = min(lane_block * 2, ONE_PROGRAM_BLOCK)
+        blocks = (("lane_block", lane_block), ("slot_block", slot_block))
+        for name, value in (*blocks, ("one_program_block", one_program_block)):
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         for name, value in (("num_warps", num_warps), ("one_program_warps", one_program_warps)):
@@ -800,6 +807,9 @@ class AllocWorkspace:
         # Calls of at most this many lanes take the one-program path (0: never).
         self.one_program_lanes = one_program_lanes
         self.one_program_warps = one_program_warps
+        # Lanes per step of the one program's loops (a resolve of at most this many takes
+        # its one-block path).
+        self.one_program_block = one_program_block
         # Resolves past the one program take kernels/alloc_lookback.py's four launches
         # (False: the five-launch pipeline, which appends always take).
         self.lookback = lookback
@@ -903,10 +913,8 @@ def allocate_kernel(
             ids, lanes, out, h2d, d2h, prio, clock, ws.hist, free_count, c.free_stack[layer],
             ws.miss_ids, ws.miss_slots, ws.miss_count, ws.extras, c.hits[layer : layer + 1],
             c.misses[layer : layer + 1], evictions, c.recalled_rows[layer : layer + 1],
-            # Loop steps of twice the pipeline's lane block, up to a batch of one per step
-            # (a workspace with small blocks, as the tests make, loops more).
             c.num_slots, c.scratch_slot, ws.reserve, APPEND=append, DISTINCT=distinct and not append,
-            LANES=min(ws.lane_block * 2, ONE_PROGRAM_BLOCK), SLOTS=ws.slot_block, PDL=ws.pdl,
+            LANES=ws.one_program_block, SLOTS=ws.slot_block, PDL=ws.pdl,
             SEM=ws.atomic_sem,
             num_warps=ws.one_program_warps, launch_pdl=ws.pdl,
         )  # fmt: skip
