@@ -403,19 +403,23 @@ def test_one_block_resolves_match_the_reference(distinct: bool, reserve: int) ->
     assert all(cases[k] for k in ("resident", "from free slots", "evicting")), cases
 
 
-def test_a_wrong_promise_of_distinct_ids_only_over_counts_hits() -> None:
+@pytest.mark.parametrize("copies", [1, 3], ids=["one-block", "loop"])
+def test_a_wrong_promise_of_distinct_ids_only_over_counts_hits(copies: int) -> None:
     """A caller that promises distinct ids and repeats some (hits and misses) gets the
-    reference's maps, stamps and miss counts: only the hit counter counts the repeats."""
+    reference's maps, stamps and miss counts: only the hit counter counts the repeats.
+    Three copies of the lanes (24) pass a 16-lane block: the loop."""
     ref, ker = _pair(16, 100)
-    ws = AllocWorkspace(ker, max_lanes=16, one_program_lanes=1 << 20)
+    ws = AllocWorkspace(ker, max_lanes=32, one_program_block=16, one_program_lanes=1 << 20)
     first = torch.arange(1, 9, dtype=torch.int64, device=DEV)
     allocate_reference(ref, 0, first, True)
     allocate_kernel(ker, 0, first, True, ws)
-    repeats = torch.tensor([3, 3, 20, 5, 20, 21, -1, 3], dtype=torch.int64, device=DEV)
+    lanes = [3, 3, 20, 5, 20, 21, -1, 3] * copies
+    repeats = torch.tensor(lanes, dtype=torch.int64, device=DEV)
     a = allocate_reference(ref, 0, repeats, False)
     b = allocate_kernel(ker, 0, repeats, False, ws, distinct=True)
     assert torch.equal(a.slots, b.slots) and _served(a) == _served(b)
-    assert int(ref.hits[0]) == 2 and int(ker.hits[0]) == 4  # slots 3, 5; lanes 3, 3, 5, 3
+    hit_lanes = sum(i in (3, 5) for i in lanes)
+    assert int(ref.hits[0]) == 2 and int(ker.hits[0]) == hit_lanes  # slots 3 and 5
     ker.hits.copy_(ref.hits)
     _assert_same(ref, ker, "wrong promise")
 

@@ -158,6 +158,7 @@ def measure(
     shape: dict | None = None,
     fill: bool = True,
     group: int | None = None,
+    distinct: bool = True,
 ) -> dict:
     """Median time per layer-step of ``part``, graph-replayed, and the trace's hit rate:
     "management", the two allocations only (append, resolve); "step", append + resolve
@@ -169,7 +170,9 @@ def measure(
     num_warps, pdl, atomic_sem) instead of the default. ``fill=False``: the cache starts
     empty, so below its capacity nothing is evicted (the no-pressure path). ``group``:
     layer-steps per graph replay (default ``--group``; 1 is the records' old definition,
-    which counts a graph launch per layer-step)."""
+    which counts a graph launch per layer-step). ``distinct``: the resolve is told no id
+    repeats, as the runtime's decode tells it (model/attention.py: requests share no
+    location); off for a trace whose requests select the same ids."""
     cache = _cache(args, dev, _host_tokens(args), use_kernels, shape)
     if fill:
         _fill(cache, args, dev)
@@ -185,12 +188,12 @@ def measure(
         sel, locs = sels[i], new_locs[i]
         if part == "management":
             m._allocate(0, locs, append=True)
-            m._allocate_selection(0, sel)
+            m._allocate_selection(0, sel, distinct)
         elif part == "resolve":
-            m._allocate_selection(0, sel)
+            m._allocate_selection(0, sel, distinct)
         else:
             cache.write(0, locs, new_rows, keys, decode=part == "decode_step")
-            cache.resolve(0, sel)
+            cache.resolve(0, sel, distinct)
 
     def load(i: int, t: int) -> None:
         nonlocal next_loc
@@ -546,9 +549,11 @@ def main() -> None:
         "kernels_step": measure(args, dev, trace, on_gpu, "step"),
         # Requests in pairs selecting the same ids (a shared prefix, at its worst: every id
         # of a step twice): from the first repeat on, the look-back tiles wait twice.
-        "kernels_decode_management_repeats": measure(args, dev, paired, on_gpu, "resolve"),
+        "kernels_decode_management_repeats": measure(
+            args, dev, paired, on_gpu, "resolve", distinct=False
+        ),
         "kernels_decode_management_repeats_pipeline": measure(
-            args, dev, paired, on_gpu, "resolve", {"lookback": False}
+            args, dev, paired, on_gpu, "resolve", {"lookback": False}, distinct=False
         ),
         "torch_management": measure(args, dev, trace, False, "resolve"),
         "torch_step": measure(args, dev, trace, False, "decode_step"),

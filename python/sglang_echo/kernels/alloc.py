@@ -546,7 +546,8 @@ def _one_program_kernel(
     barrier in between: for small batches, where five dependent launches cost more than
     the work. The slot scans run only in a step that evicts (with the reserve, one step
     in many); the others read the lanes and the free stack only. A resolve of one block
-    of lanes takes _one_block_resolve first (``DISTINCT``: see allocate_kernel)."""
+    of lanes takes _one_block_resolve first. ``DISTINCT`` (allocate_kernel's promise):
+    hits are stamped with plain stores in either case."""
     pdl_prologue(PDL)
     stamp = _stamp(clock_ptr, APPEND)
     free = tl.load(free_count_ptr).to(tl.int64)
@@ -578,6 +579,9 @@ def _one_program_kernel(
             stamps = tl.zeros([LANES], dtype=tl.int64) + stamp
             if APPEND:
                 tl.store(prio_ptr + looked_up, stamps, mask=hit)
+            elif DISTINCT:  # as in _one_block_resolve: no exchange to wait for
+                tl.store(prio_ptr + looked_up, stamps, mask=hit)
+                tl.atomic_add(hits_ptr, tl.sum(hit.to(tl.int64), 0), sem=SEM)
             else:
                 before = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit, sem=SEM)
                 fresh = tl.sum((hit & (before != stamp)).to(tl.int64), 0)
@@ -865,11 +869,12 @@ def allocate_kernel(
     unless ``ws.lookback`` is off) and five for an append; no host sync.
 
     ``distinct``: the caller promises no id occurs twice among ``ids`` (one query's top-k:
-    its positions are distinct, and so are their host ids). A resolve of one program's
-    block then stamps its hits with plain stores, one dependent round trip less than the
-    exchange that tells a repeated hit from a first one. The promise feeds the hit counter
-    only: a wrong one over-counts hits and changes nothing else (the misses' claims still
-    find repeats).
+    its positions are distinct, and so are their host ids; a decode step of requests that
+    share no location). A resolve in the one program then stamps its hits with plain
+    stores, one dependent round trip less (per loop step) than the exchange that tells a
+    repeated hit from a first one; the look-back launches ignore it. The promise feeds the
+    hit counter only: a wrong one over-counts hits and changes nothing else (the misses'
+    claims still find repeats).
 
     ``stage_events`` (benchmarks only): a list that gets one recorded CUDA event before the
     first launch and one after each launch (STAGES, or alloc_lookback.STAGES for a

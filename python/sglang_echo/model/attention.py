@@ -115,6 +115,10 @@ def _resolve_distinct(
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device
+# A decode step's selections [B, K] hold no location twice: a row per request, a top-k's
+# positions are distinct, and requests never share a location (runtime/token_table.py hands
+# each out to one request; there is no prefix cache). KVCache.resolve's ``distinct``.
+DECODE_SELECTIONS_DISTINCT = True
 
 
 class ResolvedBeside:
@@ -149,7 +153,7 @@ def resolve_beside(
         torch.cuda.current_stream(selected.device)
     )  # fork: the selection and the step's writes first
     with torch.cuda.stream(side):
-        buffer, rows = kv_cache.resolve(layer_id, selected)
+        buffer, rows = kv_cache.resolve(layer_id, selected, distinct=DECODE_SELECTIONS_DISTINCT)
     return ResolvedBeside(buffer, rows, side)
 
 
@@ -256,7 +260,9 @@ class MLAttention(nn.Module):
             if resolved is not None:
                 buffer, rows = resolved.join()
             else:
-                buffer, rows = kv_cache.resolve(layer_id, selected)
+                buffer, rows = kv_cache.resolve(
+                    layer_id, selected, distinct=DECODE_SELECTIONS_DISTINCT
+                )
             if kernel:  # rows are -1 where selected is (KVCache.resolve)
                 return self._kernel(q_full, buffer, rows, splits=DECODE_SPLITS)
             kv = decode_kv_rows(buffer[rows.clamp(min=0)], self.kv_lora_rank, q_full.dtype)

@@ -45,10 +45,15 @@ class KVCache(Protocol):
     def index_keys(self, layer: int) -> torch.Tensor:
         """Indexer keys of every token location: [capacity + 1, index_dim], on the device."""
 
-    def resolve(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def resolve(
+        self, layer: int, locs: torch.Tensor, distinct: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Selected locations [Q, K] (-1 = none) -> (kv buffer [S, kv_row_dim], rows [Q, K]).
 
-        ``rows`` index the buffer; entries where ``locs`` is -1 are -1 too.
+        ``rows`` index the buffer; entries where ``locs`` is -1 are -1 too. ``distinct``:
+        the caller promises no location occurs twice in ``locs`` (a decode step: a query
+        per request, and requests never share a location here); a backend may save work
+        on it, and must stay correct if the promise is wrong.
         """
 
     def max_resolve_queries(self, topk: int) -> int:
@@ -130,7 +135,9 @@ class PlainKVCache:
     def index_keys(self, layer: int) -> torch.Tensor:
         return self.index[layer]
 
-    def resolve(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def resolve(
+        self, layer: int, locs: torch.Tensor, distinct: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[layer], locs
 
     def max_resolve_queries(self, topk: int) -> int:

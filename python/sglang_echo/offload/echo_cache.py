@@ -151,8 +151,10 @@ class EchoKVCache:
     def index_keys(self, layer: int) -> torch.Tensor:
         return self.index[layer]
 
-    def resolve(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache.rows[layer], self.manager.resolve(layer, locs)
+    def resolve(
+        self, layer: int, locs: torch.Tensor, distinct: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.rows[layer], self.manager.resolve(layer, locs, distinct)
 
     def max_resolve_queries(self, topk: int) -> int:
         return max(1, self.cache.num_slots // topk)

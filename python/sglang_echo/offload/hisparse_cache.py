@@ -158,7 +158,9 @@ class HiSparseKVCache:
         return 1
 
     # -------------------------------------------------------------- resolve
-    def resolve(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def resolve(
+        self, layer: int, locs: torch.Tensor, distinct: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ids = locs.reshape(-1).to(torch.int64)
         n = ids.numel()
         r, b = self.max_requests, self.buffer_size

@@ -164,13 +164,15 @@ class EchoManager:
             )
         return allocate_kernel(self.cache, layer, ids, append, self._workspace, distinct=distinct)
 
-    def _allocate_selection(self, layer: int, locs: torch.Tensor) -> Allocation:
-        """A resolve's allocation of selections [Q, K]. One query's selections are
-        distinct ids (a top-k's positions are distinct, and so are their host ids), which
-        spares the one-program look-up a round trip (allocate_kernel's ``distinct``)."""
-        one_query = locs.dim() == 2 and locs.shape[0] == 1
+    def _allocate_selection(
+        self, layer: int, locs: torch.Tensor, distinct: bool = False
+    ) -> Allocation:
+        """A resolve's allocation of selections [Q, K]. Distinct ids (the caller's word,
+        or one query: a top-k's positions are distinct, and so are their host ids) spare
+        the one-program look-up a round trip (allocate_kernel's ``distinct``)."""
+        distinct = distinct or (locs.dim() == 2 and locs.shape[0] == 1)
         return self._allocate(
-            layer, locs.reshape(-1).to(torch.int64), append=False, distinct=one_query
+            layer, locs.reshape(-1).to(torch.int64), append=False, distinct=distinct
         )
 
     # -------------------------------------------------------------------- append
@@ -198,8 +200,9 @@ class EchoManager:
         c.rows[layer].index_copy_(0, alloc.slots, rows.to(c.rows.dtype))
 
     # ------------------------------------------------------------------- resolve
-    def resolve(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
-        """Selected host ids [Q, K] (-1 = none) -> device slots [Q, K] (-1 = none).
+    def resolve(self, layer: int, locs: torch.Tensor, distinct: bool = False) -> torch.Tensor:
+        """Selected host ids [Q, K] (-1 = none) -> device slots [Q, K] (-1 = none);
+        ``distinct``: no id occurs twice (KVCache.resolve).
 
         Afterwards every selected token is resident and its device row equals its host row.
         """
@@ -208,7 +211,7 @@ class EchoManager:
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if pending is not None and pending.allocated is not None:
             stream.wait_event(pending.allocated)  # the maps as the prefetch left them
-        alloc = self._allocate_selection(layer, locs)
+        alloc = self._allocate_selection(layer, locs, distinct)
         if pending is not None and pending.copied is not None:
             # Before our copies: a slot the prefetch is still filling may have just been
             # handed to one of our misses (an unselected prefetch is evictable).
