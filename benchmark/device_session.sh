@@ -2,11 +2,13 @@
 # Every H200 measurement behind the README, each stage under its own time limit and packed
 # into OUTDIR as it finishes (a call cut short still returns what ran). Records keep the
 # commands that made them. Stage times seen on 2026-12-01 (a call is at most 10 minutes):
-# tests ~490 s, kernels ~300 s, study ~165 s (5 repeats), study_fp8 ~80 s, topk ~120 s, cache ~75 s,
+# tests ~490 s, kernels ~300 s, study ~165 s (5 repeats; ~210 s on 2026-12-03), study_fp8 ~80 s,
+# topk ~120 s, cache ~75 s (with its tests and --sweep ~450 s on 2026-12-03),
 # mla_profile ~20 s, indexer_profile ~25 s; topk_peer ~5 min (est.: the FlashInfer top-k JIT build is ~4).
 #   bash benchmark/device_session.sh OUTDIR tests                          # one call
 #   bash benchmark/device_session.sh OUTDIR kernels mla_profile study     # one call
-#   bash benchmark/device_session.sh OUTDIR topk cache study_fp8          # one call
+#   bash benchmark/device_session.sh OUTDIR topk study_fp8                # one call
+#   bash benchmark/device_session.sh OUTDIR cache                          # one call
 #   bash benchmark/device_session.sh OUTDIR topk_peer                     # one call (.peer carried)
 #   bash benchmark/device_session.sh OUTDIR e2e      # decode-node sweep + the study, bf16 and fp8 (~9 min)
 #   bash benchmark/device_session.sh OUTDIR figures  # Figure 13 at 110K, 14 and 15 (~10 min; est.)
@@ -90,7 +92,8 @@ run_stage() {
       stage release 150 python3 benchmark/kernels/release_bench.py --out /tmp/ds/release ;;
     cache)  # the cache kernels' GPU tests, then their benchmark (launch chaining beside, the look-back
       # resolve's launch shapes swept)
-      stage cache 330 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
+      # ~490 s: its GPU tests took 161 s on 1651a32, and the bench past 330 s cut its sweep
+      stage cache 520 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
         tests/test_kernel_recall.py tests/test_kernel_topk_rows.py tests/test_pdl.py tests/test_decode_write.py tests/test_kernel_decode_write.py \
         && python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache --sweep" ;;
     topk)  # both top-k kernels' tests, the GPU-marked ones too (the pivot's exactness at full
