@@ -35,9 +35,12 @@ NUM_BUCKETS = 256
 HIST_BINS = NUM_BUCKETS  # the age histogram: one bin per bucket (unevictable: masked out)
 # The default launch shape. For the five-launch pipeline it was the fastest of 8 shapes on
 # an H200; for the look-back resolve, cache_ops_bench --sweep timed 18 shapes at batch 48
-# (benchmark/results/cache_ops.json, launch_shape_sweep, 86a5112): 17.3-18.5 us for 512 or
-# 1024 lanes with 8 or 16 warps, this one included, within the ~1 us between two runs of
-# one shape; fewer lanes or warps per program were slower (up to 40.5 us at 256 x 4).
+# in three runs (86a5112, 1651a32 cut short, cf513d4: cache_ops.json's launch_shape_sweep
+# and its history): 512 lanes x 16 warps was the fastest each time, 1.2 / 1.2 / 2.6 us below
+# this one (17.3 vs 18.5, 16.9 vs 18.1, 16.1 vs 18.7 us); fewer lanes or warps per program
+# were slower (up to 40 us at 256 x 4). Not switched yet: the pipeline (appends) and the
+# one program's block (twice the lane block) take these constants too, and neither was
+# timed at 512 x 16.
 LANE_BLOCK = 1024
 SLOT_BLOCK = 2048
 NUM_WARPS = 8
