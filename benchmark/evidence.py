@@ -426,13 +426,16 @@ def launch_shapes(d: dict, _r: Records) -> str:
         return hits[0] if hits else None
 
     fast, slow = min(rows, key=lambda r: r["us"]), max(rows, key=lambda r: r["us"])
-    default, ordered = at(1024, 8, False), at(1024, 8, True)
+    # Records before the look-back had its own shape ran it at 1024 lanes x 8 warps.
+    shape = d["metrics"].get("lookback_default_shape", {"lane_block": 1024, "num_warps": 8})
+    lanes, warps = shape["lane_block"], shape["num_warps"]
+    default, ordered = at(lanes, warps, False), at(lanes, warps, True)
     parts = [
         f"{len(rows)} shapes, each checked against the reference first: fastest {name(fast)} "
         f"{us(fast['us'])} us, slowest {name(slow)} {us(slow['us'])} us"
     ]
     if default:
-        parts.append(f"the default (1024 lanes x 8 warps, ticket) {us(default['us'])} us")
+        parts.append(f"the default ({lanes} lanes x {warps} warps, ticket) {us(default['us'])} us")
     if ordered:
         parts.append(f"with program-ordered tiles {us(ordered['us'])} us")
     return "; ".join(parts)

@@ -212,6 +212,10 @@ def test_workspace_rejects_launch_shapes_the_kernels_cannot_take() -> None:
         AllocWorkspace(cache, 32, slot_block=8)
     with pytest.raises(ValueError, match="one_program_block"):
         AllocWorkspace(cache, 32, one_program_block=48)
+    with pytest.raises(ValueError, match="lookback_lane_block"):
+        AllocWorkspace(cache, 32, lookback_lane_block=48)
+    with pytest.raises(ValueError, match="lookback_warps"):
+        AllocWorkspace(cache, 32, lookback_warps=3)
     with pytest.raises(ValueError, match="num_warps"):
         AllocWorkspace(cache, 32, num_warps=3)
     with pytest.raises(ValueError, match="atomic_sem"):

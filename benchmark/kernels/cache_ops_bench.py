@@ -43,6 +43,8 @@ from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.alloc import (
+    LOOKBACK_LANE_BLOCK,
+    LOOKBACK_WARPS,
     ONE_PROGRAM_LANES,
     SLOT_BLOCK,
     STAGES,
@@ -137,11 +139,23 @@ def shape_is_exact(args, dev: torch.device, trace: torch.Tensor, shape: dict, st
     return all(torch.equal(a, b) for a, b in zip(*states, strict=True))
 
 
+def lookback_shape(shape: dict) -> dict:
+    """A sweep row's shape as AllocWorkspace takes it: the rows' lane_block and num_warps
+    (the records' keys) are the look-back's."""
+    return {
+        "lookback_lane_block": shape["lane_block"],
+        "lookback_warps": shape["num_warps"],
+        "slot_block": shape["slot_block"],
+        "ordered_tiles": shape["ordered_tiles"],
+    }
+
+
 def shape_sweep(args, dev: torch.device, trace: torch.Tensor) -> list[dict]:
     rows = []
     for shape in SWEEP_SHAPES:
-        exact = shape_is_exact(args, dev, trace, shape, steps=4)
-        timing = measure(args, dev, trace, True, "resolve", shape) if exact else {}
+        workspace = lookback_shape(shape)
+        exact = shape_is_exact(args, dev, trace, workspace, steps=4)
+        timing = measure(args, dev, trace, True, "resolve", workspace) if exact else {}
         rows.append({**shape, "exact": exact, **timing})
         us = f"{timing['us']:8.1f} us" if exact else "   (not exact: not timed)"
         print(f"shape lanes {shape['lane_block']:5d} slots {shape['slot_block']:5d} "
@@ -671,6 +685,8 @@ def main() -> None:
         "victim_policy_kept": "lru_bucketed",
         "launch_chaining": chaining,
         "launch_shape_sweep": sweep,
+        # The look-back's default shape when this ran (the sweep's rows name theirs alike).
+        "lookback_default_shape": {"lane_block": LOOKBACK_LANE_BLOCK, "num_warps": LOOKBACK_WARPS},
         "best_launch_shape": min((r for r in sweep if r["exact"]), key=lambda r: r["us"])
         if sweep
         else None,

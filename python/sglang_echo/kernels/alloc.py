@@ -38,12 +38,13 @@ HIST_BINS = NUM_BUCKETS  # the age histogram: one bin per bucket (unevictable: m
 # in three runs (86a5112, 1651a32 cut short, cf513d4: cache_ops.json's launch_shape_sweep
 # and its history): 512 lanes x 16 warps was the fastest each time, 1.2 / 1.2 / 2.6 us below
 # this one (17.3 vs 18.5, 16.9 vs 18.1, 16.1 vs 18.7 us); fewer lanes or warps per program
-# were slower (up to 40 us at 256 x 4). Not switched yet: the pipeline (appends) and the
-# one program's block (twice the lane block) take these constants too, and neither was
-# timed at 512 x 16.
+# were slower (up to 40 us at 256 x 4). So the look-back takes that shape (LOOKBACK_*); the
+# pipeline (appends) and the one program's block keep these, where they were measured.
 LANE_BLOCK = 1024
 SLOT_BLOCK = 2048
 NUM_WARPS = 8
+LOOKBACK_LANE_BLOCK = 512
+LOOKBACK_WARPS = 16
 # Calls of at most this many lanes run as one program (_one_program_kernel): up to a batch
 # of two decode requests at top-k 2048. On an H200 (cache_ops.json's one_program_study,
 # 8 layer-steps per graph replay, code of 94b997e) the one program took 4.7 / 7.9 us at
@@ -785,6 +786,8 @@ class AllocWorkspace:
         one_program_warps: int = ONE_PROGRAM_WARPS,
         one_program_block: int | None = None,
         lookback: bool = True,
+        lookback_lane_block: int | None = None,
+        lookback_warps: int | None = None,
         ordered_tiles: bool = False,
     ) -> None:
         if one_program_lanes is None:  # read here, not at import: tests may set it
@@ -793,11 +796,19 @@ class AllocWorkspace:
             # Twice the pipeline's lane block, up to a batch of one per loop step (a
             # workspace with small blocks, as the tests make, loops more).
             one_program_block = min(lane_block * 2, ONE_PROGRAM_BLOCK)
+        if lookback_lane_block is None:  # a workspace with small blocks keeps them here too
+            lookback_lane_block = min(lane_block, LOOKBACK_LANE_BLOCK)
+        if lookback_warps is None:
+            lookback_warps = (
+                LOOKBACK_WARPS if lookback_lane_block >= LOOKBACK_LANE_BLOCK else num_warps
+            )
         blocks = (("lane_block", lane_block), ("slot_block", slot_block))
-        for name, value in (*blocks, ("one_program_block", one_program_block)):
+        blocks += (("one_program_block", one_program_block),)
+        for name, value in (*blocks, ("lookback_lane_block", lookback_lane_block)):
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        for name, value in (("num_warps", num_warps), ("one_program_warps", one_program_warps)):
+        warps = (("num_warps", num_warps), ("one_program_warps", one_program_warps))
+        for name, value in (*warps, ("lookback_warps", lookback_warps)):
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"{name} must be 1, 2, 4, 8 or 16, got {value}")
         if one_program_lanes < 0:
@@ -820,6 +831,8 @@ class AllocWorkspace:
         # Resolves past the one program take kernels/alloc_lookback.py's four launches
         # (False: the five-launch pipeline, which appends always take).
         self.lookback = lookback
+        # The look-back's lanes per program and warps (all four of its launches).
+        self.lookback_lane_block, self.lookback_warps = lookback_lane_block, lookback_warps
         # The look-back's first launch numbers its lane tiles by program id instead of a
         # ticket (one dependent round trip less) where its grid fits the SMs at once, one
         # program each: a waiting program then never holds the place of an earlier one
@@ -849,7 +862,9 @@ class AllocWorkspace:
         # first misses and free slots at its start, and each lane's miss rank or first
         # lane. The tickets and words are zero between calls.
         self.tickets = torch.zeros(2, dtype=torch.int32, device=dev)
-        self.tile_words = torch.zeros(2, lane_programs, dtype=torch.int32, device=dev)
+        lookback_programs = max(1, triton.cdiv(max_lanes, lookback_lane_block))
+        self.lookback_programs_pow2 = triton.next_power_of_2(lookback_programs)
+        self.tile_words = torch.zeros(2, lookback_programs, dtype=torch.int32, device=dev)
         self.slot_words = torch.zeros(self.slot_programs, dtype=torch.int64, device=dev)
         self.call_counts = torch.zeros(2, dtype=torch.int64, device=dev)
         self.lane_ref = torch.zeros(max(1, max_lanes), dtype=torch.int32, device=dev)

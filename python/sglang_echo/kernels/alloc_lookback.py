@@ -318,12 +318,12 @@ def resolve_lookback(
         )
     c = cache
     lanes = ids.shape[0]
-    lane_programs = triton.cdiv(lanes, ws.lane_block)
+    lane_programs = triton.cdiv(lanes, ws.lookback_lane_block)
     sp = ws.slot_programs
     h2d, d2h = c.host_to_device[layer], c.device_to_host[layer]
     prio, clock = c.priority[layer], c.clock[layer : layer + 1]
     free_count = c.free_count[layer : layer + 1]
-    flags = dict(PDL=ws.pdl, SEM=ws.atomic_sem, num_warps=ws.num_warps, launch_pdl=ws.pdl)
+    flags = dict(PDL=ws.pdl, SEM=ws.atomic_sem, num_warps=ws.lookback_warps, launch_pdl=ws.pdl)
     lane_ticket, slot_ticket = ws.tickets[0:1], ws.tickets[1:2]
     claimed, counts = ws.tile_words[0], ws.tile_words[1]
     ordered = ws.ordered_tiles and lane_programs <= _sm_count(ids.device)
@@ -332,7 +332,7 @@ def resolve_lookback(
         ids, lanes, lane_programs, out, h2d, d2h, prio, clock, ws.hist, free_count,
         c.free_stack[layer], ws.miss_ids, ws.miss_slots, c.hits[layer : layer + 1],
         lane_ticket, claimed, counts, ws.call_counts, ws.lane_ref,
-        LANES=ws.lane_block, MAXP=ws.max_lane_programs_pow2, ORDERED=ordered, **flags,
+        LANES=ws.lookback_lane_block, MAXP=ws.lookback_programs_pow2, ORDERED=ordered, **flags,
     )  # fmt: skip
     mark()
     _evict_hist_kernel[(sp,)](
@@ -351,7 +351,7 @@ def resolve_lookback(
         ws.extras, ws.miss_slots, ws.miss_count, c.misses[layer : layer + 1],
         c.recalled_rows[layer : layer + 1], ws.tickets, claimed, counts, ws.slot_words, sp,
         ws.lane_ref, c.scratch_slot, ws.reserve,
-        LANES=ws.lane_block, WORDS=min(1024, triton.next_power_of_2(sp)),
+        LANES=ws.lookback_lane_block, WORDS=min(1024, triton.next_power_of_2(sp)),
         **flags,
     )  # fmt: skip
     mark()
