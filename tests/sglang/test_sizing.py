@@ -271,7 +271,7 @@ def closed_form(n_g, t, row: int, context: int, prefill: int = 0, extra: int = 0
         + 4 * np.maximum(1, reserve)
         + 2 * (n_g + 2)
         + 8  # the look-back resolve's tickets
-        + 8 * np.maximum(1, (n_g + 1023) // 1024)  # its lane tiles' words
+        + 8 * np.maximum(1, (n_g + 511) // 512)  # its lane tiles' words (512 lanes each)
         + 8 * ((n_g + 2 + 2047) // 2048)  # its slot tiles' words
         + 16  # call_counts
         + 4 * np.maximum(1, n_g)  # lane_ref

@@ -57,10 +57,11 @@ HOST_RESERVE = 10 * 2**30  # sglang's HICACHE_HOST_MEMORY_RESERVE_BYTES
 # req_to_token rows are context + 4 wide (get_req_to_token_extra_context_len without
 # speculative decoding); req_to_host_pool adds one page.
 REQ_EXTRA_CONTEXT = 4
-# kernels/alloc.py's AllocWorkspace geometry (HIST_BINS, LANE_BLOCK, SLOT_BLOCK; copied
-# so that this module stays free of torch and triton; tests/sglang/test_sizing.py builds
-# the real workspace and compares).
+# kernels/alloc.py's AllocWorkspace geometry (HIST_BINS, LANE_BLOCK, SLOT_BLOCK,
+# LOOKBACK_LANE_BLOCK; copied so that this module stays free of torch and triton;
+# tests/sglang/test_sizing.py builds the real workspace and compares).
 ALLOC_HIST_BINS, ALLOC_LANE_BLOCK, ALLOC_SLOT_BLOCK = 256, 1024, 2048
+ALLOC_LOOKBACK_LANE_BLOCK = 512
 # sglang/decode_prefetch.py's PLUGIN_STAGE_CHUNKS (copied for the same reason; the test
 # builds the plugin's prefetcher and compares).
 PLUGIN_STAGE_CHUNKS = 1
@@ -226,7 +227,7 @@ def echo_metadata_bytes(
         + 4 * max(1, reserve)  # extras int32
         + 2 * (n + 2)  # buckets int16 [N_G + 2]
         + 4 * 2  # tickets int32 (the look-back resolve's, kernels/alloc_lookback.py)
-        + 4 * 2 * max(1, -(-n // ALLOC_LANE_BLOCK))  # tile_words int32 [2, lane programs]
+        + 4 * 2 * max(1, -(-n // ALLOC_LOOKBACK_LANE_BLOCK))  # tile_words [2, look-back programs]
         + 8 * -(-(n + 2) // ALLOC_SLOT_BLOCK)  # slot_words int64
         + 2 * 8  # call_counts int64 [2]
         + 4 * max(1, n)  # lane_ref int32 [N_G]
