@@ -114,19 +114,19 @@ run_stage() {
       [ -n "$built" ] && gzip -c "$built" > "$out/flashinfer_topk_sm90a.so.gz" ;;
     kernel_tests)  # gpu_checks.sh's second step alone: the kernel and model tests, this torch
       stage kernel_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py tests/test_kernel_release.py \
-        tests/test_kernel_recall.py tests/test_kernel_indexer.py tests/test_kernel_decode_prefetch.py \
+        tests/test_kernel_recall.py tests/test_kernel_indexer.py tests/test_kernel_decode_prefetch.py tests/test_kernel_logits_stage.py \
         tests/test_kernel_prefill_prefetch.py tests/test_kernel_topk.py tests/test_kernel_topk_pivot.py tests/test_kernel_sort_picks.py tests/test_kernel_sparse_mla.py \
         tests/test_model_oracle.py tests/test_indexer.py tests/test_pdl.py tests/test_decode_write.py tests/test_kernel_decode_write.py ;;
     decode_stage)  # the staged decode prefetch: its kernels' and the recall's GPU tests, then
       # the decode prefetch benchmark (staged, allocating and unfused, interleaved rounds)
       peer_or_say
       stage decode_stage 330 bash -c "python3 -m pytest -q -p no:cacheprovider \
-        tests/test_kernel_decode_stage.py tests/test_kernel_decode_prefetch.py tests/test_kernel_recall.py \
+        tests/test_kernel_decode_stage.py tests/test_kernel_logits_stage.py tests/test_kernel_decode_prefetch.py tests/test_kernel_recall.py \
         tests/test_kernel_indexer.py && python3 benchmark/kernels/decode_prefetch_bench.py --out /tmp/ds/decode_stage" ;;
     prefetch_tests)  # the CUDA tests of decode prefetch: lossless through the runtime's decode
       # graphs (the staged prefetch on a side stream, under eviction) and the kernels at DeepSeek shapes
       stage prefetch_tests 300 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py \
-        -k "lossless_cuda_graph_decode or fused_prefetch" ;;
+        -k "lossless_cuda_graph_decode or fused_prefetch or staged_logits" ;;
     prefetch_study)  # the decode prefetch under its rule (auto, the default) end to end: echo_paper beside
       # echo_noprefetch (off) and no-offload at the paper's setting and the random-keys run
       stage prefetch_study 300 python3 benchmark/e2e_study.py --out /tmp/ds/prefetch_study \

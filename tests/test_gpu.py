@@ -250,3 +250,60 @@ def test_fused_prefetch_logits_bit_identical_at_deepseek_shapes():
     ref = decode_prefetch_reference(got, locs, lens, theta, h2d, 512)
     assert torch.equal(cand.ids, ref.ids) and torch.equal(cand.counts, ref.counts)
     assert int(cand.counts[0]) == 512 and int(cand.counts[1:].min()) > 0
+
+
+def test_staged_logits_at_deepseek_shapes():
+    """The in-kernel decode prefetch (kernels/logits_stage.py) at DeepSeek-V3.2 indexer
+    shapes, compiled for this GPU, reading rows from a pinned host pool through its CUDA
+    alias: the plain kernel's logits bit for bit; each request's staged tokens are its
+    candidates (all of them where they fit, as many as fit where the region overflows),
+    their rows equal the host rows, and the map points at entries holding them."""
+    from sglang_echo.kernels.cache_layout import ABSENT
+    from sglang_echo.kernels.indexer import fp8_index_logits
+    from sglang_echo.kernels.logits_stage import StageBuffers, fp8_index_logits_staged
+    from sglang_echo.offload.host_pool import HostKVPool
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batch, heads, dim, length, cap, row_bytes = 16, 64, 128, 8192, 896, 656
+    n_keys = batch * length + 2
+    q = torch.randn(batch, heads, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    keys = torch.randn(n_keys, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    scales = torch.rand(n_keys, device="cuda", generator=g) + 0.5
+    w = torch.randn(batch, heads, device="cuda", generator=g)
+    locs = torch.randperm(n_keys - 2, device="cuda", generator=g)[: batch * length] + 1
+    locs = locs.view(batch, length)
+    lens = torch.randint(length // 2, length + 1, (batch,), device="cuda", generator=g)
+    lens = lens.to(torch.int32)
+    lens[0] = length  # row 0 (theta -inf) flags ~10% of 8192 absent keys: the region binds
+    resident = torch.rand(n_keys, device="cuda", generator=g) < 0.9
+    ids = torch.arange(n_keys, device="cuda", dtype=torch.int32)
+    h2d = torch.where(resident, ids, torch.full_like(ids, ABSENT))
+    host = HostKVPool(1, n_keys, row_bytes, torch.uint8, pin=True)
+    host.device_view[0].copy_(
+        torch.randint(0, 256, (n_keys + 2, row_bytes), device="cuda", generator=g).to(torch.uint8)
+    )
+    plain = fp8_index_logits(q, w, keys, scales, locs, lens)
+    theta = plain.sort(1, descending=True).values[:, 2047].contiguous()
+    theta[0] = float("-inf")
+    stage = StageBuffers(batch, cap, row_bytes, torch.uint8, n_keys, "cuda")
+    total = torch.zeros(1, dtype=torch.int64, device="cuda")
+    got = fp8_index_logits_staged(
+        q, w, keys, scales, locs, lens, theta, h2d, host.device_view[0], stage, total
+    )
+    assert torch.equal(got, plain)
+    pos = torch.arange(length, device="cuda")
+    visible = pos[None, :] < lens[:, None]
+    flags = visible & (plain > theta[:, None]) & (h2d[locs] == ABSENT)
+    kept = 0
+    for b in range(batch):
+        want = set(locs[b][flags[b]].tolist())
+        assert int(stage.counts[b]) == len(want)
+        n = min(len(want), cap)
+        kept += n
+        staged = stage.ids[b * cap : b * cap + n]
+        assert len(set(staged.tolist())) == n and set(staged.tolist()) <= want
+        if len(want) <= cap:
+            assert set(staged.tolist()) == want
+        assert torch.equal(stage.rows[b * cap : b * cap + n], host.device_view[0][staged])
+        assert torch.equal(stage.ids[stage.stage_map[staged].long()], staged)
+    assert int(stage.counts[0]) > cap and int(total) == kept

@@ -165,11 +165,14 @@ def test_recall_takes_only_valid_staged_rows():
     assert (dev[1] == 0).all() and torch.equal(dev[2:8], host[4:10])
 
 
-def _steps(use_kernels: bool, staged: bool, seed: int) -> tuple[EchoManager, list]:
+def _steps(
+    use_kernels: bool, staged: bool, seed: int, in_kernel: bool = False
+) -> tuple[EchoManager, list]:
     """Decode steps of one layer (3 requests x 96 positions, top-12, a 40-slot cache
     under eviction): scores, a threshold near the 12th score (some misses staged, some
-    staged rows not selected), the staged prefetch over three chunks, then the resolve.
-    Returns the manager and the rows attention would read at each step."""
+    staged rows not selected), the staged prefetch (over three chunks, or the in-kernel
+    design's one pass from computed scores), then the resolve. Returns the manager and the
+    rows attention would read at each step."""
     tokens, batch, length, k = 300, 3, 96, 12
     host = HostKVPool(1, tokens, 8, torch.float32, pin=DEV == "cuda")
     cache = DeviceCache(1, 40, tokens, 8, torch.float32, DEV)
@@ -177,7 +180,7 @@ def _steps(use_kernels: bool, staged: bool, seed: int) -> tuple[EchoManager, lis
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn(tokens, 8, generator=g)
     m.write_host(0, torch.arange(1, tokens + 1, device=DEV), rows.to(DEV))
-    p = DecodePrefetcher(m, max_rows=4, cap=24, chunks=3)
+    p = DecodePrefetcher(m, max_rows=4, cap=24, chunks=3, in_kernel=in_kernel)
     locs = torch.stack([torch.randperm(tokens, generator=g)[:length] + 1 for _ in range(batch)])
     locs, lens = locs.to(DEV), torch.tensor([96, 80, 50], device=DEV)
     reads = []
@@ -188,7 +191,7 @@ def _steps(use_kernels: bool, staged: bool, seed: int) -> tuple[EchoManager, lis
         top = scores.topk(k, dim=1)
         theta = top.values[:, k - 1] - 0.3 * (step % 2)  # exact, then a little low
         if staged:
-            bounds = p.chunk_bounds(length, 16)
+            bounds = [(0, length)] if in_kernel else p.chunk_bounds(length, 16)
             for i, (start, end) in enumerate(bounds):
                 p.stage(0, i, scores, locs, lens, theta.float(), start, end)
             p.finish(0, scores, top.indices, torch.arange(batch, device=DEV))
@@ -200,13 +203,14 @@ def _steps(use_kernels: bool, staged: bool, seed: int) -> tuple[EchoManager, lis
     return m, reads
 
 
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["chunked", "in-kernel"])
 @pytest.mark.parametrize("seed", range(2))
-def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed):
+def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed, in_kernel):
     """Bits and cache state as without prefetch, kernels and reference alike; staged rows
     were recalled from the staging."""
     plain, plain_reads = _steps(use_kernels=False, staged=False, seed=seed)
     for use_kernels in (False, True):
-        m, reads = _steps(use_kernels, staged=True, seed=seed)
+        m, reads = _steps(use_kernels, staged=True, seed=seed, in_kernel=in_kernel)
         assert all(torch.equal(a, b) for a, b in zip(plain_reads, reads, strict=True))
         for name in STATE:
             assert torch.equal(getattr(m.cache, name), getattr(plain.cache, name)), name
@@ -216,7 +220,8 @@ def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed):
 
 def test_stats_count_the_staging_buffer():
     """The start-up log's device bytes include the staging buffer when decode prefetch is
-    on: request rows x rows per request x row bytes, plus its index."""
+    on: request rows x rows per request x row bytes, plus its index (the runtime's
+    in-kernel design: a region and a counter per request row)."""
     from sglang_echo.config import EchoConfig
     from sglang_echo.offload.echo_cache import EchoKVCache
 
@@ -228,9 +233,10 @@ def test_stats_count_the_staging_buffer():
 
     off, on = cache("0"), cache("auto")
     p = on.decode_prefetcher
-    rows = p.chunks * 4 * p.chunk_cap
+    assert p.in_kernel
+    rows = p.stage_buffers.rows.shape[0]
     assert rows == 4 * p.cap  # rows x rows per request
-    want = rows * 16 * 4 + rows * 8 + p.chunks * 4 + (100 + 2) * 4
+    want = rows * 16 * 4 + rows * 8 + 4 * 4 + (100 + 2) * 4
     assert on.stats()["device_bytes"] - off.stats()["device_bytes"] == want == p.nbytes
 
 
@@ -250,7 +256,7 @@ def test_staged_rows_per_request_come_from_the_config():
 
     assert prefetcher(None).cap == default_stage_rows(16 * 4)  # float32 rows of 16
     small = prefetcher(6)
-    assert small.cap == 6 and small.stage_rows.shape[0] == small.chunks * 4 * small.chunk_cap
+    assert small.cap == 6 and small.stage_buffers.rows.shape[0] == 4 * 6
     with pytest.raises(ConfigError, match="decode_stage_rows"):
         EchoConfig(offload=True, decode_stage_rows=0)
 

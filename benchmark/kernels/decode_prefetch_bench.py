@@ -6,18 +6,22 @@ One layer's decode indexer + cache step, through the production code: the model'
 cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
 
 - unfused: logits -> top-k -> resolve (look up, evict, allocate, recall the misses);
-- staged (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1, the default design): the logits in
-  chunks of key positions; after each, a side stream stages the chunk's misses scoring
-  above the request's predicted threshold into a staging buffer (kernels/decode_stage.py,
-  bounded grid) while the next chunks and the top-k run -> resolve, whose recall takes
-  staged rows device to device;
-- fused (the earlier, allocating design, for the A/B): logits + flags
+- staged (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1, the runtime's in-kernel design): the
+  logits kernel stages each key block's misses scoring above the request's predicted
+  threshold into the request's region of a staging buffer while the other blocks are
+  scored (kernels/logits_stage.py) -> top-k -> resolve, whose recall takes staged rows
+  device to device;
+- chunked (the SGLang plugin's design, and the runtime's before): the logits in chunks of
+  key positions; after each, a side stream stages the chunk's misses into a staging
+  buffer (kernels/decode_stage.py, bounded grid) while the next chunks and the top-k run;
+- fused (the first, allocating design, for the A/B): logits + flags
   (kernels/decode_prefetch.py) -> EchoManager.prefetch maps them and copies their rows on
   a side stream while the top-k runs -> resolve recalls only what is still missing.
 
-``speedup`` = unfused / staged. Figure 18's own definition (ECHO), top-k and cache
-management left out: (logits; recall of every miss) against (staged logits; the recall
-with the staging), ``fig18_speedup``.
+``speedup`` = unfused / staged (``chunked_speedup``: unfused / chunked). Figure 18's own
+definition (ECHO), top-k and cache management left out: (logits; recall of every miss)
+against (staged logits; the recall with the staging), ``fig18_speedup`` (and
+``fig18_chunked_speedup``).
 
 Thresholds come from two earlier steps (queries perturbed by ``--query-noise``) through
 the DecodeThresholdPredictor (EMA, alpha 0.5). Residency: a fraction ``hit`` of the
@@ -188,16 +192,23 @@ class Bench:
             self.manager, max_rows=B, cap=args.cap or DEFAULT_DECODE_PREFETCH_CAP, staged=False
         )
         self.cap = self.prefetcher.cap_for(args.topk)  # candidates per request
-        self.stager = DecodePrefetcher(
+        stage_cap = args.stage_cap or min(default_stage_rows(args.row_bytes), args.topk)
+        self.stager = DecodePrefetcher(self.manager, max_rows=B, cap=stage_cap, in_kernel=True)
+        self.chunker = DecodePrefetcher(
             self.manager,
             max_rows=B,
-            cap=args.stage_cap or min(default_stage_rows(args.row_bytes), args.topk),
+            cap=stage_cap,
             chunks=args.stage_chunks or DEFAULT_STAGE_CHUNKS,
             side_priority=(
                 STAGE_STREAM_PRIORITY if args.stage_priority is None else args.stage_priority
             ),
+            in_kernel=False,
         )
         self._learn_thresholds()
+
+    @property
+    def prefetchers(self) -> tuple[DecodePrefetcher, ...]:
+        return (self.prefetcher, self.stager, self.chunker)
 
     def _fill_host(self, g: torch.Generator) -> None:
         rows = self.host.device_view[0] if self.cuda else self.host.rows[0]
@@ -217,7 +228,7 @@ class Bench:
         qpos = self.batch.positions.view(-1, 1)
         for q in self.q_prev:
             _, kth = select_topk(self.logits(q).unsqueeze(1), qpos, self.args.topk, True)
-            for prefetcher in (self.prefetcher, self.stager):
+            for prefetcher in self.prefetchers:
                 prefetcher.observe(0, kth.squeeze(1), self.rows_of)
         p = self.prefetcher.predictors[0]
         self.theta0, self.finite0 = p.theta.clone(), p.finite.clone()
@@ -269,7 +280,7 @@ class Bench:
             getattr(self.cache, name).copy_(self.saved[name])
         if rows:
             self.cache.rows.copy_(self.saved_rows)
-        for prefetcher in (self.prefetcher, self.stager):
+        for prefetcher in self.prefetchers:
             p = prefetcher.predictors[0]
             p.theta.copy_(self.theta0)
             p.finite.copy_(self.finite0)
@@ -287,6 +298,10 @@ class Bench:
         sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.stager, 0)
         return sel, self.manager.resolve(0, sel)
 
+    def chunked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.chunker, 0)
+        return sel, self.manager.resolve(0, sel)
+
     # Figure 18's definition: the indexer's logits and the recall of every miss, top-k and
     # cache management left out. The miss list and its slots are fixed (distinct slots).
     def fig18_plain(self) -> None:
@@ -297,16 +312,24 @@ class Bench:
         keys, scales = unpack_fp8_rows(self.key_rows, self.args.dim)
         lens = (self.batch.positions + 1).to(torch.int32)
         theta = self.stager.theta(0, self.rows_of)
+        self.stager.stage_logits(0, self.q, self.w, keys, scales, self.locs, lens, theta)
+        staged = self.stager.staged_rows(0, self.args.batch)  # no top-k: no finish()
+        recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses, staged=staged)
+
+    def fig18_chunked(self) -> None:
+        keys, scales = unpack_fp8_rows(self.key_rows, self.args.dim)
+        lens = (self.batch.positions + 1).to(torch.int32)
+        theta = self.chunker.theta(0, self.rows_of)
         scores = torch.empty(self.locs.shape, dtype=torch.float32, device=self.dev)
-        bounds = self.stager.chunk_bounds(self.locs.shape[1], program_span())
+        bounds = self.chunker.chunk_bounds(self.locs.shape[1], program_span())
         for i, (start, end) in enumerate(bounds):
             fp8_index_logits(
                 self.q, self.w, keys, scales, self.locs, lens, out=scores, start=start, end=end
             )
-            self.stager.stage(0, i, scores, self.locs, lens, theta, start, end)
-        staged = self.stager.staged_rows(0, self.args.batch)  # no top-k: no finish()
+            self.chunker.stage(0, i, scores, self.locs, lens, theta, start, end)
+        staged = self.chunker.staged_rows(0, self.args.batch)  # no top-k: no finish()
         if self.cuda:
-            torch.cuda.current_stream().wait_stream(self.stager._side_stream())
+            torch.cuda.current_stream().wait_stream(self.chunker._side_stream())
         recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses, staged=staged)
 
     def host_rows(self) -> torch.Tensor:
@@ -388,7 +411,7 @@ def capture(bench: Bench, fn, stream) -> torch.cuda.CUDAGraph:
     return graph
 
 
-GRAPHED = ("unfused", "fused", "staged", "fig18_plain", "fig18_staged")
+GRAPHED = ("unfused", "fused", "staged", "chunked", "fig18_plain", "fig18_staged", "fig18_chunked")
 
 
 def graph_times(bench: Bench, row: dict, sel_u, want, stream, args) -> bool:
@@ -426,9 +449,10 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     sel_u, rows_u, cnt_u = bench.run_checked(bench.unfused)
     sel_f, rows_f, cnt_f = bench.run_checked(bench.fused)
     sel_s, rows_s, cnt_s = bench.run_checked(bench.staged)
+    sel_c, rows_c, cnt_c = bench.run_checked(bench.chunked)
     want = bench.expected_rows(sel_u)
-    ok = torch.equal(sel_u, sel_f) and torch.equal(sel_u, sel_s)
-    ok = ok and all(torch.equal(r, want) for r in (rows_u, rows_f, rows_s))
+    ok = all(torch.equal(sel_u, s) for s in (sel_f, sel_s, sel_c))
+    ok = ok and all(torch.equal(r, want) for r in (rows_u, rows_f, rows_s, rows_c))
     row.update(
         hit_rate_measured=cnt_u["hits"] / max(1, cnt_u["hits"] + cnt_u["misses"]),
         recall_rows=cnt_u["misses"],
@@ -441,12 +465,15 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
         staged_used=cnt_s["prefetch_hits"],
         staged_remaining=cnt_s["misses"] - cnt_s["prefetch_hits"],
         stage_cap=bench.stager.cap,
-        stage_chunks=bench.stager.chunks,
+        chunked_rows=cnt_c["prefetched"],
+        chunked_used=cnt_c["prefetch_hits"],
+        stage_chunks=bench.chunker.chunks,
     )
     w, r = args.warmup, args.reps
     row["unfused_ms"] = time_ms(bench, bench.unfused, w, r)
     row["fused_ms"] = time_ms(bench, bench.fused, w, r)
     row["staged_ms"] = time_ms(bench, bench.staged, w, r)
+    row["chunked_ms"] = time_ms(bench, bench.chunked, w, r)
     row["speedup_eager"] = row["unfused_ms"] / row["staged_ms"]
     row["alloc_speedup_eager"] = row["unfused_ms"] / row["fused_ms"]
     # Components (stateless): logits alone, logits + flags alone, top-k alone, the
@@ -485,18 +512,23 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     row["recall_ms"] = stateless_ms(
         bench, lambda: recall_rows(host, bench.cache.rows[0], misses, slots, count), w, r
     )
-    # Figure 18's staged path moves every miss's row (from the staging or the host).
-    bench.restore()
-    bench.fig18_staged()
-    bench.sync()
-    ok = ok and torch.equal(bench.scratch_rows[1:].cpu(), bench.host.rows[0][misses.cpu()])
+    # Figure 18's staged paths move every miss's row (from the staging or the host).
+    for fig18 in (bench.fig18_staged, bench.fig18_chunked):
+        bench.restore()
+        bench.scratch_rows.zero_()
+        fig18()
+        bench.sync()
+        ok = ok and torch.equal(bench.scratch_rows[1:].cpu(), bench.host.rows[0][misses.cpu()])
     row["speedup"] = row["speedup_eager"]
     if args.graphs and bench.cuda:
         try:
             ok = ok and graph_times(bench, row, sel_u, want, stream, args)
             row["speedup"] = row["unfused_graph_ms"] / row["staged_graph_ms"]
             row["alloc_speedup"] = row["unfused_graph_ms"] / row["fused_graph_ms"]
+            row["chunked_speedup"] = row["unfused_graph_ms"] / row["chunked_graph_ms"]
             row["fig18_speedup"] = row["fig18_plain_graph_ms"] / row["fig18_staged_graph_ms"]
+            fig18_chunked = row["fig18_chunked_graph_ms"]
+            row["fig18_chunked_speedup"] = row["fig18_plain_graph_ms"] / fig18_chunked
             lo_u, hi_u = row["unfused_graph_ms_range"]
             lo_s, hi_s = row["staged_graph_ms_range"]
             row["speedup_range"] = [lo_u / hi_s, hi_u / lo_s]
@@ -516,9 +548,11 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
     labels = [f"hit {r['hit_rate']}" for r in rows]
     x = list(range(len(rows)))
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for k, name in enumerate(("unfused", "fused", "staged")):
-        label = {"fused": "allocating prefetch", "staged": "staged prefetch"}.get(name, name)
-        a.bar([i + 0.27 * (k - 1) for i in x], [r[name + suffix] for r in rows], 0.27, label=label)
+    names = ("unfused", "fused", "chunked", "staged")
+    labels_of = {"fused": "allocating", "chunked": "chunked staging", "staged": "in-kernel staging"}
+    for k, name in enumerate(names):
+        label = labels_of.get(name, name)
+        a.bar([i + 0.2 * (k - 1.5) for i in x], [r[name + suffix] for r in rows], 0.2, label=label)
     a.set_xticks(x, labels)
     a.set_ylabel("ms, indexer + top-k + cache step" + (" (graph)" if graphs else ""))
     a.legend()
@@ -542,7 +576,7 @@ def profile(bench: Bench, hits: str, stream) -> None:
 
     for hit in (float(h) for h in hits.split(",")):
         bench.set_residency(hit)
-        for name in ("unfused", "fused", "staged"):
+        for name in ("unfused", "chunked", "staged"):
             graph = capture(bench, getattr(bench, name), stream)
             bench.restore(rows=True)
             graph.replay()
@@ -588,8 +622,8 @@ def main() -> None:
     )
     head = (
         f"{'hit':>5} {'logits':>7} {'recall rows':>11} {'MB':>6} {'recall':>7} {'unfused':>8} "
-        f"{'fused':>8} {'staged':>7} {'used':>6} {'remain':>6} {'staged':>8} "
-        f"{'speedup':>7} {'fig18':>6} {'alloc':>6} ok"
+        f"{'fused':>8} {'chunked':>8} {'staged':>7} {'used':>6} {'remain':>6} {'staged':>8} "
+        f"{'speedup':>7} {'fig18':>6} {'chunked':>7} {'fig18c':>6} {'alloc':>6} ok"
     )
     print("ms; step totals are CUDA-graph replays where available (fused: allocating design)")
     print(head)
@@ -600,9 +634,10 @@ def main() -> None:
         g = lambda k, r=r: r.get(f"{k}_graph_ms", r[f"{k}_ms"])  # noqa: E731
         print(
             f"{hit:>5} {r['logits_ms']:>7.3f} {r['recall_rows']:>11} {r['recall_MB']:>6.2f} "
-            f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {g('fused'):>8.3f} "
+            f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {g('fused'):>8.3f} {g('chunked'):>8.3f} "
             f"{r['staged_rows']:>7} {r['staged_used']:>6} {r['staged_remaining']:>6} "
             f"{g('staged'):>8.3f} {r['speedup']:>7.3f} {r.get('fig18_speedup', 0):>6.3f} "
+            f"{r.get('chunked_speedup', 0):>7.3f} {r.get('fig18_chunked_speedup', 0):>6.3f} "
             f"{r.get('alloc_speedup', r['alloc_speedup_eager']):>6.3f} {r['correct']}",
             flush=True,
         )
@@ -614,13 +649,18 @@ def main() -> None:
     metrics = {
         **{f"speedup_at_hit_{h}": r["speedup"] for h, r in by_hit.items() if h < 1.0},
         "slowdown_at_hit_1.0": 1 / by_hit[1.0]["speedup"] if 1.0 in by_hit else None,
-        "design": "staged (kernels/decode_stage.py); alloc_* is the allocating design",
+        "design": "staged in-kernel (kernels/logits_stage.py); chunked_* is the chunked "
+        "staging (kernels/decode_stage.py), alloc_* the allocating design",
         "speedup_range": {f"hit_{h}": r.get("speedup_range") for h, r in by_hit.items()},
         "fig18_speedup": {f"hit_{h}": r.get("fig18_speedup") for h, r in by_hit.items()},
         "alloc_speedup": {f"hit_{h}": r.get("alloc_speedup") for h, r in by_hit.items()},
+        "chunked_speedup": {f"hit_{h}": r.get("chunked_speedup") for h, r in by_hit.items()},
+        "fig18_chunked_speedup": {
+            f"hit_{h}": r.get("fig18_chunked_speedup") for h, r in by_hit.items()
+        },
         "stage_cap": bench.stager.cap,
-        "stage_chunks": bench.stager.chunks,
-        "stage_stream_priority": bench.stager.side_priority,
+        "stage_chunks": bench.chunker.chunks,
+        "stage_stream_priority": bench.chunker.side_priority,
         "rounds": args.rounds,
         "speedup_basis": "CUDA-graph replay (device time)" if graphs else "eager launches",
         "speedup_eager": {f"hit_{h}": r["speedup_eager"] for h, r in by_hit.items()},

@@ -239,7 +239,10 @@ class LightningIndexer(nn.Module):
 
             keys, scales = unpack_fp8_rows(all_keys, self.head_dim)
             lens32 = lens.to(torch.int32)
-            if staged:
+            if staged and prefetch.in_kernel:
+                # Each key block's misses start moving from inside the logits kernel.
+                scores = prefetch.stage_logits(layer, q, weights, keys, scales, ctx, lens32, theta)
+            elif staged:
                 # Chunks of key positions: each chunk's misses start moving (side stream)
                 # while the next chunks and the top-k are computed.
                 scores = torch.empty(ctx.shape[0], ctx.shape[1], dtype=torch.float32,

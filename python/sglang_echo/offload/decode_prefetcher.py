@@ -2,14 +2,19 @@
 section 6).
 
 Per decode step and layer, the indexer (model/indexer.py) asks for each request's
-threshold and scores the keys. Two designs:
+threshold and scores the keys. Three designs:
 
-- *staged* (the default): the logits run in ``chunks`` pieces of key positions; after
-  each, ``stage`` selects the chunk's misses above the threshold and copies their rows
-  into a staging buffer on a side stream, on a bounded grid, while the next chunks and
-  the top-k run (kernels/decode_stage.py). Nothing is allocated; the resolve's recall
-  takes staged rows device to device (EchoManager.resolve).
-- *allocating* (``staged=False``, the earlier design, kept for the A/B in
+- *in-kernel* (the runtime's default, ``in_kernel=True``): the fp8 logits kernel stages
+  each key block's misses above the threshold itself, into the request's region of a
+  staging buffer, while the other blocks are scored (kernels/logits_stage.py). No chunks,
+  no side-stream copies, nothing allocated; the resolve's recall takes staged rows
+  device to device (EchoManager.resolve).
+- *chunked* (``in_kernel=False``; the SGLang plugin's, whose logits are DeepGEMM's): the
+  logits run in ``chunks`` pieces of key positions; after each, ``stage`` selects the
+  chunk's misses above the threshold and copies their rows into the staging buffer on a
+  side stream, on a bounded grid, while the next chunks and the top-k run
+  (kernels/decode_stage.py).
+- *allocating* (``staged=False``, the first design, kept for the A/B in
   benchmark/kernels/decode_prefetch_bench.py): the fused logits kernel flags the
   candidates, ``launch`` maps them into cache slots and copies their rows on a side stream
   while the top-k runs.
@@ -32,6 +37,12 @@ from sglang_echo.kernels.decode_stage import (
     stage_copy_reference,
     stage_select,
     stage_select_reference,
+)
+from sglang_echo.kernels.logits_stage import (
+    StageBuffers,
+    fp8_index_logits_staged,
+    stage_scores,
+    stage_scores_reference,
 )
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.predictor import DecodeThresholdPredictor
@@ -60,6 +71,7 @@ class DecodePrefetcher:
         staged: bool = True,
         chunks: int = DEFAULT_STAGE_CHUNKS,
         side_priority: int = STAGE_STREAM_PRIORITY,
+        in_kernel: bool = True,
     ) -> None:
         if cap is None and staged:
             # Staged rows per request and layer (split over the chunks, a chunk's share
@@ -70,18 +82,27 @@ class DecodePrefetcher:
             cap = DEFAULT_DECODE_PREFETCH_CAP
         if cap < 1:
             raise ValueError(f"decode prefetch cap must be >= 1 candidate per request, got {cap}")
-        if staged and not 1 <= chunks <= cap:
+        in_kernel = staged and in_kernel
+        if staged and not in_kernel and not 1 <= chunks <= cap:
             raise ValueError(f"decode prefetch chunks must be in 1..cap ({cap}), got {chunks}")
         self.manager = manager
         self.cap = int(cap)
         self.max_rows = int(max_rows)
         self.staged = staged
+        self.in_kernel = in_kernel
         self.side_priority = int(side_priority)
         layers = manager.cache.num_layers
         self.predictors = [
             DecodeThresholdPredictor(max_rows, manager.device, alpha) for _ in range(layers)
         ]
-        if staged:
+        self._side: torch.cuda.Stream | None = None
+        if in_kernel:
+            c = manager.cache
+            self.chunks = 1
+            self.stage_buffers = StageBuffers(
+                self.max_rows, self.cap, c.row_dim, c.rows.dtype, c.host_tokens, manager.device
+            )
+        elif staged:
             self.chunks = int(chunks)
             self.chunk_cap = self.cap // self.chunks
             self._build_staging()
@@ -96,7 +117,6 @@ class DecodePrefetcher:
         self.stage_ids = torch.full((entries,), -1, dtype=torch.int64, device=dev)
         self.stage_counts = torch.zeros(self.chunks, dtype=torch.int32, device=dev)
         self.stage_map = torch.zeros(c.host_tokens + 2, dtype=torch.int32, device=dev)
-        self._side: torch.cuda.Stream | None = None
 
     @property
     def nbytes(self) -> int:
@@ -104,6 +124,8 @@ class DecodePrefetcher:
         thresholds are a few bytes per request row."""
         if not self.staged:
             return 0
+        if self.in_kernel:
+            return self.stage_buffers.nbytes
         buffers = (self.stage_rows, self.stage_ids, self.stage_counts, self.stage_map)
         return sum(t.nbytes for t in buffers)
 
@@ -113,6 +135,36 @@ class DecodePrefetcher:
         per_chunk = -(-length // self.chunks)
         per = -(-per_chunk // span) * span
         return [(s, min(s + per, length)) for s in range(0, length, per)] or [(0, 0)]
+
+    def stage_logits(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        key_scales: torch.Tensor,
+        locs: torch.Tensor,
+        seq_lens: torch.Tensor,
+        theta: torch.Tensor,
+    ) -> torch.Tensor:
+        """In-kernel design: the fp8 logits [B, L] (kernels.indexer.fp8_index_logits's
+        arguments and bits), each request's misses above ``theta`` staged by the same
+        launch, on the current stream."""
+        m = self.manager
+        self._check_batch(q.shape[0])
+        return fp8_index_logits_staged(
+            q, weights, keys, key_scales, locs, seq_lens, theta, m.cache.host_to_device[layer],
+            self._host_rows(layer), self.stage_buffers, m.prefetched_rows[layer : layer + 1],
+        )  # fmt: skip
+
+    def _check_batch(self, batch: int) -> None:
+        if batch > self.max_rows:
+            raise ValueError(f"decode batch of {batch} exceeds the {self.max_rows} request rows")
+
+    def _host_rows(self, layer: int) -> torch.Tensor:
+        m = self.manager
+        host = m.host_view if m.host_view is not None else m.host.rows
+        return host[layer]
 
     def stage(
         self,
@@ -131,8 +183,16 @@ class DecodePrefetcher:
         layer's staging to the manager. Elsewhere: synchronous, in torch."""
         m = self.manager
         batch = scores.shape[0]
-        if batch > self.max_rows:
-            raise ValueError(f"decode batch of {batch} exceeds the {self.max_rows} request rows")
+        self._check_batch(batch)
+        if self.in_kernel:  # scores computed elsewhere (the bf16 indexer): one pass, here
+            if chunk != 0 or start != 0:
+                raise ValueError("the in-kernel design stages a step's scores in one pass")
+            stage = stage_scores if m.use_kernels else stage_scores_reference
+            stage(
+                scores[:, :end], locs, seq_lens, theta, m.cache.host_to_device[layer],
+                self._host_rows(layer), self.stage_buffers, m.prefetched_rows[layer : layer + 1],
+            )  # fmt: skip
+            return
         # A chunk's region: its share of the buffer, of which this batch may fill
         # ``limit`` rows (rows per request x requests), in any split between requests.
         stride = self.max_rows * self.chunk_cap
@@ -141,9 +201,16 @@ class DecodePrefetcher:
         h2d = m.cache.host_to_device[layer]
         args = (scores, locs, seq_lens, theta, h2d, start, end, self.stage_ids, count,
                 self.stage_map, region, limit)  # fmt: skip
-        host = m.host_view if m.host_view is not None else m.host.rows
         total = m.prefetched_rows[layer : layer + 1]
-        copy_args = (host[layer], self.stage_rows, self.stage_ids, count, total, region, limit)
+        copy_args = (
+            self._host_rows(layer),
+            self.stage_rows,
+            self.stage_ids,
+            count,
+            total,
+            region,
+            limit,
+        )
         side = self._side_stream()
         if side is None:
             if chunk == 0:
@@ -168,8 +235,9 @@ class DecodePrefetcher:
     ) -> None:
         """After the exact top-k of a staged step: the thresholds learn its k-th scores
         (:meth:`observe_topk`) and the layer's staging goes to the manager, whose resolve
-        waits for the copies before its recall. On CUDA both run on the side stream: the
-        threshold update leaves the main stream's critical path."""
+        waits for the chunked design's copies before its recall. On CUDA the threshold
+        update runs on the side stream, off the main stream's critical path; in the
+        in-kernel design the resolve joins it only after its recall."""
         m = self.manager
         staged = self.staged_rows(layer, positions.shape[0])
         side = self._side_stream()
@@ -182,7 +250,10 @@ class DecodePrefetcher:
             self.observe_topk(layer, scores, positions, rows)
             done = torch.cuda.Event()
             done.record(side)
-        m.stage_ready(layer, staged, done)
+        if self.in_kernel:  # the staging is complete (the logits kernel wrote it)
+            m.stage_ready(layer, staged, None, joined=done)
+        else:
+            m.stage_ready(layer, staged, done)
         _used_on(side, scores, positions, rows)
 
     def region_limit(self, batch: int) -> int:
@@ -194,6 +265,8 @@ class DecodePrefetcher:
         """The staging of ``layer``'s current step (a batch of ``batch`` requests) as the
         recall reads it."""
         m = self.manager
+        if self.in_kernel:
+            return self.stage_buffers.view(m.prefetch_hits[layer : layer + 1])
         return StagedRows(
             self.stage_rows, self.stage_map, self.stage_ids, self.stage_counts,
             self.max_rows * self.chunk_cap, self.region_limit(batch),

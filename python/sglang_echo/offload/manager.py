@@ -37,6 +37,8 @@ from sglang_echo.kernels.release import release_kernel, release_reference
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 
+_Event = torch.cuda.Event | None  # a side stream's event; None: nothing to wait for
+
 
 @dataclass
 class _PendingPrefetch:
@@ -85,7 +87,7 @@ class EchoManager:
         self._pending: dict[int, _PendingPrefetch] = {}
         # Staged decode prefetch (offload/decode_prefetcher.py): per layer, the staging
         # the next resolve's recall reads and the side stream's event after its work.
-        self._staged: dict[int, tuple[StagedRows, torch.cuda.Event | None]] = {}
+        self._staged: dict[int, tuple[StagedRows, _Event, _Event]] = {}
         i64 = dict(dtype=torch.int64, device=self.device)
         self.prefetched_rows = torch.zeros(cache.num_layers, **i64)  # rows prefetched
         self.prefetch_hits = torch.zeros(cache.num_layers, **i64)  # ... and then selected
@@ -216,12 +218,14 @@ class EchoManager:
             # Before our copies: a slot the prefetch is still filling may have just been
             # handed to one of our misses (an unselected prefetch is evictable).
             stream.wait_event(pending.copied)
-        staged, copied = self._staged.pop(layer, (None, None))
+        staged, copied, joined = self._staged.pop(layer, (None, None, None))
         if copied is not None:
             # The allocation above may run while rows are still being staged (staging
             # touches no cache state); the recall reads the staging buffer.
             stream.wait_event(copied)
         self._recall(layer, alloc, staged)
+        if joined is not None:
+            stream.wait_event(joined)  # the side stream's work ran beside the resolve
         if pending is not None:
             self._count_prefetch_hits(layer, pending)
         return alloc.slots.view(locs.shape)
@@ -250,10 +254,20 @@ class EchoManager:
         c.rows[layer].index_copy_(0, slots, rows)
 
     # ------------------------------------------------------------- staged prefetch
-    def stage_ready(self, layer: int, staged: StagedRows, copied: torch.cuda.Event | None) -> None:
+    def stage_ready(
+        self,
+        layer: int,
+        staged: StagedRows,
+        copied: torch.cuda.Event | None,
+        joined: torch.cuda.Event | None = None,
+    ) -> None:
         """The decode prefetch staged rows for ``layer``'s coming resolve; ``copied``: the
-        side stream's event after its copies (None: already done)."""
-        self._staged[layer] = (staged, copied)
+        side stream's event after its copies, which the recall waits for (None: already
+        done); ``joined``: side-stream work the recall does not need (the threshold
+        update), which the stream waits for after the recall, so that it runs beside the
+        resolve and is still joined before the step ends (a CUDA graph's capture needs
+        every forked stream joined)."""
+        self._staged[layer] = (staged, copied, joined)
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(

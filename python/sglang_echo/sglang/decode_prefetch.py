@@ -4,8 +4,9 @@ predicted misses from sglang's own indexer logits while its exact top-k runs.
 Why this shape: a decode step's top-k must stay the one sglang computes from DeepGEMM's
 paged logits, or outputs would differ from the same server without ECHO. So nothing here
 computes logits or changes the top-k. Between the logits and the top-k (sglang's
-``metadata.topk_transform``), the staged design of ``offload/decode_prefetcher.py`` runs
-with one chunk:
+``metadata.topk_transform``), the chunked staged design of
+``offload/decode_prefetcher.py`` runs with one chunk (the runtime's in-kernel design
+stages from inside its own logits kernel, which sglang's DeepGEMM logits are not):
 
 1. On a side stream, select each request's keys that score above its predicted threshold
    (EMA of its previous k-th scores) and are not resident.
@@ -59,7 +60,10 @@ class PluginDecodePrefetch:
         """``req_to_host`` [request slots, positions] host ids (-1 none), sglang's
         ``req_to_host_pool``; ``num_real_reqs`` the step's real request count (a device
         scalar the model runner fills); ``max_rows`` the request slots."""
-        self.prefetcher = DecodePrefetcher(manager, max_rows, chunks=PLUGIN_STAGE_CHUNKS)
+        # The chunked design: sglang's logits are DeepGEMM's, so they cannot stage.
+        self.prefetcher = DecodePrefetcher(
+            manager, max_rows, chunks=PLUGIN_STAGE_CHUNKS, in_kernel=False
+        )
         self.req_to_host = req_to_host
         self.num_real_reqs = num_real_reqs
         self.scratch_row = self.prefetcher.predictors[0].scratch_row
