@@ -124,8 +124,9 @@ run_stage() {
         tests/test_kernel_decode_stage.py tests/test_kernel_logits_stage.py tests/test_kernel_decode_prefetch.py tests/test_kernel_recall.py \
         tests/test_kernel_indexer.py && python3 benchmark/kernels/decode_prefetch_bench.py --out /tmp/ds/decode_stage" ;;
     prefetch_tests)  # the CUDA tests of decode prefetch: lossless through the runtime's decode
-      # graphs (the staged prefetch on a side stream, under eviction) and the kernels at DeepSeek shapes
-      stage prefetch_tests 300 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py \
+      # graphs (both staged designs, under eviction) and the kernels at DeepSeek shapes; ~70 s
+      # per graph case (8 of them): past 300 s on fa294dc, so most of a call
+      stage prefetch_tests 560 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py \
         -k "lossless_cuda_graph_decode or fused_prefetch or staged_logits" ;;
     prefetch_study)  # the decode prefetch under its rule (auto, the default) end to end: echo_paper beside
       # echo_noprefetch (off) and no-offload at the paper's setting and the random-keys run

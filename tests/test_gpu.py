@@ -120,9 +120,15 @@ def _lossless_pair(
     width = max(len(p) for p in prompts) + new_tokens
     n_g = EchoConfig().min_dev_cache_size(batch_size, cfg.index_topk, min(chunk, cap))
     # fuse_decode: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 (decode prefetch on a side stream)
-    # and, with it, SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1 (prefill prefetch, same stream).
+    # and, with it, SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1 (prefill prefetch, same stream);
+    # "in_kernel": "1" in the in-kernel design (EchoConfig.decode_stage_in_kernel).
+    in_kernel = fuse_decode == "in_kernel"
     echo_cfg = EchoConfig(
-        offload=True, dev_cache_size=n_g, fuse_decode=fuse_decode, fuse_extend=bool(fuse_decode)
+        offload=True,
+        dev_cache_size=n_g,
+        fuse_decode=True if in_kernel else fuse_decode,
+        fuse_extend=bool(fuse_decode),
+        decode_stage_in_kernel=True if in_kernel else None,
     )
     echo = echo_cache_for_model(echo_cfg, cfg, cap, dtype, "cuda")
     assert echo.host.pinned and echo.manager.graph_safe, "pinned host pool must have a UVA view"
@@ -166,7 +172,7 @@ def _install_sync_check(cache: EchoKVCache) -> None:
         setattr(manager, op, checked)
 
 
-@pytest.mark.parametrize("fuse_decode", [False, True, "auto"])
+@pytest.mark.parametrize("fuse_decode", [False, True, "auto", "in_kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
     import random
@@ -197,7 +203,12 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
         model, _prompts(3, [40, 70, 25]), 12, 3, 32, use_graph=False, sync_check=True,
         fuse_decode=fuse_decode,
     )  # fmt: skip
-    suffix = {False: "", True: "/prefetch", "auto": "/prefetch_auto"}[fuse_decode]
+    suffix = {
+        False: "",
+        True: "/prefetch",
+        "auto": "/prefetch_auto",
+        "in_kernel": "/prefetch_in_kernel",
+    }[fuse_decode]
     _save(
         f"lossless_graph/{str(dtype).split('.')[-1]}{suffix}",
         {"graph_runs": reports, "eager_sync_checked": eager},

@@ -220,24 +220,32 @@ def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed, in_kernel):
 
 def test_stats_count_the_staging_buffer():
     """The start-up log's device bytes include the staging buffer when decode prefetch is
-    on: request rows x rows per request x row bytes, plus its index (the runtime's
-    in-kernel design: a region and a counter per request row)."""
+    on: request rows x rows per request x row bytes, plus its index (a counter per chunk in
+    the default chunked design, per request row in the in-kernel one)."""
     from sglang_echo.config import EchoConfig
     from sglang_echo.offload.echo_cache import EchoKVCache
 
-    def cache(mode: str) -> EchoKVCache:
-        config = EchoConfig(offload=True, dev_cache_size=64, fuse_decode=mode)
+    def cache(mode: str, in_kernel: bool | None = None) -> EchoKVCache:
+        config = EchoConfig(
+            offload=True, dev_cache_size=64, fuse_decode=mode, decode_stage_in_kernel=in_kernel
+        )
         kv = EchoKVCache(config, 2, 100, 16, 8, torch.float32, DEV, pin=False)
         kv.bind_request_rows(4)
         return kv
 
     off, on = cache("0"), cache("auto")
     p = on.decode_prefetcher
-    assert p.in_kernel
-    rows = p.stage_buffers.rows.shape[0]
+    assert not p.in_kernel  # the default design
+    rows = p.chunks * 4 * p.chunk_cap
     assert rows == 4 * p.cap  # rows x rows per request
-    want = rows * 16 * 4 + rows * 8 + 4 * 4 + (100 + 2) * 4
+    want = rows * 16 * 4 + rows * 8 + p.chunks * 4 + (100 + 2) * 4
     assert on.stats()["device_bytes"] - off.stats()["device_bytes"] == want == p.nbytes
+    in_kernel = cache("auto", in_kernel=True)
+    p = in_kernel.decode_prefetcher
+    rows = p.stage_buffers.rows.shape[0]
+    assert p.in_kernel and rows == 4 * p.cap
+    want = rows * 16 * 4 + rows * 8 + 4 * 4 + (100 + 2) * 4
+    assert in_kernel.stats()["device_bytes"] - off.stats()["device_bytes"] == want == p.nbytes
 
 
 def test_staged_rows_per_request_come_from_the_config():
@@ -256,7 +264,7 @@ def test_staged_rows_per_request_come_from_the_config():
 
     assert prefetcher(None).cap == default_stage_rows(16 * 4)  # float32 rows of 16
     small = prefetcher(6)
-    assert small.cap == 6 and small.stage_buffers.rows.shape[0] == 4 * 6
+    assert small.cap == 6 and small.stage_rows.shape[0] == small.chunks * 4 * small.chunk_cap
     with pytest.raises(ConfigError, match="decode_stage_rows"):
         EchoConfig(offload=True, decode_stage_rows=0)
 

@@ -6,22 +6,24 @@ One layer's decode indexer + cache step, through the production code: the model'
 cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
 
 - unfused: logits -> top-k -> resolve (look up, evict, allocate, recall the misses);
-- staged (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1, the runtime's in-kernel design): the
-  logits kernel stages each key block's misses scoring above the request's predicted
-  threshold into the request's region of a staging buffer while the other blocks are
-  scored (kernels/logits_stage.py) -> top-k -> resolve, whose recall takes staged rows
-  device to device;
-- chunked (the SGLang plugin's design, and the runtime's before): the logits in chunks of
-  key positions; after each, a side stream stages the chunk's misses into a staging
-  buffer (kernels/decode_stage.py, bounded grid) while the next chunks and the top-k run;
+- chunked (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1, the runtime's default design and the
+  SGLang plugin's): the logits in chunks of key positions; after each, a side stream
+  stages the chunk's misses scoring above the request's predicted threshold into a
+  staging buffer (kernels/decode_stage.py, bounded grid) while the next chunks and the
+  top-k run -> resolve, whose recall takes staged rows device to device;
+- in_kernel (EchoConfig.decode_stage_in_kernel): the logits kernel stages each key
+  block's misses into the request's region of a staging buffer while the other blocks
+  are scored (kernels/logits_stage.py; ``--stage-block-n`` keys a program) -> top-k ->
+  resolve, likewise;
 - fused (the first, allocating design, for the A/B): logits + flags
   (kernels/decode_prefetch.py) -> EchoManager.prefetch maps them and copies their rows on
   a side stream while the top-k runs -> resolve recalls only what is still missing.
 
-``speedup`` = unfused / staged (``chunked_speedup``: unfused / chunked). Figure 18's own
-definition (ECHO), top-k and cache management left out: (logits; recall of every miss)
-against (staged logits; the recall with the staging), ``fig18_speedup`` (and
-``fig18_chunked_speedup``).
+``speedup`` = unfused / the default design (``default_design``), ``chunked_speedup`` and
+``in_kernel_speedup`` each design's. Figure 18's own definition (ECHO), top-k and cache
+management left out: (logits; recall of every miss) against (logits with the in-kernel
+prefetch, ECHO's design; the recall with the staging), ``fig18_speedup``
+(``fig18_chunked_speedup``: the chunked logits and their side-stream copies instead).
 
 Thresholds come from two earlier steps (queries perturbed by ``--query-noise``) through
 the DecodeThresholdPredictor (EMA, alpha 0.5). Residency: a fraction ``hit`` of the
@@ -32,7 +34,7 @@ case checks that all variants select the same tokens and attention would read th
 bytes (= host rows), eagerly and from CUDA-graph replay. Times: CUDA events, warm-up,
 medians of graph replays in interleaved rounds (the range of the rounds recorded), cache
 state restored before every run (untimed); eager launches alongside.
-``slowdown_at_hit_1.0`` = staged / unfused with nothing selected to fetch.
+``slowdown_at_hit_1.0`` = the default design / unfused with nothing selected to fetch.
 
     PYTHONPATH=python python benchmark/kernels/decode_prefetch_bench.py --out benchmark/results
     python benchmark/kernels/decode_prefetch_bench.py --device cpu --smoke --out /tmp/dp  # CPU
@@ -75,7 +77,8 @@ def _parse() -> argparse.Namespace:
         default=None,
         help="staged rows per request (default: the prefetcher's for --row-bytes)",
     )
-    p.add_argument("--stage-chunks", type=int, default=None, help="logits chunks (staged)")
+    p.add_argument("--stage-chunks", type=int, default=None, help="logits chunks (chunked)")
+    p.add_argument("--stage-block-n", type=int, default=None, help="keys per program (in_kernel)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved graph-timing rounds")
     p.add_argument(
         "--stage-priority", type=int, default=None, help="staging stream priority (lower: higher)"
@@ -111,6 +114,7 @@ from sglang_echo.config import default_stage_rows  # noqa: E402
 from sglang_echo.kernels.cache_layout import ABSENT  # noqa: E402
 from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch  # noqa: E402
 from sglang_echo.kernels.indexer import fp8_index_logits, program_span  # noqa: E402
+from sglang_echo.kernels.logits_stage import STAGE_BLOCK_N  # noqa: E402
 from sglang_echo.kernels.recall import recall_rows  # noqa: E402
 from sglang_echo.model import indexer as indexer_module  # noqa: E402
 from sglang_echo.model.config import fp8_row_bytes  # noqa: E402
@@ -124,6 +128,7 @@ from sglang_echo.model.indexer import (  # noqa: E402
 )
 from sglang_echo.offload.decode_prefetcher import (  # noqa: E402
     DEFAULT_DECODE_PREFETCH_CAP,
+    DEFAULT_IN_KERNEL,
     DEFAULT_STAGE_CHUNKS,
     STAGE_STREAM_PRIORITY,
     DecodePrefetcher,
@@ -193,7 +198,13 @@ class Bench:
         )
         self.cap = self.prefetcher.cap_for(args.topk)  # candidates per request
         stage_cap = args.stage_cap or min(default_stage_rows(args.row_bytes), args.topk)
-        self.stager = DecodePrefetcher(self.manager, max_rows=B, cap=stage_cap, in_kernel=True)
+        self.stager = DecodePrefetcher(
+            self.manager,
+            max_rows=B,
+            cap=stage_cap,
+            in_kernel=True,
+            block_n=args.stage_block_n or STAGE_BLOCK_N,
+        )
         self.chunker = DecodePrefetcher(
             self.manager,
             max_rows=B,
@@ -294,7 +305,7 @@ class Bench:
         sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.prefetcher, 0)
         return sel, self.manager.resolve(0, sel)
 
-    def staged(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def in_kernel(self) -> tuple[torch.Tensor, torch.Tensor]:
         sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.stager, 0)
         return sel, self.manager.resolve(0, sel)
 
@@ -308,7 +319,7 @@ class Bench:
         self.logits(self.q)
         recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses)
 
-    def fig18_staged(self) -> None:
+    def fig18_in_kernel(self) -> None:
         keys, scales = unpack_fp8_rows(self.key_rows, self.args.dim)
         lens = (self.batch.positions + 1).to(torch.int32)
         theta = self.stager.theta(0, self.rows_of)
@@ -411,7 +422,10 @@ def capture(bench: Bench, fn, stream) -> torch.cuda.CUDAGraph:
     return graph
 
 
-GRAPHED = ("unfused", "fused", "staged", "chunked", "fig18_plain", "fig18_staged", "fig18_chunked")
+GRAPHED = (
+    "unfused", "fused", "chunked", "in_kernel", "fig18_plain", "fig18_in_kernel", "fig18_chunked"
+)  # fmt: skip
+DEFAULT_DESIGN = "in_kernel" if DEFAULT_IN_KERNEL else "chunked"
 
 
 def graph_times(bench: Bench, row: dict, sel_u, want, stream, args) -> bool:
@@ -448,8 +462,12 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     # Correct first: same selections, and the rows attention reads are the host rows.
     sel_u, rows_u, cnt_u = bench.run_checked(bench.unfused)
     sel_f, rows_f, cnt_f = bench.run_checked(bench.fused)
-    sel_s, rows_s, cnt_s = bench.run_checked(bench.staged)
+    sel_s, rows_s, cnt_s = bench.run_checked(bench.in_kernel)
     sel_c, rows_c, cnt_c = bench.run_checked(bench.chunked)
+    if DEFAULT_DESIGN == "chunked":  # the staged_* figures are the default design's
+        cnt_s, cnt_i = cnt_c, cnt_s
+    else:
+        cnt_i = cnt_s
     want = bench.expected_rows(sel_u)
     ok = all(torch.equal(sel_u, s) for s in (sel_f, sel_s, sel_c))
     ok = ok and all(torch.equal(r, want) for r in (rows_u, rows_f, rows_s, rows_c))
@@ -465,16 +483,17 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
         staged_used=cnt_s["prefetch_hits"],
         staged_remaining=cnt_s["misses"] - cnt_s["prefetch_hits"],
         stage_cap=bench.stager.cap,
-        chunked_rows=cnt_c["prefetched"],
-        chunked_used=cnt_c["prefetch_hits"],
+        in_kernel_rows=cnt_i["prefetched"],
+        in_kernel_used=cnt_i["prefetch_hits"],
         stage_chunks=bench.chunker.chunks,
+        stage_block_n=bench.stager.block_n,
     )
     w, r = args.warmup, args.reps
     row["unfused_ms"] = time_ms(bench, bench.unfused, w, r)
     row["fused_ms"] = time_ms(bench, bench.fused, w, r)
-    row["staged_ms"] = time_ms(bench, bench.staged, w, r)
+    row["in_kernel_ms"] = time_ms(bench, bench.in_kernel, w, r)
     row["chunked_ms"] = time_ms(bench, bench.chunked, w, r)
-    row["speedup_eager"] = row["unfused_ms"] / row["staged_ms"]
+    row["speedup_eager"] = row["unfused_ms"] / row[f"{DEFAULT_DESIGN}_ms"]
     row["alloc_speedup_eager"] = row["unfused_ms"] / row["fused_ms"]
     # Components (stateless): logits alone, logits + flags alone, top-k alone, the
     # unfused recall alone (its miss count, into distinct slots).
@@ -513,7 +532,7 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
         bench, lambda: recall_rows(host, bench.cache.rows[0], misses, slots, count), w, r
     )
     # Figure 18's staged paths move every miss's row (from the staging or the host).
-    for fig18 in (bench.fig18_staged, bench.fig18_chunked):
+    for fig18 in (bench.fig18_in_kernel, bench.fig18_chunked):
         bench.restore()
         bench.scratch_rows.zero_()
         fig18()
@@ -523,14 +542,15 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     if args.graphs and bench.cuda:
         try:
             ok = ok and graph_times(bench, row, sel_u, want, stream, args)
-            row["speedup"] = row["unfused_graph_ms"] / row["staged_graph_ms"]
+            row["speedup"] = row["unfused_graph_ms"] / row[f"{DEFAULT_DESIGN}_graph_ms"]
+            row["in_kernel_speedup"] = row["unfused_graph_ms"] / row["in_kernel_graph_ms"]
             row["alloc_speedup"] = row["unfused_graph_ms"] / row["fused_graph_ms"]
             row["chunked_speedup"] = row["unfused_graph_ms"] / row["chunked_graph_ms"]
-            row["fig18_speedup"] = row["fig18_plain_graph_ms"] / row["fig18_staged_graph_ms"]
+            row["fig18_speedup"] = row["fig18_plain_graph_ms"] / row["fig18_in_kernel_graph_ms"]
             fig18_chunked = row["fig18_chunked_graph_ms"]
             row["fig18_chunked_speedup"] = row["fig18_plain_graph_ms"] / fig18_chunked
             lo_u, hi_u = row["unfused_graph_ms_range"]
-            lo_s, hi_s = row["staged_graph_ms_range"]
+            lo_s, hi_s = row[f"{DEFAULT_DESIGN}_graph_ms_range"]
             row["speedup_range"] = [lo_u / hi_s, hi_u / lo_s]
         except RuntimeError as exc:  # keep the eager results; say why graphs are missing
             row["graph_error"] = str(exc)[:300]
@@ -548,8 +568,8 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
     labels = [f"hit {r['hit_rate']}" for r in rows]
     x = list(range(len(rows)))
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    names = ("unfused", "fused", "chunked", "staged")
-    labels_of = {"fused": "allocating", "chunked": "chunked staging", "staged": "in-kernel staging"}
+    names = ("unfused", "fused", "chunked", "in_kernel")
+    labels_of = {"fused": "allocating", "chunked": "chunked staging", "in_kernel": "in-kernel"}
     for k, name in enumerate(names):
         label = labels_of.get(name, name)
         a.bar([i + 0.2 * (k - 1.5) for i in x], [r[name + suffix] for r in rows], 0.2, label=label)
@@ -561,7 +581,7 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
         b.plot(x, [r["fig18_speedup"] for r in rows], "rx", label="Figure 18's definition")
     b.axhline(1.0, color="k", lw=0.8)
     b.set_xticks(x, labels)
-    b.set_ylabel("unfused / staged")
+    b.set_ylabel(f"unfused / {DEFAULT_DESIGN}")
     b.legend()
     fig.suptitle(f"Decode intra-query prefetch ({device})")
     fig.tight_layout()
@@ -576,7 +596,7 @@ def profile(bench: Bench, hits: str, stream) -> None:
 
     for hit in (float(h) for h in hits.split(",")):
         bench.set_residency(hit)
-        for name in ("unfused", "chunked", "staged"):
+        for name in ("unfused", "chunked", "in_kernel"):
             graph = capture(bench, getattr(bench, name), stream)
             bench.restore(rows=True)
             graph.replay()
@@ -622,8 +642,8 @@ def main() -> None:
     )
     head = (
         f"{'hit':>5} {'logits':>7} {'recall rows':>11} {'MB':>6} {'recall':>7} {'unfused':>8} "
-        f"{'fused':>8} {'chunked':>8} {'staged':>7} {'used':>6} {'remain':>6} {'staged':>8} "
-        f"{'speedup':>7} {'fig18':>6} {'chunked':>7} {'fig18c':>6} {'alloc':>6} ok"
+        f"{'fused':>8} {'staged':>7} {'used':>6} {'remain':>6} {'chunked':>8} {'in_kern':>8} "
+        f"{'speedup':>7} {'in_kern':>7} {'fig18':>6} {'fig18c':>6} {'alloc':>6} ok"
     )
     print("ms; step totals are CUDA-graph replays where available (fused: allocating design)")
     print(head)
@@ -634,10 +654,11 @@ def main() -> None:
         g = lambda k, r=r: r.get(f"{k}_graph_ms", r[f"{k}_ms"])  # noqa: E731
         print(
             f"{hit:>5} {r['logits_ms']:>7.3f} {r['recall_rows']:>11} {r['recall_MB']:>6.2f} "
-            f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {g('fused'):>8.3f} {g('chunked'):>8.3f} "
+            f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {g('fused'):>8.3f} "
             f"{r['staged_rows']:>7} {r['staged_used']:>6} {r['staged_remaining']:>6} "
-            f"{g('staged'):>8.3f} {r['speedup']:>7.3f} {r.get('fig18_speedup', 0):>6.3f} "
-            f"{r.get('chunked_speedup', 0):>7.3f} {r.get('fig18_chunked_speedup', 0):>6.3f} "
+            f"{g('chunked'):>8.3f} {g('in_kernel'):>8.3f} {r['speedup']:>7.3f} "
+            f"{r.get('in_kernel_speedup', 0):>7.3f} {r.get('fig18_speedup', 0):>6.3f} "
+            f"{r.get('fig18_chunked_speedup', 0):>6.3f} "
             f"{r.get('alloc_speedup', r['alloc_speedup_eager']):>6.3f} {r['correct']}",
             flush=True,
         )
@@ -649,18 +670,21 @@ def main() -> None:
     metrics = {
         **{f"speedup_at_hit_{h}": r["speedup"] for h, r in by_hit.items() if h < 1.0},
         "slowdown_at_hit_1.0": 1 / by_hit[1.0]["speedup"] if 1.0 in by_hit else None,
-        "design": "staged in-kernel (kernels/logits_stage.py); chunked_* is the chunked "
-        "staging (kernels/decode_stage.py), alloc_* the allocating design",
+        "default_design": DEFAULT_DESIGN,
+        "design": "speedup: the default design; chunked (kernels/decode_stage.py), in_kernel "
+        "(kernels/logits_stage.py), alloc_* the allocating design; fig18: in_kernel",
         "speedup_range": {f"hit_{h}": r.get("speedup_range") for h, r in by_hit.items()},
         "fig18_speedup": {f"hit_{h}": r.get("fig18_speedup") for h, r in by_hit.items()},
         "alloc_speedup": {f"hit_{h}": r.get("alloc_speedup") for h, r in by_hit.items()},
         "chunked_speedup": {f"hit_{h}": r.get("chunked_speedup") for h, r in by_hit.items()},
+        "in_kernel_speedup": {f"hit_{h}": r.get("in_kernel_speedup") for h, r in by_hit.items()},
         "fig18_chunked_speedup": {
             f"hit_{h}": r.get("fig18_chunked_speedup") for h, r in by_hit.items()
         },
         "stage_cap": bench.stager.cap,
         "stage_chunks": bench.chunker.chunks,
         "stage_stream_priority": bench.chunker.side_priority,
+        "stage_block_n": bench.stager.block_n,
         "rounds": args.rounds,
         "speedup_basis": "CUDA-graph replay (device time)" if graphs else "eager launches",
         "speedup_eager": {f"hit_{h}": r["speedup_eager"] for h, r in by_hit.items()},

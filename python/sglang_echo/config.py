@@ -325,6 +325,10 @@ class EchoConfig:
     # Decode prefetch: staged rows per request and layer (None: default_stage_rows of the
     # cache rows' bytes); benchmarks set it to measure that default.
     decode_stage_rows: int | None = None
+    # Decode prefetch design: True stages from inside the fp8 logits kernel, False in
+    # chunks on a side stream (None: offload/decode_prefetcher.py's DEFAULT_IN_KERNEL);
+    # benchmarks and tests set it to measure and check both.
+    decode_stage_in_kernel: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fuse_decode", decode_prefetch_mode(self.fuse_decode))

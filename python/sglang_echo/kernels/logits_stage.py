@@ -47,6 +47,8 @@ from sglang_echo.kernels.indexer import (
     _fp8_logits_block,
 )
 
+# Keys per program of the staged logits kernel: the plain kernel's block (its bits).
+STAGE_BLOCK_N = DEFAULT_BLOCK_N
 COPY_PIECES = 128  # VEC-byte pieces a program copies per iteration (2 KB at 16-byte pieces)
 SCORES_TILE = 1024  # positions per program of stage_scores
 
@@ -203,7 +205,7 @@ def fp8_index_logits_staged(
     host_rows: torch.Tensor,
     stage: StageBuffers,
     total: torch.Tensor,
-    block_n: int = DEFAULT_BLOCK_N,
+    block_n: int = STAGE_BLOCK_N,
     num_warps: int = 4,
     num_stages: int = DEFAULT_NUM_STAGES,
 ) -> torch.Tensor:

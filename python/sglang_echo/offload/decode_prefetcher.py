@@ -4,12 +4,13 @@ section 6).
 Per decode step and layer, the indexer (model/indexer.py) asks for each request's
 threshold and scores the keys. Three designs:
 
-- *in-kernel* (the runtime's default, ``in_kernel=True``): the fp8 logits kernel stages
+- *in-kernel* (``in_kernel=True``): the fp8 logits kernel stages
   each key block's misses above the threshold itself, into the request's region of a
   staging buffer, while the other blocks are scored (kernels/logits_stage.py). No chunks,
   no side-stream copies, nothing allocated; the resolve's recall takes staged rows
   device to device (EchoManager.resolve).
-- *chunked* (``in_kernel=False``; the SGLang plugin's, whose logits are DeepGEMM's): the
+- *chunked* (``in_kernel=False``, the runtime's default, ``DEFAULT_IN_KERNEL``; the SGLang
+  plugin's, whose logits are DeepGEMM's): the
   logits run in ``chunks`` pieces of key positions; after each, ``stage`` selects the
   chunk's misses above the threshold and copies their rows into the staging buffer on a
   side stream, on a bounded grid, while the next chunks and the top-k run
@@ -39,6 +40,7 @@ from sglang_echo.kernels.decode_stage import (
     stage_select_reference,
 )
 from sglang_echo.kernels.logits_stage import (
+    STAGE_BLOCK_N,
     StageBuffers,
     fp8_index_logits_staged,
     stage_scores,
@@ -59,6 +61,13 @@ DEFAULT_STAGE_CHUNKS = 2
 # select and copy are queued behind the next chunk's logits programs, which fill every
 # SM: at equal priority they ran only once the logits drained (H200 profile, a192da2).
 STAGE_STREAM_PRIORITY = -10
+# The runtime's design (EchoConfig.decode_stage_in_kernel overrides it). On an H200 (batch
+# 16 x 128K, fa294dc) the chunked design's whole step was faster where the prefetch runs
+# (1.20x / 1.17x / 1.05x over none at hit 0.5 / 0.8 / 0.9, against 1.18x / 1.09x / 1.01x):
+# its copies overlap the top-k too, while the in-kernel copies stall logits programs (two
+# resident per SM at 128 keys a program) and end with the logits. The in-kernel design
+# wins Figure 18's definition (logits + recall alone): 1.25x against 0.98x at hit 0.5.
+DEFAULT_IN_KERNEL = False
 
 
 class DecodePrefetcher:
@@ -71,7 +80,8 @@ class DecodePrefetcher:
         staged: bool = True,
         chunks: int = DEFAULT_STAGE_CHUNKS,
         side_priority: int = STAGE_STREAM_PRIORITY,
-        in_kernel: bool = True,
+        in_kernel: bool = DEFAULT_IN_KERNEL,
+        block_n: int = STAGE_BLOCK_N,
     ) -> None:
         if cap is None and staged:
             # Staged rows per request and layer (split over the chunks, a chunk's share
@@ -90,6 +100,7 @@ class DecodePrefetcher:
         self.max_rows = int(max_rows)
         self.staged = staged
         self.in_kernel = in_kernel
+        self.block_n = int(block_n)  # keys per program of the in-kernel design's logits
         self.side_priority = int(side_priority)
         layers = manager.cache.num_layers
         self.predictors = [
@@ -155,6 +166,7 @@ class DecodePrefetcher:
         return fp8_index_logits_staged(
             q, weights, keys, key_scales, locs, seq_lens, theta, m.cache.host_to_device[layer],
             self._host_rows(layer), self.stage_buffers, m.prefetched_rows[layer : layer + 1],
+            block_n=self.block_n,
         )  # fmt: skip
 
     def _check_batch(self, batch: int) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
-from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
+from sglang_echo.offload.decode_prefetcher import DEFAULT_IN_KERNEL, DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
@@ -70,8 +70,12 @@ class EchoKVCache:
         """The request table has ``max_rows`` rows: size the per-request prefetch state
         (once, before any step, so captured CUDA graphs keep their tensors)."""
         if self.config.fuse_decode != "0" and self.decode_prefetcher is None:
+            in_kernel = self.config.decode_stage_in_kernel
             self.decode_prefetcher = DecodePrefetcher(
-                self.manager, max_rows, cap=self.config.decode_stage_rows
+                self.manager,
+                max_rows,
+                cap=self.config.decode_stage_rows,
+                in_kernel=DEFAULT_IN_KERNEL if in_kernel is None else in_kernel,
             )
         if self.config.fuse_extend and self.prefill_prefetch is None:
             self.prefill_prefetch = PrefillPrefetcher(self.manager, max_rows)
