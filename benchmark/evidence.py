@@ -486,6 +486,11 @@ def decode_prefetch(d: dict, _r: Records) -> dict:
         "slowdown": f"{ratio(m['slowdown_at_hit_1.0'])} at hit 1.0",
         "alloc": at(m["alloc_speedup"], keys),
         "fig18": at(m["fig18_speedup"], keys),
+        # Records before 58a4eb4 timed one staged design (chunked) and had no per-design keys.
+        "in_kernel": at(m["in_kernel_speedup"], keys) if "in_kernel_speedup" in m else "not timed",
+        "fig18_chunked": (
+            at(m["fig18_chunked_speedup"], keys) if "fig18_chunked_speedup" in m else "not timed"
+        ),
         "ranges": "; ".join(f"{'-'.join(f2(x) for x in m['speedup_range'][k])}" for k in keys),
     }
     c = by_hit[0.9 if 0.9 in by_hit else sorted(by_hit)[len(by_hit) // 2]]
@@ -1009,12 +1014,13 @@ EVIDENCE: tuple[Row, ...] = (
         rec("decode_prefetch.json"),
         (
             "batch {metrics.batch} x {metrics.context:n} context, {metrics.row_bytes}-byte rows: the staged prefetch "
-            "({metrics.stage_chunks} logits chunks, {metrics.stage_cap:n} staged rows per request) over none "
-            "{@decode_prefetch.speedup} (ranges over {metrics.rounds} interleaved rounds {@decode_prefetch.ranges}), "
-            "slowdown {@decode_prefetch.slowdown} (replayed)",
-            "the allocating design it replaced, same run: {@decode_prefetch.alloc}",
-            "Figure 18's definition (logits + recall of every miss, top-k and cache management left out): "
-            "{@decode_prefetch.fig18}",
+            "in the default design ({metrics.default_design}: {metrics.stage_chunks} logits chunks, {metrics.stage_cap:n} "
+            "staged rows per request) over none {@decode_prefetch.speedup} (ranges over {metrics.rounds} interleaved "
+            "rounds {@decode_prefetch.ranges}), slowdown {@decode_prefetch.slowdown} (replayed)",
+            "the in-kernel design (the logits kernel stages and copies, {metrics.stage_block_n} keys a program), same "
+            "run: {@decode_prefetch.in_kernel}; the allocating design: {@decode_prefetch.alloc}",
+            "Figure 18's definition (logits + recall of every miss, top-k and cache management left out), the "
+            "in-kernel design as ECHO's: {@decode_prefetch.fig18}; the chunked design: {@decode_prefetch.fig18_chunked}",
             "step at hit {@decode_prefetch.case.hit_rate:g}: logits {@decode_prefetch.case.logits_ms:ms} ms, top-k "
             "{@decode_prefetch.case.topk_ms:ms} ms, recall {@decode_prefetch.case.recall_ms:ms} ms of "
             "{@decode_prefetch.case.unfused_graph_ms:ms} ms; {@decode_prefetch.case.staged_rows:n} rows staged, "

@@ -275,7 +275,7 @@ def test_staged_logits_at_deepseek_shapes():
     from sglang_echo.offload.host_pool import HostKVPool
 
     g = torch.Generator(device="cuda").manual_seed(1)
-    batch, heads, dim, length, cap, row_bytes = 16, 64, 128, 8192, 896, 656
+    batch, heads, dim, length, cap, row_bytes = 16, 64, 128, 8192, 512, 656
     n_keys = batch * length + 2
     q = torch.randn(batch, heads, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
     keys = torch.randn(n_keys, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
@@ -285,7 +285,7 @@ def test_staged_logits_at_deepseek_shapes():
     locs = locs.view(batch, length)
     lens = torch.randint(length // 2, length + 1, (batch,), device="cuda", generator=g)
     lens = lens.to(torch.int32)
-    lens[0] = length  # row 0 (theta -inf) flags ~10% of 8192 absent keys: the region binds
+    lens[0] = length  # row 0 (theta -inf) flags ~10% of 8192 absent keys: its region binds
     resident = torch.rand(n_keys, device="cuda", generator=g) < 0.9
     ids = torch.arange(n_keys, device="cuda", dtype=torch.int32)
     h2d = torch.where(resident, ids, torch.full_like(ids, ABSENT))
