@@ -227,18 +227,14 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
     print(json.dumps(reports, indent=1))
 
 
-def test_fused_prefetch_logits_bit_identical_at_deepseek_shapes():
-    """The fused decode kernel (logits + prefetch flags) against the plain logits kernel at
-    DeepSeek-V3.2 indexer shapes (64 heads x 128 dims), compiled for this GPU: the same
-    logits bit for bit, and the reference's candidates."""
+def _deepseek_indexer_inputs(g: torch.Generator) -> tuple:
+    """Decode indexer inputs at DeepSeek-V3.2 shapes (batch 16, 64 heads x 128 dims, 8192
+    positions), 90% of the keys resident, the plain kernel's logits, and thresholds at each
+    request's 2048th score except row 0's (-inf): row 0 flags ~10% of its 8192 keys
+    (absent ones), more than a 512-row list or region holds."""
     from sglang_echo.kernels.cache_layout import ABSENT
-    from sglang_echo.kernels.decode_prefetch import (
-        decode_prefetch_reference,
-        fp8_index_logits_prefetch,
-    )
     from sglang_echo.kernels.indexer import fp8_index_logits
 
-    g = torch.Generator(device="cuda").manual_seed(0)
     batch, heads, dim, length = 16, 64, 128, 8192
     n_keys = batch * length + 2
     q = torch.randn(batch, heads, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
@@ -249,13 +245,27 @@ def test_fused_prefetch_logits_bit_identical_at_deepseek_shapes():
     locs = locs.view(batch, length)
     lens = torch.randint(length // 2, length + 1, (batch,), device="cuda", generator=g)
     lens = lens.to(torch.int32)
-    lens[0] = length  # row 0 (theta -inf) flags ~10% of 8192 absent keys: the cap binds
+    lens[0] = length
     resident = torch.rand(n_keys, device="cuda", generator=g) < 0.9
     ids = torch.arange(n_keys, device="cuda", dtype=torch.int32)
     h2d = torch.where(resident, ids, torch.full_like(ids, ABSENT))
     plain = fp8_index_logits(q, w, keys, scales, locs, lens)
     theta = plain.sort(1, descending=True).values[:, 2047].contiguous()
     theta[0] = float("-inf")
+    return q, w, keys, scales, locs, lens, h2d, plain, theta
+
+
+def test_fused_prefetch_logits_bit_identical_at_deepseek_shapes():
+    """The fused decode kernel (logits + prefetch flags) against the plain logits kernel at
+    DeepSeek-V3.2 indexer shapes (64 heads x 128 dims), compiled for this GPU: the same
+    logits bit for bit, and the reference's candidates."""
+    from sglang_echo.kernels.decode_prefetch import (
+        decode_prefetch_reference,
+        fp8_index_logits_prefetch,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, w, keys, scales, locs, lens, h2d, plain, theta = _deepseek_indexer_inputs(g)
     got, cand = fp8_index_logits_prefetch(q, w, keys, scales, locs, lens, theta, h2d, 512)
     assert torch.equal(got, plain)
     ref = decode_prefetch_reference(got, locs, lens, theta, h2d, 512)
@@ -270,32 +280,16 @@ def test_staged_logits_at_deepseek_shapes():
     candidates (all of them where they fit, as many as fit where the region overflows),
     their rows equal the host rows, and the map points at entries holding them."""
     from sglang_echo.kernels.cache_layout import ABSENT
-    from sglang_echo.kernels.indexer import fp8_index_logits
     from sglang_echo.kernels.logits_stage import StageBuffers, fp8_index_logits_staged
     from sglang_echo.offload.host_pool import HostKVPool
 
     g = torch.Generator(device="cuda").manual_seed(1)
-    batch, heads, dim, length, cap, row_bytes = 16, 64, 128, 8192, 512, 656
-    n_keys = batch * length + 2
-    q = torch.randn(batch, heads, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
-    keys = torch.randn(n_keys, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
-    scales = torch.rand(n_keys, device="cuda", generator=g) + 0.5
-    w = torch.randn(batch, heads, device="cuda", generator=g)
-    locs = torch.randperm(n_keys - 2, device="cuda", generator=g)[: batch * length] + 1
-    locs = locs.view(batch, length)
-    lens = torch.randint(length // 2, length + 1, (batch,), device="cuda", generator=g)
-    lens = lens.to(torch.int32)
-    lens[0] = length  # row 0 (theta -inf) flags ~10% of 8192 absent keys: its region binds
-    resident = torch.rand(n_keys, device="cuda", generator=g) < 0.9
-    ids = torch.arange(n_keys, device="cuda", dtype=torch.int32)
-    h2d = torch.where(resident, ids, torch.full_like(ids, ABSENT))
+    q, w, keys, scales, locs, lens, h2d, plain, theta = _deepseek_indexer_inputs(g)
+    (batch, length), n_keys, cap, row_bytes = locs.shape, keys.shape[0], 512, 656
     host = HostKVPool(1, n_keys, row_bytes, torch.uint8, pin=True)
     host.device_view[0].copy_(
         torch.randint(0, 256, (n_keys + 2, row_bytes), device="cuda", generator=g).to(torch.uint8)
     )
-    plain = fp8_index_logits(q, w, keys, scales, locs, lens)
-    theta = plain.sort(1, descending=True).values[:, 2047].contiguous()
-    theta[0] = float("-inf")
     stage = StageBuffers(batch, cap, row_bytes, torch.uint8, n_keys, "cuda")
     total = torch.zeros(1, dtype=torch.int64, device="cuda")
     got = fp8_index_logits_staged(
