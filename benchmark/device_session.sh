@@ -18,7 +18,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_study prefetch_rows indexer_profile cache cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_tests_in_kernel prefetch_study prefetch_rows indexer_profile cache cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -124,10 +124,14 @@ run_stage() {
         tests/test_kernel_decode_stage.py tests/test_kernel_logits_stage.py tests/test_kernel_decode_prefetch.py tests/test_kernel_recall.py \
         tests/test_kernel_indexer.py && python3 benchmark/kernels/decode_prefetch_bench.py --out /tmp/ds/decode_stage" ;;
     prefetch_tests)  # the CUDA tests of decode prefetch: lossless through the runtime's decode
-      # graphs (both staged designs, under eviction) and the kernels at DeepSeek shapes; ~70 s
-      # per graph case (8 of them): past 300 s on fa294dc, so most of a call
-      stage prefetch_tests 560 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py \
-        -k "lossless_cuda_graph_decode or fused_prefetch or staged_logits" ;;
+      # graphs (off, the chunked default, auto; under eviction) and the kernels at DeepSeek
+      # shapes; ~70 s per graph case (6 of them)
+      stage prefetch_tests 500 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py \
+        -k "(lossless_cuda_graph_decode and not in_kernel) or fused_prefetch or staged_logits" ;;
+    prefetch_tests_in_kernel)  # the same lossless graph cases in the in-kernel design, whole and
+      # split with copy_rest (4 cases, ~280 s)
+      stage prefetch_tests_in_kernel 360 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py \
+        -k "lossless_cuda_graph_decode and in_kernel" ;;
     prefetch_study)  # the decode prefetch under its rule (auto, the default) end to end: echo_paper beside
       # echo_noprefetch (off) and no-offload at the paper's setting and the random-keys run
       stage prefetch_study 300 python3 benchmark/e2e_study.py --out /tmp/ds/prefetch_study \
@@ -180,7 +184,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"

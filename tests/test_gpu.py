@@ -122,7 +122,7 @@ def _lossless_pair(
     # fuse_decode: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 (decode prefetch on a side stream)
     # and, with it, SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1 (prefill prefetch, same stream);
     # "in_kernel": "1" in the in-kernel design (EchoConfig.decode_stage_in_kernel).
-    in_kernel = fuse_decode == "in_kernel"
+    in_kernel = fuse_decode in ("in_kernel", "in_kernel_split")
     echo_cfg = EchoConfig(
         offload=True,
         dev_cache_size=n_g,
@@ -172,10 +172,17 @@ def _install_sync_check(cache: EchoKVCache) -> None:
         setattr(manager, op, checked)
 
 
-@pytest.mark.parametrize("fuse_decode", [False, True, "auto", "in_kernel"])
+@pytest.mark.parametrize("fuse_decode", [False, True, "auto", "in_kernel", "in_kernel_split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
+def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode, monkeypatch):
     import random
+
+    if (
+        fuse_decode == "in_kernel_split"
+    ):  # the logits copy a row per request, a side stream the rest
+        from sglang_echo.offload import decode_prefetcher
+
+        monkeypatch.setattr(decode_prefetcher, "DEFAULT_IN_KERNEL_COPY_ROWS", 1)
 
     reports = []
     for seed in range(12):
@@ -208,6 +215,7 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
         True: "/prefetch",
         "auto": "/prefetch_auto",
         "in_kernel": "/prefetch_in_kernel",
+        "in_kernel_split": "/prefetch_in_kernel_split",
     }[fuse_decode]
     _save(
         f"lossless_graph/{str(dtype).split('.')[-1]}{suffix}",

@@ -14,6 +14,8 @@ from sglang_echo.kernels.cache_layout import ABSENT
 from sglang_echo.kernels.indexer import fp8_index_logits
 from sglang_echo.kernels.logits_stage import (
     StageBuffers,
+    copy_rest,
+    copy_rest_reference,
     fp8_index_logits_staged,
     stage_scores,
     stage_scores_reference,
@@ -104,6 +106,33 @@ def test_staging_from_scores_matches_the_reference(cap):
     for b in range(3):  # the reference keeps the first cap by position
         want = _candidates(plain, locs, lens, theta, h2d, b)[:cap]
         assert ref.ids[b * cap : b * cap + len(want)].tolist() == want
+
+
+@pytest.mark.parametrize("copy", [copy_rest, copy_rest_reference], ids=["kernel", "reference"])
+def test_rows_past_the_copy_limit_are_left_to_copy_rest(copy):
+    """With ``copy_limit`` the logits kernel copies only each region's ranks below it; the
+    others are recorded (ids, map, count) but their rows move in copy_rest, after which the
+    staging is what a kernel copying everything leaves."""
+    cap, limit = 12, 5
+    (q, w, keys, scales, locs, lens, h2d), plain, theta, host, buffers = _setup(4, cap)
+    stage, total = buffers(), torch.zeros(1, dtype=torch.int64, device=DEV)
+    out = fp8_index_logits_staged(
+        q, w, keys, scales, locs, lens, theta, h2d, host, stage, total, block_n=16,
+        copy_limit=limit,
+    )  # fmt: skip
+    assert torch.equal(out, plain)
+    waiting = 0
+    for b in range(3):
+        n = min(int(stage.counts[b]), cap)
+        first = b * cap
+        copied = min(n, limit)
+        ids = stage.ids[first : first + copied]
+        assert torch.equal(stage.rows[first : first + copied], host[ids])
+        assert (stage.rows[first + copied : first + n] == 0).all()  # not copied yet
+        waiting += n - copied
+    assert waiting > 0  # the case occurs
+    copy(host, stage, 3, limit)
+    _assert_staged(stage, total, plain, locs, lens, theta, h2d, host, cap)
 
 
 def test_a_batch_past_the_regions_is_refused():

@@ -263,12 +263,20 @@ def test_lossless_with_prefill_prefetch(models):
     assert sum(r["resolve_evictions"] for r in reports) > 0
 
 
-@pytest.mark.parametrize("in_kernel", [False, True], ids=["chunked", "in-kernel"])
-def test_lossless_with_decode_prefetch_kernels(models, monkeypatch, in_kernel):
+@pytest.mark.parametrize(
+    ("in_kernel", "copy_rows"),
+    [(False, None), (True, None), (True, 1)],
+    ids=["chunked", "in-kernel", "in-kernel-split"],
+)
+def test_lossless_with_decode_prefetch_kernels(models, monkeypatch, in_kernel, copy_rows):
     """The GPU code path on the CPU: the chunked fp8 logits and the staging kernels, or the
-    staged logits kernel (in-kernel design), the staged recall and the cache kernels
-    (Triton interpreter) under the same equality, for an fp8-indexer workload."""
+    staged logits kernel (in-kernel design; split: it copies one row per request, copy_rest
+    the others), the staged recall and the cache kernels (Triton interpreter) under the
+    same equality, for an fp8-indexer workload."""
+    from sglang_echo.offload import decode_prefetcher
+
     monkeypatch.setattr(indexer_module, "INDEXER_KERNELS_ON_CPU", True)
+    monkeypatch.setattr(decode_prefetcher, "DEFAULT_IN_KERNEL_COPY_ROWS", copy_rows)
     w = Workload(
         config="fp8-indexer",
         dtype=torch.float32,

@@ -79,6 +79,13 @@ def _parse() -> argparse.Namespace:
     )
     p.add_argument("--stage-chunks", type=int, default=None, help="logits chunks (chunked)")
     p.add_argument("--stage-block-n", type=int, default=None, help="keys per program (in_kernel)")
+    p.add_argument(
+        "--stage-copy-rows",
+        type=int,
+        default=None,
+        help="rows per request the in_kernel logits copy; a side stream copies the rest "
+        "beside the top-k (default: the prefetcher's, all)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved graph-timing rounds")
     p.add_argument(
         "--stage-priority", type=int, default=None, help="staging stream priority (lower: higher)"
@@ -204,6 +211,7 @@ class Bench:
             cap=stage_cap,
             in_kernel=True,
             block_n=args.stage_block_n or STAGE_BLOCK_N,
+            copy_rows=args.stage_copy_rows,
         )
         self.chunker = DecodePrefetcher(
             self.manager,
@@ -325,6 +333,7 @@ class Bench:
         theta = self.stager.theta(0, self.rows_of)
         self.stager.stage_logits(0, self.q, self.w, keys, scales, self.locs, lens, theta)
         staged = self.stager.staged_rows(0, self.args.batch)  # no top-k: no finish()
+        self.stager.wait_copies()
         recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses, staged=staged)
 
     def fig18_chunked(self) -> None:
@@ -685,6 +694,7 @@ def main() -> None:
         "stage_chunks": bench.chunker.chunks,
         "stage_stream_priority": bench.chunker.side_priority,
         "stage_block_n": bench.stager.block_n,
+        "stage_copy_rows": bench.stager.copy_rows,
         "rounds": args.rounds,
         "speedup_basis": "CUDA-graph replay (device time)" if graphs else "eager launches",
         "speedup_eager": {f"hit_{h}": r["speedup_eager"] for h, r in by_hit.items()},

@@ -28,6 +28,12 @@ needs no clearing. Which candidates fill a full region follows the order of the 
 so it is not deterministic; what attention reads is: the exact top-k and the allocation
 never look at the staging, and a staged row is the host row's bytes.
 
+A split between the logits and a side stream (``copy_limit``): the kernel copies only
+the ranks below ``copy_limit`` of each region, and :func:`copy_rest`, launched on a side
+stream after the logits on a bounded grid, copies the others while the top-k and the
+allocation run; the recall waits for it. The transfer then spans the logits and what
+follows them, and fewer logits programs wait on PCIe.
+
 :func:`stage_scores` applies steps 1-4 to scores already computed (the bf16 indexer's),
 from the same block code.
 """
@@ -39,7 +45,7 @@ import triton
 import triton.language as tl
 
 from sglang_echo.kernels.cache_layout import ABSENT, byte_rows, byte_vector
-from sglang_echo.kernels.decode_stage import StagedRows
+from sglang_echo.kernels.decode_stage import COPY_CHUNKS, StagedRows, copy_programs
 from sglang_echo.kernels.indexer import (
     DEFAULT_BLOCK_N,
     DEFAULT_NUM_STAGES,
@@ -93,11 +99,12 @@ class StageBuffers:
 @triton.jit
 def _stage_block(
     logits, loc, live, b, theta, h2d_ptr, host_ptr, rows_ptr, ids_ptr, counts_ptr, map_ptr,
-    total_ptr, cap, host_stride, rows_stride,
+    total_ptr, cap, copy_limit, host_stride, rows_stride,
     ABSENT_ID: tl.constexpr, ROW_BYTES: tl.constexpr, VEC: tl.constexpr,
     PIECES: tl.constexpr,
 ):  # fmt: skip
-    """Steps 1-4 of the module docstring for one block of request ``b``'s positions."""
+    """Steps 1-4 of the module docstring for one block of request ``b``'s positions; step 4
+    only for ranks below ``copy_limit`` (:func:`copy_rest` moves the others)."""
     over = live & (logits > theta)
     slot = tl.load(h2d_ptr + loc, mask=over, other=0)
     flag = over & (slot == ABSENT_ID)
@@ -115,7 +122,8 @@ def _stage_block(
         tl.atomic_add(total_ptr, kept.to(tl.int64))
         tl.debug_barrier()  # the ids stored above by other threads of this program
         per_row: tl.constexpr = ROW_BYTES // VEC
-        pieces = kept.to(tl.int64) * per_row
+        copied = tl.maximum(tl.minimum(n_flags, copy_limit - base), 0)
+        pieces = copied.to(tl.int64) * per_row
         v = tl.arange(0, VEC)
         start = tl.zeros((), dtype=tl.int64)
         while start < pieces:
@@ -135,7 +143,8 @@ def _stage_block(
 def _fp8_logits_stage_kernel(
     q_ptr, w_ptr, k_ptr, k_scale_ptr, locs_ptr, lens_ptr, out_ptr,
     theta_ptr, h2d_ptr, host_ptr, rows_ptr, ids_ptr, counts_ptr, map_ptr, total_ptr,
-    length, k_stride, k_scale_stride, locs_stride, out_stride, cap, host_stride, rows_stride,
+    length, k_stride, k_scale_stride, locs_stride, out_stride, cap, copy_limit, host_stride,
+    rows_stride,
     H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE_ACC: tl.constexpr,
     KEYS_AS_M: tl.constexpr, ABSENT_ID: tl.constexpr, ROW_BYTES: tl.constexpr,
     VEC: tl.constexpr, PIECES: tl.constexpr,
@@ -155,7 +164,7 @@ def _fp8_logits_stage_kernel(
     tl.store(out_ptr + b * out_stride + n, logits, mask=n < length)
     _stage_block(
         logits, loc, live, b, tl.load(theta_ptr + b), h2d_ptr, host_ptr, rows_ptr, ids_ptr,
-        counts_ptr, map_ptr, total_ptr, cap, host_stride, rows_stride,
+        counts_ptr, map_ptr, total_ptr, cap, copy_limit, host_stride, rows_stride,
         ABSENT_ID=ABSENT_ID, ROW_BYTES=ROW_BYTES, VEC=VEC, PIECES=PIECES,
     )  # fmt: skip
 
@@ -175,9 +184,38 @@ def _scores_stage_kernel(
     loc = tl.load(locs_ptr + b * locs_stride + n, mask=live, other=0).to(tl.int64)
     _stage_block(
         s, loc, live, b, tl.load(theta_ptr + b), h2d_ptr, host_ptr, rows_ptr, ids_ptr,
-        counts_ptr, map_ptr, total_ptr, cap, host_stride, rows_stride,
+        counts_ptr, map_ptr, total_ptr, cap, cap, host_stride, rows_stride,
         ABSENT_ID=ABSENT_ID, ROW_BYTES=ROW_BYTES, VEC=VEC, PIECES=PIECES,
     )  # fmt: skip
+
+
+@triton.jit
+def _copy_rest_kernel(
+    host_ptr, rows_ptr, ids_ptr, counts_ptr, regions, cap, copy_limit, host_stride,
+    rows_stride,
+    ROW_BYTES: tl.constexpr, VEC: tl.constexpr, CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """rows[e] = host[ids[e]] for each region's ranks in [copy_limit, min(count, cap)): a
+    grid-stride loop over (lane, VEC-byte piece) of every region in turn."""
+    per_row: tl.constexpr = ROW_BYTES // VEC
+    v = tl.arange(0, VEC)
+    b = tl.zeros((), dtype=tl.int64)
+    while b < regions:  # (a while loop: the interpreter's range() takes no runtime bound)
+        staged = tl.minimum(tl.load(counts_ptr + b), cap)
+        rest = tl.maximum(staged - copy_limit, 0).to(tl.int64) * per_row
+        first = b * cap + copy_limit
+        base = tl.program_id(0).to(tl.int64) * CHUNKS
+        while base < rest:
+            piece = base + tl.arange(0, CHUNKS)
+            e = first + piece // per_row
+            col = (piece % per_row) * VEC
+            ok = piece < rest
+            ids = tl.load(ids_ptr + e, mask=ok, other=0)
+            src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
+            dst = rows_ptr + (e * rows_stride + col)[:, None] + v[None, :]
+            tl.store(dst, tl.load(src, mask=ok[:, None]), mask=ok[:, None])
+            base += tl.num_programs(0) * CHUNKS
+        b += 1
 
 
 # --------------------------------------------------------------------------- launchers
@@ -208,12 +246,14 @@ def fp8_index_logits_staged(
     block_n: int = STAGE_BLOCK_N,
     num_warps: int = 4,
     num_stages: int = DEFAULT_NUM_STAGES,
+    copy_limit: int | None = None,
 ) -> torch.Tensor:
     """:func:`kernels.indexer.fp8_index_logits` (same arguments and bits, one key block per
     program) that also stages each request's misses above ``theta`` [B] float32 into its
     region of ``stage`` (emptied here first) and adds the staged rows to ``total`` (int64
     [1]). ``host_rows`` [host tokens, row_dim]: the pinned pool's CUDA alias (any tensor
-    when interpreted). One launch beside the counters' memset."""
+    when interpreted). ``copy_limit``: the kernel copies the rows of ranks below it (None:
+    all); :func:`copy_rest` copies the others. One launch beside the counters' memset."""
     if keys.stride(1) != 1:
         raise ValueError("keys need unit stride along D")
     _check(q, weights, keys, key_scales, locs, seq_lens)
@@ -227,7 +267,8 @@ def fp8_index_logits_staged(
         q.contiguous(), weights.contiguous().float(), keys, key_scales, locs, seq_lens, out,
         theta, host_to_device, *buffers, total,
         length, keys.stride(0), key_scales.stride(0), locs.stride(0), out.stride(0),
-        stage.cap, host_b.stride(0), rows_b.stride(0),
+        stage.cap, stage.cap if copy_limit is None else copy_limit, host_b.stride(0),
+        rows_b.stride(0),
         H=heads, D=dim, BLOCK_N=block_n, PRECISE_ACC=32, KEYS_AS_M=True, ABSENT_ID=ABSENT,
         num_warps=num_warps, num_stages=num_stages, **consts,
     )  # fmt: skip
@@ -258,7 +299,41 @@ def stage_scores(
     )  # fmt: skip
 
 
+def copy_rest(
+    host_rows: torch.Tensor,
+    stage: StageBuffers,
+    batch: int,
+    copy_limit: int,
+    programs: int | None = None,
+) -> None:
+    """Copy the staged rows the logits kernel left (ranks ``copy_limit`` up to each
+    region's count, at most ``cap``) for a batch of ``batch`` requests, on a bounded grid
+    (``programs``, default a quarter of the SMs, as the chunked design's copy): launched on
+    a side stream after the logits, it runs beside the top-k and the allocation."""
+    host_b, rows_b = byte_rows(host_rows, "staging"), byte_rows(stage.rows, "staging")
+    if batch == 0 or copy_limit >= stage.cap:
+        return
+    row_bytes = host_b.shape[1]
+    _copy_rest_kernel[(programs or copy_programs(rows_b.device),)](
+        host_b, rows_b, stage.ids, stage.counts, batch, stage.cap, copy_limit,
+        host_b.stride(0), rows_b.stride(0),
+        ROW_BYTES=row_bytes, VEC=byte_vector(row_bytes), CHUNKS=COPY_CHUNKS,
+    )  # fmt: skip
+
+
 # --------------------------------------------------------------------------- reference
+def copy_rest_reference(
+    host_rows: torch.Tensor, stage: StageBuffers, batch: int, copy_limit: int
+) -> None:
+    """:func:`copy_rest` in torch (reads the counts on the host)."""
+    for b in range(batch):
+        n = max(min(int(stage.counts[b]), stage.cap) - copy_limit, 0)
+        entries = torch.arange(b * stage.cap + copy_limit, b * stage.cap + copy_limit + n)
+        entries = entries.to(stage.rows.device)
+        ids = stage.ids[entries]
+        stage.rows[entries] = host_rows[ids.to(host_rows.device)].to(stage.rows.device)
+
+
 def stage_scores_reference(
     scores: torch.Tensor,
     locs: torch.Tensor,

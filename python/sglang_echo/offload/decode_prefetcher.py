@@ -42,6 +42,8 @@ from sglang_echo.kernels.decode_stage import (
 from sglang_echo.kernels.logits_stage import (
     STAGE_BLOCK_N,
     StageBuffers,
+    copy_rest,
+    copy_rest_reference,
     fp8_index_logits_staged,
     stage_scores,
     stage_scores_reference,
@@ -68,6 +70,10 @@ STAGE_STREAM_PRIORITY = -10
 # resident per SM at 128 keys a program) and end with the logits. The in-kernel design
 # wins Figure 18's definition (logits + recall alone): 1.25x against 0.98x at hit 0.5.
 DEFAULT_IN_KERNEL = False
+# In-kernel design: rows per request the logits kernel copies itself (None: all it
+# stages); a side stream copies the rest beside the top-k (kernels/logits_stage.py
+# copy_rest). Not measured yet: all by default, as the records above.
+DEFAULT_IN_KERNEL_COPY_ROWS: int | None = None
 
 
 class DecodePrefetcher:
@@ -82,6 +88,7 @@ class DecodePrefetcher:
         side_priority: int = STAGE_STREAM_PRIORITY,
         in_kernel: bool = DEFAULT_IN_KERNEL,
         block_n: int = STAGE_BLOCK_N,
+        copy_rows: int | None = None,
     ) -> None:
         if cap is None and staged:
             # Staged rows per request and layer (split over the chunks, a chunk's share
@@ -101,6 +108,13 @@ class DecodePrefetcher:
         self.staged = staged
         self.in_kernel = in_kernel
         self.block_n = int(block_n)  # keys per program of the in-kernel design's logits
+        # Rows per request the in-kernel logits copy (the rest: copy_rest on the side
+        # stream); read at construction, so tests can set the module default.
+        copy_rows = DEFAULT_IN_KERNEL_COPY_ROWS if copy_rows is None else copy_rows
+        if copy_rows is not None and copy_rows < 0:
+            raise ValueError(f"in-kernel copy rows must be >= 0, got {copy_rows}")
+        self.copy_rows = self.cap if copy_rows is None else min(int(copy_rows), self.cap)
+        self._copied: torch.cuda.Event | None = None  # copy_rest's, for the coming resolve
         self.side_priority = int(side_priority)
         layers = manager.cache.num_layers
         self.predictors = [
@@ -162,12 +176,28 @@ class DecodePrefetcher:
         arguments and bits), each request's misses above ``theta`` staged by the same
         launch, on the current stream."""
         m = self.manager
-        self._check_batch(q.shape[0])
-        return fp8_index_logits_staged(
+        batch = q.shape[0]
+        self._check_batch(batch)
+        host = self._host_rows(layer)
+        scores = fp8_index_logits_staged(
             q, weights, keys, key_scales, locs, seq_lens, theta, m.cache.host_to_device[layer],
-            self._host_rows(layer), self.stage_buffers, m.prefetched_rows[layer : layer + 1],
-            block_n=self.block_n,
+            host, self.stage_buffers, m.prefetched_rows[layer : layer + 1],
+            block_n=self.block_n, copy_limit=self.copy_rows,
         )  # fmt: skip
+        self._copied = None
+        if self.copy_rows >= self.cap:
+            return scores
+        side = self._side_stream()
+        if side is None:
+            copy = copy_rest if m.use_kernels else copy_rest_reference
+            copy(host, self.stage_buffers, batch, self.copy_rows)
+            return scores
+        side.wait_stream(torch.cuda.current_stream(m.device))  # fork: the staged logits
+        with torch.cuda.stream(side):
+            copy_rest(host, self.stage_buffers, batch, self.copy_rows)
+            self._copied = torch.cuda.Event()
+            self._copied.record(side)
+        return scores
 
     def _check_batch(self, batch: int) -> None:
         if batch > self.max_rows:
@@ -262,11 +292,19 @@ class DecodePrefetcher:
             self.observe_topk(layer, scores, positions, rows)
             done = torch.cuda.Event()
             done.record(side)
-        if self.in_kernel:  # the staging is complete (the logits kernel wrote it)
-            m.stage_ready(layer, staged, None, joined=done)
+        if self.in_kernel:  # the logits kernel wrote the staging; copy_rest may still run
+            m.stage_ready(layer, staged, self._copied, joined=done)
+            self._copied = None
         else:
             m.stage_ready(layer, staged, done)
         _used_on(side, scores, positions, rows)
+
+    def wait_copies(self) -> None:
+        """The current stream waits for the in-kernel design's side-stream copy of this
+        step (for callers that skip :meth:`finish`, as Figure 18's timing does)."""
+        if self._copied is not None:
+            torch.cuda.current_stream(self.manager.device).wait_event(self._copied)
+            self._copied = None
 
     def region_limit(self, batch: int) -> int:
         """Rows a batch of ``batch`` requests may stage per chunk (rows per request x
