@@ -8,7 +8,8 @@ threshold and scores the keys. Three designs:
   each key block's misses above the threshold itself, into the request's region of a
   staging buffer, while the other blocks are scored (kernels/logits_stage.py). No chunks,
   no side-stream copies, nothing allocated; the resolve's recall takes staged rows
-  device to device (EchoManager.resolve).
+  device to device (EchoManager.resolve). ``copy_rows`` splits the copy: the logits copy a
+  request's first ranks, a side stream the rest beside the top-k.
 - *chunked* (``in_kernel=False``, the runtime's default, ``DEFAULT_IN_KERNEL``; the SGLang
   plugin's, whose logits are DeepGEMM's): the
   logits run in ``chunks`` pieces of key positions; after each, ``stage`` selects the
