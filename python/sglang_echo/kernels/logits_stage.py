@@ -97,6 +97,18 @@ class StageBuffers:
 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
+def _copy_pieces(
+    host_ptr, rows_ptr, ids_ptr, e, col, ok, host_stride, rows_stride, VEC: tl.constexpr
+):  # fmt: skip
+    """rows[e] = host[ids[e]] for the VEC-byte pieces at byte ``col`` of the lanes ``ok``."""
+    v = tl.arange(0, VEC)
+    ids = tl.load(ids_ptr + e, mask=ok, other=0)
+    src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
+    dst = rows_ptr + (e * rows_stride + col)[:, None] + v[None, :]
+    tl.store(dst, tl.load(src, mask=ok[:, None]), mask=ok[:, None])
+
+
+@triton.jit
 def _stage_block(
     logits, loc, live, b, theta, h2d_ptr, host_ptr, rows_ptr, ids_ptr, counts_ptr, map_ptr,
     total_ptr, cap, copy_limit, host_stride, rows_stride,
@@ -124,18 +136,15 @@ def _stage_block(
         per_row: tl.constexpr = ROW_BYTES // VEC
         copied = tl.maximum(tl.minimum(n_flags, copy_limit - base), 0)
         pieces = copied.to(tl.int64) * per_row
-        v = tl.arange(0, VEC)
         start = tl.zeros((), dtype=tl.int64)
         while start < pieces:
             piece = start + tl.arange(0, PIECES)
-            lane = piece // per_row
+            e = region + base + piece // per_row
             col = (piece % per_row) * VEC
-            ok = piece < pieces
-            e = region + base + lane
-            ids = tl.load(ids_ptr + e, mask=ok, other=0)
-            src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
-            dst = rows_ptr + (e * rows_stride + col)[:, None] + v[None, :]
-            tl.store(dst, tl.load(src, mask=ok[:, None]), mask=ok[:, None])
+            _copy_pieces(
+                host_ptr, rows_ptr, ids_ptr, e, col, piece < pieces, host_stride, rows_stride,
+                VEC=VEC,
+            )  # fmt: skip
             start += PIECES
 
 
@@ -198,7 +207,6 @@ def _copy_rest_kernel(
     """rows[e] = host[ids[e]] for each region's ranks in [copy_limit, min(count, cap)): a
     grid-stride loop over (lane, VEC-byte piece) of every region in turn."""
     per_row: tl.constexpr = ROW_BYTES // VEC
-    v = tl.arange(0, VEC)
     b = tl.zeros((), dtype=tl.int64)
     while b < regions:  # (a while loop: the interpreter's range() takes no runtime bound)
         staged = tl.minimum(tl.load(counts_ptr + b), cap)
@@ -209,11 +217,10 @@ def _copy_rest_kernel(
             piece = base + tl.arange(0, CHUNKS)
             e = first + piece // per_row
             col = (piece % per_row) * VEC
-            ok = piece < rest
-            ids = tl.load(ids_ptr + e, mask=ok, other=0)
-            src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
-            dst = rows_ptr + (e * rows_stride + col)[:, None] + v[None, :]
-            tl.store(dst, tl.load(src, mask=ok[:, None]), mask=ok[:, None])
+            _copy_pieces(
+                host_ptr, rows_ptr, ids_ptr, e, col, piece < rest, host_stride, rows_stride,
+                VEC=VEC,
+            )  # fmt: skip
             base += tl.num_programs(0) * CHUNKS
         b += 1
 
