@@ -291,6 +291,7 @@ def test_lossless_with_decode_prefetch_kernels(models, monkeypatch, in_kernel, c
     )
     print(f"\nkernels: prefetched {report['prefetched']} rows, {report['prefetch_hits']} selected")
     assert report["prefetched"] > 0 and report["prefetch_hits"] > 0
+    assert report["resolve_evictions"] > 0, "no resolve evicted: the test lost its pressure"
 
 
 def test_lossless_with_cache_kernels_at_batch_one(models):

@@ -91,6 +91,19 @@ def _select_kernel(
 
 
 @triton.jit
+def _copy_pieces(
+    host_ptr, rows_ptr, ids_ptr, e, col, ok, host_stride, rows_stride, VEC: tl.constexpr
+):  # fmt: skip
+    """rows[e] = host[ids[e]] for the VEC-byte pieces at byte ``col`` of the lanes ``ok``
+    (shared with the in-kernel design's copies, kernels/logits_stage.py)."""
+    v = tl.arange(0, VEC)
+    ids = tl.load(ids_ptr + e, mask=ok, other=0).to(tl.int64)
+    src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
+    dst = rows_ptr + (e * rows_stride + col)[:, None] + v[None, :]
+    tl.store(dst, tl.load(src, mask=ok[:, None]), mask=ok[:, None])
+
+
+@triton.jit
 def _copy_kernel(
     host_ptr, rows_ptr, ids_ptr, count_ptr, total_ptr, region, cap, host_stride, rows_stride,
     ROW_BYTES: tl.constexpr, VEC: tl.constexpr, CHUNKS: tl.constexpr,
@@ -102,17 +115,14 @@ def _copy_kernel(
     staged = tl.minimum(tl.load(count_ptr), cap)
     tl.atomic_add(total_ptr, staged.to(tl.int64), mask=tl.program_id(0) == 0)
     total = staged.to(tl.int64) * per_row
-    v = tl.arange(0, VEC)
     base = tl.program_id(0).to(tl.int64) * CHUNKS
     while base < total:
         piece = base + tl.arange(0, CHUNKS)
-        lane = piece // per_row
         col = (piece % per_row) * VEC
-        live = piece < total
-        ids = tl.load(ids_ptr + region + lane, mask=live, other=0).to(tl.int64)
-        src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
-        dst = rows_ptr + ((region + lane) * rows_stride + col)[:, None] + v[None, :]
-        tl.store(dst, tl.load(src, mask=live[:, None]), mask=live[:, None])
+        _copy_pieces(
+            host_ptr, rows_ptr, ids_ptr, region + piece // per_row, col, piece < total,
+            host_stride, rows_stride, VEC=VEC,
+        )  # fmt: skip
         base += tl.num_programs(0) * CHUNKS
 
 

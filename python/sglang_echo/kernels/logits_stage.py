@@ -45,7 +45,12 @@ import triton
 import triton.language as tl
 
 from sglang_echo.kernels.cache_layout import ABSENT, byte_rows, byte_vector
-from sglang_echo.kernels.decode_stage import COPY_CHUNKS, StagedRows, copy_programs
+from sglang_echo.kernels.decode_stage import (
+    COPY_CHUNKS,
+    StagedRows,
+    _copy_pieces,
+    copy_programs,
+)
 from sglang_echo.kernels.indexer import (
     DEFAULT_BLOCK_N,
     DEFAULT_NUM_STAGES,
@@ -96,18 +101,6 @@ class StageBuffers:
 
 
 # ----------------------------------------------------------------------------- kernels
-@triton.jit
-def _copy_pieces(
-    host_ptr, rows_ptr, ids_ptr, e, col, ok, host_stride, rows_stride, VEC: tl.constexpr
-):  # fmt: skip
-    """rows[e] = host[ids[e]] for the VEC-byte pieces at byte ``col`` of the lanes ``ok``."""
-    v = tl.arange(0, VEC)
-    ids = tl.load(ids_ptr + e, mask=ok, other=0)
-    src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
-    dst = rows_ptr + (e * rows_stride + col)[:, None] + v[None, :]
-    tl.store(dst, tl.load(src, mask=ok[:, None]), mask=ok[:, None])
-
-
 @triton.jit
 def _stage_block(
     logits, loc, live, b, theta, h2d_ptr, host_ptr, rows_ptr, ids_ptr, counts_ptr, map_ptr,

@@ -245,15 +245,8 @@ class DecodePrefetcher:
         args = (scores, locs, seq_lens, theta, h2d, start, end, self.stage_ids, count,
                 self.stage_map, region, limit)  # fmt: skip
         total = m.prefetched_rows[layer : layer + 1]
-        copy_args = (
-            self._host_rows(layer),
-            self.stage_rows,
-            self.stage_ids,
-            count,
-            total,
-            region,
-            limit,
-        )
+        host = self._host_rows(layer)
+        copy_args = (host, self.stage_rows, self.stage_ids, count, total, region, limit)
         side = self._side_stream()
         if side is None:
             if chunk == 0:

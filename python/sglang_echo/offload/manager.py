@@ -258,8 +258,8 @@ class EchoManager:
         self,
         layer: int,
         staged: StagedRows,
-        copied: torch.cuda.Event | None,
-        joined: torch.cuda.Event | None = None,
+        copied: _Event,
+        joined: _Event = None,
     ) -> None:
         """The decode prefetch staged rows for ``layer``'s coming resolve; ``copied``: the
         side stream's event after its copies, which the recall waits for (None: already
