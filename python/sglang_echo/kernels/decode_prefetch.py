@@ -39,6 +39,7 @@ from sglang_echo.kernels.indexer import (
     DEFAULT_NUM_STAGES,
     _check,
     _fp8_logits_block,
+    _request_query,
     fp8_index_logits,
 )
 
@@ -65,11 +66,7 @@ def _fp8_logits_flag_kernel(
     """The plain logits kernel plus, per key block: a flag per position (logit > theta and
     not resident) and the block's flag count."""
     b = tl.program_id(0)
-    d = tl.arange(0, D)
-    h = tl.arange(0, H)
-    q = tl.load(q_ptr + b * H * D + h[:, None] * D + d[None, :])
-    w = tl.load(w_ptr + b * H + h)
-    seq_len = tl.load(lens_ptr + b)
+    q, w, seq_len = _request_query(q_ptr, w_ptr, lens_ptr, b, H=H, D=D)
     theta = tl.load(theta_ptr + b)
     row = b.to(tl.int64)
     first = tl.program_id(1) * BLOCKS

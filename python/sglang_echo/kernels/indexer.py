@@ -22,6 +22,16 @@ DEFAULT_NUM_STAGES = 3
 
 
 @triton.jit
+def _request_query(q_ptr, w_ptr, lens_ptr, b, H: tl.constexpr, D: tl.constexpr):
+    """Request ``b``'s query [H, D], head weights [H] and length: every logits kernel's
+    prologue (they stay in registers across the program's key blocks)."""
+    d = tl.arange(0, D)
+    h = tl.arange(0, H)
+    q = tl.load(q_ptr + b * H * D + h[:, None] * D + d[None, :])
+    return q, tl.load(w_ptr + b * H + h), tl.load(lens_ptr + b)
+
+
+@triton.jit
 def _fp8_logits_block(
     q,
     w,
@@ -81,12 +91,7 @@ def _fp8_index_logits_kernel(
     KEYS_AS_M: tl.constexpr,
 ):
     b = tl.program_id(0)
-    d = tl.arange(0, D)
-    h = tl.arange(0, H)
-    # The query and head weights stay in registers across the BLOCKS key blocks.
-    q = tl.load(q_ptr + b * H * D + h[:, None] * D + d[None, :])
-    w = tl.load(w_ptr + b * H + h)
-    seq_len = tl.load(lens_ptr + b)
+    q, w, seq_len = _request_query(q_ptr, w_ptr, lens_ptr, b, H=H, D=D)
     first = (first_program + tl.program_id(1)) * BLOCKS * BLOCK_N
     for i in range(BLOCKS):
         n = first + i * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -56,6 +56,7 @@ from sglang_echo.kernels.indexer import (
     DEFAULT_NUM_STAGES,
     _check,
     _fp8_logits_block,
+    _request_query,
 )
 
 # Keys per program of the staged logits kernel: the plain kernel's block (its bits).
@@ -153,11 +154,7 @@ def _fp8_logits_stage_kernel(
 ):  # fmt: skip
     """The plain logits kernel's block (one per program), then its staging."""
     b = tl.program_id(0)
-    d = tl.arange(0, D)
-    h = tl.arange(0, H)
-    q = tl.load(q_ptr + b * H * D + h[:, None] * D + d[None, :])
-    w = tl.load(w_ptr + b * H + h)
-    seq_len = tl.load(lens_ptr + b)
+    q, w, seq_len = _request_query(q_ptr, w_ptr, lens_ptr, b, H=H, D=D)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     logits, loc, live = _fp8_logits_block(
         q, w, k_ptr, k_scale_ptr, locs_ptr, b, n, seq_len, k_stride, k_scale_stride,
