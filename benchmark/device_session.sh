@@ -18,7 +18,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_tests_in_kernel prefetch_study prefetch_rows indexer_profile cache cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_tests_in_kernel prefetch_split prefetch_study prefetch_rows indexer_profile cache cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -132,6 +132,12 @@ run_stage() {
       # split with copy_rest (4 cases, ~280 s)
       stage prefetch_tests_in_kernel 360 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py \
         -k "lossless_cuda_graph_decode and in_kernel" ;;
+    prefetch_split)  # the in-kernel design with its copy split (copy_rows per request in the
+      # logits, copy_rest for the others) against the chunked default at low hit rates,
+      # five interleaved rounds per setting: where a per-step choice of design would pay
+      stage prefetch_split 240 bash -c 'for r in 384 448; do python3 benchmark/kernels/decode_prefetch_bench.py \
+        --out /tmp/ds/prefetch_split/rows$r --hit-rates 0.3,0.4,0.5,0.6,0.7,0.8 --stage-copy-rows $r --rounds 5 \
+        > /tmp/ds/prefetch_split/rows$r.log 2>&1; echo "copy rows $r: exit $?"; tail -8 /tmp/ds/prefetch_split/rows$r.log; done' ;;
     prefetch_study)  # the decode prefetch under its rule (auto, the default) end to end: echo_paper beside
       # echo_noprefetch (off) and no-offload at the paper's setting and the random-keys run
       stage prefetch_study 300 python3 benchmark/e2e_study.py --out /tmp/ds/prefetch_study \
@@ -184,7 +190,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_split|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"
