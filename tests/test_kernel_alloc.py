@@ -221,7 +221,7 @@ def test_workspace_rejects_launch_shapes_the_kernels_cannot_take() -> None:
     with pytest.raises(ValueError, match="atomic_sem"):
         AllocWorkspace(cache, 32, atomic_sem="seq_cst")
     with pytest.raises(ValueError, match="one_program_warps"):
-        AllocWorkspace(cache, 32, one_program_warps=32)
+        AllocWorkspace(cache, 32, one_program_warps=64)
     with pytest.raises(ValueError, match="one_program_lanes"):
         AllocWorkspace(cache, 32, one_program_lanes=-1)
 

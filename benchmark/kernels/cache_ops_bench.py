@@ -593,7 +593,7 @@ def main() -> None:
             str(w): measure(
                 resident, dev, resident_trace, on_gpu, "resolve", {"one_program_warps": w}, False
             )["us"]
-            for w in (4, 8, 16)
+            for w in (4, 8, 16, 32)
         }
         if on_gpu
         else None

@@ -809,8 +809,8 @@ class AllocWorkspace:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         warps = (("num_warps", num_warps), ("one_program_warps", one_program_warps))
         for name, value in (*warps, ("lookback_warps", lookback_warps)):
-            if value not in (1, 2, 4, 8, 16):
-                raise ValueError(f"{name} must be 1, 2, 4, 8 or 16, got {value}")
+            if value not in (1, 2, 4, 8, 16, 32):
+                raise ValueError(f"{name} must be 1, 2, 4, 8, 16 or 32, got {value}")
         if one_program_lanes < 0:
             raise ValueError(f"one_program_lanes must be >= 0, got {one_program_lanes}")
         if atomic_sem not in ATOMIC_SEMS:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_echo.config import settings
+from sglang_echo.kernels.pick_locs import pick_locs, pick_locs_reference
 from sglang_echo.kernels.topk import select_topk, topk_positions
 from sglang_echo.kernels.topk_flashinfer import topk_positions_flashinfer, use_flashinfer
 from sglang_echo.model.config import DeepseekV32Config, fp8_row_bytes
@@ -152,12 +153,14 @@ def exact_topk(
     return pos, kth
 
 
-def positions_to_locs(positions: torch.Tensor, context_locs: torch.Tensor) -> torch.Tensor:
-    """positions [G, Q, K] (-1 none), context_locs [G, L] -> token locations, -1 kept."""
-    gathered = torch.gather(
-        context_locs.unsqueeze(1).expand(-1, positions.shape[1], -1), 2, positions.clamp(min=0)
-    )
-    return torch.where(positions >= 0, gathered, torch.full_like(gathered, -1))
+def positions_to_locs(
+    positions: torch.Tensor, context_locs: torch.Tensor, kernels: bool = False
+) -> torch.Tensor:
+    """positions [G, Q, K] (-1 none), context_locs [G, L] -> token locations, -1 kept.
+    ``kernels``: one launch (kernels/pick_locs.py) instead of torch's five."""
+    if kernels:
+        return pick_locs(positions, context_locs)
+    return pick_locs_reference(positions, context_locs)
 
 
 class LightningIndexer(nn.Module):
@@ -305,7 +308,7 @@ class LightningIndexer(nn.Module):
             if batch.request_rows is None:
                 prefetch = None
             pos = self._decode_topk(q, weights, all_keys, batch, prefetch, layer)
-            return positions_to_locs(pos, batch.context_locs).squeeze(1)
+            return positions_to_locs(pos, batch.context_locs, use_kernels(q)).squeeze(1)
 
         out = torch.empty(q.shape[0], self.topk, dtype=torch.int64, device=q.device)
         if batch.request_rows is None:
@@ -334,5 +337,5 @@ class LightningIndexer(nn.Module):
                 )
                 if extend_prefetch is not None:
                     extend_prefetch.observe(layer, kth, row)
-                out[s:e] = positions_to_locs(pos.unsqueeze(0), ctx).squeeze(0)
+                out[s:e] = positions_to_locs(pos.unsqueeze(0), ctx, use_kernels(q)).squeeze(0)
         return out

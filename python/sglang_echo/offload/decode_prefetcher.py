@@ -125,6 +125,7 @@ class DecodePrefetcher:
             DecodeThresholdPredictor(max_rows, manager.device, alpha) for _ in range(layers)
         ]
         self._side: torch.cuda.Stream | None = None
+        self._learn: torch.cuda.Stream | None = None
         if in_kernel:
             c = manager.cache
             self.chunks = 1
@@ -273,10 +274,11 @@ class DecodePrefetcher:
         self, layer: int, scores: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
     ) -> None:
         """After the exact top-k of a staged step: the thresholds learn its k-th scores
-        (:meth:`observe_topk`) and the layer's staging goes to the manager, whose resolve
-        waits for the chunked design's copies before its recall. On CUDA the threshold
-        update runs on the side stream, off the main stream's critical path; in the
-        in-kernel design the resolve joins it only after its recall."""
+        (:meth:`observe_topk`) and the layer's staging goes to the manager, whose recall
+        waits for the copies only. On CUDA the threshold update runs on a stream of its
+        own, joined after the recall: queued behind the copies on the side stream, it held
+        the recall back by its ~5 us whenever the last copy outlasted the top-k
+        (gpu_checks_logs/736295d/prefetch_profile.log, hit 0.5)."""
         m = self.manager
         staged = self.staged_rows(layer, positions.shape[0])
         side = self._side_stream()
@@ -284,17 +286,19 @@ class DecodePrefetcher:
             self.observe_topk(layer, scores, positions, rows)
             m.stage_ready(layer, staged, None)
             return
-        side.wait_stream(torch.cuda.current_stream(m.device))  # fork: the top-k
-        with torch.cuda.stream(side):
+        copied = self._copied
+        if not self.in_kernel:  # the chunks' copies, queued on the side stream
+            copied = torch.cuda.Event()
+            copied.record(side)
+        learn = self._side_stream(observe=True)
+        learn.wait_stream(torch.cuda.current_stream(m.device))  # fork: the top-k
+        with torch.cuda.stream(learn):
             self.observe_topk(layer, scores, positions, rows)
             done = torch.cuda.Event()
-            done.record(side)
-        if self.in_kernel:  # the logits kernel wrote the staging; copy_rest may still run
-            m.stage_ready(layer, staged, self._copied, joined=done)
-            self._copied = None
-        else:
-            m.stage_ready(layer, staged, done)
-        _used_on(side, scores, positions, rows)
+            done.record(learn)
+        m.stage_ready(layer, staged, copied, joined=done)
+        self._copied = None
+        _used_on(learn, scores, positions, rows)
 
     def wait_copies(self) -> None:
         """The current stream waits for the in-kernel design's side-stream copy of this
@@ -320,13 +324,15 @@ class DecodePrefetcher:
             m.prefetch_hits[layer : layer + 1],
         )  # fmt: skip
 
-    def _side_stream(self) -> torch.cuda.Stream | None:
+    def _side_stream(self, observe: bool = False) -> torch.cuda.Stream | None:
+        """The copies' side stream, or (``observe``) the threshold update's."""
         m = self.manager
         if m.device.type != "cuda" or not m.use_kernels:
             return None
         if self._side is None:
             self._side = torch.cuda.Stream(device=m.device, priority=self.side_priority)
-        return self._side
+            self._learn = torch.cuda.Stream(device=m.device, priority=self.side_priority)
+        return self._learn if observe else self._side
 
     def cap_for(self, topk: int) -> int:
         """Candidates per request: at most top-k, so a step's list (B x cap lanes) fits
