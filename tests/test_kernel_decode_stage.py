@@ -13,14 +13,13 @@ import torch
 from sglang_echo.kernels.cache_layout import ABSENT
 from sglang_echo.kernels.decode_stage import (
     StagedRows,
-    fp8_index_logits_select,
     stage_copy,
     stage_copy_reference,
     stage_select,
     stage_select_reference,
     staged_entries,
 )
-from sglang_echo.kernels.indexer import fp8_index_logits, program_span
+from sglang_echo.kernels.indexer import fp8_index_logits
 from sglang_echo.kernels.recall import recall_rows, recall_rows_reference
 from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
@@ -101,81 +100,6 @@ def test_select_stages_the_reference_candidates(cap):
             assert not pool
         for token in got:  # the map points at an entry holding the token
             assert int(ker[0][int(ker[2][token])]) == token
-
-
-@pytest.mark.parametrize("cap", [400, 12], ids=["room", "overflow"])
-def test_logits_select_is_the_logits_then_the_select(cap):
-    """One launch: the plain logits kernel's bits, and the candidates the select kernel's
-    reference stages from them (as a multiset; all of them when the region has room)."""
-    q, w, keys, scales, locs, lens, h2d = _inputs(5, length=150)
-    block_n = 16
-    whole = fp8_index_logits(q, w, keys, scales, locs, lens, block_n=block_n)
-    theta = torch.tensor([0.0, -float("inf"), float("inf")], device=DEV)
-    theta[0] = whole[0, : int(lens[0])].quantile(0.6)
-    chunks, bounds = 2, [(0, 64), (64, 150)]
-    (ids, counts, smap), ref = (
-        _buffers(chunks, cap, keys.shape[0]),
-        _buffers(chunks, cap, keys.shape[0]),
-    )
-    out = torch.full_like(whole, float("nan"))
-    for chunk, (start, end) in enumerate(bounds):
-        count = counts[chunk : chunk + 1]
-        fp8_index_logits_select(
-            q, w, keys, scales, locs, lens, theta, h2d, out, start, end, ids, count, smap,
-            chunk * cap, cap, block_n=block_n,
-        )  # fmt: skip
-        stage_select_reference(
-            whole, locs, lens, theta, h2d, start, end, ref[0], ref[1][chunk : chunk + 1],
-            ref[2], chunk * cap, cap,
-        )  # fmt: skip
-    assert torch.equal(out, whole)
-    assert torch.equal(counts, ref[1]) and int(counts.sum()) > 0
-    for chunk in range(chunks):
-        kept = min(int(counts[chunk]), cap)
-        got = ids[chunk * cap : chunk * cap + kept].tolist()
-        want = _candidates(whole, locs, lens, theta, h2d, *bounds[chunk])
-        assert len(want) == int(counts[chunk])
-        pool = list(want)
-        for token in got:
-            pool.remove(token)
-        assert (not pool) == (len(want) <= cap)
-        for token in got:
-            assert int(ids[int(smap[token])]) == token
-    with pytest.raises(ValueError, match="multiples"):
-        fp8_index_logits_select(
-            q, w, keys, scales, locs, lens, theta, h2d, out, 3, 150, ids, counts[:1], smap,
-            0, cap, block_n=block_n,
-        )  # fmt: skip
-
-
-def _chunked_staging(select_in_logits: bool, seed: int):
-    """One chunked step's logits and staging through the prefetcher over fp8 inputs (the
-    regions have room: which candidates fill a full one follows the atomics)."""
-    q, w, keys, scales, locs, lens, h2d = _inputs(seed, length=300)
-    tokens = keys.shape[0]
-    host = HostKVPool(1, tokens, 8, torch.float32, pin=False)
-    cache = DeviceCache(1, 64, tokens, 8, torch.float32, DEV)
-    cache.host_to_device[0, : h2d.numel()] = h2d  # 40% resident
-    m = EchoManager(host, cache, use_kernels=True)
-    p = DecodePrefetcher(m, max_rows=4, cap=200, chunks=2, select_in_logits=select_in_logits)
-    whole = fp8_index_logits(q, w, keys, scales, locs, lens)
-    # Each request's 70th percentile: ~30% of its keys above it, some of them absent.
-    theta = torch.stack([whole[b, : int(n)].quantile(0.7) for b, n in enumerate(lens)])
-    scores = p.chunked_logits(0, q, w, keys, scales, locs, lens, theta, program_span())
-    staged = [
-        sorted(p.stage_ids[c * 4 * p.chunk_cap : c * 4 * p.chunk_cap + int(n)].tolist())
-        for c, n in enumerate(p.stage_counts.clamp(max=p.region_limit(3)).tolist())
-    ]
-    return scores, p.stage_counts.clone(), staged, int(m.prefetched_rows[0])
-
-
-@pytest.mark.parametrize("seed", range(2))
-def test_chunked_select_in_logits_stages_what_the_select_launch_stages(seed):
-    with_launch = _chunked_staging(False, seed)
-    in_logits = _chunked_staging(True, seed)
-    assert torch.equal(with_launch[0], in_logits[0])  # the logits' bits
-    assert torch.equal(with_launch[1], in_logits[1]) and int(in_logits[1].sum()) > 0
-    assert with_launch[2] == in_logits[2] and with_launch[3] == in_logits[3] > 0
 
 
 def test_copy_moves_exactly_the_staged_rows():

@@ -38,13 +38,6 @@ import triton.language as tl
 
 from sglang_echo.kernels.cache_layout import ABSENT, byte_rows, byte_vector
 from sglang_echo.kernels.device_info import sm_count
-from sglang_echo.kernels.indexer import (
-    DEFAULT_BLOCK_N,
-    DEFAULT_NUM_STAGES,
-    _check,
-    _fp8_logits_block,
-    _request_query,
-)
 
 # Positions per select program. On an H200 (batch 16 x 64K-position chunks) 1024 took
 # 10-12 us per chunk and slowed the top-k beside it less than 4096 did (19 us).
@@ -74,26 +67,6 @@ class StagedRows(NamedTuple):
 
 
 @triton.jit
-def _select_block(
-    over, loc, h2d_ptr, ids_ptr, counts_ptr, map_ptr, cap, region, ABSENT_ID: tl.constexpr
-):  # fmt: skip
-    """Append the lanes ``over`` (above theta) whose host id ``loc`` is not resident to the
-    region (ranks from the chunk's one counter, kept below ``cap``) and map them. A block
-    with none of them touches no counter."""
-    slot = tl.load(h2d_ptr + loc, mask=over, other=0)
-    flag = over & (slot == ABSENT_ID)
-    flags = flag.to(tl.int32)
-    n_flags = tl.sum(flags, 0)
-    if n_flags > 0:
-        base = tl.atomic_add(counts_ptr, n_flags)  # this block's ranks in the region
-        rank = base + tl.cumsum(flags, 0) - 1
-        take = flag & (rank < cap)
-        entry = region + rank
-        tl.store(ids_ptr + entry, loc, mask=take)
-        tl.store(map_ptr + loc, entry.to(tl.int32), mask=take)
-
-
-@triton.jit
 def _select_kernel(
     scores_ptr, locs_ptr, lens_ptr, theta_ptr, h2d_ptr, ids_ptr, counts_ptr, map_ptr,
     start, end, scores_stride, locs_stride, cap, region,
@@ -105,30 +78,16 @@ def _select_kernel(
     s = tl.load(scores_ptr + b * scores_stride + n, mask=live, other=float("-inf"))
     over = live & (s > tl.load(theta_ptr + b))
     loc = tl.load(locs_ptr + b * locs_stride + n, mask=over, other=0).to(tl.int64)
-    _select_block(over, loc, h2d_ptr, ids_ptr, counts_ptr, map_ptr, cap, region, ABSENT_ID)
-
-
-@triton.jit
-def _fp8_logits_select_kernel(
-    q_ptr, w_ptr, k_ptr, k_scale_ptr, locs_ptr, lens_ptr, out_ptr, theta_ptr, h2d_ptr,
-    ids_ptr, counts_ptr, map_ptr,
-    length, k_stride, k_scale_stride, locs_stride, out_stride, first_program, cap, region,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE_ACC: tl.constexpr,
-    KEYS_AS_M: tl.constexpr, ABSENT_ID: tl.constexpr,
-):  # fmt: skip
-    """The plain logits kernel's block (kernels/indexer.py, so the same bits), then the
-    select of :func:`stage_select` on the logits still in registers."""
-    b = tl.program_id(0)
-    q, w, seq_len = _request_query(q_ptr, w_ptr, lens_ptr, b, H=H, D=D)
-    n = (first_program + tl.program_id(1)) * BLOCK_N + tl.arange(0, BLOCK_N)
-    logits, loc, live = _fp8_logits_block(
-        q, w, k_ptr, k_scale_ptr, locs_ptr, b, n, seq_len, k_stride, k_scale_stride,
-        locs_stride, D=D, PRECISE_ACC=PRECISE_ACC, KEYS_AS_M=KEYS_AS_M,
-    )  # fmt: skip
-    inside = n < length
-    tl.store(out_ptr + b * out_stride + n, logits, mask=inside)
-    over = live & inside & (logits > tl.load(theta_ptr + b))
-    _select_block(over, loc, h2d_ptr, ids_ptr, counts_ptr, map_ptr, cap, region, ABSENT_ID)
+    slot = tl.load(h2d_ptr + loc, mask=over, other=0)
+    flag = over & (slot == ABSENT_ID)
+    flags = flag.to(tl.int32)
+    n_flags = tl.sum(flags, 0)
+    base = tl.atomic_add(counts_ptr, n_flags)  # this tile's ranks in the region
+    rank = base + tl.cumsum(flags, 0) - 1
+    take = flag & (rank < cap)
+    entry = region + rank
+    tl.store(ids_ptr + entry, loc, mask=take)
+    tl.store(map_ptr + loc, entry.to(tl.int32), mask=take)
 
 
 @triton.jit
@@ -195,56 +154,6 @@ def stage_select(
         scores, locs, seq_lens, theta, host_to_device, ids, count, stage_map,
         start, end, scores.stride(0), locs.stride(0), cap, region,
         TILE=STAGE_TILE, ABSENT_ID=ABSENT,
-    )  # fmt: skip
-
-
-def fp8_index_logits_select(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    keys: torch.Tensor,
-    key_scales: torch.Tensor,
-    locs: torch.Tensor,
-    seq_lens: torch.Tensor,
-    theta: torch.Tensor,
-    host_to_device: torch.Tensor,
-    out: torch.Tensor,
-    start: int,
-    end: int,
-    ids: torch.Tensor,
-    count: torch.Tensor,
-    stage_map: torch.Tensor,
-    region: int,
-    cap: int,
-    block_n: int = DEFAULT_BLOCK_N,
-    num_warps: int = 4,
-    num_stages: int = DEFAULT_NUM_STAGES,
-) -> None:
-    """:func:`kernels.indexer.fp8_index_logits` of positions [start, end) into ``out``
-    (same arguments and bits) and :func:`stage_select` of them (same staging), in one
-    launch: the select reads the logits in registers instead of rereading a chunk of
-    scores, and no select launch holds the SMs the next chunk or the top-k wants (on an
-    H200 at hit 1.0, batch 16 x 128K, the two select launches cost the chunked design ~10
-    us of its ~21 us over the unfused step: gpu_checks_logs/736295d/prefetch_profile.log).
-    Its reference is that pair: fp8_index_logits, then stage_select_reference."""
-    if keys.stride(1) != 1:
-        raise ValueError("keys need unit stride along D")
-    _check(q, weights, keys, key_scales, locs, seq_lens)
-    batch, heads, dim = q.shape
-    length = locs.shape[1]
-    end = min(end, length)
-    if start % block_n or start < 0 or (end < length and end % block_n):
-        raise ValueError(f"start and end (short of L) must be multiples of {block_n} positions")
-    if out.shape != (batch, length) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be [B, L] = [{batch}, {length}] float32, unit stride")
-    if end <= start or batch == 0:
-        return
-    _fp8_logits_select_kernel[(batch, triton.cdiv(end - start, block_n))](
-        q.contiguous(), weights.contiguous().float(), keys, key_scales, locs, seq_lens, out,
-        theta, host_to_device, ids, count, stage_map,
-        length, keys.stride(0), key_scales.stride(0), locs.stride(0), out.stride(0),
-        start // block_n, cap, region,
-        H=heads, D=dim, BLOCK_N=block_n, PRECISE_ACC=32, KEYS_AS_M=True, ABSENT_ID=ABSENT,
-        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 

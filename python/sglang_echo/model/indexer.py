@@ -248,9 +248,14 @@ class LightningIndexer(nn.Module):
             elif staged:
                 # Chunks of key positions: each chunk's misses start moving (side stream)
                 # while the next chunks and the top-k are computed.
-                scores = prefetch.chunked_logits(
-                    layer, q, weights, keys, scales, ctx, lens32, theta, program_span()
-                )
+                scores = torch.empty(ctx.shape[0], ctx.shape[1], dtype=torch.float32,
+                                     device=q.device)  # fmt: skip
+                bounds = prefetch.chunk_bounds(ctx.shape[1], program_span())
+                for i, (start, end) in enumerate(bounds):
+                    fp8_index_logits(
+                        q, weights, keys, scales, ctx, lens32, out=scores, start=start, end=end
+                    )
+                    prefetch.stage(layer, i, scores, ctx, lens32, theta, start, end)
             elif prefetch is not None:
                 from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch
 

@@ -35,7 +35,6 @@ import torch
 from sglang_echo.config import default_stage_rows
 from sglang_echo.kernels.decode_stage import (
     StagedRows,
-    fp8_index_logits_select,
     stage_copy,
     stage_copy_reference,
     stage_select,
@@ -79,10 +78,6 @@ DEFAULT_IN_KERNEL = False
 # and 0.6-0.8 (1.24-1.27x against 1.32-1.34x at 0.6): no band of miss fractions where a
 # per-step choice of design would pay, so none is made and the logits copy all.
 DEFAULT_IN_KERNEL_COPY_ROWS: int | None = None
-# Chunked design over the fp8 logits: each chunk's select inside its logits launch
-# (kernels/decode_stage.py fp8_index_logits_select) instead of a launch of its own on the
-# side stream after it.
-DEFAULT_SELECT_IN_LOGITS = False
 
 
 class DecodePrefetcher:
@@ -98,7 +93,6 @@ class DecodePrefetcher:
         in_kernel: bool = DEFAULT_IN_KERNEL,
         block_n: int = STAGE_BLOCK_N,
         copy_rows: int | None = None,
-        select_in_logits: bool | None = None,
     ) -> None:
         if cap is None and staged:
             # Staged rows per request and layer (split over the chunks, a chunk's share
@@ -125,10 +119,6 @@ class DecodePrefetcher:
             raise ValueError(f"in-kernel copy rows must be >= 0, got {copy_rows}")
         self.copy_rows = self.cap if copy_rows is None else min(int(copy_rows), self.cap)
         self._copied: torch.cuda.Event | None = None  # copy_rest's, for the coming resolve
-        # Chunked design: each chunk's select in its fp8 logits launch (module default).
-        self.select_in_logits = (
-            DEFAULT_SELECT_IN_LOGITS if select_in_logits is None else bool(select_in_logits)
-        )
         self.side_priority = int(side_priority)
         layers = manager.cache.num_layers
         self.predictors = [
@@ -214,72 +204,6 @@ class DecodePrefetcher:
             self._copied.record(side)
         return scores
 
-    def chunked_logits(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        weights: torch.Tensor,
-        keys: torch.Tensor,
-        key_scales: torch.Tensor,
-        locs: torch.Tensor,
-        seq_lens: torch.Tensor,
-        theta: torch.Tensor,
-        span: int,
-    ) -> torch.Tensor:
-        """Chunked design over the fp8 logits (kernels.indexer.fp8_index_logits's
-        arguments and bits; chunk starts aligned to ``span`` positions): the logits [B, L]
-        chunk by chunk on the current stream, each chunk's misses above ``theta`` staged
-        while the next chunks and the top-k run. With ``select_in_logits`` a chunk's
-        logits launch selects them too and the side stream only copies; otherwise
-        :meth:`stage` selects and copies there."""
-        from sglang_echo.kernels.indexer import fp8_index_logits
-
-        scores = torch.empty(locs.shape, dtype=torch.float32, device=q.device)
-        for chunk, (start, end) in enumerate(self.chunk_bounds(locs.shape[1], span)):
-            if not (self.select_in_logits and self.manager.use_kernels):
-                fp8_index_logits(
-                    q, weights, keys, key_scales, locs, seq_lens, out=scores, start=start, end=end
-                )
-                self.stage(layer, chunk, scores, locs, seq_lens, theta, start, end)
-                continue
-            m = self.manager
-            self._check_batch(q.shape[0])
-            if chunk == 0:
-                self.stage_counts.zero_()  # the side stream's last copies were joined
-            region, limit = chunk * self.max_rows * self.chunk_cap, self.region_limit(q.shape[0])
-            count = self.stage_counts[chunk : chunk + 1]
-            fp8_index_logits_select(
-                q, weights, keys, key_scales, locs, seq_lens, theta,
-                m.cache.host_to_device[layer], scores, start, end, self.stage_ids, count,
-                self.stage_map, region, limit,
-            )  # fmt: skip
-            self._copy_chunk(layer, count, region, limit)
-        return scores
-
-    def _copy_chunk(self, layer: int, count: torch.Tensor, region: int, limit: int) -> None:
-        """Copy a chunk's staged rows: on the side stream, forked here, on CUDA; at once
-        elsewhere."""
-        m = self.manager
-        total = m.prefetched_rows[layer : layer + 1]
-        args = (
-            self._host_rows(layer),
-            self.stage_rows,
-            self.stage_ids,
-            count,
-            total,
-            region,
-            limit,
-        )
-        side = self._side_stream()
-        if side is None:
-            (stage_copy if m.use_kernels else stage_copy_reference)(*args)
-            return
-        side.wait_stream(torch.cuda.current_stream(m.device))  # fork: this chunk's select
-        with torch.cuda.stream(side):
-            # A bounded grid even beside the top-k alone: with the recall's full grid the
-            # last chunk's copy held the top-k back (H200, hit 0.5: 1.03x against 1.12x).
-            stage_copy(*args)
-
     def _check_batch(self, batch: int) -> None:
         if batch > self.max_rows:
             raise ValueError(f"decode batch of {batch} exceeds the {self.max_rows} request rows")
@@ -324,19 +248,27 @@ class DecodePrefetcher:
         h2d = m.cache.host_to_device[layer]
         args = (scores, locs, seq_lens, theta, h2d, start, end, self.stage_ids, count,
                 self.stage_map, region, limit)  # fmt: skip
+        total = m.prefetched_rows[layer : layer + 1]
+        host = self._host_rows(layer)
+        copy_args = (host, self.stage_rows, self.stage_ids, count, total, region, limit)
         side = self._side_stream()
         if side is None:
             if chunk == 0:
                 self.stage_counts.zero_()
-            (stage_select if m.use_kernels else stage_select_reference)(*args)
-        else:
-            side.wait_stream(torch.cuda.current_stream(m.device))  # fork: this chunk's logits
-            with torch.cuda.stream(side):
-                if chunk == 0:
-                    self.stage_counts.zero_()
-                stage_select(*args)
-            _used_on(side, scores, locs, seq_lens, theta)
-        self._copy_chunk(layer, count, region, limit)
+            select = stage_select if m.use_kernels else stage_select_reference
+            select(*args)
+            copy = stage_copy if m.use_kernels else stage_copy_reference
+            copy(*copy_args)
+            return
+        side.wait_stream(torch.cuda.current_stream(m.device))  # fork: this chunk's logits
+        with torch.cuda.stream(side):
+            if chunk == 0:
+                self.stage_counts.zero_()
+            stage_select(*args)
+            # A bounded grid even beside the top-k alone: with the recall's full grid the
+            # last chunk's copy held the top-k back (H200, hit 0.5: 1.03x against 1.12x).
+            stage_copy(*copy_args)
+        _used_on(side, scores, locs, seq_lens, theta)
 
     def finish(
         self, layer: int, scores: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
