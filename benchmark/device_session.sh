@@ -140,7 +140,7 @@ run_stage() {
       stage prefetch_split 240 bash -c 'for r in 384 448; do python3 benchmark/kernels/decode_prefetch_bench.py \
         --out /tmp/ds/prefetch_split/rows$r --hit-rates 0.3,0.4,0.5,0.6,0.7,0.8 --stage-copy-rows $r --rounds 5 \
         > /tmp/ds/prefetch_split/rows$r.log 2>&1; echo "copy rows $r: exit $?"; tail -8 /tmp/ds/prefetch_split/rows$r.log; done' ;;
-    prefetch_chunks)  # the chunked design in three chunks (both places of the select, timed
+    prefetch_chunks)  # the chunked design in three chunks (both streams of the select, timed
       # beside each other) at hit 0.5, 0.9 and 1.0: whether earlier copies pay for a launch more
       stage prefetch_chunks 150 python3 benchmark/kernels/decode_prefetch_bench.py --out /tmp/ds/prefetch_chunks \
         --stage-chunks 3 --hit-rates 0.5,0.9,1.0 ;;

@@ -124,6 +124,8 @@ SWEEP_SHAPES = [
     for ordered in ((False, True) if lane >= 1024 else (False,))
 ]
 STATE = ("host_to_device", "device_to_host", "priority", "free_stack", "free_count", "clock")
+# Interleaved rounds of the one program's widths at batch 1, resident (their medians recorded).
+WARPS_ROUNDS = 5
 
 
 def shape_is_exact(args, dev: torch.device, trace: torch.Tensor, shape: dict, steps: int) -> bool:
@@ -587,17 +589,20 @@ def main() -> None:
     runs["kernels_batch_1_resident"] = measure(
         resident, dev, resident_trace, on_gpu, "resolve", fill=False
     )
-    # The one program's width where it only looks up (16 warps is the default).
-    resident_by_warps = (
-        {
-            str(w): measure(
-                resident, dev, resident_trace, on_gpu, "resolve", {"one_program_warps": w}, False
-            )["us"]
-            for w in (4, 8, 16, 32)
-        }
-        if on_gpu
-        else None
-    )
+    # The one program's width where it only looks up (ONE_PROGRAM_WARPS is the default),
+    # in interleaved rounds: between single runs of one call the figure moved by ~10%.
+    resident_by_warps = resident_by_warps_range = None
+    if on_gpu:
+        widths = (4, 8, 16, 32)
+        rounds = {w: [] for w in widths}
+        for _ in range(WARPS_ROUNDS):
+            for w in widths:
+                shape = {"one_program_warps": w}
+                rounds[w].append(
+                    measure(resident, dev, resident_trace, on_gpu, "resolve", shape, False)["us"]
+                )
+        resident_by_warps = {str(w): statistics.median(t) for w, t in rounds.items()}
+        resident_by_warps_range = {str(w): [min(t), max(t)] for w, t in rounds.items()}
     runs["kernels_batch_1_resident_with_recall"] = measure(
         resident, dev, resident_trace, on_gpu, "decode_step", fill=False
     )
@@ -669,6 +674,8 @@ def main() -> None:
             "kernels_batch_1_resident_with_recall"
         ]["us"],
         "us_batch_1_resident_by_one_program_warps": resident_by_warps,
+        "us_batch_1_resident_by_one_program_warps_range": resident_by_warps_range,
+        "one_program_warps_rounds": WARPS_ROUNDS,
         "target_us_batch_1_no_eviction": 4.0,
         "layer_steps_per_replay": args.group,
         "us_per_layer_step_single_replay": runs["kernels_decode_management_single_replay"]["us"],

@@ -17,7 +17,9 @@ cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
   resolve, likewise;
 - fused (the first, allocating design, for the A/B): logits + flags
   (kernels/decode_prefetch.py) -> EchoManager.prefetch maps them and copies their rows on
-  a side stream while the top-k runs -> resolve recalls only what is still missing.
+  a side stream while the top-k runs -> resolve recalls only what is still missing;
+- chunked_alt: the chunked design with its selects on the other stream (their own, or the
+  copies': ``chunked_select_stream`` says which the default is), ``chunked_alt_speedup``.
 
 ``speedup`` = unfused / the default design (``default_design``), ``chunked_speedup`` and
 ``in_kernel_speedup`` each design's. Figure 18's own definition (ECHO), top-k and cache
@@ -223,11 +225,22 @@ class Bench:
             ),
             in_kernel=False,
         )
+        # The chunked design with the other choice of stream for its selects (their own,
+        # or the copies': DEFAULT_SELECT_STREAM), timed beside it.
+        self.chunker_alt = DecodePrefetcher(
+            self.manager,
+            max_rows=B,
+            cap=stage_cap,
+            chunks=self.chunker.chunks,
+            side_priority=self.chunker.side_priority,
+            in_kernel=False,
+            select_stream=not self.chunker.select_stream,
+        )
         self._learn_thresholds()
 
     @property
     def prefetchers(self) -> tuple[DecodePrefetcher, ...]:
-        return (self.prefetcher, self.stager, self.chunker)
+        return (self.prefetcher, self.stager, self.chunker, self.chunker_alt)
 
     def _fill_host(self, g: torch.Generator) -> None:
         rows = self.host.device_view[0] if self.cuda else self.host.rows[0]
@@ -319,6 +332,10 @@ class Bench:
 
     def chunked(self) -> tuple[torch.Tensor, torch.Tensor]:
         sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.chunker, 0)
+        return sel, self.manager.resolve(0, sel)
+
+    def chunked_alt(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.chunker_alt, 0)
         return sel, self.manager.resolve(0, sel)
 
     # Figure 18's definition: the indexer's logits and the recall of every miss, top-k and
@@ -432,7 +449,8 @@ def capture(bench: Bench, fn, stream) -> torch.cuda.CUDAGraph:
 
 
 GRAPHED = (
-    "unfused", "fused", "chunked", "in_kernel", "fig18_plain", "fig18_in_kernel", "fig18_chunked"
+    "unfused", "fused", "chunked", "chunked_alt", "in_kernel", "fig18_plain", "fig18_in_kernel",
+    "fig18_chunked",
 )  # fmt: skip
 DEFAULT_DESIGN = "in_kernel" if DEFAULT_IN_KERNEL else "chunked"
 
@@ -473,13 +491,14 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     sel_f, rows_f, cnt_f = bench.run_checked(bench.fused)
     sel_s, rows_s, cnt_s = bench.run_checked(bench.in_kernel)
     sel_c, rows_c, cnt_c = bench.run_checked(bench.chunked)
+    sel_a, rows_a, cnt_a = bench.run_checked(bench.chunked_alt)
     if DEFAULT_DESIGN == "chunked":  # the staged_* figures are the default design's
         cnt_s, cnt_i = cnt_c, cnt_s
     else:
         cnt_i = cnt_s
     want = bench.expected_rows(sel_u)
-    ok = all(torch.equal(sel_u, s) for s in (sel_f, sel_s, sel_c))
-    ok = ok and all(torch.equal(r, want) for r in (rows_u, rows_f, rows_s, rows_c))
+    ok = all(torch.equal(sel_u, s) for s in (sel_f, sel_s, sel_c, sel_a))
+    ok = ok and all(torch.equal(r, want) for r in (rows_u, rows_f, rows_s, rows_c, rows_a))
     row.update(
         hit_rate_measured=cnt_u["hits"] / max(1, cnt_u["hits"] + cnt_u["misses"]),
         recall_rows=cnt_u["misses"],
@@ -494,6 +513,8 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
         stage_cap=bench.stager.cap,
         in_kernel_rows=cnt_i["prefetched"],
         in_kernel_used=cnt_i["prefetch_hits"],
+        chunked_alt_rows=cnt_a["prefetched"],
+        chunked_alt_used=cnt_a["prefetch_hits"],
         stage_chunks=bench.chunker.chunks,
         stage_block_n=bench.stager.block_n,
     )
@@ -555,6 +576,7 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
             row["in_kernel_speedup"] = row["unfused_graph_ms"] / row["in_kernel_graph_ms"]
             row["alloc_speedup"] = row["unfused_graph_ms"] / row["fused_graph_ms"]
             row["chunked_speedup"] = row["unfused_graph_ms"] / row["chunked_graph_ms"]
+            row["chunked_alt_speedup"] = row["unfused_graph_ms"] / row["chunked_alt_graph_ms"]
             row["fig18_speedup"] = row["fig18_plain_graph_ms"] / row["fig18_in_kernel_graph_ms"]
             fig18_chunked = row["fig18_chunked_graph_ms"]
             row["fig18_chunked_speedup"] = row["fig18_plain_graph_ms"] / fig18_chunked
@@ -605,7 +627,7 @@ def profile(bench: Bench, hits: str, stream) -> None:
 
     for hit in (float(h) for h in hits.split(",")):
         bench.set_residency(hit)
-        for name in ("unfused", "chunked", "in_kernel"):
+        for name in ("unfused", "chunked", "chunked_alt", "in_kernel"):
             graph = capture(bench, getattr(bench, name), stream)
             bench.restore(rows=True)
             graph.replay()
@@ -686,6 +708,10 @@ def main() -> None:
         "fig18_speedup": {f"hit_{h}": r.get("fig18_speedup") for h, r in by_hit.items()},
         "alloc_speedup": {f"hit_{h}": r.get("alloc_speedup") for h, r in by_hit.items()},
         "chunked_speedup": {f"hit_{h}": r.get("chunked_speedup") for h, r in by_hit.items()},
+        "chunked_alt_speedup": {
+            f"hit_{h}": r.get("chunked_alt_speedup") for h, r in by_hit.items()
+        },
+        "chunked_select_stream": bench.chunker.select_stream,
         "in_kernel_speedup": {f"hit_{h}": r.get("in_kernel_speedup") for h, r in by_hit.items()},
         "fig18_chunked_speedup": {
             f"hit_{h}": r.get("fig18_chunked_speedup") for h, r in by_hit.items()

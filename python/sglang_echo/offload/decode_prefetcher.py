@@ -78,6 +78,11 @@ DEFAULT_IN_KERNEL = False
 # and 0.6-0.8 (1.24-1.27x against 1.32-1.34x at 0.6): no band of miss fractions where a
 # per-step choice of design would pay, so none is made and the logits copy all.
 DEFAULT_IN_KERNEL_COPY_ROWS: int | None = None
+# Chunked design: each chunk's select on a stream of its own instead of the copies'. On one
+# stream a chunk's select waited for the previous chunk's copy (H200 profile at hit 0.5,
+# gpu_checks_logs/ae80c55/prefetch_profile.log: the second select started when the first
+# copy ended, ~60 us after its logits), and the second copy behind it.
+DEFAULT_SELECT_STREAM = False
 
 
 class DecodePrefetcher:
@@ -93,6 +98,7 @@ class DecodePrefetcher:
         in_kernel: bool = DEFAULT_IN_KERNEL,
         block_n: int = STAGE_BLOCK_N,
         copy_rows: int | None = None,
+        select_stream: bool | None = None,
     ) -> None:
         if cap is None and staged:
             # Staged rows per request and layer (split over the chunks, a chunk's share
@@ -119,6 +125,9 @@ class DecodePrefetcher:
             raise ValueError(f"in-kernel copy rows must be >= 0, got {copy_rows}")
         self.copy_rows = self.cap if copy_rows is None else min(int(copy_rows), self.cap)
         self._copied: torch.cuda.Event | None = None  # copy_rest's, for the coming resolve
+        # Chunked design: the selects on a stream of their own, so that a chunk's select
+        # does not queue behind the previous chunk's copy (module default).
+        self.select_stream = DEFAULT_SELECT_STREAM if select_stream is None else bool(select_stream)
         self.side_priority = int(side_priority)
         layers = manager.cache.num_layers
         self.predictors = [
@@ -126,6 +135,7 @@ class DecodePrefetcher:
         ]
         self._side: torch.cuda.Stream | None = None
         self._learn: torch.cuda.Stream | None = None
+        self._select: torch.cuda.Stream | None = None
         if in_kernel:
             c = manager.cache
             self.chunks = 1
@@ -260,15 +270,19 @@ class DecodePrefetcher:
             copy = stage_copy if m.use_kernels else stage_copy_reference
             copy(*copy_args)
             return
-        side.wait_stream(torch.cuda.current_stream(m.device))  # fork: this chunk's logits
-        with torch.cuda.stream(side):
+        pick = self._side_stream(select=True) if self.select_stream else side
+        pick.wait_stream(torch.cuda.current_stream(m.device))  # fork: this chunk's logits
+        with torch.cuda.stream(pick):
             if chunk == 0:
                 self.stage_counts.zero_()
             stage_select(*args)
+        if pick is not side:  # the copy waits for this select, not the select for a copy
+            side.wait_stream(pick)
+        with torch.cuda.stream(side):
             # A bounded grid even beside the top-k alone: with the recall's full grid the
             # last chunk's copy held the top-k back (H200, hit 0.5: 1.03x against 1.12x).
             stage_copy(*copy_args)
-        _used_on(side, scores, locs, seq_lens, theta)
+        _used_on(pick, scores, locs, seq_lens, theta)
 
     def finish(
         self, layer: int, scores: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
@@ -324,15 +338,17 @@ class DecodePrefetcher:
             m.prefetch_hits[layer : layer + 1],
         )  # fmt: skip
 
-    def _side_stream(self, observe: bool = False) -> torch.cuda.Stream | None:
-        """The copies' side stream, or (``observe``) the threshold update's."""
+    def _side_stream(self, observe: bool = False, select: bool = False) -> torch.cuda.Stream | None:
+        """The copies' side stream, or (``observe``) the threshold update's, or
+        (``select``) the chunks' selects'."""
         m = self.manager
         if m.device.type != "cuda" or not m.use_kernels:
             return None
         if self._side is None:
-            self._side = torch.cuda.Stream(device=m.device, priority=self.side_priority)
-            self._learn = torch.cuda.Stream(device=m.device, priority=self.side_priority)
-        return self._learn if observe else self._side
+            self._side, self._learn, self._select = (
+                torch.cuda.Stream(device=m.device, priority=self.side_priority) for _ in range(3)
+            )
+        return self._learn if observe else self._select if select else self._side
 
     def cap_for(self, topk: int) -> int:
         """Candidates per request: at most top-k, so a step's list (B x cap lanes) fits
