@@ -76,19 +76,16 @@ def _candidates(scores, locs, lens, theta, h2d, start, end) -> list[int]:
     ]
 
 
-@pytest.mark.parametrize("programs", [None, 2], ids=["grid", "bounded"])
 @pytest.mark.parametrize("cap", [400, 40], ids=["room", "overflow"])
-def test_select_stages_the_reference_candidates(cap, programs):
+def test_select_stages_the_reference_candidates(cap):
     scores, locs, lens, theta, h2d = _stage_inputs(1)
     chunks = 2
     ker, ref = _buffers(chunks, cap), _buffers(chunks, cap)
     bounds = [(0, 160), (160, 300)]
     for chunk, (start, end) in enumerate(bounds):
-        args = (scores, locs, lens, theta, h2d, start, end)
-        ids, counts, smap = ker
-        stage_select(*args, ids, counts[chunk : chunk + 1], smap, chunk * cap, cap, programs)
-        ids, counts, smap = ref
-        stage_select_reference(*args, ids, counts[chunk : chunk + 1], smap, chunk * cap, cap)
+        for fn, (ids, counts, smap) in ((stage_select, ker), (stage_select_reference, ref)):
+            count = counts[chunk : chunk + 1]
+            fn(scores, locs, lens, theta, h2d, start, end, ids, count, smap, chunk * cap, cap)
     assert torch.equal(ker[1], ref[1])  # counts (uncapped)
     for chunk, (start, end) in enumerate(bounds):
         want = _candidates(scores, locs, lens, theta, h2d, start, end)
@@ -169,7 +166,7 @@ def test_recall_takes_only_valid_staged_rows():
 
 
 def _steps(
-    use_kernels: bool, staged: bool, seed: int, in_kernel: bool = False, bounded: bool = False
+    use_kernels: bool, staged: bool, seed: int, in_kernel: bool = False
 ) -> tuple[EchoManager, list]:
     """Decode steps of one layer (3 requests x 96 positions, top-12, a 40-slot cache
     under eviction): scores, a threshold near the 12th score (some misses staged, some
@@ -183,9 +180,7 @@ def _steps(
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn(tokens, 8, generator=g)
     m.write_host(0, torch.arange(1, tokens + 1, device=DEV), rows.to(DEV))
-    p = DecodePrefetcher(
-        m, max_rows=4, cap=24, chunks=3, in_kernel=in_kernel, bounded_last_select=bounded
-    )
+    p = DecodePrefetcher(m, max_rows=4, cap=24, chunks=3, in_kernel=in_kernel)
     locs = torch.stack([torch.randperm(tokens, generator=g)[:length] + 1 for _ in range(batch)])
     locs, lens = locs.to(DEV), torch.tensor([96, 80, 50], device=DEV)
     reads = []
@@ -208,18 +203,14 @@ def _steps(
     return m, reads
 
 
-@pytest.mark.parametrize(
-    ("in_kernel", "bounded"),
-    [(False, False), (False, True), (True, False)],
-    ids=["chunked", "chunked-bounded-last-select", "in-kernel"],
-)
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["chunked", "in-kernel"])
 @pytest.mark.parametrize("seed", range(2))
-def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed, in_kernel, bounded):
+def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed, in_kernel):
     """Bits and cache state as without prefetch, kernels and reference alike; staged rows
     were recalled from the staging."""
     plain, plain_reads = _steps(use_kernels=False, staged=False, seed=seed)
     for use_kernels in (False, True):
-        m, reads = _steps(use_kernels, True, seed, in_kernel, bounded)
+        m, reads = _steps(use_kernels, staged=True, seed=seed, in_kernel=in_kernel)
         assert all(torch.equal(a, b) for a, b in zip(plain_reads, reads, strict=True))
         for name in STATE:
             assert torch.equal(getattr(m.cache, name), getattr(plain.cache, name)), name

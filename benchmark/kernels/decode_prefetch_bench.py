@@ -18,9 +18,8 @@ cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
 - fused (the first, allocating design, for the A/B): logits + flags
   (kernels/decode_prefetch.py) -> EchoManager.prefetch maps them and copies their rows on
   a side stream while the top-k runs -> resolve recalls only what is still missing;
-- chunked_alt: the chunked design with the other grid for its last select (bounded, or a
-  program per tile: ``chunked_bounded_last_select`` says which the default is),
-  ``chunked_alt_speedup``.
+- chunked_alt: the chunked design with its selects on the other stream (their own, or the
+  copies': ``chunked_select_stream`` says which the default is), ``chunked_alt_speedup``.
 
 ``speedup`` = unfused / the default design (``default_design``), ``chunked_speedup`` and
 ``in_kernel_speedup`` each design's. Figure 18's own definition (ECHO), top-k and cache
@@ -226,8 +225,8 @@ class Bench:
             ),
             in_kernel=False,
         )
-        # The chunked design with the other choice of grid for its last select (bounded,
-        # or a program per tile: DEFAULT_BOUNDED_LAST_SELECT), timed beside it.
+        # The chunked design with the other choice of stream for its selects (their own,
+        # or the copies': DEFAULT_SELECT_STREAM), timed beside it.
         self.chunker_alt = DecodePrefetcher(
             self.manager,
             max_rows=B,
@@ -235,7 +234,7 @@ class Bench:
             chunks=self.chunker.chunks,
             side_priority=self.chunker.side_priority,
             in_kernel=False,
-            bounded_last_select=not self.chunker.bounded_last_select,
+            select_stream=not self.chunker.select_stream,
         )
         self._learn_thresholds()
 
@@ -713,7 +712,6 @@ def main() -> None:
             f"hit_{h}": r.get("chunked_alt_speedup") for h, r in by_hit.items()
         },
         "chunked_select_stream": bench.chunker.select_stream,
-        "chunked_bounded_last_select": bench.chunker.bounded_last_select,
         "in_kernel_speedup": {f"hit_{h}": r.get("in_kernel_speedup") for h, r in by_hit.items()},
         "fig18_chunked_speedup": {
             f"hit_{h}": r.get("fig18_chunked_speedup") for h, r in by_hit.items()

@@ -45,9 +45,6 @@ STAGE_TILE = 1024
 # The copy's grid: a quarter of the SMs' worth of programs. The overlap probe (issue 29)
 # hid the logits behind a recall on 33-66 programs and nothing at 132 or more.
 COPY_PROGRAMS_PER_SM = 0.25
-# The last chunk's select on a bounded grid (DecodePrefetcher's bounded_last_select): half
-# the SMs' worth of programs, so that the top-k starts beside it.
-LAST_SELECT_PROGRAMS_PER_SM = 0.5
 COPY_CHUNKS = 512  # 16-byte pieces per copy program and iteration (kernels/recall.py)
 
 
@@ -70,13 +67,13 @@ class StagedRows(NamedTuple):
 
 
 @triton.jit
-def _select_tile(
-    scores_ptr, locs_ptr, lens_ptr, theta_ptr, h2d_ptr, ids_ptr, counts_ptr, map_ptr, b, tile,
+def _select_kernel(
+    scores_ptr, locs_ptr, lens_ptr, theta_ptr, h2d_ptr, ids_ptr, counts_ptr, map_ptr,
     start, end, scores_stride, locs_stride, cap, region,
     TILE: tl.constexpr, ABSENT_ID: tl.constexpr,
 ):  # fmt: skip
-    """Request ``b``'s candidates among the chunk's positions of tile ``tile``."""
-    n = start + tile * TILE + tl.arange(0, TILE)
+    b = tl.program_id(0)
+    n = start + tl.program_id(1) * TILE + tl.arange(0, TILE)
     live = (n < end) & (n < tl.load(lens_ptr + b))
     s = tl.load(scores_ptr + b * scores_stride + n, mask=live, other=float("-inf"))
     over = live & (s > tl.load(theta_ptr + b))
@@ -91,37 +88,6 @@ def _select_tile(
     entry = region + rank
     tl.store(ids_ptr + entry, loc, mask=take)
     tl.store(map_ptr + loc, entry.to(tl.int32), mask=take)
-
-
-@triton.jit
-def _select_kernel(
-    scores_ptr, locs_ptr, lens_ptr, theta_ptr, h2d_ptr, ids_ptr, counts_ptr, map_ptr,
-    start, end, scores_stride, locs_stride, cap, region,
-    TILE: tl.constexpr, ABSENT_ID: tl.constexpr,
-):  # fmt: skip
-    """A program per (request, tile)."""
-    _select_tile(
-        scores_ptr, locs_ptr, lens_ptr, theta_ptr, h2d_ptr, ids_ptr, counts_ptr, map_ptr,
-        tl.program_id(0), tl.program_id(1), start, end, scores_stride, locs_stride, cap, region,
-        TILE=TILE, ABSENT_ID=ABSENT_ID,
-    )  # fmt: skip
-
-
-@triton.jit
-def _select_bounded_kernel(
-    scores_ptr, locs_ptr, lens_ptr, theta_ptr, h2d_ptr, ids_ptr, counts_ptr, map_ptr,
-    start, end, scores_stride, locs_stride, cap, region, items, tiles,
-    TILE: tl.constexpr, ABSENT_ID: tl.constexpr,
-):  # fmt: skip
-    """A bounded grid looping over the (request, tile) items."""
-    item = tl.program_id(0)
-    while item < items:
-        _select_tile(
-            scores_ptr, locs_ptr, lens_ptr, theta_ptr, h2d_ptr, ids_ptr, counts_ptr, map_ptr,
-            item // tiles, item % tiles, start, end, scores_stride, locs_stride, cap, region,
-            TILE=TILE, ABSENT_ID=ABSENT_ID,
-        )  # fmt: skip
-        item += tl.num_programs(0)
 
 
 @triton.jit
@@ -174,37 +140,21 @@ def stage_select(
     stage_map: torch.Tensor,
     region: int,
     cap: int,
-    programs: int | None = None,
 ) -> None:
     """Append the candidates among positions [start, end) (scores [B, L] float32, locs
     [B, >= L] host ids, seq_lens [B], theta [B] float32) of every request to the chunk's
     region ``ids[region : region + cap]`` (int64), counted in ``count`` (a 1-element int32
     tensor zeroed by the caller; it may exceed ``cap``: only ranks below ``cap`` are
-    kept), and mark ``stage_map[id] = entry`` (int32). One launch: a program per (request,
-    tile), or ``programs`` programs looping over them (a bounded grid leaves the other SMs
-    to what runs beside it)."""
+    kept), and mark ``stage_map[id] = entry`` (int32). One launch."""
     batch = scores.shape[0]
     if batch == 0 or end <= start:
         return
-    tiles = triton.cdiv(end - start, STAGE_TILE)
-    args = (scores, locs, seq_lens, theta, host_to_device, ids, count, stage_map,
-            start, end, scores.stride(0), locs.stride(0), cap, region)  # fmt: skip
-    if programs is None:
-        _select_kernel[(batch, tiles)](*args, TILE=STAGE_TILE, ABSENT_ID=ABSENT)
-        return
-    if programs < 1:
-        raise ValueError(f"a bounded select needs >= 1 program, got {programs}")
-    grid = (min(programs, batch * tiles),)
-    _select_bounded_kernel[grid](
-        *args, batch * tiles, tiles, TILE=STAGE_TILE, ABSENT_ID=ABSENT, num_warps=8
-    )
-
-
-def select_programs(device: torch.device) -> int:
-    """Programs of a bounded select (the interpreter: 2, so its loop runs in tests)."""
-    if device.type != "cuda":
-        return 2
-    return max(1, int(LAST_SELECT_PROGRAMS_PER_SM * sm_count(device.index)))
+    grid = (batch, triton.cdiv(end - start, STAGE_TILE))
+    _select_kernel[grid](
+        scores, locs, seq_lens, theta, host_to_device, ids, count, stage_map,
+        start, end, scores.stride(0), locs.stride(0), cap, region,
+        TILE=STAGE_TILE, ABSENT_ID=ABSENT,
+    )  # fmt: skip
 
 
 def copy_programs(device: torch.device) -> int:

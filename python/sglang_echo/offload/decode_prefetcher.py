@@ -35,7 +35,6 @@ import torch
 from sglang_echo.config import default_stage_rows
 from sglang_echo.kernels.decode_stage import (
     StagedRows,
-    select_programs,
     stage_copy,
     stage_copy_reference,
     stage_select,
@@ -86,10 +85,6 @@ DEFAULT_IN_KERNEL_COPY_ROWS: int | None = None
 # other (gpu_checks_logs/bdcc9e9/): 1.22x against 1.19x at hit 0.5 with two chunks, 1.22x
 # against 1.20x with three; equal within the rounds' range at hit 0.8 to 1.0.
 DEFAULT_SELECT_STREAM = True
-# Chunked design: the last chunk's select on a bounded grid (kernels/decode_stage.py
-# select_programs) instead of a program per (request, tile): at full grid it took every SM
-# for ~10 us before the top-k's first launch could start (same profile, hit 0.9 and 1.0).
-DEFAULT_BOUNDED_LAST_SELECT = True
 
 
 class DecodePrefetcher:
@@ -106,7 +101,6 @@ class DecodePrefetcher:
         block_n: int = STAGE_BLOCK_N,
         copy_rows: int | None = None,
         select_stream: bool | None = None,
-        bounded_last_select: bool | None = None,
     ) -> None:
         if cap is None and staged:
             # Staged rows per request and layer (split over the chunks, a chunk's share
@@ -136,11 +130,6 @@ class DecodePrefetcher:
         # Chunked design: the selects on a stream of their own, so that a chunk's select
         # does not queue behind the previous chunk's copy (module default).
         self.select_stream = DEFAULT_SELECT_STREAM if select_stream is None else bool(select_stream)
-        self.bounded_last_select = (
-            DEFAULT_BOUNDED_LAST_SELECT
-            if bounded_last_select is None
-            else bool(bounded_last_select)
-        )
         self.side_priority = int(side_priority)
         layers = manager.cache.num_layers
         self.predictors = [
@@ -274,16 +263,11 @@ class DecodePrefetcher:
         total = m.prefetched_rows[layer : layer + 1]
         host = self._host_rows(layer)
         copy_args = (host, self.stage_rows, self.stage_ids, count, total, region, limit)
-        last = end >= scores.shape[1]
-        programs = select_programs(m.device) if self.bounded_last_select and last else None
         side = self._side_stream()
         if side is None:
             if chunk == 0:
                 self.stage_counts.zero_()
-            if m.use_kernels:
-                stage_select(*args, programs=programs)
-            else:
-                stage_select_reference(*args)
+            (stage_select if m.use_kernels else stage_select_reference)(*args)
             copy = stage_copy if m.use_kernels else stage_copy_reference
             copy(*copy_args)
             return
@@ -292,7 +276,7 @@ class DecodePrefetcher:
         with torch.cuda.stream(pick):
             if chunk == 0:
                 self.stage_counts.zero_()
-            stage_select(*args, programs=programs)
+            stage_select(*args)
         if pick is not side:  # the copy waits for this select, not the select for a copy
             side.wait_stream(pick)
         with torch.cuda.stream(side):
