@@ -83,7 +83,8 @@ DEFAULT_IN_KERNEL_COPY_ROWS: int | None = None
 # gpu_checks_logs/ae80c55/prefetch_profile.log: the second select started when the first
 # copy ended, ~60 us after its logits), and the second copy behind it. Timed beside each
 # other (gpu_checks_logs/bdcc9e9/): 1.22x against 1.19x at hit 0.5 with two chunks, 1.22x
-# against 1.20x with three; equal within the rounds' range at hit 0.8 to 1.0.
+# against 1.20x with three; equal within the rounds' range at hit 0.8 to 1.0. In the
+# record's run (decode_prefetch.json, 20ebfe8) equal at every hit rate: never slower.
 DEFAULT_SELECT_STREAM = True
 
 
