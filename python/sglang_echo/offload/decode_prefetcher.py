@@ -136,9 +136,7 @@ class DecodePrefetcher:
         self.predictors = [
             DecodeThresholdPredictor(max_rows, manager.device, alpha) for _ in range(layers)
         ]
-        self._side: torch.cuda.Stream | None = None
-        self._learn: torch.cuda.Stream | None = None
-        self._select: torch.cuda.Stream | None = None
+        self._streams: dict[str, torch.cuda.Stream] | None = None  # by role, made on first use
         if in_kernel:
             c = manager.cache
             self.chunks = 1
@@ -272,7 +270,7 @@ class DecodePrefetcher:
             copy = stage_copy if m.use_kernels else stage_copy_reference
             copy(*copy_args)
             return
-        pick = self._side_stream(select=True) if self.select_stream else side
+        pick = self._side_stream("select") if self.select_stream else side
         pick.wait_stream(torch.cuda.current_stream(m.device))  # fork: this chunk's logits
         with torch.cuda.stream(pick):
             if chunk == 0:
@@ -306,7 +304,7 @@ class DecodePrefetcher:
         if not self.in_kernel:  # the chunks' copies, queued on the side stream
             copied = torch.cuda.Event()
             copied.record(side)
-        learn = self._side_stream(observe=True)
+        learn = self._side_stream("learn")
         learn.wait_stream(torch.cuda.current_stream(m.device))  # fork: the top-k
         with torch.cuda.stream(learn):
             self.observe_topk(layer, scores, positions, rows)
@@ -340,17 +338,18 @@ class DecodePrefetcher:
             m.prefetch_hits[layer : layer + 1],
         )  # fmt: skip
 
-    def _side_stream(self, observe: bool = False, select: bool = False) -> torch.cuda.Stream | None:
-        """The copies' side stream, or (``observe``) the threshold update's, or
-        (``select``) the chunks' selects'."""
+    def _side_stream(self, role: str = "copy") -> torch.cuda.Stream | None:
+        """The side stream of ``role``: "copy" (the staging copies), "select" (the chunks'
+        selects) or "learn" (the threshold update); None off CUDA or without kernels."""
         m = self.manager
         if m.device.type != "cuda" or not m.use_kernels:
             return None
-        if self._side is None:
-            self._side, self._learn, self._select = (
-                torch.cuda.Stream(device=m.device, priority=self.side_priority) for _ in range(3)
-            )
-        return self._learn if observe else self._select if select else self._side
+        if self._streams is None:
+            self._streams = {
+                name: torch.cuda.Stream(device=m.device, priority=self.side_priority)
+                for name in ("copy", "select", "learn")
+            }
+        return self._streams[role]
 
     def cap_for(self, topk: int) -> int:
         """Candidates per request: at most top-k, so a step's list (B x cap lanes) fits
