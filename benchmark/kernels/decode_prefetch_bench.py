@@ -18,8 +18,10 @@ cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
 - fused (the first, allocating design, for the A/B): logits + flags
   (kernels/decode_prefetch.py) -> EchoManager.prefetch maps them and copies their rows on
   a side stream while the top-k runs -> resolve recalls only what is still missing;
-- chunked_alt: the chunked design with its selects on the other stream (their own, or the
-  copies': ``chunked_select_stream`` says which the default is), ``chunked_alt_speedup``.
+- chunked_alt: the chunked design with one choice changed (``chunked_alt`` says which,
+  ``chunked_alt_speedup``): by default its selects on the other stream (their own, or the
+  copies': ``chunked_select_stream`` says which the default is); with ``--alt-first-share``
+  or ``--alt-stage-cap`` the default stream and that first chunk's share or staged rows.
 
 ``speedup`` = unfused / the default design (``default_design``), ``chunked_speedup`` and
 ``in_kernel_speedup`` each design's. Figure 18's own definition (ECHO), top-k and cache
@@ -87,6 +89,19 @@ def _parse() -> argparse.Namespace:
         default=None,
         help="rows per request the in_kernel logits copy; a side stream copies the rest "
         "beside the top-k (default: the prefetcher's, all)",
+    )
+    p.add_argument(
+        "--alt-first-share",
+        type=float,
+        default=None,
+        help="chunked_alt: the first chunk's share of the key positions (instead of the "
+        "other select stream)",
+    )
+    p.add_argument(
+        "--alt-stage-cap",
+        type=int,
+        default=None,
+        help="chunked_alt: staged rows per request (instead of the other select stream)",
     )
     p.add_argument("--rounds", type=int, default=3, help="interleaved graph-timing rounds")
     p.add_argument(
@@ -225,16 +240,24 @@ class Bench:
             ),
             in_kernel=False,
         )
-        # The chunked design with the other choice of stream for its selects (their own,
-        # or the copies': DEFAULT_SELECT_STREAM), timed beside it.
+        # The chunked design with one choice changed, timed beside it: the first chunk's
+        # share or the staged rows when asked, else the other stream for its selects
+        # (their own, or the copies': DEFAULT_SELECT_STREAM).
+        other = args.alt_first_share is not None or args.alt_stage_cap is not None
         self.chunker_alt = DecodePrefetcher(
             self.manager,
             max_rows=B,
-            cap=stage_cap,
+            cap=args.alt_stage_cap or stage_cap,
             chunks=self.chunker.chunks,
             side_priority=self.chunker.side_priority,
             in_kernel=False,
-            select_stream=not self.chunker.select_stream,
+            select_stream=self.chunker.select_stream if other else not self.chunker.select_stream,
+            first_share=args.alt_first_share,
+        )
+        self.alt_choice = (
+            f"first_share={args.alt_first_share}, stage_cap={self.chunker_alt.cap}"
+            if other
+            else f"select_stream={self.chunker_alt.select_stream}"
         )
         self._learn_thresholds()
 
@@ -674,9 +697,10 @@ def main() -> None:
     head = (
         f"{'hit':>5} {'logits':>7} {'recall rows':>11} {'MB':>6} {'recall':>7} {'unfused':>8} "
         f"{'fused':>8} {'staged':>7} {'used':>6} {'remain':>6} {'chunked':>8} {'in_kern':>8} "
-        f"{'speedup':>7} {'in_kern':>7} {'fig18':>6} {'fig18c':>6} {'alloc':>6} ok"
+        f"{'speedup':>7} {'in_kern':>7} {'alt':>6} {'fig18':>6} {'fig18c':>6} {'alloc':>6} ok"
     )
     print("ms; step totals are CUDA-graph replays where available (fused: allocating design)")
+    print(f"alt: chunked with {bench.alt_choice}")
     print(head)
     rows = []
     for hit in (float(h) for h in args.hit_rates.split(",")):
@@ -688,7 +712,8 @@ def main() -> None:
             f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {g('fused'):>8.3f} "
             f"{r['staged_rows']:>7} {r['staged_used']:>6} {r['staged_remaining']:>6} "
             f"{g('chunked'):>8.3f} {g('in_kernel'):>8.3f} {r['speedup']:>7.3f} "
-            f"{r.get('in_kernel_speedup', 0):>7.3f} {r.get('fig18_speedup', 0):>6.3f} "
+            f"{r.get('in_kernel_speedup', 0):>7.3f} {r.get('chunked_alt_speedup', 0):>6.3f} "
+            f"{r.get('fig18_speedup', 0):>6.3f} "
             f"{r.get('fig18_chunked_speedup', 0):>6.3f} "
             f"{r.get('alloc_speedup', r['alloc_speedup_eager']):>6.3f} {r['correct']}",
             flush=True,
@@ -712,6 +737,8 @@ def main() -> None:
             f"hit_{h}": r.get("chunked_alt_speedup") for h, r in by_hit.items()
         },
         "chunked_select_stream": bench.chunker.select_stream,
+        "chunked_first_share": bench.chunker.first_share,
+        "chunked_alt": bench.alt_choice,
         "in_kernel_speedup": {f"hit_{h}": r.get("in_kernel_speedup") for h, r in by_hit.items()},
         "fig18_chunked_speedup": {
             f"hit_{h}": r.get("fig18_chunked_speedup") for h, r in by_hit.items()
