@@ -53,6 +53,9 @@ LOOKBACK_WARPS = 16
 # batch 1 with misses served from free slots; at batch 2 with misses it loses (20.0 against
 # 14.6 us), at batch 4 even when resident (14.1 against 13.5). Past it, the pipeline.
 ONE_PROGRAM_LANES = 4096
+# Its width: at batch 1 with every selection resident, 4 / 8 / 16 / 32 warps took 5.41 /
+# 5.02 / 4.63 / 4.82 us in five interleaved rounds on an H200 (8c90ac6, ranges 4.43-4.73 us
+# at 16 and 4.76-4.88 at 32: gpu_checks_logs/8c90ac6/cache_bench.log).
 ONE_PROGRAM_WARPS = 16
 ONE_PROGRAM_BLOCK = 2048  # lanes per step of its loops: a batch of one in one step
 # (cache_ops.json's one_program_study times 4,096 too: a batch of two in one step)

@@ -89,7 +89,9 @@ DEFAULT_SELECT_STREAM = True
 # Chunked design: the first chunk's share of the key positions (the rest split evenly);
 # None: every chunk the same. A smaller first chunk starts the copies earlier, since they
 # wait for its logits and select, but leaves it fewer candidates (each chunk stages at most
-# its even share of the cap).
+# its even share of the cap). On an H200 (batch 16 x 128K, 8c90ac6, five rounds each) shares
+# of 0.25 and 0.35, and 0.3 with 1280 staged rows, were within the rounds' spread of even
+# chunks at every hit rate; 0.25 alone lower at hit 0.5 (1.18x against 1.24x).
 DEFAULT_FIRST_CHUNK_SHARE: float | None = None
 
 
