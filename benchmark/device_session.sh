@@ -18,7 +18,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_tests_in_kernel prefetch_split prefetch_chunks prefetch_shares prefetch_profile prefetch_study prefetch_rows indexer_profile cache cache_bench cache_poll cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_tests_in_kernel prefetch_split prefetch_chunks prefetch_shares prefetch_profile prefetch_study prefetch_rows indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -96,10 +96,6 @@ run_stage() {
       stage cache 520 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
         tests/test_kernel_recall.py tests/test_kernel_topk_rows.py tests/test_pdl.py tests/test_decode_write.py tests/test_kernel_decode_write.py \
         && python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache --sweep" ;;
-    cache_poll)  # the look-back's GPU tests (both ways of polling), then the two ways timed
-      # beside each other at batch 48 (interleaved rounds; no record)
-      stage cache_poll 200 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py -k lookback \
-        && python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache_poll --poll-only" ;;
     cache_bench)  # the cache kernels' benchmark alone, no tests and no sweep (~75 s)
       stage cache_bench 200 python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache_bench ;;
     topk)  # both top-k kernels' tests, the GPU-marked ones too (the pivot's exactness at full
@@ -208,7 +204,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_split|prefetch_chunks|prefetch_shares|prefetch_profile|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_bench|cache_poll|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_split|prefetch_chunks|prefetch_shares|prefetch_profile|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"

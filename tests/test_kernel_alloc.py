@@ -216,8 +216,6 @@ def test_workspace_rejects_launch_shapes_the_kernels_cannot_take() -> None:
         AllocWorkspace(cache, 32, lookback_lane_block=48)
     with pytest.raises(ValueError, match="lookback_warps"):
         AllocWorkspace(cache, 32, lookback_warps=3)
-    with pytest.raises(ValueError, match="lookback_poll"):
-        AllocWorkspace(cache, 32, lookback_poll="spin")
     with pytest.raises(ValueError, match="num_warps"):
         AllocWorkspace(cache, 32, num_warps=3)
     with pytest.raises(ValueError, match="atomic_sem"):
@@ -430,9 +428,8 @@ def test_a_wrong_promise_of_distinct_ids_only_over_counts_hits(copies: int) -> N
     _assert_same(ref, ker, "wrong promise")
 
 
-@pytest.mark.parametrize("poll", ["atomics", "loads"])
 @pytest.mark.parametrize("ordered_tiles", [False, True], ids=["ticket", "program-ordered"])
-def test_lookback_resolve_waits_on_many_tiles(ordered_tiles: bool, poll: str) -> None:
+def test_lookback_resolve_waits_on_many_tiles(ordered_tiles: bool) -> None:
     """The look-back resolve with hundreds of lane tiles (16-lane blocks, a workspace of
     4,096 lanes: 256-wide waits, the width a batch of 48 waits at), duplicates across
     tiles and evictions: the reference's state after every call, with tiles numbered by
@@ -441,9 +438,8 @@ def test_lookback_resolve_waits_on_many_tiles(ordered_tiles: bool, poll: str) ->
     check's, at that width."""
     ref, ker = _pair(64, 600, reserve=3)
     ws = AllocWorkspace(
-        ker, max_lanes=4096, lane_block=16, one_program_lanes=0, ordered_tiles=ordered_tiles,
-        lookback_poll=poll,
-    )  # fmt: skip
+        ker, max_lanes=4096, lane_block=16, one_program_lanes=0, ordered_tiles=ordered_tiles
+    )
     assert ws.lookback and ws.max_lane_programs_pow2 == 256
     rng = random.Random(11)
     first = torch.arange(1, 65, dtype=torch.int64, device=DEV)
@@ -475,17 +471,16 @@ def test_lookback_resolve_serves_from_free_slots_across_tiles() -> None:
     _assert_same(ref, ker, "32 misses into 40 free slots")
 
 
-@pytest.mark.parametrize("poll", ["atomics", "loads"])
 @pytest.mark.parametrize("evict", [False, True], ids=["free-slots", "evicting"])
 def test_lookback_resolve_ranks_tiles_before_and_after_the_first_repeat(
-    program_order: str, evict: bool, poll: str
+    program_order: str, evict: bool
 ) -> None:
     """Tiles before the first repeated id rank their misses from the misses counts alone;
     from the first tile that saw a repeat on they count first misses. Here tiles 0-2
     repeat nothing, tile 3 repeats an id of tile 1 and tile 4 one of its own, in either
     program order (which of two lanes claims later, and so flags, flips with it)."""
     ref, ker = _pair(64 if evict else 120, 400, reserve=2)
-    ws = AllocWorkspace(ker, max_lanes=80, lane_block=16, one_program_lanes=0, lookback_poll=poll)
+    ws = AllocWorkspace(ker, max_lanes=80, lane_block=16, one_program_lanes=0)
     if evict:  # a full cache: the 70-odd misses evict
         resident = torch.arange(300, 364, dtype=torch.int64, device=DEV)
         allocate_reference(ref, 0, resident, True)

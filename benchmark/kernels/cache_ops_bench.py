@@ -44,8 +44,6 @@ from victim_policies import policy_hit_rates
 from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.alloc import (
     LOOKBACK_LANE_BLOCK,
-    LOOKBACK_POLL,
-    LOOKBACK_POLLS,
     LOOKBACK_WARPS,
     ONE_PROGRAM_LANES,
     SLOT_BLOCK,
@@ -482,34 +480,6 @@ def plot(record_path: Path) -> Path:
     return out
 
 
-def poll_study(args, dev: torch.device, trace: torch.Tensor, paired: torch.Tensor) -> dict:
-    """The look-back's two ways of polling (AllocWorkspace's lookback_poll) at ``--batch``
-    on a full cache, distinct ids and requests in pairs, in interleaved rounds: medians and
-    the rounds' ranges, us per layer-step."""
-    cases = {"distinct": (trace, True), "repeats": (paired, False)}
-    times = {(c, q): [] for c in cases for q in LOOKBACK_POLLS}
-    for _ in range(WARPS_ROUNDS):
-        for c, (t, distinct) in cases.items():
-            for q in LOOKBACK_POLLS:
-                shape = {"lookback_poll": q}
-                us = measure(args, dev, t, True, "resolve", shape, distinct=distinct)["us"]
-                times[c, q].append(us)
-    return {
-        "default": LOOKBACK_POLL,
-        "rounds": WARPS_ROUNDS,
-        **{
-            c: {
-                q: {
-                    "us": statistics.median(times[c, q]),
-                    "range": [min(times[c, q]), max(times[c, q])],
-                }
-                for q in LOOKBACK_POLLS
-            }
-            for c in cases
-        },
-    }
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmark/results")
@@ -559,12 +529,6 @@ def main() -> None:
     )
     p.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
     p.add_argument(
-        "--poll-only",
-        action="store_true",
-        help="time only the look-back's two ways of polling (interleaved rounds), print "
-        "them and exit; writes no record (CUDA only)",
-    )
-    p.add_argument(
         "--profile",
         action="store_true",
         help="print the kernels of one graph replay (look-back and pipeline resolves) under "
@@ -587,11 +551,6 @@ def main() -> None:
     on_gpu = dev.type == "cuda"
     paired = trace.clone()
     paired[:, 1::2] = trace[:, 0::2][:, : paired[:, 1::2].shape[1]]
-    if args.poll_only:
-        if not on_gpu:
-            p.error("--poll-only needs CUDA (graph replays)")
-        print("look-back polling:", json.dumps(poll_study(args, dev, trace, paired)))
-        return
     runs = {
         # A decode layer-step as the model runs it: the resolve's allocation only (the new
         # tokens go to the host pool; kvcache write(decode=True)), then with the writes and
@@ -667,8 +626,6 @@ def main() -> None:
     print("launch floors:", floors)
     chaining = chaining_study(args, dev) if on_gpu else None
     sweep = shape_sweep(args, dev, trace) if args.sweep and on_gpu else None
-    polling = poll_study(args, dev, trace, paired) if on_gpu else None
-    print("look-back polling:", polling)
     # The timing runs use a full cache; the policy study needs one smaller than the trace's
     # working set too, or every policy hits the same (nothing is ever evicted).
     policy_slots = args.policy_slots or int(1.25 * args.batch * args.topk)
@@ -735,7 +692,6 @@ def main() -> None:
         "victim_policy_kept": "lru_bucketed",
         "launch_chaining": chaining,
         "launch_shape_sweep": sweep,
-        "lookback_polling": polling,
         # The look-back's default shape when this ran (the sweep's rows name theirs alike).
         "lookback_default_shape": {"lane_block": LOOKBACK_LANE_BLOCK, "num_warps": LOOKBACK_WARPS},
         "best_launch_shape": min((r for r in sweep if r["exact"]), key=lambda r: r["us"])

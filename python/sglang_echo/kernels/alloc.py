@@ -57,11 +57,6 @@ ONE_PROGRAM_LANES = 4096
 # 5.02 / 4.63 / 4.82 us in five interleaved rounds on an H200 (8c90ac6, ranges 4.43-4.73 us
 # at 16 and 4.76-4.88 at 32: gpu_checks_logs/8c90ac6/cache_bench.log).
 ONE_PROGRAM_WARPS = 16
-# How the look-back's waiting programs poll the earlier tiles' words: "atomics" (acquire
-# read-modify-writes of zero) or "loads" (volatile loads; an acquire only where a tile
-# reads more than the words). Every waiting program polls the same few lines at once.
-LOOKBACK_POLL = "atomics"
-LOOKBACK_POLLS = ("atomics", "loads")
 ONE_PROGRAM_BLOCK = 2048  # lanes per step of its loops: a batch of one in one step
 # (cache_ops.json's one_program_study times 4,096 too: a batch of two in one step)
 
@@ -797,7 +792,6 @@ class AllocWorkspace:
         lookback_lane_block: int | None = None,
         lookback_warps: int | None = None,
         ordered_tiles: bool = False,
-        lookback_poll: str = LOOKBACK_POLL,
     ) -> None:
         if one_program_lanes is None:  # read here, not at import: tests may set it
             one_program_lanes = ONE_PROGRAM_LANES
@@ -824,10 +818,6 @@ class AllocWorkspace:
             raise ValueError(f"one_program_lanes must be >= 0, got {one_program_lanes}")
         if atomic_sem not in ATOMIC_SEMS:
             raise ValueError(f"atomic_sem must be one of {ATOMIC_SEMS}, got {atomic_sem!r}")
-        if lookback_poll not in LOOKBACK_POLLS:
-            raise ValueError(
-                f"lookback_poll must be one of {LOOKBACK_POLLS}, got {lookback_poll!r}"
-            )
         dev = cache.device
         self.max_lanes = max_lanes
         self.lane_block, self.slot_block, self.num_warps = lane_block, slot_block, num_warps
@@ -853,9 +843,6 @@ class AllocWorkspace:
         # saved less than the spread between two runs of one shape (17.5 against 18.5 us
         # in cache_ops.json's sweep, the default timed at 17.5 in the same record's main run).
         self.ordered_tiles = ordered_tiles
-        # How the look-back's waiting programs poll the earlier tiles' words: acquire
-        # atomics, or volatile loads (kernels/alloc_lookback.py's _earlier_words).
-        self.lookback_poll = lookback_poll
         self.slot_programs = triton.cdiv(cache.num_slots + 2, slot_block)
         lane_programs = max(1, triton.cdiv(max_lanes, lane_block))
         # Width of the kernels' scan over per-block lane counts: fixed per workspace (not

@@ -74,27 +74,15 @@ assert CLAIM == -(2**31)
 
 
 @triton.jit
-def _earlier_words(words_ptr, tile, WIDTH: tl.constexpr, first=0, LOADS: tl.constexpr = False):
+def _earlier_words(words_ptr, tile, WIDTH: tl.constexpr, first=0):
     """Spin until every tile in [first, tile) has published its word (non-zero), then
     return the words (0 elsewhere). Acquire loads: what a tile wrote before publishing is
-    visible after this returns (and a block barrier). ``LOADS``: poll with volatile loads
-    instead (no read-modify-write at the words' L2 lines, which every waiting program
-    polls at once): only the words' own values are then known to be visible."""
+    visible after this returns (and a block barrier)."""
     p = tl.arange(0, WIDTH)
     earlier = (p >= first) & (p < tile)
-    if LOADS:
-        # The loop carries a count, not the words (a loaded tensor carried through the
-        # loop crashed Triton's sm_90 layout pass); a published word never changes
-        # within the call, so the load after the loop reads what the last poll saw.
-        unpublished = tile - first
-        while unpublished > 0:
-            seen = tl.load(words_ptr + p, mask=earlier, other=1, volatile=True)
-            unpublished = tl.sum((seen == 0).to(tl.int32), 0)
-        words = tl.load(words_ptr + p, mask=earlier, other=0, volatile=True)
-    else:
+    words = tl.atomic_add(words_ptr + p, 0, mask=earlier, sem="acquire")
+    while tl.min(tl.where(earlier, words, 1), 0) == 0:
         words = tl.atomic_add(words_ptr + p, 0, mask=earlier, sem="acquire")
-        while tl.min(tl.where(earlier, words, 1), 0) == 0:
-            words = tl.atomic_add(words_ptr + p, 0, mask=earlier, sem="acquire")
     return tl.where(earlier, words, 0)
 
 
@@ -121,14 +109,11 @@ def _lookup_rank_kernel(
     free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, hits_ptr, ticket_ptr,
     claimed_ptr, counts_ptr, call_counts_ptr, lane_ref_ptr,
     LANES: tl.constexpr, MAXP: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
-    SEM: tl.constexpr, POLL_LOADS: tl.constexpr,
+    SEM: tl.constexpr,
 ):  # fmt: skip
     """Look up, stamp hits, claim misses; rank the first misses in lane order across the
     launch (look-back); serve those the free stack covers. ``ORDERED``: tiles by program
-    id (the launcher allows it only where the grid fits the SMs), else by ticket.
-    ``POLL_LOADS``: the first wait polls with loads (it needs only the words' counts);
-    a tile past a repeated id, which reads the other tiles' claims, then acquires the
-    words once (all published by then: one round, no spin)."""
+    id (the launcher allows it only where the grid fits the SMs), else by ticket."""
     pdl_prologue(PDL)
     tile = tl.program_id(0) if ORDERED else tl.atomic_add(ticket_ptr, 1, sem=SEM)
     lane = tile * LANES + tl.arange(0, LANES)
@@ -152,7 +137,7 @@ def _lookup_rank_kernel(
     if tile == 0:  # the slot launches' histogram starts empty (they add only if evicting)
         tl.store(hist_ptr + tl.arange(0, _BUCKETS), tl.zeros([_BUCKETS], dtype=tl.int32))
     _publish(claimed_ptr, tile, (1 + (n_miss << 1) + repeat_here.to(tl.int64)).to(tl.int32))
-    words = _earlier_words(claimed_ptr, tile, MAXP, 0, POLL_LOADS).to(tl.int64) - 1
+    words = _earlier_words(claimed_ptr, tile, MAXP).to(tl.int64) - 1
     p = tl.arange(0, MAXP)
     earlier = p < tile
     # The first tile (up to this one) whose lanes saw a repeated id. Before it, no lane
@@ -169,14 +154,8 @@ def _lookup_rank_kernel(
     else:
         # Every lower lane has claimed: an entry holding this lane's claim is the id's
         # first. Tiles from the flagged one on publish and read their first-miss counts.
-        # With POLL_LOADS the claims made before each publish are visible only after an
-        # acquire: the words again (published: one round), the read depending on them.
-        acquired = miss
-        if POLL_LOADS:
-            again = _earlier_words(claimed_ptr, tile, MAXP)
-            acquired = miss & (tl.min(tl.where(p < tile, again, 1), 0) > 0)
         tl.debug_barrier()
-        entry = tl.atomic_add(h2d_ptr + ids, 0, mask=acquired, sem=SEM)
+        entry = tl.atomic_add(h2d_ptr + ids, 0, mask=miss, sem=SEM)
         first = miss & (entry == claim)
         n_first = tl.sum(first.to(tl.int64), 0)
         _publish(counts_ptr, tile, (n_first + 1).to(tl.int32))
@@ -227,11 +206,9 @@ def _evict_victims_kernel(
     miss_ids_ptr, miss_slots_ptr, evictions_ptr, extras_ptr, ticket_ptr, slot_words_ptr,
     num_slots, reserve,
     SLOTS: tl.constexpr, MAXS: tl.constexpr, PDL: tl.constexpr, SEM: tl.constexpr,
-    POLL_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Victims in slot order (the tiles' older and boundary counts by look-back), each
-    serving the miss of rank free + its position or joining the reserve's extras (the
-    wait needs only the words' counts: ``POLL_LOADS`` polls with loads)."""
+    serving the miss of rank free + its position or joining the reserve's extras."""
     pdl_prologue(PDL)
     _misses, free, need = _misses_and_need(call_counts_ptr)
     if need > 0:
@@ -244,7 +221,7 @@ def _evict_victims_kernel(
         older_here = tl.sum(((bucket >= 0) & (bucket > boundary)).to(tl.int64), 0)
         at_here = tl.sum(((bucket >= 0) & (bucket == boundary)).to(tl.int64), 0)
         _publish(slot_words_ptr, tile, 1 + (older_here << _AT_BITS) + at_here)
-        words = _earlier_words(slot_words_ptr, tile, MAXS, 0, POLL_LOADS) - 1
+        words = _earlier_words(slot_words_ptr, tile, MAXS) - 1
         earlier = words >= 0
         older_before = tl.sum(tl.where(earlier, words >> _AT_BITS, 0), 0)
         at_before = tl.sum(tl.where(earlier, words & _AT_MASK, 0), 0)
@@ -350,14 +327,12 @@ def resolve_lookback(
     lane_ticket, slot_ticket = ws.tickets[0:1], ws.tickets[1:2]
     claimed, counts = ws.tile_words[0], ws.tile_words[1]
     ordered = ws.ordered_tiles and lane_programs <= _sm_count(ids.device)
-    poll_loads = ws.lookback_poll == "loads"
     mark()
     _lookup_rank_kernel[(lane_programs,)](
         ids, lanes, lane_programs, out, h2d, d2h, prio, clock, ws.hist, free_count,
         c.free_stack[layer], ws.miss_ids, ws.miss_slots, c.hits[layer : layer + 1],
         lane_ticket, claimed, counts, ws.call_counts, ws.lane_ref,
-        LANES=ws.lookback_lane_block, MAXP=ws.lookback_programs_pow2, ORDERED=ordered,
-        POLL_LOADS=poll_loads, **flags,
+        LANES=ws.lookback_lane_block, MAXP=ws.lookback_programs_pow2, ORDERED=ordered, **flags,
     )  # fmt: skip
     mark()
     _evict_hist_kernel[(sp,)](
@@ -368,8 +343,7 @@ def resolve_lookback(
     _evict_victims_kernel[(sp,)](
         h2d, d2h, prio, clock, ws.hist, ws.call_counts, ws.miss_ids, ws.miss_slots,
         c.evictions[layer : layer + 1], ws.extras, slot_ticket, ws.slot_words, c.num_slots,
-        ws.reserve, SLOTS=ws.slot_block, MAXS=triton.next_power_of_2(sp),
-        POLL_LOADS=poll_loads, **flags,
+        ws.reserve, SLOTS=ws.slot_block, MAXS=triton.next_power_of_2(sp), **flags,
     )  # fmt: skip
     mark()
     _map_misses_kernel[(lane_programs,)](
