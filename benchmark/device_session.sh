@@ -18,7 +18,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_tests_in_kernel prefetch_split prefetch_chunks prefetch_shares prefetch_profile prefetch_study prefetch_rows indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_tests_in_kernel prefetch_split prefetch_chunks prefetch_profile prefetch_study prefetch_rows indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -140,11 +140,6 @@ run_stage() {
       stage prefetch_split 240 bash -c 'for r in 384 448; do python3 benchmark/kernels/decode_prefetch_bench.py \
         --out /tmp/ds/prefetch_split/rows$r --hit-rates 0.3,0.4,0.5,0.6,0.7,0.8 --stage-copy-rows $r --rounds 5 \
         > /tmp/ds/prefetch_split/rows$r.log 2>&1; echo "copy rows $r: exit $?"; tail -8 /tmp/ds/prefetch_split/rows$r.log; done' ;;
-    prefetch_shares)  # the chunked design beside itself with a smaller first chunk (copies
-      # start earlier, fewer candidates in it) and with more staged rows, five rounds each
-      stage prefetch_shares 300 bash -c 'for alt in "--alt-first-share 0.25" "--alt-first-share 0.35" \
-        "--alt-stage-cap 1280" "--alt-first-share 0.3 --alt-stage-cap 1280"; do
-        python3 benchmark/kernels/decode_prefetch_bench.py --out /tmp/ds/prefetch_shares --rounds 5 $alt || exit 1; done' ;;
     prefetch_chunks)  # the chunked design in three chunks (both streams of the select, timed
       # beside each other) at hit 0.5, 0.9 and 1.0: whether earlier copies pay for a launch more
       stage prefetch_chunks 150 python3 benchmark/kernels/decode_prefetch_bench.py --out /tmp/ds/prefetch_chunks \
@@ -204,7 +199,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_split|prefetch_chunks|prefetch_shares|prefetch_profile|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_split|prefetch_chunks|prefetch_profile|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"

@@ -172,7 +172,6 @@ def _steps(
     staged: bool,
     seed: int,
     in_kernel: bool = False,
-    first_share: float | None = None,
 ) -> tuple[EchoManager, list]:
     """Decode steps of one layer (3 requests x 96 positions, top-12, a 40-slot cache
     under eviction): scores, a threshold near the 12th score (some misses staged, some
@@ -186,9 +185,7 @@ def _steps(
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn(tokens, 8, generator=g)
     m.write_host(0, torch.arange(1, tokens + 1, device=DEV), rows.to(DEV))
-    p = DecodePrefetcher(
-        m, max_rows=4, cap=24, chunks=3, in_kernel=in_kernel, first_share=first_share
-    )
+    p = DecodePrefetcher(m, max_rows=4, cap=24, chunks=3, in_kernel=in_kernel)
     locs = torch.stack([torch.randperm(tokens, generator=g)[:length] + 1 for _ in range(batch)])
     locs, lens = locs.to(DEV), torch.tensor([96, 80, 50], device=DEV)
     reads = []
@@ -211,19 +208,14 @@ def _steps(
     return m, reads
 
 
-@pytest.mark.parametrize(
-    ("in_kernel", "first_share"),
-    [(False, None), (False, 0.2), (True, None)],
-    ids=["chunked", "chunked-small-first", "in-kernel"],
-)
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["chunked", "in-kernel"])
 @pytest.mark.parametrize("seed", range(2))
-def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed, in_kernel, first_share):
+def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed, in_kernel):
     """Bits and cache state as without prefetch, kernels and reference alike; staged rows
     were recalled from the staging."""
     plain, plain_reads = _steps(use_kernels=False, staged=False, seed=seed)
     for use_kernels in (False, True):
-        m, reads = _steps(use_kernels, staged=True, seed=seed, in_kernel=in_kernel,
-                          first_share=first_share)  # fmt: skip
+        m, reads = _steps(use_kernels, staged=True, seed=seed, in_kernel=in_kernel)
         assert all(torch.equal(a, b) for a, b in zip(plain_reads, reads, strict=True))
         for name in STATE:
             assert torch.equal(getattr(m.cache, name), getattr(plain.cache, name)), name
@@ -231,17 +223,15 @@ def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed, in_kernel, fir
         assert 0 < used <= staged and used <= int(m.cache.misses[0])
 
 
-@pytest.mark.parametrize("first_share", [None, 0.05, 0.25, 0.5, 0.9])
 @pytest.mark.parametrize("length", [0, 7, 64, 96, 1000])
 @pytest.mark.parametrize("chunks", [1, 2, 3])
-def test_chunk_bounds_tile_the_table(chunks, length, first_share):
+def test_chunk_bounds_tile_the_table(chunks, length):
     """Chunks cover [0, length) once, in order, start on a program's span, never outnumber
-    the staging regions; with a first share, the first chunk ends at that share rounded
-    up to the span."""
+    the staging regions, split evenly."""
     m = EchoManager(
         HostKVPool(1, 8, 4, torch.float32, pin=False), DeviceCache(1, 8, 8, 4, torch.float32, DEV)
     )
-    p = DecodePrefetcher(m, max_rows=2, cap=6, chunks=chunks, first_share=first_share)
+    p = DecodePrefetcher(m, max_rows=2, cap=6, chunks=chunks)
     span = 16
     bounds = p.chunk_bounds(length, span)
     assert 1 <= len(bounds) <= chunks
@@ -249,18 +239,7 @@ def test_chunk_bounds_tile_the_table(chunks, length, first_share):
     assert all(e0 == s1 for (_, e0), (s1, _) in itertools.pairwise(bounds))
     assert all(s < e for s, e in bounds) or bounds == [(0, 0)]
     assert all(s % span == 0 for s, _ in bounds)
-    if first_share is not None and chunks > 1 and length > span:
-        want = -(-int(first_share * length) // span) * span
-        assert bounds[0][1] == min(max(want, span), length)
-
-
-@pytest.mark.parametrize("share", [0.0, 1.0, -0.5, 2.0])
-def test_first_share_out_of_range_is_refused(share):
-    m = EchoManager(
-        HostKVPool(1, 8, 4, torch.float32, pin=False), DeviceCache(1, 8, 8, 4, torch.float32, DEV)
-    )
-    with pytest.raises(ValueError, match="first chunk's share"):
-        DecodePrefetcher(m, max_rows=2, cap=6, chunks=2, first_share=share)
+    assert len({e - s for s, e in bounds[:-1]}) <= 1  # even chunks, the last one the rest
 
 
 def test_stats_count_the_staging_buffer():

@@ -18,10 +18,8 @@ cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
 - fused (the first, allocating design, for the A/B): logits + flags
   (kernels/decode_prefetch.py) -> EchoManager.prefetch maps them and copies their rows on
   a side stream while the top-k runs -> resolve recalls only what is still missing;
-- chunked_alt: the chunked design with one choice changed (``chunked_alt`` says which,
-  ``chunked_alt_speedup``): by default its selects on the other stream (their own, or the
-  copies': ``chunked_select_stream`` says which the default is); with ``--alt-first-share``
-  or ``--alt-stage-cap`` the default stream and that first chunk's share or staged rows.
+- chunked_alt: the chunked design with its selects on the other stream (their own, or the
+  copies': ``chunked_select_stream`` says which the default is), ``chunked_alt_speedup``.
 
 ``speedup`` = unfused / the default design (``default_design``), ``chunked_speedup`` and
 ``in_kernel_speedup`` each design's. Figure 18's own definition (ECHO), top-k and cache
@@ -89,19 +87,6 @@ def _parse() -> argparse.Namespace:
         default=None,
         help="rows per request the in_kernel logits copy; a side stream copies the rest "
         "beside the top-k (default: the prefetcher's, all)",
-    )
-    p.add_argument(
-        "--alt-first-share",
-        type=float,
-        default=None,
-        help="chunked_alt: the first chunk's share of the key positions (instead of the "
-        "other select stream)",
-    )
-    p.add_argument(
-        "--alt-stage-cap",
-        type=int,
-        default=None,
-        help="chunked_alt: staged rows per request (instead of the other select stream)",
     )
     p.add_argument("--rounds", type=int, default=3, help="interleaved graph-timing rounds")
     p.add_argument(
@@ -240,25 +225,18 @@ class Bench:
             ),
             in_kernel=False,
         )
-        # The chunked design with one choice changed, timed beside it: the first chunk's
-        # share or the staged rows when asked, else the other stream for its selects
-        # (their own, or the copies': DEFAULT_SELECT_STREAM).
-        other = args.alt_first_share is not None or args.alt_stage_cap is not None
+        # The chunked design with the other choice of stream for its selects (their own,
+        # or the copies': DEFAULT_SELECT_STREAM), timed beside it.
         self.chunker_alt = DecodePrefetcher(
             self.manager,
             max_rows=B,
-            cap=args.alt_stage_cap or stage_cap,
+            cap=stage_cap,
             chunks=self.chunker.chunks,
             side_priority=self.chunker.side_priority,
             in_kernel=False,
-            select_stream=self.chunker.select_stream if other else not self.chunker.select_stream,
-            first_share=args.alt_first_share,
+            select_stream=not self.chunker.select_stream,
         )
-        self.alt_choice = (
-            f"first_share={args.alt_first_share}, stage_cap={self.chunker_alt.cap}"
-            if other
-            else f"select_stream={self.chunker_alt.select_stream}"
-        )
+        self.alt_choice = f"select_stream={self.chunker_alt.select_stream}"
         self._learn_thresholds()
 
     @property
@@ -737,7 +715,6 @@ def main() -> None:
             f"hit_{h}": r.get("chunked_alt_speedup") for h, r in by_hit.items()
         },
         "chunked_select_stream": bench.chunker.select_stream,
-        "chunked_first_share": bench.chunker.first_share,
         "chunked_alt": bench.alt_choice,
         "in_kernel_speedup": {f"hit_{h}": r.get("in_kernel_speedup") for h, r in by_hit.items()},
         "fig18_chunked_speedup": {

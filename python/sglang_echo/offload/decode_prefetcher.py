@@ -86,13 +86,6 @@ DEFAULT_IN_KERNEL_COPY_ROWS: int | None = None
 # against 1.20x with three; equal within the rounds' range at hit 0.8 to 1.0. In the
 # record's run (decode_prefetch.json, 20ebfe8) equal at every hit rate: never slower.
 DEFAULT_SELECT_STREAM = True
-# Chunked design: the first chunk's share of the key positions (the rest split evenly);
-# None: every chunk the same. A smaller first chunk starts the copies earlier, since they
-# wait for its logits and select, but leaves it fewer candidates (each chunk stages at most
-# its even share of the cap). On an H200 (batch 16 x 128K, 8c90ac6, five rounds each) shares
-# of 0.25 and 0.35, and 0.3 with 1280 staged rows, were within the rounds' spread of even
-# chunks at every hit rate; 0.25 alone lower at hit 0.5 (1.18x against 1.24x).
-DEFAULT_FIRST_CHUNK_SHARE: float | None = None
 
 
 class DecodePrefetcher:
@@ -109,7 +102,6 @@ class DecodePrefetcher:
         block_n: int = STAGE_BLOCK_N,
         copy_rows: int | None = None,
         select_stream: bool | None = None,
-        first_share: float | None = None,
     ) -> None:
         if cap is None and staged:
             # Staged rows per request and layer (split over the chunks, a chunk's share
@@ -123,12 +115,6 @@ class DecodePrefetcher:
         in_kernel = staged and in_kernel
         if staged and not in_kernel and not 1 <= chunks <= cap:
             raise ValueError(f"decode prefetch chunks must be in 1..cap ({cap}), got {chunks}")
-        first_share = DEFAULT_FIRST_CHUNK_SHARE if first_share is None else first_share
-        if first_share is not None and not 0.0 < first_share < 1.0:
-            raise ValueError(
-                f"the first chunk's share of the key positions must be in (0, 1), got {first_share}"
-            )
-        self.first_share = first_share
         self.manager = manager
         self.cap = int(cap)
         self.max_rows = int(max_rows)
@@ -187,20 +173,13 @@ class DecodePrefetcher:
     def chunk_bounds(self, length: int, span: int) -> list[tuple[int, int]]:
         """[start, end) of each chunk of a [B, length] score table, starts aligned to the
         logits kernel's ``span`` positions per program (fewer chunks for short tables).
-        With ``first_share``, the first chunk takes that share and the others split the
-        rest evenly."""
+        Even chunks: a smaller first chunk, to start the copies earlier, was within the
+        rounds' spread on an H200 (commit 8c90ac6; docs/ARCHITECTURE.md)."""
         if length <= 0:
             return [(0, 0)]
-        start, rest = 0, self.chunks
-        bounds: list[tuple[int, int]] = []
-        if self.first_share is not None and self.chunks > 1:
-            first = -(-int(self.first_share * length) // span) * span
-            start, rest = min(max(first, span), length), self.chunks - 1
-            bounds.append((0, start))
-        per_chunk = -(-(length - start) // rest)
+        per_chunk = -(-length // self.chunks)
         per = max(-(-per_chunk // span) * span, span)
-        bounds += [(s, min(s + per, length)) for s in range(start, length, per)]
-        return bounds
+        return [(s, min(s + per, length)) for s in range(0, length, per)]
 
     def stage_logits(
         self,
