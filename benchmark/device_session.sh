@@ -18,7 +18,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_tests_in_kernel prefetch_split prefetch_chunks prefetch_profile prefetch_study prefetch_rows indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_tests_in_kernel prefetch_split prefetch_chunks prefetch_profile prefetch_study prefetch_rows indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -162,6 +162,28 @@ run_stage() {
       peer_or_say
       stage prefetch 200 bash benchmark/gpu_checks.sh /tmp/ds/prefetch benches decode_prefetch \
         prefill_prefetch indexer ;;
+    capture_probe)  # which host events invalidate a CUDA-graph capture here (~30 s)
+      stage capture_probe 150 python3 benchmark/capture_probe.py \
+        --out /tmp/ds/capture_probe/capture_probe.json ;;
+    graph_repeats)  # the start-up-capture and lossless decode-graph tests, each round all of
+      # them in one process (the suite's pattern), ROUNDS rounds (default 5) within the limit
+      stage graph_repeats 570 python3 benchmark/gpu_repeats.py --rounds "${ROUNDS:-5}" \
+        --deadline-s "${REPEATS_DEADLINE_S:-420}" --commit "${ECHO_COMMIT:-}" \
+        --out /tmp/ds/graph_repeats/gpu_lossless_repeats.json \
+        tests/test_serving_gpu.py::test_engines_one_after_another_capture_at_startup \
+        "tests/test_gpu.py::test_lossless_cuda_graph_decode[dtype1-True]" ;;
+    served_vs_study)  # the in-process study at the paper's setting and the served Figure-12
+      # sweep (rates 1 and inf, 96 prompts) in one call -> served_vs_study.json (~8 min)
+      peer_or_say
+      stage served_vs_study 580 bash -c "python3 benchmark/e2e_study.py \
+        --out /tmp/ds/served_vs_study/study --only noff_paper,echo_paper --repeats 3 \
+        --no-random-keys --locality-sweep '' --skip-components --skip-fixed --profile-steps 0 \
+        --deadline-s 120; env RATES=1,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 \
+        WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh /tmp/ds/served_vs_study/sweep; \
+        python3 benchmark/served_vs_study.py --study /tmp/ds/served_vs_study/study \
+        --sweep /tmp/ds/served_vs_study/sweep --commit '${ECHO_COMMIT:-}' \
+        --out /tmp/ds/served_vs_study/served_vs_study.json \
+        --command 'bash benchmark/device_session.sh OUTDIR served_vs_study'" ;;
     sweep)
       stage sweep 230 env RATES=4,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 \
         bash benchmark/e2e_sweep.sh /tmp/ds/sweep/e2e_sweep ;;
@@ -199,7 +221,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_split|prefetch_chunks|prefetch_profile|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_split|prefetch_chunks|prefetch_profile|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from server_utils import make_serving, running_server
+from server_utils import make_serving, min_cache_echo_serving, running_server
 from sglang_echo.bench import datasets as ds
 from sglang_echo.bench.client import RequestResult
-from sglang_echo.bench.metrics import summarize
+from sglang_echo.bench.metrics import steady_output_throughput, summarize
 from sglang_echo.bench.plot import main as plot_main
 from sglang_echo.bench.serving import main as bench_main
+from sglang_echo.bench.serving import parse_counters, print_summary, served_fields
 from sglang_echo.config import EchoConfig
 from sglang_echo.tokenizer import load_tokenizer
 
@@ -61,6 +62,185 @@ def test_summary_numbers():
     assert rec["median_e2e_latency_ms"] == pytest.approx(800.0)
     assert rec["p99_e2e_latency_ms"] == pytest.approx(500 + 600 * 0.99)
     assert rec["concurrency"] == pytest.approx(0.8)
+    assert rec["steady_output_throughput"] is None and rec["steady_window_s"] is None
+
+
+def test_steady_output_throughput_by_hand():
+    """20 successful requests completing at 1..20 s (sent at shuffled times), request i
+    with i output tokens, and a failed one: lo = ceil(20/10) = 2, hi = ceil(180/10) = 18, so
+    the window is the 2nd to the 18th completion, [2 s, 18 s], and it holds the requests
+    completing at 3..18 s: (3 + ... + 18) = 168 tokens / 16 s = 10.5 tok/s."""
+    results, starts = [], []
+    for i in [7, 1, 20, 13, 2, 18, 3, 9, 17, 4, 19, 5, 11, 6, 16, 8, 10, 12, 14, 15]:
+        start = (i * 0.37) % 1.0  # sent at any time; completes at i s
+        results.append(RequestResult(True, 5, i, ttft=0.1, latency=i - start))
+        starts.append(start)
+    results.append(RequestResult(False, 5, 0, error="boom"))
+    starts.append(0.5)
+    tput, window = steady_output_throughput(results, starts)
+    assert tput == pytest.approx(168 / 16) and window == pytest.approx([2.0, 18.0])
+    rec = summarize(results, duration=20.0, starts=starts)
+    assert rec["steady_output_throughput"] == pytest.approx(10.5)
+    assert rec["output_throughput"] == pytest.approx(210 / 20)  # the whole run, beside it
+    # n = 10: lo = 1, hi = 9: completions 2..9 s over [1, 9]: (2 + ... + 9) / 8 tokens/s.
+    ten = [RequestResult(True, 5, i, latency=float(i)) for i in range(1, 11)]
+    assert steady_output_throughput(ten, [0.0] * 10)[0] == pytest.approx(44 / 8)
+    # fewer than 10 successful requests, no start times, or no window: None
+    assert steady_output_throughput(ten[:9] + results[-1:], [0.0] * 10) == (None, None)
+    assert steady_output_throughput(ten, None) == (None, None)
+    same = [RequestResult(True, 5, 3, latency=1.0)] * 12
+    assert steady_output_throughput(same, [0.0] * 12) == (None, None)
+
+
+def _metrics_text(
+    steps: float,
+    phase_decode: float,
+    echo: list[tuple[float, float, float, float]] | None = None,
+    decode: tuple[float, float, dict[str, float]] | None = None,
+    by_batch_name: str = "decode_device_seconds",
+    steps_by_batch: dict[str, float] | None = None,
+) -> str:
+    """/metrics as runtime/metrics.py renders it: the engine counters, ECHO's per-layer
+    (hits, misses, evictions, recalled bytes) and the decode device counters
+    (device seconds, batch requests, device seconds by batch size as ``by_batch_name``,
+    steps by batch size), each when given."""
+    m = 'model_name="tiny"'
+    lines = [
+        "# HELP sglang:num_running_reqs Requests in the running batch.",
+        "# TYPE sglang:num_running_reqs gauge",
+        f"sglang:num_running_reqs{{{m}}} 3.0",
+        f"sglang:generation_tokens_total{{{m}}} 999.0",
+        "# TYPE sglang:decode_steps_total counter",
+        f"sglang:decode_steps_total{{{m}}} {steps!r}",
+        f'sglang:engine_seconds_total{{{m},phase="decode"}} {phase_decode!r}',
+        f'sglang:engine_seconds_total{{{m},phase="idle"}} 1.0',
+        f'sglang:engine_cpu_seconds_total{{{m},phase="decode"}} 0.5',
+    ]
+    if echo is not None:
+        for i, (h, *_rest) in enumerate(echo):
+            lines.append(f'sglang:echo_hit_rate{{{m},layer="{i}"}} {h / 1000!r}')
+        for j, name in enumerate(("hits", "misses", "evictions", "recalled_bytes")):
+            lines.append(f"# TYPE sglang:echo_{name}_total counter")
+            lines += [
+                f'sglang:echo_{name}_total{{{m},layer="{i}"}} {row[j]!r}'
+                for i, row in enumerate(echo)
+            ]
+    if decode is not None:
+        device, batch, by_batch = decode
+        lines.append(f"sglang:decode_device_seconds_total{{{m}}} {device!r}")
+        lines += [
+            f'sglang:{by_batch_name}_total{{{m},batch_size="{bs}"}} {v!r}'
+            for bs, v in by_batch.items()
+        ]
+        lines += [
+            f'sglang:decode_device_steps_by_batch_total{{{m},batch_size="{bs}"}} {v!r}'
+            for bs, v in (steps_by_batch or {}).items()
+        ]
+        lines.append(f"sglang:decode_batch_requests_total{{{m}}} {batch!r}")
+    return "\n".join(lines) + "\n"
+
+
+def test_served_fields_from_metrics_text():
+    before = _metrics_text(
+        10.0,
+        2.0,
+        echo=[(100.0, 50.0, 5.0, 4096.0), (80.0, 20.0, 0.0, 1024.0)],
+        decode=(1.0, 40.0, {"4": 0.25, "16": 0.75}),
+    )
+    after = _metrics_text(
+        110.0,
+        7.5,
+        echo=[(700.0, 150.0, 45.0, 12288.0), (480.0, 120.0, 8.0, 9216.0)],
+        decode=(4.0, 840.0, {"4": 0.25, "8": 1.0, "16": 2.75}),
+    )
+    snap = parse_counters(after)
+    assert snap["echo"] == {"hits": 1180, "misses": 270, "evictions": 53, "recalled_bytes": 21504}
+    assert snap["engine"]["decode_device_seconds"] == 4.0  # not the labelled samples
+    fields = served_fields(parse_counters(before), snap, duration=10.0)
+    # over the run, summed over the two layers: hits 600 + 400, misses 100 + 100
+    assert fields["server_echo"] == {
+        "hits": 1000,
+        "misses": 200,
+        "evictions": 48,
+        "recalled_bytes": 16384,
+        "hit_rate": pytest.approx(1000 / 1200),
+    }
+    assert fields["mean_decode_batch"] == pytest.approx(800 / 100)
+    assert fields["served_efficiency"] == pytest.approx(3.0 / 10.0)
+    assert fields["decode_device_seconds_by_batch"] == {"8": 1.0, "16": 2.0}  # those that ran
+    assert list(fields["decode_device_seconds_by_batch"]) == ["8", "16"]  # by batch size
+    assert fields["decode_device_steps_by_batch"] is None  # not exposed
+    engine = fields["server_engine"]
+    assert engine["decode_steps"] == 100 and engine["engine_seconds.decode"] == 5.5
+    assert engine["engine_seconds.idle"] == 0 and engine["decode_batch_requests"] == 800
+    assert "generation_tokens" not in engine
+
+    # the per-batch seconds under their own name, with step counts beside them
+    by_name = {"by_batch_name": "decode_device_seconds_by_batch"}
+    named = served_fields(
+        parse_counters(
+            _metrics_text(
+                1.0, 0.0, decode=(0.0, 4.0, {"4": 0.0}), **by_name, steps_by_batch={"4": 0.0}
+            )
+        ),
+        parse_counters(
+            _metrics_text(
+                5.0, 1.0, decode=(2.0, 16.0, {"4": 2.0}), **by_name, steps_by_batch={"4": 4.0}
+            )
+        ),
+        duration=4.0,
+    )
+    assert named["decode_device_seconds_by_batch"] == {"4": 2.0}
+    assert named["decode_device_steps_by_batch"] == {"4": 4.0}
+    assert named["mean_decode_batch"] == 3.0 and named["served_efficiency"] == 0.5
+
+    # ECHO on, but nothing selected over the run: no hit rate
+    idle = served_fields(parse_counters(after), parse_counters(after), duration=10.0)
+    assert idle["server_echo"]["hits"] == 0 and idle["server_echo"]["hit_rate"] is None
+    assert idle["mean_decode_batch"] is None  # no decode step
+
+    # no-offload on an older server (or on the CPU): no ECHO, no decode device counters
+    plain = served_fields(
+        parse_counters(_metrics_text(10.0, 2.0)),
+        parse_counters(_metrics_text(30.0, 3.0)),
+        duration=5.0,
+    )
+    assert plain["server_echo"] is None and plain["decode_device_seconds_by_batch"] is None
+    assert plain["mean_decode_batch"] is None and plain["served_efficiency"] is None
+    assert plain["server_engine"]["decode_steps"] == 20
+
+    # a server without this project's /metrics (SGLang's, or none): all None
+    empty = served_fields(parse_counters(""), parse_counters(""), duration=5.0)
+    assert set(empty.values()) == {None}
+
+
+def test_summary_table_prints_served_fields_when_present():
+    import io
+
+    base = summarize([RequestResult(True, 10, 3, ttft=0.1, latency=0.5, itl=[0.2] * 2)], 1.0)
+    base.update(backend="sglang", dataset_name="random", synthetic=True, request_rate=1.0)
+    out = io.StringIO()
+    print_summary({**base, **served_fields(parse_counters(""), parse_counters(""), 1.0)}, out)
+    assert "Steady" not in out.getvalue() and "ECHO" not in out.getvalue()
+    assert "decode batch" not in out.getvalue() and "efficiency" not in out.getvalue()
+    fields = {
+        "server_echo": {
+            "hits": 9,
+            "misses": 1,
+            "evictions": 0,
+            "recalled_bytes": 64,
+            "hit_rate": 0.9,
+        },
+        "mean_decode_batch": 7.5,
+        "served_efficiency": 0.25,
+        "steady_output_throughput": 123.0,
+        "steady_window_s": [1.0, 9.0],
+    }
+    out = io.StringIO()
+    print_summary({**base, **fields}, out)
+    text = out.getvalue()
+    assert "0.9000 (hits 9, misses 1" in text and "7.50" in text and "0.250" in text
+    assert "123.00 (1.0-9.0 s)" in text
 
 
 def test_synthetic_infinitebench_scaled_to_context():
@@ -127,7 +307,37 @@ def test_bench_against_server_writes_sglang_record(plain_server, tmp_path):
         assert rec["total_input_tokens"] == 6 * 40
         assert rec["kv_backend"] == "no-offload" and rec["synthetic"]
         assert rec["mean_ttft_ms"] > 0 and rec["mean_e2e_latency_ms"] >= rec["mean_ttft_ms"]
+        # no ECHO on no-offload; fewer than 10 requests: no steady window
+        assert rec["server_echo"] is None and rec["steady_output_throughput"] is None
+        assert rec["server_engine"]["decode_steps"] > 0
+        assert rec["mean_decode_batch"] is None or 1 <= rec["mean_decode_batch"] <= 8
+        assert rec["served_efficiency"] is None or 0 <= rec["served_efficiency"] <= 1
+        assert len(rec["start_times"]) == len(rec["latencies"]) == 6
+        assert all(0 <= t <= rec["duration"] for t in rec["start_times"])
     assert lines[1]["request_rate"] == 20
+    assert max(lines[1]["start_times"]) > 0  # Poisson arrivals: sent over time
+
+
+def test_bench_records_echo_counters_and_steady_throughput(small_checkpoint, tmp_path):
+    """ECHO at its smallest legal device cache (every layer evicts): the run's selections
+    come back from /metrics, summed over layers, with the run's hit rate."""
+    serving = min_cache_echo_serving(small_checkpoint, 4, 32, 600, 512)
+    out = tmp_path / "req_rate_inf.jsonl"
+    argv = ["--dataset-name", "random", "--num-prompts", "12", "--random-input-len", "40"]
+    argv += ["--random-output-len", "6", "--random-range-ratio", "1", "--disable-tqdm"]
+    argv += ["--max-concurrency", "4", "--output-file", str(out)]
+    with running_server(serving) as (url, _app):
+        assert bench_main(["--base-url", url, *argv]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["completed"] == 12 and rec["kv_backend"] == "echo"
+    echo = rec["server_echo"]
+    assert echo["hits"] + echo["misses"] > 0 and echo["misses"] > 0 and echo["evictions"] > 0
+    assert echo["hit_rate"] == pytest.approx(echo["hits"] / (echo["hits"] + echo["misses"]))
+    assert echo["recalled_bytes"] > 0
+    # 12 requests: the window runs from the 2nd completion to the 11th
+    lo, hi = rec["steady_window_s"]
+    assert 0 < lo < hi <= rec["duration"] and rec["steady_output_throughput"] > 0
+    assert rec["mean_decode_batch"] is None or 1 <= rec["mean_decode_batch"] <= 4
 
 
 def test_bench_reports_unreachable_server(tmp_path):
@@ -165,7 +375,54 @@ def test_plot_figures_and_ratios(tmp_path):
     ratios = summary["offload_over_no_offload_output_throughput"]["infini-318"]
     assert ratios == {"0.5": pytest.approx(1.5), "inf": pytest.approx(2.1)}
     assert summary["tasks"]["passkey"]["infini-task offload"]["tok_s"] == 100.0
+    # records without the served fields (older ones, SGLang's): None, no steady ratio
+    inf = summary["runs"]["infini-318 offload"]["inf"]
+    assert inf["output_throughput"] == 420.0 and inf["steady_output_throughput"] is None
+    assert inf["echo_hit_rate"] is None and inf["served_efficiency"] is None
+    assert summary["steady_ratio"] == {"infini-318": {}}
     assert plot_main([str(tmp_path / "plots"), "--out-dir", str(out)]) == 2  # no results
+
+
+def test_plot_carries_served_fields_and_steady_ratio(tmp_path):
+    root = tmp_path / "infini"
+    _write_run(root / "no-offload", {"1": 100.0, "inf": 200.0})
+    _write_run(root / "offload", {"1": 150.0, "inf": 420.0})
+    served = {
+        ("no-offload", "1"): (120.0, None),
+        ("no-offload", "inf"): (250.0, None),
+        ("offload", "1"): (180.0, 0.75),
+        ("offload", "inf"): (None, 0.5),  # fewer than 10 requests: no steady figure
+    }
+    for (mode, rate), (steady, hit_rate) in served.items():
+        f = root / mode / f"req_rate_{rate}.jsonl"
+        rec = json.loads(f.read_text())
+        rec.update(
+            steady_output_throughput=steady,
+            served_efficiency=0.4,
+            mean_decode_batch=6.0,
+            server_echo=None
+            if hit_rate is None
+            else {
+                "hits": 30,
+                "misses": 10,
+                "evictions": 4,
+                "recalled_bytes": 2048,
+                "hit_rate": hit_rate,
+            },
+        )
+        f.write_text(json.dumps(rec) + "\n")
+    out = tmp_path / "plots"
+    assert plot_main([str(root), "--out-dir", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    off, base = summary["runs"]["offload"], summary["runs"]["no-offload"]
+    assert off["1"]["steady_output_throughput"] == 180.0 and off["1"]["echo_hit_rate"] == 0.75
+    assert off["1"]["echo_misses"] == 10 and off["1"]["echo_evictions"] == 4
+    assert off["1"]["echo_recalled_bytes"] == 2048 and off["inf"]["echo_hit_rate"] == 0.5
+    assert off["1"]["served_efficiency"] == 0.4 and off["1"]["mean_decode_batch"] == 6.0
+    assert base["1"]["echo_hit_rate"] is None and base["inf"]["steady_output_throughput"] == 250
+    ratios = summary["offload_over_no_offload_output_throughput"]["all"]
+    assert ratios == {"1": pytest.approx(1.5), "inf": pytest.approx(2.1)}
+    assert summary["steady_ratio"] == {"all": {"1": pytest.approx(1.5)}}
 
 
 SGLANG_PY = Path.home() / ".cache/sglang-echo/sglang-0.5.23/bin/python"  # make sglang-env

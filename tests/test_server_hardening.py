@@ -413,3 +413,56 @@ def test_reusing_a_finished_rid_at_once_is_safe(server):
 
     assert asyncio.run(go()) == ["length"] * 6
     assert _idle_state(app)["live"] == 0
+
+
+def _body_with(path: str, field: str, raw: bytes) -> bytes:
+    """A valid request for ``path`` with ``field`` set to the raw JSON text ``raw``: the
+    value goes where each route reads its sampling options."""
+    if path == "/generate":
+        return b'{"input_ids": [5, 6], "sampling_params": {"%s": %s}}' % (field.encode(), raw)
+    chat = b'"messages": [{"role": "user", "content": "hi"}]'
+    head = b'"prompt": [5, 6]' if path == "/v1/completions" else chat
+    return b'{%s, "%s": %s}' % (head, field.encode(), raw)
+
+
+ROUTES = ["/generate", "/v1/completions", "/v1/chat/completions"]
+
+
+@pytest.mark.parametrize("path", ROUTES)
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"9" * 5000, "4300 digits"),  # int() refuses it: ValueError, was HTTP 500
+        # RecursionError in the parser, was HTTP 500 (100K levels: test_protocol_json.py;
+        # this server takes 64 KiB bodies).
+        (b"[" * 30_000 + b"]" * 30_000, "nested too deeply"),
+        # Parses, but near the recursion limit: a few frames deeper, repr() of it in an
+        # error message raised RecursionError (HTTP 500).
+        (b"[" * 900 + b"]" * 900, "nested too deeply"),
+    ],
+    ids=["5000-digit-int", "30000-levels", "900-levels"],
+)
+def test_unreadable_bodies_get_400_not_500(server, path, raw, needle):
+    url = server[0]
+    status, err = _post(url, path, _body_with(path, "top_k", raw))
+    message = err["error"]["message"]
+    assert status == 400, message
+    assert needle in message and "Traceback" not in message
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("/generate", "max_new_tokens"),
+        ("/v1/completions", "max_tokens"),
+        ("/v1/chat/completions", "max_completion_tokens"),
+    ],
+)
+def test_a_huge_but_valid_max_tokens_gets_400(server, path, field):
+    """4300 nines parse; prompt + max tokens then has 4301 digits, which str() refused
+    while the 'exceeds the limit' message was built (HTTP 500)."""
+    url = server[0]
+    status, err = _post(url, path, _body_with(path, field, b"9" * 4300))
+    message = err["error"]["message"]
+    assert status == 400, message
+    assert field in message and len(message) < 300  # not the whole number echoed back

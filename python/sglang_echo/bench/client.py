@@ -25,6 +25,8 @@ class RequestResult:
     latency: float = 0.0  # seconds to the last
     itl: list[float] = field(default_factory=list)  # per token after the first
     error: str = ""
+    # The token ids of the last frame (cumulative on this project's server), if it sent any.
+    output_ids: list[int] | None = None
 
 
 def generate_payload(req: BenchRequest, ignore_eos: bool) -> dict:
@@ -60,6 +62,8 @@ async def send_generate(
                 if payload == "[DONE]":
                     continue
                 data = json.loads(payload)
+                if isinstance(data.get("output_ids"), list):
+                    out.output_ids = data["output_ids"]
                 meta = data.get("meta_info", {})
                 count = int(meta.get("completion_tokens", seen))
                 now = time.perf_counter()

@@ -10,6 +10,15 @@ its run folders. Writes:
   latency_vs_rate.png     TTFT, ITL and E2E latency vs request rate (Fig. 15)
   summary.json            the plotted numbers and the offload / no-offload ratios
 
+Per run and rate, summary.json holds the record's throughput and latency figures, its
+``steady_output_throughput`` (bench.metrics: between the 10% and the 90% completions), the
+server's ``served_efficiency`` and ``mean_decode_batch`` and ECHO's counters over the run
+(``echo_hit_rate``, ``echo_hits``, ``echo_misses``, ``echo_evictions``,
+``echo_recalled_bytes``): None where a record lacks them (no ECHO, an older server, SGLang's
+client). ``offload_over_no_offload_output_throughput`` is the offload / no-offload ratio of
+whole-run output throughput per group and rate; ``steady_ratio`` the same ratio of steady
+output throughput, at the rates where both runs have one.
+
 ``--record PATH`` writes, instead of summary.json, the sweep's record: {name, device, date,
 command (this command as run), sweeps (the commands that wrote the inputs, from
 ``--sweep-command``), config (each ``--config`` file's lines), metrics (what summary.json
@@ -217,8 +226,9 @@ def plot_tasks(tasks: dict[str, dict[str, dict]], out: Path, plt) -> tuple[Path,
     return path, table
 
 
-def _ratios(runs: dict[str, dict]) -> dict:
-    """Offload / no-offload output throughput per rate, for each pair of the same group."""
+def _ratios(runs: dict[str, dict], key: str = "output_throughput") -> dict:
+    """Offload / no-offload ``key`` per rate, for each pair of the same group (the rates
+    where both runs have it)."""
     out = {}
     for name, off in runs.items():
         if not name.endswith("offload") or name.endswith("no-offload"):
@@ -227,11 +237,36 @@ def _ratios(runs: dict[str, dict]) -> dict:
         if base is None:
             continue
         out[name[: -len("offload")].strip() or "all"] = {
-            _fmt(r): off[r]["output_throughput"] / base[r]["output_throughput"]
+            _fmt(r): off[r][key] / base[r][key]
             for r in off
-            if r in base and base[r].get("output_throughput")
+            if r in base and base[r].get(key) and off[r].get(key) is not None
         }
     return out
+
+
+RUN_FIELDS = (
+    "output_throughput",
+    "request_throughput",
+    "median_ttft_ms",
+    "median_itl_ms",
+    "median_e2e_latency_ms",
+    "p99_ttft_ms",
+    "p99_itl_ms",
+    "completed",
+    "steady_output_throughput",
+    "served_efficiency",
+    "mean_decode_batch",
+)
+ECHO_FIELDS = ("hit_rate", "hits", "misses", "evictions", "recalled_bytes")
+
+
+def run_metrics(rec: dict) -> dict:
+    """One run's figures at one rate for summary.json (None where the record lacks one)."""
+    echo = rec.get("server_echo") or {}
+    return {
+        **{k: rec.get(k) for k in RUN_FIELDS},
+        **{f"echo_{k}": echo.get(k) for k in ECHO_FIELDS},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,25 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         written.append(plot_throughput(runs, out, plt))
         written.append(plot_latency(runs, out, plt))
         summary["runs"] = {
-            label: {
-                _fmt(r): {
-                    k: rec.get(k)
-                    for k in (
-                        "output_throughput",
-                        "request_throughput",
-                        "median_ttft_ms",
-                        "median_itl_ms",
-                        "median_e2e_latency_ms",
-                        "p99_ttft_ms",
-                        "p99_itl_ms",
-                        "completed",
-                    )
-                }
-                for r, rec in recs.items()
-            }
+            label: {_fmt(r): run_metrics(rec) for r, rec in recs.items()}
             for label, recs in runs.items()
         }
         summary["offload_over_no_offload_output_throughput"] = _ratios(runs)
+        summary["steady_ratio"] = _ratios(runs, "steady_output_throughput")
     if tasks:
         path, table = plot_tasks(tasks, out, plt)
         written.append(path)

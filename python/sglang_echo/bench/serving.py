@@ -88,29 +88,91 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> dict | None:
     return None
 
 
-# The engine's own clock (this project's /metrics; absent on SGLang): sample name (labels
-# folded in, e.g. engine_seconds_total{phase="decode"} -> engine_seconds.decode) -> value.
-ENGINE_SAMPLE = re.compile(
-    r"^sglang:(engine_seconds|engine_cpu_seconds|decode_steps|graph_captures|graph_capture_seconds|transfers|"
-    r'transfer_seconds)_total(?:\{[^}]*?phase="(\w+)"[^}]*\})?(?:\{[^}]*\})? (\S+)$'
+# The engine's own counters (this project's /metrics; absent on SGLang), by sample name
+# without ``sglang:`` and ``_total``; a ``phase`` label is folded in
+# (engine_seconds_total{phase="decode"} -> engine_seconds.decode).
+ENGINE_COUNTERS = frozenset(
+    {
+        "engine_seconds",
+        "engine_cpu_seconds",
+        "decode_steps",
+        "graph_captures",
+        "graph_capture_seconds",
+        "transfers",
+        "transfer_seconds",
+        "decode_device_seconds",  # CUDA-event time of the decode steps (absent on the CPU)
+        "decode_batch_requests",  # the decode steps' batch sizes, summed
+        "admissions",  # requests admitted, and the engine thread's seconds admitting them
+        "admission_seconds",
+        "graph_captures_during_run",  # captures after start-up (0 on a server that captures all)
+        "graph_capture_failures",
+    }
 )
+# Decode device counters per ``batch_size`` label (CUDA only): sample name -> the key of
+# parse_counters. Seconds come as decode_device_seconds_total{batch_size="16"} or as
+# runtime/metrics.py's decode_device_seconds_by_batch_total{batch_size="16"}, beside
+# decode_device_steps_by_batch_total{batch_size="16"}.
+BY_BATCH = {
+    "decode_device_seconds": "device_seconds",
+    "decode_device_seconds_by_batch": "device_seconds",
+    "decode_device_steps_by_batch": "device_steps",
+}
+# ECHO's per-layer counters (with ECHO on), summed over the ``layer`` label.
+ECHO_COUNTERS = ("hits", "misses", "evictions", "recalled_bytes")
+# A sample line of the text format: name, {labels} (optional), value (and a timestamp).
+SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-async def engine_counters(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
-    """The server's engine-time counters now ({} when it exposes none)."""
+def parse_counters(text: str) -> dict[str, dict[str, float]]:
+    """The counters bench_serving keeps from a /metrics text: ``engine`` (ENGINE_COUNTERS,
+    phase folded in), ``echo`` (ECHO_COUNTERS summed over layers; empty without ECHO),
+    ``device_seconds`` and ``device_steps`` (the decode steps' device seconds and their
+    count by ``batch_size`` label; BY_BATCH). Each empty where the server has none."""
+    engine: dict[str, float] = {}
+    echo: dict[str, float] = {}
+    by_batch: dict[str, dict[str, float]] = {"device_seconds": {}, "device_steps": {}}
+    admission: dict[str, float] = {}
+    for line in text.splitlines():
+        m = SAMPLE.match(line.strip())
+        if m and m[1] == "sglang:admission_seconds_recent":  # a gauge: quantiles
+            q = dict(LABEL.findall(m[2] or "")).get("quantile")
+            if q is not None:
+                admission[q] = float(m[3])
+            continue
+        if not m or not m[1].startswith("sglang:") or not m[1].endswith("_total"):
+            continue
+        name = m[1][len("sglang:") : -len("_total")]
+        try:
+            value = float(m[3])
+        except ValueError:
+            continue
+        labels = dict(LABEL.findall(m[2] or ""))
+        labels.pop("model_name", None)
+        if name.startswith("echo_") and name[len("echo_") :] in ECHO_COUNTERS:
+            if set(labels) <= {"layer"}:  # one sample per layer
+                key = name[len("echo_") :]
+                echo[key] = echo.get(key, 0.0) + value
+        elif set(labels) == {"batch_size"}:
+            if name in BY_BATCH:
+                by_batch[BY_BATCH[name]][labels["batch_size"]] = value
+        elif name not in ENGINE_COUNTERS:
+            continue
+        elif not labels:
+            engine[name] = value
+        elif set(labels) == {"phase"}:
+            engine[f"{name}.{labels['phase']}"] = value
+    return {"engine": engine, "echo": echo, **by_batch, "admission_quantiles": admission}
+
+
+async def engine_counters(session: aiohttp.ClientSession, base: str) -> dict[str, dict[str, float]]:
+    """The server's counters now (``parse_counters``; all empty when it exposes none)."""
     try:
         async with session.get(base + "/metrics") as resp:
-            if resp.status != 200:
-                return {}
-            text = await resp.text()
+            text = await resp.text() if resp.status == 200 else ""
     except (aiohttp.ClientError, TimeoutError):
-        return {}
-    out = {}
-    for line in text.splitlines():
-        if m := ENGINE_SAMPLE.match(line):
-            name, phase, value = m.groups()
-            out[f"{name}.{phase}" if phase else name] = float(value)
-    return out
+        text = ""
+    return parse_counters(text)
 
 
 def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
@@ -118,6 +180,67 @@ def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
     if not after:
         return None
     return {k: round(v - before.get(k, 0.0), 4) for k, v in sorted(after.items())}
+
+
+def echo_delta(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """ECHO's counters over the run, summed over layers, and its hit rate over the run:
+    hits / (hits + misses), None with no selection. None: no ECHO counters (no-offload,
+    or a server without them)."""
+    if not all(k in after for k in ECHO_COUNTERS):
+        return None
+    out: dict = {k: round(after[k] - before.get(k, 0.0)) for k in ECHO_COUNTERS}
+    picked = out["hits"] + out["misses"]
+    out["hit_rate"] = out["hits"] / picked if picked > 0 else None
+    return out
+
+
+def served_fields(before: dict, after: dict, duration: float) -> dict:
+    """The record's server-side fields from two ``parse_counters`` snapshots taken around
+    a run of ``duration`` seconds (the benchmark's wall time):
+
+    - ``server_engine``: the engine counters' deltas (``engine_delta``);
+    - ``server_echo``: ECHO's (``echo_delta``);
+    - ``mean_decode_batch``: decode_batch_requests / decode_steps over the run, the mean
+      number of requests in a decode step;
+    - ``served_efficiency``: decode_device_seconds / ``duration``, the share of the run's
+      wall time the device spent in decode steps;
+    - ``decode_device_seconds_by_batch`` / ``decode_device_steps_by_batch``: the decode
+      steps' device seconds / their count over the run, by batch size (those that ran);
+    - ``admission_ms_mean``: the engine thread's milliseconds per admission over the run;
+      ``admission_ms_p50`` / ``admission_ms_p99``: quantiles of the server's last 1024
+      admissions when the run ended (its warm-up and earlier runs' included).
+
+    Each is None where the server does not expose its counters.
+    """
+    engine = engine_delta(before["engine"], after["engine"])
+    eng = engine or {}
+    steps, batch = eng.get("decode_steps"), eng.get("decode_batch_requests")
+    device = eng.get("decode_device_seconds")
+
+    def by_batch(key: str) -> dict[str, float] | None:
+        order = sorted(after[key], key=lambda k: int(k) if k.isdigit() else math.inf)
+        delta = {k: round(after[key][k] - before[key].get(k, 0.0), 6) for k in order}
+        return {k: v for k, v in delta.items() if v > 0} or None
+
+    return {
+        "server_engine": engine,
+        "server_echo": echo_delta(before["echo"], after["echo"]),
+        "mean_decode_batch": batch / steps if batch is not None and steps else None,
+        "served_efficiency": device / duration if device is not None and duration > 0 else None,
+        "decode_device_seconds_by_batch": by_batch("device_seconds"),
+        "decode_device_steps_by_batch": by_batch("device_steps"),
+        "admission_ms_mean": (
+            1e3 * eng["admission_seconds"] / eng["admissions"]
+            if eng.get("admissions") and "admission_seconds" in eng
+            else None
+        ),
+        "admission_ms_p50": _ms(after.get("admission_quantiles", {}).get("0.5")),
+        "admission_ms_p99": _ms(after.get("admission_quantiles", {}).get("0.99")),
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
 
 
 def _load_tokenizer(path: str | None):
@@ -208,7 +331,9 @@ async def run_requests(
     ignore_eos: bool,
     seed: int,
     progress: bool,
-) -> tuple[list[RequestResult], float]:
+) -> tuple[list[RequestResult], float, list[float]]:
+    """-> (results, the run's wall seconds, each request's send time in seconds from the
+    start; parallel to ``reqs``)."""
     rng = random.Random(seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = None
@@ -217,12 +342,18 @@ async def run_requests(
 
         bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr)
 
-    async def one(req: ds.BenchRequest) -> RequestResult:
+    starts = [0.0] * len(reqs)
+
+    async def send(i: int, req: ds.BenchRequest) -> RequestResult:
+        starts[i] = time.perf_counter() - start
+        return await send_generate(session, url, req, ignore_eos)
+
+    async def one(i: int, req: ds.BenchRequest) -> RequestResult:
         if gate is None:
-            res = await send_generate(session, url, req, ignore_eos)
+            res = await send(i, req)
         else:
             async with gate:
-                res = await send_generate(session, url, req, ignore_eos)
+                res = await send(i, req)
         if bar is not None:
             bar.update(1)
         return res
@@ -232,12 +363,12 @@ async def run_requests(
     for i, req in enumerate(reqs):
         if i and math.isfinite(rate) and rate > 0:
             await asyncio.sleep(rng.expovariate(rate))
-        tasks.append(asyncio.create_task(one(req)))
+        tasks.append(asyncio.create_task(one(i, req)))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    return list(results), duration
+    return list(results), duration, starts
 
 
 def print_summary(rec: dict, out=sys.stdout) -> None:
@@ -264,12 +395,34 @@ def print_summary(rec: dict, out=sys.stdout) -> None:
         ("Median ITL (ms):", f"{rec['median_itl_ms']:.2f}"),
         ("P99 ITL (ms):", f"{rec['p99_itl_ms']:.2f}"),
     ]
+    if rec.get("steady_output_throughput") is not None:
+        lo, hi = rec["steady_window_s"]
+        rows.append(
+            (
+                "Steady output throughput (tok/s):",
+                f"{rec['steady_output_throughput']:.2f} ({lo:.1f}-{hi:.1f} s)",
+            )
+        )
     engine = rec.get("server_engine")
     if engine:
         rows.append(
             (
                 "Server engine thread (s):",
                 ", ".join(f"{k.split('.', 1)[-1]} {v:.2f}" for k, v in engine.items()),
+            )
+        )
+    if rec.get("mean_decode_batch") is not None:
+        rows.append(("Mean decode batch (requests):", f"{rec['mean_decode_batch']:.2f}"))
+    if rec.get("served_efficiency") is not None:
+        rows.append(("Served efficiency (decode device/wall):", f"{rec['served_efficiency']:.3f}"))
+    echo = rec.get("server_echo")
+    if echo:
+        rate = "n/a" if echo["hit_rate"] is None else f"{echo['hit_rate']:.4f}"
+        rows.append(
+            (
+                "ECHO hit rate (run):",
+                f"{rate} (hits {echo['hits']}, misses {echo['misses']}, "
+                f"evictions {echo['evictions']}, recalled {echo['recalled_bytes']} B)",
             )
         )
     print("{:=^50}".format(" Serving Benchmark Result "), file=out)
@@ -321,8 +474,8 @@ async def run(args) -> dict:
             bad = [r.error for r in done if not r.success]
             if bad:
                 raise SystemExit(f"error: warmup request failed: {bad[0]}")
-        engine_before = await engine_counters(session, base)
-        results, duration = await run_requests(
+        counters_before = await engine_counters(session, base)
+        results, duration, starts = await run_requests(
             session,
             url,
             reqs,
@@ -332,7 +485,7 @@ async def run(args) -> dict:
             args.seed,
             progress=not args.disable_tqdm,
         )
-        server_engine = engine_delta(engine_before, await engine_counters(session, base))
+        counters_after = await engine_counters(session, base)
     record = {
         "backend": args.backend,
         "dataset_name": args.dataset_name,
@@ -349,13 +502,20 @@ async def run(args) -> dict:
         "random_range_ratio": args.random_range_ratio,
         "kv_backend": facts["kv_backend"],
         "server_context_length": facts["context"],
-        **summarize(results, duration),
+        **summarize(results, duration, starts),
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_len for r in results],
         "ttfts": [r.ttft for r in results],
+        "latencies": [r.latency for r in results],
+        "start_times": starts,  # each request's send, s from the run's start
+        # Each request's output token ids (None where the server sent none): two engines'
+        # greedy runs over the same dataset compare token for token.
+        "output_ids": [r.output_ids for r in results],
         "errors": [r.error for r in results if r.error][:20],
-        # The server engine thread's seconds by phase over the run (this project's server).
-        "server_engine": server_engine,
+        # The server's counters over the run (this project's server; None where absent):
+        # server_engine (the engine thread's seconds by phase, decode steps, ...),
+        # server_echo, mean_decode_batch, served_efficiency (see served_fields).
+        **served_fields(counters_before, counters_after, duration),
     }
     return record
 

@@ -318,6 +318,10 @@ class DecodePrefetcher:
         self._copied = None
         _used_on(learn, scores, positions, rows)
 
+    def abandon_pending(self) -> None:
+        """Forget this step's side-stream copy (its step stopped half way)."""
+        self._copied = None
+
     def wait_copies(self) -> None:
         """The current stream waits for the in-kernel design's side-stream copy of this
         step (for callers that skip :meth:`finish`, as Figure 18's timing does)."""

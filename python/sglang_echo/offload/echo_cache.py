@@ -7,6 +7,9 @@ the indexer scores all of them each step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from sglang_echo.config import EchoConfig
@@ -17,6 +20,7 @@ from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.prefetch_rule import DecodePrefetchRule
 from sglang_echo.offload.prefill_prefetcher import PrefillPrefetcher
+from sglang_echo.offload.state_checkpoint import StateCheckpoint
 
 
 class EchoKVCache:
@@ -94,6 +98,44 @@ class EchoKVCache:
         if self.rule is not None and not self.rule.on:
             return None
         return self.decode_prefetcher
+
+    def decode_prefetch_modes(self) -> tuple[bool, ...]:
+        """Whether decode steps run with the prefetch: (False,), (True,), or both under
+        the rule (a CUDA-graph runner captures one graph per mode)."""
+        if self.decode_prefetcher is None:
+            return (False,)
+        return (False, True) if self.rule is not None else (True,)
+
+    @contextmanager
+    def forced_decode_prefetch(self, on: bool) -> Iterator[None]:
+        """Steps inside run with the prefetch ``on`` (start-up graph capture); the rule's
+        own choice comes back after."""
+        if self.rule is None:
+            yield
+            return
+        before = self.rule.on
+        self.rule.on = on
+        try:
+            yield
+        finally:
+            self.rule.on = before
+
+    def checkpoint(self) -> StateCheckpoint:
+        """The cache's small state (maps, stacks, clocks, counters, thresholds), to restore
+        after dummy steps; KV rows, index keys and staging rows are data, not state."""
+        staging = getattr(self.decode_prefetcher, "stage_rows", None)
+        return StateCheckpoint(
+            [self.cache, self.manager, self.decode_prefetcher, self.rule, self.prefill_prefetch],
+            [self.cache.rows, self.host.rows, self.host.device_view, self.index, staging],
+        )
+
+    def abandon_step(self) -> None:
+        """Forget a step that stopped half way (a failed graph capture): prefetches and
+        staged rows it left pending, whose events were recorded in the capture and must not
+        be waited on outside it."""
+        self.manager.abandon_pending()
+        if self.decode_prefetcher is not None:
+            self.decode_prefetcher.abandon_pending()
 
     def before_decode_step(self) -> None:
         """Under auto: decide whether the coming decode step prefetches (the previous

@@ -27,6 +27,7 @@ import torch
 from sglang_echo.config import settings
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
 from sglang_echo.offload.host_pool import HostKVPool
+from sglang_echo.offload.state_checkpoint import StateCheckpoint
 
 ABSENT = -1
 DEFAULT_DEVICE_BUFFER_SIZE = 4096  # HiSparse's default device_buffer_size
@@ -86,6 +87,11 @@ class HiSparseKVCache:
         self.hits = torch.zeros(num_layers, **i64)
         self.misses = torch.zeros(num_layers, **i64)
         self.evictions = torch.zeros(num_layers, **i64)
+
+    def checkpoint(self) -> StateCheckpoint:
+        """The buffers' small state (maps, stamps, clocks, counters), to restore after the
+        dummy steps of start-up graph capture; KV rows and index keys are data."""
+        return StateCheckpoint([self], [self.rows, self.index, self.host.rows, self.host_view])
 
     @classmethod
     def for_model(

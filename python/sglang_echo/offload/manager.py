@@ -382,6 +382,12 @@ class EchoManager:
             )  # fmt: skip
 
     # ------------------------------------------------------------------- release
+    def abandon_pending(self) -> None:
+        """Drop the prefetches and staged rows a step left pending without joining them
+        (a step that stopped half way: a failed graph capture recorded their events)."""
+        self._pending.clear()
+        self._staged.clear()
+
     def release(self, locs: torch.Tensor) -> None:
         """Host ids being freed (of any number of finished requests): unmap them in every
         layer and push their slots back, in one launch (kernels/release.py).

@@ -23,6 +23,7 @@ from typing import Any
 from sglang_echo.config import ENV_ENGINE_PROFILE, settings
 from sglang_echo.runtime.request import ServeRequest
 from sglang_echo.runtime.scheduler import Scheduler
+from sglang_echo.runtime.streams import on_engine_stream
 
 log = logging.getLogger("sglang_echo.engine")
 
@@ -113,17 +114,20 @@ class EngineLoop:
                     fut.set_exception(exc)
 
     def _run(self) -> None:
-        path = settings().engine_profile
-        if not path:
-            self._serve()
-            return
-        profile = cProfile.Profile()
-        profile.enable()
-        try:
-            self._serve()
-        finally:
-            profile.disable()
-            write_profile(profile, path.replace("{pid}", str(os.getpid())))
+        # Every step of this thread on the engine's high-priority stream (runtime/streams.py),
+        # where the start-up graphs were captured.
+        with on_engine_stream(self.scheduler.steps.device):
+            path = settings().engine_profile
+            if not path:
+                self._serve()
+                return
+            profile = cProfile.Profile()
+            profile.enable()
+            try:
+                self._serve()
+            finally:
+                profile.disable()
+                write_profile(profile, path.replace("{pid}", str(os.getpid())))
 
     def _serve(self) -> None:
         stats = self.scheduler.stats
@@ -167,7 +171,14 @@ def engine_time_summary(sched: Scheduler) -> str:
     parts.append(f"{s.decode_steps} decode steps")
     runner = sched.steps.decode_runner
     if runner is not None:
-        parts.append(f"{runner.captures} graph captures {runner.capture_s:.2f} s")
+        parts.append(
+            f"{runner.captures} graph captures {runner.capture_s:.2f} s "
+            f"({runner.captures - runner.startup_captures} during the run, "
+            f"{runner.capture_failures} failed)"
+        )
+        runner.clock.poll(wait=True)
+        if runner.clock.steps:
+            parts.append(f"decode device time {runner.clock.total_seconds:.2f} s")
     source = sched.prompt_source
     if source is not None:
         parts.append(f"{source.transfers} transfers {source.transfer_s:.2f} s start to arrival")

@@ -24,6 +24,7 @@ The engine thread's share is kept to the bookkeeping: locations, the table row, 
 
 from __future__ import annotations
 
+import math
 import random
 import time
 import zlib
@@ -34,7 +35,7 @@ import torch
 
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.runtime.request import SeqState
+from sglang_echo.runtime.request import SeqState, ServeRequest, TokenLogprob
 from sglang_echo.runtime.step_runner import StepRunner
 from sglang_echo.runtime.synthetic_kv import Locality, SyntheticKV, favoured_directions
 
@@ -45,10 +46,28 @@ def prompt_seed(ids: list[int]) -> int:
     return zlib.crc32(array("q", ids))
 
 
+def first_token_logprob(req: SeqState, token: int, vocab_size: int) -> TokenLogprob | None:
+    """The stand-in first token's log-probability, when the request asked for them.
+
+    Why: a real prefill node sends its first token's log-probability with the KV, and a
+    client that asked for them gets one per output token. The fake transfer draws its
+    first token uniformly from the vocabulary, so under that draw every token has
+    probability 1 / V: the chosen one and its alternatives (the lowest other ids) get
+    -ln V, the truth about the stand-in, and the counts line up with the tokens."""
+    params = getattr(req, "params", None)
+    if not isinstance(req, ServeRequest) or params is None or not params.logprobs:
+        return None
+    lp = -math.log(vocab_size)
+    others = (i for i in range(vocab_size) if i != token)
+    top = tuple((i, lp) for i in [token, *others][: params.top_logprobs])
+    return TokenLogprob(token, lp, top)
+
+
 @dataclass(eq=False)  # identity: `in` and `remove` must not compare 100K-id prompts
 class _Transfer:
     req: SeqState
     first_token: int
+    first_logprob: TokenLogprob | None
     done: torch.cuda.Event | None  # None: written synchronously (CPU)
     started: float  # time.perf_counter() at the start
 
@@ -73,7 +92,11 @@ class FakeTransfer:
         self.steps = steps
         self.vocab_size = cfg.vocab_size
         device = steps.device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # The lowest priority a stream can have (0): where the decode step's streams are
+        # of higher priority (runtime/streams.py), the GPU schedules the decode's blocks
+        # first and the transfer's generation fills what is left, as an RDMA arrival
+        # would cost a real decode node nothing.
+        self.stream = torch.cuda.Stream(device, priority=0) if device.type == "cuda" else None
         self._transfers: list[_Transfer] = []  # started, first token not yet taken
         self.transfers = 0  # arrived so far
         self.transfer_s = 0.0  # their start-to-arrival times (seen at the step's poll), summed
@@ -92,9 +115,10 @@ class FakeTransfer:
         req.cached_len = n
         seed = prompt_seed(req.prompt)
         first = random.Random(seed).randrange(self.vocab_size)
+        first_lp = first_token_logprob(req, first, self.vocab_size)
         if self.stream is None:
             self.synth.write(self.kv_cache, host_locs.to(self.steps.device), seed)
-            self._transfers.append(_Transfer(req, first, None, started))
+            self._transfers.append(_Transfer(req, first, first_lp, None, started))
             return
         # After everything the decode stream has queued: the locations may have belonged
         # to a request whose last step still reads them. Tensors made under the side
@@ -105,10 +129,11 @@ class FakeTransfer:
             self.synth.write(self.kv_cache, loc_t, seed)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._transfers.append(_Transfer(req, first, done, started))
+        self._transfers.append(_Transfer(req, first, first_lp, done, started))
 
-    def arrived(self, wait: bool = False) -> list[tuple[SeqState, int]]:
-        """(request, first token) of every transfer that has finished, in admission
+    def arrived(self, wait: bool = False) -> list[tuple[SeqState, int, TokenLogprob | None]]:
+        """(request, first token, its log-probability or None) of every transfer that has
+        finished, in admission
         order. ``wait``: block until the oldest has (the caller has nothing else to run)."""
         if wait and self._transfers and self._transfers[0].done is not None:
             self._transfers[0].done.synchronize()
@@ -122,7 +147,7 @@ class FakeTransfer:
         for t in ready:  # the decode stream reads these rows from the next step on
             if t.done is not None:
                 torch.cuda.current_stream(self.steps.device).wait_event(t.done)
-        return [(t.req, t.first_token) for t in ready]
+        return [(t.req, t.first_token, t.first_logprob) for t in ready]
 
     def forget(self, req: SeqState) -> None:
         """``req`` ends before its first token (an abort): let its transfer finish writing

@@ -34,10 +34,21 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
     }
     snap["engine_seconds"] = dict(s.phase_s)
     snap["engine_cpu_seconds"] = dict(s.phase_cpu_s)
+    snap["decode_batch_requests_total"] = s.decode_batch_requests
+    snap["admission_seconds_total"] = s.admission_s
+    snap["admissions_total"] = s.admissions
+    snap["admission_seconds_quantiles"] = quantiles(list(s.recent_admission_s), (0.5, 0.99))
     runner = sched.steps.decode_runner
     if runner is not None:
         snap["graph_captures_total"] = runner.captures
         snap["graph_capture_seconds_total"] = runner.capture_s
+        snap["graph_captures_during_run_total"] = runner.captures - runner.startup_captures
+        snap["graph_capture_failures_total"] = runner.capture_failures
+        runner.clock.poll()
+        if runner.clock.enabled:
+            snap["decode_device_seconds_total"] = runner.clock.total_seconds
+            snap["decode_device_seconds_by_bs"] = dict(sorted(runner.clock.seconds.items()))
+            snap["decode_device_steps_by_bs"] = dict(sorted(runner.clock.steps.items()))
     source = sched.prompt_source
     if source is not None:
         snap["transfers_total"] = source.transfers
@@ -46,6 +57,14 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
     if telemetry is not None:
         snap["echo"] = telemetry()
     return snap
+
+
+def quantiles(samples: list[float], qs: tuple[float, ...]) -> dict[float, float] | None:
+    """Nearest-rank quantiles of ``samples`` (None when there are none)."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return {q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in qs}
 
 
 def _line(name: str, value: float, labels: dict | None = None) -> str:
@@ -91,9 +110,58 @@ def render(snap: dict, model_name: str) -> str:
         "Engine-thread CPU time by phase (wall minus CPU: waits on the device or the GIL).",
         [({"phase": k}, v) for k, v in snap["engine_cpu_seconds"].items()],
     )
+    one(
+        "decode_batch_requests",
+        "counter",
+        "Requests over all decode steps (mean decode batch = this / decode_steps).",
+        "decode_batch_requests_total",
+    )
+    one("admissions", "counter", "Requests admitted to the running batch.", "admissions_total")
+    one(
+        "admission_seconds",
+        "counter",
+        "Engine-thread seconds spent admitting them (a decode node's transfer start included).",
+        "admission_seconds_total",
+    )
+    if snap["admission_seconds_quantiles"] is not None:
+        metric(
+            "admission_seconds_recent",
+            "gauge",
+            "Quantiles of the last 1024 admissions' engine-thread seconds.",
+            [({"quantile": str(q)}, v) for q, v in snap["admission_seconds_quantiles"].items()],
+        )
+    if "decode_device_seconds_by_bs" in snap:
+        one(
+            "decode_device_seconds",
+            "counter",
+            "Device time of decode steps (CUDA events around each step).",
+            "decode_device_seconds_total",
+        )
+        metric(
+            "decode_device_seconds_by_batch",
+            "counter",
+            "Device time of decode steps by batch size.",
+            [({"batch_size": str(b)}, v) for b, v in snap["decode_device_seconds_by_bs"].items()],
+        )
+        metric(
+            "decode_device_steps_by_batch",
+            "counter",
+            "Decode steps timed on the device, by batch size.",
+            [({"batch_size": str(b)}, v) for b, v in snap["decode_device_steps_by_bs"].items()],
+        )
     for key, kind, text in (
-        ("graph_captures_total", "counter", "Decode batch sizes captured in CUDA graphs."),
-        ("graph_capture_seconds_total", "counter", "Host time of those first steps + captures."),
+        ("graph_captures_total", "counter", "Decode shapes captured in CUDA graphs."),
+        ("graph_capture_seconds_total", "counter", "Host time of those captures."),
+        (
+            "graph_captures_during_run_total",
+            "counter",
+            "Captures after start-up (a shape the start-up capture did not cover).",
+        ),
+        (
+            "graph_capture_failures_total",
+            "counter",
+            "Captures that failed (that shape then runs eagerly).",
+        ),
         ("transfers_total", "counter", "Decode-node transfers arrived (fake backend)."),
         ("transfer_seconds_total", "counter", "Their start-to-arrival times, summed."),
     ):

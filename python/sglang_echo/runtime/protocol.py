@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 
 from sglang_echo.runtime.request import SamplingParams
@@ -24,6 +25,13 @@ OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what a 64-bit seed can hold, signed or unsigned
+# Arrays and objects in arrays and objects: a real request nests 4 deep (chat content
+# parts). Deeper bodies are refused before repr() or json.dumps() of a part of them (in
+# an error message) can run out of recursion, which the parser itself nearly did.
+MAX_JSON_DEPTH = 32
+# max_new_tokens and friends: what an int64 holds. A bigger one can never fit a context,
+# and one of 4300 digits made the error message's arithmetic exceed int->str's limit.
+MAX_INT_FIELD = (1 << 63) - 1
 
 # Options that would change the output but are not implemented: (field, value that means
 # "off"). A request that turns one on is refused rather than answered as if it were off.
@@ -97,11 +105,45 @@ class ParsedRequest:
     rid: str | None = None
 
 
+def _nested_deeper_than(data: object, limit: int) -> bool:
+    """Whether arrays/objects nest more than ``limit`` levels; iterative, so a deep body
+    cannot overflow the stack here."""
+    stack = [(data, 1)] if isinstance(data, list | dict) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        # One C pass over the element types: a 100K-token input_ids list costs no
+        # Python-level loop.
+        if set(map(type, children)) & {list, dict}:
+            stack.extend((c, depth + 1) for c in children if isinstance(c, list | dict))
+    return False
+
+
 def parse_json(body: bytes) -> dict:
+    """The body of every route, parsed: anything ``json`` cannot or should not turn into
+    objects is a ``BadRequest`` (HTTP 400) that says why, never another exception (500)."""
+    too_deep = (
+        "the request body is not valid JSON: arrays and objects are nested too deeply; "
+        f"this server takes at most {MAX_JSON_DEPTH} levels"
+    )
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError:  # the C parser's own depth check, near sys.getrecursionlimit()
+        raise BadRequest(too_deep) from None
+    except ValueError as exc:  # the only other one: int() of a number with too many digits
+        digits = sys.get_int_max_str_digits()
+        raise BadRequest(
+            f"the request body is not valid JSON: a number has more than {digits} digits "
+            f"(Python's limit); send numbers of at most {digits} digits"
+        ) from exc
+    # The bracket count bounds the depth from above, in C: most bodies skip the walk.
+    deep = body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH
+    if deep and _nested_deeper_than(data, MAX_JSON_DEPTH):
+        raise BadRequest(too_deep)
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
     return data
@@ -121,6 +163,11 @@ def _get_int(d: dict, key: str, default: int | None, minimum: int) -> int | None
         return None
     if not _is_int(value) or value < minimum:
         raise BadRequest(f"{key} must be an integer >= {minimum}, got {value!r}")
+    if value > MAX_INT_FIELD:  # not echoed: it may have thousands of digits
+        raise BadRequest(
+            f"{key} must be less than 2**63, got an integer of {len(str(value))} digits; "
+            "ask for fewer tokens"
+        )
     return value
 
 

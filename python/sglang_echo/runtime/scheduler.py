@@ -82,6 +82,12 @@ class SchedulerStats:
     preemptions: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    decode_batch_requests: int = 0  # requests over all decode steps (mean batch = / steps)
+    # Engine-thread seconds of each admission (the request's row, locations and, on a
+    # decode node, its transfer's start): the total, the count, and the last few.
+    admission_s: float = 0.0
+    admissions: int = 0
+    recent_admission_s: deque = field(default_factory=lambda: deque(maxlen=1024))
     # (time, generation_tokens) samples of the last few seconds, for a throughput gauge.
     recent: deque = field(default_factory=lambda: deque(maxlen=256))
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ENGINE_PHASES, 0.0))
@@ -188,6 +194,9 @@ class Scheduler:
         with self.stats.timed("receive"):
             self._receive_arrived()
         if not self.running:
+            # A decode node's arrival can end its request at once (its first token is a stop
+            # token or its whole budget): what it held goes back now, not at the next command.
+            self.steps.flush_releases()
             return False
         # ``running`` holds live requests only (``_finish`` takes a request out the moment it
         # ends), so no phase below can retract, prefill or decode one that has ended.
@@ -237,6 +246,7 @@ class Scheduler:
             self._fail(decoding, "decode", exc)
             return
         self.stats.decode_steps += 1
+        self.stats.decode_batch_requests += len(decoding)
         with self.stats.timed("accept"):
             self._accept_batch(decoding, logits)
 
@@ -274,6 +284,7 @@ class Scheduler:
             need = len(req.prefill_ids) + self._growth(req)
             if not fits(alloc.num_free, held_back, need):
                 break
+            t0 = time.perf_counter()
             self.waiting.popleft()
             self.steps.admit(req)
             req.status = ReqStatus.RUNNING
@@ -281,15 +292,19 @@ class Scheduler:
             if self.prompt_source is not None:
                 self.prompt_source.start(req)
                 self.stats.prompt_tokens += len(req.prompt)
+            took = time.perf_counter() - t0
+            self.stats.admission_s += took
+            self.stats.admissions += 1
+            self.stats.recent_admission_s.append(took)
 
     def _receive_arrived(self, wait: bool = False) -> None:
         """A decode node's requests whose prompt KV is in place: their first token (the
         prefill node's) is emitted, and they decode from the next step on."""
         if self.prompt_source is None:
             return
-        for req, first in self.prompt_source.arrived(wait=wait):
+        for req, first, logprob in self.prompt_source.arrived(wait=wait):
             if not req.finished:
-                self._accept(req, first, None)
+                self._accept(req, first, logprob)
 
     def _make_room(self, tokens_needed: Callable[[], int]) -> None:
         """Preempt the newest running requests until the next phase's tokens fit.

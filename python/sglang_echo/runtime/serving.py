@@ -161,6 +161,9 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         use_cuda_graph=use_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
+    # Every decode shape captured now, before the server says it is ready
+    # (runtime/cuda_graph.py): no capture lands in a client's step.
+    captured = steps.capture_decode_graphs() if use_graph else 0
     tokenizer = load_tokenizer(args.model_path)
     detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
     fake = None
@@ -185,6 +188,7 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         "chunked_prefill_size": chunk,
         "cuda_graph": use_graph,
         "cuda_graph_max_bs": args.cuda_graph_max_bs if use_graph else 0,
+        "cuda_graphs_captured": captured,
         "kv_backend": "hisparse" if buffer else "echo" if echo.offload else "no-offload",
         "device_buffer_size": buffer,
         "nsa_dev_cache_size": echo.dev_cache_size if echo.offload else None,

@@ -17,7 +17,9 @@ from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.runtime.host_ints import int64_tensor
+from sglang_echo.runtime.input_staging import DecodeInputStaging
 from sglang_echo.runtime.request import SeqState
+from sglang_echo.runtime.streams import on_engine_stream
 from sglang_echo.runtime.token_table import RequestTable, TokenSlotAllocator
 
 
@@ -47,6 +49,7 @@ class StepRunner:
             bind(max_requests)
         # A backend that partitions by request (HiSparse-like) learns each token's owner.
         self._note_owner = getattr(kv_cache, "note_owner", None)
+        self.staging = DecodeInputStaging(max_requests, self.device)
         self.decode_runner = None
         if use_cuda_graph:
             from sglang_echo.runtime.cuda_graph import CudaGraphDecodeRunner
@@ -54,6 +57,16 @@ class StepRunner:
             self.decode_runner = CudaGraphDecodeRunner(
                 model, kv_cache, max_context, max_batch_size=cuda_graph_max_bs
             )
+
+    def capture_decode_graphs(self) -> int:
+        """Capture every decode shape this runner can take, now (a server, before it says
+        it is ready: runtime/cuda_graph.py); returns how many were captured."""
+        if self.decode_runner is None:
+            return 0
+        bound = self.decode_runner.max_batch_size or self.max_requests
+        sizes = list(range(1, min(bound, self.max_requests) + 1))
+        with on_engine_stream(self.device):
+            return self.decode_runner.capture_all(sizes)
 
     # ------------------------------------------------------------- lifecycle
     def admit(self, req: SeqState) -> None:
@@ -142,14 +155,24 @@ class StepRunner:
         positions = [req.cached_len for req in active]
         ids = [req.output[-1] for req in active]
         rows = [req.row for req in active]
-        self.table.assign_next(rows, positions, out_locs)
+        # One non-blocking upload of the step's inputs (runtime/input_staging.py).
+        ids_t, pos_t, locs_t, rows_t = self.staging.upload([ids, positions, out_locs, rows])
+        self.table.assign_next_on_device(rows_t, pos_t, locs_t, max(positions))
         if self._note_owner is not None:
-            self._note_owner(self._ints(rows), self._ints(out_locs))
+            self._note_owner(rows_t, locs_t)
         for req, loc in zip(active, out_locs, strict=True):
             req.locs.append(loc)
             req.cached_len += 1
-        batch = self._make_batch(
-            ids, positions, out_locs, active, [1] * len(active), is_decode=True, logits_rows=None
+        batch = ForwardBatch(
+            input_ids=ids_t,
+            positions=pos_t,
+            out_locs=locs_t,
+            context_locs=self.table.table[rows_t, : max(positions) + 1],
+            extend_lens=[1] * len(active),
+            context_lens=[p + 1 for p in positions],
+            is_decode=True,
+            logits_indices=None,
+            request_rows=rows_t,
         )
         # ECHO's decode prefetch under auto picks this step's mode (and graph) here.
         before = getattr(self.kv_cache, "before_decode_step", None)

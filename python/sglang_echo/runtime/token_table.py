@@ -71,12 +71,13 @@ class RequestTable:
             locs = int64_tensor(locs)
         self.table[row, start : start + len(locs)] = locs.to(self.table.device)
 
-    def assign_next(self, rows: list[int], positions: list[int], locs: list[int]) -> None:
-        """One new position per request (a decode step) in a single device write."""
-        if max(positions) >= self.max_context:
+    def assign_next_on_device(
+        self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor, top: int
+    ) -> None:
+        """One new position per request, from device tensors (no host copy); ``top`` is
+        the largest position, checked on the host."""
+        if top >= self.max_context:
             raise CapacityError(
-                f"request needs {max(positions) + 1} positions, table width is {self.max_context}"
+                f"request needs {top + 1} positions, table width is {self.max_context}"
             )
-        dev = self.table.device
-        values = torch.tensor([rows, positions, locs], dtype=torch.int64).to(dev)
-        self.table[values[0], values[1]] = values[2]
+        self.table[rows, positions] = locs

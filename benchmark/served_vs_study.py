@@ -1,0 +1,157 @@
+"""The served system against the engine, from one device call: the in-process study's
+ratio at the paper's setting beside the served Figure-12 sweep's, and what the server does
+with the engine's time (issue: "served at engine speed").
+
+Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
+(``infini/{no-offload,offload}/req_rate_R.jsonl``) made in the same call, and writes
+``served_vs_study.json``: ``metrics`` holds
+
+- ``study_ratio`` (ECHO / no-offload, in process), ``served_ratio_inf`` (through HTTP at rate
+  inf) and ``served_over_study`` (goal >= 0.90);
+- ``steady_ratio_inf``: the same ratio over each run's steady window (10%-90% of
+  completions), and each engine's ``mean_decode_batch``;
+- ``itl_p50_ratio_rate1`` (ECHO's median inter-token latency over no-offload's at rate 1,
+  where nothing needs offloading; goal <= 1.02);
+- ``echo_served_efficiency`` / ``no_offload_served_efficiency`` at rate inf: the decode
+  steps' device time (CUDA events) over the run's wall time (goals >= 0.90 / 0.93);
+- ``served_hit_rate`` and ``study_hit_rate`` (should agree within 0.01);
+- ``admission_ms_p50`` (engine-thread ms per admission on the ECHO server; goal <= 2) and
+  its per-run mean;
+- ``graph_captures_during_run`` (both servers, all runs; goal 0);
+- ``outputs_equal``: every request's greedy tokens equal between the two servers, at
+  every rate;
+- ``latency``: TTFT and ITL p50 / p99 of both engines at every rate;
+plus ``commit`` (as given: the sha, literally), ``device``, ``date`` and ``command``.
+
+    python3 benchmark/served_vs_study.py --study DIR --sweep DIR --out FILE --commit SHA
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ENGINES = ("no-offload", "offload")
+
+
+def _runs(sweep: Path, engine: str) -> dict[str, dict]:
+    """rate -> the last record of that rate's jsonl."""
+    out: dict[str, dict] = {}
+    for f in sorted((sweep / "infini" / engine).glob("req_rate_*.jsonl")):
+        lines = [ln for ln in f.read_text().splitlines() if ln.strip()]
+        if lines:
+            out[f.stem.removeprefix("req_rate_")] = json.loads(lines[-1])
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def _outputs_equal(runs: dict[str, dict[str, dict]]) -> bool | None:
+    """Whether every request of every rate got the same token ids from both servers
+    (None: a run without ids)."""
+    rates = set(runs["no-offload"]) & set(runs["offload"])
+    if not rates:
+        return None
+    for rate in rates:
+        a = runs["no-offload"][rate].get("output_ids")
+        b = runs["offload"][rate].get("output_ids")
+        if not a or not b or any(x is None for x in [*a, *b]):
+            return None
+        if a != b:
+            return False
+    return True
+
+
+def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
+    noff, echo = runs["no-offload"], runs["offload"]
+    m = study.get("metrics", {})
+    study_ratio = m.get("ratio_paper_all_hbm")
+    hit = m.get("hit_rate_per_layer") or []
+    inf_n, inf_e = noff.get("inf", {}), echo.get("inf", {})
+    served = _ratio(inf_e.get("output_throughput"), inf_n.get("output_throughput"))
+    served_hit = (inf_e.get("server_echo") or {}).get("hit_rate")
+    captures = sum(
+        (r.get("server_engine") or {}).get("graph_captures_during_run", 0)
+        for eng in ENGINES
+        for r in runs[eng].values()
+    )
+    latency = {
+        eng: {
+            rate: {
+                k: r.get(k)
+                for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
+            }
+            for rate, r in runs[eng].items()
+        }
+        for eng in ENGINES
+    }
+    return {
+        "study_ratio": study_ratio,
+        "served_ratio_inf": served,
+        "served_over_study": _ratio(served, study_ratio),
+        "steady_ratio_inf": _ratio(
+            inf_e.get("steady_output_throughput"), inf_n.get("steady_output_throughput")
+        ),
+        "mean_decode_batch_inf": {
+            "no-offload": inf_n.get("mean_decode_batch"),
+            "offload": inf_e.get("mean_decode_batch"),
+        },
+        "itl_p50_ratio_rate1": _ratio(
+            echo.get("1", {}).get("median_itl_ms"), noff.get("1", {}).get("median_itl_ms")
+        ),
+        "echo_served_efficiency": inf_e.get("served_efficiency"),
+        "no_offload_served_efficiency": inf_n.get("served_efficiency"),
+        "served_hit_rate": served_hit,
+        "study_hit_rate": round(statistics.fmean(hit), 4) if hit else None,
+        "admission_ms_p50": inf_e.get("admission_ms_p50"),
+        "admission_ms_mean_inf": inf_e.get("admission_ms_mean"),
+        "graph_captures_during_run": captures,
+        "outputs_equal": _outputs_equal(runs),
+        "latency": latency,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--study", required=True, type=Path, help="the study's --out folder")
+    ap.add_argument("--sweep", required=True, type=Path, help="the e2e sweep's OUTDIR")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--commit", default="", help="the sha the runs were made on, literally")
+    ap.add_argument("--command", default="", help="the command that made the runs")
+    args = ap.parse_args(argv)
+    study_file = args.study / "e2e_study.json"
+    study = json.loads(study_file.read_text()) if study_file.is_file() else {}
+    runs = {eng: _runs(args.sweep, eng) for eng in ENGINES}
+    if not study or not all(runs.values()):
+        print(f"missing input: study {study_file.is_file()}, runs {list(runs)}", file=sys.stderr)
+    record = {
+        "name": "served_vs_study",
+        "commit": args.commit,
+        "device": study.get("device") or _device(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": args.command or " ".join(sys.argv),
+        "metrics": combine(study, runs),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in record["metrics"].items() if k != "latency"}, indent=1))
+    return record
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
