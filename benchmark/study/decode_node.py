@@ -69,9 +69,9 @@ class DecodeNode:
         runner = self.runner
         runner.admit(req)
         locs = runner.allocator.alloc(prompt_len)
-        host_locs = runner.place(req, 0, locs)
+        locs_t = runner.place(req, 0, locs)
         req.cached_len = prompt_len
-        self.synth.write(runner.kv_cache, host_locs.to(runner.device), seed)
+        self.synth.write(runner.kv_cache, locs_t, seed)
         self.running.append(req)
         return req
 

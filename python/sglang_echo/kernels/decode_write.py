@@ -34,6 +34,9 @@ from sglang_echo.kernels.cache_layout import ABSENT, FREE, CacheState
 # Priority of a transferred prompt's placed rows (decode_write_reference): older than any
 # stamp a resolve or an append gives (clocks start at 0 and a resolve stamps clock + 1).
 PROMPT_PRIORITY = 0
+# Priority of a prompt's slots while its rows are still being written (a decode node's
+# transfer): above any stamp a step can give, so no resolve evicts them before they arrive.
+PINNED_PRIORITY = 1 << 62
 WRITE_LANES = 16  # rows per step of the one program's loop
 WRITE_WARPS = 4
 _ABSENT = tl.constexpr(ABSENT)
@@ -152,6 +155,20 @@ def decode_write_reference(
     if locs.numel() == 0:
         return
     host_rows.index_copy_(0, locs.to(host_rows.device), rows.to(host_rows.device))
+    dest = place_slots(cache, layer, locs, priority_of_placed)
+    dev_rows.index_copy_(0, dest, rows)
+
+
+def place_slots(
+    cache: CacheState, layer: int, locs: torch.Tensor, priority_of_placed: int | None = None
+) -> torch.Tensor:
+    """The maps' part of :func:`decode_write_reference` (no row is written): ids not yet
+    resident take free slots while they last, in lane order, mapped both ways with the
+    layer's clock (or ``priority_of_placed``) as their priority. Returns each lane's
+    device slot [n] int64: its new slot, its slot if it was resident, else the scratch slot.
+    Why apart: a decode node reserves a transferring prompt's slots on the decode stream
+    (ordered with the steps that share the free stack) while the rows are written beside
+    it on the transfer's stream (``PINNED_PRIORITY`` until they arrive)."""
     c = cache
     scratch_host, scratch_slot = c.scratch_host, c.scratch_slot
     host_to_device, device_to_host = c.host_to_device[layer], c.device_to_host[layer]
@@ -169,7 +186,6 @@ def decode_write_reference(
     slot = torch.where(placed, popped.to(torch.int64), scratch_slot)
     resident = token & (old != ABSENT)
     dest = torch.where(placed, slot, torch.where(resident, old, scratch_slot))
-    dev_rows.index_copy_(0, dest, rows)
     host_to_device.scatter_(0, torch.where(placed, loc, scratch_host), slot.to(torch.int32))
     device_to_host.scatter_(0, slot, torch.where(placed, loc, FREE).to(torch.int32))
     stamp = clock.reshape(()) if priority_of_placed is None else priority_of_placed
@@ -178,3 +194,36 @@ def decode_write_reference(
     device_to_host.narrow(0, scratch_slot, 1).fill_(FREE)
     priority.narrow(0, scratch_slot, 1).fill_(FREE)
     free_count.sub_(torch.minimum(new.sum(), free0).to(free_count.dtype))
+    return dest
+
+
+def place_slots_all_layers(cache: CacheState, locs: torch.Tensor, priority: int) -> torch.Tensor:
+    """:func:`place_slots` for every layer at once (each layer's own maps and free stack,
+    ``priority`` for every placed slot): one launch per op instead of one per op and
+    layer. Returns the slots [layers, n] int64. Why: a decode node reserves a 100K-token
+    prompt's slots in all 61 layers on the engine thread; per layer that was ~20 launches
+    a layer, ~1,200 in all."""
+    c = cache
+    layers = c.host_to_device.shape[0]
+    loc = locs.reshape(1, -1).to(torch.int64)
+    token = loc > 0
+    key = torch.where(token, loc, torch.full_like(loc, c.scratch_host)).expand(layers, -1)
+    old = c.host_to_device.gather(1, key).to(torch.int64)
+    new = token & (old == ABSENT)
+    rank = torch.cumsum(new.to(torch.int64), 1) - 1
+    free0 = c.free_count.to(torch.int64).reshape(layers, 1)
+    placed = new & (rank < free0)
+    top = c.free_stack.shape[1] - 1
+    popped = c.free_stack.gather(1, (free0 - 1 - rank).clamp(min=0, max=top)).to(torch.int64)
+    slot = torch.where(placed, popped, c.scratch_slot)
+    resident = token & (old != ABSENT)
+    dest = torch.where(placed, slot, torch.where(resident, old, c.scratch_slot))
+    ids = loc.expand(layers, -1)
+    c.host_to_device.scatter_(1, torch.where(placed, ids, c.scratch_host), slot.to(torch.int32))
+    c.device_to_host.scatter_(1, slot, torch.where(placed, ids, FREE).to(torch.int32))
+    c.priority.scatter_(1, slot, torch.where(placed, priority, FREE))
+    c.host_to_device.narrow(1, c.scratch_host, 1).fill_(ABSENT)
+    c.device_to_host.narrow(1, c.scratch_slot, 1).fill_(FREE)
+    c.priority.narrow(1, c.scratch_slot, 1).fill_(FREE)
+    c.free_count.sub_(torch.minimum(new.sum(1), free0.reshape(-1)).to(c.free_count.dtype))
+    return dest

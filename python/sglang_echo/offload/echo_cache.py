@@ -185,6 +185,41 @@ class EchoKVCache:
         else:
             self.manager.write_host(layer, locs, self._stored(kv_rows))
 
+    def reserve_prompt(self, locs: torch.Tensor) -> torch.Tensor | None:
+        """A decode node's arriving prompt: its device slots in every layer, taken now from
+        the free stacks (never evicting) and pinned until ``unpin_prompt``; None with
+        ``decode_place`` off (host rows only). Call on the decode stream: the free stacks
+        and maps are the steps', and only that stream orders changes to them. The rows are
+        written by ``fill_prompt`` beside the steps, on the transfer's stream."""
+        if not self.config.decode_place:
+            return None
+        return self.manager.reserve_prompt(locs)
+
+    def fill_prompt(
+        self,
+        layer: int,
+        locs: torch.Tensor,
+        kv_rows: torch.Tensor,
+        index_keys: torch.Tensor,
+        slots: torch.Tensor | None,
+    ) -> None:
+        """The arriving prompt's bytes for one layer: index keys, host rows and, into its
+        reserved ``slots``, device rows. Data only (no map, stack or counter changes), so
+        it may run on another stream and thread than the decode steps: no step selects
+        these ids before the request joins the batch, and pinned slots are never evicted."""
+        self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
+        stored = self._stored(kv_rows)
+        host = self.manager.host_view if self.manager.host_view is not None else self.host.rows
+        host[layer].index_copy_(0, locs.to(host.device), stored.to(host.device))
+        if slots is not None:
+            self.cache.rows[layer].index_copy_(0, slots, stored)
+
+    def unpin_prompt(self, slots: torch.Tensor | None) -> None:
+        """The prompt has arrived (on the decode stream, after its transfer's event): its
+        placed rows become ordinary residents of the oldest priority."""
+        if slots is not None:
+            self.manager.unpin_prompt(slots)
+
     @property
     def kv_dtype(self) -> torch.dtype:
         """What the KV rows are stored as (uint8: fp8 rows, kernels/fp8_kv.py)."""

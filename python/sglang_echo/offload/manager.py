@@ -26,12 +26,15 @@ from sglang_echo.kernels.alloc import (
     allocate_kernel,
     allocate_reference,
 )
+from sglang_echo.kernels.cache_layout import FREE
 from sglang_echo.kernels.decode_prefetch import count_prefetch_hits, count_prefetch_hits_reference
 from sglang_echo.kernels.decode_stage import StagedRows, staged_entries
 from sglang_echo.kernels.decode_write import (
+    PINNED_PRIORITY,
     PROMPT_PRIORITY,
     decode_write_kernel,
     decode_write_reference,
+    place_slots_all_layers,
 )
 from sglang_echo.kernels.release import release_kernel, release_reference
 from sglang_echo.offload.device_cache import DeviceCache
@@ -118,6 +121,23 @@ class EchoManager:
         step's resolve finds them resident instead of recalling them. Distinct ids."""
         write = decode_write_kernel if self.use_kernels else decode_write_reference
         self._write_placed(layer, locs, rows, write)
+
+    def reserve_prompt(self, locs: torch.Tensor) -> torch.Tensor:
+        """A transferring prompt's device slots in every layer, taken from the free stacks
+        while they last (never evicting) and pinned (``PINNED_PRIORITY``) until
+        ``unpin_prompt``: call on the decode stream, which orders it with the steps that
+        share the free stacks. Returns the slots [layers, n] (the scratch slot where none
+        was free); the rows are written by ``EchoKVCache.fill_prompt``, on any stream."""
+        for layer in list(self._pending):
+            self._join(layer)
+        return place_slots_all_layers(self.cache, locs.reshape(-1), PINNED_PRIORITY)
+
+    def unpin_prompt(self, slots: torch.Tensor) -> None:
+        """The prompt has arrived: its slots [layers, n] get the placed rows' priority (the
+        oldest, so the rows no step selects are the first victims). On the decode stream."""
+        c = self.cache
+        c.priority.scatter_(1, slots, PROMPT_PRIORITY)
+        c.priority.narrow(1, c.scratch_slot, 1).fill_(FREE)
 
     def write_prompt(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
         """A decode node's transferred prompt: host rows, and device slots while the free

@@ -160,6 +160,8 @@ class EngineLoop:
                 except Exception:
                     log.error("could not clean up after the failed step")
         self.scheduler.fail_all("server shutting down")
+        if self.scheduler.prompt_source is not None:
+            self.scheduler.prompt_source.close()
         log.info("engine thread time: %s", engine_time_summary(self.scheduler))
 
 

@@ -29,12 +29,13 @@ import random
 import time
 import zlib
 from array import array
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
-from sglang_echo.model.kv_cache import KVCache
+from sglang_echo.model.kv_cache import KVCache, PlainKVCache
 from sglang_echo.runtime.request import SeqState, ServeRequest, TokenLogprob
 from sglang_echo.runtime.step_runner import StepRunner
 from sglang_echo.runtime.synthetic_kv import Locality, SyntheticKV, favoured_directions
@@ -68,8 +69,25 @@ class _Transfer:
     req: SeqState
     first_token: int
     first_logprob: TokenLogprob | None
-    done: torch.cuda.Event | None  # None: written synchronously (CPU)
     started: float  # time.perf_counter() at the start
+    slots: torch.Tensor | None = None  # ECHO's pinned device slots [layers, n]
+    job: Future | None = None  # the writer thread's launches (None: written in line, CPU)
+    done: torch.cuda.Event | None = None  # recorded after the last write (CUDA)
+
+    def ready(self) -> bool:
+        """Every write launched and finished (never blocks)."""
+        if self.job is None:
+            return True
+        if not self.job.done():
+            return False
+        self.job.result()  # a writer's error surfaces here, on the engine thread
+        return self.done is None or self.done.query()
+
+    def wait(self) -> None:
+        if self.job is not None:
+            self.job.result()
+        if self.done is not None:
+            self.done.synchronize()
 
 
 class FakeTransfer:
@@ -88,15 +106,23 @@ class FakeTransfer:
         )
         self.locality = Locality(locality)
         self.synth = SyntheticKV(cfg, directions, self.locality, dtype, steps.device)
+        self.num_layers = cfg.num_hidden_layers
         self.kv_cache = kv_cache
         self.steps = steps
         self.vocab_size = cfg.vocab_size
         device = steps.device
-        # The lowest priority a stream can have (0): where the decode step's streams are
-        # of higher priority (runtime/streams.py), the GPU schedules the decode's blocks
-        # first and the transfer's generation fills what is left, as an RDMA arrival
-        # would cost a real decode node nothing.
+        # The lowest priority a stream can have (0): the engine's steps run on the highest
+        # (runtime/streams.py), so the GPU schedules the decode's blocks first and the
+        # transfer's generation fills what is left, as an RDMA arrival costs a real decode
+        # node's GPU nothing. Its launches come from a thread of their own, as a real
+        # transfer costs the engine thread nothing: the engine thread only takes the
+        # locations (and ECHO's slots) and hands the rest over.
         self.stream = torch.cuda.Stream(device, priority=0) if device.type == "cuda" else None
+        self._writer = (
+            ThreadPoolExecutor(1, thread_name_prefix="echo-transfer")
+            if self.stream is not None
+            else None
+        )
         self._transfers: list[_Transfer] = []  # started, first token not yet taken
         self.transfers = 0  # arrived so far
         self.transfer_s = 0.0  # their start-to-arrival times (seen at the step's poll), summed
@@ -107,54 +133,95 @@ class FakeTransfer:
 
     def start(self, req: SeqState) -> None:
         """Begin placing ``req``'s prompt KV (the request is admitted: it has a table row).
-        ``arrived`` hands its first output token back once the rows are in place."""
+        ``arrived`` hands its first output token back once the rows are in place.
+
+        On the engine thread and the decode stream: the locations, the table row and, under
+        ECHO, the prompt's device slots (reserved and pinned there, in order with the steps
+        that share the free stacks). The rows themselves are generated and written by the
+        writer thread on the transfer's stream, beside the steps."""
         started = time.perf_counter()
         n = len(req.prompt)
         locs = self.steps.allocator.alloc(n)
-        host_locs = self.steps.place(req, 0, locs)
+        loc_t = self.steps.place(req, 0, locs)  # on the device (queued, not waited for)
         req.cached_len = n
-        seed = prompt_seed(req.prompt)
+        seed = getattr(req, "prompt_seed", None)
+        if seed is None:  # not computed where the request was parsed
+            seed = prompt_seed(req.prompt)
         first = random.Random(seed).randrange(self.vocab_size)
         first_lp = first_token_logprob(req, first, self.vocab_size)
+        transfer = _Transfer(req, first, first_lp, started)
+        reserve = getattr(self.kv_cache, "reserve_prompt", None)
         if self.stream is None:
-            self.synth.write(self.kv_cache, host_locs.to(self.steps.device), seed)
-            self._transfers.append(_Transfer(req, first, first_lp, None, started))
+            transfer.slots = reserve(loc_t) if reserve is not None else None
+            self._write(loc_t, seed, transfer.slots)
+            self._transfers.append(transfer)
             return
-        # After everything the decode stream has queued: the locations may have belonged
-        # to a request whose last step still reads them. Tensors made under the side
-        # stream belong to its allocator pool, so none is reused while the stream runs.
-        self.stream.wait_stream(torch.cuda.current_stream(self.steps.device))
-        with torch.cuda.stream(self.stream):
-            loc_t = host_locs.pin_memory().to(self.steps.device, non_blocking=True)  # no wait
-            self.synth.write(self.kv_cache, loc_t, seed)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        self._transfers.append(_Transfer(req, first, first_lp, done, started))
+        current = torch.cuda.current_stream(self.steps.device)
+        transfer.slots = reserve(loc_t) if reserve is not None else None
+        # The writes start after everything the decode stream has queued: the locations may
+        # have been a finished request's, and the slots were reserved there.
+        self.stream.wait_stream(current)
+        transfer.done = torch.cuda.Event()
+        if self._writes_data_only():
+            transfer.job = self._writer.submit(self._write_on_stream, loc_t, seed, transfer)
+        else:  # a backend whose write also moves its own maps: launched from this thread
+            self._write_on_stream(loc_t, seed, transfer)
+        self._transfers.append(transfer)
+
+    def _writes_data_only(self) -> bool:
+        """Whether the prompt's writes change only bytes (ECHO's ``fill_prompt``, the plain
+        pool's ``write``), so another thread may launch them beside the steps."""
+        return hasattr(self.kv_cache, "fill_prompt") or isinstance(self.kv_cache, PlainKVCache)
+
+    def _write(self, locs: torch.Tensor, seed: int, slots: torch.Tensor | None) -> None:
+        """Every layer's rows and index keys of the prompt at ``locs`` (positions 0..n-1)."""
+        fill = getattr(self.kv_cache, "fill_prompt", None)
+        if fill is None:  # the plain pool (HiSparse-like: its own write_prompt)
+            self.synth.write(self.kv_cache, locs, seed)
+            return
+        n = int(locs.numel())
+        for layer in range(self.num_layers):
+            kv, keys = self.synth.rows(layer, n, seed)
+            fill(layer, locs, kv, keys, None if slots is None else slots[layer])
+
+    def _write_on_stream(self, locs: torch.Tensor, seed: int, transfer: _Transfer) -> None:
+        """The writer thread: the writes on the transfer's stream, then its event. Tensors
+        made here belong to that stream's allocator pool, so none is reused while it runs."""
+        with torch.cuda.device(self.steps.device), torch.cuda.stream(self.stream):
+            self._write(locs, seed, transfer.slots)
+            transfer.done.record(self.stream)
 
     def arrived(self, wait: bool = False) -> list[tuple[SeqState, int, TokenLogprob | None]]:
         """(request, first token, its log-probability or None) of every transfer that has
-        finished, in admission
-        order. ``wait``: block until the oldest has (the caller has nothing else to run)."""
-        if wait and self._transfers and self._transfers[0].done is not None:
-            self._transfers[0].done.synchronize()
-        ready = [t for t in self._transfers if t.done is None or t.done.query()]
+        finished, in admission order. ``wait``: block until the oldest has (the caller has
+        nothing else to run)."""
+        if wait and self._transfers:
+            self._transfers[0].wait()
+        ready = [t for t in self._transfers if t.ready()]
         if not ready:
             return []
         self._transfers = [t for t in self._transfers if t not in ready]
         now = time.perf_counter()
         self.transfers += len(ready)
         self.transfer_s += sum(now - t.started for t in ready)
+        unpin = getattr(self.kv_cache, "unpin_prompt", None)
         for t in ready:  # the decode stream reads these rows from the next step on
             if t.done is not None:
                 torch.cuda.current_stream(self.steps.device).wait_event(t.done)
+            if unpin is not None:
+                unpin(t.slots)
         return [(t.req, t.first_token, t.first_logprob) for t in ready]
 
     def forget(self, req: SeqState) -> None:
         """``req`` ends before its first token (an abort): let its transfer finish writing
-        before its locations go back to the pool."""
+        before its locations (and slots) go back to the pool."""
         for t in self._transfers:
             if t.req is req:
-                if t.done is not None:
-                    t.done.synchronize()
+                t.wait()
                 self._transfers.remove(t)
                 return
+
+    def close(self) -> None:
+        """Stop the writer thread (after its queued writes)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)

@@ -103,6 +103,7 @@ class ParsedRequest:
     max_tokens_given: bool  # False: the default may be shortened to fit the context
     include_usage: bool = False  # OpenAI stream_options.include_usage
     rid: str | None = None
+    prompt_seed: int | None = None  # a decode node's synthetic-KV seed (runtime/fake_transfer)
 
 
 def _nested_deeper_than(data: object, limit: int) -> bool:

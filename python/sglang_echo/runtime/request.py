@@ -89,6 +89,10 @@ class ServeRequest(SeqState):
     on_output: Callable[[OutputEvent], None] | None = None  # called from the engine thread
     arrival_s: float = 0.0
     preemptions: int = 0  # times this request was retracted and recomputed
+    # A decode node's seed of the prompt's synthetic KV (fake transfer), computed where the
+    # request is parsed (a CRC over 100K ids is ~1-3 ms the engine thread need not spend);
+    # None: the node computes it at admission.
+    prompt_seed: int | None = None
 
     @property
     def finished(self) -> bool:

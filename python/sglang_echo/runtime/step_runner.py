@@ -16,7 +16,7 @@ import torch
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.runtime.host_ints import int64_tensor
+from sglang_echo.runtime.host_ints import int64_tensor, upload
 from sglang_echo.runtime.input_staging import DecodeInputStaging
 from sglang_echo.runtime.request import SeqState
 from sglang_echo.runtime.streams import on_engine_stream
@@ -189,15 +189,15 @@ class StepRunner:
 
     def place(self, req: SeqState, start: int, locs: list[int]) -> torch.Tensor:
         """Token locations ``locs`` hold ``req``'s positions start.. (not yet cached).
-        Returns them as a host int64 tensor (converted once; a decode node's transfer
-        reuses it)."""
-        host = int64_tensor(locs)
-        on_device = host.to(self.device)  # one host-to-device copy, for the table and owner
+        Returns them as an int64 tensor on the device (converted and copied once; a
+        decode node's transfer reuses it). The copy is from pinned memory and does not
+        block: a pageable copy would make the engine thread wait for every step queued."""
+        on_device = upload(int64_tensor(locs), self.device)  # for the table and the owner
         self.table.assign(req.row, start, on_device)
         req.locs.extend(locs)
         if self._note_owner is not None:
             self._note_owner(torch.full_like(on_device, req.row), on_device)
-        return host
+        return on_device
 
     # --------------------------------------------------------------- helpers
     def _ints(self, values: list[int]) -> torch.Tensor:

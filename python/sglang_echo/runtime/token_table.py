@@ -33,7 +33,7 @@ class TokenSlotAllocator:
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise CapacityError(f"asked for {n} token locations, {len(self._free)} free")
-        taken = self._free[len(self._free) - n :][::-1]
+        taken = self._free[: -n - 1 : -1]  # the top n, most recently freed first: one copy
         del self._free[len(self._free) - n :]
         return taken
 

@@ -12,6 +12,7 @@ tokenised off the event loop, so one huge prompt does not stall every other stre
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 import uuid
@@ -24,6 +25,7 @@ from starlette.background import BackgroundTask
 from sglang_echo.runtime import protocol
 from sglang_echo.runtime.api.wire import SSE_HEADERS, error_response
 from sglang_echo.runtime.engine_loop import EngineLoop
+from sglang_echo.runtime.fake_transfer import prompt_seed
 from sglang_echo.runtime.protocol import BadRequest, ParsedRequest
 from sglang_echo.runtime.request import OutputEvent, ServeRequest, TokenLogprob
 from sglang_echo.runtime.serving import Serving
@@ -116,6 +118,7 @@ class StreamingCore:
         self.info = serving.info
         self.tokenizer = serving.tokenizer
         self.model_name = self.info["served_model_name"]
+        self.decode_node = self.info.get("disaggregation_mode") == "decode"
         self.max_body = getattr(serving.args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
         prompt_limit = min(self.info["context_length"], self.info["max_total_tokens"] + 1) - 1
         self.encoder = (
@@ -152,17 +155,21 @@ class StreamingCore:
         protocol.check_prompt(
             parsed, info["vocab_size"], info["context_length"], info["max_total_tokens"]
         )
+        if self.decode_node:  # the fake transfer's seed, here rather than on the engine thread
+            parsed = dataclasses.replace(parsed, prompt_seed=prompt_seed(parsed.prompt_ids))
         return parsed
 
     def submit(self, parsed: ParsedRequest, rid: str, stream: EventStream) -> None:
         if not self.engine.alive:
             raise RuntimeError("the server is shutting down or its engine thread stopped")
+        ids = list(parsed.prompt_ids)
         req = ServeRequest(
-            list(parsed.prompt_ids),
+            ids,
             rid=rid,
             params=parsed.params,
             on_output=stream.push,
             arrival_s=time.perf_counter(),
+            prompt_seed=parsed.prompt_seed,
         )
         self.engine.submit(req)
 

@@ -1,0 +1,149 @@
+"""A decode node's arriving prompt under ECHO: slots reserved on the decode stream, rows
+written beside it, unpinned on arrival (offload/echo_cache.py reserve/fill/unpin_prompt).
+
+- reserve + fill + unpin leaves exactly the state the one-shot ``write_prompt`` leaves
+  (maps, stacks, priorities, host and device rows), so dynamic residency is unchanged;
+- while the rows are in flight, resolves of other requests that must evict never take a
+  reserved slot, and the prompt's device rows are intact when it arrives;
+- reserving touches no row and filling touches no map: the two can run on different
+  streams without racing on the free stacks (what the split is for).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_echo.config import EchoConfig
+from sglang_echo.kernels.decode_write import PINNED_PRIORITY, PROMPT_PRIORITY
+from sglang_echo.offload.echo_cache import EchoKVCache
+
+LAYERS, HOST, SLOTS, WIDTH, INDEX = 2, 400, 48, 8, 4
+
+
+def _cache(eviction_reserve: int = 0) -> EchoKVCache:
+    config = EchoConfig(offload=True, dev_cache_size=SLOTS, eviction_reserve=eviction_reserve)
+    return EchoKVCache(config, LAYERS, HOST, WIDTH, INDEX, torch.float32, "cpu")
+
+
+def _state(c: EchoKVCache) -> dict[str, torch.Tensor]:
+    d = c.cache
+    return {
+        "h2d": d.host_to_device.clone(),
+        "d2h": d.device_to_host.clone(),
+        "prio": d.priority.clone(),
+        "stack": d.free_stack.clone(),
+        "free": d.free_count.clone(),
+        "clock": d.clock.clone(),
+        "dev_rows": d.rows[:, 1 : SLOTS + 1].clone(),
+        "host_rows": c.host.rows.clone(),
+        "index": c.index.clone(),
+    }
+
+
+def _prompt(n: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    locs = torch.randperm(HOST, generator=gen)[:n] + 1
+    kv = [torch.randn(n, WIDTH, generator=gen) for _ in range(LAYERS)]
+    keys = [torch.randn(n, INDEX, generator=gen) for _ in range(LAYERS)]
+    return locs, kv, keys
+
+
+def test_reserve_fill_unpin_equals_write_prompt():
+    for n in (10, SLOTS + 20):  # all placed; more than the free slots (the rest host-only)
+        locs, kv, keys = _prompt(n, seed=n)
+        one_shot, split = _cache(), _cache()
+        for layer in range(LAYERS):
+            one_shot.write_prompt(layer, locs, kv[layer], keys[layer])
+        slots = split.reserve_prompt(locs)
+        pinned = split.cache.priority.clone()
+        for layer in range(LAYERS):
+            split.fill_prompt(layer, locs, kv[layer], keys[layer], slots[layer])
+        placed = min(n, SLOTS)
+        assert [int((p == PINNED_PRIORITY).sum()) for p in pinned] == [placed] * LAYERS
+        split.unpin_prompt(slots)
+        a, b = _state(one_shot), _state(split)
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+        assert int((split.cache.priority == PROMPT_PRIORITY).sum()) == placed * LAYERS
+
+
+def test_reserving_writes_no_row_and_filling_changes_no_map():
+    locs, kv, keys = _prompt(20, seed=1)
+    c = _cache()
+    rows_before = (c.cache.rows.clone(), c.host.rows.clone(), c.index.clone())
+    slots = c.reserve_prompt(locs)
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(rows_before, (c.cache.rows, c.host.rows, c.index), strict=True)
+    )
+    maps_before = {k: v for k, v in _state(c).items() if "rows" not in k and k != "index"}
+    for layer in range(LAYERS):
+        c.fill_prompt(layer, locs, kv[layer], keys[layer], slots[layer])
+    maps_after = {k: v for k, v in _state(c).items() if "rows" not in k and k != "index"}
+    assert all(torch.equal(maps_before[k], maps_after[k]) for k in maps_before)
+
+
+def test_reserved_slots_survive_evictions_until_they_arrive():
+    c = _cache(eviction_reserve=4)
+    prompt_locs, kv, keys = _prompt(12, seed=7)
+    slots = c.reserve_prompt(prompt_locs)  # 12 of the 48 slots pinned
+    others = torch.tensor(
+        [i for i in range(1, HOST + 1) if i not in set(prompt_locs.tolist())], dtype=torch.int64
+    )
+    gen = torch.Generator().manual_seed(3)
+    for layer in range(LAYERS):  # the other requests' rows, on the host
+        c.host.rows[layer, others] = torch.randn(len(others), WIDTH, generator=gen)
+    evicted = 0
+    for step in range(12):  # steps of another request: 30 selections each, the cache churns
+        sel = others[torch.randperm(len(others), generator=gen)[:30]].view(1, -1)
+        for layer in range(LAYERS):
+            before = int(c.cache.evictions[layer])
+            c.resolve(layer, sel, distinct=True)
+            evicted += int(c.cache.evictions[layer]) - before
+            if step == 5:  # the rows land in the middle of the churn
+                c.fill_prompt(layer, prompt_locs, kv[layer], keys[layer], slots[layer])
+    assert evicted > 0
+    for layer in range(LAYERS):  # still mapped to the prompt, rows intact, still pinned
+        s = slots[layer]
+        assert torch.equal(c.cache.device_to_host[layer, s].long(), prompt_locs)
+        assert torch.equal(c.cache.host_to_device[layer, prompt_locs].long(), s)
+        assert torch.equal(c.cache.rows[layer, s], kv[layer])
+        assert bool((c.cache.priority[layer, s] == PINNED_PRIORITY).all())
+    c.unpin_prompt(slots)
+    for layer in range(LAYERS):  # ordinary residents now, the first victims
+        assert bool((c.cache.priority[layer, slots[layer]] == PROMPT_PRIORITY).all())
+    for _ in range(6):
+        sel = others[torch.randperm(len(others), generator=gen)[:30]].view(1, -1)
+        for layer in range(LAYERS):
+            c.resolve(layer, sel, distinct=True)
+    assert all(
+        int((c.cache.host_to_device[layer, prompt_locs] != 2**31 - 1).sum()) < 12
+        for layer in range(LAYERS)
+    )
+
+
+def test_all_layers_placement_equals_the_per_layer_one():
+    """``place_slots_all_layers`` against ``place_slots`` layer by layer, from caches in
+    different states (each layer filled differently, some ids already resident, more ids
+    than free slots, the sink in the list)."""
+    from sglang_echo.kernels.decode_write import place_slots, place_slots_all_layers
+
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        a, b = _cache(), _cache()
+        for layer in range(LAYERS):  # a different fill per layer, the same in both caches
+            k = int(torch.randint(0, SLOTS, (1,), generator=gen))
+            ids = (torch.randperm(HOST, generator=gen)[:k] + 1).view(1, -1)
+            if k:
+                a.resolve(layer, ids, distinct=True)
+                b.resolve(layer, ids, distinct=True)
+        locs = torch.randperm(HOST, generator=gen)[: SLOTS // 2 + 8 * seed] + 1
+        locs[0] = 0  # the sink: never placed
+        per_layer = torch.stack(
+            [place_slots(a.cache, layer, locs, PINNED_PRIORITY) for layer in range(LAYERS)]
+        )
+        at_once = place_slots_all_layers(b.cache, locs, PINNED_PRIORITY)
+        assert torch.equal(per_layer, at_once)
+        sa, sb = _state(a), _state(b)
+        for key in sa:
+            assert torch.equal(sa[key], sb[key]), (seed, key)
