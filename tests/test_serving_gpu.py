@@ -10,6 +10,8 @@ agreement is printed."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import random
 
 import pytest
@@ -227,3 +229,62 @@ def test_engines_one_after_another_capture_at_startup(checkpoints, fuse_decode):
         for a, b in zip(plain_logits, got_logits, strict=True):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"seed {seed}"
         model.set_graph_safe(False)
+
+
+def test_gc_of_an_earlier_engines_graphs_cannot_invalidate_a_capture(checkpoints, monkeypatch):
+    """The root cause of the captures that failed depending on what ran before: an earlier
+    engine's CUDA graphs, garbage in a reference cycle, freed by a collection that runs
+    inside a later capture ("operation not permitted when stream is capturing" from the
+    graph's reset; benchmark/capture_probe.py shows it alone). Here a collection is forced
+    inside every capture. Without the runner's collect-then-hold-off around the capture it
+    fails (and the shape falls back to eager, every request still served); with it,
+    nothing fails."""
+    from sglang_echo.runtime import cuda_graph
+
+    model = load_model(checkpoints["default-rope"], device="cuda", dtype=torch.float32)
+    cfg = model.config
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(5, 60))] for _ in range(6)]
+    cap = sum(len(p) + NEW for p in prompts)
+
+    class CollectingGraphs(cuda_graph.CudaGraphs):
+        def capture(self, step):
+            def step_with_gc():
+                out = step()
+                gc.collect()  # whatever garbage is left is freed now, mid-capture
+                return out
+
+            return super().capture(step_with_gc)
+
+    def engine(guarded: bool):
+        if not guarded:
+            monkeypatch.setattr(cuda_graph, "_no_gc", contextlib.nullcontext)
+        earlier = StepRunner(
+            model,
+            PlainKVCache.for_model(cfg, cap, torch.float32, "cuda"),
+            cap,
+            MAX_RUNNING,
+            128,
+            use_cuda_graph=True,
+            cuda_graph_max_bs=2,
+        )
+        earlier.capture_decode_graphs()
+        _cycle(earlier)  # its graphs are garbage now, for the collector
+        del earlier
+        cache = PlainKVCache.for_model(cfg, cap, torch.float32, "cuda")
+        steps = StepRunner(model, cache, cap, MAX_RUNNING, 128, use_cuda_graph=True,
+                           cuda_graph_max_bs=GRAPH_BS)  # fmt: skip
+        steps.decode_runner.backend = CollectingGraphs(steps.device)
+        steps.capture_decode_graphs()
+        sched = Scheduler(steps, MAX_RUNNING, CHUNK, 128, list(cfg.eos_token_ids))
+        reqs = _arrive_and_run(sched, prompts, step_every=3)
+        assert all(r.finish_reason["type"] == "length" for r in reqs)
+        monkeypatch.undo()
+        return steps.decode_runner, [r.output for r in reqs]
+
+    unguarded, out_unguarded = engine(guarded=False)
+    assert unguarded.capture_failures >= 1  # the reproduction: the earlier graphs' reset
+    assert unguarded.eager_shapes and all(len(o) == NEW for o in out_unguarded)  # served
+    guarded, _ = engine(guarded=True)
+    assert guarded.capture_failures == 0 and not guarded.eager_shapes
+    model.set_graph_safe(False)
