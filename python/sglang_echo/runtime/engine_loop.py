@@ -45,6 +45,7 @@ class EngineLoop:
         self._draining = threading.Event()
         self._thread = threading.Thread(target=self._run, name="echo-engine", daemon=True)
         self.last_error: str | None = None
+        self.fatal_error: str | None = None  # why the engine stopped for good, if it did
 
     # ------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -159,10 +160,34 @@ class EngineLoop:
                     self.scheduler.fail_all(f"engine error: {self.last_error}", 500)
                 except Exception:
                     log.error("could not clean up after the failed step")
+                if is_fatal_device_error(exc):
+                    # The device context is lost (a sticky CUDA error): every later step
+                    # would fail the same way. The engine stops, so /health answers 503
+                    # with the reason and new requests are refused, instead of a server
+                    # that accepts requests only to fail them.
+                    self.fatal_error = self.last_error
+                    log.critical("engine stopped: the device is unusable (%s)", self.last_error)
+                    break
         self.scheduler.fail_all("server shutting down")
         if self.scheduler.prompt_source is not None:
             self.scheduler.prompt_source.close()
         log.info("engine thread time: %s", engine_time_summary(self.scheduler))
+
+
+# CUDA errors after which the context is unusable (every later call fails the same way).
+STICKY_DEVICE_ERRORS = (
+    "device-side assert triggered",
+    "an illegal memory access was encountered",
+    "unspecified launch failure",
+    "misaligned address",
+    "illegal instruction",
+)
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the device context is lost, not just that one step failed."""
+    text = str(exc)
+    return any(marker in text for marker in STICKY_DEVICE_ERRORS)
 
 
 def engine_time_summary(sched: Scheduler) -> str:

@@ -71,6 +71,7 @@ class _Transfer:
     first_logprob: TokenLogprob | None
     started: float  # time.perf_counter() at the start
     slots: torch.Tensor | None = None  # ECHO's pinned device slots [layers, n]
+    locs: torch.Tensor | None = None  # the prompt's locations on the device
     job: Future | None = None  # the writer thread's launches (None: written in line, CPU)
     done: torch.cuda.Event | None = None  # recorded after the last write (CUDA)
 
@@ -161,6 +162,14 @@ class FakeTransfer:
         # The writes start after everything the decode stream has queued: the locations may
         # have been a finished request's, and the slots were reserved there.
         self.stream.wait_stream(current)
+        # Both were made on the decode stream and are read on the transfer's: without this
+        # the allocator could hand their memory to the decode stream again as soon as the
+        # writer thread lets go of them, while the transfer's kernels still read it (seen
+        # on the H200: index_copy_ out of bounds). The transfer keeps them until it arrives.
+        loc_t.record_stream(self.stream)
+        if transfer.slots is not None:
+            transfer.slots.record_stream(self.stream)
+        transfer.locs = loc_t
         transfer.done = torch.cuda.Event()
         if self._writes_data_only():
             transfer.job = self._writer.submit(self._write_on_stream, loc_t, seed, transfer)

@@ -161,6 +161,8 @@ class StreamingCore:
 
     def submit(self, parsed: ParsedRequest, rid: str, stream: EventStream) -> None:
         if not self.engine.alive:
+            if self.engine.fatal_error:
+                raise RuntimeError(f"the engine stopped: {self.engine.fatal_error}")
             raise RuntimeError("the server is shutting down or its engine thread stopped")
         ids = list(parsed.prompt_ids)
         req = ServeRequest(

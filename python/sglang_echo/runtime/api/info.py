@@ -43,7 +43,8 @@ def register(app: FastAPI, core: StreamingCore) -> None:
     @app.get("/health_generate")
     async def health():
         if not engine.alive:
-            return PlainTextResponse("engine thread stopped", status_code=503)
+            why = f": {engine.fatal_error}" if engine.fatal_error else ""
+            return PlainTextResponse(f"engine thread stopped{why}", status_code=503)
         return Response(status_code=200)
 
     @app.get("/get_model_info")
