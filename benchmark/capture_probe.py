@@ -19,7 +19,9 @@ import argparse
 import contextlib
 import gc
 import json
+import sys
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:<48} {mode:<13} {results[name][mode]}", flush=True)
     record = {
         "name": "capture_probe",
+        "command": " ".join(["python3", "benchmark/capture_probe.py", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -19,7 +19,7 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
   its per-run mean;
 - ``graph_captures_during_run`` (both servers, all runs; goal 0);
 - ``outputs_equal``: every request's greedy tokens equal between the two servers, at
-  every rate;
+  every rate, and ``outputs_equal_by_rate`` (rate -> [equal, compared]);
 - ``latency``: TTFT and ITL p50 / p99 of both engines at every rate;
 plus ``commit`` (as given: the sha, literally), ``device``, ``date`` and ``command``.
 
@@ -52,20 +52,25 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
 
-def _outputs_equal(runs: dict[str, dict[str, dict]]) -> bool | None:
-    """Whether every request of every rate got the same token ids from both servers
-    (None: a run without ids)."""
-    rates = set(runs["no-offload"]) & set(runs["offload"])
-    if not rates:
-        return None
-    for rate in rates:
+def _equal_by_rate(runs: dict[str, dict[str, dict]]) -> dict[str, list[int]] | None:
+    """rate -> [requests whose token ids are equal on both servers, requests compared]
+    (None: a run without ids). Why per rate: the servers' batches differ most at rate inf,
+    and bf16 GEMMs round by batch shape, so a difference there and none at rate 1 says
+    where it comes from."""
+    out: dict[str, list[int]] = {}
+    for rate in sorted(set(runs["no-offload"]) & set(runs["offload"])):
         a = runs["no-offload"][rate].get("output_ids")
         b = runs["offload"][rate].get("output_ids")
-        if not a or not b or any(x is None for x in [*a, *b]):
+        if not a or not b or len(a) != len(b) or any(x is None for x in [*a, *b]):
             return None
-        if a != b:
-            return False
-    return True
+        out[rate] = [sum(x == y for x, y in zip(a, b, strict=True)), len(a)]
+    return out or None
+
+
+def _outputs_equal(runs: dict[str, dict[str, dict]]) -> bool | None:
+    """Whether every request of every rate got the same token ids from both servers."""
+    by_rate = _equal_by_rate(runs)
+    return None if by_rate is None else all(eq == n for eq, n in by_rate.values())
 
 
 def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
@@ -113,6 +118,7 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
         "admission_ms_mean_inf": inf_e.get("admission_ms_mean"),
         "graph_captures_during_run": captures,
         "outputs_equal": _outputs_equal(runs),
+        "outputs_equal_by_rate": _equal_by_rate(runs),
         "latency": latency,
     }
 

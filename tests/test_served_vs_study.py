@@ -1,0 +1,79 @@
+"""benchmark/served_vs_study.py: the served-against-engine record from a study record and a
+sweep's per-rate runs (synthetic inputs; the device stage makes the real ones)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmark import served_vs_study
+
+
+def _run(thr: float, itl: float, ids: list[list[int]], **extra) -> dict:
+    return {
+        "output_throughput": thr,
+        "median_itl_ms": itl,
+        "p99_itl_ms": 2 * itl,
+        "median_ttft_ms": 10.0,
+        "p99_ttft_ms": 20.0,
+        "output_ids": ids,
+        **extra,
+    }
+
+
+def _write(tmp_path, runs: dict[str, dict[str, dict]], study: dict) -> tuple:
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "e2e_study.json").write_text(json.dumps(study))
+    for eng, by_rate in runs.items():
+        d = tmp_path / "sweep" / "infini" / eng
+        d.mkdir(parents=True)
+        for rate, rec in by_rate.items():
+            (d / f"req_rate_{rate}.jsonl").write_text(json.dumps(rec) + "\n")
+    return tmp_path / "study", tmp_path / "sweep"
+
+
+def test_record_from_study_and_sweep(tmp_path):
+    same, other = [[1, 2], [3, 4]], [[1, 2], [3, 5]]
+    runs = {
+        "no-offload": {
+            "1": _run(90, 6.0, same),
+            "inf": _run(300, 7.0, same, served_efficiency=0.7, steady_output_throughput=320),
+        },
+        "offload": {
+            "1": _run(90, 6.3, same),
+            "inf": _run(
+                600,
+                12.0,
+                other,
+                served_efficiency=0.5,
+                steady_output_throughput=800,
+                server_echo={"hit_rate": 0.95},
+                admission_ms_p50=3.0,
+                server_engine={"graph_captures_during_run": 0.0},
+            ),
+        },
+    }
+    study = {"metrics": {"ratio_paper_all_hbm": 4.0, "hit_rate_per_layer": [0.96, 0.98]}}
+    s, w = _write(tmp_path, runs, study)
+    out = tmp_path / "r.json"
+    rec = served_vs_study.main(["--study", str(s), "--sweep", str(w), "--out", str(out),
+                                "--commit", "abc"])  # fmt: skip
+    m = rec["metrics"]
+    assert json.loads(out.read_text())["commit"] == "abc"
+    assert m["served_ratio_inf"] == 2.0 and m["served_over_study"] == 0.5
+    assert m["steady_ratio_inf"] == 2.5
+    assert m["itl_p50_ratio_rate1"] == pytest.approx(1.05)
+    assert m["study_hit_rate"] == pytest.approx(0.97) and m["served_hit_rate"] == 0.95
+    assert m["echo_served_efficiency"] == 0.5 and m["no_offload_served_efficiency"] == 0.7
+    assert m["admission_ms_p50"] == 3.0 and m["graph_captures_during_run"] == 0
+    assert m["outputs_equal"] is False
+    assert m["outputs_equal_by_rate"] == {"1": [2, 2], "inf": [1, 2]}
+    assert m["latency"]["offload"]["inf"]["p99_itl_ms"] == 24.0
+
+
+def test_runs_without_ids_compare_nothing(tmp_path):
+    runs = {"no-offload": {"inf": _run(1, 1, [None])}, "offload": {"inf": _run(2, 1, [[1]])}}
+    s, w = _write(tmp_path, runs, {"metrics": {}})
+    rec = served_vs_study.main(["--study", str(s), "--sweep", str(w), "--out", str(tmp_path / "r")])
+    assert rec["metrics"]["outputs_equal"] is None and rec["metrics"]["served_over_study"] is None
