@@ -26,6 +26,6 @@ mkdir -p "$dir"
 for py in $PY_VERSIONS; do
   "$PIP" download -q --disable-pip-version-check --only-binary=:all: -d "$dir" \
     --python-version "$py" --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-    "fastapi>=0.110" "uvicorn>=0.29"
+    "fastapi>=0.110" "uvicorn>=0.29" "pyzmq>=25"
 done
 ls "$dir"

@@ -49,13 +49,14 @@ def min_cache_echo_serving(
 
 
 @contextlib.contextmanager
-def running_server(serving: Serving) -> Iterator[tuple[str, object]]:
-    """Yields (base URL, app); the server and its engine thread stop on exit."""
+def running_server(serving: Serving, engine=None) -> Iterator[tuple[str, object]]:
+    """Yields (base URL, app); the server and its engine (thread, or ``engine``: an engine
+    process client) stop on exit."""
     import uvicorn
 
     from sglang_echo.runtime.server import create_app
 
-    app = create_app(serving)
+    app = create_app(serving, engine)
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)

@@ -89,11 +89,26 @@ def main(argv: list[str] | None = None) -> int:
     from sglang_echo.runtime.server import create_app
     from sglang_echo.runtime.serving import build_serving
 
-    try:
-        serving = build_serving(args)
-    except (ServerArgError, ConfigError, ModelConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    engine = None
+    if args.engine_process:
+        # The model, caches and scheduler in a process of their own (engine_process.py);
+        # this process keeps HTTP, validation, tokenization and the streams.
+        from sglang_echo.runtime.engine_process import EngineProcessClient, FrontServing
+        from sglang_echo.tokenizer import load_tokenizer
+
+        engine = EngineProcessClient(args, args.log_level)
+        try:
+            info = engine.launch()
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        serving = FrontServing(args, info, load_tokenizer(args.model_path))
+    else:
+        try:
+            serving = build_serving(args)
+        except (ServerArgError, ConfigError, ModelConfigError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     i = serving.info
     print(
         f"sglang-echo: {i['kv_backend']} on {i['device']} ({i['dtype']}, KV "
@@ -113,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Every environment variable's value as build_serving parsed it (config.py's registry).
     print(f"sglang-echo: {settings().summary()}", file=sys.stderr, flush=True)
-    app = create_app(serving)
+    if engine is not None:
+        print(f"sglang-echo: engine process pid {engine.pid}", file=sys.stderr, flush=True)
+    app = create_app(serving, engine)
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -36,6 +36,7 @@ from sglang_echo.kernels.decode_write import (
     decode_write_reference,
     place_slots_all_layers,
 )
+from sglang_echo.kernels.host_copy import upload
 from sglang_echo.kernels.release import release_kernel, release_reference
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
@@ -419,7 +420,7 @@ class EchoManager:
         c = self.cache
         if locs.device.type == "cpu":
             self._check_release_ids(locs)
-        ids = locs.reshape(-1).to(self.device, torch.int64)
+        ids = upload(locs.reshape(-1).to(torch.int64), self.device)  # queued, no host wait
         for layer in list(self._pending):
             self._join(layer)
         if self.use_kernels:

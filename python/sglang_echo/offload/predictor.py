@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang_echo.kernels.host_copy import upload
+
 _INF = float("inf")
 
 
@@ -60,7 +62,7 @@ class DecodeThresholdPredictor:
 
     def reset(self, rows: torch.Tensor | list[int]) -> None:
         """Rows handed to new requests: back to "no prediction" (+inf)."""
-        idx = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+        idx = upload(torch.as_tensor(rows, dtype=torch.int64), self.device)  # no host wait
         self.theta.index_fill_(0, idx, _INF)
         self.finite.index_fill_(0, idx, False)
 
@@ -134,7 +136,7 @@ class PrefillOffsetPredictor:
         return self.offset.device
 
     def reset(self, rows: torch.Tensor | list[int]) -> None:
-        idx = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+        idx = upload(torch.as_tensor(rows, dtype=torch.int64), self.device)  # no host wait
         self.offset.index_fill_(0, idx, 0.0)
         self.known.index_fill_(0, idx, False)
 

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from sglang_echo.config import ENV_ENGINE_PROFILE, settings
+from sglang_echo.runtime import metrics
 from sglang_echo.runtime.request import ServeRequest
 from sglang_echo.runtime.scheduler import Scheduler
 from sglang_echo.runtime.streams import on_engine_stream
@@ -84,6 +85,10 @@ class EngineLoop:
 
     def abort(self, rid: str) -> None:
         self._commands.put(("abort", rid))
+
+    def snapshot(self) -> Future:
+        """The metrics snapshot (runtime/metrics.py), taken on the engine thread."""
+        return self.call(lambda s: metrics.snapshot(s, s.steps.kv_cache))
 
     def call(self, fn: Callable[[Scheduler], Any]) -> Future:
         """Run ``fn(scheduler)`` on the engine thread between steps; returns its future."""

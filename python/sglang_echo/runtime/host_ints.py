@@ -14,6 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
+from sglang_echo.kernels.host_copy import upload
+
+__all__ = ["int64_tensor", "upload"]
+
 
 def int64_tensor(values: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
     """``torch.tensor(values, dtype=torch.int64, device=device)``, the same values and
@@ -21,13 +25,4 @@ def int64_tensor(values: Sequence[int], device: torch.device | str | None = None
     if len(values) == 0:
         return torch.zeros(0, dtype=torch.int64, device=device)
     host = torch.frombuffer(array("q", values), dtype=torch.int64)
-    return host if device is None else host.to(device)
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device`` without making the host wait: staged through pinned memory
-    and copied non-blocking on CUDA (the pinned buffer is kept until the copy has run by
-    torch's pinned allocator); elsewhere the tensor itself or a plain copy."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return host if device is None else upload(host, device)  # queued on CUDA, no host wait

@@ -90,6 +90,9 @@ class ServerArgs:
     # HiSparse's policy as a third KV backend (offload/hisparse_cache.py), SGLang's flags.
     enable_hisparse: bool = False
     hisparse_config: str | None = None
+    # The engine (model, KV cache, scheduler) in a process of its own behind the HTTP front
+    # (runtime/engine_process.py), instead of a thread of the server's process.
+    engine_process: bool = False
 
 
 def _size(text: str) -> int:
@@ -167,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-radix-cache", action="store_true", help="accepted (no prefix cache here)"
     )
     p.add_argument("--served-model-name", default=None, help="default: the model path")
+    p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine (model, KV cache, scheduler) in a process of its own, behind "
+        "the HTTP front over ZeroMQ, so HTTP parsing and streaming do not share a GIL with "
+        "the engine (needs pyzmq)",
+    )
     p.add_argument(
         "--skip-server-warmup",
         action="store_true",

@@ -19,9 +19,7 @@ def register(app: FastAPI, core: StreamingCore) -> None:
     engine, serving, info = core.engine, core.serving, core.info
 
     async def snapshot() -> dict:
-        return await asyncio.wrap_future(
-            engine.call(lambda s: metrics.snapshot(s, serving.kv_cache))
-        )
+        return await asyncio.wrap_future(engine.snapshot())
 
     @app.get("/v1/models")
     async def models():

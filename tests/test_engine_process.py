@@ -1,0 +1,145 @@
+"""The engine in a process of its own behind the HTTP front (``--engine-process``,
+runtime/engine_process.py), on the CPU: the same tokens as the in-process server; an abort
+by request id ends its request; the engine's start-up failure is reported with its reason;
+a ``kill -9`` of the engine process is seen: in-flight requests end with 503 and the
+reason, /health answers 503, new requests are refused; stopping reaps the process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from server_utils import make_serving, running_server
+from sglang_echo.config import EchoConfig
+from sglang_echo.runtime.engine_process import EngineProcessClient, FrontServing
+from sglang_echo.runtime.server_args import ServerArgs
+from sglang_echo.tokenizer import load_tokenizer
+
+pytest.importorskip("zmq")
+
+FLAGS = dict(max_total_tokens=3000, max_running_requests=4, context_length=256)
+
+
+def _args(path, **extra) -> ServerArgs:
+    return ServerArgs(model_path=str(path), device="cpu", dtype="float32", **FLAGS, **extra)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(4)
+    return [[rng.randrange(3, 259) for _ in range(rng.randint(5, 60))] for _ in range(6)]
+
+
+def _generate_all(url: str, prompts, new: int = 8) -> list[list[int]]:
+    async def one(s, ids):
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0,
+                                                      "ignore_eos": True}}  # fmt: skip
+        async with s.post(url + "/generate", json=body) as r:
+            assert r.status == 200, await r.text()
+            return (await r.json())["output_ids"]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(*(one(s, p) for p in prompts))
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def engine_client(small_checkpoint):
+    client = EngineProcessClient(_args(small_checkpoint), "warning")
+    info = client.launch(timeout_s=300)
+    serving = FrontServing(_args(small_checkpoint), info, load_tokenizer(str(small_checkpoint)))
+    yield client, serving
+    client.stop()
+
+
+def test_engine_process_serves_the_same_tokens(small_checkpoint, engine_client):
+    client, serving = engine_client
+    prompts = _prompts()
+    in_process = make_serving(small_checkpoint, EchoConfig(offload=False), **FLAGS)
+    with running_server(in_process) as (url, _app):
+        expected = _generate_all(url, prompts)
+    with running_server(serving, client) as (url, _app):
+        got = _generate_all(url, prompts)
+
+        async def metrics():
+            async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+                return r.status, await r.text()
+
+        status, text = asyncio.run(metrics())
+    assert got == expected
+    assert status == 200 and "sglang:generation_tokens_total" in text
+    assert client.pid is not None
+
+
+def test_abort_by_rid_reaches_the_engine(engine_client):
+    client, serving = engine_client
+
+    async def go(url):
+        async with aiohttp.ClientSession() as s:
+            body = {"input_ids": [5] * 20, "rid": "long-one",
+                    "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}  # fmt: skip
+            task = asyncio.create_task(s.post(url + "/generate", json=body))
+            await asyncio.sleep(0.5)
+            async with s.post(url + "/abort_request", json={"rid": "long-one"}) as r:
+                assert r.status == 200
+            resp = await task
+            return await resp.json()
+
+    with running_server(serving, client) as (url, _app):
+        out = asyncio.run(go(url))
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and len(out["output_ids"]) < 200
+
+
+def test_killed_engine_is_seen_and_reported(engine_client):
+    client, serving = engine_client
+
+    async def go(url):
+        async with aiohttp.ClientSession() as s:
+            body = {"input_ids": [7] * 30, "stream": True,
+                    "sampling_params": {"max_new_tokens": 10_000 // 50, "ignore_eos": True}}  # fmt: skip
+            frames = []
+            async with s.post(url + "/generate", json=body) as r:
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if line.startswith("data:") and line != "data: [DONE]":
+                        frames.append(json.loads(line[5:]))
+                        if len(frames) == 2:
+                            os.kill(client.pid, signal.SIGKILL)  # mid-stream
+            for _ in range(50):
+                async with s.get(url + "/health") as r:
+                    health = (r.status, await r.text())
+                if health[0] == 503:
+                    break
+                await asyncio.sleep(0.1)
+            async with s.post(url + "/generate", json={"input_ids": [5, 6]}) as r:
+                later = (r.status, await r.text())
+        return frames, health, later
+
+    with running_server(serving, client) as (url, _app):
+        frames, health, later = asyncio.run(go(url))
+    last = frames[-1]["meta_info"]["finish_reason"]
+    assert last["type"] == "abort" and last["status_code"] == 503
+    assert "engine process exited" in last["message"]
+    assert health[0] == 503 and "engine process exited" in health[1]
+    assert later[0] == 503 and "engine process exited" in later[1]
+    client.stop()
+    assert client._proc.exitcode is not None  # reaped: no zombie
+
+
+def test_engine_start_up_failure_says_why(tmp_path):
+    client = EngineProcessClient(_args(tmp_path / "no-such-model"), "warning")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        client.launch(timeout_s=120)
+    assert "no-such-model" in str(err.value) or "config.json" in str(err.value)
+    assert time.monotonic() - t0 < 120
+    client.stop()
