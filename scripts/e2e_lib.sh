@@ -148,6 +148,8 @@ launch_echo() {
   [[ -n "${KV_CACHE_DTYPE:-}" ]] && args+=(--kv-cache-dtype "$KV_CACHE_DTYPE")
   [[ -n "${CHUNKED_PREFILL_SIZE:-}" ]] && args+=(--chunked-prefill-size "$CHUNKED_PREFILL_SIZE")
   [[ -n "${MAX_RUNNING_REQUESTS:-}" ]] && args+=(--max-running-requests "$MAX_RUNNING_REQUESTS")
+  # ENGINE_PROCESS=1: the engine in a process of its own behind the HTTP front.
+  [[ "${ENGINE_PROCESS:-0}" == "1" ]] && args+=(--engine-process)
   local envs=(NSA_KV_OFFLOAD=0)
   if [[ "$mode" == "offload" ]]; then
     envs=(NSA_KV_OFFLOAD=1 "NSA_DEV_CACHE_SIZE=$OFFLOAD_NSA_DEV_CACHE_SIZE")
