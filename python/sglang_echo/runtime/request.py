@@ -8,6 +8,7 @@ bookkeeping, so both drive the same step code.
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,7 +22,8 @@ from sglang_echo.runtime.detokenizer import IncrementalText
 class SeqState:
     prompt: list[int]
     output: list[int] = field(default_factory=list)
-    locs: list[int] = field(default_factory=list)  # token location of each cached position
+    # Token location of each cached position (an int64 array: runtime/token_table.py).
+    locs: array = field(default_factory=lambda: array("q"))
     row: int = -1  # row in the request table; -1 = not admitted / released
     cached_len: int = 0  # positions whose KV rows are in the cache
     # Tokens a prefill must cache: the prompt, or prompt + outputs for a request that was

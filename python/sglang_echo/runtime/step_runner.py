@@ -9,6 +9,7 @@ when a request is released.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -89,7 +90,7 @@ class StepRunner:
             self._released.append(req.locs)
         if req.row >= 0:
             self.table.free_row(req.row)
-        req.locs = []
+        req.locs = array("q")
         req.row = -1
 
     def flush_releases(self) -> None:
@@ -97,7 +98,9 @@ class StepRunner:
         if not self._released:
             return
         queued, self._released = self._released, []
-        flat = [loc for locs in queued for loc in locs]
+        flat = array("q")
+        for locs in queued:
+            flat.extend(locs)
         self.kv_cache.release(int64_tensor(flat))
         for locs in queued:
             self.allocator.free(locs)
@@ -187,7 +190,7 @@ class StepRunner:
             after()
         return logits
 
-    def place(self, req: SeqState, start: int, locs: list[int]) -> torch.Tensor:
+    def place(self, req: SeqState, start: int, locs: Sequence[int]) -> torch.Tensor:
         """Token locations ``locs`` hold ``req``'s positions start.. (not yet cached).
         Returns them as an int64 tensor on the device (converted and copied once; a
         decode node's transfer reuses it). The copy is from pinned memory and does not
