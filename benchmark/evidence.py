@@ -1250,6 +1250,19 @@ def check_request(args: list[str]) -> object:
     return Scheduler.check(_Stub(context_length=kw["context"], capacity=kw["pool"], live={}), req)
 
 
+def check_body(args: list[str]) -> object:
+    """A request body as a client sends it: ``digits=N`` (a number of N digits) or
+    ``depth=N`` (arrays nested N deep)."""
+    from sglang_echo.runtime.protocol import parse_json
+
+    kw = _words(args)
+    if "digits" in kw:
+        body = '{"input_ids": [1], "seed": ' + "7" * kw["digits"] + "}"
+    else:
+        body = '{"input_ids": ' + "[" * kw["depth"] + "]" * kw["depth"] + "}"
+    return parse_json(body.encode())
+
+
 def check_prompts(args: list[str]) -> object:
     import tempfile
 
@@ -1320,6 +1333,7 @@ CHECKS: dict[str, tuple[str, Callable[[list[str]], object]]] = {
     "env": ("`EchoSettings.from_env`", check_env),
     "validate": ("`EchoConfig.validate`", check_validate),
     "request": ("`Scheduler.check`", check_request),
+    "body": ("`protocol.parse_json`", check_body),
     "prompts": ("`generate.read_prompts`", check_prompts),
     "host_pool": ("`HostKVPool` (pinned)", check_host_pool),
     "server": ("`parse_server_args`", check_server),
@@ -1338,6 +1352,8 @@ an eviction reserve above half the device cache | start-up | validate dev_cache_
 an empty host pool | start-up | validate host_tokens=0 max_running_requests=4 topk=2048 chunk_size=8192
 a prompt + `max_new_tokens` longer than the context | server: that request fails (HTTP 400) | request prompt=130000 new=4096 context=131072 pool=2000000
 a request longer than the KV pool (`--max-total-tokens`) | server: that request fails (HTTP 400) | request prompt=100000 new=1000 context=131072 pool=100000
+a request body with a number of 5,000 digits | server: that request fails (HTTP 400) | body digits=5000
+a request body of arrays nested 100,000 deep | server: that request fails (HTTP 400) | body depth=100000
 a prompts-file line longer than the context less `--max-new-tokens` | `generate` | prompts tokens=4000 new=256 context=4096
 a host pool the machine cannot pin (DeepSeek-V3.2's 61 layers of 656-byte fp8 rows, `--max-total-tokens 100_000_000`) | start-up (server, `generate`) | host_pool layers=61 tokens=100000000 row_bytes=656
 `--tp 8` on this runtime | server start-up | server --tp 8
