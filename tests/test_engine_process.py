@@ -7,6 +7,7 @@ reason, /health answers 503, new requests are refused; stopping reaps the proces
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -53,11 +54,60 @@ def _generate_all(url: str, prompts, new: int = 8) -> list[list[int]]:
 
 @pytest.fixture
 def engine_client(small_checkpoint):
-    client = EngineProcessClient(_args(small_checkpoint), "warning")
+    tokenizer = load_tokenizer(str(small_checkpoint))
+    client = EngineProcessClient(_args(small_checkpoint), "warning", tokenizer.decode)
     info = client.launch(timeout_s=300)
-    serving = FrontServing(_args(small_checkpoint), info, load_tokenizer(str(small_checkpoint)))
+    serving = FrontServing(_args(small_checkpoint), info, tokenizer)
     yield client, serving
     client.stop()
+
+
+def _texts(url: str, bodies: list[dict]) -> list[tuple]:
+    """(text, output ids, finish reason) of each body, non-streamed, and the streamed
+    frames' texts."""
+
+    async def one(s, body):
+        async with s.post(url + "/generate", json=body) as r:
+            whole = await r.json()
+        frames = []
+        async with s.post(url + "/generate", json={**body, "stream": True}) as r:
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if line.startswith("data:") and line != "data: [DONE]":
+                    frames.append(json.loads(line[5:])["text"])
+        return whole["text"], whole["output_ids"], whole["meta_info"]["finish_reason"], frames
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return [await one(s, b) for b in bodies]
+
+    return asyncio.run(go())
+
+
+def test_text_and_stop_strings_decoded_in_the_front(small_checkpoint, engine_client):
+    """The engine sends token ids; the front decodes the text (with the same stop strings,
+    which the engine decides): the same texts, ids and finish reasons as the in-process
+    server, and streamed frames that never show more than the answer."""
+    client, serving = engine_client
+    base = {"text": "def main():\n    ", "sampling_params": {"max_new_tokens": 40,
+                                                            "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    in_process = make_serving(small_checkpoint, EchoConfig(offload=False), **FLAGS)
+    with running_server(in_process) as (url, _app):
+        ((free_text, *_),) = _texts(url, [base])
+        assert len(free_text) >= 12
+        stop = free_text[6:10]
+        bodies = [base, {**base, "sampling_params": {**base["sampling_params"], "stop": [stop]}}]
+        expected = _texts(url, bodies)
+    with running_server(serving, client) as (url, _app):
+        got = _texts(url, bodies)
+    # Text, ids and finish reasons equal; the streamed frames may group tokens otherwise
+    # (events travel in batches), but each is a prefix of the answer and the last is it.
+    assert [g[:3] for g in got] == [e[:3] for e in expected]
+    for text, _ids, _reason, frames in got:
+        assert frames[-1] == text and all(text.startswith(f) for f in frames)
+        assert all(a == b[: len(a)] for a, b in itertools.pairwise(frames))
+    assert expected[1][2] == {"type": "stop", "matched": stop}
+    assert expected[1][0] == free_text[: free_text.find(stop)]
 
 
 def test_engine_process_serves_the_same_tokens(small_checkpoint, engine_client):

@@ -96,13 +96,15 @@ def main(argv: list[str] | None = None) -> int:
         from sglang_echo.runtime.engine_process import EngineProcessClient, FrontServing
         from sglang_echo.tokenizer import load_tokenizer
 
-        engine = EngineProcessClient(args, args.log_level)
+        tokenizer = load_tokenizer(args.model_path)
+        detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
+        engine = EngineProcessClient(args, args.log_level, detok)
         try:
             info = engine.launch()
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        serving = FrontServing(args, info, load_tokenizer(args.model_path))
+        serving = FrontServing(args, info, tokenizer)
     else:
         try:
             serving = build_serving(args)

@@ -28,6 +28,7 @@ does not exit in time) and reaps it: no zombie.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -43,6 +44,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_echo.runtime.detokenizer import IncrementalText
 from sglang_echo.runtime.request import OutputEvent, ServeRequest
 
 log = logging.getLogger("sglang_echo.engine_process")
@@ -95,6 +97,7 @@ def engine_main(args, in_addr: str, out_addr: str, log_level: str = "info") -> N
         outbox.close(linger=2000)
         ctx.term()
         return
+    serving.scheduler.text_in_engine = False  # the front decodes the text
     engine = EngineLoop(serving.scheduler)
     pending: queue.SimpleQueue = queue.SimpleQueue()  # OutputEvent or None (stop)
 
@@ -169,12 +172,20 @@ def engine_main(args, in_addr: str, out_addr: str, log_level: str = "info") -> N
 class EngineProcessClient:
     """The front's handle on the engine process; the same surface as ``EngineLoop``."""
 
-    def __init__(self, args, log_level: str = "info") -> None:
+    def __init__(
+        self,
+        args,
+        log_level: str = "info",
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
         self.args = args
         self.log_level = log_level
+        # The front's text decoding (the engine sends token ids and decides stops).
+        self.detokenize = detokenize
         self.info: dict | None = None
         self.fatal_error: str | None = None
-        self._outputs: dict[str, Callable[[OutputEvent], None]] = {}
+        # rid -> (its event callback, its text decoder or None)
+        self._outputs: dict[str, tuple[Callable[[OutputEvent], None], IncrementalText | None]] = {}
         self._calls: dict[bytes, Future] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -268,8 +279,11 @@ class EngineProcessClient:
     # ------------------------------------------------------------- commands
     def submit(self, req: ServeRequest) -> None:
         if req.on_output is not None:
+            text = None
+            if self.detokenize is not None:
+                text = IncrementalText(self.detokenize, req.params.stop)
             with self._lock:
-                self._outputs[req.rid] = req.on_output
+                self._outputs[req.rid] = (req.on_output, text)
         meta = pickle.dumps((req.rid, req.params, req.arrival_s, req.prompt_seed))
         prompt = array("q", req.prompt)
         self._send([b"add", meta, memoryview(prompt)], copy=False)
@@ -317,12 +331,25 @@ class EngineProcessClient:
                 self._fail(f"the engine stopped: {frames[1].decode()}")
 
     def _deliver(self, ev: OutputEvent) -> None:
+        """Hand ``ev`` to its request, with the text its tokens add (decoded here: the same
+        decoder and stop strings as the engine's, so the text ends where the engine's stop
+        decision does)."""
         with self._lock:
-            on_output = self._outputs.get(ev.rid)
+            entry = self._outputs.get(ev.rid)
             if ev.finish_reason is not None:
                 self._outputs.pop(ev.rid, None)
-        if on_output is not None:
-            on_output(ev)
+        if entry is None:
+            return
+        on_output, text = entry
+        if text is not None:
+            for token in ev.new_token_ids:
+                if text.matched is None:
+                    text.push(token)
+            final = ev.finish_reason is not None
+            if final:
+                text.finish()
+            ev = dataclasses.replace(ev, text_delta=text.take_stream_delta(final=final))
+        on_output(ev)
 
     def _watch(self) -> None:
         while not self._stopping:
@@ -339,11 +366,11 @@ class EngineProcessClient:
             self.fatal_error = why
             log.error("%s; live requests end with 503", why)
         with self._lock:
-            outputs, self._outputs = self._outputs, {}
+            rids = list(self._outputs)
             calls, self._calls = self._calls, {}
-        for rid, on_output in outputs.items():
+        for rid in rids:
             reason = {"type": "abort", "message": why, "status_code": 503}
-            on_output(OutputEvent(rid, (), 0, 0, reason))
+            self._deliver(OutputEvent(rid, (), 0, 0, reason))
         for fut in calls.values():
             fut.set_exception(RuntimeError(why))
         self._reap()

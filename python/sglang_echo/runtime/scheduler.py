@@ -138,6 +138,10 @@ class Scheduler:
         # Called with (requests, their logits) before each batch's tokens are chosen: the
         # offline engine records every step's logits there for the lossless checks.
         self.on_logits: Callable[[list[ServeRequest], torch.Tensor], None] | None = None
+        # Whether the events carry text. False in an engine process: the front decodes the
+        # text itself (runtime/engine_process.py), so the engine decodes only what its stop
+        # strings need, for requests that have some.
+        self.text_in_engine = True
 
     # ------------------------------------------------------------ requests
     def check(self, req: ServeRequest) -> None:
@@ -165,7 +169,7 @@ class Scheduler:
         self.check(req)
         req.status = ReqStatus.WAITING
         req.sample_key = new_sample_key(req.params)
-        if self.detokenize is not None:
+        if self.detokenize is not None and (self.text_in_engine or req.params.stop):
             req.text = IncrementalText(self.detokenize, req.params.stop)
         self.waiting.append(req)
         self.live[req.rid] = req
@@ -417,8 +421,8 @@ class Scheduler:
             req.text.finish()
         self._emit(req, new_tokens, reason, logprobs)
 
-    @staticmethod
     def _emit(
+        self,
         req: ServeRequest,
         new_tokens: tuple[int, ...],
         reason: dict | None,
@@ -426,7 +430,9 @@ class Scheduler:
     ) -> None:
         if req.on_output is None:
             return
-        delta = req.text.take_stream_delta(final=reason is not None) if req.text else ""
+        delta = ""
+        if req.text is not None and self.text_in_engine:
+            delta = req.text.take_stream_delta(final=reason is not None)
         req.on_output(
             OutputEvent(
                 req.rid, new_tokens, len(req.prompt), len(req.output), reason, delta, logprobs
