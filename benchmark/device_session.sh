@@ -12,13 +12,14 @@
 #   bash benchmark/device_session.sh OUTDIR topk_peer                     # one call (.peer carried)
 #   bash benchmark/device_session.sh OUTDIR e2e      # decode-node sweep + the study, bf16 and fp8 (~9 min)
 #   bash benchmark/device_session.sh OUTDIR figures  # Figure 13 at 110K, 14 and 15 (~10 min; est.)
-# (`checks` = tests + kernels, more than one call's 10 minutes now: name the stages.)
+# (`checks` = tests + kernels, more than one call's 10 minutes now: name the stages. The
+# GPU tests in three calls: cuda_tests_graphs, cuda_tests_rest, kernel_tests.)
 # Records that name their commit read ECHO_COMMIT: give the sha literally (the tree's git on
 # the device machine is the last landed commit, so `$(git rev-parse HEAD)` expanded there lies).
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_tests_in_kernel prefetch_split prefetch_chunks prefetch_profile prefetch_study prefetch_rows indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_tests_in_kernel prefetch_split prefetch_chunks prefetch_profile prefetch_study prefetch_rows indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -162,6 +163,19 @@ run_stage() {
       peer_or_say
       stage prefetch 200 bash benchmark/gpu_checks.sh /tmp/ds/prefetch benches decode_prefetch \
         prefill_prefetch indexer ;;
+    cuda_tests_graphs)  # the CUDA tests, first of three calls (then cuda_tests_rest and
+      # kernel_tests; `tests` no longer fits one call): lossless through decode graphs (the
+      # designs in use; the in-kernel ones, which fail capture, are prefetch_tests_in_kernel)
+      # and the serving scheduler's GPU tests, start-up capture and its failure included
+      stage cuda_tests_graphs 570 bash -c "python3 -m pytest -q -m gpu -s -p no:cacheprovider \
+        --durations=10 tests/test_gpu.py -k 'lossless_cuda_graph_decode and not in_kernel'; \
+        python3 -m pytest -q -m gpu -s -p no:cacheprovider --durations=10 tests/test_serving_gpu.py" ;;
+    cuda_tests_rest)  # the other CUDA tests: oracle on CUDA, fused prefetch logits, fp8 KV
+      # with graphs, the cache, sparse-MLA and top-k kernels on the GPU
+      peer_or_say
+      stage cuda_tests_rest 480 python3 -m pytest -q -m gpu -s -p no:cacheprovider --durations=15 \
+        tests/test_gpu.py -k "not lossless_cuda_graph_decode" tests/test_fp8_kv.py tests/test_kernel_alloc.py \
+        tests/test_kernel_sparse_mla.py tests/test_kernel_topk.py tests/test_kernel_topk_pivot.py tests/test_topk_flashinfer.py ;;
     capture_probe)  # which host events invalidate a CUDA-graph capture here (~30 s)
       stage capture_probe 150 python3 benchmark/capture_probe.py \
         --out /tmp/ds/capture_probe/capture_probe.json ;;
@@ -221,7 +235,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_split|prefetch_chunks|prefetch_profile|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in cuda_tests_graphs|cuda_tests_rest|capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_split|prefetch_chunks|prefetch_profile|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 echo "[device_session] done in ${SECONDS}s"
