@@ -193,3 +193,57 @@ def test_engine_start_up_failure_says_why(tmp_path):
     assert "no-such-model" in str(err.value) or "config.json" in str(err.value)
     assert time.monotonic() - t0 < 120
     client.stop()
+
+
+def _snapshot(client) -> dict:
+    return client.snapshot().result(timeout=30)
+
+
+def test_a_client_that_leaves_aborts_its_request_in_the_engine(engine_client):
+    """A streaming client that disconnects mid-stream ends its request in the engine
+    process (its abort crosses the socket), which is then idle with everything free."""
+    client, serving = engine_client
+
+    async def go(url):
+        body = {"input_ids": [9] * 30, "stream": True, "rid": "leaves",
+                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}  # fmt: skip
+        async with aiohttp.ClientSession() as s, s.post(url + "/generate", json=body) as r:
+            seen = 0
+            async for raw in r.content:
+                if raw.startswith(b"data: {"):
+                    seen += 1
+                    if seen == 3:
+                        break  # leave: the session closes the connection
+
+    with running_server(serving, client) as (url, _app):
+        before = _snapshot(client)["num_aborted_requests_total"]
+        asyncio.run(go(url))
+        deadline = time.monotonic() + 20
+        while (snap := _snapshot(client))["num_running_reqs"] or snap["num_queue_reqs"]:
+            assert time.monotonic() < deadline, "the request kept running after its client left"
+            time.sleep(0.1)
+    assert snap["num_aborted_requests_total"] == before + 1
+    assert snap["generation_tokens_total"] < 200
+    assert snap["token_usage"] == 0.0
+
+
+def test_a_new_engine_starts_after_one_was_killed(small_checkpoint, engine_client):
+    """After ``kill -9`` and a stop, nothing is left behind (process reaped, sockets gone)
+    and a new engine process starts and serves."""
+    client, _serving = engine_client
+    os.kill(client.pid, signal.SIGKILL)
+    client.stop()
+    assert client._proc.exitcode == -signal.SIGKILL
+    assert not os.path.exists(client._dir)  # its ipc sockets
+    tokenizer = load_tokenizer(str(small_checkpoint))
+    again = EngineProcessClient(_args(small_checkpoint), "warning", tokenizer.decode)
+    try:
+        info = again.launch(timeout_s=300)
+        with running_server(FrontServing(_args(small_checkpoint), info, tokenizer), again) as (
+            url,
+            _app,
+        ):
+            assert _generate_all(url, _prompts()[:2], new=4) and again.alive
+    finally:
+        again.stop()
+    assert again._proc.exitcode is not None
