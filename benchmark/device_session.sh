@@ -25,6 +25,10 @@ shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 mkdir -p "$out"
 export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1
+if [ -d .triton_cache ]; then  # compiled kernels carried from an earlier call (same GPU, Triton)
+  export TRITON_CACHE_DIR=$PWD/.triton_cache
+  echo "[device_session] Triton cache carried: $(du -sh .triton_cache | cut -f1)"
+fi
 SECONDS=0
 stage() {  # stage NAME LIMIT_S COMMAND...: run, log, pack NAME.tgz from /tmp/ds/NAME
   local name=$1 limit=$2
@@ -238,5 +242,9 @@ for s in "${stages[@]}"; do
   case "$s" in cuda_tests_graphs|cuda_tests_rest|capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_split|prefetch_chunks|prefetch_profile|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
+if [ "${PACK_TRITON_CACHE:-0}" = 1 ]; then  # for the next call: unpack into .triton_cache, carry it
+  tar -czf "$out/triton_cache.tgz" -C "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" . \
+    && echo "[device_session] Triton cache packed: $(du -sh "$out/triton_cache.tgz" | cut -f1)"
+fi
 echo "[device_session] done in ${SECONDS}s"
 ls -la "$out"
