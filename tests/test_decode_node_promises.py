@@ -79,3 +79,49 @@ def test_request_ending_on_arrival_frees_everything_without_another_command(serv
     cache = serving.kv_cache
     assert cache.cache.free_count.tolist() == [cache.cache.num_slots] * cache.num_layers
     assert not sched.live and not sched.has_work()
+
+
+def test_a_failed_transfer_ends_only_its_request(serving):
+    """The writer thread's error (its launches failed) ends that request with a 500 that
+    says why, gives back what it held, and the other requests go on."""
+    from concurrent.futures import Future
+
+    sched = serving.scheduler
+    source = sched.prompt_source
+    start = source.start
+
+    def failing_start(req):
+        start(req)
+        if req.rid == "broken":  # as if the writer thread had raised
+            job: Future = Future()
+            job.set_exception(RuntimeError("CUDA out of memory (injected)"))
+            source._transfers[-1].job = job
+
+    source.start = failing_start
+    events: dict[str, list] = {"broken": [], "fine": []}
+    for rid in events:
+        sched.add(
+            ServeRequest(
+                prompt=_prompt(3 if rid == "broken" else 4),
+                rid=rid,
+                params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+                on_output=events[rid].append,
+            )
+        )
+    try:
+        for _ in range(100):
+            if not sched.has_work():
+                break
+            sched.step()
+    finally:
+        source.start = start
+    broken = events["broken"]
+    assert len(broken) == 1 and broken[0].finish_reason["status_code"] == 500
+    assert "transfer" in broken[0].finish_reason["message"]
+    assert "injected" in broken[0].finish_reason["message"]
+    fine = events["fine"]
+    assert fine[-1].finish_reason == {"type": "length", "length": 4}
+    assert sum(len(e.new_token_ids) for e in fine) == 4
+    assert sched.steps.allocator.num_free == POOL and not source.failed
+    cache = serving.kv_cache
+    assert cache.cache.free_count.tolist() == [cache.cache.num_slots] * cache.num_layers

@@ -24,6 +24,7 @@ The engine thread's share is kept to the bookkeeping: locations, the table row, 
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import random
 import time
@@ -75,19 +76,24 @@ class _Transfer:
     job: Future | None = None  # the writer thread's launches (None: written in line, CPU)
     done: torch.cuda.Event | None = None  # recorded after the last write (CUDA)
 
+    @property
+    def error(self) -> BaseException | None:
+        """The writer's exception, if its launches failed."""
+        return self.job.exception() if self.job is not None and self.job.done() else None
+
     def ready(self) -> bool:
-        """Every write launched and finished (never blocks)."""
+        """Every write launched and finished, or the writer failed (never blocks)."""
         if self.job is None:
             return True
         if not self.job.done():
             return False
-        self.job.result()  # a writer's error surfaces here, on the engine thread
-        return self.done is None or self.done.query()
+        return self.error is not None or self.done is None or self.done.query()
 
     def wait(self) -> None:
+        """Until the writes are done (a failed writer's error is the caller's to read)."""
         if self.job is not None:
-            self.job.result()
-        if self.done is not None:
+            concurrent.futures.wait([self.job])
+        if self.done is not None and self.error is None:
             self.done.synchronize()
 
 
@@ -125,6 +131,8 @@ class FakeTransfer:
             else None
         )
         self._transfers: list[_Transfer] = []  # started, first token not yet taken
+        # Transfers whose writer failed: (request, error), for the scheduler to end them.
+        self.failed: list[tuple[SeqState, BaseException]] = []
         self.transfers = 0  # arrived so far
         self.transfer_s = 0.0  # their start-to-arrival times (seen at the step's poll), summed
 
@@ -210,6 +218,11 @@ class FakeTransfer:
         if not ready:
             return []
         self._transfers = [t for t in self._transfers if t not in ready]
+        failed = [t for t in ready if t.error is not None]
+        if failed and self.stream is not None:  # whatever the failed writers launched lands
+            torch.cuda.current_stream(self.steps.device).wait_stream(self.stream)  # first
+        self.failed.extend((t.req, t.error) for t in failed)
+        ready = [t for t in ready if t.error is None]
         now = time.perf_counter()
         self.transfers += len(ready)
         self.transfer_s += sum(now - t.started for t in ready)

@@ -309,6 +309,10 @@ class Scheduler:
         for req, first, logprob in self.prompt_source.arrived(wait=wait):
             if not req.finished:
                 self._accept(req, first, logprob)
+        failed, self.prompt_source.failed = self.prompt_source.failed, []
+        for req, exc in failed:  # its KV never arrived: that request ends, the rest go on
+            if not req.finished:
+                self._fail([req], "transfer", exc)
 
     def _make_room(self, tokens_needed: Callable[[], int]) -> None:
         """Preempt the newest running requests until the next phase's tokens fit.
