@@ -247,3 +247,50 @@ def test_a_new_engine_starts_after_one_was_killed(small_checkpoint, engine_clien
     finally:
         again.stop()
     assert again._proc.exitcode is not None
+
+
+def test_the_engine_dies_with_its_front(small_checkpoint, tmp_path):
+    """A front killed with SIGKILL leaves no engine process behind (holding the GPU)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "front.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import time
+        from sglang_echo.runtime.engine_process import EngineProcessClient
+        from sglang_echo.runtime.server_args import ServerArgs
+        if __name__ == "__main__":  # the spawned engine imports this file too
+            args = ServerArgs(model_path={str(small_checkpoint)!r}, device="cpu",
+                              dtype="float32", max_total_tokens=3000,
+                              max_running_requests=4, context_length=256)
+            client = EngineProcessClient(args, "warning")
+            client.launch(timeout_s=300)
+            print(client.pid, flush=True)
+            time.sleep(600)
+    """)
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    front = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        engine_pid = int(front.stdout.readline())
+        front.kill()
+        front.wait(30)
+        deadline = time.monotonic() + 20
+        while _alive(engine_pid):
+            assert time.monotonic() < deadline, "the engine outlived its front"
+            time.sleep(0.1)
+    finally:
+        front.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

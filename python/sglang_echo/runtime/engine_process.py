@@ -35,6 +35,7 @@ import os
 import pickle
 import queue
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -75,9 +76,24 @@ class FrontServing:
 
 
 # ---------------------------------------------------------------- engine side
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies (PR_SET_PDEATHSIG): a front killed
+    with SIGKILL must not leave an engine holding the GPU. Elsewhere the loop's parent check
+    serves."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def engine_main(args, in_addr: str, out_addr: str, log_level: str = "info") -> None:
     """The engine process: build the serving stack, report ready, run the engine loop with a
-    receiver thread for commands and a sender for outputs, until ``stop``."""
+    receiver thread for commands and a sender for outputs, until ``stop`` (or until the
+    front is gone)."""
+    parent = os.getppid()
+    _die_with_parent()
     logging.basicConfig(
         level=log_level.upper(), format="[%(asctime)s] %(name)s %(levelname)s %(message)s"
     )
@@ -128,6 +144,9 @@ def engine_main(args, in_addr: str, out_addr: str, log_level: str = "info") -> N
             outbox.send_multipart([b"fatal", engine.fatal_error.encode()])
             reported = True
         if not inbox.poll(int(WATCH_S * 1000)):
+            if os.getppid() != parent:  # the front died: nobody will read the outputs
+                log.error("the front process is gone; the engine stops")
+                break
             continue
         frames = inbox.recv_multipart(copy=False)
         kind = bytes(frames[0].buffer)
