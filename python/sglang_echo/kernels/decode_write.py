@@ -169,32 +169,12 @@ def place_slots(
     Why apart: a decode node reserves a transferring prompt's slots on the decode stream
     (ordered with the steps that share the free stack) while the rows are written beside
     it on the transfer's stream (``PINNED_PRIORITY`` until they arrive)."""
-    c = cache
-    scratch_host, scratch_slot = c.scratch_host, c.scratch_slot
-    host_to_device, device_to_host = c.host_to_device[layer], c.device_to_host[layer]
-    priority, free_stack = c.priority[layer], c.free_stack[layer]
-    clock, free_count = c.clock[layer : layer + 1], c.free_count[layer : layer + 1]
-    loc = locs.to(torch.int64)
-    token = loc > 0
-    key = torch.where(token, loc, torch.full_like(loc, scratch_host))
-    old = host_to_device[key].to(torch.int64)
-    new = token & (old == ABSENT)
-    rank = torch.cumsum(new.to(torch.int64), 0) - 1
-    free0 = free_count.to(torch.int64).reshape(())
-    placed = new & (rank < free0)
-    popped = free_stack[(free0 - 1 - rank).clamp(min=0, max=free_stack.shape[0] - 1)]
-    slot = torch.where(placed, popped.to(torch.int64), scratch_slot)
-    resident = token & (old != ABSENT)
-    dest = torch.where(placed, slot, torch.where(resident, old, scratch_slot))
-    host_to_device.scatter_(0, torch.where(placed, loc, scratch_host), slot.to(torch.int32))
-    device_to_host.scatter_(0, slot, torch.where(placed, loc, FREE).to(torch.int32))
-    stamp = clock.reshape(()) if priority_of_placed is None else priority_of_placed
-    priority.scatter_(0, slot, torch.where(placed, stamp, FREE))
-    host_to_device.narrow(0, scratch_host, 1).fill_(ABSENT)
-    device_to_host.narrow(0, scratch_slot, 1).fill_(FREE)
-    priority.narrow(0, scratch_slot, 1).fill_(FREE)
-    free_count.sub_(torch.minimum(new.sum(), free0).to(free_count.dtype))
-    return dest
+    stamp = (
+        cache.clock[layer : layer + 1].reshape(1, 1)
+        if priority_of_placed is None
+        else priority_of_placed
+    )
+    return _place(cache, slice(layer, layer + 1), locs, stamp)[0]
 
 
 def place_slots_all_layers(cache: CacheState, locs: torch.Tensor, priority: int) -> torch.Tensor:
@@ -203,27 +183,37 @@ def place_slots_all_layers(cache: CacheState, locs: torch.Tensor, priority: int)
     layer. Returns the slots [layers, n] int64. Why: a decode node reserves a 100K-token
     prompt's slots in all 61 layers on the engine thread; per layer that was ~20 launches
     a layer, ~1,200 in all."""
+    return _place(cache, slice(None), locs, priority)
+
+
+def _place(
+    cache: CacheState, layers: slice, locs: torch.Tensor, stamp: int | torch.Tensor
+) -> torch.Tensor:
+    """The placement rule, once, over the layers ``layers`` (views of the cache's [L, ...]
+    tensors, changed in place); ``stamp``: the placed slots' priority, an int or [L, 1]."""
     c = cache
-    layers = c.host_to_device.shape[0]
+    h2d, d2h = c.host_to_device[layers], c.device_to_host[layers]
+    prio, stack, free_count = c.priority[layers], c.free_stack[layers], c.free_count[layers]
+    n_layers = h2d.shape[0]
     loc = locs.reshape(1, -1).to(torch.int64)
     token = loc > 0
-    key = torch.where(token, loc, torch.full_like(loc, c.scratch_host)).expand(layers, -1)
-    old = c.host_to_device.gather(1, key).to(torch.int64)
+    key = torch.where(token, loc, torch.full_like(loc, c.scratch_host)).expand(n_layers, -1)
+    old = h2d.gather(1, key).to(torch.int64)
     new = token & (old == ABSENT)
     rank = torch.cumsum(new.to(torch.int64), 1) - 1
-    free0 = c.free_count.to(torch.int64).reshape(layers, 1)
+    free0 = free_count.to(torch.int64).reshape(n_layers, 1)
     placed = new & (rank < free0)
-    top = c.free_stack.shape[1] - 1
-    popped = c.free_stack.gather(1, (free0 - 1 - rank).clamp(min=0, max=top)).to(torch.int64)
+    top = stack.shape[1] - 1
+    popped = stack.gather(1, (free0 - 1 - rank).clamp(min=0, max=top)).to(torch.int64)
     slot = torch.where(placed, popped, c.scratch_slot)
     resident = token & (old != ABSENT)
     dest = torch.where(placed, slot, torch.where(resident, old, c.scratch_slot))
-    ids = loc.expand(layers, -1)
-    c.host_to_device.scatter_(1, torch.where(placed, ids, c.scratch_host), slot.to(torch.int32))
-    c.device_to_host.scatter_(1, slot, torch.where(placed, ids, FREE).to(torch.int32))
-    c.priority.scatter_(1, slot, torch.where(placed, priority, FREE))
-    c.host_to_device.narrow(1, c.scratch_host, 1).fill_(ABSENT)
-    c.device_to_host.narrow(1, c.scratch_slot, 1).fill_(FREE)
-    c.priority.narrow(1, c.scratch_slot, 1).fill_(FREE)
-    c.free_count.sub_(torch.minimum(new.sum(1), free0.reshape(-1)).to(c.free_count.dtype))
+    ids = loc.expand(n_layers, -1)
+    h2d.scatter_(1, torch.where(placed, ids, c.scratch_host), slot.to(torch.int32))
+    d2h.scatter_(1, slot, torch.where(placed, ids, FREE).to(torch.int32))
+    prio.scatter_(1, slot, torch.where(placed, stamp, FREE))
+    h2d.narrow(1, c.scratch_host, 1).fill_(ABSENT)
+    d2h.narrow(1, c.scratch_slot, 1).fill_(FREE)
+    prio.narrow(1, c.scratch_slot, 1).fill_(FREE)
+    free_count.sub_(torch.minimum(new.sum(1), free0.reshape(-1)).to(free_count.dtype))
     return dest

@@ -49,10 +49,6 @@ class StateCheckpoint:
                     elif _ours(item):
                         stack.append(item)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t, _ in self._tensors)
-
     def restore(self) -> None:
         for tensor, saved in self._tensors:
             tensor.copy_(saved)

@@ -42,7 +42,7 @@ import time
 from array import array
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sglang_echo.runtime.detokenizer import IncrementalText
@@ -72,7 +72,6 @@ class FrontServing:
     args: Any
     info: dict
     tokenizer: object | None
-    extra: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- engine side

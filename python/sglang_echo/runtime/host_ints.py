@@ -16,8 +16,6 @@ import torch
 
 from sglang_echo.kernels.host_copy import upload
 
-__all__ = ["int64_tensor", "upload"]
-
 
 def int64_tensor(values: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
     """``torch.tensor(values, dtype=torch.int64, device=device)``, the same values and

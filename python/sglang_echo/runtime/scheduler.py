@@ -255,7 +255,7 @@ class Scheduler:
             self._accept_batch(decoding, logits)
 
     def _fail(self, reqs: list[ServeRequest], phase: str, exc: Exception) -> None:
-        log.exception("%s step failed for %d request(s)", phase, len(reqs))
+        log.error("%s step failed for %d request(s)", phase, len(reqs), exc_info=exc)
         message = f"engine error in the {phase} step: {type(exc).__name__}: {exc}"
         for req in reqs:
             if not req.finished:

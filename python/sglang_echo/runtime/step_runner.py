@@ -17,7 +17,7 @@ import torch
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.runtime.host_ints import int64_tensor, upload
+from sglang_echo.runtime.host_ints import int64_tensor
 from sglang_echo.runtime.input_staging import DecodeInputStaging
 from sglang_echo.runtime.request import SeqState
 from sglang_echo.runtime.streams import on_engine_stream
@@ -195,7 +195,7 @@ class StepRunner:
         Returns them as an int64 tensor on the device (converted and copied once; a
         decode node's transfer reuses it). The copy is from pinned memory and does not
         block: a pageable copy would make the engine thread wait for every step queued."""
-        on_device = upload(int64_tensor(locs), self.device)  # for the table and the owner
+        on_device = int64_tensor(locs, self.device)  # for the table and the owner
         self.table.assign(req.row, start, on_device)
         req.locs.extend(locs)
         if self._note_owner is not None:
