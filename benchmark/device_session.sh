@@ -184,8 +184,10 @@ run_stage() {
       stage capture_probe 150 python3 benchmark/capture_probe.py \
         --out /tmp/ds/capture_probe/capture_probe.json ;;
     graph_repeats)  # the start-up-capture and lossless decode-graph tests, each round all of
-      # them in one process (the suite's pattern), ROUNDS rounds (default 5) within the limit
+      # them in one process (the suite's pattern), ROUNDS rounds (default 5), PARALLEL of them at
+      # once (default 5: one compiling round is ~255 s, a warm one ~85 s), within the limit
       stage graph_repeats 570 python3 benchmark/gpu_repeats.py --rounds "${ROUNDS:-5}" \
+        --parallel "${PARALLEL:-5}" --round-timeout-s 540 \
         --deadline-s "${REPEATS_DEADLINE_S:-420}" --commit "${ECHO_COMMIT:-}" \
         --out /tmp/ds/graph_repeats/gpu_lossless_repeats.json \
         tests/test_serving_gpu.py::test_engines_one_after_another_capture_at_startup \

@@ -2,11 +2,12 @@
 
 Why: a CUDA-graph test that fails one run in three is failing, and a failure that depends
 on what ran before in the process shows only when the tests run together. Each round runs
-every given test in one pytest process (the suite's pattern), the rounds one after
-another, until ``--rounds`` or ``--deadline-s``; the record (``--out``) has, per test,
-``runs`` and ``passed``, and the failures' first lines.
+every given test in one pytest process (the suite's pattern), ``--parallel`` rounds at a
+time (each its own process on the same GPU: one device call holds five rounds only so, as
+a round is ~85 s warm and ~255 s when it compiles), until ``--rounds`` or ``--deadline-s``;
+the record (``--out``) has, per test, ``runs`` and ``passed``, and the failures' first lines.
 
-    python3 benchmark/gpu_repeats.py --rounds 5 --deadline-s 500 --out FILE \
+    python3 benchmark/gpu_repeats.py --rounds 5 --parallel 5 --deadline-s 500 --out FILE \
         tests/test_serving_gpu.py::test_engines_one_after_another_capture_at_startup
 """
 
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("tests", nargs="+", help="pytest node ids (or files)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--parallel", type=int, default=1, help="rounds run at once (processes)")
     ap.add_argument("--deadline-s", type=float, default=0.0, help="start no round after this")
     ap.add_argument("--round-timeout-s", type=float, default=480.0)
     ap.add_argument("--out", required=True, type=Path)
@@ -62,20 +65,30 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     per_test: dict[str, dict] = {}
     rounds = 0
-    for _ in range(args.rounds):
+    if args.rounds < 1 or args.parallel < 1:
+        ap.error("--rounds and --parallel must be at least 1")
+    while rounds < args.rounds:
         if args.deadline_s and time.perf_counter() - t0 > args.deadline_s:
             break
-        rounds += 1
-        for test, outcome in run_round(args.tests, args.round_timeout_s).items():
-            entry = per_test.setdefault(test, {"runs": 0, "passed": 0, "failures": []})
-            if outcome == "skipped":
-                continue
-            entry["runs"] += 1
-            if outcome == "passed":
-                entry["passed"] += 1
-            else:
-                entry["failures"].append(outcome)
-        print(f"[gpu_repeats] round {rounds} done at {time.perf_counter() - t0:.0f} s", flush=True)
+        wave = min(args.parallel, args.rounds - rounds)
+        with ThreadPoolExecutor(wave) as pool:
+            outcomes = list(
+                pool.map(lambda _: run_round(args.tests, args.round_timeout_s), range(wave))
+            )
+        for result in outcomes:
+            rounds += 1
+            for test, outcome in result.items():
+                entry = per_test.setdefault(test, {"runs": 0, "passed": 0, "failures": []})
+                if outcome == "skipped":
+                    continue
+                entry["runs"] += 1
+                if outcome == "passed":
+                    entry["passed"] += 1
+                else:
+                    entry["failures"].append(outcome)
+        print(
+            f"[gpu_repeats] {rounds} round(s) done at {time.perf_counter() - t0:.0f} s", flush=True
+        )
     record = {
         "name": "gpu_lossless_repeats",
         "commit": args.commit,
@@ -83,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": _device(),
         "command": " ".join(["python3", "benchmark/gpu_repeats.py", *(argv or sys.argv[1:])]),
         "rounds": rounds,
+        "parallel": args.parallel,
         "tests": per_test,
         "all_passed": bool(per_test)
         and all(e["runs"] == rounds and e["passed"] == e["runs"] for e in per_test.values()),

@@ -11,11 +11,13 @@ written beside it, unpinned on arrival (offload/echo_cache.py reserve/fill/unpin
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.decode_write import PINNED_PRIORITY, PROMPT_PRIORITY
 from sglang_echo.offload.echo_cache import EchoKVCache
+from sglang_echo.offload.host_extents import split_extents
 
 LAYERS, HOST, SLOTS, WIDTH, INDEX = 2, 400, 48, 8, 4
 
@@ -147,3 +149,45 @@ def test_all_layers_placement_equals_the_per_layer_one():
         sa, sb = _state(a), _state(b)
         for key in sa:
             assert torch.equal(sa[key], sb[key]), (seed, key)
+
+
+def test_filling_by_extents_writes_what_the_scatter_writes():
+    """Long runs by copy engine, the rest by the scatter (offload/host_extents.py): the
+    same host rows, device rows and keys as the scatter alone, runs at either end too."""
+    short = list(range(300, 320, 2))  # interleaved decode-like locations
+    for host_locs in (
+        list(range(5, 105)),  # one run
+        [*range(5, 45), *short, *range(200, 260), 399],  # runs, a scatter, a single
+        short,  # no run at all
+    ):
+        n = len(host_locs)
+        locs = torch.tensor(host_locs)
+        gen = torch.Generator().manual_seed(n)
+        kv = [torch.randn(n, WIDTH, generator=gen) for _ in range(LAYERS)]
+        keys = [torch.randn(n, INDEX, generator=gen) for _ in range(LAYERS)]
+        plain, by_extents = _cache(), _cache()
+        extents = split_extents(host_locs, min_tokens=16)
+        assert extents.tokens_in_runs + extents.rest.numel() == n
+        for c, ext in ((plain, None), (by_extents, extents)):
+            slots = c.reserve_prompt(locs)
+            for layer in range(LAYERS):
+                c.fill_prompt(layer, locs, kv[layer], keys[layer], slots[layer], ext)
+            c.unpin_prompt(slots)
+        a, b = _state(plain), _state(by_extents)
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_split_extents_covers_every_position_once():
+    gen = torch.Generator().manual_seed(0)
+    scatter = (torch.randperm(5000, generator=gen)[:300] + 10_000).tolist()
+    locs = [*range(100, 2100), *scatter, *range(7000, 8500), 3]
+    ext = split_extents(locs, min_tokens=1024)
+    assert ext.runs == ((0, 100, 2000), (2300, 7000, 1500))
+    covered = sorted([p for s, _, k in ext.runs for p in range(s, s + k)] + ext.rest.tolist())
+    assert covered == list(range(len(locs)))
+    for s, first, k in ext.runs:  # each run really is ascending by one from its host start
+        assert locs[s : s + k] == list(range(first, first + k))
+    assert split_extents([]).runs == () and split_extents([]).rest.numel() == 0
+    with pytest.raises(ValueError, match="min_tokens"):
+        split_extents([1, 2], min_tokens=0)

@@ -198,3 +198,32 @@ def test_sglang_flags(small_checkpoint, capsys):
     assert launch_main(["--model-path", str(small_checkpoint), "--tp-size=8"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --tp-size 8 is not supported") and "sglang" in err
+
+
+def test_admission_runs_while_the_decode_step_runs_and_changes_no_output(model):
+    """A request that waits while a decode step is launched is admitted before that step's
+    tokens are sampled (the host works while the device runs), and every output still
+    equals the offline engine's."""
+    prompts = _prompts(3, 2)
+    expected = _offline(model, prompts, 4)
+    sched, cache, n_g = _echo_scheduler(model, max_running=2, pool=2000)
+    first, second = (ServeRequest(p, rid=str(i), params=_greedy(4)) for i, p in enumerate(prompts))
+    order: list[str] = []
+    decode, admit, accept = sched.steps.decode, sched.steps.admit, sched._accept_batch
+
+    def decode_then_queue(active):
+        logits = decode(active)
+        order.append(f"decode{len(active)}")
+        if second.status.name == "WAITING" and second not in sched.waiting:
+            sched.add(second)  # arrives while the step runs
+        return logits
+
+    sched.steps.decode = decode_then_queue
+    sched.steps.admit = lambda req: (order.append(f"admit {req.rid}"), admit(req))[1]
+    sched._accept_batch = lambda reqs, logits: (order.append("sample"), accept(reqs, logits))[1]
+    sched.add(first)
+    _drain(sched)
+    i = order.index("decode1")
+    assert order[i : i + 3] == ["decode1", "admit 1", "sample"], order
+    assert [first.output, second.output] == expected
+    _assert_all_free(sched, cache, n_g)

@@ -16,6 +16,7 @@ from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
 from sglang_echo.offload.decode_prefetcher import DEFAULT_IN_KERNEL, DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
+from sglang_echo.offload.host_extents import HostExtents
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.prefetch_rule import DecodePrefetchRule
@@ -202,15 +203,27 @@ class EchoKVCache:
         kv_rows: torch.Tensor,
         index_keys: torch.Tensor,
         slots: torch.Tensor | None,
+        extents: HostExtents | None = None,
     ) -> None:
         """The arriving prompt's bytes for one layer: index keys, host rows and, into its
         reserved ``slots``, device rows. Data only (no map, stack or counter changes), so
         it may run on another stream and thread than the decode steps: no step selects
-        these ids before the request joins the batch, and pinned slots are never evicted."""
+        these ids before the request joins the batch, and pinned slots are never evicted.
+
+        ``extents`` (offload/host_extents.py, its ``rest`` on the rows' device): the host
+        rows of its long runs go by copy engine into the pinned pool (no SM held while
+        PCIe drains), the rest by the UVA scatter; without it all by the scatter."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
         stored = self._stored(kv_rows)
         host = self.manager.host_view if self.manager.host_view is not None else self.host.rows
-        host[layer].index_copy_(0, locs.to(host.device), stored.to(host.device))
+        if extents is None:
+            host[layer].index_copy_(0, locs.to(host.device), stored.to(host.device))
+        else:
+            for pos, dst, n in extents.runs:
+                self.host.rows[layer, dst : dst + n].copy_(stored[pos : pos + n], non_blocking=True)
+            if extents.rest.numel():
+                rest = extents.rest
+                host[layer].index_copy_(0, locs[rest].to(host.device), stored[rest].to(host.device))
         if slots is not None:
             self.cache.rows[layer].index_copy_(0, slots, stored)
 

@@ -10,8 +10,9 @@ is the model loader's to set (``synthetic_kv_locality`` in its info, runtime/mod
 default 0, random keys): only a loader that also biased the indexers' weights toward the
 same favoured directions makes it mean anything, and the runtime never changes weights.
 Rows go where a transfer would put them: the device pool without offload, the host pool
-(index keys on the device, no cache slots) under ECHO. Its first token stands in for the
-prefill node's.
+(index keys on the device, no cache slots) under ECHO; the host rows of the prompt's long
+runs of locations go by copy engine, as an RDMA arrival takes no SM (offload/host_extents.py).
+Its first token stands in for the prefill node's.
 
 On CUDA the "transfer" runs as a real one does, beside decoding: the rows are generated
 and written on a side stream while the running batch keeps stepping, and the request joins
@@ -30,13 +31,16 @@ import random
 import time
 import zlib
 from array import array
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from sglang_echo.kernels.host_copy import upload
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache, PlainKVCache
+from sglang_echo.offload.host_extents import HostExtents, split_extents
 from sglang_echo.runtime.request import SeqState, ServeRequest, TokenLogprob
 from sglang_echo.runtime.step_runner import StepRunner
 from sglang_echo.runtime.synthetic_kv import Locality, SyntheticKV, favoured_directions
@@ -162,7 +166,7 @@ class FakeTransfer:
         reserve = getattr(self.kv_cache, "reserve_prompt", None)
         if self.stream is None:
             transfer.slots = reserve(loc_t) if reserve is not None else None
-            self._write(loc_t, seed, transfer.slots)
+            self._write(loc_t, seed, transfer.slots, locs)
             self._transfers.append(transfer)
             return
         current = torch.cuda.current_stream(self.steps.device)
@@ -180,9 +184,9 @@ class FakeTransfer:
         transfer.locs = loc_t
         transfer.done = torch.cuda.Event()
         if self._writes_data_only():
-            transfer.job = self._writer.submit(self._write_on_stream, loc_t, seed, transfer)
+            transfer.job = self._writer.submit(self._write_on_stream, loc_t, seed, transfer, locs)
         else:  # a backend whose write also moves its own maps: launched from this thread
-            self._write_on_stream(loc_t, seed, transfer)
+            self._write_on_stream(loc_t, seed, transfer, locs)
         self._transfers.append(transfer)
 
     def _writes_data_only(self) -> bool:
@@ -190,22 +194,29 @@ class FakeTransfer:
         pool's ``write``), so another thread may launch them beside the steps."""
         return hasattr(self.kv_cache, "fill_prompt") or isinstance(self.kv_cache, PlainKVCache)
 
-    def _write(self, locs: torch.Tensor, seed: int, slots: torch.Tensor | None) -> None:
-        """Every layer's rows and index keys of the prompt at ``locs`` (positions 0..n-1)."""
+    def _write(
+        self, locs: torch.Tensor, seed: int, slots: torch.Tensor | None, host_locs: Sequence[int]
+    ) -> None:
+        """Every layer's rows and index keys of the prompt at ``locs`` (positions 0..n-1;
+        ``host_locs``, the same on the CPU, lay out the host writes: offload/host_extents.py)."""
         fill = getattr(self.kv_cache, "fill_prompt", None)
         if fill is None:  # the plain pool (HiSparse-like: its own write_prompt)
             self.synth.write(self.kv_cache, locs, seed)
             return
+        extents = split_extents(host_locs)
+        extents = HostExtents(extents.runs, upload(extents.rest, locs.device))
         n = int(locs.numel())
         for layer in range(self.num_layers):
             kv, keys = self.synth.rows(layer, n, seed)
-            fill(layer, locs, kv, keys, None if slots is None else slots[layer])
+            fill(layer, locs, kv, keys, None if slots is None else slots[layer], extents)
 
-    def _write_on_stream(self, locs: torch.Tensor, seed: int, transfer: _Transfer) -> None:
+    def _write_on_stream(
+        self, locs: torch.Tensor, seed: int, transfer: _Transfer, host_locs: Sequence[int]
+    ) -> None:
         """The writer thread: the writes on the transfer's stream, then its event. Tensors
         made here belong to that stream's allocator pool, so none is reused while it runs."""
         with torch.cuda.device(self.steps.device), torch.cuda.stream(self.stream):
-            self._write(locs, seed, transfer.slots)
+            self._write(locs, seed, transfer.slots, host_locs)
             transfer.done.record(self.stream)
 
     def arrived(self, wait: bool = False) -> list[tuple[SeqState, int, TokenLogprob | None]]:

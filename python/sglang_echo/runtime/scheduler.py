@@ -251,8 +251,21 @@ class Scheduler:
             return
         self.stats.decode_steps += 1
         self.stats.decode_batch_requests += len(decoding)
+        self._while_the_step_runs()
         with self.stats.timed("accept"):
             self._accept_batch(decoding, logits)
+
+    def _while_the_step_runs(self) -> None:
+        """Admission and arrivals, on the host while the decode step just launched runs on
+        the device (sampling below waits for it). Their kernels queue behind the step, so
+        what they change on the device takes effect from the next step, as it would have
+        between the steps; the step's own requests (``decoding``) are not touched: a
+        request admitted or arrived here is not in it, and an arrival that ends at once
+        holds nothing the step reads. It keeps the GPU fed instead of idle through them."""
+        with self.stats.timed("admit"):
+            self._admit()
+        with self.stats.timed("receive"):
+            self._receive_arrived()
 
     def _fail(self, reqs: list[ServeRequest], phase: str, exc: Exception) -> None:
         log.error("%s step failed for %d request(s)", phase, len(reqs), exc_info=exc)
