@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmark import gpu_repeats  # noqa: E402
+from benchmark import gpu_repeats
 
 
 def test_parallel_rounds_are_each_counted_and_a_failure_is_kept(tmp_path: Path) -> None:
