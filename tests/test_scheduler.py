@@ -7,6 +7,7 @@ depend on batch composition, and bad settings fail at start-up with the flag to 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -226,4 +227,42 @@ def test_admission_runs_while_the_decode_step_runs_and_changes_no_output(model):
     i = order.index("decode1")
     assert order[i : i + 3] == ["decode1", "admit 1", "sample"], order
     assert [first.output, second.output] == expected
+    _assert_all_free(sched, cache, n_g)
+
+
+def test_a_steps_events_go_out_after_the_next_launch_in_order_and_none_after_the_last(model):
+    """Token events of decode step N are handed out once step N+1 is launched (their
+    consumer runs while the device works), in the order they were made; each request gets
+    exactly one terminal event and nothing after it, and the last ones are not held back."""
+    prompts = _prompts(4, 3)
+    expected = _offline(model, prompts, 6)
+    sched, cache, n_g = _echo_scheduler(model, max_running=3, pool=2000)
+    held_at_launch: list[tuple[int, int]] = []  # (events held, batch size) at each launch
+    decode = sched.steps.decode
+
+    def logged_decode(active):
+        held_at_launch.append((len(sched._held_events), len(active)))
+        return decode(active)
+
+    sched.steps.decode = logged_decode
+    events: list = []
+    reqs = []
+    for i, p in enumerate(prompts):
+        r = ServeRequest(p, rid=str(i), params=_greedy(6))
+        r.on_output = events.append
+        reqs.append(r)
+        sched.add(r)
+    _drain(sched)
+    assert [r.output for r in reqs] == expected
+    # At each launch, nothing or exactly the previous step's events are still held, and
+    # in the steady stretch they are.
+    pairs = list(itertools.pairwise(held_at_launch))
+    assert all(now_held in (0, prev_bs) for (_, prev_bs), (now_held, _) in pairs)
+    assert sum(now_held == prev_bs > 0 for (_, prev_bs), (now_held, _) in pairs) >= 3
+    for r in reqs:
+        mine = [e for e in events if e.rid == r.rid]
+        assert [t for e in mine for t in e.new_token_ids] == r.output  # each token once, in order
+        ends = [k for k, e in enumerate(mine) if e.finish_reason is not None]
+        assert ends == [len(mine) - 1]  # one terminal event, the last
+    assert not sched._held_events
     _assert_all_free(sched, cache, n_g)

@@ -142,6 +142,14 @@ class Scheduler:
         # text itself (runtime/engine_process.py), so the engine decodes only what its stop
         # strings need, for requests that have some.
         self.text_in_engine = True
+        # Events of a decode step's tokens, held while its tokens are accepted and handed
+        # out once the next step is launched (``_hand_out_held``): whoever consumes them (an
+        # HTTP thread, the engine process's sender) then runs while the device works instead
+        # of between two steps, where it took the GIL from the engine thread preparing the
+        # next launch. The order of events is kept: any event made outside that window
+        # hands out the held ones first, so nothing follows a request's terminal event.
+        self._held_events: list[tuple[ServeRequest, OutputEvent]] = []
+        self._holding = False
 
     # ------------------------------------------------------------ requests
     def check(self, req: ServeRequest) -> None:
@@ -201,6 +209,7 @@ class Scheduler:
             # A decode node's arrival can end its request at once (its first token is a stop
             # token or its whole budget): what it held goes back now, not at the next command.
             self.steps.flush_releases()
+            self._hand_out_held()
             return False
         # ``running`` holds live requests only (``_finish`` takes a request out the moment it
         # ends), so no phase below can retract, prefill or decode one that has ended.
@@ -218,6 +227,8 @@ class Scheduler:
             with self.stats.timed("receive"):
                 self._receive_arrived(wait=True)  # nothing to step: wait, do not spin
         self.steps.flush_releases()
+        if not any(self._decodable(r) for r in self.running):
+            self._hand_out_held()  # no decode launch comes next to hand them out after
         self.stats.recent.append((time.perf_counter(), self.stats.generation_tokens))
         return True
 
@@ -236,6 +247,7 @@ class Scheduler:
         except Exception as exc:  # the phase's requests end, the rest go on
             self._fail(prefilling, "prefill", exc)
             return
+        self._hand_out_held()
         self.stats.prompt_tokens += sum(r.cached_len for r in prefilling) - before
         self.stats.prefill_steps += 1
         if done:
@@ -253,7 +265,11 @@ class Scheduler:
         self.stats.decode_batch_requests += len(decoding)
         self._while_the_step_runs()
         with self.stats.timed("accept"):
-            self._accept_batch(decoding, logits)
+            self._holding = True
+            try:
+                self._accept_batch(decoding, logits)
+            finally:
+                self._holding = False
 
     def _while_the_step_runs(self) -> None:
         """Admission and arrivals, on the host while the decode step just launched runs on
@@ -261,7 +277,9 @@ class Scheduler:
         what they change on the device takes effect from the next step, as it would have
         between the steps; the step's own requests (``decoding``) are not touched: a
         request admitted or arrived here is not in it, and an arrival that ends at once
-        holds nothing the step reads. It keeps the GPU fed instead of idle through them."""
+        holds nothing the step reads. It keeps the GPU fed instead of idle through them.
+        The previous step's events go out first."""
+        self._hand_out_held()
         with self.stats.timed("admit"):
             self._admit()
         with self.stats.timed("receive"):
@@ -450,11 +468,26 @@ class Scheduler:
         delta = ""
         if req.text is not None and self.text_in_engine:
             delta = req.text.take_stream_delta(final=reason is not None)
-        req.on_output(
-            OutputEvent(
-                req.rid, new_tokens, len(req.prompt), len(req.output), reason, delta, logprobs
-            )
+        event = OutputEvent(
+            req.rid, new_tokens, len(req.prompt), len(req.output), reason, delta, logprobs
         )
+        if self._holding:
+            self._held_events.append((req, event))
+            return
+        self._hand_out_held()
+        req.on_output(event)
+
+    def _hand_out_held(self) -> None:
+        """Deliver the held events, in the order they were made."""
+        held, self._held_events = self._held_events, []
+        for req, event in held:
+            try:
+                req.on_output(event)
+            except Exception as exc:  # one consumer's failure ends its request, not the step
+                log.exception("request %s failed while its output was handed out", req.rid)
+                if not req.finished:
+                    self.stats.failed_requests += 1
+                    self._finish(req, abort_reason(f"{type(exc).__name__}: {exc}", 500))
 
     # ------------------------------------------------------------- metrics
     def gen_throughput(self, window_s: float = 5.0) -> float:
