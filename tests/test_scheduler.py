@@ -43,13 +43,14 @@ def _offline(model, prompts, new_tokens: int) -> list[list[int]]:
     return [r.output for r in engine.generate(prompts, new_tokens)]
 
 
-def _echo_scheduler(model, max_running: int, pool: int, chunk: int = 16):
+def _echo_scheduler(model, max_running: int, pool: int, chunk: int = 16, overlap: bool = False):
     cfg = model.config
     n_g = EchoConfig(offload=True).min_dev_cache_size(max_running, cfg.index_topk, chunk)
     echo = EchoConfig(offload=True, dev_cache_size=n_g)
     cache = echo_cache_for_model(echo, cfg, pool, torch.float32, "cpu")
     steps = StepRunner(model, cache, pool, max_running, 128)
-    return Scheduler(steps, max_running, chunk, 128, list(cfg.eos_token_ids)), cache, n_g
+    sched = Scheduler(steps, max_running, chunk, 128, list(cfg.eos_token_ids), overlap=overlap)
+    return sched, cache, n_g
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -73,13 +74,14 @@ def _assert_all_free(sched: Scheduler, cache, n_g: int) -> None:
     assert cache.cache.free_count.tolist() == [n_g] * cache.num_layers
 
 
-def test_tight_pool_queues_and_matches_offline(model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_tight_pool_queues_and_matches_offline(model, overlap):
     prompts = _prompts(1, 10)
     new = 6
     expected = _offline(model, prompts, new)
     longest = max(len(p) for p in prompts) + new
     # The pool holds about two requests at a time: the rest must wait their turn.
-    sched, cache, n_g = _echo_scheduler(model, max_running=4, pool=2 * longest)
+    sched, cache, n_g = _echo_scheduler(model, max_running=4, pool=2 * longest, overlap=overlap)
     reqs = [ServeRequest(p, rid=str(i), params=_greedy(new)) for i, p in enumerate(prompts)]
     for r in reqs:
         sched.add(r)
@@ -90,10 +92,11 @@ def test_tight_pool_queues_and_matches_offline(model):
     _assert_all_free(sched, cache, n_g)
 
 
-def test_requests_join_midway_and_max_running_holds(model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_requests_join_midway_and_max_running_holds(model, overlap):
     prompts = _prompts(2, 9)
     expected = _offline(model, prompts, 5)
-    sched, cache, n_g = _echo_scheduler(model, max_running=3, pool=2000)
+    sched, cache, n_g = _echo_scheduler(model, max_running=3, pool=2000, overlap=overlap)
     reqs = [ServeRequest(p, rid=str(i), params=_greedy(5)) for i, p in enumerate(prompts)]
     counts = []
     for r in reqs:  # one new request per step, while others decode
@@ -106,8 +109,9 @@ def test_requests_join_midway_and_max_running_holds(model):
     _assert_all_free(sched, cache, n_g)
 
 
-def test_abort_waiting_and_running_frees_everything(model):
-    sched, cache, n_g = _echo_scheduler(model, max_running=2, pool=400)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_abort_waiting_and_running_frees_everything(model, overlap):
+    sched, cache, n_g = _echo_scheduler(model, max_running=2, pool=400, overlap=overlap)
     events = []
     reqs = [
         ServeRequest(p, rid=str(i), params=_greedy(50), on_output=events.append)
@@ -126,11 +130,12 @@ def test_abort_waiting_and_running_frees_everything(model):
     assert ends == {"0": "abort", "1": "length", "2": "length", "3": "abort"}
 
 
-def test_seeded_sampling_is_independent_of_batch(model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_seeded_sampling_is_independent_of_batch(model, overlap):
     prompt = _prompts(4, 1)[0]
 
     def run(extra: int, seed: int) -> list[int]:
-        sched, _, _ = _echo_scheduler(model, max_running=4, pool=1000)
+        sched, _, _ = _echo_scheduler(model, max_running=4, pool=1000, overlap=overlap)
         params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=50, seed=seed)
         target = ServeRequest(prompt, rid="t", params=params)
         sched.add(target)
@@ -144,11 +149,12 @@ def test_seeded_sampling_is_independent_of_batch(model):
     assert run(0, seed=12) != alone
 
 
-def test_stop_token_ends_request(model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_stop_token_ends_request(model, overlap):
     prompt = _prompts(6, 1)[0]
     free_run = _offline(model, [prompt], 12)[0]
     stop_at = next(i for i in range(2, 12) if free_run[i] not in free_run[:i])
-    sched, cache, n_g = _echo_scheduler(model, max_running=1, pool=200)
+    sched, cache, n_g = _echo_scheduler(model, max_running=1, pool=200, overlap=overlap)
     params = SamplingParams(
         max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[free_run[stop_at]]
     )

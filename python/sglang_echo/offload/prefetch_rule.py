@@ -35,34 +35,55 @@ class DecodePrefetchRule:
             raise ValueError(f"miss fraction threshold must be in [0, 1], got {threshold}")
         self.threshold = float(threshold)
         pin = device.type == "cuda"
-        # [before, after] x [hits, misses] x layers of the last decode step
-        self._counts = torch.zeros(2, 2, layers, dtype=torch.int64, pin_memory=pin)
-        self._pending = False
+        # Two slots, one per decode step in turn, each [before, after] x [hits, misses] x
+        # layers with the event recorded after its copies: with overlap scheduling a step
+        # is launched while the one before still runs, so ``decide`` reads the newest slot
+        # whose copies have landed (the step before the previous one, then).
+        self._counts = torch.zeros(2, 2, 2, layers, dtype=torch.int64, pin_memory=pin)
+        self._copied = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._filled = [False, False]  # copies queued and not yet read
+        self._slot = 0  # where the coming step's copies go
         self.on = False  # the first decode step has no measurement: off
         self.steps_on = 0
         self.steps = 0
 
     def _snapshot(self, which: int, hits: torch.Tensor, misses: torch.Tensor) -> None:
         async_copy = hits.device.type == "cuda"
-        self._counts[which, 0].copy_(hits, non_blocking=async_copy)
-        self._counts[which, 1].copy_(misses, non_blocking=async_copy)
+        self._counts[self._slot, which, 0].copy_(hits, non_blocking=async_copy)
+        self._counts[self._slot, which, 1].copy_(misses, non_blocking=async_copy)
 
     def before_step(self, hits: torch.Tensor, misses: torch.Tensor) -> None:
         """Enqueue the copy of the counters (device tensors [layers] int64)."""
+        self._filled[self._slot] = False  # being overwritten: not readable until after_step
         self._snapshot(0, hits, misses)
 
     def after_step(self, hits: torch.Tensor, misses: torch.Tensor) -> None:
         self._snapshot(1, hits, misses)
-        self._pending = True
+        event = self._copied[self._slot]
+        if event is not None:
+            event.record()
+        self._filled[self._slot] = True
+        self._slot = 1 - self._slot
+
+    def _landed(self, slot: int) -> bool:
+        event = self._copied[slot]
+        return self._filled[slot] and (event is None or event.query())
 
     def decide(self) -> bool:
-        """Whether the coming decode step prefetches: the previous step's miss fraction.
-        Reads the pinned copy (complete once the previous step's results were read)."""
+        """Whether the coming decode step prefetches: the miss fraction of the newest decode
+        step whose counters have landed in pinned memory (the previous one, or with a step
+        still running the one before; none new: the decision stays, as a mode changes speed
+        only, never what a step selects)."""
         self.steps += 1
-        if self._pending:
-            (h0, m0), (h1, m1) = self._counts.sum(dim=2).tolist()
+        newest, older = 1 - self._slot, self._slot
+        slot = newest if self._landed(newest) else older if self._landed(older) else None
+        if slot is not None:
+            (h0, m0), (h1, m1) = self._counts[slot].sum(dim=2).tolist()
             d_hits, d_misses = h1 - h0, m1 - m0
-            self._pending = False
+            # each measurement decides once, and none older than it after it
+            self._filled[slot] = False
+            if slot == newest:
+                self._filled[older] = False
             selected = d_hits + d_misses
             self.on = selected > 0 and d_misses >= self.threshold * selected
         self.steps_on += int(self.on)

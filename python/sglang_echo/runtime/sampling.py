@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_echo.kernels.host_copy import upload
 from sglang_echo.runtime.request import SamplingParams, TokenLogprob
 
 _M32 = 0xFFFFFFFF
@@ -76,14 +77,50 @@ class SampledBatch:
     logprobs: list[TokenLogprob | None]
 
 
-def sample_batch(
+@dataclass
+class DeviceSample:
+    """A step's choices still on the device (``tokens`` feeds the next step's inputs there),
+    with a copy to pinned host memory queued behind them: ``read`` waits for that copy
+    only, never for work queued after it (the next step's forward)."""
+
+    tokens: torch.Tensor  # [rows] int64, on the device
+    _host: list[torch.Tensor]  # tokens, finite, then (chosen, top values, top ids) when asked
+    _done: torch.cuda.Event | None
+    _want: list[int]
+    _top_logprobs: list[int]
+
+    def read(self) -> SampledBatch:
+        if self._done is not None:
+            self._done.synchronize()
+        token_list = self._host[0].tolist()
+        finite_list = [bool(f) for f in self._host[1].tolist()]
+        logprobs: list[TokenLogprob | None] = [None] * len(token_list)
+        if self._want:
+            chosen_list = self._host[2].tolist()
+            top_vals = self._host[3].tolist() if len(self._host) > 3 else None
+            top_ids = self._host[4].tolist() if len(self._host) > 3 else None
+            for j, i in enumerate(self._want):
+                n = self._top_logprobs[j]
+                top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else ()
+                logprobs[i] = TokenLogprob(token_list[i], chosen_list[j], top)
+        return SampledBatch(token_list, finite_list, logprobs)
+
+
+def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device``, queued without waiting (a pageable copy would make
+    the host wait for every kernel queued before it: the step just launched)."""
+    return upload(torch.tensor(values, dtype=dtype), device)
+
+
+def sample_on_device(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     keys: Sequence[int],
     counters: Sequence[int],
-) -> SampledBatch:
-    """``logits`` [rows, vocab] -> one token per row (see the module docstring)."""
-    rows, vocab = logits.shape
+) -> DeviceSample:
+    """``logits`` [rows, vocab] -> one token per row on the device, its host copy queued
+    (see the module docstring; ``sample_batch`` reads it at once)."""
+    vocab = logits.shape[-1]
     dev = logits.device
     x = logits.float()
     # A non-finite row still yields some token (argmax and the race do not raise on NaN);
@@ -92,42 +129,47 @@ def sample_batch(
     tokens = torch.argmax(x, dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        idx = torch.tensor(sampled, dtype=torch.int64, device=dev)
+        idx = _on(sampled, torch.int64, dev)
         sp = [params[i] for i in sampled]
-        temp = torch.tensor([p.temperature for p in sp], dtype=torch.float32, device=dev)
+        temp = _on([p.temperature for p in sp], torch.float32, dev)
         probs = torch.softmax(x.index_select(0, idx) / temp[:, None], dim=-1)
         if any(p.top_p < 1.0 or 0 < p.top_k < vocab for p in sp):
-            top_k = torch.tensor(
-                [p.top_k if 0 < p.top_k < vocab else vocab for p in sp], device=dev
-            )
-            top_p = torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=dev)
+            top_k = _on([p.top_k if 0 < p.top_k < vocab else vocab for p in sp], torch.int64, dev)
+            top_p = _on([p.top_p for p in sp], torch.float32, dev)
             probs = _filter_top_k_top_p(probs, top_k, top_p)
         u = race_uniforms(
-            torch.tensor([_signed64(keys[i]) for i in sampled], dtype=torch.int64, device=dev),
-            torch.tensor([counters[i] for i in sampled], dtype=torch.int64, device=dev),
+            _on([_signed64(keys[i]) for i in sampled], torch.int64, dev),
+            _on([counters[i] for i in sampled], torch.int64, dev),
             vocab,
         )
         choice = torch.argmax(probs / -torch.log(u), dim=-1)
         tokens = tokens.index_copy(0, idx, choice)
     want = [i for i, p in enumerate(params) if p.logprobs]
     top_n = max((params[i].top_logprobs for i in want), default=0)
-    lp_rows = None
+    on_device = [tokens, finite]
     if want:
-        idx = torch.tensor(want, dtype=torch.int64, device=dev)
+        idx = _on(want, torch.int64, dev)
         lsm = torch.log_softmax(x.index_select(0, idx), dim=-1)
-        chosen = lsm.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
-        top = torch.topk(lsm, top_n, dim=-1) if top_n > 0 else None
-        lp_rows = (chosen, top)
-    # The step's one host read (the rest are already computed when it returns).
-    token_list = tokens.tolist()
-    finite_list = finite.tolist()
-    logprobs: list[TokenLogprob | None] = [None] * rows
-    if lp_rows is not None:
-        chosen_list = lp_rows[0].tolist()
-        top_vals = lp_rows[1].values.tolist() if lp_rows[1] is not None else None
-        top_ids = lp_rows[1].indices.tolist() if lp_rows[1] is not None else None
-        for j, i in enumerate(want):
-            n = params[i].top_logprobs
-            top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else ()
-            logprobs[i] = TokenLogprob(token_list[i], chosen_list[j], top)
-    return SampledBatch(token_list, finite_list, logprobs)
+        on_device.append(lsm.gather(1, tokens.index_select(0, idx)[:, None])[:, 0])
+        if top_n > 0:
+            top = torch.topk(lsm, top_n, dim=-1)
+            on_device += [top.values, top.indices]
+    pinned = dev.type == "cuda"
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in on_device]
+    for h, t in zip(host, on_device, strict=True):
+        h.copy_(t, non_blocking=pinned)
+    done = None
+    if pinned:
+        done = torch.cuda.Event()
+        done.record()
+    return DeviceSample(tokens, host, done, want, [params[i].top_logprobs for i in want])
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    keys: Sequence[int],
+    counters: Sequence[int],
+) -> SampledBatch:
+    """``logits`` [rows, vocab] -> one token per row (see the module docstring)."""
+    return sample_on_device(logits, params, keys, counters).read()

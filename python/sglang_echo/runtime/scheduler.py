@@ -15,6 +15,15 @@ outputs prefilled) when room comes back. Tokens already streamed stay; greedy ou
 equal those of a run without preemption, and sampled ones too (the sampler's noise is a
 function of the request's key and output index).
 
+Overlap (``overlap=True``, the server's default; ``--disable-overlap-schedule``): decode
+step N+1 is launched before step N's tokens are read, its inputs taken from N's choices on
+the device, so the host's work on N (stop checks, events, admission) runs while the device
+runs N+1. A request that ends at N by a stop token or string was decoded once more at N+1:
+that token is discarded, and what it wrote went to the location it held (released with
+it). One that ends by its length is known before and not decoded again. Prefill chunks,
+preemption and an idle batch first take the step in flight's tokens. Tokens, their order
+and the events are those of the synchronous schedule.
+
 A step that raises ends the requests of the phase that raised (prefill or decode) with
 the error; a row of non-finite logits ends only its request. Everything else goes on.
 
@@ -39,8 +48,13 @@ import torch
 from sglang_echo.runtime.admission import fits, future_tokens
 from sglang_echo.runtime.detokenizer import IncrementalText
 from sglang_echo.runtime.request import OutputEvent, ReqStatus, ServeRequest, TokenLogprob
-from sglang_echo.runtime.sampling import new_sample_key, sample_batch
-from sglang_echo.runtime.step_runner import StepRunner
+from sglang_echo.runtime.sampling import (
+    DeviceSample,
+    SampledBatch,
+    new_sample_key,
+    sample_on_device,
+)
+from sglang_echo.runtime.step_runner import CarriedTokens, StepRunner
 
 if TYPE_CHECKING:
     from sglang_echo.runtime.fake_transfer import FakeTransfer
@@ -108,6 +122,16 @@ class SchedulerStats:
             self.phase_cpu_s[phase] += time.thread_time() - c0
 
 
+@dataclass(eq=False)
+class _InFlight:
+    """A launched decode step whose tokens the host has not read yet (overlap)."""
+
+    reqs: list[ServeRequest]
+    logits: torch.Tensor
+    sample: DeviceSample
+    ids: set[int]  # id() of each request, for membership without comparing requests
+
+
 class Scheduler:
     def __init__(
         self,
@@ -119,8 +143,11 @@ class Scheduler:
         detokenize: Callable[[list[int]], str] | None = None,
         reserve_steps: int = DECODE_RESERVE_STEPS,
         prompt_source: FakeTransfer | None = None,
+        overlap: bool = False,
     ) -> None:
         self.steps = steps
+        self.overlap = overlap
+        self._inflight: _InFlight | None = None  # overlap: the decode step not yet read
         self.capacity = steps.allocator.capacity
         self.max_running = min(max_running_requests, steps.max_requests)
         self.chunk = chunked_prefill_size
@@ -208,24 +235,36 @@ class Scheduler:
         if not self.running:
             # A decode node's arrival can end its request at once (its first token is a stop
             # token or its whole budget): what it held goes back now, not at the next command.
+            self._read_inflight()
             self.steps.flush_releases()
             self._hand_out_held()
             return False
         # ``running`` holds live requests only (``_finish`` takes a request out the moment it
         # ends), so no phase below can retract, prefill or decode one that has ended.
         if any(not r.prefill_done for r in self.running):
+            self._read_inflight()  # a prefill runs on the synchronous schedule
             self._make_room(lambda: min(self.chunk, self._pending_prefill()))
             prefilling = [r for r in self.running if not r.prefill_done]
             if prefilling:
                 self._prefill(prefilling)
         if any(self._decodable(r) for r in self.running):
-            self._make_room(lambda: sum(1 for r in self.running if self._decodable(r)))
+            if self.steps.allocator.num_free < self._decode_count():
+                self._read_inflight()  # preemption may come: on the synchronous schedule
+            self._make_room(self._decode_count)
             decoding = [r for r in self.running if self._decodable(r)]
             if decoding:
                 self._decode(decoding)
-        elif self.prompt_source is not None and self.prompt_source.pending:
-            with self.stats.timed("receive"):
-                self._receive_arrived(wait=True)  # nothing to step: wait, do not spin
+            else:
+                self._read_inflight()
+        else:
+            self._read_inflight()
+            if self.prompt_source is not None and self.prompt_source.pending:
+                with self.stats.timed("receive"):
+                    self._receive_arrived(wait=True)  # nothing to step: wait, do not spin
+        if self._inflight is not None and not any(
+            not r.finished for r in self._inflight.reqs
+        ):  # every request of the step in flight has ended: nothing to overlap with
+            self._read_inflight()
         self.steps.flush_releases()
         if not any(self._decodable(r) for r in self.running):
             self._hand_out_held()  # no decode launch comes next to hand them out after
@@ -234,6 +273,7 @@ class Scheduler:
 
     def fail_all(self, message: str, status_code: int = 503) -> None:
         """Shutdown (503), or an error outside any step (500): end every live request."""
+        self._inflight = None  # its tokens are not read: every request it holds ends here
         for req in [*self.waiting, *self.running]:
             self._finish(req, abort_reason(message, status_code))
         self.steps.flush_releases()
@@ -255,6 +295,9 @@ class Scheduler:
                 self._accept_batch(done, logits)
 
     def _decode(self, decoding: list[ServeRequest]) -> None:
+        if self.overlap:
+            self._decode_ahead(decoding)
+            return
         try:
             with self.stats.timed("decode"):
                 logits = self.steps.decode(decoding)
@@ -270,6 +313,70 @@ class Scheduler:
                 self._accept_batch(decoding, logits)
             finally:
                 self._holding = False
+
+    def _decode_ahead(self, decoding: list[ServeRequest]) -> None:
+        """Overlap: launch this step (the step in flight's requests take their next ids from
+        its choices on the device) and its sampling, then read the step in flight."""
+        prev = self._inflight
+        pending = {id(r): i for i, r in enumerate(prev.reqs)} if prev is not None else {}
+        carried = None
+        if prev is not None:
+            rows = [j for j, r in enumerate(decoding) if id(r) in pending]
+            if rows:
+                carried = CarriedTokens(
+                    prev.sample.tokens, rows, [pending[id(decoding[j])] for j in rows]
+                )
+        try:
+            with self.stats.timed("decode"):
+                logits = self.steps.decode(decoding, carried)
+                sample = sample_on_device(
+                    logits,
+                    [r.params for r in decoding],
+                    [r.sample_key for r in decoding],
+                    [len(r.output) + (id(r) in pending) for r in decoding],
+                )
+        except Exception as exc:  # the phase's requests end, the rest go on
+            self._inflight = None  # its tokens are lost with the step that failed after it
+            extra = [
+                r for r in (prev.reqs if prev else ()) if id(r) not in {id(d) for d in decoding}
+            ]
+            self._fail([*decoding, *extra], "decode", exc)
+            return
+        self.stats.decode_steps += 1
+        self.stats.decode_batch_requests += len(decoding)
+        self._inflight = _InFlight(decoding, logits, sample, {id(r) for r in decoding})
+        if prev is not None:
+            with self.stats.timed("accept"):
+                self._accept_read(prev)
+        self._while_the_step_runs()
+
+    def _read_inflight(self) -> None:
+        """Take the step in flight's tokens now (its requests then have no pending token)."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            with self.stats.timed("accept"):
+                self._accept_read(prev)
+
+    def _accept_read(self, step: _InFlight) -> None:
+        """The tokens of a step read from the host copy; a request that ended since it was
+        launched (a stop at the step before, an abort) has its token discarded."""
+        live = [i for i, r in enumerate(step.reqs) if not r.finished]
+        if not live:
+            step.sample.read()  # nothing to keep, but its copy is done before its memory goes
+            return
+        reqs = [step.reqs[i] for i in live]
+        if self.on_logits is not None:
+            rows = torch.tensor(live, dtype=torch.int64).to(step.logits.device)
+            self.on_logits(reqs, step.logits.index_select(0, rows))
+        out = step.sample.read()
+        self._accept_sampled(
+            reqs,
+            SampledBatch(
+                [out.tokens[i] for i in live],
+                [out.finite[i] for i in live],
+                [out.logprobs[i] for i in live],
+            ),
+        )
 
     def _while_the_step_runs(self) -> None:
         """Admission and arrivals, on the host while the decode step just launched runs on
@@ -294,9 +401,18 @@ class Scheduler:
                 self._finish(req, abort_reason(message, 500))
 
     # ------------------------------------------------------------ capacity
-    @staticmethod
-    def _decodable(req: ServeRequest) -> bool:
-        return req.prefill_done and bool(req.output) and not req.finished
+    def _decodable(self, req: ServeRequest) -> bool:
+        """Has a token to extend. With a step in flight, a request whose token there is
+        its last one (its length) is not decoded again."""
+        if not (req.prefill_done and req.output and not req.finished):
+            return False
+        step = self._inflight
+        if step is not None and id(req) in step.ids:
+            return len(req.output) + 1 < req.params.max_new_tokens
+        return True
+
+    def _decode_count(self) -> int:
+        return sum(1 for r in self.running if self._decodable(r))
 
     def _pending_prefill(self) -> int:
         return sum(len(r.prefill_ids) - r.cached_len for r in self.running if not r.prefill_done)
@@ -389,12 +505,15 @@ class Scheduler:
     def _accept_batch(self, reqs: list[ServeRequest], logits: torch.Tensor) -> None:
         if self.on_logits is not None:
             self.on_logits(reqs, logits)
-        out = sample_batch(
+        out = sample_on_device(
             logits,
             [r.params for r in reqs],
             [r.sample_key for r in reqs],
             [len(r.output) for r in reqs],
-        )
+        ).read()
+        self._accept_sampled(reqs, out)
+
+    def _accept_sampled(self, reqs: list[ServeRequest], out: SampledBatch) -> None:
         for req, token, ok, lp in zip(reqs, out.tokens, out.finite, out.logprobs, strict=True):
             if not ok:
                 self.stats.failed_requests += 1

@@ -51,7 +51,7 @@ _LOADER_FLAGS = {
     "root on PYTHONPATH; python -m benchmark.study.loader --help)",
 }
 # SGLang switches that describe what this runtime already does (or does not do): accepted.
-_HARMLESS_SWITCHES = {"--disable-overlap-schedule", "--trust-remote-code"}
+_HARMLESS_SWITCHES = {"--trust-remote-code"}
 
 
 class ServerArgError(ValueError):
@@ -73,6 +73,7 @@ class ServerArgs:
     max_running_requests: int | None = None
     cuda_graph_max_bs: int = 48
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False
     disable_radix_cache: bool = False  # accepted: there is no prefix cache to disable
     served_model_name: str | None = None
     log_level: str = "info"
@@ -166,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cuda-graph-max-bs", type=_size, default=48)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="read each decode step's tokens before launching the next (by default the next "
+        "step is launched first, from the tokens still on the device, so the host's work on "
+        "a step runs while the device runs the next; outputs are the same either way)",
+    )
     p.add_argument(
         "--disable-radix-cache", action="store_true", help="accepted (no prefix cache here)"
     )

@@ -172,7 +172,14 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
 
         fake = FakeTransfer(model, kv_cache, steps, loaded.synthetic_kv_locality, dtype)
     scheduler = Scheduler(
-        steps, max_running, chunk, context, list(cfg.eos_token_ids), detok, prompt_source=fake
+        steps,
+        max_running,
+        chunk,
+        context,
+        list(cfg.eos_token_ids),
+        detok,
+        prompt_source=fake,
+        overlap=not args.disable_overlap_schedule,
     )
     info = {
         "model_path": args.model_path,

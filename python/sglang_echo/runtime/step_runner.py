@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +23,16 @@ from sglang_echo.runtime.input_staging import DecodeInputStaging
 from sglang_echo.runtime.request import SeqState
 from sglang_echo.runtime.streams import on_engine_stream
 from sglang_echo.runtime.token_table import RequestTable, TokenSlotAllocator
+
+
+@dataclass(frozen=True)
+class CarriedTokens:
+    """Next input ids still on the device: ``tokens[sources[i]]`` is the id of the request
+    at ``rows[i]`` of the step (overlap scheduling, runtime/scheduler.py)."""
+
+    tokens: torch.Tensor
+    rows: list[int]
+    sources: list[int]
 
 
 class StepRunner:
@@ -151,15 +162,23 @@ class StepRunner:
         )
         return done, self.model(batch, self.kv_cache)
 
-    def decode(self, active: Sequence[SeqState]) -> torch.Tensor:
-        """One new token per request (its last output) -> logits [len(active), vocab]."""
+    def decode(
+        self, active: Sequence[SeqState], carried: CarriedTokens | None = None
+    ) -> torch.Tensor:
+        """One new token per request (its last output) -> logits [len(active), vocab].
+        ``carried``: the requests whose token is still on the device (an overlapped step's
+        choice, not yet read) take it from there."""
         self.flush_releases()
         out_locs = self.allocator.alloc(len(active))
         positions = [req.cached_len for req in active]
-        ids = [req.output[-1] for req in active]
+        ids = [req.output[-1] for req in active]  # a carried request's is overwritten below
         rows = [req.row for req in active]
         # One non-blocking upload of the step's inputs (runtime/input_staging.py).
         ids_t, pos_t, locs_t, rows_t = self.staging.upload([ids, positions, out_locs, rows])
+        if carried is not None:
+            dst = int64_tensor(carried.rows, self.device)
+            src = int64_tensor(carried.sources, self.device)
+            ids_t.index_copy_(0, dst, carried.tokens.index_select(0, src))
         self.table.assign_next_on_device(rows_t, pos_t, locs_t, max(positions))
         if self._note_owner is not None:
             self._note_owner(rows_t, locs_t)
