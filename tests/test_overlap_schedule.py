@@ -10,17 +10,12 @@ nothing after its end; everything held goes back.
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
-from sglang_echo.config import EchoConfig
+from scheduler_utils import echo_scheduler, random_prompts
 from sglang_echo.model.loader import load_model
-from sglang_echo.runtime.kv_factory import echo_cache_for_model
 from sglang_echo.runtime.request import SamplingParams, ServeRequest
 from sglang_echo.runtime.scheduler import Scheduler
-from sglang_echo.runtime.step_runner import StepRunner
 
 
 @pytest.fixture(scope="module")
@@ -28,22 +23,8 @@ def model(small_checkpoint):
     return load_model(small_checkpoint)
 
 
-def _prompts(seed: int, n: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 259) for _ in range(rng.randint(3, 40))] for _ in range(n)]
-
-
 def _scheduler(model, overlap: bool, max_running: int = 3, pool: int = 2000, detokenize=None):
-    cfg = model.config
-    n_g = EchoConfig(offload=True).min_dev_cache_size(max_running, cfg.index_topk, 16)
-    cache = echo_cache_for_model(
-        EchoConfig(offload=True, dev_cache_size=n_g), cfg, pool, torch.float32, "cpu"
-    )
-    steps = StepRunner(model, cache, pool, max_running, 128)
-    sched = Scheduler(
-        steps, max_running, 16, 128, list(cfg.eos_token_ids), detokenize, overlap=overlap
-    )
-    return sched, cache, n_g
+    return echo_scheduler(model, max_running, pool, overlap=overlap, detokenize=detokenize)
 
 
 def _greedy(n: int, **kw) -> SamplingParams:
@@ -77,7 +58,7 @@ def _run(model, overlap: bool, params: list[SamplingParams], detokenize=None, se
     sched.steps.decode = logged
     events: dict[str, list] = {}
     reqs = []
-    for i, (prompt, p) in enumerate(zip(_prompts(seed, len(params)), params, strict=True)):
+    for i, (prompt, p) in enumerate(zip(random_prompts(seed, len(params)), params, strict=True)):
         r = ServeRequest(prompt, rid=str(i), params=p)
         r.on_output = lambda ev: events.setdefault(ev.rid, []).append(ev)
         reqs.append(r)
@@ -122,7 +103,7 @@ def test_sampled_outputs_equal_the_synchronous_schedules(model):
 
 
 def test_a_request_stopping_at_step_n_is_decoded_once_more_and_that_token_dropped(model):
-    prompts = _prompts(1, 2)
+    prompts = random_prompts(1, 2)
     free = _free_run(model, prompts[0], 24)
     # late enough that both prompts are prefilled (a prefill reads the step in flight first)
     stop_at = next(i for i in range(10, 24) if free[i] not in free[:i])
@@ -138,7 +119,7 @@ def test_a_request_stopping_at_step_n_is_decoded_once_more_and_that_token_droppe
 
 
 def test_a_stop_string_ends_the_request_where_the_synchronous_schedule_does(model):
-    prompts = _prompts(1, 2)
+    prompts = random_prompts(1, 2)
     free = _free_run(model, prompts[0], 12)
     stop_at = next(i for i in range(2, 12) if free[i] not in free[:i])
 
@@ -158,7 +139,7 @@ def test_an_abort_while_its_token_is_in_flight_emits_nothing_after_its_end(model
     events: list = []
     reqs = [
         ServeRequest(p, rid=str(i), params=_greedy(20), on_output=events.append)
-        for i, p in enumerate(_prompts(5, 3))
+        for i, p in enumerate(random_prompts(5, 3))
     ]
     for r in reqs:
         sched.add(r)
@@ -177,7 +158,7 @@ def test_an_abort_while_its_token_is_in_flight_emits_nothing_after_its_end(model
 
 
 def test_preemption_under_overlap_loses_nothing(model):
-    prompts = _prompts(7, 6)
+    prompts = random_prompts(7, 6)
     params = [_greedy(10) for _ in prompts]
     longest = max(len(p) for p in prompts) + 10
 

@@ -8,22 +8,20 @@ depend on batch composition, and bad settings fail at start-up with the flag to 
 from __future__ import annotations
 
 import itertools
-import random
 
 import pytest
 import torch
 
+from scheduler_utils import echo_scheduler, random_prompts
 from server_utils import make_serving
 from sglang_echo.config import ConfigError, EchoConfig
 from sglang_echo.launch_server import main as launch_main
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.model.loader import load_model
 from sglang_echo.runtime.engine import Engine
-from sglang_echo.runtime.kv_factory import echo_cache_for_model
 from sglang_echo.runtime.request import SamplingParams, ServeRequest
 from sglang_echo.runtime.scheduler import RequestRejected, Scheduler
 from sglang_echo.runtime.server_args import ServerArgError, parse_server_args
-from sglang_echo.runtime.step_runner import StepRunner
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +30,7 @@ def model(small_checkpoint):
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 259) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+    return random_prompts(seed, n)
 
 
 def _offline(model, prompts, new_tokens: int) -> list[list[int]]:
@@ -43,14 +40,8 @@ def _offline(model, prompts, new_tokens: int) -> list[list[int]]:
     return [r.output for r in engine.generate(prompts, new_tokens)]
 
 
-def _echo_scheduler(model, max_running: int, pool: int, chunk: int = 16, overlap: bool = False):
-    cfg = model.config
-    n_g = EchoConfig(offload=True).min_dev_cache_size(max_running, cfg.index_topk, chunk)
-    echo = EchoConfig(offload=True, dev_cache_size=n_g)
-    cache = echo_cache_for_model(echo, cfg, pool, torch.float32, "cpu")
-    steps = StepRunner(model, cache, pool, max_running, 128)
-    sched = Scheduler(steps, max_running, chunk, 128, list(cfg.eos_token_ids), overlap=overlap)
-    return sched, cache, n_g
+def _echo_scheduler(model, max_running: int, pool: int, overlap: bool = False):
+    return echo_scheduler(model, max_running, pool, overlap=overlap)
 
 
 def _greedy(n: int) -> SamplingParams:

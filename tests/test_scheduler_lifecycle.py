@@ -14,15 +14,13 @@ import random
 from collections import defaultdict
 
 import pytest
-import torch
 
+from scheduler_utils import echo_scheduler
 from server_utils import make_serving
 from sglang_echo.config import EchoConfig
 from sglang_echo.model.loader import load_model
-from sglang_echo.runtime.kv_factory import echo_cache_for_model
 from sglang_echo.runtime.request import OutputEvent, SamplingParams, ServeRequest
 from sglang_echo.runtime.scheduler import Scheduler
-from sglang_echo.runtime.step_runner import StepRunner
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +62,7 @@ def _drain(sched: Scheduler, limit: int = 2_000) -> None:
 def _echo_scheduler(model, pool: int, max_running: int = 4, reserve_steps: int = 0):
     """ECHO at its smallest legal cache with its default eviction reserve; admission
     reserves no growth (``reserve_steps=0``) so the pool runs short and preempts."""
-    cfg = model.config
-    n_g = EchoConfig(offload=True).min_dev_cache_size(max_running, cfg.index_topk, 16)
-    cache = echo_cache_for_model(
-        EchoConfig(offload=True, dev_cache_size=n_g), cfg, pool, torch.float32, "cpu"
-    )
-    steps = StepRunner(model, cache, pool, max_running, 128)
-    sched = Scheduler(
-        steps, max_running, 16, 128, list(cfg.eos_token_ids), reserve_steps=reserve_steps
-    )
-    return sched, cache, n_g
+    return echo_scheduler(model, max_running, pool, reserve_steps=reserve_steps)
 
 
 def test_a_request_finished_at_prefill_is_never_retracted(model):
