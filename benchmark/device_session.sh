@@ -191,6 +191,7 @@ run_stage() {
         --deadline-s "${REPEATS_DEADLINE_S:-420}" --commit "${ECHO_COMMIT:-}" \
         --out /tmp/ds/graph_repeats/gpu_lossless_repeats.json \
         tests/test_serving_gpu.py::test_engines_one_after_another_capture_at_startup \
+        tests/test_serving_gpu.py::test_scheduler_with_cuda_graphs_is_lossless \
         "tests/test_gpu.py::test_lossless_cuda_graph_decode[dtype1-True]" ;;
     served_vs_study)  # the in-process study at the paper's setting and the served Figure-12
       # sweep (rates 1 and inf, 96 prompts) in one call -> served_vs_study.json (~8 min)

@@ -70,8 +70,9 @@ def _steps(model, cache, backend=None) -> StepRunner:
     return steps
 
 
-def _serve(steps: StepRunner, prompts: list[list[int]]) -> list[list[int]]:
-    sched = Scheduler(steps, MAX_RUNNING, CHUNK, CONTEXT, list(steps.model.config.eos_token_ids))
+def _serve(steps: StepRunner, prompts: list[list[int]], overlap: bool = False) -> list[list[int]]:
+    eos = list(steps.model.config.eos_token_ids)
+    sched = Scheduler(steps, MAX_RUNNING, CHUNK, CONTEXT, eos, overlap=overlap)
     reqs = []
     for i, p in enumerate(prompts):
         params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -150,14 +151,18 @@ def test_startup_capture_covers_every_shape_and_leaves_echo_clean(model, fuse_de
     assert int(cache.cache.hits.sum()) == 0 and int(cache.cache.clock.sum()) == 0
 
 
-def test_replayed_graphs_are_lossless_under_eviction(model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("fuse_decode", ["0", "auto"])
+def test_replayed_graphs_are_lossless_under_eviction(model, fuse_decode, overlap):
+    """Also with overlap scheduling: the ids carried on the device enter the captured
+    step's static inputs."""
     prompts = _prompts()
     plain = PlainKVCache.for_model(model.config, POOL, torch.float32, "cpu")
     expected = _serve(_steps(model, plain), prompts)
-    cache = _echo(model)
+    cache = _echo(model, fuse_decode)
     steps = _steps(model, cache, EagerReplay())
     steps.capture_decode_graphs()
-    got = _serve(steps, prompts)
+    got = _serve(steps, prompts, overlap)
     assert got == expected
     assert sum(cache.telemetry()["evictions"]) > 0  # under real cache pressure
     assert steps.decode_runner.captures == steps.decode_runner.startup_captures  # none later

@@ -72,13 +72,17 @@ def _arrive_and_run(sched: Scheduler, prompts, step_every: int) -> list[ServeReq
     return reqs
 
 
-def _serve(model, cache, cap: int, prompts: list[list[int]]):
-    """-> (each request's output ids, each request's per-token logits rows)."""
+def _serve(model, cache, cap: int, prompts: list[list[int]], overlap: bool = False):
+    """-> (each request's output ids, each request's per-token logits rows). ``overlap``:
+    the server's schedule, each step launched from the tokens of the one before on the
+    device (its ids enter the captured graph's inputs there)."""
     steps = StepRunner(
         model, cache, cap, MAX_RUNNING, 128, use_cuda_graph=True, cuda_graph_max_bs=GRAPH_BS
     )
     step_logits = _record_logits(steps)
-    sched = Scheduler(steps, MAX_RUNNING, CHUNK, 128, list(model.config.eos_token_ids))
+    sched = Scheduler(
+        steps, MAX_RUNNING, CHUNK, 128, list(model.config.eos_token_ids), overlap=overlap
+    )
     reqs = _arrive_and_run(sched, prompts, step_every=3)
     assert (
         steps.decode_runner.graphs and max(bs for bs, _ in steps.decode_runner.graphs) <= GRAPH_BS
@@ -89,20 +93,21 @@ def _serve(model, cache, cap: int, prompts: list[list[int]]):
     return [r.output for r in reqs], logits
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("name", ["default-rope", "fp8-indexer"])
-def test_scheduler_with_cuda_graphs_is_lossless(checkpoints, name):
+def test_scheduler_with_cuda_graphs_is_lossless(checkpoints, name, overlap):
     model = load_model(checkpoints[name], device="cuda", dtype=torch.float32)
     cfg = model.config
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(5, 80))] for _ in range(14)]
     cap = sum(len(p) + NEW for p in prompts)
     plain_cache = PlainKVCache.for_model(cfg, cap, torch.float32, "cuda")
-    plain, plain_logits = _serve(model, plain_cache, cap, prompts)
+    plain, plain_logits = _serve(model, plain_cache, cap, prompts, overlap)
     n_g = EchoConfig(offload=True).min_dev_cache_size(MAX_RUNNING, cfg.index_topk, CHUNK)
     echo_cache = echo_cache_for_model(
         EchoConfig(offload=True, dev_cache_size=n_g), cfg, cap, torch.float32, "cuda"
     )
-    echo, echo_logits = _serve(model, echo_cache, cap, prompts)
+    echo, echo_logits = _serve(model, echo_cache, cap, prompts, overlap)
     assert echo == plain
     for i, (a, b) in enumerate(zip(plain_logits, echo_logits, strict=True)):
         for step, (x, y) in enumerate(zip(a, b, strict=True)):
