@@ -13,9 +13,12 @@ from __future__ import annotations
 import pytest
 
 from scheduler_utils import echo_scheduler, random_prompts
+from server_utils import make_serving
+from sglang_echo.config import EchoConfig
 from sglang_echo.model.loader import load_model
 from sglang_echo.runtime.request import SamplingParams, ServeRequest
 from sglang_echo.runtime.scheduler import Scheduler
+from sglang_echo.runtime.server_args import parse_server_args
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +186,13 @@ def test_preemption_under_overlap_loses_nothing(model):
     ahead, preempted = run(True)
     assert preempted > 0
     assert ahead == sync
+
+
+def test_the_server_overlaps_by_default_and_the_sglang_flag_turns_it_off(small_checkpoint):
+    assert parse_server_args(["--model-path", "m"]).disable_overlap_schedule is False
+    args = parse_server_args(["--model-path", "m", "--disable-overlap-schedule"])
+    assert args.disable_overlap_schedule is True
+    for flags, overlap in (({}, True), ({"disable_overlap_schedule": True}, False)):
+        serving = make_serving(small_checkpoint, EchoConfig(offload=False), **flags)
+        assert serving.scheduler.overlap is overlap
+        assert serving.info["overlap_schedule"] is overlap

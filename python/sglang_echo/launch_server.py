@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         f"sglang-echo: {i['kv_backend']} on {i['device']} ({i['dtype']}, KV "
         f"{i['kv_cache_dtype']}), KV pool "
         f"{i['max_total_tokens']} tokens, max running {i['max_running_requests']}, chunk "
-        f"{i['chunked_prefill_size']}, context {i['context_length']}"
+        f"{i['chunked_prefill_size']}, context {i['context_length']}, "
+        + ("overlap schedule" if i.get("overlap_schedule") else "synchronous schedule")
         + (f", NSA_DEV_CACHE_SIZE {i['nsa_dev_cache_size']}" if i["nsa_dev_cache_size"] else "")
         + (f", device_buffer_size {i['device_buffer_size']}" if i["device_buffer_size"] else "")
         + (f", model from --model-loader {i['model_loader']}" if i["model_loader"] else "")

@@ -195,6 +195,7 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         "chunked_prefill_size": chunk,
         "cuda_graph": use_graph,
         "cuda_graph_max_bs": args.cuda_graph_max_bs if use_graph else 0,
+        "overlap_schedule": not args.disable_overlap_schedule,
         "cuda_graphs_captured": captured,
         "kv_backend": "hisparse" if buffer else "echo" if echo.offload else "no-offload",
         "device_buffer_size": buffer,
