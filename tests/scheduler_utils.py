@@ -26,13 +26,14 @@ def echo_scheduler(
     max_running: int,
     pool: int,
     *,
+    chunk: int = CHUNK,
     overlap: bool = False,
     reserve_steps: int = DECODE_RESERVE_STEPS,
     detokenize: Callable[[list[int]], str] | None = None,
 ):
     """-> (scheduler, its ECHO cache, the cache's N_G)."""
     cfg = model.config
-    n_g = EchoConfig(offload=True).min_dev_cache_size(max_running, cfg.index_topk, CHUNK)
+    n_g = EchoConfig(offload=True).min_dev_cache_size(max_running, cfg.index_topk, chunk)
     cache = echo_cache_for_model(
         EchoConfig(offload=True, dev_cache_size=n_g), cfg, pool, torch.float32, "cpu"
     )
@@ -40,7 +41,7 @@ def echo_scheduler(
     sched = Scheduler(
         steps,
         max_running,
-        CHUNK,
+        chunk,
         CONTEXT,
         list(cfg.eos_token_ids),
         detokenize,

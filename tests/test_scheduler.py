@@ -40,8 +40,8 @@ def _offline(model, prompts, new_tokens: int) -> list[list[int]]:
     return [r.output for r in engine.generate(prompts, new_tokens)]
 
 
-def _echo_scheduler(model, max_running: int, pool: int, overlap: bool = False):
-    return echo_scheduler(model, max_running, pool, overlap=overlap)
+def _echo_scheduler(model, max_running: int, pool: int, chunk: int = 16, overlap: bool = False):
+    return echo_scheduler(model, max_running, pool, chunk=chunk, overlap=overlap)
 
 
 def _greedy(n: int) -> SamplingParams:
