@@ -52,6 +52,7 @@ from sglang_echo.runtime.sampling import (
     DeviceSample,
     SampledBatch,
     new_sample_key,
+    sample_batch,
     sample_on_device,
 )
 from sglang_echo.runtime.step_runner import CarriedTokens, StepRunner
@@ -261,10 +262,8 @@ class Scheduler:
             if self.prompt_source is not None and self.prompt_source.pending:
                 with self.stats.timed("receive"):
                     self._receive_arrived(wait=True)  # nothing to step: wait, do not spin
-        if self._inflight is not None and not any(
-            not r.finished for r in self._inflight.reqs
-        ):  # every request of the step in flight has ended: nothing to overlap with
-            self._read_inflight()
+        if self._inflight is not None and all(r.finished for r in self._inflight.reqs):
+            self._read_inflight()  # every request of the step in flight has ended
         self.steps.flush_releases()
         if not any(self._decodable(r) for r in self.running):
             self._hand_out_held()  # no decode launch comes next to hand them out after
@@ -337,9 +336,8 @@ class Scheduler:
                 )
         except Exception as exc:  # the phase's requests end, the rest go on
             self._inflight = None  # its tokens are lost with the step that failed after it
-            extra = [
-                r for r in (prev.reqs if prev else ()) if id(r) not in {id(d) for d in decoding}
-            ]
+            launched = {id(r) for r in decoding}
+            extra = [r for r in (prev.reqs if prev else ()) if id(r) not in launched]
             self._fail([*decoding, *extra], "decode", exc)
             return
         self.stats.decode_steps += 1
@@ -505,12 +503,12 @@ class Scheduler:
     def _accept_batch(self, reqs: list[ServeRequest], logits: torch.Tensor) -> None:
         if self.on_logits is not None:
             self.on_logits(reqs, logits)
-        out = sample_on_device(
+        out = sample_batch(
             logits,
             [r.params for r in reqs],
             [r.sample_key for r in reqs],
             [len(r.output) for r in reqs],
-        ).read()
+        )
         self._accept_sampled(reqs, out)
 
     def _accept_sampled(self, reqs: list[ServeRequest], out: SampledBatch) -> None:
