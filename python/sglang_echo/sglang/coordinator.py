@@ -228,6 +228,10 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         # pool holds; host-id rows a retraction kept that no backup has claimed yet.
         self._host_len: dict[int, int] = {}
         self._unclaimed: dict[int, KeptHostIds] = {}
+        # Kept rows a backup claimed, until resume or release, oldest first (keyed by
+        # id(kept)): each holds logical ids for its host ids, and is dropped, newest
+        # first, when a decode step needs the room (check_decode_capacity).
+        self._kept: dict[int, KeptHostIds] = {}
         install_step_release()
         install_retraction()
         # SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1: stage predicted misses from sglang's own
@@ -326,7 +330,12 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         the logical pool, and ECHO keeps two host pages, so the logical pool would be one
         page larger than the host pool can serve: once it filled, the host allocation
         would raise. Hold the excess logical pages for good instead, so that admission
-        and retraction see the capacity the host pool really has."""
+        and retraction see the capacity the host pool really has.
+
+        The invariant, logical free <= host free, then holds at every moment (a running
+        request holds at least as many logical ids as host ids: the host lags one token),
+        and checks on the logical pool alone also cover the host pool. A retraction that
+        keeps host ids holds as many logical ids until resume, to keep it (retraction.py)."""
         logical = self.token_to_kv_pool_allocator.logical_attn_allocator
         page = self.page_size
         excess = logical.available_size() - self.mem_pool_host.available_size()
@@ -372,12 +381,15 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         """A decode step allocates logical token ids only (its KV goes to the request's
         newest row), so only the logical pool can run short. HiSparse's allocator compares
         min(logical, device) free and would retract requests for lack of device rows,
-        which ECHO reserved at start-up."""
+        which ECHO reserved at start-up. Kept rows of retracted requests give way first
+        (``_drop_kept_for``): sglang's retract loop calls this check too, so they are
+        dropped before any running request is retracted or aborted."""
         allocator = self.token_to_kv_pool_allocator
         logical = allocator.logical_attn_allocator
 
         def check_decode_capacity(*, num_tokens, tree_cache, requests=None, spec_algorithm=None):
             allocator.evict_to_free_tokens(tree_cache, num_tokens)
+            self._drop_kept_for(num_tokens)
             return logical.available_size() >= num_tokens
 
         allocator.check_decode_capacity = check_decode_capacity
@@ -651,6 +663,28 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
                 unclaimed, self._unclaimed = list(self._unclaimed.values()), {}
                 for kept in unclaimed:
                     self.discard_kept(kept)
+                self._hold_logical_ids()
+
+    def _hold_logical_ids(self) -> None:
+        """sglang's release_kv_cache (inside the scope) has freed the retracted requests'
+        logical ids, while their host ids stay kept: hold as many logical ids as each kept
+        row has host ids, so logical free <= host free holds again. The release freed at
+        least that many (a request holds no fewer logical ids than host ids), so this does
+        not fail; if it ever did, the row is dropped (503) rather than break the check."""
+        logical = self.token_to_kv_pool_allocator.logical_attn_allocator
+        for kept in [k for k in self._kept.values() if k.logical is None and not k.installed]:
+            n = kept.host_ids
+            ids = logical.alloc(n) if n else torch.empty(0, dtype=torch.int64, device=self.device)
+            if ids is None:
+                logger.warning(
+                    "sglang-echo: no %d logical ids to hold for retracted request %s; its "
+                    "kept KV is released",
+                    n,
+                    kept.rid,
+                )
+                self._drop_kept(kept)
+                continue
+            kept.logical = ids
 
     def retract_req(self, req) -> None:
         """A retraction inside sglang's release_req of a request admitted directly (PD
@@ -705,14 +739,21 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             self._finish_backup_on_host()
 
     def claim_kept(self, req) -> KeptHostIds | None:
-        """The host ids this coordinator's retraction of ``req`` kept (sglang's backup)."""
-        return self._unclaimed.pop(id(req), None)
+        """The host ids this coordinator's retraction of ``req`` kept (sglang's backup),
+        registered as live until resume or release."""
+        kept = self._unclaimed.pop(id(req), None)
+        if kept is not None:
+            kept.rid = req.rid
+            self._kept[id(kept)] = kept
+        return kept
 
     @contextmanager
     def installing_kept_row(self, kept: KeptHostIds) -> Iterator[None]:
         """sglang's resume (_pre_alloc) allocates the request slot, then host slots for the
         tokens it restores from position 0: that allocation is given the kept row first,
-        so it allocates nothing."""
+        so it allocates nothing. The logical ids the row held are freed first: sglang
+        allocates the request's fill anew right after (credited in its resume budget)."""
+        self._free_held_logical(kept)
         host = self.mem_pool_host
         own = "alloc_paged_token_slots" in vars(host)
         original = host.alloc_paged_token_slots
@@ -738,6 +779,7 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         """sglang's restore of a resumed request: its row holds the kept host ids (its KV
         in the host pool, the tokens still cached in ECHO's cache where they were); admit
         it directly, as a PD arrival."""
+        self._kept.pop(id(kept), None)
         idx = req.kv.req_pool_idx
         n = kept.row.numel()
         row = self.req_to_host_pool[idx, :n].to(kept.row.device)
@@ -755,11 +797,46 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         self.admit_request_direct(req)
 
     def discard_kept(self, kept: KeptHostIds) -> None:
-        """Kept host ids of a request that will not resume: released like a finish's."""
+        """Kept host ids of a request that will not resume: released like a finish's,
+        with the logical ids held for them. Once only: a row already released (dropped
+        under pressure, then aborted or discarded by sglang) frees nothing twice."""
+        if kept.released:
+            return
+        kept.released = True
+        self._kept.pop(id(kept), None)
+        self._free_held_logical(kept)
         if kept.row.numel():
             self._finished_host_rows.append(kept.row)
         if self._step_depth == 0:
             self.release_finished()
+
+    def _free_held_logical(self, kept: KeptHostIds) -> None:
+        if kept.logical is not None and kept.logical.numel():
+            self.token_to_kv_pool_allocator.logical_attn_allocator.free(kept.logical)
+        kept.logical = None
+
+    def _drop_kept_for(self, num_tokens: int) -> None:
+        """A decode step needs ``num_tokens`` logical ids: drop kept rows, newest first,
+        until they fit or none is left. A kept row frees nothing by retracting more
+        requests (it holds its ids), so without this sglang would retract every running
+        request and abort the last with a 500. The newest go first: the head of the
+        retracted queue resumes first."""
+        logical = self.token_to_kv_pool_allocator.logical_attn_allocator
+        while self._kept and logical.available_size() < num_tokens:
+            self._drop_kept(self._kept[next(reversed(self._kept))])
+
+    def _drop_kept(self, kept: KeptHostIds) -> None:
+        """Release a kept row under memory pressure: its request ends with a 503 when the
+        prealloc queue next looks at its retracted requests (retraction.abort_dropped)."""
+        logger.warning(
+            "sglang-echo: decode memory pressure: releasing the kept KV of retracted "
+            "request %s (%d host tokens); it ends with 503",
+            kept.rid,
+            kept.host_ids,
+        )
+        kept.dropped = True
+        self.discard_kept(kept)
+        self.release_finished()  # its host ids free now, with its logical ids
 
     def _finish_backup_on_host(self) -> None:
         """Block the host until the last decode backup has landed, before host ids go

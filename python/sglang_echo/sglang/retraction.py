@@ -7,7 +7,7 @@ the DSA pool implements no ``cpu_tensor`` copy) ``release_req`` frees everything
 request is aborted with 503; and its resume path (``resume_retracted_reqs``) would give
 the request fresh host slots (``_pre_alloc``) and queue it without ``admit_request_direct``.
 
-Five AROUND hooks (registered once per process when the first coordinator is built, as
+Seven AROUND hooks (registered once per process when the first coordinator is built, as
 the step release is) make a retraction keep the request's host ids instead:
 
 - ``release_req``: a retraction scope of the coordinator. Its ``retract_req`` then backs
@@ -21,7 +21,21 @@ the step release is) make a retraction keep the request's host ids instead:
   request slot's host row before sglang's host allocation runs, which then allocates
   nothing (its range is already allocated);
 - ``restore_kv_cache``: the request is admitted directly (a newest page, no first backup);
-- ``discard_kv_cache_backup``: an abort while retracted releases the kept ids.
+- ``discard_kv_cache_backup``: an abort while retracted releases the kept ids (once: a
+  row already dropped is not released again);
+- ``DecodePreallocQueue._prealloc_required_tokens``: a kept request's resume is charged
+  its fill less the logical ids it holds (they are freed just before ``_pre_alloc``);
+- ``DecodePreallocQueue.resume_retracted_reqs``: requests whose kept row was dropped
+  leave the retracted queue with a 503 before sglang tries to resume any.
+
+Capacity: the plugin's decode check looks at the logical pool only, which is exact while
+logical free <= host free (``EchoCoordinator._match_logical_to_host``). sglang's
+``release_kv_cache`` frees a retracted request's logical ids while its host ids stay kept,
+so the coordinator holds as many logical ids as the kept row has host ids until resume.
+A kept row then frees no capacity, so when a decode step falls short the coordinator
+drops kept rows (newest first) before sglang retracts or aborts a running request: their
+host and logical ids go back, and the request ends with a 503 (what stock sglang answers
+at once), never with a host-pool crash or a running request's 500.
 
 Any other backup (another pool, a request admitted through staging) takes sglang's path.
 """
@@ -30,6 +44,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 import torch
@@ -42,6 +57,8 @@ TARGETS = {
     "restore": "sglang.srt.mem_cache.common.restore_kv_cache",
     "discard": "sglang.srt.mem_cache.common.discard_kv_cache_backup",
     "pre_alloc": "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc",
+    "required": "sglang.srt.disaggregation.decode.DecodePreallocQueue._prealloc_required_tokens",
+    "resume": "sglang.srt.disaggregation.decode.DecodePreallocQueue.resume_retracted_reqs",
 }
 # Coordinators inside a retraction scope (sglang's release_req), innermost last.
 SCOPES: list[Any] = []
@@ -60,6 +77,17 @@ class KeptHostIds:
     allocated: int  # req_to_host_pool_allocated_len of the row
     tokens: int  # tokens whose KV the row holds (sglang's fill length at resume)
     installed: bool = field(default=False)  # put back into a request slot's row
+    rid: str = ""  # the retracted request's id (log lines)
+    # Logical ids held for the kept host ids from the retraction until resume (None:
+    # none held), so that logical free <= host free still holds.
+    logical: torch.Tensor | None = None
+    released: bool = False  # host and logical ids given back (discarded or dropped)
+    dropped: bool = False  # released under decode memory pressure: the request gets a 503
+
+    @property
+    def host_ids(self) -> int:
+        """How many host ids the row holds (allocated by page: a page multiple)."""
+        return int((self.row >= 0).sum())
 
 
 def kept_of(req: Any) -> KeptHostIds | None:
@@ -123,12 +151,62 @@ def discard_kept_host_ids(original, req, tree_cache, backend):
     return None
 
 
+def credit_held_logical_ids(original, queue, req):
+    """AROUND ``DecodePreallocQueue._prealloc_required_tokens``: a kept request's resume
+    needs its fill less the logical ids it holds (freed just before ``_pre_alloc``
+    allocates the fill), or it would wait for both to fit in the free pool."""
+    full, swa = original(queue, req)
+    kept = kept_of(req)
+    if kept is not None and kept.logical is not None:
+        full -= kept.logical.numel()
+    return full, swa
+
+
+DROPPED_MESSAGE = (
+    "Retracted under decode memory pressure; its KV, kept in the host pool for resume, "
+    "was released because the running requests needed the room. Retry later; to keep "
+    "retracted requests until they resume, give the decode node a larger KV pool "
+    "(--max-total-tokens) or fewer running requests (--max-running-requests)."
+)
+
+
+def abort_dropped(original, queue, *args, **kwargs):
+    """AROUND ``DecodePreallocQueue.resume_retracted_reqs``: requests whose kept row was
+    dropped (their KV is gone) leave the retracted queue first, each with one 503, as
+    sglang's abort of a retracted request does. A request dropped inside sglang's retract
+    loop joins the queue only after it, hence here rather than at the drop."""
+    dropped = [req for req in queue.retracted_queue if _dropped(req)]
+    if dropped:
+        queue.retracted_queue = [req for req in queue.retracted_queue if not _dropped(req)]
+        for req in dropped:
+            _send_503(queue.scheduler, req)
+    return original(queue, *args, **kwargs)
+
+
+def _dropped(req: Any) -> bool:
+    kept = kept_of(req)
+    return kept is not None and kept.dropped
+
+
+def _send_503(scheduler: Any, req: Any) -> None:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.managers.scheduler import _make_abort_req
+
+    req.kv.retraction_backup = None
+    reason = FINISH_ABORT(DROPPED_MESSAGE, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+    req.to_finish = reason
+    logger.warning("sglang-echo: aborted retracted request %s: %s", req.rid, DROPPED_MESSAGE)
+    scheduler.send_abort_output(_make_abort_req(req, finished_reason=reason.to_json()), req)
+
+
 HOOKS = {
     "release_req": release_req_scope,
     "backup": backup_keeping_host_ids,
     "restore": restore_kept_host_ids,
     "discard": discard_kept_host_ids,
     "pre_alloc": pre_alloc_with_kept_row,
+    "required": credit_held_logical_ids,
+    "resume": abort_dropped,
 }
 
 
