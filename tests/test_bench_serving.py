@@ -306,6 +306,7 @@ def test_bench_against_server_writes_sglang_record(plain_server, tmp_path):
         assert rec["total_output_tokens"] == 6 * 7  # ignore_eos: every request runs to length
         assert rec["total_input_tokens"] == 6 * 40
         assert rec["kv_backend"] == "no-offload" and rec["synthetic"]
+        assert rec["server_schedule"] == {"overlap": True, "engine_process": False}  # defaults
         assert rec["mean_ttft_ms"] > 0 and rec["mean_e2e_latency_ms"] >= rec["mean_ttft_ms"]
         # no ECHO on no-offload; fewer than 10 requests: no steady window
         assert rec["server_echo"] is None and rec["steady_output_throughput"] is None

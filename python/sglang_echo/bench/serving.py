@@ -290,6 +290,11 @@ async def server_facts(session: aiohttp.ClientSession, base: str, args) -> dict:
         "vocab": int(vocab),
         "tokenizer": tokenizer,
         "kv_backend": info.get("kv_backend"),
+        # how the server schedules (None from a server that does not say: SGLang's)
+        "schedule": {
+            "overlap": server.get("overlap_schedule"),
+            "engine_process": server.get("engine_process"),
+        },
     }
 
 
@@ -501,6 +506,7 @@ async def run(args) -> dict:
         "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio,
         "kv_backend": facts["kv_backend"],
+        "server_schedule": facts["schedule"],
         "server_context_length": facts["context"],
         **summarize(results, duration, starts),
         "input_lens": [r.prompt_len for r in results],
