@@ -19,7 +19,8 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
   its per-run mean;
 - ``graph_captures_during_run`` (both servers, all runs; goal 0);
 - ``outputs_equal``: every request's greedy tokens equal between the two servers, at
-  every rate, and ``outputs_equal_by_rate`` (rate -> [equal, compared]);
+  every rate, ``outputs_equal_by_rate`` (rate -> [equal, compared]) and each server's
+  ``server_schedule`` (overlap, engine process; None from records made before it);
 - ``latency``: TTFT and ITL p50 / p99 of both engines at every rate;
 plus ``commit`` (as given: the sha, literally), ``device``, ``date`` and ``command``.
 
@@ -119,6 +120,9 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
         "graph_captures_during_run": captures,
         "outputs_equal": _outputs_equal(runs),
         "outputs_equal_by_rate": _equal_by_rate(runs),
+        "server_schedule": {
+            eng: runs[eng].get("inf", {}).get("server_schedule") for eng in ENGINES
+        },
         "latency": latency,
     }
 

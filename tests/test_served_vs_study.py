@@ -51,6 +51,7 @@ def test_record_from_study_and_sweep(tmp_path):
                 server_echo={"hit_rate": 0.95},
                 admission_ms_p50=3.0,
                 server_engine={"graph_captures_during_run": 0.0},
+                server_schedule={"overlap": True, "engine_process": False},
             ),
         },
     }
@@ -70,6 +71,10 @@ def test_record_from_study_and_sweep(tmp_path):
     assert m["outputs_equal"] is False
     assert m["outputs_equal_by_rate"] == {"1": [2, 2], "inf": [1, 2]}
     assert m["latency"]["offload"]["inf"]["p99_itl_ms"] == 24.0
+    assert m["server_schedule"] == {
+        "no-offload": None,  # a record from before bench_serving wrote it
+        "offload": {"overlap": True, "engine_process": False},
+    }
 
 
 def test_runs_without_ids_compare_nothing(tmp_path):
