@@ -41,6 +41,7 @@ from sglang_echo.sglang import retraction
 from sglang_echo.sglang.args import ECHO_EXTRA_KEY
 from sglang_echo.sglang.decode_prefetch import install_decode_prefetch, uninstall_decode_prefetch
 from sglang_echo.sglang.guards import capacity_problems, decode_graphs_enabled, graph_problem
+from sglang_echo.sglang.observe import install_metrics_hook, startup_line
 from sglang_echo.sglang.prefill_budget import EchoPrefillBudget
 from sglang_echo.sglang.retraction import KeptHostIds, install_retraction
 from sglang_echo.sglang.storage import (
@@ -249,18 +250,10 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             )
         self._patch_decode_capacity()
         self._patch_prefill_budget()
-        logger.info(
-            "sglang-echo: ECHO cache of %d slots x %d layers (device rows [%d, %d)); host "
-            "pool of %d tokens; %d device rows left for newest pages and prefills; recall "
-            "by %s",
-            self.num_slots,
-            self.cache.num_layers,
-            self.row_base,
-            self.row_base + self.num_slots + 2,
-            self.mem_pool_host.size - self.reserved_host_ids.numel(),
-            self.token_to_kv_pool_allocator.hisparse_attn_allocator.available_size(),
-            "the Triton kernel" if self.manager.use_kernels else "torch",
-        )
+        # Counter values last sent to sglang's exporter (observe.publish_metrics).
+        self._metrics_sent: dict[str, float] = {}
+        install_metrics_hook()
+        logger.info(startup_line(self, "on" if self.decode_prefetch is not None else "off"))
 
     # ---------------------------------------------------------------- set-up
     def _use_torch_transfers(self) -> None:
