@@ -93,7 +93,7 @@ class DeviceSample:
         if self._done is not None:
             self._done.synchronize()
         token_list = self._host[0].tolist()
-        finite_list = [bool(f) for f in self._host[1].tolist()]
+        finite_list = self._host[1].tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(token_list)
         if self._want:
             chosen_list = self._host[2].tolist()

@@ -175,9 +175,9 @@ class StepRunner:
         rows = [req.row for req in active]
         # One non-blocking upload of the step's inputs (runtime/input_staging.py).
         ids_t, pos_t, locs_t, rows_t = self.staging.upload([ids, positions, out_locs, rows])
-        if carried is not None:
-            dst = int64_tensor(carried.rows, self.device)
-            src = int64_tensor(carried.sources, self.device)
+        if carried is not None:  # one upload of both index lists
+            both = int64_tensor([*carried.rows, *carried.sources], self.device)
+            dst, src = both.split(len(carried.rows))
             ids_t.index_copy_(0, dst, carried.tokens.index_select(0, src))
         self.table.assign_next_on_device(rows_t, pos_t, locs_t, max(positions))
         if self._note_owner is not None:

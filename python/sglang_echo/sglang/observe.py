@@ -83,7 +83,7 @@ def startup_line(coordinator: Any, prefetch_mode: str) -> str:
     """The rank's one start-up line: N_G, the device rows, the host pool, bytes, prefetch."""
     cache = coordinator.cache
     layers = cache.num_layers
-    row_bytes = cache.row_dim * cache.rows.dtype.itemsize
+    row_bytes = _row_bytes(cache)
     cache_row_bytes = layers * (coordinator.num_slots + 2) * row_bytes
     metadata = cache.nbytes  # ECHO's own tensors (the rows are sglang's)
     staging = coordinator.decode_prefetch.nbytes if coordinator.decode_prefetch else 0
@@ -103,6 +103,10 @@ def startup_line(coordinator: Any, prefetch_mode: str) -> str:
         f"{prefetch_mode}; recall by "
         f"{'the Triton kernel' if coordinator.manager.use_kernels else 'torch'}"
     )
+
+
+def _row_bytes(cache: Any) -> int:
+    return cache.row_dim * cache.rows.dtype.itemsize
 
 
 def read_counters(coordinator: Any) -> dict[str, float]:
@@ -125,7 +129,7 @@ def read_counters(coordinator: Any) -> dict[str, float]:
     ).tolist()
     hits, misses, evictions, recalled, staged, staged_used, free = sums
     layers = cache.num_layers
-    row_bytes = cache.row_dim * cache.rows.dtype.itemsize
+    row_bytes = _row_bytes(cache)
     return {
         "hits": hits,
         "misses": misses,
@@ -191,7 +195,9 @@ def around_log_hicache_stats(original, reporter, *args, **kwargs):
     result = original(reporter, *args, **kwargs)
     coordinator = getattr(getattr(reporter, "scheduler", None), "hisparse_coordinator", None)
     collector = getattr(reporter, "metrics_collector", None)
-    if collector is not None and hasattr(coordinator, "echo_telemetry"):
+    from sglang_echo.sglang.coordinator import EchoCoordinator  # it imports this module
+
+    if collector is not None and isinstance(coordinator, EchoCoordinator):
         try:
             publish_metrics(coordinator, dict(collector.labels))
         except Exception:  # metrics must never stop the scheduler
