@@ -49,3 +49,12 @@ def echo_scheduler(
         overlap=overlap,
     )
     return sched, cache, n_g
+
+
+def drain(sched: Scheduler, limit: int = 5_000) -> None:
+    """Step until nothing is left (an assertion error if that takes over ``limit`` steps)."""
+    for _ in range(limit):
+        if not sched.has_work():
+            return
+        sched.step()
+    raise AssertionError("the scheduler did not finish")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_utils import echo_scheduler, random_prompts
+from scheduler_utils import drain, echo_scheduler, random_prompts
 from server_utils import make_serving
 from sglang_echo.config import EchoConfig
 from sglang_echo.model.loader import load_model
@@ -34,12 +34,7 @@ def _greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
-def _drain(sched: Scheduler, limit: int = 5_000) -> None:
-    for _ in range(limit):
-        if not sched.has_work():
-            return
-        sched.step()
-    raise AssertionError("the scheduler did not finish")
+_drain = drain
 
 
 def _all_free(sched: Scheduler, cache, n_g: int) -> None:

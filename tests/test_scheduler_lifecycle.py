@@ -15,12 +15,11 @@ from collections import defaultdict
 
 import pytest
 
-from scheduler_utils import echo_scheduler
+from scheduler_utils import drain, echo_scheduler
 from server_utils import make_serving
 from sglang_echo.config import EchoConfig
 from sglang_echo.model.loader import load_model
 from sglang_echo.runtime.request import OutputEvent, SamplingParams, ServeRequest
-from sglang_echo.runtime.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +50,7 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def _drain(sched: Scheduler, limit: int = 2_000) -> None:
-    for _ in range(limit):
-        if not sched.has_work():
-            return
-        sched.step()
-    raise AssertionError("the scheduler did not finish")
+_drain = drain
 
 
 def _echo_scheduler(model, pool: int, max_running: int = 4, reserve_steps: int = 0):
