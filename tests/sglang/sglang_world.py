@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from array import array
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -105,6 +106,53 @@ def build_pools(
     return pool, allocator, req_to_token
 
 
+def stock_standins(coord) -> None:
+    """What sglang's stock coordinator needs of sgl_kernel, as plain torch copies: the host
+    pool's per-layer load to device rows and its all-layer backup from them (the CUDA
+    transfer kernels, not in a CPU install). Only the bytes' movement is stood in; which
+    rows move where is sglang's own code."""
+    host = coord.mem_pool_host
+
+    def load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, **_):
+        dst = device_pool.kv_buffer[layer_id]
+        dst[device_indices.long()] = host.kv_buffer[layer_id][host_indices.long()]
+
+    def backup_from_device_all_layer(device_pool, host_indices, device_indices, **_):
+        for layer, src in enumerate(device_pool.kv_buffer):
+            host.kv_buffer[layer][host_indices.long()] = src[device_indices.long()]
+
+    host.load_to_device_per_layer = load_to_device_per_layer
+    host.backup_from_device_all_layer = backup_from_device_all_layer
+
+
+class _Unpinned:
+    """torch, except that ``tensor(..., pin_memory=True)`` makes a plain tensor: the stock
+    coordinator pins its backup indices, which a CPU-only torch refuses."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(*args, pin_memory: bool = False, **kwargs):
+        return torch.tensor(*args, **kwargs)
+
+
+@contextmanager
+def unpinned(active: bool):
+    """While sglang's stock coordinator runs a step's preparation (CPU only)."""
+    if not active:
+        yield
+        return
+    import sglang.srt.managers.hisparse_coordinator as stock
+
+    saved = stock.torch
+    stock.torch = _Unpinned()
+    try:
+        yield
+    finally:
+        stock.torch = saved
+
+
 @dataclass
 class Token:
     req: object
@@ -127,6 +175,9 @@ class DecodeNode:
     write: str = "torch"
     fp8: bool = False
     prefill_rows: int = 0  # device rows for local prefills, as the plugin's plan adds
+    # True: sglang's stock HiSparseCoordinator instead of ECHO's (the plugin's oracle),
+    # with sglang's own per-request reference swap-in (naive_load_topk); see stock_standins.
+    stock: bool = False
     running: dict[str, Token] = field(default_factory=dict)
     retracted: dict[str, Token] = field(default_factory=dict)
     host_owners: dict[int, set[str]] = field(default_factory=dict)
@@ -149,7 +200,12 @@ class DecodeNode:
         # A hand-built coordinator is its own start-up: the settings are parsed afresh, from
         # this environment (config.settings(), as register() would in a scheduler).
         reset_settings()
-        self.coord = EchoCoordinator(
+        coordinator_class = EchoCoordinator
+        if self.stock:
+            from sglang.srt.managers.hisparse_coordinator import HiSparseCoordinator
+
+            coordinator_class = HiSparseCoordinator
+        self.coord = coordinator_class(
             self.req_to_token,
             self.allocator,
             top_k=self.top_k,
@@ -158,6 +214,8 @@ class DecodeNode:
             tp_group=dist.group.WORLD,
             host_to_device_ratio=ratio,
         )
+        if self.stock:
+            stock_standins(self.coord)
         self.after_init = self.counters()
         self.width = self.pool.kv_buffer[0].shape[-1]
         self.row_dtype = self.pool.kv_buffer[0].dtype
@@ -371,7 +429,8 @@ class DecodeNode:
         for r in reqs:
             r.kv.kv_allocated_len += 1
         seq = old + 1
-        self.coord.map_last_loc_to_buffer(seq, out_cache_loc, idx, seq, idx)
+        with unpinned(self.stock):
+            self.coord.map_last_loc_to_buffer(seq, out_cache_loc, idx, seq, idx)
 
         # ModelRunner.forward_decode: wait for the backup, count the real requests.
         self.coord.wait_for_pending_backup()
@@ -397,6 +456,10 @@ class DecodeNode:
                     topk[i, : sel.numel()] = sel
                 # Padding rows carry garbage selections that must be ignored.
                 topk[bs:] = torch.randint(0, 8, (pad, self.top_k), generator=self.gen)
-            table = self.coord.swap_in_selected_pages(pad_idx, pad_seq, topk, layer)
+            if self.stock:  # sglang's reference swap-in, over the real rows only
+                table = torch.full((padded_bs, self.top_k), -1, dtype=torch.int32)
+                table[:bs] = self.coord.naive_load_topk(idx, seq, topk[:bs], layer)
+            else:
+                table = self.coord.swap_in_selected_pages(pad_idx, pad_seq, topk, layer)
             tables.append((topk.clone(), table.clone()))
         return tables
