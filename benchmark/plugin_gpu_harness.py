@@ -146,7 +146,7 @@ def _clean(loop) -> bool:
     coord = loop.side.coord
     cache = coord.cache
     return bool(
-        torch.all(coord.newest_row == 0)
+        torch.all(coord.ring_rows == 0)
         and torch.all(coord.req_to_host_pool == -1)
         and torch.all(cache.free_count == cache.num_slots)
     )

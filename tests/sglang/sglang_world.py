@@ -49,7 +49,7 @@ def assert_coordinator_clean(coord, allocator) -> None:
     """No request left in the EchoCoordinator, its maps or ECHO's device cache."""
     from sglang_echo.offload.device_cache import ABSENT, FREE
 
-    assert torch.all(coord.newest_row == 0)
+    assert torch.all(coord.ring_rows == 0) and torch.all(coord.ring_start == 0)
     assert not coord._kept and not coord._unclaimed, "no retracted request's host ids kept"
     assert torch.all(coord.req_to_host_pool == -1)
     assert torch.all(coord.req_to_host_pool_allocated_len == 0)

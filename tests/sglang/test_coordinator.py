@@ -24,6 +24,7 @@ from sglang_echo.config import (  # noqa: E402
     EchoConfig,
     reset_settings,
 )
+from sglang_echo.kernels.topk_rows import RING  # noqa: E402
 
 
 def selections(node: DecodeNode, rng: random.Random):
@@ -60,9 +61,11 @@ def check_tables(node: DecodeNode, rids: list[str], tables) -> None:
             assert torch.equal(rows[got].view(torch.uint8), want.view(torch.uint8)), (
                 f"{rid} layer {layer}: a returned row does not hold its token's bytes"
             )
-            current = positions == token.seq_len - 1
-            assert torch.all(got[current] == coord.newest_row[idx])
-            old = ~current
+            # The request's newest decoded tokens are read in its ring (its own page).
+            ring_lo = max(int(coord.ring_start[idx]), token.seq_len - RING)
+            in_ring = positions >= ring_lo
+            assert torch.equal(got[in_ring], coord.ring_rows[idx, positions[in_ring] % RING])
+            old = ~in_ring
             assert torch.all((got[old] >= echo_lo) & (got[old] <= echo_hi))
             host_ids = coord.req_to_host_pool[idx, positions[old]]
             assert torch.equal(
@@ -264,3 +267,38 @@ def test_token_stats_count_requests_not_reservations():
     assert stats.host_tokens == 128  # two host pages
     node.finish(rid)
     assert coord.get_token_stats().host_tokens == 0
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "triton"])
+def test_recent_tokens_are_read_in_the_ring_never_recalled(kernels):
+    """A decode step that selects only its request's newest decoded tokens (the last
+    RING, the previous one always among them, as an indexer nearly always picks it) looks
+    up no host id: ECHO's cache sees neither a hit nor a miss, and every row is exact. A
+    selection reaching one token further back takes exactly one resolve lane per layer
+    and request. With the Triton kernels (interpreted here), also the resolve's distinct
+    allocation at a batch of three."""
+    node = DecodeNode(layers=2, top_k=2 * RING, dev_cache=6 * RING, max_running=3,
+                      host_tokens=4096, max_context=512)  # fmt: skip
+    node.coord.manager.use_kernels = kernels
+    cache = node.coord.cache
+    rids = [node.arrive(n) for n in (100, 7, 300)]
+
+    def recent(extra: int):
+        def pick(layer: int, rid: str, seq_len: int) -> torch.Tensor:
+            start = node.coord.ring_start[node.running[rid].req.kv.req_pool_idx]
+            lo = max(int(start), seq_len - RING) - extra
+            return torch.arange(max(lo, 0), seq_len, dtype=torch.int32)
+
+        return pick
+
+    for _ in range(RING + 5):  # the ring fills, then wraps
+        before = (cache.hits.sum().item(), cache.misses.sum().item())
+        check_tables(node, rids, node.step(rids, padded_bs=4, topk_for=recent(0)))
+        assert (cache.hits.sum().item(), cache.misses.sum().item()) == before
+    before = cache.hits.sum().item() + cache.misses.sum().item()
+    check_tables(node, rids, node.step(rids, padded_bs=4, topk_for=recent(1)))
+    looked_up = cache.hits.sum().item() + cache.misses.sum().item() - before
+    assert looked_up == 2 * len(rids)  # one older token per layer and request
+    for rid in rids:
+        node.finish(rid)
+    assert_back_to_start(node)

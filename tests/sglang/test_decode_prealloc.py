@@ -84,7 +84,7 @@ def test_prealloc_queue_admits_exactly_cap(model_dir, name):
         assert rank.queued() == len(PROMPTS) - cap
         assert_only_device_rows_bind(rank)
         for req in admitted:
-            assert rank.coord.newest_row[req.kv.req_pool_idx] > 0  # its newest page
+            assert rank.coord.ring_rows[req.kv.req_pool_idx, 0] > 0  # its ring page
             host = rank.coord.req_to_host_pool[req.kv.req_pool_idx, : len(req.origin_input_ids)]
             assert torch.all(host >= 0), "the prompt's host slots (the RDMA targets)"
 
@@ -162,7 +162,7 @@ def test_a_retracted_request_resumes_through_sglangs_queue_with_its_host_ids(mod
         idx = victim.kv.req_pool_idx
         assert torch.equal(rank.coord.req_to_host_pool[idx, :n], host_ids)
         assert rank.coord.mem_pool_host.available_size() == host_free, "no host slot anew"
-        assert rank.coord.newest_row[idx] > 0  # admitted directly: its newest page
+        assert rank.coord.ring_rows[idx, 0] > 0  # admitted directly: its ring page
         for req in list(rank.sched.running_batch.reqs):
             rank.finish(req)
         assert_nothing_leaked(rank)

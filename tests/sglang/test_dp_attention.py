@@ -61,7 +61,8 @@ def echo_state(node: DecodeNode) -> list[torch.Tensor]:
             cache.free_count,
             cache.hits,
             cache.misses,
-            node.coord.newest_row,
+            node.coord.ring_rows,
+            node.coord.ring_start,
         )
     ]
 

@@ -16,6 +16,7 @@ import plugin_testenv  # noqa: F401  first: sets the process up before triton lo
 import pytest
 import torch
 
+from sglang_echo.kernels.topk_rows import RING
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.sglang.storage import (
     ExternalHostRows,
@@ -53,9 +54,10 @@ def build(device: str, slots: int, top_k: int, host_tokens: int) -> World:
         assert host_rows.pinned and host_rows.device_view is not None, "no UVA alias"
         assert manager.use_kernels and manager.graph_safe
     req_to_host = torch.full((MAX_REQS, 2 * CONTEXT), -1, dtype=torch.int64, device=device)
-    newest = torch.zeros(MAX_REQS, dtype=torch.int64, device=device)
+    ring = torch.zeros(MAX_REQS, RING, dtype=torch.int64, device=device)
+    ring_start = torch.zeros(MAX_REQS, dtype=torch.int64, device=device)
     out = torch.full((MAX_REQS, top_k), -1, dtype=torch.int32, device=device)
-    resolver = TopkToRows(manager, ROW_BASE, req_to_host, newest, top_k, out)
+    resolver = TopkToRows(manager, ROW_BASE, req_to_host, ring, ring_start, top_k, out)
     return World(host, buffers, resolver, slots, top_k)
 
 
@@ -78,7 +80,10 @@ class Inputs:
             seq = int(torch.randint(w.top_k // 2, CONTEXT, (1,), generator=self.gen))
             r.req_to_host[i + 1].fill_(-1)
             r.req_to_host[i + 1, :CONTEXT] = perm[i * CONTEXT : (i + 1) * CONTEXT]
-            r.newest_row[i + 1] = ROW_BASE + w.slots + 2 + 64 * i
+            # Its ring: a page of rows in shuffled order, entered decode 0-80 tokens ago.
+            page = ROW_BASE + w.slots + 2 + RING * i
+            r.ring_rows[i + 1] = page + torch.randperm(RING, generator=self.gen)
+            r.ring_start[i + 1] = seq - 1 - int(torch.randint(0, 80, (1,), generator=self.gen))
             self.idx[i], self.seq[i] = i + 1, seq
             k = min(seq, w.top_k)
             self.topk[i].fill_(-1)
@@ -95,7 +100,8 @@ class Inputs:
     def check(self, tables: list[torch.Tensor]) -> None:
         w, real = self.w, int(self.num_real)
         topk, seq, idx = self.topk.cpu(), self.seq.cpu(), self.idx.cpu()
-        req_to_host, newest = w.resolver.req_to_host.cpu(), w.resolver.newest_row.cpu()
+        r = w.resolver
+        req_to_host, ring, start = r.req_to_host.cpu(), r.ring_rows.cpu(), r.ring_start.cpu()
         for layer, table in enumerate(tables):
             table = table.cpu()
             rows = w.device[layer].view(w.device[layer].shape[0], -1).cpu()
@@ -106,10 +112,10 @@ class Inputs:
                 lanes = topk[i] >= 0
                 assert torch.all(table[i][~lanes] == -1)
                 pos, got = topk[i][lanes].long(), table[i][lanes].long()
-                is_newest = pos == int(seq[i]) - 1
-                assert torch.all(got[is_newest] == newest[idx[i]])
-                ids = req_to_host[idx[i], pos[~is_newest]]
-                assert torch.equal(rows[got[~is_newest]], w.host[layer, ids, 0])
+                in_ring = pos >= max(int(start[idx[i]]), int(seq[i]) - RING)
+                assert torch.equal(got[in_ring], ring[idx[i], pos[in_ring] % RING])
+                ids = req_to_host[idx[i], pos[~in_ring]]
+                assert torch.equal(rows[got[~in_ring]], w.host[layer, ids, 0])
 
 
 def test_resolve_steps_on_the_cpu():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from sglang_echo.config import ENV_EVICTION_RESERVE, ConfigError, EchoConfig, reset_settings
+from sglang_echo.kernels.topk_rows import RING
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
@@ -197,10 +198,11 @@ def test_topk_to_rows_over_borrowed_buffers():
     req_to_host = torch.full((max_reqs, 64), -1, dtype=torch.int64)
     req_to_host[1, :20] = torch.arange(1, 21)  # request slot 1: host ids 1..20
     req_to_host[3, :30] = torch.arange(101, 131)
-    newest = torch.zeros(max_reqs, dtype=torch.int64)
-    newest[1], newest[3] = 200, 201
+    ring = torch.zeros(max_reqs, RING, dtype=torch.int64)  # each request's ring page
+    ring[1], ring[3] = 100 + torch.arange(RING), 164 + torch.arange(RING)
+    ring_start = torch.tensor([0, 20, 0, 30, 0])  # both entered decode with this token
     out = torch.full((max_reqs, top_k), -7, dtype=torch.int32)
-    resolve = TopkToRows(manager, 63, req_to_host, newest, top_k, out)
+    resolve = TopkToRows(manager, 63, req_to_host, ring, ring_start, top_k, out)
     assert resolve.max_rows == 4
 
     idx = torch.tensor([1, 3, 0])  # the third row is padding (request 0)
@@ -212,7 +214,7 @@ def test_topk_to_rows_over_borrowed_buffers():
     for layer in range(2):
         table = resolve(layer, idx, seq, topk, torch.tensor([2], dtype=torch.int32))
         flat = device[layer].view(-1, 8)
-        assert table[0, 1] == 200 and table[1, 1] == 201  # newest rows
+        assert table[0, 1] == 120 and table[1, 1] == 194  # current tokens: ring rows
         for r, lanes in ((0, [0, 2, 3]), (1, [0, 2])):
             for j in lanes:
                 host_id = req_to_host[idx[r], topk[r, j]]
@@ -222,7 +224,7 @@ def test_topk_to_rows_over_borrowed_buffers():
     table = resolve(0, idx, seq, topk, torch.tensor([1], dtype=torch.int32))
     assert torch.all(table[1:] == -1)
     with pytest.raises(ValueError, match="NSA_DEV_CACHE_SIZE"):
-        TopkToRows(manager, 63, req_to_host, newest, 64, out)
+        TopkToRows(manager, 63, req_to_host, ring, ring_start, 64, out)
 
 
 def test_a_batch_past_the_cache_is_refused():
@@ -230,7 +232,8 @@ def test_a_batch_past_the_cache_is_refused():
     _, _, manager = borrowed_world()  # 32 slots
     out = torch.full((8, 8), -1, dtype=torch.int32)
     none = torch.full((8, 64), -1, dtype=torch.int64)
-    resolve = TopkToRows(manager, 63, none, torch.zeros(8, dtype=torch.int64), 8, out)
+    ring, start = torch.zeros(8, RING, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
+    resolve = TopkToRows(manager, 63, none, ring, start, 8, out)
     for n in range(5):
         resolve.check_batch(n)
     with pytest.raises(ConfigError) as err:

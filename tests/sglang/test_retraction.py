@@ -61,14 +61,14 @@ def test_a_retracted_pd_request_keeps_its_host_ids_and_resumes(steps_before):
     pages = -(-(token.seq_len) // 64) - -(-(token.seq_len - 1) // 64)
     assert after["host"] == before["host"] - (steps_before > 0) * 64 * pages  # kept, not freed
     assert after["device_rows"] == before["device_rows"] + 64  # its newest page is free
-    assert int(n.coord.newest_row[idx]) == 0
+    assert int(n.coord.ring_rows[idx].abs().sum()) == 0
     run(n, rids, 3, topk_for)  # the others decode on
     host_free = n.coord.mem_pool_host.available_size()
     n.resume(retracted)
     new_idx = token.req.kv.req_pool_idx
     assert n.coord.mem_pool_host.available_size() == host_free, "no host slot taken anew"
     assert torch.equal(n.coord.req_to_host_pool[new_idx, : kept.tokens], host_ids)
-    assert int(n.coord.newest_row[new_idx]) > 0
+    assert int(n.coord.ring_rows[new_idx, 0]) > 0
     rids.append(retracted)
     run(n, rids, 4, topk_for)  # byte-exact rows, its old tokens included
     for rid in rids:

@@ -6,16 +6,27 @@ each its own launch inside sglang's decode graph, 61 times per step; here they a
 
 ``host_ids``: for row i (request i of the batch) and lane j, with p = topk[i, j]:
 
+Each request owns one page of ``RING`` (64) device rows, its *ring* (``ring_rows[req]``,
+the page's rows in order; all 0 = no ECHO state): the token at position p, decoded since
+the request entered decode, is written (every layer) to row ``ring_rows[req, p % RING]``
+and stays there until token p + RING overwrites it. So the ring
+holds the request's newest decoded tokens, positions ``ring_lo = max(ring_start[req],
+seq_len - RING)`` to ``seq_len - 1`` (the current token included), in every layer, on
+the device: a selection of one of them is a row of the ring, not a host id to resolve
+(the previous token, which nearly every step selects, would otherwise miss in every
+layer, being on the host only).
+
+``host_ids``: for row i (request i of the batch) and lane j, with p = topk[i, j]:
+
 - the host id ``req_to_host[req[i], p]`` when the lane selects an earlier token: the row
-  is real (i < num_real), its request holds ECHO state (newest_row[req[i]] > 0), and
-  0 <= p < seq_len[i] - 1;
-- -1 otherwise: padding lanes, positions past the sequence, the current token (p =
-  seq_len[i] - 1: its row is the request's newest row, not yet on the host), rows past
+  is real (i < num_real), its request holds ECHO state (ring_rows[req[i], 0] > 0), and
+  0 <= p < ring_lo;
+- -1 otherwise: padding lanes, positions past the sequence, ring positions, rows past
   ``num_real`` (CUDA-graph padding) and requests without ECHO state.
 
 ``rows``: the static table FlashMLA reads: ``row_base + slot`` where the resolve gave a
-slot, the request's newest row for the current token, -1 elsewhere, and -1 on every row
-at and past ``n`` (sglang pads the top-k to the number of q rows, which can exceed the
+slot, ``ring_rows[req, p % RING]`` for ring positions, -1 elsewhere, and -1 on every row at and
+past ``n`` (sglang pads the top-k to the number of q rows, which can exceed the
 requests).
 
 Fixed shapes, counts on the device: capturable in a CUDA graph. Each kernel has its torch
@@ -29,34 +40,38 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024  # lanes per program (top-k 2048: two programs per row)
+RING = 64  # rows of a request's ring: its newest-token page (DSA's page size)
 
 
 @triton.jit
 def _selection(
-    row, lane, width, topk_ptr, topk_stride, req_ptr, seq_ptr, newest_ptr, num_real_ptr
+    row, lane, width, topk_ptr, topk_stride, req_ptr, seq_ptr, ring_ptr, ring_start_ptr,
+    num_real_ptr, RING: tl.constexpr,
 ):  # fmt: skip
-    """(position, request, newest row, selected, is_newest) of row ``row``'s lanes."""
+    """(position, request, selected, in_ring) of row ``row``'s lanes."""
     in_row = lane < width
     pos = tl.load(topk_ptr + row * topk_stride + lane, mask=in_row, other=-1).to(tl.int64)
     req = tl.load(req_ptr + row).to(tl.int64)
     seq = tl.load(seq_ptr + row).to(tl.int64)
-    newest = tl.load(newest_ptr + req).to(tl.int64)
-    live = (row < tl.load(num_real_ptr)) & (newest > 0)
+    has_state = tl.load(ring_ptr + req * RING).to(tl.int64) > 0
+    ring_lo = tl.maximum(tl.load(ring_start_ptr + req).to(tl.int64), seq - RING)
+    live = (row < tl.load(num_real_ptr)) & has_state
     selected = in_row & live & (pos >= 0) & (pos < seq)
-    return pos, req, newest, selected, selected & (pos == seq - 1)
+    return pos, req, selected, selected & (pos >= ring_lo)
 
 
 @triton.jit
 def _host_ids_kernel(
-    topk_ptr, topk_stride, req_ptr, seq_ptr, newest_ptr, num_real_ptr, r2h_ptr, r2h_stride,
-    r2h_cols, ids_ptr, width, BLOCK: tl.constexpr,
+    topk_ptr, topk_stride, req_ptr, seq_ptr, ring_ptr, ring_start_ptr, num_real_ptr, r2h_ptr,
+    r2h_stride, r2h_cols, ids_ptr, width, BLOCK: tl.constexpr, RING: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     lane = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    pos, req, _newest, selected, is_newest = _selection(
-        row, lane, width, topk_ptr, topk_stride, req_ptr, seq_ptr, newest_ptr, num_real_ptr
-    )
-    earlier = selected & ~is_newest
+    pos, req, selected, in_ring = _selection(
+        row, lane, width, topk_ptr, topk_stride, req_ptr, seq_ptr, ring_ptr, ring_start_ptr,
+        num_real_ptr, RING,
+    )  # fmt: skip
+    earlier = selected & ~in_ring
     col = tl.minimum(tl.maximum(pos, 0), r2h_cols - 1)
     host = tl.load(r2h_ptr + req * r2h_stride + col, mask=earlier, other=-1)
     tl.store(ids_ptr + row * width + lane, tl.where(earlier, host, -1), mask=lane < width)
@@ -64,20 +79,21 @@ def _host_ids_kernel(
 
 @triton.jit
 def _rows_kernel(
-    slots_ptr, topk_ptr, topk_stride, req_ptr, seq_ptr, newest_ptr, num_real_ptr, out_ptr,
-    out_stride, width, n, row_base, BLOCK: tl.constexpr,
+    slots_ptr, topk_ptr, topk_stride, req_ptr, seq_ptr, ring_ptr, ring_start_ptr, num_real_ptr,
+    out_ptr, out_stride, width, n, row_base, BLOCK: tl.constexpr, RING: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     lane = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = lane < width
     if row < n:
-        _pos, _req, newest, _selected, is_newest = _selection(
-            row, lane, width, topk_ptr, topk_stride, req_ptr, seq_ptr, newest_ptr,
-            num_real_ptr,
+        pos, req, _selected, in_ring = _selection(
+            row, lane, width, topk_ptr, topk_stride, req_ptr, seq_ptr, ring_ptr,
+            ring_start_ptr, num_real_ptr, RING,
         )  # fmt: skip
         slot = tl.load(slots_ptr + row * width + lane, mask=in_row, other=-1)
         rows = tl.where(slot >= 0, slot + row_base, -1)
-        rows = tl.where(is_newest, newest, rows)
+        ring_row = tl.load(ring_ptr + req * RING + pos % RING, mask=in_ring, other=-1)
+        rows = tl.where(in_ring, ring_row.to(tl.int64), rows)
     else:  # past the requests: selects nothing
         rows = tl.full([BLOCK], -1, dtype=tl.int64)
     tl.store(out_ptr + row * out_stride + lane, rows.to(out_ptr.dtype.element_ty), mask=in_row)
@@ -92,7 +108,8 @@ def host_ids(
     topk: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
-    newest_row: torch.Tensor,
+    ring_rows: torch.Tensor,
+    ring_start: torch.Tensor,
     req_to_host: torch.Tensor,
     num_real: torch.Tensor,
 ) -> torch.Tensor:
@@ -103,8 +120,9 @@ def host_ids(
     if n == 0 or width == 0:
         return ids
     _host_ids_kernel[_grid(n, width)](
-        topk, topk.stride(0), req_pool_indices, seq_lens, newest_row, num_real, req_to_host,
-        req_to_host.stride(0), req_to_host.shape[1], ids, width, BLOCK=BLOCK,
+        topk, topk.stride(0), req_pool_indices, seq_lens, ring_rows, ring_start, num_real,
+        req_to_host, req_to_host.stride(0), req_to_host.shape[1], ids, width, BLOCK=BLOCK,
+        RING=RING,
     )  # fmt: skip
     return ids
 
@@ -114,7 +132,8 @@ def rows(
     topk: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
-    newest_row: torch.Tensor,
+    ring_rows: torch.Tensor,
+    ring_start: torch.Tensor,
     num_real: torch.Tensor,
     row_base: int,
     out: torch.Tensor,
@@ -131,39 +150,42 @@ def rows(
             raise ValueError(f"slots are needed for the batch's {n} requests")
         slots = out  # never read: every row is past the requests
     _rows_kernel[_grid(total, width)](
-        slots, topk, topk.stride(0), req_pool_indices, seq_lens, newest_row, num_real, out,
-        out.stride(0), width, n, row_base, BLOCK=BLOCK,
+        slots, topk, topk.stride(0), req_pool_indices, seq_lens, ring_rows, ring_start, num_real,
+        out, out.stride(0), width, n, row_base, BLOCK=BLOCK, RING=RING,
     )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- reference
-def _selection_reference(topk, req_pool_indices, seq_lens, newest_row, num_real):
+def _selection_reference(topk, req_pool_indices, seq_lens, ring_rows, ring_start, num_real):
     n = req_pool_indices.shape[0]
     positions = topk[:n].to(torch.int64)
     req = req_pool_indices.to(torch.int64)
     seq = seq_lens[:n].to(torch.int64).unsqueeze(1)
-    newest = newest_row[req].to(torch.int64)
+    ring = ring_rows[req].to(torch.int64)  # [n, RING]
+    ring_lo = torch.maximum(ring_start[req].to(torch.int64).unsqueeze(1), seq - RING)
     real = torch.arange(n, device=topk.device) < num_real.to(topk.device)
-    live = (real & (newest > 0)).unsqueeze(1)
+    live = (real & (ring[:, 0] > 0)).unsqueeze(1)
     selected = live & (positions >= 0) & (positions < seq)
-    return positions, req, newest, selected, selected & (positions == seq - 1)
+    return positions, ring, selected, selected & (positions >= ring_lo)
 
 
 def host_ids_reference(
     topk: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
-    newest_row: torch.Tensor,
+    ring_rows: torch.Tensor,
+    ring_start: torch.Tensor,
     req_to_host: torch.Tensor,
     num_real: torch.Tensor,
 ) -> torch.Tensor:
     """Plain torch of :func:`host_ids` (fixed shapes, no host synchronisation)."""
-    positions, req, _newest, selected, is_newest = _selection_reference(
-        topk, req_pool_indices, seq_lens, newest_row, num_real
+    positions, _ring, selected, in_ring = _selection_reference(
+        topk, req_pool_indices, seq_lens, ring_rows, ring_start, num_real
     )
+    req = req_pool_indices.to(torch.int64)
     col = positions.clamp(min=0, max=req_to_host.shape[1] - 1)
     host = req_to_host[req.unsqueeze(1), col].to(torch.int64)
-    return torch.where(selected & ~is_newest, host, torch.full_like(host, -1))
+    return torch.where(selected & ~in_ring, host, torch.full_like(host, -1))
 
 
 def rows_reference(
@@ -171,7 +193,8 @@ def rows_reference(
     topk: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
-    newest_row: torch.Tensor,
+    ring_rows: torch.Tensor,
+    ring_start: torch.Tensor,
     num_real: torch.Tensor,
     row_base: int,
     out: torch.Tensor,
@@ -181,9 +204,10 @@ def rows_reference(
     out[n:].fill_(-1)
     if n == 0:
         return
-    _p, _r, newest, _s, is_newest = _selection_reference(
-        topk, req_pool_indices, seq_lens, newest_row, num_real
+    positions, ring, _s, in_ring = _selection_reference(
+        topk, req_pool_indices, seq_lens, ring_rows, ring_start, num_real
     )
     table = torch.where(slots >= 0, slots + row_base, torch.full_like(slots, -1))
-    table = torch.where(is_newest, newest.unsqueeze(1).expand_as(table), table)
+    ring_row = ring.gather(1, positions.remainder(RING))
+    table = torch.where(in_ring, ring_row, table)
     out[:n].copy_(table)

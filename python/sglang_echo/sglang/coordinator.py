@@ -36,6 +36,7 @@ import sglang.srt.managers.hisparse_coordinator as hisparse
 import torch
 
 from sglang_echo.config import ENV_DEV_CACHE, ConfigError, decode_prefetch_mode, settings
+from sglang_echo.kernels.topk_rows import RING
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.sglang import retraction
 from sglang_echo.sglang.args import ECHO_EXTRA_KEY
@@ -204,16 +205,23 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             )
 
         max_reqs = self.req_to_token_pool.req_to_token.shape[0]
-        # Newest-token row per request pool slot; 0 = no ECHO state (e.g. the padding
-        # request 0 that CUDA-graph capture and padded replays use).
-        self.newest_row = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        if self.page_size != RING:
+            raise ConfigError(f"sglang-echo needs {RING}-token pages (got {self.page_size})")
+        # Each running request's ring (kernels/topk_rows.py): the rows of its one device
+        # page, where the token at position p is written (p % RING) and stays for RING
+        # steps, so its newest decoded tokens are read in place, never recalled; all 0 =
+        # no ECHO state (e.g. the padding request 0 of CUDA-graph capture and replays).
+        # ring_start: the first position written there (the tokens before are on the host).
+        self.ring_rows = torch.zeros(max_reqs, RING, dtype=torch.int64, device=device)
+        self.ring_start = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self._newest_page: dict[int, torch.Tensor] = {}
         self._backup_issued = False  # a decode backup recorded and not yet waited on
         self.resolver = TopkToRows(
             self.manager,
             self.row_base,
             self.req_to_host_pool,
-            self.newest_row,
+            self.ring_rows,
+            self.ring_start,
             top_k,
             self.top_k_device_locs_buffer,
         )
@@ -403,7 +411,8 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
     # ------------------------------------------------------------- admission
     def alloc_device_buffer(self, req) -> None:
         """Admission to decode (PD direct or after staging): the request's prompt rows,
-        if any, are freed, and it gets one page whose first row holds its newest token.
+        if any, are freed, and it gets one page, its ring, where the tokens it decodes
+        from its current length on are written.
         A staged request's (local prefill) newest prompt rows go into ECHO's cache first,
         copied on the device (``_warm_from_prompt``)."""
         idx = req.kv.req_pool_idx
@@ -422,7 +431,8 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
                 "admitted than the plan sized the pool for (--max-running-requests)."
             )
         self._newest_page[idx] = page
-        self.newest_row[idx] = page[0]
+        self.ring_rows[idx] = page
+        self.ring_start[idx] = req.kv.kv_allocated_len
         if self.decode_prefetch is not None:
             self.decode_prefetch.reset_row(idx)
 
@@ -473,14 +483,14 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         req_pool_indices_cpu: torch.Tensor,
     ) -> None:
         """Back up each request's previous token, then point the token being decoded at
-        the request's newest row (the model's KV write lands there). The batch's real
-        request count is known here, on the host: one past N_G // top-k fails now."""
+        its ring row (the model's KV write lands there). The batch's real request count
+        is known here, on the host: one past N_G // top-k fails now."""
         self.resolver.check_batch(len(req_pool_indices_cpu))
         self._eager_backup_previous_token(
             seq_lens, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu
         )
         mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
-        mapping[out_cache_loc] = self.newest_row[req_pool_indices]
+        mapping[out_cache_loc] = self.ring_row_of(req_pool_indices, seq_lens - 1)
 
     def _eager_backup_previous_token(
         self,
@@ -489,8 +499,9 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         seq_lens_cpu: torch.Tensor,
         req_pool_indices_cpu: torch.Tensor,
     ) -> None:
-        """The token decoded last step is still in the newest row: copy it (all layers)
-        to a fresh host slot at its position, before this step overwrites the row."""
+        """The token decoded last step is in its ring row: copy it (all layers) to a fresh
+        host slot at its position, long before its row is written again (RING steps
+        on); the resolve reads it from the ring meanwhile."""
         batch_rows: list[int] = []
         host_ids: list[torch.Tensor] = []
         for i, (req_idx, seq_len) in enumerate(
@@ -505,7 +516,12 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             return
         rows = torch.tensor(batch_rows, dtype=torch.int64, pin_memory=self.is_cuda)
         rows = rows.to(self.device, non_blocking=True)
-        self._backup_newest_rows(self.newest_row[req_pool_indices[rows]], torch.cat(host_ids))
+        previous = self.ring_row_of(req_pool_indices[rows], seq_lens[rows] - 2)
+        self._backup_newest_rows(previous, torch.cat(host_ids))
+
+    def ring_row_of(self, req_pool_indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The device row of each request's token at ``positions`` in its ring."""
+        return self.ring_rows[req_pool_indices, positions.remainder(RING)]
 
     def _host_slot(self, req_idx: int, position: int) -> torch.Tensor:
         """The host slot of the request's token at ``position`` (allocated by page)."""
@@ -631,7 +647,8 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             self.token_to_kv_pool_allocator.free_hisparse_indices(page)
             logical = self.req_to_token_pool.req_to_token[idx, : req.kv.kv_allocated_len]
             self.mem_pool_device.full_to_hisparse_device_index_mapping[logical.to(torch.int64)] = 0
-            self.newest_row[idx] = 0
+            self.ring_rows[idx] = 0
+            self.ring_start[idx] = 0
         # Without a page the request ended during prefill: release_kv_cache frees its
         # prompt rows through the mapping, as in HiSparse.
 
@@ -726,9 +743,9 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
                     f"{held} of its {tokens} tokens and its newest row cannot supply the "
                     "rest; the coordinator's bookkeeping is wrong"
                 )
-            self._backup_newest_rows(  # on the backup stream, after the in-flight forward
-                self.newest_row[idx : idx + 1].clone(), self._host_slot(idx, tokens - 1)
-            )
+            newest = self.ring_rows[idx : idx + 1, (tokens - 1) % RING].clone()
+            # On the backup stream, after the in-flight forward.
+            self._backup_newest_rows(newest, self._host_slot(idx, tokens - 1))
             self._finish_backup_on_host()
 
     def claim_kept(self, req) -> KeptHostIds | None:

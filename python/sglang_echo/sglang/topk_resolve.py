@@ -5,8 +5,9 @@ that it is tested on its own. Inputs are SGLang's: per request its pool index, i
 sequence length (the current token included) and the indexer's top-k token positions
 (-1 = none). Each position becomes:
 
-- the request's newest-token row, for the current token (written this step into the
-  request's own newest page, not yet on the host);
+- a row of the request's ring (its own device page), for its newest decoded tokens: the
+  current one (written this step, not yet on the host) and up to 63 before it, which
+  stay in place there (kernels/topk_rows.py);
 - ``row_base + slot`` for every earlier token: its host id (SGLang's
   ``req_to_host_pool``) resolved by EchoManager, which protects hits, evicts and recalls
   misses, so the row holds that token's bytes for this layer;
@@ -42,17 +43,20 @@ class TopkToRows:
         manager: EchoManager,
         row_base: int,
         req_to_host: torch.Tensor,
-        newest_row: torch.Tensor,
+        ring_rows: torch.Tensor,
+        ring_start: torch.Tensor,
         top_k: int,
         out: torch.Tensor,
     ) -> None:
-        """``req_to_host`` [requests, positions] int64 host ids (-1 none); ``newest_row``
-        [requests] int64 (0 = no ECHO state); ``out`` [requests, >= top_k] int32, the
-        static table FlashMLA reads (written in place, so graph replays see new rows)."""
+        """``req_to_host`` [requests, positions] int64 host ids (-1 none); ``ring_rows``
+        [requests, RING] int64 (all 0 = no ECHO state) and ``ring_start`` [requests] int64:
+        each request's ring; ``out`` [requests, >= top_k] int32, the static table FlashMLA
+        reads (written in place, so graph replays see new rows)."""
         self.manager = manager
         self.row_base = row_base
         self.req_to_host = req_to_host
-        self.newest_row = newest_row
+        self.ring_rows = ring_rows
+        self.ring_start = ring_start
         self.top_k = top_k
         self.out = out
         # One decode step selects at most rows x top-k tokens per layer, and they must all
@@ -103,9 +107,16 @@ class TopkToRows:
         to_rows = rows if kernels else rows_reference
         slots = None
         if n > 0:
-            lookup = to_ids(topk, req, seq, self.newest_row, self.req_to_host, num_real)
-            slots = self.manager.resolve(layer, lookup)
-        to_rows(slots, topk, req, seq, self.newest_row, num_real, self.row_base, out)
+            lookup = to_ids(
+                topk, req, seq, self.ring_rows, self.ring_start, self.req_to_host, num_real
+            )
+            # Distinct host ids: a top-k's positions are distinct, and no two requests
+            # share a host id (the plugin runs sglang with the radix cache off, so no
+            # prefix is shared), which spares the allocation its duplicate look-up.
+            slots = self.manager.resolve(layer, lookup, distinct=True)
+        to_rows(
+            slots, topk, req, seq, self.ring_rows, self.ring_start, num_real, self.row_base, out
+        )
         return out
 
     def _output(self, rows: int, width: int, device: torch.device) -> torch.Tensor:
