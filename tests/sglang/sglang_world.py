@@ -50,7 +50,7 @@ def assert_coordinator_clean(coord, allocator) -> None:
     from sglang_echo.offload.device_cache import ABSENT, FREE
 
     assert torch.all(coord.ring_rows == 0) and torch.all(coord.ring_start == 0)
-    assert not coord._kept and not coord._unclaimed, "no retracted request's host ids kept"
+    assert coord.kept_rows.empty, "no retracted request's host ids kept"
     assert torch.all(coord.req_to_host_pool == -1)
     assert torch.all(coord.req_to_host_pool_allocated_len == 0)
     assert torch.all(allocator.full_to_hisparse_device_index_mapping[:-1] == 0)
@@ -361,7 +361,7 @@ class DecodeNode:
         token = self.running.pop(rid)
         req = token.req
         saved = False
-        with self.coord.retraction_scope():
+        with self.coord.kept_rows.scope():
             self.coord.retract_req(req)
             try:
                 if backs_up:
@@ -390,7 +390,7 @@ class DecodeNode:
         kept = kept_of(req)
         assert kept is not None
         fill = DecodePreallocQueue._pre_alloc_fill_len(req)
-        with self.coord.installing_kept_row(kept):
+        with kept.owner.installing(kept):
             assert self.req_to_token.alloc([req]) is not None
             idx = req.kv.req_pool_idx
             kv_loc = alloc_for_decode_prealloc_hisparse(

@@ -281,7 +281,7 @@ def test_retraction_under_pressure_through_sglangs_loop(model_dir, name):
         assert run.retracted_at is not None and run.retracted, "sglang retracted a request"
         assert run.steps_after_retraction >= 64, "decoded on well past the retraction"
         assert assert_outcome(run, reqs, finished) == expected
-        assert not rank.coord._kept and not rank.prealloc.retracted_queue
+        assert not rank.coord.kept_rows.live and not rank.prealloc.retracted_queue
         assert_nothing_leaked(rank)
 
 

@@ -35,16 +35,24 @@ from contextlib import contextmanager
 import sglang.srt.managers.hisparse_coordinator as hisparse
 import torch
 
-from sglang_echo.config import ENV_DEV_CACHE, ConfigError, decode_prefetch_mode, settings
+from sglang_echo.config import ConfigError, decode_prefetch_mode, settings
 from sglang_echo.kernels.topk_rows import RING
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.sglang import retraction
 from sglang_echo.sglang.args import ECHO_EXTRA_KEY
 from sglang_echo.sglang.decode_prefetch import install_decode_prefetch, uninstall_decode_prefetch
 from sglang_echo.sglang.guards import capacity_problems, decode_graphs_enabled, graph_problem
+from sglang_echo.sglang.kept_rows import SCOPES, KeptRows
 from sglang_echo.sglang.observe import install_metrics_hook, startup_line
+from sglang_echo.sglang.pool_layout import (
+    drop_per_request_buffers,
+    match_logical_to_host,
+    reserve_device_rows,
+    reserve_host_pages,
+    use_torch_transfers,
+)
 from sglang_echo.sglang.prefill_budget import EchoPrefillBudget
-from sglang_echo.sglang.retraction import KeptHostIds, install_retraction
+from sglang_echo.sglang.retraction import install_retraction
 from sglang_echo.sglang.storage import (
     ExternalHostRows,
     ExternalRowsCache,
@@ -117,13 +125,6 @@ def echo_settings() -> dict:
     return extra
 
 
-class _CpuStream(torch.cpu.Stream):
-    """torch.cpu.Stream with HiSparse's ``synchronize``: CPU work is already synchronous."""
-
-    def synchronize(self) -> None:
-        return None
-
-
 class EchoCoordinator(hisparse.HiSparseCoordinator):
     def __init__(
         self,
@@ -163,12 +164,17 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             )
         self.is_cuda = torch.device(device).type == "cuda"
         if not self.is_cuda:
-            self._use_torch_transfers()
-        self._drop_per_request_buffers()
+            use_torch_transfers(self)
+        drop_per_request_buffers(self)
         plan = echo_settings()
         self.num_slots = int(plan[ECHO_EXTRA_KEY])
-        self.reserved_host_ids = self._reserve_host_pages()
-        self.reserved_logical_ids = self._match_logical_to_host()
+        self.reserved_host_ids = reserve_host_pages(self.mem_pool_host)
+        self.reserved_logical_ids = match_logical_to_host(
+            self.token_to_kv_pool_allocator.logical_attn_allocator,
+            self.mem_pool_host,
+            self.page_size,
+            self.device,
+        )
         problems = capacity_problems(
             plan,
             device_rows=self.mem_pool_device.size,
@@ -176,7 +182,9 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         )
         if problems:
             raise ConfigError("\n".join(problems))
-        self.reserved_device_rows, self.row_base = self._reserve_device_rows()
+        self.reserved_device_rows, self.row_base = reserve_device_rows(
+            self.token_to_kv_pool_allocator.hisparse_attn_allocator, self.num_slots, self.page_size
+        )
 
         device_rows = device_layer_rows(
             self.mem_pool_device.kv_buffer, self.row_base, self.num_slots
@@ -232,15 +240,10 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         # step (one_release_per_step), or at once outside a step's result processing.
         self._finished_host_rows: list[torch.Tensor] = []
         self._step_depth = 0
-        # Retraction (sglang_echo/sglang/retraction.py): for each request admitted
-        # directly (PD: its KV is all in the host pool), how many of its tokens the host
-        # pool holds; host-id rows a retraction kept that no backup has claimed yet.
+        # For each request admitted directly (PD: its KV is all in the host pool), how
+        # many of its tokens the host pool holds (a retraction keeps those: kept_rows.py).
         self._host_len: dict[int, int] = {}
-        self._unclaimed: dict[int, KeptHostIds] = {}
-        # Kept rows a backup claimed, until resume or release, oldest first (keyed by
-        # id(kept)): each holds logical ids for its host ids, and is dropped, newest
-        # first, when a decode step needs the room (check_decode_capacity).
-        self._kept: dict[int, KeptHostIds] = {}
+        self.kept_rows = KeptRows(self)
         install_step_release()
         install_retraction()
         # SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1: stage predicted misses from sglang's own
@@ -260,137 +263,22 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         self._patch_prefill_budget()
         # Counter values last sent to sglang's exporter (observe.publish_metrics).
         self._metrics_sent: dict[str, float] = {}
-        install_metrics_hook()
+        install_metrics_hook(EchoCoordinator)
         logger.info(startup_line(self, "on" if self.decode_prefetch is not None else "off"))
-
-    # ---------------------------------------------------------------- set-up
-    def _use_torch_transfers(self) -> None:
-        """sglang's host<->device copy ops and stream sync exist on CUDA/ROCm/XPU only.
-        On the CPU (where sglang does not serve; our tests run there) the coordinator
-        gives its host pool the same copies in torch, synchronously."""
-        host = self.mem_pool_host
-
-        def backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend):
-            rows = host_layer_rows(host.kv_buffer)
-            ids = host_indices.to(torch.int64)
-            for layer, buf in enumerate(device_pool.kv_buffer):
-                src = buf.view(buf.shape[0], -1).index_select(0, device_indices.to(torch.int64))
-                rows[layer].index_copy_(0, ids, src.to(rows.dtype))
-
-        def load_to_device_per_layer(
-            device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft=False
-        ):
-            rows = host_layer_rows(host.kv_buffer)[layer_id]
-            buf = device_pool.kv_buffer[layer_id]
-            flat = buf.view(buf.shape[0], -1)
-            src = rows.index_select(0, host_indices.to(torch.int64))
-            flat.index_copy_(0, device_indices.to(torch.int64), src.to(flat.dtype))
-
-        host.backup_from_device_all_layer = backup_from_device_all_layer
-        host.load_to_device_per_layer = load_to_device_per_layer
-        self.write_staging_stream = _CpuStream()
-        self.decode_backup_stream = _CpuStream()
-
-    def _drop_per_request_buffers(self) -> None:
-        """HiSparse's per-request, per-layer buffer tables (about 1 MB per request slot
-        for 61 layers) are unused by ECHO: replace them by empty tensors, so a HiSparse
-        path that ECHO does not override fails loudly instead of reading stale tables."""
-        for name in (
-            "req_to_device_buffer",
-            "req_device_buffer_tokens",
-            "req_device_buffer_token_locs",
-            "lru_slots",
-            "_lru_init",
-            "raw_indices_buffer",
-        ):
-            old = getattr(self, name)
-            setattr(self, name, torch.empty(0, dtype=old.dtype, device=old.device))
-
-    def _reserve_host_pages(self) -> torch.Tensor:
-        """Keep the first host page (id 0: ECHO's sink) and the last (id size-1: ECHO's
-        scratch row) out of SGLang's host allocator for good."""
-        host = self.mem_pool_host
-        page = host.page_size
-        total = host.available_size()
-        if total != host.size or total % page or total < 3 * page:
-            raise ConfigError(
-                f"sglang-echo needs a fresh host pool of >= 3 pages, got {total} free of "
-                f"{host.size} slots (page {page}); raise --max-total-tokens."
-            )
-        every = host.alloc(total)
-        keep = (every < page) | (every >= host.size - page)
-        host.free(every[~keep])
-        reserved = every[keep]
-        if reserved.numel() != 2 * page:
-            raise ConfigError("sglang-echo: could not reserve the host pool's first and last page")
-        return reserved
-
-    def _match_logical_to_host(self) -> torch.Tensor:
-        """Every logical token id must be able to get a host slot (PD pre-allocation and
-        each decode backup take one per token). sglang sizes the host pool one page above
-        the logical pool, and ECHO keeps two host pages, so the logical pool would be one
-        page larger than the host pool can serve: once it filled, the host allocation
-        would raise. Hold the excess logical pages for good instead, so that admission
-        and retraction see the capacity the host pool really has.
-
-        The invariant, logical free <= host free, then holds at every moment (a running
-        request holds at least as many logical ids as host ids: the host lags one token),
-        and checks on the logical pool alone also cover the host pool. A retraction that
-        keeps host ids holds as many logical ids until resume, to keep it (retraction.py)."""
-        logical = self.token_to_kv_pool_allocator.logical_attn_allocator
-        page = self.page_size
-        excess = logical.available_size() - self.mem_pool_host.available_size()
-        if excess <= 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        excess = -(-excess // page) * page
-        ids = logical.alloc(excess)
-        if ids is None:
-            raise ConfigError(
-                f"sglang-echo: could not hold {excess} logical token ids to match the host "
-                "pool; the pool was used before the coordinator."
-            )
-        return ids
-
-    def _reserve_device_rows(self) -> tuple[torch.Tensor, int]:
-        """Reserve N_G + 1 contiguous device rows right after the padding page; ECHO's
-        sink slot 0 then sits on the padding page's last row (never written by ECHO)."""
-        allocator = self.token_to_kv_pool_allocator.hisparse_attn_allocator
-        page = self.page_size
-        need = -(-(self.num_slots + 1) // page) * page
-        available = allocator.available_size()
-        if available < need + page:
-            raise ConfigError(
-                f"{ENV_DEV_CACHE}={self.num_slots} needs {need} device rows plus one "
-                f"{page}-row page per running request, but the device pool has {available} "
-                f"free rows; lower {ENV_DEV_CACHE} or give the KV pool more GPU memory "
-                "(--mem-fraction-static)."
-            )
-        rows = allocator.alloc(need)
-        if rows is None:
-            raise ConfigError(f"sglang-echo: the device allocator refused {need} rows")
-        rows_cpu = rows.cpu()
-        first = int(rows_cpu[0])
-        if first != page or not torch.equal(rows_cpu, torch.arange(first, first + need)):
-            allocator.free(rows)
-            raise ConfigError(
-                "sglang-echo: the device rows for the ECHO cache must be contiguous and "
-                "start after the padding page; the pool was used before the coordinator."
-            )
-        return rows, first - 1
 
     def _patch_decode_capacity(self) -> None:
         """A decode step allocates logical token ids only (its KV goes to the request's
         newest row), so only the logical pool can run short. HiSparse's allocator compares
         min(logical, device) free and would retract requests for lack of device rows,
         which ECHO reserved at start-up. Kept rows of retracted requests give way first
-        (``_drop_kept_for``): sglang's retract loop calls this check too, so they are
+        (``KeptRows.drop_for``): sglang's retract loop calls this check too, so they are
         dropped before any running request is retracted or aborted."""
         allocator = self.token_to_kv_pool_allocator
         logical = allocator.logical_attn_allocator
 
         def check_decode_capacity(*, num_tokens, tree_cache, requests=None, spec_algorithm=None):
             allocator.evict_to_free_tokens(tree_cache, num_tokens)
-            self._drop_kept_for(num_tokens)
+            self.kept_rows.drop_for(num_tokens)
             return logical.available_size() >= num_tokens
 
         allocator.check_decode_capacity = check_decode_capacity
@@ -659,194 +547,16 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         self._host_len.pop(idx, None)
 
     # ------------------------------------------------------------- retraction
-    @contextmanager
-    def retraction_scope(self) -> Iterator[None]:
-        """sglang's release_req (retraction.py): inside it, a PD request's retraction
-        keeps its host ids for sglang's backup to claim; the ones not claimed are released
-        when the outermost scope closes."""
-        retraction.SCOPES.append(self)
-        try:
-            yield
-        finally:
-            retraction.SCOPES.remove(self)
-            if self not in retraction.SCOPES:
-                unclaimed, self._unclaimed = list(self._unclaimed.values()), {}
-                for kept in unclaimed:
-                    self.discard_kept(kept)
-                self._hold_logical_ids()
-
-    def _hold_logical_ids(self) -> None:
-        """sglang's release_kv_cache (inside the scope) has freed the retracted requests'
-        logical ids, while their host ids stay kept: hold as many logical ids as each kept
-        row has host ids, so logical free <= host free holds again. The release freed at
-        least that many (a request holds no fewer logical ids than host ids), so this does
-        not fail; if it ever did, the row is dropped (503) rather than break the check."""
-        logical = self.token_to_kv_pool_allocator.logical_attn_allocator
-        for kept in [k for k in self._kept.values() if k.logical is None and not k.installed]:
-            n = kept.host_ids
-            ids = logical.alloc(n) if n else torch.empty(0, dtype=torch.int64, device=self.device)
-            if ids is None:
-                logger.warning(
-                    "sglang-echo: no %d logical ids to hold for retracted request %s; its "
-                    "kept KV is released",
-                    n,
-                    kept.rid,
-                )
-                self._drop_kept(kept)
-                continue
-            kept.logical = ids
-
     def retract_req(self, req) -> None:
         """A retraction inside sglang's release_req of a request admitted directly (PD
         decode: its KV is in the host pool) keeps its host ids; any other retraction
         releases like a finish (HiSparse's behaviour)."""
         direct = req.kv.req_pool_idx in self._host_len
-        keeps = retraction.ENABLED and self in retraction.SCOPES and direct
+        keeps = retraction.ENABLED and self.kept_rows in SCOPES and direct
         if not keeps or getattr(req, "hisparse_staging", False):
             super().retract_req(req)
             return
-        self._unclaimed[id(req)] = self._keep_host_ids(req)
-
-    def _keep_host_ids(self, req) -> KeptHostIds:
-        """The request's host-id row, holding every token sglang restores at resume (its
-        prompt and outputs but the last, whose KV the resumed step computes): the newest
-        row's token is backed up first if the host pool lacks it (the host waits: the
-        page is freed right after). The ids stay allocated and mapped in ECHO's cache."""
-        from sglang.srt.disaggregation.decode import DecodePreallocQueue
-
-        idx = req.kv.req_pool_idx
-        tokens = DecodePreallocQueue._pre_alloc_fill_len(req)
-        self._back_up_missing_token(req, tokens)
-        self._end_decode_state(req)
-        row = self._host_id_row(idx)
-        kept = KeptHostIds(
-            self,
-            row if row is not None else torch.empty(0, dtype=torch.int64),
-            int(self.req_to_host_pool_allocated_len[idx]),
-            tokens,
-        )
-        self._clear_host_row(idx)
-        return kept
-
-    def _back_up_missing_token(self, req, tokens: int) -> None:
-        """The host pool holds the first ``tokens - 1`` of the request's tokens when its
-        last step's results were processed (its newest row holds the last one), or all of
-        them when the retraction comes while that step is in flight (its backup was
-        issued when the step was prepared): in the first case copy the newest row now."""
-        idx = req.kv.req_pool_idx
-        held = self._host_len.get(idx, 0)
-        if held < tokens:
-            page = self._newest_page.get(idx)
-            if held != tokens - 1 or page is None or self._skip_first_backup[idx]:
-                raise RuntimeError(
-                    f"sglang-echo: retracting request {req.rid!r}: the host pool holds "
-                    f"{held} of its {tokens} tokens and its newest row cannot supply the "
-                    "rest; the coordinator's bookkeeping is wrong"
-                )
-            newest = self.ring_rows[idx : idx + 1, (tokens - 1) % RING].clone()
-            # On the backup stream, after the in-flight forward.
-            self._backup_newest_rows(newest, self._host_slot(idx, tokens - 1))
-            self._finish_backup_on_host()
-
-    def claim_kept(self, req) -> KeptHostIds | None:
-        """The host ids this coordinator's retraction of ``req`` kept (sglang's backup),
-        registered as live until resume or release."""
-        kept = self._unclaimed.pop(id(req), None)
-        if kept is not None:
-            kept.rid = req.rid
-            self._kept[id(kept)] = kept
-        return kept
-
-    @contextmanager
-    def installing_kept_row(self, kept: KeptHostIds) -> Iterator[None]:
-        """sglang's resume (_pre_alloc) allocates the request slot, then host slots for the
-        tokens it restores from position 0: that allocation is given the kept row first,
-        so it allocates nothing. The logical ids the row held are freed first: sglang
-        allocates the request's fill anew right after (credited in its resume budget)."""
-        self._free_held_logical(kept)
-        host = self.mem_pool_host
-        own = "alloc_paged_token_slots" in vars(host)
-        original = host.alloc_paged_token_slots
-
-        def alloc(req_to_host_pool, allocated_len, req_pool_idx, start_pos, num_tokens):
-            if not kept.installed and start_pos == 0 and int(allocated_len[req_pool_idx]) == 0:
-                n = kept.row.numel()
-                req_to_host_pool[req_pool_idx, :n] = kept.row.to(req_to_host_pool.device)
-                allocated_len[req_pool_idx] = kept.allocated
-                kept.installed = True
-            return original(req_to_host_pool, allocated_len, req_pool_idx, start_pos, num_tokens)
-
-        host.alloc_paged_token_slots = alloc
-        try:
-            yield
-        finally:
-            if own:
-                host.alloc_paged_token_slots = original
-            else:
-                del host.alloc_paged_token_slots
-
-    def resume_kept(self, req, kept: KeptHostIds) -> None:
-        """sglang's restore of a resumed request: its row holds the kept host ids (its KV
-        in the host pool, the tokens still cached in ECHO's cache where they were); admit
-        it directly, as a PD arrival."""
-        self._kept.pop(id(kept), None)
-        idx = req.kv.req_pool_idx
-        n = kept.row.numel()
-        row = self.req_to_host_pool[idx, :n].to(kept.row.device)
-        if not kept.installed or not torch.equal(row, kept.row):
-            raise RuntimeError(
-                f"sglang-echo: request {req.rid!r} resumed without its kept host ids "
-                "(sglang's resume path changed?); its KV would be read from the wrong host "
-                "rows"
-            )
-        if req.kv.kv_allocated_len != kept.tokens:
-            raise RuntimeError(
-                f"sglang-echo: request {req.rid!r} resumed with {req.kv.kv_allocated_len} "
-                f"tokens, its kept host ids hold {kept.tokens}"
-            )
-        self.admit_request_direct(req)
-
-    def discard_kept(self, kept: KeptHostIds) -> None:
-        """Kept host ids of a request that will not resume: released like a finish's,
-        with the logical ids held for them. Once only: a row already released (dropped
-        under pressure, then aborted or discarded by sglang) frees nothing twice."""
-        if kept.released:
-            return
-        kept.released = True
-        self._kept.pop(id(kept), None)
-        self._free_held_logical(kept)
-        if kept.row.numel():
-            self._finished_host_rows.append(kept.row)
-        if self._step_depth == 0:
-            self.release_finished()
-
-    def _free_held_logical(self, kept: KeptHostIds) -> None:
-        if kept.logical is not None and kept.logical.numel():
-            self.token_to_kv_pool_allocator.logical_attn_allocator.free(kept.logical)
-        kept.logical = None
-
-    def _drop_kept_for(self, num_tokens: int) -> None:
-        """A decode step needs ``num_tokens`` logical ids: drop kept rows, newest first,
-        until they fit or none is left. A kept row frees nothing by retracting more
-        requests (it holds its ids), so without this sglang would retract every running
-        request and abort the last with a 500. The newest go first: the head of the
-        retracted queue resumes first."""
-        logical = self.token_to_kv_pool_allocator.logical_attn_allocator
-        while self._kept and logical.available_size() < num_tokens:
-            self._drop_kept(self._kept[next(reversed(self._kept))])
-
-    def _drop_kept(self, kept: KeptHostIds) -> None:
-        """Release a kept row under memory pressure: its request ends with a 503 when the
-        prealloc queue next looks at its retracted requests (retraction.abort_dropped)."""
-        logger.warning(
-            "sglang-echo: decode memory pressure: releasing the kept KV of retracted "
-            "request %s (%d host tokens); it ends with 503",
-            kept.rid,
-            kept.host_ids,
-        )
-        kept.dropped = True
-        self.discard_kept(kept)
-        self.release_finished()  # its host ids free now, with its logical ids
+        self.kept_rows.unclaimed[id(req)] = self.kept_rows.keep(req)
 
     def _finish_backup_on_host(self) -> None:
         """Block the host until the last decode backup has landed, before host ids go

@@ -45,6 +45,7 @@ COUNTERS = tuple(name for name, (kind, _) in METRICS.items() if kind == "counter
 _metrics: dict[str, Any] = {}  # name -> prometheus_client metric, once per process
 _label_names: tuple[str, ...] | None = None
 _hook_installed = False
+_echo_class: type | None = None  # EchoCoordinator, once a coordinator is built
 
 
 def rank_of(tp_group: Any) -> tuple[int, int | None]:
@@ -195,9 +196,7 @@ def around_log_hicache_stats(original, reporter, *args, **kwargs):
     result = original(reporter, *args, **kwargs)
     coordinator = getattr(getattr(reporter, "scheduler", None), "hisparse_coordinator", None)
     collector = getattr(reporter, "metrics_collector", None)
-    from sglang_echo.sglang.coordinator import EchoCoordinator  # it imports this module
-
-    if collector is not None and isinstance(coordinator, EchoCoordinator):
+    if collector is not None and _echo_class and isinstance(coordinator, _echo_class):
         try:
             publish_metrics(coordinator, dict(collector.labels))
         except Exception:  # metrics must never stop the scheduler
@@ -205,10 +204,13 @@ def around_log_hicache_stats(original, reporter, *args, **kwargs):
     return result
 
 
-def install_metrics_hook() -> None:
+def install_metrics_hook(echo_class: type) -> None:
     """Register ``around_log_hicache_stats`` once per process (from the coordinator: only
-    schedulers build one). If sglang cannot apply it (it only logs that), say so."""
-    global _hook_installed
+    schedulers build one), for coordinators of ``echo_class`` (given, not imported: the
+    coordinator imports this module). If sglang cannot apply it (it only logs that), say
+    so."""
+    global _hook_installed, _echo_class
+    _echo_class = echo_class
     if _hook_installed:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType

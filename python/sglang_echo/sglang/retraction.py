@@ -29,9 +29,9 @@ the step release is) make a retraction keep the request's host ids instead:
   leave the retracted queue with a 503 before sglang tries to resume any.
 
 Capacity: the plugin's decode check looks at the logical pool only, which is exact while
-logical free <= host free (``EchoCoordinator._match_logical_to_host``). sglang's
+logical free <= host free (``pool_layout.match_logical_to_host``). sglang's
 ``release_kv_cache`` frees a retracted request's logical ids while its host ids stay kept,
-so the coordinator holds as many logical ids as the kept row has host ids until resume.
+so the coordinator's kept rows (kept_rows.py) hold as many logical ids as the kept row has host ids until resume.
 A kept row then frees no capacity, so when a decode step falls short the coordinator
 drops kept rows (newest first) before sglang retracts or aborts a running request: their
 host and logical ids go back, and the request ends with a 503 (what stock sglang answers
@@ -43,11 +43,10 @@ Any other backup (another pool, a request admitted through staging) takes sglang
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-import torch
+from sglang_echo.sglang.kept_rows import SCOPES, KeptHostIds, KeptRows
 
 logger = logging.getLogger(__name__)
 
@@ -60,34 +59,10 @@ TARGETS = {
     "required": "sglang.srt.disaggregation.decode.DecodePreallocQueue._prealloc_required_tokens",
     "resume": "sglang.srt.disaggregation.decode.DecodePreallocQueue.resume_retracted_reqs",
 }
-# Coordinators inside a retraction scope (sglang's release_req), innermost last.
-SCOPES: list[Any] = []
 _installed = False
 # Every hook applied: only then does a retraction keep host ids (a partial set would keep
 # ids that the resume path then cannot restore).
 ENABLED = False
-
-
-@dataclass
-class KeptHostIds:
-    """A retracted request's host-id row, kept allocated for its resume."""
-
-    coordinator: Any  # the EchoCoordinator that kept it
-    row: torch.Tensor  # host ids over the allocated pages, -1 where none
-    allocated: int  # req_to_host_pool_allocated_len of the row
-    tokens: int  # tokens whose KV the row holds (sglang's fill length at resume)
-    installed: bool = field(default=False)  # put back into a request slot's row
-    rid: str = ""  # the retracted request's id (log lines)
-    # Logical ids held for the kept host ids from the retraction until resume (None:
-    # none held), so that logical free <= host free still holds.
-    logical: torch.Tensor | None = None
-    released: bool = False  # host and logical ids given back (discarded or dropped)
-    dropped: bool = False  # released under decode memory pressure: the request gets a 503
-
-    @property
-    def host_ids(self) -> int:
-        """How many host ids the row holds (allocated by page: a page multiple)."""
-        return int((self.row >= 0).sum())
 
 
 def kept_of(req: Any) -> KeptHostIds | None:
@@ -99,18 +74,18 @@ def kept_of(req: Any) -> KeptHostIds | None:
 # ------------------------------------------------------------------------- hooks
 def release_req_scope(original, *args, **kwargs):
     """AROUND sglang's ``release_req``: the coordinator's retraction scope around it."""
-    coordinator = kwargs.get("hisparse_coordinator")
-    if not hasattr(coordinator, "retraction_scope"):
+    kept_rows = getattr(kwargs.get("hisparse_coordinator"), "kept_rows", None)
+    if not isinstance(kept_rows, KeptRows):  # stock HiSparse, or no coordinator
         return original(*args, **kwargs)
-    with coordinator.retraction_scope():
+    with kept_rows.scope():
         return original(*args, **kwargs)
 
 
 def backup_keeping_host_ids(original, req, tree_cache, req_to_token_pool, allocator, backend):
     """AROUND ``backup_kv_cache``: a request whose host ids the scope's coordinator kept
     is backed up by them (True: sglang queues it as retracted)."""
-    for coordinator in reversed(SCOPES):
-        kept = coordinator.claim_kept(req)
+    for kept_rows in reversed(SCOPES):
+        kept = kept_rows.claim(req)
         if kept is not None:
             from sglang.srt.mem_cache.common import RetractionBackup
 
@@ -125,7 +100,7 @@ def pre_alloc_with_kept_row(original, queue, req, *args, **kwargs):
     kept = kept_of(req)
     if kept is None:
         return original(queue, req, *args, **kwargs)
-    with kept.coordinator.installing_kept_row(kept):
+    with kept.owner.installing(kept):
         return original(queue, req, *args, **kwargs)
 
 
@@ -135,7 +110,7 @@ def restore_kept_host_ids(original, req, tree_cache, req_to_token_pool, allocato
     kept = kept_of(req)
     if kept is None:
         return original(req, tree_cache, req_to_token_pool, allocator, backend)
-    kept.coordinator.resume_kept(req, kept)
+    kept.owner.resume(req, kept)
     req.kv.retraction_backup = None
     return None
 
@@ -146,7 +121,7 @@ def discard_kept_host_ids(original, req, tree_cache, backend):
     kept = kept_of(req)
     if kept is None:
         return original(req, tree_cache, backend)
-    kept.coordinator.discard_kept(kept)
+    kept.owner.discard(kept)
     req.kv.retraction_backup = None
     return None
 
