@@ -5,15 +5,21 @@ Each total is computed here independently of sizing.py, at DeepSeek-V3.2's real 
 (61 layers, N_G 260K, T 2M host tokens, fp8 and bf16 rows): sglang's own pool classes
 and ECHO's own DeviceCache / AllocWorkspace built on the meta device (their real tensors,
 no memory), HiSparse's request tables from the shapes hisparse_coordinator.py allocates,
-the weights from the checkpoint's tensors listed one by one. Closed forms of the same
-totals (checked against those classes) search every N_G and T exhaustively for the
-largest values that fit.
+the weights from the checkpoint's tensors listed one by one, and from a small checkpoint
+written here as safetensors shards with its model.safetensors.index.json (issue 50).
+Closed forms of the same totals (checked against those classes) search every N_G and T
+exhaustively for the largest values that fit; every fraction for the smallest that does.
 
 The launcher tests resolve README's launch lines, and README-like lines that do not fit,
 through sglang 0.5.23's real ServerArgs resolution (dry_parse.py, in a subprocess: this
 file run as a script), stubbing only what this CPU machine lacks: the GPU's memory (an
 H200's or H20's, as nvidia-smi reports it), the node's available memory and the device
-capability. README's sizing block must equal what the launcher logs for its lines.
+capability. Each GPU refusal is launched again at the --mem-fraction-static and
+--cuda-graph-max-bs-decode it names (sglang's own default-fraction rule decides the
+latter) and one step past: the first starts, the second is refused. README's sizing block
+must equal what the launcher logs for its lines. The budget there is an estimate (a stated
+start-up overhead); test_sizing_measured.py checks the exact one, against sglang's own
+memory profile.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -159,7 +166,8 @@ def request_tables(slots: int, context: int) -> int:
     shapes = [
         ((slots, context + 4 + PAGE), 8),  # req_to_host_pool int64
         ((slots, TOP_K), 4),  # top_k_device_locs_buffer int32
-        ((slots,), 8),  # ECHO's newest_row int64
+        ((slots, PAGE), 8),  # ECHO's ring_rows int64
+        ((slots,), 8),  # ECHO's ring_start int64
         ((slots, b + PAGE), 8),  # req_to_device_buffer int64 (freed)
         ((LAYERS, slots, b + PAGE), 4),  # req_device_buffer_tokens int32 (freed)
         ((LAYERS, slots, b + PAGE), 4),  # req_device_buffer_token_locs int32 (freed)
@@ -368,6 +376,196 @@ def test_weights_are_the_checkpoint_tensors(model, tp, attn_dp):
     assert got.total == weights_per_gpu(config, tp, attn_dp)
 
 
+# A DeepSeek-V3.2-shaped checkpoint small enough to write (test_plugin_args' config:
+# 4 layers, the first dense, 8 routed experts), with its MTP layer, as safetensors shards.
+def small_checkpoint_tensors(config: dict):
+    """(part, name, shape, dtype) of every tensor of the checkpoint, the MTP layer's with
+    part None, named as DeepSeek-V3.2's checkpoints name them."""
+    h, heads, layers = config["hidden_size"], config["num_attention_heads"], 4
+    q_lora, kv_lora = config["q_lora_rank"], config["kv_lora_rank"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    idx_heads, idx_dim = config["index_n_heads"], config["index_head_dim"]
+    experts, moe, vocab = config["n_routed_experts"], config["moe_intermediate_size"], config["vocab_size"]  # fmt: skip
+    bf16, fp32 = torch.bfloat16, torch.float32
+    yield "embed", "model.embed_tokens.weight", (vocab, h), bf16
+    yield "lm_head", "lm_head.weight", (vocab, h), bf16
+    yield "norm", "model.norm.weight", (h,), bf16
+    for i in range(layers + 1):  # layer 4: the MTP layer
+        mtp = i == layers
+
+        def part(name: str, mtp: bool = mtp) -> str | None:
+            return None if mtp else name
+
+        a = f"model.layers.{i}.self_attn"
+        for name, shape, which in (
+            ("q_a_proj.weight", (q_lora, h), "attn_replicated"),
+            ("q_a_layernorm.weight", (q_lora,), "attn_replicated"),
+            ("q_b_proj.weight", (heads * (nope + rope), q_lora), "attn_split"),
+            ("kv_a_proj_with_mqa.weight", (kv_lora + rope, h), "attn_replicated"),
+            ("kv_a_layernorm.weight", (kv_lora,), "attn_replicated"),
+            ("kv_b_proj.weight", (heads * (nope + v), kv_lora), "attn_split"),
+            ("o_proj.weight", (h, heads * v), "attn_split"),
+            ("indexer.wq_b.weight", (idx_heads * idx_dim, q_lora), "attn_replicated"),
+            ("indexer.wk.weight", (idx_dim, h), "attn_replicated"),
+            ("indexer.weights_proj.weight", (idx_heads, h), "attn_replicated"),
+            ("indexer.k_norm.weight", (idx_dim,), "attn_replicated"),
+            ("indexer.k_norm.bias", (idx_dim,), "attn_replicated"),
+        ):
+            yield part(which), f"{a}.{name}", shape, bf16
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            yield part("attn_replicated"), f"model.layers.{i}.{norm}.weight", (h,), bf16
+        m = f"model.layers.{i}.mlp"
+        if i == 0:
+            inter = config["intermediate_size"]
+            for proj, shape in (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter))):
+                yield "dense", f"{m}.{proj}_proj.weight", shape, bf16
+            continue
+        for e in range(experts):
+            for proj, shape in (("gate", (moe, h)), ("up", (moe, h)), ("down", (h, moe))):
+                yield part("routed"), f"{m}.experts.{e}.{proj}_proj.weight", shape, bf16
+        shared = moe * config["n_shared_experts"]
+        for proj, shape in (("gate", (shared, h)), ("up", (shared, h)), ("down", (h, shared))):
+            yield part("shared"), f"{m}.shared_experts.{proj}_proj.weight", shape, bf16
+        yield part("routers"), f"{m}.gate.weight", (experts, h), bf16
+        yield part("routers"), f"{m}.gate.e_score_correction_bias", (experts,), fp32
+    for name, shape in (("embed_tokens.weight", (vocab, h)), ("enorm.weight", (h,)),
+                        ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
+                        ("shared_head.norm.weight", (h,)), ("shared_head.head.weight", (vocab, h))):  # fmt: skip
+        yield None, f"model.layers.{layers}.{name}", shape, bf16
+
+
+def write_small_checkpoint(folder: Path, config: dict) -> dict:
+    """The checkpoint in three shards and its model.safetensors.index.json; returns the
+    index written."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        name: torch.zeros(shape, dtype=dtype)
+        for _, name, shape, dtype in small_checkpoint_tensors(config)
+    }
+    names = sorted(tensors)
+    weight_map = {}
+    for k in range(3):
+        shard = f"model-0000{k + 1}-of-00003.safetensors"
+        part = {n: tensors[n] for n in names[k::3]}
+        save_file(part, str(folder / shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / sizing.INDEX_FILE).write_text(json.dumps(index))
+    (folder / "config.json").write_text(json.dumps(config))
+    return index
+
+
+@pytest.mark.parametrize(
+    "tp, attn_dp, dense_tp",
+    [(8, 8, None), (8, 1, None), (4, 2, 1)],
+    ids=["dp-attention", "tp8", "tp4-dp2-dense-replicated"],
+)
+def test_weights_from_the_checkpoint_index(tmp_path, tp, attn_dp, dense_tp):
+    """The weights read through model.safetensors.index.json and its shards' headers: each
+    part's tensors divided as sglang loads them, the MTP layer left out, sglang's absorbed
+    kv_b copies added; the same bytes as config.json's estimate for a checkpoint holding
+    exactly the config's tensors."""
+    from test_plugin_args import MODEL_CONFIG
+
+    config = {**MODEL_CONFIG, "num_nextn_predict_layers": 1}
+    index = write_small_checkpoint(tmp_path, config)
+    parallel = sizing.Parallel(tp_size=tp, attn_dp_size=attn_dp, moe_dense_tp_size=dense_tp)
+    got = sizing.checkpoint_weight_bytes(tmp_path, config, parallel)
+    assert got is not None and got.source == "the checkpoint's model.safetensors.index.json"
+
+    parts: dict[str, int] = {}
+    mtp = 0
+    for part, _, shape, dtype in small_checkpoint_tensors(config):
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if part is None:
+            mtp += nbytes
+        else:
+            parts[part] = parts.get(part, 0) + nbytes
+    assert mtp > 0 and sum(parts.values()) + mtp == index["metadata"]["total_size"]
+    heads, kv_lora = config["num_attention_heads"], config["kv_lora_rank"]
+    nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
+    # sglang's bf16 w_kc [heads, nope, kv_lora] and w_vc [heads, kv_lora, v], each layer
+    parts["attn_split"] += config["num_hidden_layers"] * 2 * heads * kv_lora * (nope + v)
+    attn_tp = tp // attn_dp
+    ways = {
+        "attn_split": attn_tp,
+        "embed": attn_tp if attn_dp > 1 else tp,
+        "lm_head": tp,
+        "dense": 1 if dense_tp == 1 else tp,
+        "shared": tp,
+        "routed": tp,
+    }
+    want = sum(-(-nbytes // ways.get(part, 1)) for part, nbytes in parts.items())
+    assert got.total == want
+    assert got.routed_experts == -(-parts["routed"] // tp)
+    assert got.total == sizing.weight_bytes(config, parallel).total  # the two paths agree
+
+
+def test_index_weights_fall_back_to_config(tmp_path, caplog):
+    """Without an index, with a shard missing, with an index that does not add up, or
+    with online quantization (stored bytes are not loaded bytes): config.json's estimate,
+    through the launcher's own choice (args.weights_of)."""
+    from test_plugin_args import MODEL_CONFIG
+
+    from sglang_echo.sglang.args import weights_of
+
+    config = {**MODEL_CONFIG, "num_nextn_predict_layers": 1}
+    parallel = sizing.Parallel(8, 8)
+    estimate = sizing.weight_bytes(config, parallel)
+    assert weights_of(str(tmp_path), config, parallel, None) == estimate  # no index
+    assert weights_of("org/hub-name", config, parallel, None) == estimate  # not a folder
+    index = write_small_checkpoint(tmp_path, config)
+    from_index = weights_of(str(tmp_path), config, parallel, None)
+    assert from_index.source != estimate.source and from_index.total == estimate.total
+    online = weights_of(str(tmp_path), config, parallel, "fp8")
+    assert online == sizing.weight_bytes(config, parallel, "fp8") and online != from_index
+    index["metadata"]["total_size"] += 1
+    (tmp_path / sizing.INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(sizing.UnknownWeights, match="total_size"):
+        sizing.checkpoint_weight_bytes(tmp_path, config, parallel)
+    assert weights_of(str(tmp_path), config, parallel, None) == estimate
+    assert "estimating the weights from config.json" in caplog.text
+    index["metadata"]["total_size"] -= 1
+    (tmp_path / sizing.INDEX_FILE).write_text(json.dumps(index))
+    (tmp_path / "model-00002-of-00003.safetensors").unlink()
+    assert sizing.checkpoint_weight_bytes(tmp_path, config, parallel) is None
+    assert weights_of(str(tmp_path), config, parallel, None) == estimate
+
+
+def test_index_of_other_names_is_not_split(tmp_path):
+    """A checkpoint whose tensors are not named as DeepSeek-V3.2's (here its own tensors
+    under another prefix) is not split by guessed parts: config.json's estimate instead;
+    a small tensor of no known part is counted whole on every GPU."""
+    from safetensors.torch import save_file
+    from test_plugin_args import MODEL_CONFIG
+
+    config = {**MODEL_CONFIG, "num_nextn_predict_layers": 1}
+    parallel = sizing.Parallel(8, 8)
+    index = write_small_checkpoint(tmp_path, config)
+    known = sizing.checkpoint_weight_bytes(tmp_path, config, parallel)
+    extra = torch.zeros(16, dtype=torch.float32)  # 64 B, e.g. a rotary buffer
+    save_file({"rotary.inv_freq": extra}, str(tmp_path / "extra.safetensors"))
+    index["weight_map"]["rotary.inv_freq"] = "extra.safetensors"
+    index["metadata"]["total_size"] += 64
+    (tmp_path / sizing.INDEX_FILE).write_text(json.dumps(index))
+    with_extra = sizing.checkpoint_weight_bytes(tmp_path, config, parallel)
+    assert with_extra.other == 64 and with_extra.total == known.total + 64
+    renamed = {
+        f"transformer.{name}": torch.zeros(shape, dtype=dtype)
+        for _, name, shape, dtype in small_checkpoint_tensors(config)
+    }
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file(renamed, str(other / "model.safetensors"))
+    total = sum(t.numel() * t.element_size() for t in renamed.values())
+    (other / sizing.INDEX_FILE).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict.fromkeys(renamed, "model.safetensors")}
+    ))  # fmt: skip
+    assert sizing.checkpoint_weight_bytes(other, config, parallel) is None
+
+
 def test_weights_count_the_published_parameters():
     """Unquantized, on one GPU, less the absorbed copies: DeepSeek-V3's 671B parameters
     (main model, MTP excluded) plus V3.2's indexers (61 x 14M), at 2 bytes each."""
@@ -387,9 +585,12 @@ def test_refusal_names_the_largest_values_that_fit(fp8):
     budget = sizing.Budget(150 * GiB, 0.78, weights, 8, host_available=NODE_MEMORY)
     result = sizing.check(sizes, shape, budget)
     want = device_totals(N_G, T, fp8, 163840)
+    device = sum(v for k, v in want.items() if k != "host")
     assert not result.fits
-    assert result.device.total == sum(v for k, v in want.items() if k != "host")
-    assert result.device.total > budget.kv_bytes == int(150 * GiB * 0.78) - weights.total
+    assert result.device.total == device
+    # sglang's rule over what its profile will see: the GPU less the start-up overhead
+    kv = int((150 * GiB - sizing.STARTUP_OVERHEAD) * 0.78) - weights.total
+    assert result.device.total > budget.kv_bytes == kv
     assert (result.largest_host_tokens, result.largest_dev_cache) == largest_fitting(
         row, 163840, budget.kv_bytes, NODE_MEMORY - HOST_RESERVE
     )
@@ -398,6 +599,53 @@ def test_refusal_names_the_largest_values_that_fit(fp8):
     assert f"NSA_DEV_CACHE_SIZE={result.largest_dev_cache} " in message
     for key in ("rows", "keys", "metadata", "tables"):
         assert sizing.gib(want[key]) in message, key
+    # the smallest fraction (0.001 steps) whose budget holds the totals, and no smaller
+    best = smallest_fitting_fraction(device, 150 * GiB, weights.total)
+    assert result.smallest_fraction == best
+    assert f"--mem-fraction-static {best} (the smallest that fits" in message
+    assert "--cuda-graph-max-bs-decode" not in message  # no graphs given: not named
+    assert sizing.gib(sizing.STARTUP_OVERHEAD) in message
+
+
+def smallest_fitting_fraction(device: int, gpu: int, weights: int) -> float | None:
+    """The smallest fraction k / 1000 below 1 whose estimated budget holds ``device``,
+    by trying every k."""
+    for k in range(1, 1000):
+        if int((gpu - sizing.STARTUP_OVERHEAD) * (k / 1000)) - weights >= device:
+            return k / 1000
+    return None
+
+
+def test_graph_advice_is_the_largest_batch_whose_default_fraction_fits():
+    """With sglang's default fraction as a function of the decode graphs' max batch (here
+    a made-up decreasing rule), the refusal names the largest batch below the launch's
+    whose fraction holds the totals: trying every batch finds the same."""
+    sizes = sizing.EchoSizes(N_G, T, TOP_K, 0)
+    shape = sizing.RankShape(LAYERS, FP8_ROW, KEY_ROW, 163840)
+    weights = sizing.weight_bytes(DSV32_CONFIG, sizing.Parallel(8, 8))
+
+    def fraction_at(bs: int) -> float:
+        return round(0.95 - bs * 0.0003, 3)
+
+    budget = sizing.Budget(140 * GiB, fraction_at(512), weights, 8)
+    result = sizing.check(sizes, shape, budget, sizing.Graphs(512, fraction_at))
+    device = result.device.total
+    fits_at = [
+        bs
+        for bs in range(1, 512)
+        if int((140 * GiB - sizing.STARTUP_OVERHEAD) * fraction_at(bs)) - weights.total >= device
+    ]
+    assert not result.fits and fits_at and max(fits_at) < 511
+    assert result.largest_graph_bs == max(fits_at)
+    bs = result.largest_graph_bs
+    assert (
+        f"--cuda-graph-max-bs-decode {bs} (sglang's default --mem-fraction-static is then "
+        f"{fraction_at(bs)}, {fraction_at(512)} at 512)"
+    ) in result.message()
+    tight = sizing.check(sizes, shape, replace(budget, gpu_memory=100 * GiB),
+                         sizing.Graphs(512, fraction_at))  # fmt: skip
+    assert tight.largest_graph_bs is None
+    assert "no --cuda-graph-max-bs-decode fits" in tight.message()
 
 
 def test_host_refusal_counts_every_rank_of_a_node():
@@ -476,8 +724,9 @@ def without_flag(argv: list[str], flag: str) -> list[str]:
 def refusal_cases(readme: dict[str, dict]) -> dict[str, dict]:
     """README-like lines: the PD lines with sglang's default decode graphs (fp8 and bf16
     rows on the H200, the W4 checkpoint on the H20), the W4 line at the artifact's T 1.8M,
-    the PD line on a node with too little memory; and two that fit with bf16 rows (the PD
-    line, and the non-PD line with the model's dtype)."""
+    the PD line on a node with too little memory, the non-PD line with bf16 rows at its fp8
+    sizes and sglang's default decode graphs; and two that fit with bf16 rows (the PD line, and the non-PD line at N_G 130K and
+    T 1M, launch_lines' bf16 server sizes)."""
     pd, w4, server = (readme[k] for k in ("readme_0", "readme_1", "readme_2"))
     graphs = "--cuda-graph-max-bs-decode"
     pd_default = without_flag(pd["argv"], graphs)
@@ -491,9 +740,19 @@ def refusal_cases(readme: dict[str, dict]) -> dict[str, dict]:
         "w4_1800K": {**w4, "argv": with_flag(w4["argv"], "--max-total-tokens", "1800000")},
         "pd_small_node": {**pd, "node_memory": 256 * GiB},
         "pd_bf16": {**pd, "argv": with_flag(pd["argv"], "--kv-cache-dtype", "bfloat16")},
+        "server_bf16_big": {  # with sglang's default decode graphs: the advice names a batch
+            **server,
+            "argv": with_flag(without_flag(server["argv"], graphs), "--kv-cache-dtype", "bfloat16"),
+        },
+        # launch_lines' bf16 server sizes: N_G 130K, T 1M.
         "server_bf16": {
             **server,
-            "argv": with_flag(server["argv"], "--kv-cache-dtype", "bfloat16"),
+            "env": {**server["env"], "NSA_DEV_CACHE_SIZE": "130_000"},
+            "argv": with_flag(
+                with_flag(server["argv"], "--kv-cache-dtype", "bfloat16"),
+                "--max-total-tokens",
+                "1000000",
+            ),
         },
     }
 
@@ -503,19 +762,18 @@ REFUSED = {
     "pd_bf16_default_graphs": "the GPU",
     "w4_default_graphs": "the GPU",
     "w4_1800K": "the GPU",
+    "server_bf16_big": "the GPU",
     "pd_small_node": "the host",
 }
 ACCEPTED = ["pd_bf16", "server_bf16"]
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory) -> dict[str, dict]:
-    tmp = tmp_path_factory.mktemp("sizing")
+def run_launches(tmp: Path, cases: dict[str, dict], file: str = "cases.json") -> dict[str, dict]:
+    """Resolve ``cases`` through the launcher (the driver below, in one fresh process with
+    the plugin loaded); each result merged with its case."""
     for name, config in CONFIGS.items():
-        (tmp / name).mkdir()
+        (tmp / name).mkdir(exist_ok=True)
         (tmp / name / "config.json").write_text(json.dumps(config))
-    cases = readme_cases()
-    cases.update(refusal_cases(cases))
     runs = []
     for name, c in cases.items():
         argv = with_flag(c["argv"], "--model-path", str(tmp / c["model"]))
@@ -525,7 +783,7 @@ def launches(tmp_path_factory) -> dict[str, dict]:
             {"name": name, "argv": argv, "env": c["env"], "gpu_mib": GPU_MIB[gpu],
              "node_memory": c["node_memory"]}
         )  # fmt: skip
-    path = tmp / "cases.json"
+    path = tmp / file
     path.write_text(json.dumps(runs))
     env = {**os.environ, "NSA_KV_OFFLOAD": "1", "HF_HUB_OFFLINE": "1"}
     for key in ("SGLANG_PLUGINS", "NSA_DEV_CACHE_SIZE", "SGLANG_ECHO_EVICTION_RESERVE"):
@@ -537,11 +795,54 @@ def launches(tmp_path_factory) -> dict[str, dict]:
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = {}
     for line in proc.stdout.splitlines():
+        if line.startswith("HOOKS "):
+            out["_hooks"] = json.loads(line[6:])
         if line.startswith("CASE "):
             result = json.loads(line[5:])
             out[result["name"]] = {**result, **cases[result["name"]]}
-    assert set(out) == set(cases)
+    assert set(out) == {*cases, "_hooks"}
     return out
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[str, dict]:
+    cases = readme_cases()
+    cases.update(refusal_cases(cases))
+    return run_launches(tmp_path_factory.mktemp("sizing"), cases)
+
+
+def named(error: str, pattern: str) -> str | None:
+    found = re.search(pattern, error)
+    return None if found is None else found[1]
+
+
+FRACTION_NAMED = r"--mem-fraction-static ([\d.]+) \(the smallest that fits"
+GRAPHS_NAMED = r"--cuda-graph-max-bs-decode (\d+) \(sglang's default"
+
+
+@pytest.fixture(scope="module")
+def boundaries(launches, tmp_path_factory) -> dict[str, dict]:
+    """Each GPU refusal relaunched at the --mem-fraction-static and
+    --cuda-graph-max-bs-decode it names, and one step past each (0.001 lower, one batch
+    more): the first must start, the second be refused."""
+    cases = {}
+    for name, where in REFUSED.items():
+        result = launches[name]
+        if where != "the GPU":
+            continue
+        launch = case(result["model"], result["argv"], result["env"], result["node_memory"])
+        fraction = named(result["error"], FRACTION_NAMED)
+        if fraction is not None:
+            below = f"{float(fraction) - 0.001:.3f}"
+            for key, value in (("fraction", fraction), ("fraction_below", below)):
+                argv = with_flag(result["argv"], "--mem-fraction-static", value)
+                cases[f"{name}:{key}"] = {**launch, "argv": argv}
+        graphs = named(result["error"], GRAPHS_NAMED)
+        if graphs is not None:
+            for key, value in (("graphs", int(graphs)), ("graphs_above", int(graphs) + 1)):
+                argv = with_flag(result["argv"], "--cuda-graph-max-bs-decode", str(value))
+                cases[f"{name}:{key}"] = {**launch, "argv": argv}
+    return run_launches(tmp_path_factory.mktemp("boundaries"), cases)
 
 
 def flag(argv: list[str], name: str, default=None):
@@ -571,11 +872,12 @@ def independent(result: dict) -> tuple[dict[str, int], int, int, dict]:
         assert (fields["disaggregation_decode_extra_slots"] or 0) == extra
         fraction = fields["mem_fraction_static"]
     else:
-        fraction = float(re.search(r"= ([\d.]+) x [\d.]+ GiB - weights", result["error"])[1])
+        fraction = float(re.search(r"= ([\d.]+) x \([\d.]+ GiB - start-up", result["error"])[1])
     totals = device_totals(n_g, t, fp8, context, prefill, extra)
     gpu = GPU_MIB[GPU_OF[result["model"]]] * 2**20
     weights = weights_per_gpu(CONFIGS[result["model"]], tp, attn_dp)
-    budget = int(gpu * fraction) - weights
+    # sglang's rule over what its profile will see (the GPU less the stated overhead)
+    budget = int((gpu - sizing.STARTUP_OVERHEAD) * fraction) - weights
     params = dict(row=FP8_ROW if fp8 else BF16_ROW, context=context, prefill=prefill, extra=extra)
     return totals, budget, result["node_memory"] - HOST_RESERVE, {**params, "n_g": n_g, "t": t}
 
@@ -590,14 +892,21 @@ def test_readme_lines_fit_the_gpus_they_name(launches):
         assert device <= budget, name
         assert 8 * totals["host"] <= host_limit, name
         assert f"GPU total {sizing.gib(device)} <= KV budget {sizing.gib(budget)}" in result["log"]
-    # README's sizing block is what the launcher logs for these lines, less the weights'
-    # parts and the node's available memory (which depends on the machine).
-    left_out = ("available host memory", "weights from config.json", "  shared experts")
-    logged = [
+
+
+def logged_sizing_block(launches) -> list[list[str]]:
+    """What the launcher logs for README's lines, less the weights' parts and the node's
+    available memory (which depends on the machine)."""
+    left_out = ("available host memory", "weights from ", "  shared experts")
+    return [
         [ln for ln in r["log"].splitlines()[1:] if not any(x in ln for x in left_out)]
-        for r in readme.values()
+        for k, r in launches.items()
+        if k.startswith("readme_")
     ]
-    assert readme_sizing_block() == logged
+
+
+def test_readme_sizing_block_is_the_launchers_log(launches):
+    assert readme_sizing_block() == logged_sizing_block(launches)
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
@@ -623,6 +932,61 @@ def test_launcher_refuses_what_does_not_fit(launches, name):
         assert "no NSA_DEV_CACHE_SIZE fits" in error
     else:
         assert f"NSA_DEV_CACHE_SIZE={best_n} (with" in error
+    if REFUSED[name] != "the GPU":
+        assert "--mem-fraction-static" not in error  # no fraction makes host memory
+        return
+    gpu = GPU_MIB[GPU_OF[result["model"]]] * 2**20
+    argv = result["argv"]
+    tp = int(flag(argv, "--tp-size", flag(argv, "--tp", 1)))
+    attn_dp = int(flag(argv, "--dp-size", 1)) if "--enable-dp-attention" in argv else 1
+    weights = weights_per_gpu(CONFIGS[result["model"]], tp, attn_dp)
+    best_f = smallest_fitting_fraction(device, gpu, weights)
+    assert named(error, FRACTION_NAMED) == (None if best_f is None else str(best_f))
+    # sglang's default fraction moves with the decode graphs: each PD refusal says how far.
+    # (On the non-PD server with DP attention the plugin's probe of sglang's rule,
+    # args.graph_fractions, does not reproduce the launch's own fraction, so it gives no
+    # graph advice rather than a wrong one; why it differs there is not yet known.)
+    if "--disaggregation-mode" in argv:
+        assert "--cuda-graph-max-bs-decode" in error
+    assert sizing.gib(sizing.STARTUP_OVERHEAD) in error and "is an estimate" in error
+
+
+def test_launcher_hooks_the_profile(launches):
+    """Loading the plugin applies the exact check's hook (install registers it; the late
+    resolution step refuses to start where it did not apply)."""
+    assert launches["_hooks"]["profile_hooked"], launches["_hooks"]
+    from sglang_echo.sglang import guards
+
+    assert guards.hooks_problem({guards.PROFILE_TARGET}) is None
+    assert guards.PROFILE_TARGET in (guards.hooks_problem(set()) or "")
+
+
+@pytest.mark.parametrize("name", [n for n, w in REFUSED.items() if w == "the GPU"])
+def test_named_fraction_and_graphs_are_the_boundary(launches, boundaries, name):
+    """At the --mem-fraction-static a GPU refusal names, the launch starts; 0.001 lower it
+    is refused. At the --cuda-graph-max-bs-decode it names (sglang's default fraction
+    then), it starts; one batch more, refused (the real launcher, both times)."""
+    error = launches[name]["error"]
+    checked = 0
+    for key, starts in (
+        ("fraction", True),
+        ("fraction_below", False),
+        ("graphs", True),
+        ("graphs_above", False),
+    ):
+        result = boundaries.get(f"{name}:{key}")
+        if result is None:
+            continue
+        checked += 1
+        if starts:
+            assert result["error"] is None, (key, result["error"])
+            totals, budget, _, _ = independent(result)
+            assert sum(v for k, v in totals.items() if k != "host") <= budget, key
+        else:
+            assert "ECHO's pools do not fit the GPU" in (result["error"] or ""), key
+    assert checked >= 2 or "no --mem-fraction-static below 1 fits" in error
+    if named(error, GRAPHS_NAMED) is None and "--disaggregation-mode" in launches[name]["argv"]:
+        assert "no --cuda-graph-max-bs-decode fits" in error
 
 
 @pytest.mark.parametrize("name", ACCEPTED)
@@ -644,6 +1008,12 @@ def _driver(cases_path: str) -> None:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_echo.sglang.guards import PROFILE_TARGET
+
+    hooked = {"profile_hooked": PROFILE_TARGET in HookRegistry._patched}
+    print("HOOKS " + json.dumps(hooked), flush=True)
     import sglang.srt.arg_groups.memory_hook as memory_hook
     import sglang.srt.layers.quantization.moe_wna16 as moe_wna16
     from sglang.srt.mem_cache import host_memory

@@ -24,19 +24,25 @@ rank at ``max_running_requests // attn_dp_size`` requests and each rank's pool a
 each rank's share, and the global ``max_running_requests`` is that share x attn_dp_size.
 
 At the late resolution step (``check_resolved``) the plan is also sized against the
-GPU and the host (``sizing.py``: every byte per rank, sglang's static-fraction rule, the
-weights from config.json), and a plan that does not fit fails there, naming each total
-and the largest --max-total-tokens and NSA_DEV_CACHE_SIZE that fit.
+GPU and the host (``sizing.py``: every byte per rank, sglang's static-fraction rule less
+an estimated start-up overhead, the weights from the checkpoint's index or config.json),
+and a plan that does not fit fails there, naming each total and the values that fit.
+Each scheduler sizes it again, exactly, against what sglang measured (``measured_sizing``,
+called by ``guards.profile_guard`` before sglang builds its pools).
 
 Plain Python: reads an attribute view of the arguments (SGLang's resolving view, or any
-namespace in tests) and returns declarations; ``install`` wires it into SGLang. Only
-``sizing_inputs`` imports sglang (lazily: its memory queries and model config).
+namespace in tests) and returns declarations; ``install`` wires it into SGLang. Only the
+sizing's inputs import sglang (lazily: its memory queries, model config, memory rule).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -368,6 +374,8 @@ def memory_problems(view: Any, plan: EchoPlan) -> list[str]:
     if result.fits:
         logger.info("%s: ECHO's pools fit:\n%s", SOURCE, result.summary())
         return []
+    if not result.fits_device:  # sglang's default fraction moves with the decode graphs
+        result = sizing.check(plan.sizes(), *inputs, graph_fractions(_record_of(view)))
     return [result.message()]
 
 
@@ -405,19 +413,21 @@ def sizing_inputs(view: Any, plan: EchoPlan) -> tuple[sizing.RankShape, sizing.B
         moe_dense_tp_size=getattr(view, "moe_dense_tp_size", None),
     )
     try:
-        weights = sizing.weight_bytes(config, parallel, getattr(view, "quantization", None))
-        shape = sizing.RankShape(
-            layers=int(config["num_hidden_layers"]),
-            row_bytes=sizing.kv_row_bytes(config, kv_is_fp8(view, quant)),
-            index_row_bytes=sizing.index_row_bytes(config),
+        weights = weights_of(
+            getattr(view, "model_path", None),
+            config,
+            parallel,
+            getattr(view, "quantization", None),
+        )
+        shape = rank_shape(
+            config,
+            fp8=kv_is_fp8(view, quant),
             context_len=int(plan.context_len or model_config.context_len),
-            extra_req_slots=(
+            extra_slots=(
                 int(getattr(view, "disaggregation_decode_extra_slots", 0) or 0)
                 if plan.pd_decode
                 else 0
             ),
-            eviction_reserve=settings().eviction_reserve,
-            decode_prefetch=decode_prefetch_mode(settings().fuse_decode) == "1",
         )
     except (sizing.UnknownWeights, KeyError, TypeError, ValueError) as exc:
         return f"the weights' bytes are unknown ({exc})"
@@ -430,6 +440,176 @@ def sizing_inputs(view: Any, plan: EchoPlan) -> tuple[sizing.RankShape, sizing.B
         host_reserve=host_reserve_bytes(),
     )
     return shape, budget
+
+
+def rank_shape(config: dict, *, fp8: bool, context_len: int, extra_slots: int) -> sizing.RankShape:
+    """What the bytes depend on besides the plan: the model's config, the KV dtype, the
+    context, PD pre-allocation slots, and ECHO's settings (eviction reserve, prefetch)."""
+    return sizing.RankShape(
+        layers=int(config["num_hidden_layers"]),
+        row_bytes=sizing.kv_row_bytes(config, fp8),
+        index_row_bytes=sizing.index_row_bytes(config),
+        context_len=context_len,
+        extra_req_slots=extra_slots,
+        eviction_reserve=settings().eviction_reserve,
+        decode_prefetch=decode_prefetch_mode(settings().fuse_decode) == "1",
+    )
+
+
+def weights_of(
+    model_path: str | None, config: dict, parallel: sizing.Parallel, quantization: str | None
+) -> sizing.WeightBytes:
+    """One GPU's share of the weights: the checkpoint's own bytes when ``model_path`` is a
+    folder with ``model.safetensors.index.json`` and loads as stored
+    (``sizing.checkpoint_weight_bytes``), else config.json's estimate (a hub name not yet
+    downloaded; online quantization, ``--quantization`` over an unquantized checkpoint,
+    where the loaded bytes are not the stored ones)."""
+    online = bool(quantization) and not config.get("quantization_config")
+    if model_path and not online and os.path.isdir(model_path):
+        try:
+            found = sizing.checkpoint_weight_bytes(model_path, config, parallel)
+        except sizing.UnknownWeights as exc:
+            logger.warning("%s: %s; estimating the weights from config.json", SOURCE, exc)
+            found = None
+        if found is not None:
+            return found
+    return sizing.weight_bytes(config, parallel, quantization)
+
+
+def _record_of(view: Any) -> Any:
+    """The server-args record behind sglang's resolving view (None for other views)."""
+    try:
+        return object.__getattribute__(view, "_server_args")
+    except AttributeError:
+        return None
+
+
+def graph_fractions(record: Any) -> sizing.Graphs | None:
+    """sglang's default --mem-fraction-static as a function of the decode graphs' max
+    batch: its own rule (``handle_gpu_memory_settings``, which reserves memory per captured
+    decode batch) run on a shallow copy of the resolved record whose only new declarations
+    are that batch and an unset fraction; the record itself is not touched. None where the
+    user set the fraction (the graphs do not move it), where the launch's fraction is not
+    that rule's at its own batch, or where sglang cannot be probed. A probe that fails at
+    some other batch answers the launch's fraction (no gain)."""
+    declared = getattr(record, "_resolved_overrides", None)
+    if record is None or declared is None:
+        return None
+    if getattr(record, "mem_fraction_static", None) is not None:
+        return None  # the record's own field is the user's flag (declarations are apart)
+    try:
+        from sglang.srt.arg_groups import memory_hook
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        view = resolving_view(record)
+        fraction = float(view.mem_fraction_static)
+        graphs = view.cuda_graph_config
+        max_bs = int(graphs.decode.max_bs)
+    except Exception:  # an older or newer sglang: no probe, no graph advice
+        return None
+
+    def probe(bs: int) -> float:
+        copied = copy.copy(record)
+        config = copy.deepcopy(graphs)
+        config.decode.max_bs, config.decode.bs = bs, None
+        copied._resolved_overrides = [
+            *declared,
+            (f"{SOURCE} sizing probe", {"mem_fraction_static": None, "cuda_graph_config": config}),
+        ]
+        memory_hook.handle_gpu_memory_settings(copied)
+        return float(resolving_view(copied).mem_fraction_static)
+
+    try:
+        if probe(max_bs) != fraction:
+            return None
+    except Exception:
+        return None
+
+    @functools.cache
+    def fraction_at(bs: int) -> float:
+        try:
+            return probe(bs)
+        except Exception:
+            return fraction
+
+    return sizing.Graphs(max_bs=max_bs, fraction_at=fraction_at)
+
+
+def measured_sizing(
+    configurator: Any, pre_model_load_memory: float, kv_bytes: int
+) -> sizing.Sizing | None:
+    """ECHO's plan against what sglang measured in this scheduler (``guards.profile_guard``,
+    after ``KVCacheConfigurator._profile_available_bytes`` returned ``kv_bytes`` from
+    ``pre_model_load_memory`` GiB free before loading): the plan from the resolved
+    hisparse_config (N_G, T, S, top-k) and max_running_requests, the shape from the
+    configurator's model and KV dtype. None where the record holds no ECHO plan."""
+    from sglang.srt.mem_cache.sparsity import parse_hisparse_config
+    from sglang.srt.runtime_context import get_disagg, get_schedule
+
+    hisparse = parse_hisparse_config()
+    extra = hisparse.sparse_extra_config
+    if DEVICE_ROWS_KEY not in extra or HOST_TOKENS_KEY not in extra:
+        return None
+    n_g, rows = int(extra[ECHO_EXTRA_KEY]), int(extra[DEVICE_ROWS_KEY])
+    top_k = int(hisparse.top_k)
+    per_rank = int(get_schedule().max_running_requests) // max(1, int(configurator.attn_dp_size))
+    # S = ceil64(N_G + 1) + 64 x running + prompt rows (plan_echo): the rest is prompt rows.
+    prefill = rows - _ceil(n_g + 1, DSA_PAGE_SIZE) - DSA_PAGE_SIZE * per_rank
+    if prefill < 0 or per_rank < 1:
+        return None  # not the plan's shape: the coordinator's capacity guard reports it
+    sizes = sizing.EchoSizes(
+        dev_cache_size=n_g,
+        host_tokens=int(extra[HOST_TOKENS_KEY]),
+        top_k=top_k,
+        prefill_rows=prefill,
+        running=None if per_rank == n_g // top_k else per_rank,  # the default, or asked
+    )
+    model_config = configurator.model_config
+    config = _as_dict(getattr(model_config, "hf_text_config", None) or model_config.hf_config)
+    disagg = get_disagg()
+    shape = rank_shape(
+        config,
+        fp8="float8" in str(configurator.kv_cache_dtype),
+        context_len=int(model_config.context_len),
+        extra_slots=(
+            int(disagg.disaggregation_decode_extra_slots or 0)
+            if disagg.disaggregation_mode == "decode"
+            else 0
+        ),
+    )
+    budget = sizing.MeasuredBudget.measured(
+        free_before_load=int(pre_model_load_memory * sizing.GiB),
+        kv_bytes=int(kv_bytes),
+        fraction=float(get_schedule().mem_fraction_static),
+        gpu_memory=_gpu_bytes(configurator.device),
+    )
+    budget = dataclasses.replace(budget, ranks_per_node=_ranks_per_node(configurator.server_args))
+    result = sizing.check(sizes, shape, budget)
+    if not result.fits_device:
+        result = sizing.check(sizes, shape, budget, graph_fractions(configurator.server_args))
+    return result
+
+
+def _ranks_per_node(record: Any) -> int:
+    """GPUs of a node, each with its own pinned pool (for the message's host total)."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        view = resolving_view(record)
+        return sizing.Parallel(tp_size=int(view.tp_size), nnodes=int(view.nnodes)).ranks_per_node
+    except Exception:
+        return 1
+
+
+def _gpu_bytes(device: str) -> int | None:
+    """The device's capacity as sglang reads it (for the message only)."""
+    try:
+        from sglang.srt.utils import common
+
+        mib = common.get_device_memory_capacity(device)
+    except Exception:
+        return None
+    return int(mib * 2**20) if mib else None
 
 
 def _as_dict(value: Any) -> dict:

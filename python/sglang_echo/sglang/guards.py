@@ -8,21 +8,41 @@ Each would otherwise leave a server that runs, but not as configured:
   graphs are on: the capture would fail or replay stale copies;
 - memory profiling left fewer device rows than planned (SGLang caps
   ``--max-total-tokens`` at what fits, with a warning): the host pool, S x R, would be
-  smaller than the user's ``--max-total-tokens``.
+  smaller than the user's ``--max-total-tokens``;
+- what sglang measured cannot hold ECHO's pools (``profile_guard``): its profile only
+  counts its own pools, and ECHO's metadata and HiSparse's request tables come after it,
+  so they would eat the memory sglang keeps for activations and CUDA graphs, and the
+  server would run out of memory later, or the coordinator's allocation would fail.
 
 The decisions are plain functions (tested without sglang); ``runner_guard`` is the AFTER
 hook on ``ModelRunner.maybe_init_hisparse_coordinator`` that ``install`` registers, so the
-coordinator's class is checked in every scheduler process, where it is built.
+coordinator's class is checked in every scheduler process, where it is built;
+``profile_guard`` is the AFTER hook on ``KVCacheConfigurator._profile_available_bytes``,
+where sglang turns the memory it sampled into its KV budget, before any pool exists.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sglang_echo.config import ENV_DEV_CACHE, ENV_OFFLOAD, ConfigError
-from sglang_echo.sglang.args import DEVICE_ROWS_KEY, HOST_TOKENS_KEY
+from sglang_echo.sglang.args import (
+    DEVICE_ROWS_KEY,
+    HOST_TOKENS_KEY,
+    SOURCE,
+    format_problems,
+    measured_sizing,
+)
+
+logger = logging.getLogger(__name__)
 
 RUNNER_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.maybe_init_hisparse_coordinator"
+# Where sglang turns the memory it sampled (free before loading, free after) into its KV
+# budget in bytes; pools are sized from that budget and built right after.
+PROFILE_TARGET = (
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
+)
 
 
 def class_replace_problem(current: type | None, echo: type) -> str | None:
@@ -50,6 +70,34 @@ def runner_guard(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     )
     if problem:
         raise ConfigError(problem)
+
+
+def profile_guard(kv_bytes: int, configurator: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``_profile_available_bytes(pre_model_load_memory)``: ECHO's device totals
+    against the bytes sglang's profile just returned (``args.measured_sizing``). Every rank
+    sees the same numbers (sglang takes the least free memory over the ranks), so all stop
+    together, naming every total and the values that fit."""
+    if getattr(configurator, "is_draft_worker", False):
+        return  # a draft pool reuses the target's budget (ECHO refuses drafts anyway)
+    pre_model_load_memory = args[0] if args else kwargs["pre_model_load_memory"]
+    result = measured_sizing(configurator, float(pre_model_load_memory), int(kv_bytes))
+    if result is None:
+        return
+    if not result.fits:
+        raise ConfigError(format_problems([result.message()]))
+    logger.info("%s: ECHO's pools fit what sglang measured:\n%s", SOURCE, result.summary())
+
+
+def hooks_problem(patched: set[str]) -> str | None:
+    """The profile hook must have applied (sglang only logs a hook that fails to)."""
+    if PROFILE_TARGET in patched:
+        return None
+    return (
+        f"sglang-echo ({ENV_OFFLOAD}=1): the hook on {PROFILE_TARGET} did not apply (look "
+        "for 'Failed to apply hooks' in the log), so nothing would check ECHO's pools "
+        "against the memory sglang measures; fix the plugin install, or launch without "
+        f"{ENV_OFFLOAD}=1."
+    )
 
 
 def graph_problem(*, is_cuda: bool, graph_safe: bool, decode_graphs: bool) -> str | None:

@@ -10,6 +10,9 @@
    SGLang only logs a hook that fails to apply, so the late resolution step checks the
    class in the launcher, and an AFTER hook on ``ModelRunner.maybe_init_hisparse_
    coordinator`` checks what each scheduler process built (``guards``).
+   An AFTER hook on ``KVCacheConfigurator._profile_available_bytes`` sizes ECHO's pools
+   against what sglang measured, before its pools are built (``guards.profile_guard``);
+   the late resolution step checks that it applied.
 3. The prefetch switches: logged, not yet wired (the plugin's decode resolve runs the
    exact top-k, then ECHO's resolve; the runtime's prefetch is not in the plugin yet).
 """
@@ -34,7 +37,14 @@ from sglang_echo.sglang.args import (
     format_problems,
     plan_echo,
 )
-from sglang_echo.sglang.guards import RUNNER_TARGET, class_replace_problem, runner_guard
+from sglang_echo.sglang.guards import (
+    PROFILE_TARGET,
+    RUNNER_TARGET,
+    class_replace_problem,
+    hooks_problem,
+    profile_guard,
+    runner_guard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +98,20 @@ def plan_step(server_args: Any, previous) -> None:
 
 def check_step(server_args: Any, previous) -> None:
     from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
     previous(server_args)
     plan = _plans.pop(id(server_args), None)
     if plan is None:
         return  # resolved by a process that did not plan it (cannot happen in a launch)
     problems = check_resolved(resolving_view(server_args), plan)
-    problem = replaced_class_problem()
-    if problem:
-        problems.append(problem)
+    patched = getattr(HookRegistry, "_patched", None)  # what apply_hooks patched
+    for problem in (
+        replaced_class_problem(),
+        None if patched is None else hooks_problem(patched),
+    ):
+        if problem:
+            problems.append(problem)
     if problems:
         raise ConfigError(format_problems(problems))
 
@@ -120,6 +135,7 @@ def install() -> None:
     register_resolution_hook(CHECK_STEP)(check_step)
     HookRegistry.register(COORDINATOR_TARGET, EchoCoordinator, HookType.REPLACE)
     HookRegistry.register(RUNNER_TARGET, runner_guard, HookType.AFTER)
+    HookRegistry.register(PROFILE_TARGET, profile_guard, HookType.AFTER)
 
     log_prefetch_switches(settings())  # parsed by register() in this process
 

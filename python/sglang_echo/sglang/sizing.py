@@ -1,5 +1,6 @@
 """Start-up sizing: every byte ECHO's plan puts on a GPU and in pinned host memory, and
-whether it fits, decided while sglang resolves its arguments (before any weight loads).
+whether it fits, decided while sglang resolves its arguments (before any weight loads),
+and again, exactly, against the memory sglang measured before it builds its pools.
 
 Why at resolution: sglang sizes its KV pools only after loading the weights (minutes on
 a 671B model), and HiSparse and ECHO allocate more after that. A plan that cannot fit
@@ -21,32 +22,54 @@ On the GPU (``device_bytes``):
   pool, device_to_host int32 and priority int64 over the slots, the free stack, counters),
   plus one allocation workspace per rank.
 - the request tables HiSparse allocates after profiling: ``req_to_host_pool`` int64
-  [slots, context + 68], its top-k row table, ECHO's newest-row table, and the
-  per-request buffer tables that ECHO frees right away (counted: the caching allocator
-  need not reuse their blocks).
+  [slots, context + 68], its top-k row table, ECHO's ring tables (each request's page
+  rows and first ring position), and the per-request buffer tables that ECHO frees right
+  away (counted: the caching allocator need not reuse their blocks).
 - with the plugin's decode prefetch (``SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1``), its
   staging buffer, host-id map and thresholds, also allocated by the coordinator.
 
 On the host (``host_bytes``): HiSparse's pinned pool, ``(S x R + 64) x row x L`` per rank,
 once per GPU of a node.
 
-What there is (``Budget``): sglang's static-fraction rule gives the KV pools
-``mem_fraction_static x GPU memory - weights`` (sglang profiles the free memory after
-loading, less ``(1 - mem_fraction_static)`` of the memory before; GPU memory stands in
-for the latter, which is smaller by the CUDA context). The weights are estimated from the
-checkpoint's config.json (``weight_bytes``). Since sglang only limits its own pools and
-ECHO's metadata comes later, the plan fits when all four device totals fit that budget,
-and the host pools of a node fit sglang's host-memory rule (available memory less its
-10 GiB reserve, as HiCache's host pools are checked).
+What there is, twice:
 
-Pure Python: ``sglang_echo.sglang.args`` gathers the inputs from sglang's resolved view.
+- at argument resolution (``Budget``, an estimate, before anything loads): sglang's
+  static-fraction rule gives the KV pools ``mem_fraction_static x (GPU memory - start-up
+  overhead) - weights``. sglang budgets against the free memory it samples before loading
+  (``pre_model_load_memory``: the GPU less the CUDA context and the communicators' buffers),
+  less ``(1 - mem_fraction_static)`` of it, less what the load took. It has no constant for
+  that overhead, so ``STARTUP_OVERHEAD`` is one, stated as an estimate. The weights come
+  from the checkpoint (``checkpoint_weight_bytes``: every tensor's bytes from the shards'
+  headers, named by ``model.safetensors.index.json``, checked against its ``total_size``)
+  or, without one, from config.json (``weight_bytes``). Since sglang only limits its own
+  pools and ECHO's metadata comes later, the plan fits when all device totals fit that
+  budget, and the host pools of a node fit sglang's host-memory rule (available memory
+  less its 10 GiB reserve, as HiCache's host pools are checked).
+- in each scheduler, where sglang turns what it measured into the KV budget
+  (``MeasuredBudget``; ``guards.profile_guard``, an AFTER hook on
+  ``KVCacheConfigurator._profile_available_bytes``, before any pool is allocated): the
+  same totals against the bytes sglang's profile returned. That check is exact; the
+  estimate only stops early what cannot fit.
+
+A refusal names every total and the largest ``--max-total-tokens`` (at this N_G) and
+``NSA_DEV_CACHE_SIZE`` (at this T) that fit, the smallest ``--mem-fraction-static`` that
+fits, and, where the fraction is sglang's default, the largest
+``--cuda-graph-max-bs-decode`` whose default fraction fits (``Graphs``: sglang's own rule,
+probed by ``args.graph_fractions``).
+
+Pure Python (no torch): ``sglang_echo.sglang.args`` gathers the inputs from sglang's
+resolved view and, in the scheduler, from its KV cache configurator.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping
+import re
+import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from sglang_echo.config import default_eviction_reserve, default_stage_rows
@@ -66,6 +89,22 @@ ALLOC_LOOKBACK_LANE_BLOCK = 512
 # builds the plugin's prefetcher and compares).
 PLUGIN_STAGE_CHUNKS = 1
 GiB = 2**30
+# What sglang's profile loses before it samples the memory it budgets against
+# (``pre_model_load_memory``, after the process groups are built and before the weights
+# load): the CUDA context, NCCL's and the custom all-reduce's buffers, the other start-up
+# allocations. sglang has no constant for it. AN ESTIMATE: issue 50 puts it at 1.5 to 3 GiB
+# per GPU on 8-GPU nodes; the early check takes the low end, so that it refuses only plans
+# that cannot fit, and the scheduler's exact check (``MeasuredBudget``) decides the rest.
+# The CUDA graphs need no term of their own: sglang reserves their memory in its default
+# fraction (``handle_gpu_memory_settings``), in the 1 - fraction share the budget leaves.
+STARTUP_OVERHEAD = 3 * GiB // 2
+# --mem-fraction-static is suggested in steps of 0.001 (sglang rounds its own to 3 places).
+FRACTION_STEP = 1000
+INDEX_FILE = "model.safetensors.index.json"
+SAFETENSORS_HEADER_LIMIT = 100 * 2**20  # the format's own limit on a header's length
+# Tensors of no known part may hold at most this share of a checkpoint read through its
+# index; more means another naming than DeepSeek-V3.2's, whose split would be wrong.
+UNKNOWN_TENSORS_SHARE = 0.01
 
 
 def ceil_to(n: int, multiple: int) -> int:
@@ -261,13 +300,14 @@ def request_slots(sizes: EchoSizes, shape: RankShape) -> int:
 def request_table_bytes(sizes: EchoSizes, shape: RankShape) -> int:
     """HiSparse's tables (hisparse_coordinator.py), allocated after sglang profiled memory:
     req_to_host_pool int64 [slots, context + 4 + 64], top_k_device_locs_buffer int32
-    [slots, top-k], ECHO's newest_row int64 [slots], and the per-request buffer tables
+    [slots, top-k], ECHO's ring_rows int64 [slots, 64] and ring_start int64 [slots], and
+    the per-request buffer tables
     ECHO frees at start-up (int64 [slots, B + 64], 2 x int32 [L, slots, B + 64], int16
     [L, slots, B], int32 [slots, top-k], int16 [B]; B = ceil64(top-k))."""
     slots = request_slots(sizes, shape)
     top_k, buf = sizes.top_k, ceil_to(sizes.top_k, PAGE)
     kept = slots * (
-        8 * (shape.context_len + REQ_EXTRA_CONTEXT + PAGE) + 4 * top_k + 8  # + newest_row
+        8 * (shape.context_len + REQ_EXTRA_CONTEXT + PAGE) + 4 * top_k + 8 * PAGE + 8  # rings
     )
     freed = (
         slots * 8 * (buf + PAGE)
@@ -345,6 +385,8 @@ class WeightBytes:
     shared_experts: int
     routed_experts: int
     routers: int  # MoE gates and their bias
+    other: int = 0  # checkpoint tensors of no known part, counted whole on every GPU
+    source: str = "config.json"  # where the bytes were read
 
     @property
     def total(self) -> int:
@@ -355,7 +397,18 @@ class WeightBytes:
             + self.shared_experts
             + self.routed_experts
             + self.routers
+            + self.other
         )
+
+    def lines(self) -> list[str]:
+        """The parts, for the summary."""
+        other = f", other {gib(self.other)}" if self.other else ""
+        return [
+            f"weights from {self.source}: attention {gib(self.attention)}, embeddings "
+            f"{gib(self.embeddings)}, dense MLPs {gib(self.dense_mlp)},",
+            f"  shared experts {gib(self.shared_experts)}, routed experts "
+            f"{gib(self.routed_experts)}, routers {gib(self.routers)}{other}",
+        ]
 
 
 _INT_METHODS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "moe_wna16")
@@ -458,7 +511,6 @@ def weight_bytes(
             mat(f"{attn}.q_b_proj" if q_lora else f"{attn}.q_proj", heads * (nope + rope), q_in)
             + mat(f"{attn}.kv_b_proj", heads * (nope + v_dim), kv_lora)
             + mat(f"{attn}.o_proj", h, heads * v_dim)
-            + 2 * heads * (nope + v_dim) * kv_lora  # w_kc, w_vc (bf16)
         )
         parts["attn_replicated"] += (
             mat(f"{attn}.kv_a_proj_with_mqa", kv_lora + rope, h)
@@ -484,28 +536,153 @@ def weight_bytes(
         parts["shared"] += shared * (2 * mat(one, moe_inter, h) + mat(one, h, moe_inter))
         parts["routers"] += dt * experts * h + 4 * experts  # gate, e_score_correction_bias
 
+    parts["attn_split"] += absorbed_bytes(config)  # w_kc, w_vc (bf16)
+    parts["embed"] = parts["lm_head"] = dt * vocab * h
+    parts["norm"] = dt * h  # the final norm
+    return split_weights(parts, parallel, "config.json")
+
+
+WEIGHT_PARTS = (
+    "attn_split", "attn_replicated", "embed", "lm_head", "norm",
+    "dense", "shared", "routed", "routers", "other",
+)  # fmt: skip
+
+
+def split_weights(parts: Mapping[str, int], parallel: Parallel, source: str) -> WeightBytes:
+    """One GPU's share of the whole model's bytes by part (``WEIGHT_PARTS``), divided as
+    sglang loads each part (``weight_bytes``'s list); a part not given is 0."""
+
+    def part(name: str) -> int:
+        return int(parts.get(name, 0))
+
     def share(nbytes: int, ways: int) -> int:
         return -(-nbytes // max(1, ways))
 
     tp, attn_tp = max(1, parallel.tp_size), parallel.attn_tp_size
     dense_tp = 1 if parallel.moe_dense_tp_size == 1 else tp
-    table = dt * vocab * h
     return WeightBytes(
-        attention=share(parts["attn_split"], attn_tp) + parts["attn_replicated"],
-        embeddings=share(table, attn_tp if parallel.attn_dp_size > 1 else tp)
-        + share(table, attn_tp if parallel.enable_dp_lm_head else tp)
-        + dt * h,  # the final norm
-        dense_mlp=share(parts["dense"], dense_tp),
-        shared_experts=share(parts["shared"], tp),
-        routed_experts=share(parts["routed"], tp),
-        routers=parts["routers"],
+        attention=share(part("attn_split"), attn_tp) + part("attn_replicated"),
+        embeddings=share(part("embed"), attn_tp if parallel.attn_dp_size > 1 else tp)
+        + share(part("lm_head"), attn_tp if parallel.enable_dp_lm_head else tp)
+        + part("norm"),
+        dense_mlp=share(part("dense"), dense_tp),
+        shared_experts=share(part("shared"), tp),
+        routed_experts=share(part("routed"), tp),
+        routers=part("routers"),
+        other=part("other"),
+        source=source,
     )
+
+
+def absorbed_bytes(config: Mapping[str, Any]) -> int:
+    """sglang's bf16 copies of each layer's kv_b (``w_kc`` [heads, nope, kv_lora] and
+    ``w_vc`` [heads, kv_lora, v]), made while loading: in no checkpoint, split like the
+    attention projections."""
+    heads, kv_lora = int(config["num_attention_heads"]), int(config["kv_lora_rank"])
+    per_layer = heads * (int(config["qk_nope_head_dim"]) + int(config["v_head_dim"])) * kv_lora
+    return int(config["num_hidden_layers"]) * 2 * per_layer
+
+
+_SPLIT_ATTENTION = ("q_b_proj", "q_proj", "kv_b_proj", "o_proj")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def tensor_part(name: str, layers: int) -> str | None:
+    """The part (``WEIGHT_PARTS``) of a DeepSeek-V3.2 checkpoint tensor, by its name; None
+    for the MTP layer (layer ``num_hidden_layers`` and above: loaded only for speculative
+    decoding, which ECHO refuses). A name of no known part is "other" (counted whole on
+    every GPU, the most it can take)."""
+    if name.startswith("model.embed_tokens."):
+        return "embed"
+    if name.startswith("lm_head."):
+        return "lm_head"
+    if name.startswith("model.norm."):
+        return "norm"
+    match = _LAYER.fullmatch(name)
+    if match is None:
+        return "other"
+    if int(match[1]) >= layers:
+        return None
+    rest = match[2]
+    if rest.startswith("self_attn."):
+        return "attn_split" if rest.split(".")[1] in _SPLIT_ATTENTION else "attn_replicated"
+    if rest.startswith(("input_layernorm.", "post_attention_layernorm.")):
+        return "attn_replicated"
+    for prefix, found in (
+        ("mlp.experts.", "routed"),
+        ("mlp.shared_experts.", "shared"),
+        ("mlp.gate.", "routers"),  # the router and its e_score_correction_bias
+        ("mlp.", "dense"),
+    ):
+        if rest.startswith(prefix):
+            return found
+    return "other"
+
+
+def safetensors_tensor_bytes(path: Path) -> dict[str, int]:
+    """Each tensor's bytes in one safetensors file, from its header only (an 8-byte
+    little-endian length, then JSON with each tensor's ``data_offsets``)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        if length > SAFETENSORS_HEADER_LIMIT:
+            raise ValueError(f"{path}: a {length}-byte header is not safetensors'")
+        header = json.loads(f.read(length))
+    return {
+        name: int(entry["data_offsets"][1]) - int(entry["data_offsets"][0])
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
+
+
+def checkpoint_weight_bytes(
+    model_dir: str | Path, config: Mapping[str, Any], parallel: Parallel
+) -> WeightBytes | None:
+    """One GPU's share of the weights as the checkpoint stores them: the tensors that
+    ``model.safetensors.index.json`` names, each one's bytes from its shard's header, by
+    part (``tensor_part``: MTP left out), plus sglang's absorbed copies, divided as
+    ``split_weights`` does. None (use ``weight_bytes``) without an index, when a shard is
+    missing or its header unreadable, or when tensors of no known part hold more than
+    ``UNKNOWN_TENSORS_SHARE`` of the bytes (not DeepSeek-V3.2's names).
+
+    The index alone maps names to shard files; its ``metadata.total_size`` is the sum
+    over every tensor, MTP included, so it cannot be split by part. The headers can (a few
+    kilobytes per shard, read without the data), and their sum must equal ``total_size``:
+    otherwise the index does not describe these shards and UnknownWeights is raised."""
+    model_dir = Path(model_dir)
+    index_path = model_dir / INDEX_FILE
+    if not index_path.is_file():
+        return None
+    index = json.loads(index_path.read_text())
+    weight_map: Mapping[str, str] = index.get("weight_map") or {}
+    total = (index.get("metadata") or {}).get("total_size")
+    sizes: dict[str, int] = {}
+    try:
+        for shard in sorted(set(weight_map.values())):
+            sizes.update(safetensors_tensor_bytes(model_dir / shard))
+    except (OSError, ValueError, KeyError, struct.error):
+        return None
+    if total is not None and sum(sizes.values()) != int(total):
+        raise UnknownWeights(
+            f"{index_path}: its shards hold {sum(sizes.values())} bytes of tensors, its "
+            f"metadata.total_size says {total}"
+        )
+    layers = int(config["num_hidden_layers"])
+    parts = dict.fromkeys(WEIGHT_PARTS, 0)
+    for name, nbytes in sizes.items():
+        part = tensor_part(name, layers)
+        if part is not None:
+            parts[part] += nbytes
+    if parts["other"] > UNKNOWN_TENSORS_SHARE * sum(sizes.values()):
+        return None
+    parts["attn_split"] += absorbed_bytes(config)
+    return split_weights(parts, parallel, f"the checkpoint's {INDEX_FILE}")
 
 
 # ------------------------------------------------------------------------------- budget
 @dataclass(frozen=True)
 class Budget:
-    """What one GPU and one node have for the plan."""
+    """What one GPU and one node will have, estimated at argument resolution (before the
+    weights load): sglang's static-fraction rule over the memory its profile will see."""
 
     gpu_memory: int  # bytes of one GPU (sglang's get_device_memory_capacity)
     mem_fraction_static: float
@@ -513,10 +690,16 @@ class Budget:
     ranks_per_node: int
     host_available: int | None = None  # the node's available memory; None: not checked
     host_reserve: int = HOST_RESERVE
+    startup_overhead: int = STARTUP_OVERHEAD  # an estimate: see STARTUP_OVERHEAD
+
+    @property
+    def free_before_load(self) -> int:
+        """What sglang's profile will find free before loading (estimated)."""
+        return self.gpu_memory - self.startup_overhead
 
     @property
     def static_bytes(self) -> int:
-        return int(self.gpu_memory * self.mem_fraction_static)
+        return int(self.free_before_load * self.mem_fraction_static)
 
     @property
     def kv_bytes(self) -> int:
@@ -529,19 +712,152 @@ class Budget:
             return None
         return self.host_available - self.host_reserve
 
+    def at_fraction(self, fraction: float) -> Budget:
+        return replace(self, mem_fraction_static=fraction)
+
+    def runtime_reserve(self, fraction: float) -> int:
+        """What sglang keeps outside its static share at ``fraction`` (its activations and
+        CUDA graphs): (1 - fraction) x the memory free before loading."""
+        return int(self.free_before_load * (1 - fraction))
+
+    def formula(self) -> str:
+        return (
+            f"{self.mem_fraction_static} x ({gib(self.gpu_memory)} - start-up "
+            f"{gib(self.startup_overhead)}) - weights {gib(self.weights.total)}"
+        )
+
+    def detail_lines(self) -> list[str]:
+        return self.weights.lines()
+
+    def gpu_name(self) -> str:
+        return "the GPU"
+
+    def note(self) -> str | None:
+        return (
+            f"the start-up overhead ({gib(self.startup_overhead)}) is an estimate: each "
+            "scheduler checks again against the memory sglang measures after loading"
+        )
+
+    def empty_message(self) -> str:
+        """When the weights alone fill sglang's static share: nothing ECHO sizes matters."""
+        return (
+            f"the weights alone ({gib(self.weights.total)} per GPU) fill sglang's static "
+            f"share of the GPU ({self.mem_fraction_static} x ({gib(self.gpu_memory)} - "
+            f"start-up {gib(self.startup_overhead)}) = {gib(self.static_bytes)}): no KV pool "
+            "fits; use GPUs with more memory, more GPUs for the weights, or a smaller "
+            "checkpoint."
+        )
+
+
+@dataclass(frozen=True)
+class MeasuredBudget:
+    """What one GPU has as sglang measured it, in the scheduler, before it built any pool:
+    the bytes ``KVCacheConfigurator._profile_available_bytes`` returned for its KV pools
+    (the memory free after loading less (1 - fraction) x the memory free before loading,
+    ``pre_model_load_memory``; both the least over the ranks). Exact at the measured
+    fraction; at another one sglang's rule moves the budget by the change x the memory
+    free before loading. The host pools are not checked here (argument resolution did)."""
+
+    free_before_load: int  # sglang's pre_model_load_memory, in bytes
+    measured_kv_bytes: int  # what sglang's profile returned
+    measured_fraction: float  # the --mem-fraction-static it was measured at
+    mem_fraction_static: float  # the fraction this budget is for (searches vary it)
+    gpu_memory: int | None = None  # the device's capacity, for the message
+    ranks_per_node: int = 1
+    host_available: int | None = None
+    host_reserve: int = HOST_RESERVE
+
+    @classmethod
+    def measured(
+        cls, free_before_load: int, kv_bytes: int, fraction: float, gpu_memory: int | None
+    ) -> MeasuredBudget:
+        return cls(free_before_load, kv_bytes, fraction, fraction, gpu_memory)
+
+    @property
+    def kv_bytes(self) -> int:
+        if self.mem_fraction_static == self.measured_fraction:
+            return self.measured_kv_bytes
+        change = (self.mem_fraction_static - self.measured_fraction) * self.free_before_load
+        return int(self.measured_kv_bytes + change)
+
+    @property
+    def free_after_load(self) -> int:
+        """What sglang's profile found free after loading (its budget, plus its slack)."""
+        return self.measured_kv_bytes + int((1 - self.measured_fraction) * self.free_before_load)
+
+    @property
+    def host_limit(self) -> int | None:
+        return None
+
+    def at_fraction(self, fraction: float) -> MeasuredBudget:
+        return replace(self, mem_fraction_static=fraction)
+
+    def runtime_reserve(self, fraction: float) -> int:
+        return int(self.free_before_load * (1 - fraction))
+
+    def formula(self) -> str:
+        return (
+            f"{gib(self.free_after_load)} free after loading - (1 - "
+            f"{self.mem_fraction_static}) x {gib(self.free_before_load)} free before"
+        )
+
+    def detail_lines(self) -> list[str]:
+        gpu = self.gpu_memory
+        total = (
+            "" if gpu is None else f" of {gib(gpu)} (start-up {gib(gpu - self.free_before_load)})"
+        )
+        loaded = self.free_before_load - self.free_after_load
+        return [
+            f"sglang's profile per GPU: free before loading {gib(self.free_before_load)}{total},",
+            f"  free after loading {gib(self.free_after_load)} (the weights as loaded and "
+            f"other start-up allocations: {gib(loaded)})",
+        ]
+
+    def gpu_name(self) -> str:
+        return "the GPU as sglang measured it"
+
+    def note(self) -> str | None:
+        return None
+
+    def empty_message(self) -> str:
+        return (
+            f"what sglang measured leaves no KV budget ({gib(self.kv_bytes)} = "
+            f"{self.formula()}): no KV pool fits; use GPUs with more memory, more GPUs for "
+            "the weights, or a smaller checkpoint."
+        )
+
+
+AnyBudget = Budget | MeasuredBudget
+
+
+@dataclass(frozen=True)
+class Graphs:
+    """sglang's default --mem-fraction-static as a function of
+    --cuda-graph-max-bs-decode (``fraction_at``: sglang's own rule, probed by
+    ``args.graph_fractions``; it reserves memory per captured decode batch), at the
+    launch's ``max_bs``. Only where the fraction is sglang's default: a fraction the user
+    set does not move with the graphs."""
+
+    max_bs: int
+    fraction_at: Callable[[int], float]
+
 
 @dataclass(frozen=True)
 class Sizing:
     """The plan's totals against the budget, and, when it does not fit, the largest
-    --max-total-tokens (at this N_G) and NSA_DEV_CACHE_SIZE (at this T) that do."""
+    --max-total-tokens (at this N_G) and NSA_DEV_CACHE_SIZE (at this T), the smallest
+    --mem-fraction-static and the largest --cuda-graph-max-bs-decode that do."""
 
     sizes: EchoSizes
     shape: RankShape
-    budget: Budget
+    budget: AnyBudget
     device: DeviceBytes
     host: HostBytes
     largest_host_tokens: int | None = None
     largest_dev_cache: int | None = None
+    smallest_fraction: float | None = None
+    graphs: Graphs | None = None
+    largest_graph_bs: int | None = None
 
     @property
     def fits_device(self) -> bool:
@@ -559,18 +875,13 @@ class Sizing:
     def summary(self) -> str:
         """Every total, for the start-up log, the error message and README's sizing."""
         b, s, shape = self.budget, self.sizes, self.shape
-        w = b.weights
         fit = "<=" if self.fits_device else ">"
         lines = [
             f"per GPU: N_G {s.dev_cache_size}, T {s.host_tokens}, {s.per_rank_running} "
             f"running -> S = {s.device_rows} device rows, R = {s.ratio}",
             *self.device.lines(s, shape),
-            f"GPU total {gib(self.device.total)} {fit} KV budget {gib(b.kv_bytes)} = "
-            f"{b.mem_fraction_static} x {gib(b.gpu_memory)} - weights {gib(w.total)}",
-            f"weights from config.json: attention {gib(w.attention)}, embeddings "
-            f"{gib(w.embeddings)}, dense MLPs {gib(w.dense_mlp)},",
-            f"  shared experts {gib(w.shared_experts)}, routed experts "
-            f"{gib(w.routed_experts)}, routers {gib(w.routers)}",
+            f"GPU total {gib(self.device.total)} {fit} KV budget {gib(b.kv_bytes)} = {b.formula()}",
+            *b.detail_lines(),
             f"pinned host pool (S x R + 64) x {shape.row_bytes} B x {shape.layers} layers = "
             f"{gib(self.host.per_rank)} x {self.host.ranks_per_node} ranks per node = "
             f"{gib(self.host.per_node)}",
@@ -582,16 +893,9 @@ class Sizing:
             )
         return "\n".join(f"    {line}" for line in lines)
 
-    def message(self) -> str:
-        """Why the plan does not fit, every total, and the largest values that do."""
-        where = []
-        if not self.fits_device:
-            where.append(f"the GPU ({gib(self.device.total)} > {gib(self.budget.kv_bytes)})")
-        if not self.fits_host:
-            where.append(
-                f"the host ({gib(self.host.per_node)} > {gib(self.budget.host_limit or 0)})"
-            )
-        s = self.sizes
+    def options(self) -> list[str]:
+        """The changes that make the plan fit, each at its largest (or smallest) value."""
+        s, b = self.sizes, self.budget
         if self.largest_host_tokens is None:
             by_t = f"no --max-total-tokens fits with NSA_DEV_CACHE_SIZE={s.dev_cache_size}"
         else:
@@ -606,26 +910,58 @@ class Sizing:
                 f"NSA_DEV_CACHE_SIZE={self.largest_dev_cache} (with --max-total-tokens "
                 f"{s.host_tokens})"
             )
-        other = (
-            "raise --mem-fraction-static or spread the weights over more GPUs"
-            if not self.fits_device
-            else "free host memory"
-        )
-        b = self.budget
-        if b.kv_bytes <= 0:  # nothing any ECHO setting could change
-            return (
-                f"the weights alone ({gib(b.weights.total)} per GPU) fill sglang's static "
-                f"share of the GPU ({b.mem_fraction_static} x {gib(b.gpu_memory)} = "
-                f"{gib(b.static_bytes)}): no KV pool fits; use GPUs with more memory, more "
-                "GPUs for the weights, or a smaller checkpoint.\n" + self.summary()
+        if self.fits_device:
+            return [by_t, by_n, "free host memory"]
+        now = b.mem_fraction_static
+        if self.smallest_fraction is None:
+            by_f = "no --mem-fraction-static below 1 fits"
+        else:
+            f = self.smallest_fraction
+            by_f = (
+                f"--mem-fraction-static {f} (the smallest that fits; sglang's activations "
+                f"and CUDA graphs then keep {gib(b.runtime_reserve(f))}, "
+                f"{gib(b.runtime_reserve(now))} at {now})"
             )
-        return (
-            f"ECHO's pools do not fit {' and '.join(where)}:\n{self.summary()}\n"
-            f"    largest that fit: {by_t};\n      or {by_n};\n      or {other}."
+        found = [by_t, by_n, by_f]
+        g = self.graphs
+        if g is not None and self.largest_graph_bs is None:
+            found.append(
+                f"no --cuda-graph-max-bs-decode fits (sglang's default "
+                f"--mem-fraction-static is {g.fraction_at(1)} even at 1)"
+            )
+        elif g is not None:
+            bs = self.largest_graph_bs
+            found.append(
+                f"--cuda-graph-max-bs-decode {bs} (sglang's default --mem-fraction-static "
+                f"is then {g.fraction_at(bs)}, {now} at {g.max_bs})"
+            )
+        return [*found, "spread the weights over more GPUs"]
+
+    def message(self) -> str:
+        """Why the plan does not fit, every total, and the values that do."""
+        where = []
+        if not self.fits_device:
+            where.append(
+                f"{self.budget.gpu_name()} ({gib(self.device.total)} > {gib(self.budget.kv_bytes)})"
+            )
+        if not self.fits_host:
+            where.append(
+                f"the host ({gib(self.host.per_node)} > {gib(self.budget.host_limit or 0)})"
+            )
+        first, *rest = self.options()
+        ways = "".join(f";\n      or {option}" for option in rest)
+        note = self.budget.note() if not self.fits_device else None
+        head = (
+            self.budget.empty_message()
+            if self.budget.kv_bytes <= 0
+            else f"ECHO's pools do not fit {' and '.join(where)}:"
+        )
+        return f"{head}\n{self.summary()}\n    largest that fit: {first}{ways}." + (
+            f"\n    ({note})" if note else ""
         )
 
 
-def totals(sizes: EchoSizes, shape: RankShape, budget: Budget) -> Sizing:
+def totals(sizes: EchoSizes, shape: RankShape, budget: AnyBudget) -> Sizing:
     """The plan's totals against the budget (no search)."""
     return Sizing(
         sizes=sizes,
@@ -636,11 +972,11 @@ def totals(sizes: EchoSizes, shape: RankShape, budget: Budget) -> Sizing:
     )
 
 
-def fits(sizes: EchoSizes, shape: RankShape, budget: Budget) -> bool:
+def fits(sizes: EchoSizes, shape: RankShape, budget: AnyBudget) -> bool:
     return sizes.valid() and totals(sizes, shape, budget).fits
 
 
-def largest_host_tokens(sizes: EchoSizes, shape: RankShape, budget: Budget) -> int | None:
+def largest_host_tokens(sizes: EchoSizes, shape: RankShape, budget: AnyBudget) -> int | None:
     """The largest T that fits at this N_G (every total grows with T: binary search)."""
     if not fits(replace(sizes, host_tokens=1), shape, budget):
         return None
@@ -656,7 +992,7 @@ def largest_host_tokens(sizes: EchoSizes, shape: RankShape, budget: Budget) -> i
     return low
 
 
-def largest_dev_cache(sizes: EchoSizes, shape: RankShape, budget: Budget) -> int | None:
+def largest_dev_cache(sizes: EchoSizes, shape: RankShape, budget: AnyBudget) -> int | None:
     """The largest N_G <= the plan's that fits at this T.
 
     The totals are not monotone in N_G (S x R, the host pool, can shrink when S grows),
@@ -684,13 +1020,64 @@ def largest_dev_cache(sizes: EchoSizes, shape: RankShape, budget: Budget) -> int
     return None
 
 
-def check(sizes: EchoSizes, shape: RankShape, budget: Budget) -> Sizing:
-    """The plan's totals, with the largest fitting values when it does not fit."""
+def smallest_fraction(device_total: int, budget: AnyBudget) -> float | None:
+    """The smallest --mem-fraction-static (in steps of 0.001, below 1) whose budget holds
+    ``device_total`` (the budget grows with the fraction: binary search)."""
+    low, high = 0, FRACTION_STEP - 1  # not fits(low / STEP) unless the plan is empty
+
+    def holds(step: int) -> bool:
+        return device_total <= budget.at_fraction(step / FRACTION_STEP).kv_bytes
+
+    if not holds(high):
+        return None
+    while high - low > 1:  # holds(high), not holds(low)
+        mid = (low + high) // 2
+        if holds(mid):
+            high = mid
+        else:
+            low = mid
+    return high / FRACTION_STEP
+
+
+def largest_graph_bs(device_total: int, budget: AnyBudget, graphs: Graphs) -> int | None:
+    """The largest --cuda-graph-max-bs-decode below the launch's whose sglang-default
+    fraction holds ``device_total`` (fewer captured batches reserve less: the default
+    fraction does not fall as the batch shrinks; binary search)."""
+
+    def holds(bs: int) -> bool:
+        return device_total <= budget.at_fraction(graphs.fraction_at(bs)).kv_bytes
+
+    low, high = 1, graphs.max_bs  # not holds(high): the launch's own does not fit
+    if high <= low or not holds(low):
+        return None
+    while high - low > 1:  # holds(low), not holds(high)
+        mid = (low + high) // 2
+        if holds(mid):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def check(
+    sizes: EchoSizes, shape: RankShape, budget: AnyBudget, graphs: Graphs | None = None
+) -> Sizing:
+    """The plan's totals, with the values that fit when it does not (``graphs``: sglang's
+    default fraction by decode graph batch, when the fraction is its default)."""
     result = totals(sizes, shape, budget)
     if result.fits:
         return result
-    return replace(
+    result = replace(
         result,
         largest_host_tokens=largest_host_tokens(sizes, shape, budget),
         largest_dev_cache=largest_dev_cache(sizes, shape, budget),
+    )
+    if result.fits_device:
+        return result
+    total = result.device.total
+    return replace(
+        result,
+        smallest_fraction=smallest_fraction(total, budget),
+        graphs=graphs,
+        largest_graph_bs=None if graphs is None else largest_graph_bs(total, budget, graphs),
     )
