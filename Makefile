@@ -15,8 +15,10 @@ DEMO_TOKENS ?= 64
 # reach ~1,900 tokens, so every layer evicts and recalls).
 DEMO_DEV_CACHE ?= 512
 
-# The default suite runs on two workers (the machine's two cores); the files that launch
-# our kernels share one worker with the sm_90 compile check (tests/conftest.py).
+# The default suite (pyproject's testpaths: tests/, the product's tests, and tests/repo/, the
+# repository tooling's; tests/sglang/ skips there and runs in test-sglang) runs on two
+# workers (the machine's two cores); the files that launch our kernels share one worker
+# with the sm_90 compile check (tests/conftest.py).
 TEST_WORKERS ?= 2
 
 .PHONY: demo test test-slow test-gpu lint format venv clean
@@ -73,7 +75,7 @@ clean:
 SGLANG_VERSION ?= 0.5.23
 SGLANG_ENV ?= $(HOME)/.cache/sglang-echo/sglang-$(SGLANG_VERSION)
 SGLANG_PY := $(SGLANG_ENV)/bin/python
-# The environment builder and the test directory (tests/test_make_sglang_gate.py points
+# The environment builder and the test directory (tests/repo/test_make_sglang_gate.py points
 # them at stand-ins so that it checks this gate without building anything).
 SGLANG_ENV_SCRIPT ?= scripts/sglang_env.sh
 SGLANG_TESTS ?= tests/sglang

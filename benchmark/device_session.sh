@@ -3,7 +3,7 @@
 # into OUTDIR as it finishes (a call cut short still returns what ran). Records keep the
 # commands that made them. Stage times seen on 2026-12-01 (a call is at most 10 minutes):
 # tests ~490 s, kernels ~300 s, study ~165 s (5 repeats; ~210 s on 2026-12-03), study_fp8 ~80 s,
-# topk ~120 s, cache ~75 s (with its tests and --sweep ~450 s on 2026-12-03),
+# topk ~120 s, cache ~75 s (with its tests and the launch-shape sweep it ran then ~450 s on 2026-12-03),
 # mla_profile ~20 s, indexer_profile ~25 s; topk_peer ~5 min (est.: the FlashInfer top-k JIT build is ~4).
 #   bash benchmark/device_session.sh OUTDIR tests                          # one call
 #   bash benchmark/device_session.sh OUTDIR kernels mla_profile study     # one call
@@ -19,7 +19,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_tests_in_kernel prefetch_split prefetch_chunks prefetch_profile prefetch_study prefetch_rows indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -95,20 +95,19 @@ run_stage() {
     release)  # the batched release of a finished request (kernels/release.py) against the
       # per-layer torch release it replaced, at 61 layers x 260K slots x 2M host tokens
       stage release 150 python3 benchmark/kernels/release_bench.py --out /tmp/ds/release ;;
-    cache)  # the cache kernels' GPU tests, then their benchmark (launch chaining beside, the look-back
-      # resolve's launch shapes swept)
-      # ~490 s: its GPU tests took 161 s on 1651a32, and the bench past 330 s cut its sweep
+    cache)  # the cache kernels' GPU tests, then their benchmark (launch chaining beside)
+      # its GPU tests took 161 s on 1651a32
       stage cache 520 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py \
         tests/test_kernel_recall.py tests/test_kernel_topk_rows.py tests/test_pdl.py tests/test_decode_write.py tests/test_kernel_decode_write.py \
-        && python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache --sweep" ;;
-    cache_bench)  # the cache kernels' benchmark alone, no tests and no sweep (~75 s)
+        && python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache" ;;
+    cache_bench)  # the cache kernels' benchmark alone, no tests (~75 s)
       stage cache_bench 200 python3 benchmark/kernels/cache_ops_bench.py --out /tmp/ds/cache_bench ;;
     topk)  # both top-k kernels' tests, the GPU-marked ones too (the pivot's exactness at full
       # scale, which must pass before SGLANG_ECHO_TOPK_PIVOT=1 is allowed on CUDA again),
       # then the indexer bench (the pivot's states beside)
       peer_or_say
       stage topk 200 bash -c "python3 -m pytest -q -p no:cacheprovider -m 'gpu or not gpu' tests/test_kernel_topk.py \
-        tests/test_kernel_topk_pivot.py tests/test_topk_flashinfer.py && python3 benchmark/kernels/indexer_bench.py --out /tmp/ds/topk" ;;
+        tests/repo/test_kernel_topk_pivot.py tests/test_topk_flashinfer.py && python3 benchmark/kernels/indexer_bench.py --out /tmp/ds/topk" ;;
     topk_peer)  # FlashInfer's radix top-k beside ours (.peer carried): its top-k JIT build
       # takes ~4 minutes on a fresh machine, then the sets are checked and both timed. The
       # module it built comes back as OUTDIR/flashinfer_topk_sm90a.so.gz: copied into .peer/,
@@ -121,65 +120,43 @@ run_stage() {
       [ -n "$built" ] && gzip -c "$built" > "$out/flashinfer_topk_sm90a.so.gz" ;;
     kernel_tests)  # gpu_checks.sh's second step alone: the kernel and model tests, this torch
       stage kernel_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py tests/test_kernel_release.py \
-        tests/test_kernel_recall.py tests/test_kernel_indexer.py tests/test_kernel_decode_prefetch.py tests/test_kernel_logits_stage.py \
-        tests/test_kernel_prefill_prefetch.py tests/test_kernel_topk.py tests/test_kernel_topk_pivot.py tests/test_kernel_sort_picks.py tests/test_kernel_sparse_mla.py \
+        tests/test_kernel_recall.py tests/test_kernel_indexer.py tests/test_kernel_decode_stage.py \
+        tests/test_kernel_prefill_prefetch.py tests/test_kernel_topk.py tests/repo/test_kernel_topk_pivot.py tests/test_kernel_sort_picks.py tests/test_kernel_sparse_mla.py \
         tests/test_model_oracle.py tests/test_indexer.py tests/test_pdl.py tests/test_decode_write.py tests/test_kernel_decode_write.py ;;
     decode_stage)  # the staged decode prefetch: its kernels' and the recall's GPU tests, then
-      # the decode prefetch benchmark (staged, allocating and unfused, interleaved rounds)
+      # the decode prefetch benchmark (staged and unfused, interleaved rounds)
       peer_or_say
       stage decode_stage 330 bash -c "python3 -m pytest -q -p no:cacheprovider \
-        tests/test_kernel_decode_stage.py tests/test_kernel_logits_stage.py tests/test_kernel_decode_prefetch.py tests/test_kernel_recall.py \
+        tests/test_kernel_decode_stage.py tests/test_kernel_recall.py \
         tests/test_kernel_indexer.py && python3 benchmark/kernels/decode_prefetch_bench.py --out /tmp/ds/decode_stage" ;;
     prefetch_tests)  # the CUDA tests of decode prefetch: lossless through the runtime's decode
-      # graphs (off, the chunked default, auto; under eviction) and the kernels at DeepSeek
-      # shapes; 484 s on 60fdcee (a cold machine), so a call of its own
+      # graphs (off, the chunked design, auto; under eviction); 484 s on 60fdcee (a cold
+      # machine, with the designs since removed), so a call of its own
       stage prefetch_tests 580 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py \
-        -k "(lossless_cuda_graph_decode and not in_kernel) or fused_prefetch or staged_logits" ;;
-    prefetch_tests_in_kernel)  # the same lossless graph cases in the in-kernel design, whole and
-      # split with copy_rest (4 cases, ~280 s)
-      stage prefetch_tests_in_kernel 360 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py \
-        -k "lossless_cuda_graph_decode and in_kernel" ;;
-    prefetch_split)  # the in-kernel design with its copy split (copy_rows per request in the
-      # logits, copy_rest for the others) against the chunked default at low hit rates,
-      # five interleaved rounds per setting: where a per-step choice of design would pay
-      stage prefetch_split 240 bash -c 'for r in 384 448; do python3 benchmark/kernels/decode_prefetch_bench.py \
-        --out /tmp/ds/prefetch_split/rows$r --hit-rates 0.3,0.4,0.5,0.6,0.7,0.8 --stage-copy-rows $r --rounds 5 \
-        > /tmp/ds/prefetch_split/rows$r.log 2>&1; echo "copy rows $r: exit $?"; tail -8 /tmp/ds/prefetch_split/rows$r.log; done' ;;
-    prefetch_chunks)  # the chunked design in three chunks (both streams of the select, timed
-      # beside each other) at hit 0.5, 0.9 and 1.0: whether earlier copies pay for a launch more
-      stage prefetch_chunks 150 python3 benchmark/kernels/decode_prefetch_bench.py --out /tmp/ds/prefetch_chunks \
-        --stage-chunks 3 --hit-rates 0.5,0.9,1.0 ;;
-    prefetch_profile)  # one graph replay of each decode design under the profiler at hit 1.0,
-      # 0.9 and 0.5: the kernels in start order, where each design's fixed cost lies
+        -k "lossless_cuda_graph_decode" ;;
+    prefetch_profile)  # one graph replay of the unfused and the staged decode step under the
+      # profiler at hit 1.0, 0.9 and 0.5: the kernels in start order, where the fixed cost lies
       stage prefetch_profile 150 python3 benchmark/kernels/decode_prefetch_bench.py --profile 1.0,0.9,0.5 ;;
     prefetch_study)  # the decode prefetch under its rule (auto, the default) end to end: echo_paper beside
       # echo_noprefetch (off) and no-offload at the paper's setting and the random-keys run
       stage prefetch_study 300 python3 benchmark/e2e_study.py --out /tmp/ds/prefetch_study \
         --decode-prefetch --only echo_paper,noff_paper,echo_noprefetch --locality-sweep "" --repeats 3 \
         --profile-steps 0 --skip-components --deadline-s 230 ;;
-    prefetch_rows)  # the decode prefetch's staged rows per request end to end: the prefetch
-      # study (its random-keys run repeated too) at 384, 512 and 1536 rows, one process each
-      stage prefetch_rows 420 bash -c 'for r in 384 512 1536; do python3 benchmark/e2e_study.py \
-        --out /tmp/ds/prefetch_rows/rows$r --decode-prefetch --decode-stage-rows $r --only echo_paper,echo_noprefetch \
-        --locality-sweep "" --repeats 3 --profile-steps 0 --skip-components --skip-fixed --deadline-s 120 \
-        > /tmp/ds/prefetch_rows/rows$r.log 2>&1; echo "rows $r: exit $?"; grep -E "metrics|Error" /tmp/ds/prefetch_rows/rows$r.log | tail -2; done' ;;
     prefetch)  # the prefetch benchmarks and the indexer (with top-k launch shapes) again
       peer_or_say
       stage prefetch 200 bash benchmark/gpu_checks.sh /tmp/ds/prefetch benches decode_prefetch \
         prefill_prefetch indexer ;;
     cuda_tests_graphs)  # the CUDA tests, first of three calls (then cuda_tests_rest and
-      # kernel_tests; `tests` no longer fits one call): lossless through decode graphs (the
-      # designs in use; the in-kernel ones, which fail capture, are prefetch_tests_in_kernel)
-      # and the serving scheduler's GPU tests, start-up capture and its failure included
+      # kernel_tests; `tests` no longer fits one call): lossless through decode graphs and
+      # the serving scheduler's GPU tests, start-up capture and its failure included
       stage cuda_tests_graphs 570 bash -c "python3 -m pytest -q -m gpu -s -p no:cacheprovider \
-        --durations=10 tests/test_gpu.py -k 'lossless_cuda_graph_decode and not in_kernel'; \
+        --durations=10 tests/test_gpu.py -k 'lossless_cuda_graph_decode'; \
         python3 -m pytest -q -m gpu -s -p no:cacheprovider --durations=10 tests/test_serving_gpu.py" ;;
-    cuda_tests_rest)  # the other CUDA tests: oracle on CUDA, fused prefetch logits, fp8 KV
-      # with graphs, the cache, sparse-MLA and top-k kernels on the GPU
+    cuda_tests_rest)  # the other CUDA tests: oracle on CUDA, fp8 KV with graphs, the cache, sparse-MLA and top-k kernels on the GPU
       peer_or_say
       stage cuda_tests_rest 480 python3 -m pytest -q -m gpu -s -p no:cacheprovider --durations=15 \
         tests/test_gpu.py -k "not lossless_cuda_graph_decode" tests/test_fp8_kv.py tests/test_kernel_alloc.py \
-        tests/test_kernel_sparse_mla.py tests/test_kernel_topk.py tests/test_kernel_topk_pivot.py tests/test_topk_flashinfer.py ;;
+        tests/test_kernel_sparse_mla.py tests/test_kernel_topk.py tests/repo/test_kernel_topk_pivot.py tests/test_topk_flashinfer.py ;;
     capture_probe)  # which host events invalidate a CUDA-graph capture here (~30 s)
       stage capture_probe 150 python3 benchmark/capture_probe.py \
         --out /tmp/ds/capture_probe/capture_probe.json ;;
@@ -242,7 +219,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in cuda_tests_graphs|cuda_tests_rest|capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_tests_in_kernel|prefetch_split|prefetch_chunks|prefetch_profile|prefetch_study|prefetch_rows|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in cuda_tests_graphs|cuda_tests_rest|capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_profile|prefetch_study|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 if [ "${PACK_TRITON_CACHE:-0}" = 1 ]; then  # for the next call: unpack into .triton_cache, carry it

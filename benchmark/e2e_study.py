@@ -91,13 +91,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "paper's setting and on random keys",
     )
     ap.add_argument(
-        "--decode-stage-rows",
-        type=int,
-        default=None,
-        help="with --decode-prefetch: echo_paper's staged rows per request and layer "
-        "(default: the prefetcher's for the rows' bytes, config.default_stage_rows)",
-    )
-    ap.add_argument(
         "--fill-max",
         type=int,
         default=150,
@@ -129,10 +122,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.repeats = SMOKE_REPEATS if args.smoke else GPU_REPEATS
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
-    if args.decode_stage_rows is not None and (
-        args.decode_stage_rows < 1 or not args.decode_prefetch
-    ):
-        ap.error("--decode-stage-rows needs --decode-prefetch and at least 1 row")
     if not args.smoke and 1 + args.warmup + args.steps < MIN_TOKENS_COMPARED:
         ap.error(
             f"the lossless checks compare at least {MIN_TOKENS_COMPARED} tokens per request: "

@@ -8,7 +8,7 @@
 #   bash benchmark/gpu_checks.sh "$OUT" [all|tests|benches] [BENCH...]
 # `tests` or `benches` alone fit a call comfortably if both together come near the 10-minute
 # limit; BENCH names (cache_ops decode_prefetch prefill_prefetch recall indexer sparse_mla)
-# pick benchmarks; CACHE_OPS_SWEEP=0 skips cache_ops' launch-shape sweep (~40 s).
+# pick benchmarks.
 set -uo pipefail
 out=${1:-/tmp/echo-gpu}
 part=${2:-all}
@@ -29,18 +29,16 @@ step() { echo "[gpu_checks] ${SECONDS}s: $*"; }
 if [ "$part" != benches ]; then
 step "CUDA tests"
 python3 -m pytest -q -m gpu -s -p no:cacheprovider --durations=25 tests/test_gpu.py tests/test_serving_gpu.py tests/test_fp8_kv.py tests/test_kernel_alloc.py \
-  tests/test_kernel_sparse_mla.py tests/test_kernel_topk.py tests/test_kernel_topk_pivot.py tests/test_topk_flashinfer.py 2>&1 | tee "$res/gpu_tests.log" | tail -45
+  tests/test_kernel_sparse_mla.py tests/test_kernel_topk.py tests/repo/test_kernel_topk_pivot.py tests/test_topk_flashinfer.py 2>&1 | tee "$res/gpu_tests.log" | tail -45
 step "kernel and model tests under this torch"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py tests/test_kernel_release.py tests/test_kernel_recall.py \
-  tests/test_kernel_indexer.py tests/test_kernel_decode_prefetch.py tests/test_kernel_decode_stage.py tests/test_kernel_logits_stage.py tests/test_kernel_prefill_prefetch.py tests/test_kernel_decode_write.py \
-  tests/test_kernel_topk.py tests/test_kernel_topk_pivot.py tests/test_kernel_sort_picks.py tests/test_kernel_sparse_mla.py tests/test_model_oracle.py tests/test_indexer.py 2>&1 | tee "$res/kernel_tests.log" | tail -5
+  tests/test_kernel_indexer.py tests/test_kernel_decode_stage.py tests/test_kernel_prefill_prefetch.py tests/test_kernel_decode_write.py \
+  tests/test_kernel_topk.py tests/repo/test_kernel_topk_pivot.py tests/test_kernel_sort_picks.py tests/test_kernel_sparse_mla.py tests/test_model_oracle.py tests/test_indexer.py 2>&1 | tee "$res/kernel_tests.log" | tail -5
 fi
 [ "$part" = tests ] && benches=()
 for bench in ${benches[@]+"${benches[@]}"}; do
   step "benchmark $bench"
-  extra=""  # cache_ops also sweeps launch shapes, each checked first (CACHE_OPS_SWEEP=0: not)
-  [ "$bench" = cache_ops ] && [ "${CACHE_OPS_SWEEP:-1}" = 1 ] && extra=--sweep
-  python3 benchmark/kernels/${bench}_bench.py --out "$res" $extra 2>&1 | tee "$res/${bench}_bench.log" | tail -14
+  python3 benchmark/kernels/${bench}_bench.py --out "$res" 2>&1 | tee "$res/${bench}_bench.log" | tail -14
 done
 step "done"
 # The device returns a limited number of files: everything travels in one archive.

@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,10 @@ RUNTIME_STANDINS = {
     "sgl_kernel.kvcacheio.transfer_kv_all_layer_mla": "torch index copies through the host "
     "pool's UVA alias on the stream sglang calls it on (decode backup, prefill staging)",
 }
+WIDE = dict(
+    fp8=True, mode="pd", top_k=2048, dev_cache=3 * 2048, max_running=3, max_prompt=6144,
+    max_context=8192, graph_sizes=(1, 2, 3),
+)  # fmt: skip
 CONFIGS = {
     "fp8-pd": dict(fp8=True, mode="pd"),
     "bf16-pd": dict(fp8=False, mode="pd"),
@@ -45,6 +50,14 @@ CONFIGS = {
     # The decode prefetch's switch on: staged from the toy indexer's logits through the
     # plugin's hook (side stream, stage kernels and the recall's staged path in the graphs).
     "fp8-pd-prefetch": dict(fp8=True, mode="pd", prefetch=True),
+    # Real shape: top-k 2048 and three requests, 6,144 lanes a layer-step, past the one-
+    # program allocation (4,096 lanes), so the multi-launch resolve runs, in the graphs.
+    "fp8-pd-wide": WIDE,
+    # The same with the decode prefetch: its step time against fp8-pd-wide's is the hook's
+    # cost or gain on this shape (prefetch_step_ratio in the record).
+    "fp8-pd-wide-prefetch": {**WIDE, "prefetch": True},
+    # DP-attention-like: every step replays the largest graph, the rest padding rows.
+    "fp8-pd-dp-padded": dict(fp8=True, mode="pd", pad_to_max=True),
 }
 
 
@@ -84,6 +97,7 @@ def run_config(name: str, cfg, device: str, group) -> dict:
         echo.side.coord.destroy()
     plain = DecodeLoop(PlainSide, cfg, device, group)
     plain_out = plain.run(specs)
+    echo_ms, plain_ms = echo.step_ms(), plain.step_ms()
     tokens = logits_rows = 0
     first_difference = None
     for spec in specs:
@@ -135,8 +149,16 @@ def run_config(name: str, cfg, device: str, group) -> dict:
         "prefetched_rows": int(coord.manager.prefetched_rows.sum()),
         "prefetch_hits": int(coord.manager.prefetch_hits.sum()),
         "left_clean": clean,
+        # Device time per graph-replayed decode step (CUDA events; the GPU only).
+        "step_ms_p50": _median(echo_ms),
+        "plain_step_ms_p50": _median(plain_ms),
+        "timed_steps": len(echo_ms),
         "seconds": round(time.perf_counter() - start, 2),
     }
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None
 
 
 def _clean(loop) -> bool:
@@ -202,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     launches = next(
         (r["launches_per_layer_step"] for r in results if r["launches_per_layer_step"]), None
     )
+    by_name = {r["config"]: r for r in results}
+    wide, wide_prefetch = by_name.get("fp8-pd-wide"), by_name.get("fp8-pd-wide-prefetch")
+    prefetch_ratio = None
+    if wide and wide_prefetch and wide["step_ms_p50"] and wide_prefetch["step_ms_p50"]:
+        prefetch_ratio = round(wide_prefetch["step_ms_p50"] / wide["step_ms_p50"], 4)
     record = {
         "name": "plugin_gpu_harness",
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
@@ -224,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
             "evictions_per_step_max": max(r["evictions_per_step_max"] for r in results),
             "launches_per_layer_step": launches,
             "launches_per_layer_step_total": sum(launches.values()) if launches else None,
+            # The real shape's resolve (6,144 lanes: the multi-launch allocation).
+            "wide_launches_per_layer_step": wide["launches_per_layer_step"] if wide else None,
+            # Decode prefetch on / off, median step device time at the real shape (< 1: it
+            # pays there; the plugin keeps it off by default).
+            "prefetch_step_ratio": prefetch_ratio,
             "left_clean": all(r["left_clean"] for r in results),
             "release_errors": sum(r["release_errors"] for r in results),
         },

@@ -11,8 +11,8 @@ import sys
 import torch
 
 sys.path.insert(0, "python")
-sys.path.insert(0, ".")  # research/ (run from the repository root)
-from research.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+sys.path.insert(0, ".")  # scripts/ (run from the repository root)
+from scripts.make_tiny_checkpoint import TinySpec, make_tiny_checkpoint
 from sglang_echo.config import EchoConfig
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.model.loader import load_model

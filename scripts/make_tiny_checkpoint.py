@@ -1,8 +1,11 @@
-"""Write a random DeepSeek-V3.2 checkpoint built with transformers' own classes.
+"""Write a random DeepSeek-V3.2 checkpoint built with transformers' own classes; see ``--help``.
 
 Deterministic by seed; sized by arguments; ships a byte-level tokenizer so text prompts
-work end to end. Used by tests (as oracle fixtures), by ``make demo`` and the e2e scripts
-(``scripts/make_tiny_checkpoint.py``) and by ``research.train``. Outside the wheel.
+work end to end. The repository's scripts own it (outside the wheel, no ``research/``
+import): ``make demo DEMO_MODEL=demo/tiny-dsv32`` and the e2e and serving sweeps run it as
+``python scripts/make_tiny_checkpoint.py``; the tests (their oracle fixtures), ``research.train``
+and the benchmarks import it as ``scripts.make_tiny_checkpoint`` with the repository root
+on the path.
 """
 
 from __future__ import annotations

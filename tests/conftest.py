@@ -13,13 +13,15 @@ import torch
 
 from sglang_echo.config import reset_settings
 
-# benchmark/ and research/ live outside the wheel, as packages at the repository root
-# (docs/DEVELOPMENT.md: Layout): the tests import them from there, as `python -m benchmark...` does.
+# benchmark/, research/ and scripts/ live outside the wheel, as packages at the repository root
+# (docs/DEVELOPMENT.md: Layout): the tests import them from there, as `python -m benchmark...`
+# does. The product tests here import the tiny-checkpoint maker from scripts/, never research/
+# (tests/repo/test_layout.py); the repository tooling's tests are in tests/repo/.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from research.tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
+from scripts.make_tiny_checkpoint import TinySpec, make_tiny_checkpoint  # noqa: E402
 
 # Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine the
 # thread pool's contention made small ops ~50x slower.

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from research.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from scripts.make_tiny_checkpoint import TinySpec, make_tiny_checkpoint
 from sglang_echo.config import EchoConfig, reset_settings
 from sglang_echo.kernels.fp8_kv import fp8_row_bytes
 from sglang_echo.model import attention as attention_module

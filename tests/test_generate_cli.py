@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from research.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from scripts.make_tiny_checkpoint import TinySpec, make_tiny_checkpoint
 from sglang_echo.generate import main
 from sglang_echo.tokenizer import load_tokenizer
 

@@ -119,16 +119,10 @@ def _lossless_pair(
     cap = sum(len(p) + new_tokens for p in prompts)
     width = max(len(p) for p in prompts) + new_tokens
     n_g = EchoConfig().min_dev_cache_size(batch_size, cfg.index_topk, min(chunk, cap))
-    # fuse_decode: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 (decode prefetch on a side stream)
-    # and, with it, SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1 (prefill prefetch, same stream);
-    # "in_kernel": "1" in the in-kernel design (EchoConfig.decode_stage_in_kernel).
-    in_kernel = fuse_decode in ("in_kernel", "in_kernel_split")
+    # fuse_decode: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 (decode prefetch on side streams)
+    # and, with it, SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1 (prefill prefetch, same stream).
     echo_cfg = EchoConfig(
-        offload=True,
-        dev_cache_size=n_g,
-        fuse_decode=True if in_kernel else fuse_decode,
-        fuse_extend=bool(fuse_decode),
-        decode_stage_in_kernel=True if in_kernel else None,
+        offload=True, dev_cache_size=n_g, fuse_decode=fuse_decode, fuse_extend=bool(fuse_decode)
     )
     echo = echo_cache_for_model(echo_cfg, cfg, cap, dtype, "cuda")
     assert echo.host.pinned and echo.manager.graph_safe, "pinned host pool must have a UVA view"
@@ -172,17 +166,10 @@ def _install_sync_check(cache: EchoKVCache) -> None:
         setattr(manager, op, checked)
 
 
-@pytest.mark.parametrize("fuse_decode", [False, True, "auto", "in_kernel", "in_kernel_split"])
+@pytest.mark.parametrize("fuse_decode", [False, True, "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode, monkeypatch):
+def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
     import random
-
-    if (
-        fuse_decode == "in_kernel_split"
-    ):  # the logits copy a row per request, a side stream the rest
-        from sglang_echo.offload import decode_prefetcher
-
-        monkeypatch.setattr(decode_prefetcher, "DEFAULT_IN_KERNEL_COPY_ROWS", 1)
 
     reports = []
     for seed in range(12):
@@ -203,20 +190,14 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode, monkeypatch
         reports.append(r)
         model.set_graph_safe(False)
     # Eager mode, with host synchronisation made an error inside append/resolve/prefetch.
-    # With prefetch: the fp8 indexer, i.e. the fused logits + flags kernel.
+    # With prefetch: the fp8 indexer, i.e. the chunked logits and the staging kernels.
     name = "fp8-indexer" if fuse_decode else "default-rope"
     model = load_model(checkpoints[name], device="cuda", dtype=dtype)
     eager = _lossless_pair(
         model, _prompts(3, [40, 70, 25]), 12, 3, 32, use_graph=False, sync_check=True,
         fuse_decode=fuse_decode,
     )  # fmt: skip
-    suffix = {
-        False: "",
-        True: "/prefetch",
-        "auto": "/prefetch_auto",
-        "in_kernel": "/prefetch_in_kernel",
-        "in_kernel_split": "/prefetch_in_kernel_split",
-    }[fuse_decode]
+    suffix = {False: "", True: "/prefetch", "auto": "/prefetch_auto"}[fuse_decode]
     _save(
         f"lossless_graph/{str(dtype).split('.')[-1]}{suffix}",
         {"graph_runs": reports, "eager_sync_checked": eager},
@@ -233,90 +214,3 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode, monkeypatch
         on = sum(r["prefetch_steps"][0] for r in reports)
         assert 0 < on < sum(r["prefetch_steps"][1] for r in reports)
     print(json.dumps(reports, indent=1))
-
-
-def _deepseek_indexer_inputs(g: torch.Generator) -> tuple:
-    """Decode indexer inputs at DeepSeek-V3.2 shapes (batch 16, 64 heads x 128 dims, 8192
-    positions), 90% of the keys resident, the plain kernel's logits, and thresholds at each
-    request's 2048th score except row 0's (-inf): row 0 flags ~10% of its 8192 keys
-    (absent ones), more than a 512-row list or region holds."""
-    from sglang_echo.kernels.cache_layout import ABSENT
-    from sglang_echo.kernels.indexer import fp8_index_logits
-
-    batch, heads, dim, length = 16, 64, 128, 8192
-    n_keys = batch * length + 2
-    q = torch.randn(batch, heads, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
-    keys = torch.randn(n_keys, dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
-    scales = torch.rand(n_keys, device="cuda", generator=g) + 0.5
-    w = torch.randn(batch, heads, device="cuda", generator=g)
-    locs = torch.randperm(n_keys - 2, device="cuda", generator=g)[: batch * length] + 1
-    locs = locs.view(batch, length)
-    lens = torch.randint(length // 2, length + 1, (batch,), device="cuda", generator=g)
-    lens = lens.to(torch.int32)
-    lens[0] = length
-    resident = torch.rand(n_keys, device="cuda", generator=g) < 0.9
-    ids = torch.arange(n_keys, device="cuda", dtype=torch.int32)
-    h2d = torch.where(resident, ids, torch.full_like(ids, ABSENT))
-    plain = fp8_index_logits(q, w, keys, scales, locs, lens)
-    theta = plain.sort(1, descending=True).values[:, 2047].contiguous()
-    theta[0] = float("-inf")
-    return q, w, keys, scales, locs, lens, h2d, plain, theta
-
-
-def test_fused_prefetch_logits_bit_identical_at_deepseek_shapes():
-    """The fused decode kernel (logits + prefetch flags) against the plain logits kernel at
-    DeepSeek-V3.2 indexer shapes (64 heads x 128 dims), compiled for this GPU: the same
-    logits bit for bit, and the reference's candidates."""
-    from sglang_echo.kernels.decode_prefetch import (
-        decode_prefetch_reference,
-        fp8_index_logits_prefetch,
-    )
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, w, keys, scales, locs, lens, h2d, plain, theta = _deepseek_indexer_inputs(g)
-    got, cand = fp8_index_logits_prefetch(q, w, keys, scales, locs, lens, theta, h2d, 512)
-    assert torch.equal(got, plain)
-    ref = decode_prefetch_reference(got, locs, lens, theta, h2d, 512)
-    assert torch.equal(cand.ids, ref.ids) and torch.equal(cand.counts, ref.counts)
-    assert int(cand.counts[0]) == 512 and int(cand.counts[1:].min()) > 0
-
-
-def test_staged_logits_at_deepseek_shapes():
-    """The in-kernel decode prefetch (kernels/logits_stage.py) at DeepSeek-V3.2 indexer
-    shapes, compiled for this GPU, reading rows from a pinned host pool through its CUDA
-    alias: the plain kernel's logits bit for bit; each request's staged tokens are its
-    candidates (all of them where they fit, as many as fit where the region overflows),
-    their rows equal the host rows, and the map points at entries holding them."""
-    from sglang_echo.kernels.cache_layout import ABSENT
-    from sglang_echo.kernels.logits_stage import StageBuffers, fp8_index_logits_staged
-    from sglang_echo.offload.host_pool import HostKVPool
-
-    g = torch.Generator(device="cuda").manual_seed(1)
-    q, w, keys, scales, locs, lens, h2d, plain, theta = _deepseek_indexer_inputs(g)
-    (batch, length), n_keys, cap, row_bytes = locs.shape, keys.shape[0], 512, 656
-    host = HostKVPool(1, n_keys, row_bytes, torch.uint8, pin=True)
-    host.device_view[0].copy_(
-        torch.randint(0, 256, (n_keys + 2, row_bytes), device="cuda", generator=g).to(torch.uint8)
-    )
-    stage = StageBuffers(batch, cap, row_bytes, torch.uint8, n_keys, "cuda")
-    total = torch.zeros(1, dtype=torch.int64, device="cuda")
-    got = fp8_index_logits_staged(
-        q, w, keys, scales, locs, lens, theta, h2d, host.device_view[0], stage, total
-    )
-    assert torch.equal(got, plain)
-    pos = torch.arange(length, device="cuda")
-    visible = pos[None, :] < lens[:, None]
-    flags = visible & (plain > theta[:, None]) & (h2d[locs] == ABSENT)
-    kept = 0
-    for b in range(batch):
-        want = set(locs[b][flags[b]].tolist())
-        assert int(stage.counts[b]) == len(want)
-        n = min(len(want), cap)
-        kept += n
-        staged = stage.ids[b * cap : b * cap + n]
-        assert len(set(staged.tolist())) == n and set(staged.tolist()) <= want
-        if len(want) <= cap:
-            assert set(staged.tolist()) == want
-        assert torch.equal(stage.rows[b * cap : b * cap + n], host.device_view[0][staged])
-        assert torch.equal(stage.ids[stage.stage_map[staged].long()], staged)
-    assert int(stage.counts[0]) > cap and int(total) == kept

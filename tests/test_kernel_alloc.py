@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from sglang_echo.kernels import alloc
 from sglang_echo.kernels.alloc import (
     EXACT_AGES,
     AllocWorkspace,
@@ -74,20 +75,35 @@ def program_order(request, monkeypatch):
     return request.param
 
 
-SMALL_BLOCKS = {"lane_block": 16, "slot_block": 16, "num_warps": 1}
-# The launch paths of allocate_kernel: the look-back resolve (past the one program; appends
-# take the pipeline there), the five-launch pipeline for everything, and the one-program
-# kernel (small batches); each must leave the reference's state.
-PATHS = {
-    "lookback": {"one_program_lanes": 0},
-    "pipeline": {"one_program_lanes": 0, "lookback": False},
-    "one-program": {"one_program_lanes": 1 << 20},
+# A workspace's launch shape is kernels/alloc.py's module constants, read when it is made:
+# small blocks (many programs per launch on small caches) set them first.
+SMALL_BLOCKS = {
+    "LANE_BLOCK": 16,
+    "SLOT_BLOCK": 16,
+    "NUM_WARPS": 1,
+    "ONE_PROGRAM_BLOCK": 32,
+    "LOOKBACK_LANE_BLOCK": 16,
+    "LOOKBACK_WARPS": 1,
 }
 
 
+def _shape(monkeypatch, **constants) -> None:
+    """kernels/alloc.py's launch constants for the workspaces made after this call."""
+    for name, value in constants.items():
+        assert hasattr(alloc, name), name
+        monkeypatch.setattr(alloc, name, value)
+
+
+# The launch paths of allocate_kernel: past the one program (a resolve's look-back launches,
+# an append's five-launch pipeline) and the one-program kernel (small batches); each must
+# leave the reference's state.
+PATHS = {"lookback": 0, "one-program": 1 << 20}  # ONE_PROGRAM_LANES
+
+
 @pytest.fixture(params=sorted(PATHS))
-def path(request) -> dict:
-    return PATHS[request.param]
+def path(request, monkeypatch) -> str:
+    _shape(monkeypatch, ONE_PROGRAM_LANES=PATHS[request.param])
+    return request.param
 
 
 @pytest.mark.parametrize(
@@ -103,14 +119,15 @@ def path(request) -> dict:
 )
 @pytest.mark.parametrize("reserve", [0, 5], ids=["no-reserve", "reserve-5"])
 def test_kernels_match_reference_over_a_random_life(
-    seed: int, program_order: str, shape: dict, reserve: int, path: dict
+    seed: int, program_order: str, shape: dict, reserve: int, path: str, monkeypatch
 ) -> None:
     """Any launch shape (many programs per launch with small blocks) leaves the state the
     reference leaves, with and without an eviction reserve."""
     rng = random.Random(seed)
     num_slots, host_tokens = 40, 200
     ref, ker = _pair(num_slots, host_tokens, reserve)
-    ws = AllocWorkspace(ker, max_lanes=num_slots, **shape, **path)
+    _shape(monkeypatch, **shape)
+    ws = AllocWorkspace(ker, max_lanes=num_slots)
     live: list[int] = []
     next_id = 1
     for step in range(60):
@@ -157,10 +174,10 @@ def test_old_slots_share_log2_buckets_and_lowest_slot_goes_first() -> None:
     assert victim_mask(bucket, torch.tensor(0)).tolist() == [0] * 6
 
 
-def test_resolve_after_long_idle_uses_the_log_buckets(path: dict) -> None:
+def test_resolve_after_long_idle_uses_the_log_buckets(path: str) -> None:
     """Ages beyond the exact range: state still bit-identical (clock jumps are legal)."""
     ref, ker = _pair(8, 40)
-    ws = AllocWorkspace(ker, max_lanes=8, **path)
+    ws = AllocWorkspace(ker, max_lanes=8)
     for cache in (ref, ker):
         cache.clock[:] = 5000
     ids = torch.arange(1, 9, device=DEV)
@@ -182,16 +199,18 @@ def test_resolve_after_long_idle_uses_the_log_buckets(path: dict) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts compiled GPU variants")
-def test_lane_counts_of_any_size_reuse_one_compiled_variant() -> None:
+def test_lane_counts_of_any_size_reuse_one_compiled_variant(monkeypatch) -> None:
     """Prefill appends and resolves come in every size: a new lane count must not compile
     a new kernel variant mid-serving (once seconds per call, seen as 1.4 s decode stalls)."""
-    from sglang_echo.kernels import alloc
+    from sglang_echo.kernels import alloc_lookback
 
     kernels = (alloc._lookup_kernel, alloc._count_kernel, alloc._rank_kernel)
     kernels += (alloc._assign_kernel, alloc._finish_kernel, alloc._one_program_kernel)
+    kernels += (alloc_lookback._lookup_rank_kernel, alloc_lookback._map_misses_kernel)
     cache = DeviceCache(1, 4096, 1 << 16, 4, torch.float32, DEV)
-    # Both paths: up to 1024 lanes one program, past it the pipeline.
-    ws = AllocWorkspace(cache, max_lanes=cache.num_slots, one_program_lanes=1024)
+    # Both paths: up to 1024 lanes one program, past it the pipeline and the look-back.
+    _shape(monkeypatch, ONE_PROGRAM_LANES=1024)
+    ws = AllocWorkspace(cache, max_lanes=cache.num_slots)
     device = torch.cuda.current_device()
     before = None
     for step, lanes in enumerate((1, 17, 1024, 1025, 3000, 4096, 2, 33)):
@@ -204,44 +223,20 @@ def test_lane_counts_of_any_size_reuse_one_compiled_variant() -> None:
     assert counts == before, f"variants per kernel grew from {before} to {counts}"
 
 
-def test_workspace_rejects_launch_shapes_the_kernels_cannot_take() -> None:
-    cache = DeviceCache(1, 32, 64, 4, torch.float32, DEV)
-    with pytest.raises(ValueError, match="lane_block must be a power of two"):
-        AllocWorkspace(cache, 32, lane_block=48)
-    with pytest.raises(ValueError, match="slot_block"):
-        AllocWorkspace(cache, 32, slot_block=8)
-    with pytest.raises(ValueError, match="one_program_block"):
-        AllocWorkspace(cache, 32, one_program_block=48)
-    with pytest.raises(ValueError, match="lookback_lane_block"):
-        AllocWorkspace(cache, 32, lookback_lane_block=48)
-    with pytest.raises(ValueError, match="lookback_warps"):
-        AllocWorkspace(cache, 32, lookback_warps=3)
-    with pytest.raises(ValueError, match="num_warps"):
-        AllocWorkspace(cache, 32, num_warps=3)
-    with pytest.raises(ValueError, match="atomic_sem"):
-        AllocWorkspace(cache, 32, atomic_sem="seq_cst")
-    with pytest.raises(ValueError, match="one_program_warps"):
-        AllocWorkspace(cache, 32, one_program_warps=64)
-    with pytest.raises(ValueError, match="one_program_lanes"):
-        AllocWorkspace(cache, 32, one_program_lanes=-1)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="chained launches need a GPU")
-@pytest.mark.parametrize(
-    ("pdl", "sem"), [(True, "relaxed"), (False, "acq_rel")], ids=["chained", "unchained"]
-)
-def test_graph_replayed_steps_match_the_reference(pdl: bool, sem: str, path: dict) -> None:
-    """A decode step's append + resolve captured in a CUDA graph (chained launches and
-    relaxed atomics, the default on sm_90; or neither) and replayed on new ids each step
-    leaves the reference's state after every replay, evictions and reserve included."""
+@pytest.mark.parametrize("pdl", [True, False], ids=["chained", "unchained"])
+def test_graph_replayed_steps_match_the_reference(pdl: bool, path: str) -> None:
+    """A decode step's append + resolve captured in a CUDA graph (chained launches, the
+    default on sm_90, or not) and replayed on new ids each step leaves the reference's
+    state after every replay, evictions and reserve included."""
     from sglang_echo.kernels.pdl import use_pdl
 
     if pdl and not use_pdl(torch.device(DEV)):
         pytest.skip("this GPU does not chain launches (below sm_90, or SGLANG_ECHO_PDL=0)")
     num_slots, batch, topk = 64, 3, 8
     ref, ker = _pair(num_slots, 4096, reserve=6)
-    ws = AllocWorkspace(ker, max_lanes=num_slots, pdl=pdl, atomic_sem=sem, **path)
+    ws = AllocWorkspace(ker, max_lanes=num_slots, pdl=pdl)
     assert ws.pdl == pdl
     new_ids = torch.zeros(batch, dtype=torch.int64, device=DEV)
     selected = torch.zeros(batch * topk, dtype=torch.int64, device=DEV)
@@ -291,12 +286,12 @@ def test_graph_replayed_steps_match_the_reference(pdl: bool, sem: str, path: dic
     assert int(ker.evictions.sum()) > 0, "no replay evicted: the test lost its pressure"
 
 
-def test_slots_are_scanned_only_when_misses_could_outnumber_free_slots(path: dict) -> None:
+def test_slots_are_scanned_only_when_misses_could_outnumber_free_slots(path: str) -> None:
     """Before the cache fills a step's misses fit the free slots: the count kernel leaves
     the age histogram empty (no slot scanned) and the state is still the reference's; once
     the misses exceed the free slots the histogram is built and victims are taken."""
     ref, ker = _pair(16, 100)
-    ws = AllocWorkspace(ker, max_lanes=16, **path)
+    ws = AllocWorkspace(ker, max_lanes=16)
     first = torch.arange(1, 11, dtype=torch.int64, device=DEV)  # 10 of 16 slots
     allocate_reference(ref, 0, first, True)
     allocate_kernel(ker, 0, first, True, ws)
@@ -313,12 +308,12 @@ def test_slots_are_scanned_only_when_misses_could_outnumber_free_slots(path: dic
     assert int(ws.miss_bound) == 0  # zeroed for the next call
 
 
-def test_an_eviction_takes_the_reserve_and_the_next_steps_scan_nothing(path: dict) -> None:
+def test_an_eviction_takes_the_reserve_and_the_next_steps_scan_nothing(path: str) -> None:
     """With a reserve, a step that must evict also frees the reserve's oldest slots onto the
     free stack (unmapped), so the following steps' misses fit the free slots and no slot
     is scanned; the state stays the reference's throughout."""
     ref, ker = _pair(16, 100, reserve=4)
-    ws = AllocWorkspace(ker, max_lanes=16, **path)
+    ws = AllocWorkspace(ker, max_lanes=16)
 
     def both(ids: list[int], append: bool) -> None:
         t = torch.tensor(ids, dtype=torch.int64, device=DEV)
@@ -343,11 +338,11 @@ def test_workspace_must_match_the_cache_reserve() -> None:
         allocate_kernel(ker, 0, torch.tensor([1], device=DEV), True, ws)
 
 
-def test_a_call_where_every_lane_hits_ends_after_the_look_up(path: dict) -> None:
+def test_a_call_where_every_lane_hits_ends_after_the_look_up(path: str) -> None:
     """Every selection resident (the low-load case): the hits are stamped and answered, no
     miss is counted, nothing is scanned or allocated, and the state is the reference's."""
     ref, ker = _pair(16, 100, reserve=2)
-    ws = AllocWorkspace(ker, max_lanes=16, **path)
+    ws = AllocWorkspace(ker, max_lanes=16)
     first = torch.arange(1, 13, dtype=torch.int64, device=DEV)
     allocate_reference(ref, 0, first, True)
     allocate_kernel(ker, 0, first, True, ws)
@@ -362,7 +357,7 @@ def test_a_call_where_every_lane_hits_ends_after_the_look_up(path: dict) -> None
 
 @pytest.mark.parametrize("reserve", [0, 5], ids=["no-reserve", "reserve-5"])
 @pytest.mark.parametrize("distinct", [False, True], ids=["exchange", "distinct"])
-def test_one_block_resolves_match_the_reference(distinct: bool, reserve: int) -> None:
+def test_one_block_resolves_match_the_reference(distinct: bool, reserve: int, monkeypatch) -> None:
     """Resolves that fit one block of the one-program kernel (a decode request): every
     lane resident, misses straight from the free stack, repeated misses and steps that
     evict (the general path from the claims made) all leave the reference's state, hit
@@ -371,7 +366,8 @@ def test_one_block_resolves_match_the_reference(distinct: bool, reserve: int) ->
     rng = random.Random(11)
     num_slots, host_tokens = 40, 200
     ref, ker = _pair(num_slots, host_tokens, reserve)
-    ws = AllocWorkspace(ker, max_lanes=num_slots, lane_block=16, one_program_lanes=1 << 20)
+    _shape(monkeypatch, LANE_BLOCK=16, ONE_PROGRAM_BLOCK=32, ONE_PROGRAM_LANES=1 << 20)
+    ws = AllocWorkspace(ker, max_lanes=num_slots)
     live = list(range(1, 31))
     first = torch.tensor(live, dtype=torch.int64, device=DEV)
     allocate_reference(ref, 0, first, True)
@@ -408,12 +404,13 @@ def test_one_block_resolves_match_the_reference(distinct: bool, reserve: int) ->
 
 
 @pytest.mark.parametrize("copies", [1, 3], ids=["one-block", "loop"])
-def test_a_wrong_promise_of_distinct_ids_only_over_counts_hits(copies: int) -> None:
+def test_a_wrong_promise_of_distinct_ids_only_over_counts_hits(copies: int, monkeypatch) -> None:
     """A caller that promises distinct ids and repeats some (hits and misses) gets the
     reference's maps, stamps and miss counts: only the hit counter counts the repeats.
     Three copies of the lanes (24) pass a 16-lane block: the loop."""
     ref, ker = _pair(16, 100)
-    ws = AllocWorkspace(ker, max_lanes=32, one_program_block=16, one_program_lanes=1 << 20)
+    _shape(monkeypatch, ONE_PROGRAM_BLOCK=16, ONE_PROGRAM_LANES=1 << 20)
+    ws = AllocWorkspace(ker, max_lanes=32)
     first = torch.arange(1, 9, dtype=torch.int64, device=DEV)
     allocate_reference(ref, 0, first, True)
     allocate_kernel(ker, 0, first, True, ws)
@@ -428,19 +425,16 @@ def test_a_wrong_promise_of_distinct_ids_only_over_counts_hits(copies: int) -> N
     _assert_same(ref, ker, "wrong promise")
 
 
-@pytest.mark.parametrize("ordered_tiles", [False, True], ids=["ticket", "program-ordered"])
-def test_lookback_resolve_waits_on_many_tiles(ordered_tiles: bool) -> None:
+def test_lookback_resolve_waits_on_many_tiles(monkeypatch) -> None:
     """The look-back resolve with hundreds of lane tiles (16-lane blocks, a workspace of
     4,096 lanes: 256-wide waits, the width a batch of 48 waits at), duplicates across
-    tiles and evictions: the reference's state after every call, with tiles numbered by
-    ticket or by program id (the interpreter runs programs in order, as the launcher
-    requires of the second). The launches recorded here are also the sm_90 compile
-    check's, at that width."""
+    tiles and evictions: the reference's state after every call. The launches recorded
+    here are also the sm_90 compile check's, at that width."""
     ref, ker = _pair(64, 600, reserve=3)
-    ws = AllocWorkspace(
-        ker, max_lanes=4096, lane_block=16, one_program_lanes=0, ordered_tiles=ordered_tiles
-    )
-    assert ws.lookback and ws.max_lane_programs_pow2 == 256
+    _shape(monkeypatch, LANE_BLOCK=16, LOOKBACK_LANE_BLOCK=16, LOOKBACK_WARPS=8)
+    _shape(monkeypatch, ONE_PROGRAM_BLOCK=32, ONE_PROGRAM_LANES=0)
+    ws = AllocWorkspace(ker, max_lanes=4096)
+    assert ws.max_lane_programs_pow2 == ws.lookback_programs_pow2 == 256
     rng = random.Random(11)
     first = torch.arange(1, 65, dtype=torch.int64, device=DEV)
     allocate_reference(ref, 0, first, True)
@@ -457,13 +451,15 @@ def test_lookback_resolve_waits_on_many_tiles(ordered_tiles: bool) -> None:
     assert int(ws.tickets.abs().sum()) == 0 and int(ws.tile_words.abs().sum()) == 0
 
 
-def test_lookback_resolve_serves_from_free_slots_across_tiles() -> None:
+def test_lookback_resolve_serves_from_free_slots_across_tiles(monkeypatch) -> None:
     """A resolve past the one program on a cache with free slots (nothing evicted), its
     misses in several tiles: the launches after the first must see the free count of the
     call's start, not the one the last launch's program 0 writes while the others still
     read it (the interpreter runs program 0 first, so a read of the live count fails)."""
     ref, ker = _pair(40, 200)
-    ws = AllocWorkspace(ker, max_lanes=64, lane_block=16, one_program_lanes=0)
+    _shape(monkeypatch, LANE_BLOCK=16, LOOKBACK_LANE_BLOCK=16, LOOKBACK_WARPS=8)
+    _shape(monkeypatch, ONE_PROGRAM_LANES=0)
+    ws = AllocWorkspace(ker, max_lanes=64)
     ids = torch.arange(1, 33, dtype=torch.int64, device=DEV)  # 32 misses, 40 free slots
     a = allocate_reference(ref, 0, ids, False)
     b = allocate_kernel(ker, 0, ids, False, ws)
@@ -473,14 +469,16 @@ def test_lookback_resolve_serves_from_free_slots_across_tiles() -> None:
 
 @pytest.mark.parametrize("evict", [False, True], ids=["free-slots", "evicting"])
 def test_lookback_resolve_ranks_tiles_before_and_after_the_first_repeat(
-    program_order: str, evict: bool
+    program_order: str, evict: bool, monkeypatch
 ) -> None:
     """Tiles before the first repeated id rank their misses from the misses counts alone;
     from the first tile that saw a repeat on they count first misses. Here tiles 0-2
     repeat nothing, tile 3 repeats an id of tile 1 and tile 4 one of its own, in either
     program order (which of two lanes claims later, and so flags, flips with it)."""
     ref, ker = _pair(64 if evict else 120, 400, reserve=2)
-    ws = AllocWorkspace(ker, max_lanes=80, lane_block=16, one_program_lanes=0)
+    _shape(monkeypatch, LANE_BLOCK=16, LOOKBACK_LANE_BLOCK=16, LOOKBACK_WARPS=8)
+    _shape(monkeypatch, ONE_PROGRAM_LANES=0)
+    ws = AllocWorkspace(ker, max_lanes=80)
     if evict:  # a full cache: the 70-odd misses evict
         resident = torch.arange(300, 364, dtype=torch.int64, device=DEV)
         allocate_reference(ref, 0, resident, True)
@@ -499,8 +497,9 @@ def test_lookback_resolve_ranks_tiles_before_and_after_the_first_repeat(
     assert int(ws.tickets.abs().sum()) == 0 and int(ws.tile_words.abs().sum()) == 0
 
 
-def test_lookback_resolve_refuses_slot_tiles_its_words_cannot_count() -> None:
+def test_lookback_resolve_refuses_slot_tiles_its_words_cannot_count(monkeypatch) -> None:
     _, ker = _pair(16, 100)
-    ws = AllocWorkspace(ker, max_lanes=16, slot_block=1 << 20, one_program_lanes=0)
+    _shape(monkeypatch, SLOT_BLOCK=1 << 20, ONE_PROGRAM_LANES=0)
+    ws = AllocWorkspace(ker, max_lanes=16)
     with pytest.raises(ValueError, match="slot_block must be below"):
         allocate_kernel(ker, 0, torch.tensor([1, 2], device=DEV), False, ws)

@@ -1,5 +1,5 @@
 """Staged decode prefetch (kernels/decode_stage.py, the staged recall in kernels/recall.py,
-DecodePrefetcher's staged design): chunked logits equal whole ones bit for bit; the select
+DecodePrefetcher): chunked logits equal whole ones bit for bit; the select
 kernel stages exactly the reference's candidates (as a set: its order within a region
 follows an atomic counter); the copy moves exactly the staged rows; the recall takes a
 miss from the staging only when the entry is this layer-step's, and what it writes equals
@@ -27,11 +27,25 @@ from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
-from test_kernel_decode_prefetch import _inputs  # the fp8 logits inputs, shared
+from sglang_echo.offload.predictor import DecodeThresholdPredictor
 
 STATE = ("host_to_device", "device_to_host", "priority", "free_stack", "free_count", "clock")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(seed: int, batch: int = 3, heads: int = 16, dim: int = 32, length: int = 150):
+    g = torch.Generator().manual_seed(seed)
+    n_keys = batch * length + 2
+    q = (torch.randn(batch, heads, dim, generator=g) * 2).to(torch.float8_e4m3fn)
+    keys = (torch.randn(n_keys, dim, generator=g) * 2).to(torch.float8_e4m3fn)
+    scales = torch.rand(n_keys, generator=g) + 0.5
+    weights = torch.randn(batch, heads, generator=g)
+    locs = torch.stack([torch.randperm(n_keys - 2, generator=g)[:length] + 1 for _ in range(batch)])
+    seq_lens = torch.tensor([length, length // 2 + 3, 17][:batch], dtype=torch.int32)
+    resident = torch.rand(n_keys, generator=g) < 0.4
+    h2d = torch.where(resident, torch.arange(n_keys, dtype=torch.int32), ABSENT).to(torch.int32)
+    return tuple(t.to(DEV) for t in (q, weights, keys, scales, locs, seq_lens, h2d))
 
 
 @pytest.mark.parametrize(("block_n", "blocks"), [(16, 1), (16, 2)])
@@ -171,13 +185,11 @@ def _steps(
     use_kernels: bool,
     staged: bool,
     seed: int,
-    in_kernel: bool = False,
 ) -> tuple[EchoManager, list]:
     """Decode steps of one layer (3 requests x 96 positions, top-12, a 40-slot cache
     under eviction): scores, a threshold near the 12th score (some misses staged, some
-    staged rows not selected), the staged prefetch (over three chunks, or the in-kernel
-    design's one pass from computed scores), then the resolve. Returns the manager and the
-    rows attention would read at each step."""
+    staged rows not selected), the staged prefetch over three chunks, then the resolve.
+    Returns the manager and the rows attention would read at each step."""
     tokens, batch, length, k = 300, 3, 96, 12
     host = HostKVPool(1, tokens, 8, torch.float32, pin=DEV == "cuda")
     cache = DeviceCache(1, 40, tokens, 8, torch.float32, DEV)
@@ -185,7 +197,7 @@ def _steps(
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn(tokens, 8, generator=g)
     m.write_host(0, torch.arange(1, tokens + 1, device=DEV), rows.to(DEV))
-    p = DecodePrefetcher(m, max_rows=4, cap=24, chunks=3, in_kernel=in_kernel)
+    p = DecodePrefetcher(m, max_rows=4, cap=24, chunks=3)
     locs = torch.stack([torch.randperm(tokens, generator=g)[:length] + 1 for _ in range(batch)])
     locs, lens = locs.to(DEV), torch.tensor([96, 80, 50], device=DEV)
     reads = []
@@ -196,8 +208,7 @@ def _steps(
         top = scores.topk(k, dim=1)
         theta = top.values[:, k - 1] - 0.3 * (step % 2)  # exact, then a little low
         if staged:
-            bounds = [(0, length)] if in_kernel else p.chunk_bounds(length, 16)
-            for i, (start, end) in enumerate(bounds):
+            for i, (start, end) in enumerate(p.chunk_bounds(length, 16)):
                 p.stage(0, i, scores, locs, lens, theta.float(), start, end)
             p.finish(0, scores, top.indices, torch.arange(batch, device=DEV))
         sel = locs.gather(1, top.indices)
@@ -208,14 +219,13 @@ def _steps(
     return m, reads
 
 
-@pytest.mark.parametrize("in_kernel", [False, True], ids=["chunked", "in-kernel"])
 @pytest.mark.parametrize("seed", range(2))
-def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed, in_kernel):
+def test_staged_prefetch_reads_what_the_plain_resolve_reads(seed):
     """Bits and cache state as without prefetch, kernels and reference alike; staged rows
     were recalled from the staging."""
     plain, plain_reads = _steps(use_kernels=False, staged=False, seed=seed)
     for use_kernels in (False, True):
-        m, reads = _steps(use_kernels, staged=True, seed=seed, in_kernel=in_kernel)
+        m, reads = _steps(use_kernels, staged=True, seed=seed)
         assert all(torch.equal(a, b) for a, b in zip(plain_reads, reads, strict=True))
         for name in STATE:
             assert torch.equal(getattr(m.cache, name), getattr(plain.cache, name)), name
@@ -244,53 +254,24 @@ def test_chunk_bounds_tile_the_table(chunks, length):
 
 def test_stats_count_the_staging_buffer():
     """The start-up log's device bytes include the staging buffer when decode prefetch is
-    on: request rows x rows per request x row bytes, plus its index (a counter per chunk in
-    the default chunked design, per request row in the in-kernel one)."""
-    from sglang_echo.config import EchoConfig
+    on: request rows x rows per request x row bytes, plus its index (ids, a counter per
+    chunk, the host-id map)."""
+    from sglang_echo.config import EchoConfig, default_stage_rows
     from sglang_echo.offload.echo_cache import EchoKVCache
 
-    def cache(mode: str, in_kernel: bool | None = None) -> EchoKVCache:
-        config = EchoConfig(
-            offload=True, dev_cache_size=64, fuse_decode=mode, decode_stage_in_kernel=in_kernel
-        )
+    def cache(mode: str) -> EchoKVCache:
+        config = EchoConfig(offload=True, dev_cache_size=64, fuse_decode=mode)
         kv = EchoKVCache(config, 2, 100, 16, 8, torch.float32, DEV, pin=False)
         kv.bind_request_rows(4)
         return kv
 
     off, on = cache("0"), cache("auto")
     p = on.decode_prefetcher
-    assert not p.in_kernel  # the default design
+    assert p.cap == default_stage_rows(16 * 4)  # float32 rows of 16
     rows = p.chunks * 4 * p.chunk_cap
     assert rows == 4 * p.cap  # rows x rows per request
     want = rows * 16 * 4 + rows * 8 + p.chunks * 4 + (100 + 2) * 4
     assert on.stats()["device_bytes"] - off.stats()["device_bytes"] == want == p.nbytes
-    in_kernel = cache("auto", in_kernel=True)
-    p = in_kernel.decode_prefetcher
-    rows = p.stage_buffers.rows.shape[0]
-    assert p.in_kernel and rows == 4 * p.cap
-    want = rows * 16 * 4 + rows * 8 + 4 * 4 + (100 + 2) * 4
-    assert in_kernel.stats()["device_bytes"] - off.stats()["device_bytes"] == want == p.nbytes
-
-
-def test_staged_rows_per_request_come_from_the_config():
-    """EchoConfig.decode_stage_rows sizes the staging (the e2e study's
-    --decode-stage-rows); below one row is a configuration error, not a kernel fault."""
-    from sglang_echo.config import ConfigError, EchoConfig, default_stage_rows
-    from sglang_echo.offload.echo_cache import EchoKVCache
-
-    def prefetcher(rows: int | None):
-        config = EchoConfig(
-            offload=True, dev_cache_size=64, fuse_decode="1", decode_stage_rows=rows
-        )
-        kv = EchoKVCache(config, 2, 100, 16, 8, torch.float32, DEV, pin=False)
-        kv.bind_request_rows(4)
-        return kv.decode_prefetcher
-
-    assert prefetcher(None).cap == default_stage_rows(16 * 4)  # float32 rows of 16
-    small = prefetcher(6)
-    assert small.cap == 6 and small.stage_rows.shape[0] == small.chunks * 4 * small.chunk_cap
-    with pytest.raises(ConfigError, match="decode_stage_rows"):
-        EchoConfig(offload=True, decode_stage_rows=0)
 
 
 def test_default_staged_rows_follow_the_rows_bytes():
@@ -304,3 +285,56 @@ def test_default_staged_rows_follow_the_rows_bytes():
     assert default_stage_rows(10**6) == 64
     with pytest.raises(ValueError, match="row_bytes"):
         default_stage_rows(0)
+
+
+def test_prefetcher_thresholds_per_layer_and_row():
+    m = EchoManager(
+        HostKVPool(2, 10, 4, torch.float32, pin=False),
+        DeviceCache(2, 8, 10, 4, torch.float32, DEV),
+    )
+    p = DecodePrefetcher(m, max_rows=3, cap=64)
+    rows = torch.tensor([0, 2], device=DEV)
+    assert torch.isinf(p.theta(0, rows)).all()  # no prediction: stage nothing
+
+    def learn(kth: list[float]) -> None:  # a top-k of one whose score is the k-th
+        scores = torch.tensor(kth, device=DEV).view(-1, 1)
+        p.observe_topk(1, scores, torch.zeros(2, 1, dtype=torch.int64, device=DEV), rows)
+
+    learn([4.0, 2.0])
+    learn([2.0, 2.0])
+    assert p.theta(1, rows).tolist() == [3.0, 2.0]  # EMA, alpha 0.5
+    assert torch.isinf(p.theta(0, rows)).all()  # layers keep their own thresholds
+    p.reset_rows([2])
+    assert p.theta(1, rows)[0].item() == 3.0 and p.theta(1, rows)[1].item() == float("inf")
+    with pytest.raises(ValueError, match="cap"):
+        DecodePrefetcher(m, 3, cap=0)
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "reference"])
+def test_thresholds_from_the_topk_match_exact_topk_kth(use_kernels):
+    """observe_topk (with the kernels one launch: k-th score from the top-k, then the EMA)
+    leaves the same thresholds bit for bit as exact_topk's k-th score through the
+    predictor's torch update, including rows that see fewer than k keys (-inf) and steps
+    back to finite."""
+    from sglang_echo.model.indexer import exact_topk
+
+    m = EchoManager(
+        HostKVPool(1, 10, 4, torch.float32, pin=False),
+        DeviceCache(1, 8, 10, 4, torch.float32, DEV),
+        use_kernels=use_kernels,
+    )
+    ref, ker = DecodeThresholdPredictor(6, DEV), DecodePrefetcher(m, 6, cap=8)
+    g = torch.Generator().manual_seed(5)
+    k = 8
+    for step in range(5):
+        scores = (torch.randn(4, 40, generator=g) * 3).to(DEV)
+        qpos = torch.tensor([39, 20, 5 if step % 2 else 30, 39], device=DEV)  # row 2: < k keys
+        visible = torch.arange(40, device=DEV)[None, :] <= qpos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        rows = torch.randperm(6, generator=g)[:4].to(DEV)
+        pos, kth = exact_topk(scores, qpos, k, use_kernels, True)
+        ref.update(kth, rows)
+        ker.observe_topk(0, scores, pos, rows)
+        p, q = ref, ker.predictors[0]
+        assert torch.equal(p.theta, q.theta) and torch.equal(p.finite, q.finite)
+    assert torch.isfinite(q.theta[rows]).any() and not torch.isfinite(q.theta).all()

@@ -3,6 +3,8 @@ and the property that makes prefetch lossless: every candidate is in its row's e
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,6 +12,8 @@ from hypothesis import strategies as st
 
 from sglang_echo.kernels.prefill_prefetch import (
     ABSENT,
+    count_prefetch_hits,
+    count_prefetch_hits_reference,
     histogram_census,
     order_key_bins,
     prefetch_cap,
@@ -17,6 +21,9 @@ from sglang_echo.kernels.prefill_prefetch import (
     prefill_prefetch_reference,
 )
 from sglang_echo.kernels.topk import select_topk
+from sglang_echo.offload.device_cache import DeviceCache
+from sglang_echo.offload.host_pool import HostKVPool
+from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.predictor import PrefillOffsetPredictor
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -265,3 +272,109 @@ def test_default_launch_parameters_match_reference():
     offsets = torch.full((5,), 1.5)
     got = prefill_prefetch(scores.to(DEV), locs.to(DEV), h2d.to(DEV), 40, 500, offsets.to(DEV))
     _assert_same(got, prefill_prefetch_reference(scores, locs, h2d, 40, 500, offsets))
+
+
+# ----------------------------------------------- EchoManager.prefetch (the prefill prefetch's)
+STATE = ("host_to_device", "device_to_host", "priority", "free_stack", "free_count", "clock")
+
+
+def _manager(use_kernels: bool, slots: int = 24, tokens: int = 80) -> EchoManager:
+    # Pinned on CUDA: the kernels read host rows through the UVA view (side-stream path).
+    host = HostKVPool(1, tokens, 6, torch.float32, pin=DEV == "cuda")
+    cache = DeviceCache(1, slots, tokens, 6, torch.float32, DEV)
+    return EchoManager(host, cache, use_kernels=use_kernels)
+
+
+def _life(manager: EchoManager, seed: int, prefetch: bool) -> list[torch.Tensor]:
+    """Append tokens, then resolve random selections; with ``prefetch`` each resolve is
+    preceded by a prefetch of some of its misses and some unselected absent tokens.
+    Returns the rows attention would read at every resolve."""
+    rng, picker = random.Random(seed), random.Random(seed + 100)
+    c = manager.cache
+    g = torch.Generator().manual_seed(seed)
+    host_rows = torch.randn(c.host_tokens + 1, c.row_dim, generator=g)
+    seen: list[int] = []
+    reads = []
+    for start in range(1, 61, 5):
+        locs = torch.arange(start, start + 5, device=DEV)
+        manager.append(0, locs, host_rows[start : start + 5].to(DEV))
+        seen += locs.tolist()
+        selection = rng.sample(seen, min(len(seen), 12))
+        if prefetch:
+            absent = [t for t in seen if int(c.host_to_device[0, t]) == ABSENT]
+            picks = picker.sample(absent, min(len(absent), 6))  # selected or not
+            ids = torch.full((2, 4), -1, dtype=torch.int64)
+            ids.view(-1)[: len(picks)] = torch.tensor(picks, dtype=torch.int64)
+            counts = torch.tensor([min(4, len(picks)), max(0, len(picks) - 4)])
+            manager.prefetch(0, ids.to(DEV), counts.to(DEV))
+        sel = torch.tensor(selection + [-1] * (12 - len(selection)), device=DEV)
+        slots = manager.resolve(0, sel.view(3, 4)).view(-1)
+        rows = c.rows[0][slots.clamp(min=0)]
+        for t, s, row in zip(sel.tolist(), slots.tolist(), rows, strict=True):
+            if t >= 0:
+                assert torch.equal(row.cpu(), host_rows[t]), f"token {t} slot {s}"
+        reads.append(rows.cpu())
+    return reads
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_prefetch_then_resolve_reads_the_same_rows_and_kernels_match_reference(seed):
+    plain = _life(_manager(use_kernels=False), seed, prefetch=False)
+    ref, ker = _manager(use_kernels=False), _manager(use_kernels=True)
+    with_ref = _life(ref, seed, prefetch=True)
+    with_ker = _life(ker, seed, prefetch=True)
+    for a, b, x in zip(plain, with_ref, with_ker, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, x)
+    for name in STATE:
+        assert torch.equal(getattr(ref.cache, name), getattr(ker.cache, name)), name
+    assert torch.equal(ref.prefetched_rows, ker.prefetched_rows)
+    assert torch.equal(ref.prefetch_hits, ker.prefetch_hits)
+    prefetched, hits = int(ref.prefetched_rows[0]), int(ref.prefetch_hits[0])
+    assert prefetched > 0 and 0 < hits <= prefetched
+
+
+def test_prefetch_hits_count_only_selected_prefetches():
+    m = _manager(use_kernels=False, slots=16, tokens=40)
+    rows = torch.randn(8, 6, device=DEV)
+    m.append(0, torch.arange(1, 9, device=DEV), rows)
+    m.release(torch.arange(1, 9, device=DEV))  # host rows kept, nothing resident
+    m.prefetch(0, torch.tensor([[1, 2, 3, -1]], device=DEV))
+    assert int(m.prefetched_rows[0]) == 3
+    slots = m.resolve(0, torch.tensor([[2, 5]], device=DEV))
+    assert int(m.prefetch_hits[0]) == 1  # token 2 was prefetched and selected
+    assert int(m.cache.misses[0]) == 1  # only token 5 was still missing
+    assert torch.equal(m.cache.rows[0][slots[0]], rows[[1, 4]])
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "kernels"])
+def test_chained_prefetches_count_the_hits_of_every_link(use_kernels):
+    """Prefill prefetches once per query block before one resolve (a chain): the hits of
+    every block's prefetch count, not only the last one's."""
+    m = _manager(use_kernels=use_kernels, slots=16, tokens=40)
+    rows = torch.randn(10, 6, device=DEV)
+    m.append(0, torch.arange(1, 11, device=DEV), rows)
+    m.release(torch.arange(1, 11, device=DEV))  # host rows kept, nothing resident
+    m.prefetch(0, torch.tensor([[1, 2, 3, -1]], device=DEV))  # block 1
+    m.prefetch(0, torch.tensor([[4, 5, -1, -1]], device=DEV))  # block 2, chained
+    assert int(m.prefetched_rows[0]) == 5
+    slots = m.resolve(0, torch.tensor([[2, 3, 5, 9]], device=DEV))
+    assert int(m.prefetch_hits[0]) == 3  # 2 and 3 from block 1, 5 from block 2
+    assert int(m.cache.misses[0]) == 1  # only token 9 was still missing
+    assert torch.equal(m.cache.rows[0][slots[0]], rows[[1, 2, 4, 8]])
+
+
+def test_prefetch_hit_count_kernel_matches_reference():
+    g = torch.Generator().manual_seed(4)
+    d2h = torch.randint(0, 30, (40,), generator=g, dtype=torch.int32).to(DEV)
+    prio = torch.randint(5, 8, (40,), generator=g).to(DEV)
+    ids = torch.randint(0, 30, (64,), generator=g).to(DEV)
+    slots = torch.randint(0, 40, (64,), generator=g).to(DEV)
+    ids[:20] = d2h[slots[:20]].long()  # owned by their token: hits where stamped 7
+    clock = torch.tensor([7], device=DEV)
+    for count, lanes in ((50, 60), (64, 64), (0, 64)):
+        a, b = torch.zeros(1, dtype=torch.int64, device=DEV), torch.zeros_like(clock)
+        n = torch.tensor([count], device=DEV)
+        count_prefetch_hits_reference(ids, slots, n, lanes, d2h, prio, clock, a)
+        count_prefetch_hits(ids, slots, n, lanes, d2h, prio, clock, b)
+        assert torch.equal(a, b)
+        assert (int(a) > 0) == (count > 0)

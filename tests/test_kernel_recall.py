@@ -15,9 +15,13 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
     ("dtype", "width"),
     [(torch.bfloat16, 576), (torch.uint8, 656), (torch.float32, 20)],
 )
-@pytest.mark.parametrize(("rows_per_program", "flat_chunks"), [(1, 0), (4, 0), (0, 64)])
-def test_recall_matches_reference(dtype, width, rows_per_program, flat_chunks):
-    g = torch.Generator().manual_seed(width + rows_per_program)
+@pytest.mark.parametrize("chunks", [512, 64], ids=["default", "64-piece-loop"])
+def test_recall_matches_reference(dtype, width, chunks, monkeypatch):
+    """Pieces per program and loop step: the default, and fewer (more loop trips)."""
+    from sglang_echo.kernels import recall
+
+    monkeypatch.setattr(recall, "DEFAULT_FLAT_CHUNKS", chunks)
+    g = torch.Generator().manual_seed(width)
     host = torch.randint(0, 255, (300, width), generator=g).to(dtype)
     lanes, count = 37, 29
     ids = torch.randperm(299, generator=g)[:lanes].to(torch.int32) + 1
@@ -26,16 +30,7 @@ def test_recall_matches_reference(dtype, width, rows_per_program, flat_chunks):
     poison = torch.full((62, width), 7, dtype=dtype, device=DEV)
     got, want = poison.clone(), poison.clone()
     n = torch.tensor([count], dtype=torch.int32, device=DEV)
-    recall_rows(
-        host,
-        got,
-        ids,
-        slots,
-        n,
-        rows_per_program=max(1, rows_per_program),
-        block_bytes=128,
-        flat_chunks=flat_chunks,
-    )
+    recall_rows(host, got, ids, slots, n)
     recall_rows_reference(host, want, ids, slots, n)
     assert torch.equal(got, want)
     # Lanes past the count moved nothing.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_echo.kernels.topk import topk_positions, topk_positions_reference
+from sglang_echo.kernels.topk import select_topk, topk_positions, topk_positions_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,26 +47,22 @@ def test_topk_rejects_non_float32():
         topk_positions(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2), 4)
 
 
-@pytest.mark.parametrize(("cand_block", "loads_first"), [(512, False), (32, True)])
-def test_topk_kernel_many_blocks_ties_across_blocks(cand_block, loads_first):
+@pytest.mark.parametrize("cand_block", [512, 32])
+def test_topk_kernel_many_blocks_ties_across_blocks(cand_block):
     """20 blocks per row: the k-th value's ties spread over many blocks, so the offsets
     each block takes from the blocks before it decide which tied positions are kept.
     Every key shares one top byte, so each block's candidates are all of it: with
-    ``cand_block`` 32 the candidate passes read them in eight pieces (there with the loads
-    issued first; the random draws below cover small pieces without)."""
+    ``cand_block`` 32 the candidate passes read them in eight pieces."""
     g = torch.Generator().manual_seed(7)
     rows, n_cols, topk = 3, 5000, 300
     scores = torch.randint(0, 50, (rows, n_cols), generator=g).float()
     qpos = torch.tensor([n_cols - 1, 3999, 2500])
     scores, qpos = scores.to(DEV), qpos.to(DEV)
-    got = topk_positions(
-        scores, qpos, topk, block=256, cand_block=cand_block, loads_first=loads_first
-    )
+    got = topk_positions(scores, qpos, topk, block=256, cand_block=cand_block)
     assert torch.equal(got, topk_positions_reference(scores, qpos, topk))
 
 
-@pytest.mark.parametrize("loads_first", [False, True])
-def test_topk_kernel_candidates_uneven_across_blocks(loads_first):
+def test_topk_kernel_candidates_uneven_across_blocks():
     """Blocks whose candidates (keys at the k-th key's top byte) number none, a few, or
     more than one piece: each block's stretch is read to its own count, and the picks
     above the top byte come from the full row."""
@@ -79,7 +75,7 @@ def test_topk_kernel_candidates_uneven_across_blocks(loads_first):
     scores[1, 700] = float("-inf")
     qpos = torch.tensor([n_cols - 1, 1999])
     scores, qpos = scores.to(DEV), qpos.to(DEV)
-    got = topk_positions(scores, qpos, topk, block=256, cand_block=64, loads_first=loads_first)
+    got = topk_positions(scores, qpos, topk, block=256, cand_block=64)
     assert torch.equal(got, topk_positions_reference(scores, qpos, topk))
 
 
@@ -149,9 +145,18 @@ def test_topk_kernel_random_shapes_masks_and_launch_shapes(seed):
         scores[r, start : start + int(torch.randint(0, 30, (1,), generator=g))] = float("-inf")
     qpos = torch.randint(0, n_cols, (rows,), generator=g)
     scores, qpos = scores.to(DEV), qpos.to(DEV)
-    got = topk_positions(
-        scores, qpos, topk, block=block, cand_block=cand_block, loads_first=seed >= 6
-    )
+    got = topk_positions(scores, qpos, topk, block=block, cand_block=cand_block)
     # Picks of masked keys (rows with fewer than k visible) are -1 where they fall; the
     # reference puts its -1s last.
     assert torch.equal(_sorted(got), topk_positions_reference(scores, qpos, topk))
+
+
+def test_select_topk_reports_the_kth_score():
+    scores = torch.tensor([[[5.0, 1.0, 3.0, 2.0, 4.0]], [[1.0, 2.0, 0.0, 0.0, 0.0]]])
+    qpos = torch.tensor([[4], [1]])  # row 1 sees two keys: fewer than k
+    idx, kth = select_topk(scores, qpos, 3, return_kth=True)
+    assert idx[0, 0].tolist() == [0, 4, 2] and kth[0, 0].item() == 3.0
+    assert idx[1, 0].tolist() == [1, 0, -1] and kth[1, 0].item() == float("-inf")
+    assert torch.equal(select_topk(scores, qpos, 3), idx)
+    _, short = select_topk(scores, qpos, 9, return_kth=True)  # top-k beyond the width
+    assert short.tolist() == [[float("-inf")], [float("-inf")]]

@@ -68,7 +68,6 @@ def run_pair(
     fuse_extend: bool = False,
     reserve_fraction: float | None = None,
     decode_place: bool = True,
-    stage_in_kernel: bool | None = None,
 ) -> dict:
     """No-offload vs ECHO (and, with ``fuse_decode``, vs ECHO with decode prefetch; without
     ``echo_baseline`` only that): identical token ids and every step's logits.
@@ -76,8 +75,7 @@ def run_pair(
     reference. ``reserve_fraction``: ECHO's eviction reserve as a share of its slots (None:
     the default reserve for the cache's size, as a server runs). ``decode_place``: a decode
     step's new tokens placed in free slots as they are written (the default), else
-    host-only (SGLANG_ECHO_DECODE_PLACE=0). ``stage_in_kernel``: the decode prefetch's design
-    (EchoConfig.decode_stage_in_kernel; None: the default)."""
+    host-only (SGLANG_ECHO_DECODE_PLACE=0)."""
     cfg = model.config
     capacity = sum(len(p) + w.new_tokens for p in w.prompts)
     max_context = max(len(p) for p in w.prompts) + w.new_tokens
@@ -99,12 +97,7 @@ def run_pair(
     if echo_baseline:
         caches["echo"] = echo_cache_for_model(echo, cfg, capacity, w.dtype, "cpu", **kw)
     if fuse_decode or fuse_extend:
-        fused = replace(
-            echo,
-            fuse_decode=fuse_decode,
-            fuse_extend=fuse_extend,
-            decode_stage_in_kernel=stage_in_kernel,
-        )
+        fused = replace(echo, fuse_decode=fuse_decode, fuse_extend=fuse_extend)
         caches["prefetch"] = echo_cache_for_model(fused, cfg, capacity, w.dtype, "cpu", **kw)
     results = {}
     for name, cache in caches.items():
@@ -263,20 +256,11 @@ def test_lossless_with_prefill_prefetch(models):
     assert sum(r["resolve_evictions"] for r in reports) > 0
 
 
-@pytest.mark.parametrize(
-    ("in_kernel", "copy_rows"),
-    [(False, None), (True, None), (True, 1)],
-    ids=["chunked", "in-kernel", "in-kernel-split"],
-)
-def test_lossless_with_decode_prefetch_kernels(models, monkeypatch, in_kernel, copy_rows):
-    """The GPU code path on the CPU: the chunked fp8 logits and the staging kernels, or the
-    staged logits kernel (in-kernel design; split: it copies one row per request, copy_rest
-    the others), the staged recall and the cache kernels (Triton interpreter) under the
-    same equality, for an fp8-indexer workload."""
-    from sglang_echo.offload import decode_prefetcher
-
+def test_lossless_with_decode_prefetch_kernels(models, monkeypatch):
+    """The GPU code path on the CPU: the chunked fp8 logits and the staging kernels, the
+    staged recall and the cache kernels (Triton interpreter) under the same equality, for
+    an fp8-indexer workload."""
     monkeypatch.setattr(indexer_module, "INDEXER_KERNELS_ON_CPU", True)
-    monkeypatch.setattr(decode_prefetcher, "DEFAULT_IN_KERNEL_COPY_ROWS", copy_rows)
     w = Workload(
         config="fp8-indexer",
         dtype=torch.float32,
@@ -286,9 +270,7 @@ def test_lossless_with_decode_prefetch_kernels(models, monkeypatch, in_kernel, c
         new_tokens=5,
     )
     model = models(w.config, w.dtype)
-    report = run_pair(
-        model, w, fuse_decode=True, use_kernels=True, echo_baseline=False, stage_in_kernel=in_kernel
-    )
+    report = run_pair(model, w, fuse_decode=True, use_kernels=True, echo_baseline=False)
     print(f"\nkernels: prefetched {report['prefetched']} rows, {report['prefetch_hits']} selected")
     assert report["prefetched"] > 0 and report["prefetch_hits"] > 0
     assert report["resolve_evictions"] > 0, "no resolve evicted: the test lost its pressure"

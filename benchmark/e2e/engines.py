@@ -43,7 +43,6 @@ def build(
             decode_place=eng.decode_place,
             resolve_overlap=eng.resolve_overlap,
             fuse_decode=eng.fuse_decode,
-            decode_stage_rows=eng.stage_rows,
         )
         kv = echo_cache_for_model(
             echo, cfg, eng.host, p.dtype, device, kv_cache_dtype=p.kv_cache_dtype

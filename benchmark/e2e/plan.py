@@ -161,8 +161,6 @@ class Engine:
     # ECHO: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE ("0", "1" or "auto"): the product's
     # default unless an engine is an A/B's other side.
     fuse_decode: str = DEFAULT_DECODE_PREFETCH
-    # ECHO with the decode prefetch: staged rows per request and layer (None: default).
-    stage_rows: int | None = None
 
 
 class StudyPlan:
@@ -231,7 +229,6 @@ class StudyPlan:
                 ],
                 # The A/B's prefetching side: auto whatever the default (then the default).
                 fuse_decode="auto" if a.decode_prefetch else DEFAULT_DECODE_PREFETCH,
-                stage_rows=a.decode_stage_rows,
             ),
             Engine(
                 "noff_low",

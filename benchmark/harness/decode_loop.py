@@ -55,6 +55,9 @@ class HarnessConfig:
     # SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1: the ECHO side's top-k goes through the plugin's
     # indexer hook (sglang/decode_prefetch.py), staging from the toy indexer's logits.
     prefetch: bool = False
+    # As under DP attention, where every rank replays the batch size of the largest rank:
+    # each step runs the largest graph, its rows past the real requests padding.
+    pad_to_max: bool = False
 
     @property
     def host_tokens(self) -> int:
@@ -130,6 +133,7 @@ class DecodeLoop:
         self.context_tokens = torch.zeros(4 * cfg.max_running + 2, cfg.max_context, **i64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.stats = {"graph_replays": 0, "eager_steps": 0, "idle_steps": 0, "steps": 0}
+        self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.counter_log: list[torch.Tensor] = []
         self._keep: list = []  # inputs of steps still in flight
 
@@ -181,7 +185,14 @@ class DecodeLoop:
 
     def _padded(self, n: int) -> int | None:
         fits = [g for g in self.cfg.graph_sizes if g >= max(n, 1)]
-        return min(fits) if fits and self.graphs else None
+        if not (fits and self.graphs):
+            return None
+        return max(fits) if self.cfg.pad_to_max else min(fits)
+
+    def step_ms(self) -> list[float]:
+        """Device time of each graph-replayed step with real rows (CUDA events around the
+        replay, read after the loop: every event has completed)."""
+        return [start.elapsed_time(end) for start, end in self.step_events]
 
     def launch(self, batch: list[Running], prev_rows: list[int]):
         """Prepare (schedule stream) and launch (forward stream) one step; returns what
@@ -213,7 +224,15 @@ class DecodeLoop:
                 self.out_loc[:n] = out_loc
             self._pad_inputs(n, bs)
             if padded is not None:
+                timed = n > 0 and self.cuda
+                if timed:
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record()
                 self.graphs[padded].replay()
+                if timed:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    self.step_events.append((start, end))
                 self.stats["graph_replays"] += 1
             else:
                 self._body(bs)
@@ -355,7 +374,7 @@ class DecodeLoop:
 
 ECHO_KERNELS = ("_host_ids_kernel", "_rows_kernel", "_one_program_kernel", "_lookup_kernel",
                 "_count_kernel", "_rank_kernel", "_assign_kernel", "_finish_kernel",
-                "_recall_flat_kernel", "_recall_kernel", "_release_kernel",
+                "_recall_flat_kernel", "_release_kernel",
                 # the decode prefetch's (sglang/decode_prefetch.py): select, copy, thresholds
                 "_select_kernel", "_copy_kernel", "_topk_threshold_kernel")  # fmt: skip
 

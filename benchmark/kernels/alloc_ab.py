@@ -5,9 +5,11 @@ The other version is a file (e.g. an earlier commit's alloc.py, written by
 ``git show COMMIT:python/sglang_echo/kernels/alloc.py > .harness/alloc_COMMIT.py``: no
 git on the GPU machine) loaded as its own module and swapped into the manager for its
 turns. Cases: the resolve's cache management per layer-step (cache_ops_bench.measure,
-graph-replayed) at batch 1 without eviction (the one-program path), the same forced
-through the five-launch pipeline, and batch 48 on a full cache. Each version is checked
-exact against the torch reference first.
+graph-replayed) at batch 1 without eviction (the one-program path), the same forced past
+the one program (the workspace's ``one_program_lanes`` set to 0: the look-back launches
+now, the five-launch pipeline in versions before 2026-12-03; the case keeps its name
+``..._pipeline``), and batch 48 on a full cache. Each version is checked exact against the
+torch reference first.
 
     python benchmark/kernels/alloc_ab.py --other .harness/alloc_617151e.py --label 617151e --out OUT
 """

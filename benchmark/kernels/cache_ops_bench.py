@@ -3,8 +3,8 @@
 The step is what a layer does every decode step: write the batch's new tokens (index keys
 on the device, rows to the host pool), then resolve the exact top-k of every request (look
 up, protect, evict, allocate, map, recall). Beside it, the step as it was before the new
-tokens left the append's allocation (append + resolve), and the launch variants of
-kernels/pdl.py (chained or not, relaxed or ordered atomics) at batch 1 and 4 too.
+tokens left the append's allocation (append + resolve), and the launches chained or not
+(kernels/pdl.py, SGLANG_ECHO_PDL) at batch 1 and 4 too.
 Selections come from a synthetic trace with a set per-step reuse (hit rate), each request
 drawing from its own context. One graph holds ``--group`` consecutive layer-steps (as a
 model's decode graph holds one per layer) and a replay's time is divided by them: a lone
@@ -12,12 +12,12 @@ layer-step per replay would count the graph launch's own fixed cost, which a dec
 pays once for all its layers (``graph_replay_floor_us`` times it, with one no-op kernel,
 and ``launch_floor_us`` a chain of such kernels per layer-step: the floor of the launches). Measured: the Triton cache kernels (management alone, the
 target's scope: <= 4 us per layer-step; and with the recall), the torch reference, the
-sort exact LRU would need, and the hit rates of the victim policies on one trace. The
-resolve's look-back launches (the default past the one program) are timed beside the
-five-launch pipeline in the same run, and small batches time the one-program path against
-the launches past it ("pipeline" in ``one_program_study``: the look-back resolve since
-2026-12-03). Targets: <= 8 us per layer-step at batch 48, <= 4 us at batch 1 with nothing
-to evict.
+sort exact LRU would need, and the hit rates of the victim policies on one trace. Small
+batches time the one-program path against the launches past it ("pipeline" in
+``one_program_study``: the look-back resolve since 2026-12-03). Targets: <= 8 us per
+layer-step at batch 48, <= 4 us at batch 1 with nothing to evict. (Earlier records also
+time the five-launch pipeline's resolve, ordered atomics, the look-back's launch shapes
+and the one program's widths: choices made since, docs/ARCHITECTURE.md section 4.)
 
     python benchmark/kernels/cache_ops_bench.py --out benchmark/results
 """
@@ -43,10 +43,7 @@ from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.alloc import (
-    LOOKBACK_LANE_BLOCK,
-    LOOKBACK_WARPS,
     ONE_PROGRAM_LANES,
-    SLOT_BLOCK,
     STAGES,
     AllocWorkspace,
     allocate_kernel,
@@ -106,26 +103,17 @@ def _cache(
     cache.manager.use_kernels = use_kernels and cache.manager.host_view is not None
     if shape:
         # pdl: the shape's, else the manager's (SGLANG_ECHO_PDL); the recall follows it.
-        shape = {"pdl": cache.manager.pdl, **shape}
-        cache.manager.pdl = shape["pdl"]
-        cache.manager._workspace = AllocWorkspace(cache.cache, cache.cache.num_slots, **shape)
+        pdl = shape.get("pdl", cache.manager.pdl)
+        cache.manager.pdl = pdl
+        ws = AllocWorkspace(cache.cache, cache.cache.num_slots, pdl=pdl)
+        for name, value in shape.items():  # the one program's bound (one_program_lanes)
+            if name != "pdl":
+                setattr(ws, name, value)
+        cache.manager._workspace = ws
     return cache
 
 
-# Launch shapes of the look-back resolve timed by --sweep (lanes per program, warps; the
-# slot tiles at the default): more programs hide more of the look-ups' random-access
-# latency but add tiles to every look-back; more warps per program more loads in flight.
-# Where the grid fits the SMs (batch 48: 96 or 48 programs) also with program-ordered tiles
-# (no ticket: one dependent round trip less).
-SWEEP_SHAPES = [
-    {"lane_block": lane, "slot_block": SLOT_BLOCK, "num_warps": warps, "ordered_tiles": ordered}
-    for lane in (256, 512, 1024, 2048)
-    for warps in (4, 8, 16)
-    for ordered in ((False, True) if lane >= 1024 else (False,))
-]
 STATE = ("host_to_device", "device_to_host", "priority", "free_stack", "free_count", "clock")
-# Interleaved rounds of the one program's widths at batch 1, resident (their medians recorded).
-WARPS_ROUNDS = 5
 
 
 def shape_is_exact(args, dev: torch.device, trace: torch.Tensor, shape: dict, steps: int) -> bool:
@@ -139,30 +127,6 @@ def shape_is_exact(args, dev: torch.device, trace: torch.Tensor, shape: dict, st
             cache.resolve(0, trace[t])
         states.append([getattr(cache.cache, name)[0].clone() for name in STATE])
     return all(torch.equal(a, b) for a, b in zip(*states, strict=True))
-
-
-def lookback_shape(shape: dict) -> dict:
-    """A sweep row's shape as AllocWorkspace takes it: the rows' lane_block and num_warps
-    (the records' keys) are the look-back's."""
-    return {
-        "lookback_lane_block": shape["lane_block"],
-        "lookback_warps": shape["num_warps"],
-        "slot_block": shape["slot_block"],
-        "ordered_tiles": shape["ordered_tiles"],
-    }
-
-
-def shape_sweep(args, dev: torch.device, trace: torch.Tensor) -> list[dict]:
-    rows = []
-    for shape in SWEEP_SHAPES:
-        workspace = lookback_shape(shape)
-        exact = shape_is_exact(args, dev, trace, workspace, steps=4)
-        timing = measure(args, dev, trace, True, "resolve", workspace) if exact else {}
-        rows.append({**shape, "exact": exact, **timing})
-        us = f"{timing['us']:8.1f} us" if exact else "   (not exact: not timed)"
-        print(f"shape lanes {shape['lane_block']:5d} slots {shape['slot_block']:5d} "
-              f"warps {shape['num_warps']:2d} ordered {shape['ordered_tiles']:d}: {us}")  # fmt: skip
-    return rows
 
 
 def measure(
@@ -182,8 +146,8 @@ def measure(
     (a decode step's new tokens take free slots in the launch that writes their host rows,
     kernels/decode_write.py, or stay host-only and are recalled when selected: no
     allocation pass either way).
-    ``shape``: the kernels' launch shape (AllocWorkspace's lane_block, slot_block,
-    num_warps, pdl, atomic_sem) instead of the default. ``fill=False``: the cache starts
+    ``shape``: the kernels' launches (pdl: chained or not; one_program_lanes: the one
+    program's bound) instead of the default. ``fill=False``: the cache starts
     empty, so below its capacity nothing is evicted (the no-pressure path). ``group``:
     layer-steps per graph replay (default ``--group``; 1 is the records' old definition,
     which counts a graph launch per layer-step). ``distinct``: the resolve is told no id
@@ -283,15 +247,10 @@ def launch_floor(args, dev: torch.device, launches: int, group: int) -> float:
     return statistics.median(times[2:])
 
 
-# Launch variants timed beside the default (kernels/pdl.py): chained launches and relaxed
-# atomics, each against the unchained launch with the atomics' default order (the code
-# before both). The recall follows the variant's pdl too (the manager's, which
-# SGLANG_ECHO_PDL sets in a server).
-CHAINING_VARIANTS = {
-    "unchained_acq_rel": (False, "acq_rel"),
-    "unchained_relaxed": (False, "relaxed"),
-    "chained_relaxed": (True, "relaxed"),
-}
+# Launches timed beside the default (kernels/pdl.py): chained (the default) and unchained
+# (SGLANG_ECHO_PDL=0); the atomics relaxed in both. The recall follows the variant's pdl
+# too (the manager's, which SGLANG_ECHO_PDL sets in a server).
+CHAINING_VARIANTS = {"unchained_relaxed": False, "chained_relaxed": True}
 
 
 def chaining_study(args, dev: torch.device) -> dict:
@@ -301,8 +260,8 @@ def chaining_study(args, dev: torch.device) -> dict:
     launch also the decode step as the model runs it (no append allocation). Each variant
     is first checked against the reference on the full cache."""
     out: dict = {}
-    for name, (pdl, sem) in CHAINING_VARIANTS.items():
-        shape = {"atomic_sem": sem, "pdl": pdl}
+    for name, pdl in CHAINING_VARIANTS.items():
+        shape = {"pdl": pdl}
         trace = make_trace(args.steps, args.batch, args.topk, args.context, args.reuse)
         row: dict = {"exact": shape_is_exact(args, dev, trace.to(dev), shape, steps=4)}
         settings = [(args.batch, True), (1, False), (4, False)]
@@ -322,19 +281,15 @@ def chaining_study(args, dev: torch.device) -> dict:
     return out
 
 
-# Small batches: the one-program kernel against the launches past it (AllocWorkspace's
+# Small batches: the one-program kernel against the launches past it (the workspace's
 # one_program_lanes; resolves there take the look-back launches), the resolve's management
 # alone, on an empty cache (nothing evicted: the low-load case), on a full one (steady
 # state: an eviction every few steps) and with every selection resident (look-ups only).
 ONE_PROGRAM_BATCHES = (1, 2, 4, 8)
-# The paths compared: the launches past the one program, the one program (its default
-# loop step: a batch of one), and the one program stepping over a batch of two at once
-# (a resident batch of two then looks up in one round of dependent loads, not two; more
-# registers per thread).
+# The paths compared: the launches past the one program and the one program.
 ONE_PROGRAM_VARIANTS = {
     "pipeline": {"one_program_lanes": 0},
     "one_program": {"one_program_lanes": 1 << 30},
-    "one_program_4096": {"one_program_lanes": 1 << 30, "one_program_block": 4096},
 }
 
 
@@ -375,7 +330,7 @@ def stage_breakdown(args, dev: torch.device, trace: torch.Tensor) -> dict[str, f
     new_rows = torch.randn(args.batch, 576, device=dev, dtype=torch.bfloat16)
     keys = torch.randn(args.batch, 128, device=dev, dtype=torch.bfloat16)
     next_loc = args.batch * args.context + 1
-    names = LOOKBACK_STAGES if m._workspace.lookback else STAGES
+    names = LOOKBACK_STAGES
     per_stage: dict[str, list[float]] = {name: [] for name in names}
     for t in range(trace.shape[0]):
         new_locs = torch.arange(next_loc, next_loc + args.batch, device=dev)
@@ -396,15 +351,15 @@ def stage_breakdown(args, dev: torch.device, trace: torch.Tensor) -> dict[str, f
 
 
 def profile(args, dev: torch.device, trace: torch.Tensor) -> None:
-    """One graph replay of ``--group`` resolves (look-back, then the five-launch pipeline)
-    under the profiler, after the warm-up: each kernel's start (offset from the first) and
-    duration, us. With chained launches a kernel starts once every program of the one before
+    """One graph replay of ``--group`` resolves (the look-back launches) under the
+    profiler, after the warm-up: each kernel's start (offset from the first) and duration,
+    us. With chained launches a kernel starts once every program of the one before
     it has started, and waits for it to finish: the starts show where a step's time goes."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    for path, shape in (("look-back", {}), ("pipeline", {"lookback": False})):
-        cache = _cache(args, dev, _host_tokens(args), True, shape)
+    for path in ("look-back",):
+        cache = _cache(args, dev, _host_tokens(args), True)
         _fill(cache, args, dev)
         m = cache.manager
         sels = [torch.empty_like(trace[0]) for _ in range(args.group)]
@@ -521,18 +476,12 @@ def main() -> None:
     p.add_argument(
         "--device", default="cuda", help="cuda (timed, graph-replayed) or cpu (smoke run)"
     )
-    p.add_argument(
-        "--sweep",
-        action="store_true",
-        help=f"also time the kernels at {len(SWEEP_SHAPES)} launch shapes (each checked "
-        "against the reference first) and report the best",
-    )
     p.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
     p.add_argument(
         "--profile",
         action="store_true",
-        help="print the kernels of one graph replay (look-back and pipeline resolves) under "
-        "the profiler instead of timing; writes no record (CUDA only)",
+        help="print the kernels of one graph replay (look-back resolves) under the profiler "
+        "instead of timing; writes no record (CUDA only)",
     )
     args = p.parse_args()
     if args.plot_only:
@@ -556,10 +505,6 @@ def main() -> None:
         # tokens go to the host pool; kvcache write(decode=True)), then with the writes and
         # the recall; before it, the append's allocation as well (prefill still appends).
         "kernels_decode_management": measure(args, dev, trace, on_gpu, "resolve"),
-        # The same resolve through the five-launch pipeline (no look-back), the baseline.
-        "kernels_decode_management_pipeline": measure(
-            args, dev, trace, on_gpu, "resolve", {"lookback": False}
-        ),
         "kernels_decode_step": measure(args, dev, trace, on_gpu, "decode_step"),
         "kernels_management": measure(args, dev, trace, on_gpu, "management"),
         "kernels_step": measure(args, dev, trace, on_gpu, "step"),
@@ -567,9 +512,6 @@ def main() -> None:
         # of a step twice): from the first repeat on, the look-back tiles wait twice.
         "kernels_decode_management_repeats": measure(
             args, dev, paired, on_gpu, "resolve", distinct=False
-        ),
-        "kernels_decode_management_repeats_pipeline": measure(
-            args, dev, paired, on_gpu, "resolve", {"lookback": False}, distinct=False
         ),
         "torch_management": measure(args, dev, trace, False, "resolve"),
         "torch_step": measure(args, dev, trace, False, "decode_step"),
@@ -589,20 +531,6 @@ def main() -> None:
     runs["kernels_batch_1_resident"] = measure(
         resident, dev, resident_trace, on_gpu, "resolve", fill=False
     )
-    # The one program's width where it only looks up (ONE_PROGRAM_WARPS is the default),
-    # in interleaved rounds: between single runs of one call the figure moved by ~10%.
-    resident_by_warps = resident_by_warps_range = None
-    if on_gpu:
-        widths = (4, 8, 16, 32)
-        rounds = {w: [] for w in widths}
-        for _ in range(WARPS_ROUNDS):
-            for w in widths:
-                shape = {"one_program_warps": w}
-                rounds[w].append(
-                    measure(resident, dev, resident_trace, on_gpu, "resolve", shape, False)["us"]
-                )
-        resident_by_warps = {str(w): statistics.median(t) for w, t in rounds.items()}
-        resident_by_warps_range = {str(w): [min(t), max(t)] for w, t in rounds.items()}
     runs["kernels_batch_1_resident_with_recall"] = measure(
         resident, dev, resident_trace, on_gpu, "decode_step", fill=False
     )
@@ -625,7 +553,6 @@ def main() -> None:
     )
     print("launch floors:", floors)
     chaining = chaining_study(args, dev) if on_gpu else None
-    sweep = shape_sweep(args, dev, trace) if args.sweep and on_gpu else None
     # The timing runs use a full cache; the policy study needs one smaller than the trace's
     # working set too, or every policy hits the same (nothing is ever evicted).
     policy_slots = args.policy_slots or int(1.25 * args.batch * args.topk)
@@ -646,12 +573,7 @@ def main() -> None:
         else "torch reference on CPU (smoke run)",
         "us_per_layer_step": us,
         "resolve_path": "look-back (kernels/alloc_lookback.py)",
-        "us_per_layer_step_pipeline": runs["kernels_decode_management_pipeline"]["us"],
         "us_per_layer_step_repeats": runs["kernels_decode_management_repeats"]["us"],
-        "us_per_layer_step_repeats_pipeline": runs["kernels_decode_management_repeats_pipeline"][
-            "us"
-        ],
-        "speedup_over_pipeline": runs["kernels_decode_management_pipeline"]["us"] / us,
         "us_per_layer_step_with_recall": runs["kernels_decode_step"]["us"],
         "us_per_layer_step_with_append": runs["kernels_management"]["us"],
         "us_per_layer_step_with_append_and_recall": runs["kernels_step"]["us"],
@@ -673,9 +595,6 @@ def main() -> None:
         "us_per_layer_step_batch_1_resident_with_recall": runs[
             "kernels_batch_1_resident_with_recall"
         ]["us"],
-        "us_batch_1_resident_by_one_program_warps": resident_by_warps,
-        "us_batch_1_resident_by_one_program_warps_range": resident_by_warps_range,
-        "one_program_warps_rounds": WARPS_ROUNDS,
         "target_us_batch_1_no_eviction": 4.0,
         "layer_steps_per_replay": args.group,
         "us_per_layer_step_single_replay": runs["kernels_decode_management_single_replay"]["us"],
@@ -691,12 +610,6 @@ def main() -> None:
         "evictions_per_step": runs["kernels_decode_management"]["evictions_per_step"],
         "victim_policy_kept": "lru_bucketed",
         "launch_chaining": chaining,
-        "launch_shape_sweep": sweep,
-        # The look-back's default shape when this ran (the sweep's rows name theirs alike).
-        "lookback_default_shape": {"lane_block": LOOKBACK_LANE_BLOCK, "num_warps": LOOKBACK_WARPS},
-        "best_launch_shape": min((r for r in sweep if r["exact"]), key=lambda r: r["us"])
-        if sweep
-        else None,
         "runs": runs,
     }
     path = save_record(

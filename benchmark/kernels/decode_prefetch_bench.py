@@ -6,26 +6,19 @@ One layer's decode indexer + cache step, through the production code: the model'
 cache and a pinned host pool of 656 B rows (SGLang's fp8 MLA row):
 
 - unfused: logits -> top-k -> resolve (look up, evict, allocate, recall the misses);
-- chunked (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1, the runtime's default design and the
-  SGLang plugin's): the logits in chunks of key positions; after each, a side stream
-  stages the chunk's misses scoring above the request's predicted threshold into a
-  staging buffer (kernels/decode_stage.py, bounded grid) while the next chunks and the
-  top-k run -> resolve, whose recall takes staged rows device to device;
-- in_kernel (EchoConfig.decode_stage_in_kernel): the logits kernel stages each key
-  block's misses into the request's region of a staging buffer while the other blocks
-  are scored (kernels/logits_stage.py; ``--stage-block-n`` keys a program) -> top-k ->
-  resolve, likewise;
-- fused (the first, allocating design, for the A/B): logits + flags
-  (kernels/decode_prefetch.py) -> EchoManager.prefetch maps them and copies their rows on
-  a side stream while the top-k runs -> resolve recalls only what is still missing;
-- chunked_alt: the chunked design with its selects on the other stream (their own, or the
-  copies': ``chunked_select_stream`` says which the default is), ``chunked_alt_speedup``.
+- chunked (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1, the runtime's design and the SGLang
+  plugin's): the logits in chunks of key positions; after each, side streams stage the
+  chunk's misses scoring above the request's predicted threshold into a staging buffer
+  (kernels/decode_stage.py, bounded grid) while the next chunks and the top-k run ->
+  resolve, whose recall takes staged rows device to device.
 
-``speedup`` = unfused / the default design (``default_design``), ``chunked_speedup`` and
-``in_kernel_speedup`` each design's. Figure 18's own definition (ECHO), top-k and cache
-management left out: (logits; recall of every miss) against (logits with the in-kernel
-prefetch, ECHO's design; the recall with the staging), ``fig18_speedup``
-(``fig18_chunked_speedup``: the chunked logits and their side-stream copies instead).
+``speedup`` = unfused / chunked (``chunked_speedup`` too). Figure 18's own definition
+(ECHO), top-k and cache management left out: (logits; recall of every miss) against (the
+chunked logits and their side-stream copies; the recall with the staging),
+``fig18_chunked_speedup``. The designs this bench timed beside it until they left the
+package (the in-kernel and split designs, the allocating one, the selects on the copies'
+stream) are in its earlier records (benchmark/results/decode_prefetch.json and
+history/, docs/ARCHITECTURE.md section 6).
 
 Thresholds come from two earlier steps (queries perturbed by ``--query-noise``) through
 the DecodeThresholdPredictor (EMA, alpha 0.5). Residency: a fraction ``hit`` of the
@@ -36,7 +29,7 @@ case checks that all variants select the same tokens and attention would read th
 bytes (= host rows), eagerly and from CUDA-graph replay. Times: CUDA events, warm-up,
 medians of graph replays in interleaved rounds (the range of the rounds recorded), cache
 state restored before every run (untimed); eager launches alongside.
-``slowdown_at_hit_1.0`` = the default design / unfused with nothing selected to fetch.
+``slowdown_at_hit_1.0`` = chunked / unfused with nothing selected to fetch.
 
     PYTHONPATH=python python benchmark/kernels/decode_prefetch_bench.py --out benchmark/results
     python benchmark/kernels/decode_prefetch_bench.py --device cpu --smoke --out /tmp/dp  # CPU
@@ -70,28 +63,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--hit-rates", default="0.5,0.8,0.9,0.97,0.98,1.0")
     p.add_argument("--dev-slots", type=int, default=260_000, help="N_G")
     p.add_argument("--row-bytes", type=int, default=656)
-    p.add_argument(
-        "--cap", type=int, default=None, help="allocating design: candidates per request"
-    )
-    p.add_argument(
-        "--stage-cap",
-        type=int,
-        default=None,
-        help="staged rows per request (default: the prefetcher's for --row-bytes)",
-    )
-    p.add_argument("--stage-chunks", type=int, default=None, help="logits chunks (chunked)")
-    p.add_argument("--stage-block-n", type=int, default=None, help="keys per program (in_kernel)")
-    p.add_argument(
-        "--stage-copy-rows",
-        type=int,
-        default=None,
-        help="rows per request the in_kernel logits copy; a side stream copies the rest "
-        "beside the top-k (default: the prefetcher's, all)",
-    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved graph-timing rounds")
-    p.add_argument(
-        "--stage-priority", type=int, default=None, help="staging stream priority (lower: higher)"
-    )
     p.add_argument("--query-noise", type=float, default=0.3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
@@ -121,9 +93,7 @@ from common import graph_us, pyplot, save_record, time_us  # noqa: E402
 
 from sglang_echo.config import default_stage_rows  # noqa: E402
 from sglang_echo.kernels.cache_layout import ABSENT  # noqa: E402
-from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch  # noqa: E402
 from sglang_echo.kernels.indexer import fp8_index_logits, program_span  # noqa: E402
-from sglang_echo.kernels.logits_stage import STAGE_BLOCK_N  # noqa: E402
 from sglang_echo.kernels.recall import recall_rows  # noqa: E402
 from sglang_echo.model import indexer as indexer_module  # noqa: E402
 from sglang_echo.model.config import fp8_row_bytes  # noqa: E402
@@ -136,9 +106,6 @@ from sglang_echo.model.indexer import (  # noqa: E402
     unpack_fp8_rows,
 )
 from sglang_echo.offload.decode_prefetcher import (  # noqa: E402
-    DEFAULT_DECODE_PREFETCH_CAP,
-    DEFAULT_IN_KERNEL,
-    DEFAULT_STAGE_CHUNKS,
     STAGE_STREAM_PRIORITY,
     DecodePrefetcher,
 )
@@ -202,46 +169,11 @@ class Bench:
         self._fill_host(g)
         self.cache = DeviceCache(1, args.dev_slots, n_h, args.row_bytes, torch.uint8, dev)
         self.manager = EchoManager(self.host, self.cache, use_kernels=True)
-        self.prefetcher = DecodePrefetcher(
-            self.manager, max_rows=B, cap=args.cap or DEFAULT_DECODE_PREFETCH_CAP, staged=False
-        )
-        self.cap = self.prefetcher.cap_for(args.topk)  # candidates per request
-        stage_cap = args.stage_cap or min(default_stage_rows(args.row_bytes), args.topk)
-        self.stager = DecodePrefetcher(
-            self.manager,
-            max_rows=B,
-            cap=stage_cap,
-            in_kernel=True,
-            block_n=args.stage_block_n or STAGE_BLOCK_N,
-            copy_rows=args.stage_copy_rows,
-        )
-        self.chunker = DecodePrefetcher(
-            self.manager,
-            max_rows=B,
-            cap=stage_cap,
-            chunks=args.stage_chunks or DEFAULT_STAGE_CHUNKS,
-            side_priority=(
-                STAGE_STREAM_PRIORITY if args.stage_priority is None else args.stage_priority
-            ),
-            in_kernel=False,
-        )
-        # The chunked design with the other choice of stream for its selects (their own,
-        # or the copies': DEFAULT_SELECT_STREAM), timed beside it.
-        self.chunker_alt = DecodePrefetcher(
-            self.manager,
-            max_rows=B,
-            cap=stage_cap,
-            chunks=self.chunker.chunks,
-            side_priority=self.chunker.side_priority,
-            in_kernel=False,
-            select_stream=not self.chunker.select_stream,
-        )
-        self.alt_choice = f"select_stream={self.chunker_alt.select_stream}"
+        # The prefetcher's staged rows per request for these rows (at most the top-k: the
+        # smoke run's tiny top-k).
+        stage_cap = min(default_stage_rows(args.row_bytes), args.topk)
+        self.chunker = DecodePrefetcher(self.manager, max_rows=B, cap=stage_cap)
         self._learn_thresholds()
-
-    @property
-    def prefetchers(self) -> tuple[DecodePrefetcher, ...]:
-        return (self.prefetcher, self.stager, self.chunker, self.chunker_alt)
 
     def _fill_host(self, g: torch.Generator) -> None:
         rows = self.host.device_view[0] if self.cuda else self.host.rows[0]
@@ -259,11 +191,10 @@ class Bench:
     def _learn_thresholds(self) -> None:
         """Two earlier steps' exact k-th scores through the predictor (EMA, alpha 0.5)."""
         qpos = self.batch.positions.view(-1, 1)
+        p = self.chunker.predictors[0]
         for q in self.q_prev:
             _, kth = select_topk(self.logits(q).unsqueeze(1), qpos, self.args.topk, True)
-            for prefetcher in self.prefetchers:
-                prefetcher.observe(0, kth.squeeze(1), self.rows_of)
-        p = self.prefetcher.predictors[0]
+            p.update(kth.squeeze(1), self.rows_of)
         self.theta0, self.finite0 = p.theta.clone(), p.finite.clone()
 
     # ------------------------------------------------------------------ residency
@@ -313,30 +244,17 @@ class Bench:
             getattr(self.cache, name).copy_(self.saved[name])
         if rows:
             self.cache.rows.copy_(self.saved_rows)
-        for prefetcher in self.prefetchers:
-            p = prefetcher.predictors[0]
-            p.theta.copy_(self.theta0)
-            p.finite.copy_(self.finite0)
+        p = self.chunker.predictors[0]
+        p.theta.copy_(self.theta0)
+        p.finite.copy_(self.finite0)
 
     # ------------------------------------------------------------------- variants
     def unfused(self) -> tuple[torch.Tensor, torch.Tensor]:
         sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch)
         return sel, self.manager.resolve(0, sel)
 
-    def fused(self) -> tuple[torch.Tensor, torch.Tensor]:
-        sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.prefetcher, 0)
-        return sel, self.manager.resolve(0, sel)
-
-    def in_kernel(self) -> tuple[torch.Tensor, torch.Tensor]:
-        sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.stager, 0)
-        return sel, self.manager.resolve(0, sel)
-
     def chunked(self) -> tuple[torch.Tensor, torch.Tensor]:
         sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.chunker, 0)
-        return sel, self.manager.resolve(0, sel)
-
-    def chunked_alt(self) -> tuple[torch.Tensor, torch.Tensor]:
-        sel = self.indexer.select(self.q, self.w, self.key_rows, self.batch, self.chunker_alt, 0)
         return sel, self.manager.resolve(0, sel)
 
     # Figure 18's definition: the indexer's logits and the recall of every miss, top-k and
@@ -344,15 +262,6 @@ class Bench:
     def fig18_plain(self) -> None:
         self.logits(self.q)
         recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses)
-
-    def fig18_in_kernel(self) -> None:
-        keys, scales = unpack_fp8_rows(self.key_rows, self.args.dim)
-        lens = (self.batch.positions + 1).to(torch.int32)
-        theta = self.stager.theta(0, self.rows_of)
-        self.stager.stage_logits(0, self.q, self.w, keys, scales, self.locs, lens, theta)
-        staged = self.stager.staged_rows(0, self.args.batch)  # no top-k: no finish()
-        self.stager.wait_copies()
-        recall_rows(self.host_rows(), self.scratch_rows, *self.fig18_misses, staged=staged)
 
     def fig18_chunked(self) -> None:
         keys, scales = unpack_fp8_rows(self.key_rows, self.args.dim)
@@ -449,11 +358,7 @@ def capture(bench: Bench, fn, stream) -> torch.cuda.CUDAGraph:
     return graph
 
 
-GRAPHED = (
-    "unfused", "fused", "chunked", "chunked_alt", "in_kernel", "fig18_plain", "fig18_in_kernel",
-    "fig18_chunked",
-)  # fmt: skip
-DEFAULT_DESIGN = "in_kernel" if DEFAULT_IN_KERNEL else "chunked"
+GRAPHED = ("unfused", "chunked", "fig18_plain", "fig18_chunked")
 
 
 def graph_times(bench: Bench, row: dict, sel_u, want, stream, args) -> bool:
@@ -489,59 +394,27 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     row = {"hit_rate": hit, **bench.set_residency(hit)}
     # Correct first: same selections, and the rows attention reads are the host rows.
     sel_u, rows_u, cnt_u = bench.run_checked(bench.unfused)
-    sel_f, rows_f, cnt_f = bench.run_checked(bench.fused)
-    sel_s, rows_s, cnt_s = bench.run_checked(bench.in_kernel)
     sel_c, rows_c, cnt_c = bench.run_checked(bench.chunked)
-    sel_a, rows_a, cnt_a = bench.run_checked(bench.chunked_alt)
-    if DEFAULT_DESIGN == "chunked":  # the staged_* figures are the default design's
-        cnt_s, cnt_i = cnt_c, cnt_s
-    else:
-        cnt_i = cnt_s
     want = bench.expected_rows(sel_u)
-    ok = all(torch.equal(sel_u, s) for s in (sel_f, sel_s, sel_c, sel_a))
-    ok = ok and all(torch.equal(r, want) for r in (rows_u, rows_f, rows_s, rows_c, rows_a))
+    ok = torch.equal(sel_u, sel_c) and torch.equal(rows_u, want) and torch.equal(rows_c, want)
     row.update(
         hit_rate_measured=cnt_u["hits"] / max(1, cnt_u["hits"] + cnt_u["misses"]),
         recall_rows=cnt_u["misses"],
         recall_MB=cnt_u["misses"] * args.row_bytes / 1e6,
-        prefetched=cnt_f["prefetched"],
-        wasted=cnt_f["prefetched"] - cnt_f["prefetch_hits"],
-        remaining_rows=cnt_f["misses"],
-        cap=bench.cap,
-        staged_rows=cnt_s["prefetched"],
-        staged_used=cnt_s["prefetch_hits"],
-        staged_remaining=cnt_s["misses"] - cnt_s["prefetch_hits"],
-        stage_cap=bench.stager.cap,
-        in_kernel_rows=cnt_i["prefetched"],
-        in_kernel_used=cnt_i["prefetch_hits"],
-        chunked_alt_rows=cnt_a["prefetched"],
-        chunked_alt_used=cnt_a["prefetch_hits"],
+        staged_rows=cnt_c["prefetched"],
+        staged_used=cnt_c["prefetch_hits"],
+        staged_remaining=cnt_c["misses"] - cnt_c["prefetch_hits"],
+        stage_cap=bench.chunker.cap,
         stage_chunks=bench.chunker.chunks,
-        stage_block_n=bench.stager.block_n,
     )
     w, r = args.warmup, args.reps
     row["unfused_ms"] = time_ms(bench, bench.unfused, w, r)
-    row["fused_ms"] = time_ms(bench, bench.fused, w, r)
-    row["in_kernel_ms"] = time_ms(bench, bench.in_kernel, w, r)
     row["chunked_ms"] = time_ms(bench, bench.chunked, w, r)
-    row["speedup_eager"] = row["unfused_ms"] / row[f"{DEFAULT_DESIGN}_ms"]
-    row["alloc_speedup_eager"] = row["unfused_ms"] / row["fused_ms"]
-    # Components (stateless): logits alone, logits + flags alone, top-k alone, the
-    # unfused recall alone (its miss count, into distinct slots).
-    keys, scales = unpack_fp8_rows(bench.key_rows, bench.args.dim)
-    lens = (bench.batch.positions + 1).to(torch.int32)
+    row["speedup_eager"] = row["unfused_ms"] / row["chunked_ms"]
+    # Components (stateless): logits alone, top-k alone, the unfused recall alone (its
+    # miss count, into distinct slots).
     bench.restore()
-    theta = bench.prefetcher.theta(0, bench.rows_of)
-    h2d = bench.cache.host_to_device[0]
     row["logits_ms"] = stateless_ms(bench, lambda: bench.logits(bench.q), w, r)
-    row["fused_logits_ms"] = stateless_ms(
-        bench,
-        lambda: fp8_index_logits_prefetch(
-            bench.q, bench.w, keys, scales, bench.locs, lens, theta, h2d, bench.cap
-        ),
-        w,
-        r,
-    )
     logits = bench.logits(bench.q).unsqueeze(1)
     qpos = bench.batch.positions.view(-1, 1)
     # The top-k decode runs: the radix-select kernel on CUDA, the sort on the CPU.
@@ -562,27 +435,22 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     row["recall_ms"] = stateless_ms(
         bench, lambda: recall_rows(host, bench.cache.rows[0], misses, slots, count), w, r
     )
-    # Figure 18's staged paths move every miss's row (from the staging or the host).
-    for fig18 in (bench.fig18_in_kernel, bench.fig18_chunked):
-        bench.restore()
-        bench.scratch_rows.zero_()
-        fig18()
-        bench.sync()
-        ok = ok and torch.equal(bench.scratch_rows[1:].cpu(), bench.host.rows[0][misses.cpu()])
+    # Figure 18's staged path moves every miss's row (from the staging or the host).
+    bench.restore()
+    bench.scratch_rows.zero_()
+    bench.fig18_chunked()
+    bench.sync()
+    ok = ok and torch.equal(bench.scratch_rows[1:].cpu(), bench.host.rows[0][misses.cpu()])
     row["speedup"] = row["speedup_eager"]
     if args.graphs and bench.cuda:
         try:
             ok = ok and graph_times(bench, row, sel_u, want, stream, args)
-            row["speedup"] = row["unfused_graph_ms"] / row[f"{DEFAULT_DESIGN}_graph_ms"]
-            row["in_kernel_speedup"] = row["unfused_graph_ms"] / row["in_kernel_graph_ms"]
-            row["alloc_speedup"] = row["unfused_graph_ms"] / row["fused_graph_ms"]
-            row["chunked_speedup"] = row["unfused_graph_ms"] / row["chunked_graph_ms"]
-            row["chunked_alt_speedup"] = row["unfused_graph_ms"] / row["chunked_alt_graph_ms"]
-            row["fig18_speedup"] = row["fig18_plain_graph_ms"] / row["fig18_in_kernel_graph_ms"]
+            row["speedup"] = row["unfused_graph_ms"] / row["chunked_graph_ms"]
+            row["chunked_speedup"] = row["speedup"]
             fig18_chunked = row["fig18_chunked_graph_ms"]
             row["fig18_chunked_speedup"] = row["fig18_plain_graph_ms"] / fig18_chunked
             lo_u, hi_u = row["unfused_graph_ms_range"]
-            lo_s, hi_s = row[f"{DEFAULT_DESIGN}_graph_ms_range"]
+            lo_s, hi_s = row["chunked_graph_ms_range"]
             row["speedup_range"] = [lo_u / hi_s, hi_u / lo_s]
         except RuntimeError as exc:  # keep the eager results; say why graphs are missing
             row["graph_error"] = str(exc)[:300]
@@ -600,20 +468,20 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
     labels = [f"hit {r['hit_rate']}" for r in rows]
     x = list(range(len(rows)))
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    names = ("unfused", "fused", "chunked", "in_kernel")
-    labels_of = {"fused": "allocating", "chunked": "chunked staging", "in_kernel": "in-kernel"}
+    names = ("unfused", "chunked")
+    labels_of = {"chunked": "chunked staging"}
     for k, name in enumerate(names):
         label = labels_of.get(name, name)
-        a.bar([i + 0.2 * (k - 1.5) for i in x], [r[name + suffix] for r in rows], 0.2, label=label)
+        a.bar([i + 0.4 * (k - 0.5) for i in x], [r[name + suffix] for r in rows], 0.4, label=label)
     a.set_xticks(x, labels)
     a.set_ylabel("ms, indexer + top-k + cache step" + (" (graph)" if graphs else ""))
     a.legend()
     b.bar(x, [r["speedup"] for r in rows], label="whole step" if graphs else "eager")
     if graphs:
-        b.plot(x, [r["fig18_speedup"] for r in rows], "rx", label="Figure 18's definition")
+        b.plot(x, [r["fig18_chunked_speedup"] for r in rows], "rx", label="Figure 18's definition")
     b.axhline(1.0, color="k", lw=0.8)
     b.set_xticks(x, labels)
-    b.set_ylabel(f"unfused / {DEFAULT_DESIGN}")
+    b.set_ylabel("unfused / chunked")
     b.legend()
     fig.suptitle(f"Decode intra-query prefetch ({device})")
     fig.tight_layout()
@@ -621,14 +489,14 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
 
 
 def profile(bench: Bench, hits: str, stream) -> None:
-    """One graph replay of each variant under the profiler: the kernels in start order
+    """One graph replay of each step under the profiler: the kernels in start order
     (offset from the first, duration; us). Where the staged step's extra time goes."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     for hit in (float(h) for h in hits.split(",")):
         bench.set_residency(hit)
-        for name in ("unfused", "chunked", "chunked_alt", "in_kernel"):
+        for name in ("unfused", "chunked"):
             graph = capture(bench, getattr(bench, name), stream)
             bench.restore(rows=True)
             graph.replay()
@@ -670,15 +538,14 @@ def main() -> None:
         return
     print(
         f"{device}: batch {args.batch} x {args.context} ctx, {args.heads}h x {args.dim}d fp8, "
-        f"top-k {args.topk}, {args.dev_slots} slots, {args.row_bytes} B rows, cap {bench.cap}"
+        f"top-k {args.topk}, {args.dev_slots} slots, {args.row_bytes} B rows, "
+        f"{bench.chunker.cap} staged rows per request"
     )
     head = (
         f"{'hit':>5} {'logits':>7} {'recall rows':>11} {'MB':>6} {'recall':>7} {'unfused':>8} "
-        f"{'fused':>8} {'staged':>7} {'used':>6} {'remain':>6} {'chunked':>8} {'in_kern':>8} "
-        f"{'speedup':>7} {'in_kern':>7} {'alt':>6} {'fig18':>6} {'fig18c':>6} {'alloc':>6} ok"
+        f"{'staged':>7} {'used':>6} {'remain':>6} {'chunked':>8} {'speedup':>7} {'fig18':>6} ok"
     )
-    print("ms; step totals are CUDA-graph replays where available (fused: allocating design)")
-    print(f"alt: chunked with {bench.alt_choice}")
+    print("ms; step totals are CUDA-graph replays where available")
     print(head)
     rows = []
     for hit in (float(h) for h in args.hit_rates.split(",")):
@@ -687,13 +554,10 @@ def main() -> None:
         g = lambda k, r=r: r.get(f"{k}_graph_ms", r[f"{k}_ms"])  # noqa: E731
         print(
             f"{hit:>5} {r['logits_ms']:>7.3f} {r['recall_rows']:>11} {r['recall_MB']:>6.2f} "
-            f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} {g('fused'):>8.3f} "
+            f"{r['recall_ms']:>7.3f} {g('unfused'):>8.3f} "
             f"{r['staged_rows']:>7} {r['staged_used']:>6} {r['staged_remaining']:>6} "
-            f"{g('chunked'):>8.3f} {g('in_kernel'):>8.3f} {r['speedup']:>7.3f} "
-            f"{r.get('in_kernel_speedup', 0):>7.3f} {r.get('chunked_alt_speedup', 0):>6.3f} "
-            f"{r.get('fig18_speedup', 0):>6.3f} "
-            f"{r.get('fig18_chunked_speedup', 0):>6.3f} "
-            f"{r.get('alloc_speedup', r['alloc_speedup_eager']):>6.3f} {r['correct']}",
+            f"{g('chunked'):>8.3f} {r['speedup']:>7.3f} "
+            f"{r.get('fig18_chunked_speedup', 0):>6.3f} {r['correct']}",
             flush=True,
         )
     by_hit = {r["hit_rate"]: r for r in rows}
@@ -704,27 +568,16 @@ def main() -> None:
     metrics = {
         **{f"speedup_at_hit_{h}": r["speedup"] for h, r in by_hit.items() if h < 1.0},
         "slowdown_at_hit_1.0": 1 / by_hit[1.0]["speedup"] if 1.0 in by_hit else None,
-        "default_design": DEFAULT_DESIGN,
-        "design": "speedup: the default design; chunked (kernels/decode_stage.py), in_kernel "
-        "(kernels/logits_stage.py), alloc_* the allocating design; fig18: in_kernel",
+        "default_design": "chunked",
+        "design": "speedup: the chunked staged design (kernels/decode_stage.py) over none",
         "speedup_range": {f"hit_{h}": r.get("speedup_range") for h, r in by_hit.items()},
-        "fig18_speedup": {f"hit_{h}": r.get("fig18_speedup") for h, r in by_hit.items()},
-        "alloc_speedup": {f"hit_{h}": r.get("alloc_speedup") for h, r in by_hit.items()},
         "chunked_speedup": {f"hit_{h}": r.get("chunked_speedup") for h, r in by_hit.items()},
-        "chunked_alt_speedup": {
-            f"hit_{h}": r.get("chunked_alt_speedup") for h, r in by_hit.items()
-        },
-        "chunked_select_stream": bench.chunker.select_stream,
-        "chunked_alt": bench.alt_choice,
-        "in_kernel_speedup": {f"hit_{h}": r.get("in_kernel_speedup") for h, r in by_hit.items()},
         "fig18_chunked_speedup": {
             f"hit_{h}": r.get("fig18_chunked_speedup") for h, r in by_hit.items()
         },
-        "stage_cap": bench.stager.cap,
+        "stage_cap": bench.chunker.cap,
         "stage_chunks": bench.chunker.chunks,
-        "stage_stream_priority": bench.chunker.side_priority,
-        "stage_block_n": bench.stager.block_n,
-        "stage_copy_rows": bench.stager.copy_rows,
+        "stage_stream_priority": STAGE_STREAM_PRIORITY,
         "rounds": args.rounds,
         "speedup_basis": "CUDA-graph replay (device time)" if graphs else "eager launches",
         "speedup_eager": {f"hit_{h}": r["speedup_eager"] for h, r in by_hit.items()},
@@ -736,7 +589,6 @@ def main() -> None:
         "topk": args.topk,
         "dev_slots": args.dev_slots,
         "row_bytes": args.row_bytes,
-        "cap": bench.cap,
         "query_noise": args.query_noise,
         "stream_priority": args.stream_priority,
         "seconds": time.perf_counter() - t0,

@@ -172,14 +172,6 @@ def main() -> None:
     metrics: dict = {"batch": B, "context": L, "topk": k}
     metrics["ours"] = timings(lambda n: topk_positions(logits[:n], qpos[:n], k), B)
     print(f"ours: {metrics['ours']}", flush=True)
-    # kernels/topk.py's DEFAULT_LOADS_FIRST (on) beside its other order, the same tensor
-    other = {name: topk_positions(x, qpos, k, loads_first=False) for name, x in inputs.items()}
-    metrics["ours_loads_first_off"] = {"equal": all(torch.equal(other[n], ours[n]) for n in inputs)}
-    if metrics["ours_loads_first_off"]["equal"]:
-        metrics["ours_loads_first_off"].update(
-            timings(lambda n: topk_positions(logits[:n], qpos[:n], k, loads_first=False), B)
-        )
-    print(f"ours, loads first off: {metrics['ours_loads_first_off']}", flush=True)
     peers = {}
     for mode in FLASHINFER_MODES:
         fn = flashinfer_topk(mode)

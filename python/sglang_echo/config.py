@@ -163,8 +163,8 @@ def parse_path(name: str, raw: str | None) -> str | None:
     return raw or None
 
 
-# The decode prefetch's staged rows per request and layer (offload/decode_prefetcher.py)
-# by default: as many as fit in DEFAULT_STAGE_BYTES. Why bytes: what pays is the copy
+# The decode prefetch's staged rows per request and layer (offload/decode_prefetcher.py):
+# as many as fit in DEFAULT_STAGE_BYTES. Why bytes: what pays is the copy
 # that fits beside the logits and the top-k, and a staged row that loses the top-k costs
 # its PCIe time. End to end on an H200 (benchmark/results/e2e_prefetch/ and its history,
 # batch 17 x ~104K, 1152-byte rows, random keys, where about half of what beat the
@@ -322,21 +322,9 @@ class EchoConfig:
     # A decode resolve on a side stream beside the query's up-projection (CUDA;
     # ENV_RESOLVE_OVERLAP); False: in line.
     resolve_overlap: bool = True
-    # Decode prefetch: staged rows per request and layer (None: default_stage_rows of the
-    # cache rows' bytes); benchmarks set it to measure that default.
-    decode_stage_rows: int | None = None
-    # Decode prefetch design: True stages from inside the fp8 logits kernel, False in
-    # chunks on a side stream (None: offload/decode_prefetcher.py's DEFAULT_IN_KERNEL);
-    # benchmarks and tests set it to measure and check both.
-    decode_stage_in_kernel: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fuse_decode", decode_prefetch_mode(self.fuse_decode))
-        if self.decode_stage_rows is not None and self.decode_stage_rows < 1:
-            raise ConfigError(
-                f"decode_stage_rows must be >= 1 staged row per request, got "
-                f"{self.decode_stage_rows} (or None for the default)"
-            )
         if self.eviction_reserve is None:
             object.__setattr__(
                 self, "eviction_reserve", default_eviction_reserve(self.dev_cache_size)

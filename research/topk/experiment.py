@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from research.tiny_checkpoint import TinySpec
 from research.topk.driver import run_requests
 from research.topk.tracer import TopkTracer
 from research.train.data import BYTE_OFFSET, load_corpus
 from research.train.spec import build_model
+from scripts.make_tiny_checkpoint import TinySpec
 from sglang_echo.model.loader import load_model
 
 NONE_U16 = np.iinfo(np.uint16).max

@@ -21,7 +21,7 @@ the same call, whose programs return at once for served rows. Exactness does not
 on the ladder: with n >= k candidates all scoring >= t, the k-th largest visible score is >= t, so
 every key above it and every key tied with it is a candidate, and the candidates keep
 their positions, so ties still go to the lowest position. The output is
-``topk_positions``'s tensor for any ladder (tests/test_kernel_topk_pivot.py asserts it
+``topk_positions``'s tensor for any ladder (tests/repo/test_kernel_topk_pivot.py asserts it
 for guesses that hit, miss low and miss high). Both paths return the k-th score
 (``model.indexer.exact_topk``'s rule) and leave it as the row's next b (the select also
 its next d): speed hints only, that nothing else reads.

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from research.tiny_checkpoint import TinySpec, hf_config
+from scripts.make_tiny_checkpoint import TinySpec, hf_config
 from sglang_echo.tokenizer import save_byte_tokenizer
 
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from research.tiny_checkpoint import TinySpec, hf_config
+from scripts.make_tiny_checkpoint import TinySpec, hf_config
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 

@@ -17,7 +17,7 @@ import pytest
 from benchmark.make_tasks import write_tasks
 from server_utils import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["e2e_test_pd_infini.sh", "e2e_test_pd_infini_task.sh", "e2e_test_mix_sharegpt.sh"]
 TINY = [
     "--request-rates", "4,inf", "--num-prompts", "3", "--context-length", "192",

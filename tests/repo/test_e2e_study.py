@@ -38,7 +38,7 @@ from sglang_echo.runtime.kv_factory import echo_cache_for_model
 from sglang_echo.runtime.step_runner import StepRunner
 from sglang_echo.runtime.synthetic_kv import SyntheticKV
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

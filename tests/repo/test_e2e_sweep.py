@@ -14,7 +14,7 @@ from pathlib import Path
 
 from benchmark.make_tasks import FIGURE_14_TASKS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_e2e_sweep_smoke(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 from benchmark import evidence
 from sglang_echo.bench.plot import main as plot_main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmark" / "results"
 README = ROOT / "README.md"
 EVIDENCE = ROOT / "docs" / "EVIDENCE.md"

@@ -228,7 +228,7 @@ kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_war
 print("\\n".join(ln for ln in kernel.asm["ttir"].splitlines() if "arith.shli" in ln))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[1])  # research/ is a package at the root
+    root = str(Path(__file__).resolve().parents[2])  # research/ is a package at the root
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300

@@ -13,7 +13,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 FLOOR = Version("3.11")
 
 

@@ -26,7 +26,7 @@ from sglang_echo.model.loader import load_model
 
 from oracle_utils import prefill_all_logits
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

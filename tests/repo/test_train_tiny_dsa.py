@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from dsa_helpers import train_tiny, write_corpus
-from research.tiny_checkpoint import TinySpec
 from research.topk.driver import run_requests
 from research.train import loop as loop_module
 from research.train.data import WindowSampler, eval_windows, load_corpus
 from research.train.forward import train_forward
 from research.train.loop import TrainConfig, Trainer, lr_at
 from research.train.spec import build_model
+from scripts.make_tiny_checkpoint import TinySpec
 from sglang_echo.model.loader import load_model
 
 from oracle_utils import hf_greedy, prefill_all_logits

@@ -18,7 +18,7 @@ from sglang_echo.tokenizer import load_tokenizer
 from oracle_utils import hf_greedy, prefill_all_logits
 from test_lossless import Workload, run_pair
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CKPT = ROOT / "models" / "tiny-dsv32-trained"
 SOURCE = ROOT / "python" / "sglang_echo" / "runtime" / "scheduler.py"  # text it never saw
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark" / "kernels"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
 from victim_policy_study import study
 
 

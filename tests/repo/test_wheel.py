@@ -33,7 +33,7 @@ import pytest
 
 from server_utils import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "python" / "sglang_echo"
 MODEL = ROOT / "models" / "tiny-dsv32-trained"
 READY = "The server is fired up and ready to roll!"

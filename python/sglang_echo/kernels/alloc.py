@@ -27,16 +27,16 @@ import triton.language as tl
 
 # The cache is typed by its protocol: it lives in offload/, which depends on kernels/.
 from sglang_echo.kernels.cache_layout import ABSENT, FREE, CacheState
-from sglang_echo.kernels.pdl import ATOMIC_SEM, ATOMIC_SEMS, pdl_prologue, use_pdl
+from sglang_echo.kernels.pdl import ATOMIC_SEM, pdl_prologue, use_pdl
 
 CLAIM = -(2**31)  # host_to_device value CLAIM + lane: lane is the id's first miss lane
 EXACT_AGES = 224  # ages below this are exact buckets; older ones share log2 buckets
 NUM_BUCKETS = 256
 HIST_BINS = NUM_BUCKETS  # the age histogram: one bin per bucket (unevictable: masked out)
-# The default launch shape. For the five-launch pipeline it was the fastest of 8 shapes on
-# an H200; for the look-back resolve, cache_ops_bench --sweep timed 18 shapes at batch 48
-# in three runs (86a5112, 1651a32 cut short, cf513d4: cache_ops.json's launch_shape_sweep
-# and its history): 512 lanes x 16 warps was the fastest each time, 1.2 / 1.2 / 2.6 us below
+# The launch shape (sglang/sizing.py mirrors the blocks). For the five-launch pipeline it
+# was the fastest of 8 shapes on an H200; for the look-back resolve, cache_ops_bench's
+# former --sweep timed 18 shapes at batch 48 in three runs (86a5112, 1651a32 cut short,
+# cf513d4: cache_ops.json's launch_shape_sweep and its history): 512 lanes x 16 warps was the fastest each time, 1.2 / 1.2 / 2.6 us below
 # this one (17.3 vs 18.5, 16.9 vs 18.1, 16.1 vs 18.7 us); fewer lanes or warps per program
 # were slower (up to 40 us at 256 x 4). So the look-back takes that shape (LOOKBACK_*); the
 # pipeline (appends) and the one program's block keep these, where they were measured.
@@ -51,7 +51,8 @@ LOOKBACK_WARPS = 16
 # batch 1 / 2 with every selection resident (a decode node's placed prompts at low load:
 # look-ups only) against the five launches' 12.6 / 13.5 us, and 11.7 us against 13.7 at
 # batch 1 with misses served from free slots; at batch 2 with misses it loses (20.0 against
-# 14.6 us), at batch 4 even when resident (14.1 against 13.5). Past it, the pipeline.
+# 14.6 us), at batch 4 even when resident (14.1 against 13.5). Past it, the look-back
+# launches (resolves) or the pipeline (appends).
 ONE_PROGRAM_LANES = 4096
 # Its width: at batch 1 with every selection resident, 4 / 8 / 16 / 32 warps took 5.41 /
 # 5.02 / 4.63 / 4.82 us in five interleaved rounds on an H200 (8c90ac6, ranges 4.43-4.73 us
@@ -354,28 +355,22 @@ def _serve_ranks(
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _lookup_kernel(
-    ids_ptr, lanes, h2d_ptr, prio_ptr, clock_ptr, hist_ptr, hits_ptr, miss_bound_ptr,
-    APPEND: tl.constexpr, LANES: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
-    SEM: tl.constexpr,
+    ids_ptr, lanes, h2d_ptr, prio_ptr, clock_ptr, hist_ptr, miss_bound_ptr,
+    LANES: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr, SEM: tl.constexpr,
 ):  # fmt: skip
-    """Hits stamp their slot; misses claim their id (the lowest lane wins). A resolve
-    counts its distinct hit slots here (the lane whose exchange found an older stamp: no
-    slot carries this step's stamp before its look-up), and every call bounds its misses
-    from above (miss lanes, duplicates included) for the count kernel."""
+    """Hits stamp their slot (a plain store: duplicates write the same stamp, and appends
+    count no hits); misses claim their id (the lowest lane wins) and bound the call's
+    misses from above (miss lanes, duplicates included) for the count kernel."""
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     lane = pid * LANES + tl.arange(0, LANES)
     ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
     valid = ids >= 0
-    stamp = _stamp(clock_ptr, APPEND)
+    stamp = _stamp(clock_ptr, True)
     looked_up = tl.load(h2d_ptr + ids, mask=valid, other=_ABSENT)
     hit = valid & (looked_up >= 0) & (looked_up != _ABSENT)
     stamps = tl.zeros([LANES], dtype=tl.int64) + stamp
-    if APPEND:  # a plain store (duplicates write the same stamp); appends count no hits
-        tl.store(prio_ptr + looked_up, stamps, mask=hit)
-    else:
-        before = tl.atomic_xchg(prio_ptr + looked_up, stamps, mask=hit, sem=SEM)
-        tl.atomic_add(hits_ptr, tl.sum((hit & (before != stamp)).to(tl.int64), 0), sem=SEM)
+    tl.store(prio_ptr + looked_up, stamps, mask=hit)
     claim = (lane + _CLAIM).to(tl.int32)
     missed = valid & ~hit
     tl.atomic_min(h2d_ptr + ids, claim, mask=missed, sem=SEM)
@@ -396,8 +391,7 @@ def _first_miss(ids_ptr, lanes, h2d_ptr, lane):
 def _count_kernel(
     ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr,
     free_count_ptr, miss_bound_ptr, num_slots, slot_programs,
-    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr,
-    SEM: tl.constexpr,
+    LANES: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr, SEM: tl.constexpr,
 ):  # fmt: skip
     """Slot programs: histogram of evictable ages, only where the misses could outnumber
     the free slots (only then is anything evicted, and only then do the rank and assign
@@ -405,13 +399,13 @@ def _count_kernel(
     first misses per block."""
     pdl_prologue(PDL)
     pid = tl.program_id(0)
-    stamp = _stamp(clock_ptr, APPEND)
+    stamp = _stamp(clock_ptr, True)
     if pid < slot_programs:
         could_evict = tl.load(miss_bound_ptr) > tl.load(free_count_ptr)
         if could_evict:
             _add_age_histogram(
                 pid, d2h_ptr, prio_ptr, hist_ptr, stamp, num_slots,
-                APPEND=APPEND, SLOTS=SLOTS, SEM=SEM,
+                APPEND=True, SLOTS=SLOTS, SEM=SEM,
             )  # fmt: skip
     else:
         l_block = pid - slot_programs
@@ -425,14 +419,14 @@ def _rank_kernel(
     ids_ptr, lanes, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr,
     slot_counts_ptr, free_count_ptr, miss_ids_ptr, miss_count_ptr, buckets_ptr,
     num_slots, slot_programs, lane_programs, reserve,
-    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, MAXP: tl.constexpr,
-    PDL: tl.constexpr, SEM: tl.constexpr,
+    LANES: tl.constexpr, SLOTS: tl.constexpr, MAXP: tl.constexpr, PDL: tl.constexpr,
+    SEM: tl.constexpr,
 ):  # fmt: skip
     """Lane programs: compact first misses in lane order. Slot programs: count the slots
     older than the boundary bucket and in it, per block."""
     pdl_prologue(PDL)
     pid = tl.program_id(0)
-    stamp = _stamp(clock_ptr, APPEND)
+    stamp = _stamp(clock_ptr, True)
     p = tl.arange(0, MAXP)
     per_block = tl.load(lane_counts_ptr + p, mask=p < lane_programs, other=0).to(tl.int64)
     misses = tl.sum(per_block, 0)
@@ -442,7 +436,7 @@ def _rank_kernel(
         boundary, _older, evictable = _boundary(hist_ptr, _target(need, reserve))
         if need > 0:  # nothing is evicted otherwise: the assign kernel reads none of this
             slot = pid * SLOTS + tl.arange(0, SLOTS)
-            bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, APPEND)
+            bucket = _slot_bucket(slot, d2h_ptr, prio_ptr, stamp, num_slots, True)
             # Saved for the assign kernel: there the free-stack programs fill free slots
             # while victim programs run, and re-reading owner and priority could see one
             # half of it.
@@ -468,8 +462,8 @@ def _assign_kernel(
     h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr, lane_counts_ptr, slot_counts_ptr,
     free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, evictions_ptr, buckets_ptr,
     extras_ptr, num_slots, slot_programs, lane_programs, scratch_slot, reserve,
-    APPEND: tl.constexpr, LANES: tl.constexpr, SLOTS: tl.constexpr, MAXP: tl.constexpr,
-    MAXS: tl.constexpr, PDL: tl.constexpr, SEM: tl.constexpr,
+    LANES: tl.constexpr, SLOTS: tl.constexpr, MAXP: tl.constexpr, MAXS: tl.constexpr,
+    PDL: tl.constexpr, SEM: tl.constexpr,
 ):  # fmt: skip
     """Slot programs evict their victims into the misses they serve (miss rank = free +
     victim position in slot order), and the victims past the misses (the reserve) into
@@ -478,7 +472,7 @@ def _assign_kernel(
     ones back (only reachable if the cache is too small)."""
     pdl_prologue(PDL)
     pid = tl.program_id(0)
-    stamp = _stamp(clock_ptr, APPEND)
+    stamp = _stamp(clock_ptr, True)
     p = tl.arange(0, MAXP)
     misses = tl.sum(tl.load(lane_counts_ptr + p, mask=p < lane_programs, other=0).to(tl.int64), 0)
     free = tl.load(free_count_ptr).to(tl.int64)
@@ -506,11 +500,9 @@ def _assign_kernel(
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _finish_kernel(
-    ids_ptr, lanes, out_ptr, h2d_ptr, clock_ptr, hist_ptr, lane_counts_ptr, free_count_ptr,
-    free_stack_ptr, extras_ptr, misses_ptr, recalled_ptr, miss_count_ptr, miss_bound_ptr,
-    lane_programs, scratch_slot,
-    APPEND: tl.constexpr, LANES: tl.constexpr, MAXP: tl.constexpr, RESERVE: tl.constexpr,
-    PDL: tl.constexpr, SEM: tl.constexpr,
+    ids_ptr, lanes, out_ptr, h2d_ptr, hist_ptr, lane_counts_ptr, free_count_ptr,
+    free_stack_ptr, extras_ptr, miss_bound_ptr, lane_programs, scratch_slot,
+    LANES: tl.constexpr, MAXP: tl.constexpr, RESERVE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Every lane reads its slot; program 0 updates the layer's scalars and, after an
     eviction, puts the reserve's victims on the emptied free stack."""
@@ -534,10 +526,6 @@ def _finish_kernel(
             RESERVE=RESERVE, LANES=LANES,
         )  # fmt: skip
         tl.store(miss_bound_ptr, 0)  # for the next call's look-up to count into
-        if not APPEND:
-            tl.store(clock_ptr, tl.load(clock_ptr) + 1)
-            tl.atomic_add(misses_ptr, misses, sem=SEM)
-            tl.atomic_add(recalled_ptr, tl.load(miss_count_ptr), sem=SEM)
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -771,80 +759,30 @@ def _one_program_misses(
 # ---------------------------------------------------------------------------- launcher
 class AllocWorkspace:
     """Scratch buffers of the kernels, allocated once per cache (fixed addresses, so a
-    captured graph replays against the same memory), and their launch shape: lanes and
-    slots per program and warps, whether launches chain (PDL) and the atomics' memory
-    order. These change speed only, never the state (tests run several);
-    benchmark/kernels/cache_ops_bench.py --sweep times them."""
+    captured graph replays against the same memory), and their launch shape: the module's
+    LANE_BLOCK, SLOT_BLOCK, NUM_WARPS, ONE_PROGRAM_* and LOOKBACK_* (read here, not at
+    import: tests make workspaces with small blocks by setting them) and whether launches
+    chain (PDL). The shape changes speed only, never the state."""
 
-    def __init__(
-        self,
-        cache: CacheState,
-        max_lanes: int,
-        lane_block: int = LANE_BLOCK,
-        slot_block: int = SLOT_BLOCK,
-        num_warps: int = NUM_WARPS,
-        pdl: bool = True,
-        atomic_sem: str = ATOMIC_SEM,
-        one_program_lanes: int | None = None,
-        one_program_warps: int = ONE_PROGRAM_WARPS,
-        one_program_block: int | None = None,
-        lookback: bool = True,
-        lookback_lane_block: int | None = None,
-        lookback_warps: int | None = None,
-        ordered_tiles: bool = False,
-    ) -> None:
-        if one_program_lanes is None:  # read here, not at import: tests may set it
-            one_program_lanes = ONE_PROGRAM_LANES
-        if one_program_block is None:
-            # Twice the pipeline's lane block, up to a batch of one per loop step (a
-            # workspace with small blocks, as the tests make, loops more).
-            one_program_block = min(lane_block * 2, ONE_PROGRAM_BLOCK)
-        if lookback_lane_block is None:  # a workspace with small blocks keeps them here too
-            lookback_lane_block = min(lane_block, LOOKBACK_LANE_BLOCK)
-        if lookback_warps is None:
-            lookback_warps = (
-                LOOKBACK_WARPS if lookback_lane_block >= LOOKBACK_LANE_BLOCK else num_warps
-            )
-        blocks = (("lane_block", lane_block), ("slot_block", slot_block))
-        blocks += (("one_program_block", one_program_block),)
-        for name, value in (*blocks, ("lookback_lane_block", lookback_lane_block)):
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        warps = (("num_warps", num_warps), ("one_program_warps", one_program_warps))
-        for name, value in (*warps, ("lookback_warps", lookback_warps)):
-            if value not in (1, 2, 4, 8, 16, 32):
-                raise ValueError(f"{name} must be 1, 2, 4, 8, 16 or 32, got {value}")
-        if one_program_lanes < 0:
-            raise ValueError(f"one_program_lanes must be >= 0, got {one_program_lanes}")
-        if atomic_sem not in ATOMIC_SEMS:
-            raise ValueError(f"atomic_sem must be one of {ATOMIC_SEMS}, got {atomic_sem!r}")
+    def __init__(self, cache: CacheState, max_lanes: int, pdl: bool = True) -> None:
         dev = cache.device
         self.max_lanes = max_lanes
-        self.lane_block, self.slot_block, self.num_warps = lane_block, slot_block, num_warps
+        self.lane_block, self.slot_block, self.num_warps = LANE_BLOCK, SLOT_BLOCK, NUM_WARPS
         # Chained launches (kernels/pdl.py) where the device supports them, unless ``pdl``
         # (the offload layer's SGLANG_ECHO_PDL) is off.
         self.pdl = use_pdl(dev, pdl)
-        self.atomic_sem = atomic_sem
-        # Calls of at most this many lanes take the one-program path (0: never).
-        self.one_program_lanes = one_program_lanes
-        self.one_program_warps = one_program_warps
+        # Calls of at most this many lanes take the one-program path (0: never); past it a
+        # resolve takes kernels/alloc_lookback.py's four launches, an append the five-launch
+        # pipeline.
+        self.one_program_lanes = ONE_PROGRAM_LANES
+        self.one_program_warps = ONE_PROGRAM_WARPS
         # Lanes per step of the one program's loops (a resolve of at most this many takes
         # its one-block path).
-        self.one_program_block = one_program_block
-        # Resolves past the one program take kernels/alloc_lookback.py's four launches
-        # (False: the five-launch pipeline, which appends always take).
-        self.lookback = lookback
+        self.one_program_block = ONE_PROGRAM_BLOCK
         # The look-back's lanes per program and warps (all four of its launches).
-        self.lookback_lane_block, self.lookback_warps = lookback_lane_block, lookback_warps
-        # The look-back's first launch numbers its lane tiles by program id instead of a
-        # ticket (one dependent round trip less) where its grid fits the SMs at once, one
-        # program each: a waiting program then never holds the place of an earlier one
-        # that has not started (kernels/alloc_lookback.py). Off: on an H200 at batch 48 it
-        # saved less than the spread between two runs of one shape (17.5 against 18.5 us
-        # in cache_ops.json's sweep, the default timed at 17.5 in the same record's main run).
-        self.ordered_tiles = ordered_tiles
-        self.slot_programs = triton.cdiv(cache.num_slots + 2, slot_block)
-        lane_programs = max(1, triton.cdiv(max_lanes, lane_block))
+        self.lookback_lane_block, self.lookback_warps = LOOKBACK_LANE_BLOCK, LOOKBACK_WARPS
+        self.slot_programs = triton.cdiv(cache.num_slots + 2, self.slot_block)
+        lane_programs = max(1, triton.cdiv(max_lanes, self.lane_block))
         # Width of the kernels' scan over per-block lane counts: fixed per workspace (not
         # per call), so a new lane count never compiles a new kernel variant.
         self.max_lane_programs_pow2 = triton.next_power_of_2(lane_programs)
@@ -865,7 +803,7 @@ class AllocWorkspace:
         # first misses and free slots at its start, and each lane's miss rank or first
         # lane. The tickets and words are zero between calls.
         self.tickets = torch.zeros(2, dtype=torch.int32, device=dev)
-        lookback_programs = max(1, triton.cdiv(max_lanes, lookback_lane_block))
+        lookback_programs = max(1, triton.cdiv(max_lanes, self.lookback_lane_block))
         self.lookback_programs_pow2 = triton.next_power_of_2(lookback_programs)
         self.tile_words = torch.zeros(2, lookback_programs, dtype=torch.int32, device=dev)
         self.slot_words = torch.zeros(self.slot_programs, dtype=torch.int64, device=dev)
@@ -886,8 +824,8 @@ def allocate_kernel(
     distinct: bool = False,
 ) -> Allocation:
     """The kernels' version of :func:`allocate_reference`: one launch for a call of at
-    most ``ws.one_program_lanes`` lanes, else four for a resolve (kernels/alloc_lookback.py,
-    unless ``ws.lookback`` is off) and five for an append; no host sync.
+    most ``ws.one_program_lanes`` lanes, else four for a resolve (kernels/alloc_lookback.py)
+    and five for an append; no host sync.
 
     ``distinct``: the caller promises no id occurs twice among ``ids`` (one query's top-k:
     its positions are distinct, and so are their host ids; a decode step of requests that
@@ -928,10 +866,8 @@ def allocate_kernel(
     sp = ws.slot_programs
     maxp = ws.max_lane_programs_pow2
     maxs = triton.next_power_of_2(sp)
-    flags = dict(
-        APPEND=append, LANES=ws.lane_block, PDL=ws.pdl, SEM=ws.atomic_sem,
-        num_warps=ws.num_warps, launch_pdl=ws.pdl,
-    )  # fmt: skip
+    launch = dict(num_warps=ws.num_warps, launch_pdl=ws.pdl)
+    flags = dict(LANES=ws.lane_block, PDL=ws.pdl, SEM=ATOMIC_SEM, **launch)
     evictions = (c.append_evictions if append else c.evictions)[layer : layer + 1]
     if lanes <= ws.one_program_lanes:
         mark()
@@ -940,20 +876,18 @@ def allocate_kernel(
             ws.miss_ids, ws.miss_slots, ws.miss_count, ws.extras, c.hits[layer : layer + 1],
             c.misses[layer : layer + 1], evictions, c.recalled_rows[layer : layer + 1],
             c.num_slots, c.scratch_slot, ws.reserve, APPEND=append, DISTINCT=distinct and not append,
-            LANES=ws.one_program_block, SLOTS=ws.slot_block, PDL=ws.pdl,
-            SEM=ws.atomic_sem,
+            LANES=ws.one_program_block, SLOTS=ws.slot_block, PDL=ws.pdl, SEM=ATOMIC_SEM,
             num_warps=ws.one_program_warps, launch_pdl=ws.pdl,
         )  # fmt: skip
         mark()
         return Allocation(out, ws.miss_ids, ws.miss_slots, ws.miss_count)
-    if ws.lookback and not append:
+    if not append:
         from sglang_echo.kernels.alloc_lookback import resolve_lookback  # imports this module
 
         return resolve_lookback(c, layer, ids, ws, out, mark)
     mark()
     _lookup_kernel[(lane_programs,)](
-        ids, lanes, h2d, prio, clock, ws.hist, c.hits[layer : layer + 1], ws.miss_bound,
-        HIST=HIST_BINS, **flags,
+        ids, lanes, h2d, prio, clock, ws.hist, ws.miss_bound, HIST=HIST_BINS, **flags,
     )  # fmt: skip
     mark()
     both = (sp + lane_programs,)
@@ -976,10 +910,9 @@ def allocate_kernel(
     )  # fmt: skip
     mark()
     _finish_kernel[(lane_programs,)](
-        ids, lanes, out, h2d, clock, ws.hist, ws.lane_counts, free_count, c.free_stack[layer],
-        ws.extras, c.misses[layer : layer + 1], c.recalled_rows[layer : layer + 1],
-        ws.miss_count, ws.miss_bound, lane_programs, c.scratch_slot,
-        MAXP=maxp, RESERVE=ws.reserve, **flags,
+        ids, lanes, out, h2d, ws.hist, ws.lane_counts, free_count, c.free_stack[layer],
+        ws.extras, ws.miss_bound, lane_programs, c.scratch_slot,
+        LANES=ws.lane_block, MAXP=maxp, RESERVE=ws.reserve, PDL=ws.pdl, **launch,
     )  # fmt: skip
     mark()
     return Allocation(out, ws.miss_ids, ws.miss_slots, ws.miss_count)

@@ -36,7 +36,6 @@ slots would look evictable to the victim scan (an append may evict this step's s
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -61,8 +60,7 @@ from sglang_echo.kernels.alloc import (
     _target,
 )
 from sglang_echo.kernels.cache_layout import CacheState
-from sglang_echo.kernels.device_info import sm_count
-from sglang_echo.kernels.pdl import pdl_prologue
+from sglang_echo.kernels.pdl import ATOMIC_SEM, pdl_prologue
 
 # A lane's reference in ``lane_ref``: its miss rank (>= 0, a first miss), NO_MISS (a hit or
 # padding), or DUPLICATE_BASE - first lane (a repeat of an earlier lane's miss).
@@ -108,14 +106,12 @@ def _lookup_rank_kernel(
     ids_ptr, lanes, lane_programs, out_ptr, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr, hist_ptr,
     free_count_ptr, free_stack_ptr, miss_ids_ptr, miss_slots_ptr, hits_ptr, ticket_ptr,
     claimed_ptr, counts_ptr, call_counts_ptr, lane_ref_ptr,
-    LANES: tl.constexpr, MAXP: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
-    SEM: tl.constexpr,
+    LANES: tl.constexpr, MAXP: tl.constexpr, PDL: tl.constexpr, SEM: tl.constexpr,
 ):  # fmt: skip
     """Look up, stamp hits, claim misses; rank the first misses in lane order across the
-    launch (look-back); serve those the free stack covers. ``ORDERED``: tiles by program
-    id (the launcher allows it only where the grid fits the SMs), else by ticket."""
+    launch (look-back); serve those the free stack covers. Tiles by ticket."""
     pdl_prologue(PDL)
-    tile = tl.program_id(0) if ORDERED else tl.atomic_add(ticket_ptr, 1, sem=SEM)
+    tile = tl.atomic_add(ticket_ptr, 1, sem=SEM)
     lane = tile * LANES + tl.arange(0, LANES)
     in_call = lane < lanes
     ids = tl.load(ids_ptr + lane, mask=in_call, other=-1).to(tl.int64)
@@ -292,14 +288,6 @@ def _map_misses_kernel(
 STAGES = ("lookup_rank", "evict_hist", "evict_victims", "map_misses")
 
 
-def _sm_count(device: torch.device) -> int:
-    """Programs that certainly run at once: one per SM on a GPU; the interpreter runs a
-    grid's programs one after another in order, which program-ordered tiles allow too."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return 1 << 30
-    return sm_count(device.index)
-
-
 def resolve_lookback(
     cache: CacheState,
     layer: int,
@@ -313,8 +301,7 @@ def resolve_lookback(
     if ws.slot_block >= 1 << AT_BITS:
         raise ValueError(
             f"the look-back resolve packs a slot tile's counts in {AT_BITS} bits: slot_block "
-            f"must be below {1 << AT_BITS}, got {ws.slot_block} (or make the workspace with "
-            "lookback=False)"
+            f"must be below {1 << AT_BITS}, got {ws.slot_block}"
         )
     c = cache
     lanes = ids.shape[0]
@@ -323,16 +310,15 @@ def resolve_lookback(
     h2d, d2h = c.host_to_device[layer], c.device_to_host[layer]
     prio, clock = c.priority[layer], c.clock[layer : layer + 1]
     free_count = c.free_count[layer : layer + 1]
-    flags = dict(PDL=ws.pdl, SEM=ws.atomic_sem, num_warps=ws.lookback_warps, launch_pdl=ws.pdl)
+    flags = dict(PDL=ws.pdl, SEM=ATOMIC_SEM, num_warps=ws.lookback_warps, launch_pdl=ws.pdl)
     lane_ticket, slot_ticket = ws.tickets[0:1], ws.tickets[1:2]
     claimed, counts = ws.tile_words[0], ws.tile_words[1]
-    ordered = ws.ordered_tiles and lane_programs <= _sm_count(ids.device)
     mark()
     _lookup_rank_kernel[(lane_programs,)](
         ids, lanes, lane_programs, out, h2d, d2h, prio, clock, ws.hist, free_count,
         c.free_stack[layer], ws.miss_ids, ws.miss_slots, c.hits[layer : layer + 1],
         lane_ticket, claimed, counts, ws.call_counts, ws.lane_ref,
-        LANES=ws.lookback_lane_block, MAXP=ws.lookback_programs_pow2, ORDERED=ordered, **flags,
+        LANES=ws.lookback_lane_block, MAXP=ws.lookback_programs_pow2, **flags,
     )  # fmt: skip
     mark()
     _evict_hist_kernel[(sp,)](

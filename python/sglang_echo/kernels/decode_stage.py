@@ -26,6 +26,9 @@ never mistaken for a staged row, and the map needs no clearing. Which candidates
 full region depends on the order of the atomic counter, so it is not deterministic; what
 attention reads is: a staged row is the host row's bytes, and the exact top-k and the
 allocation never look at the staging.
+
+After the exact top-k, :func:`update_thresholds_from_topk` folds each request's k-th
+score into its threshold (DecodeThresholdPredictor.update's rule) in one launch.
 """
 
 from __future__ import annotations
@@ -94,8 +97,7 @@ def _select_kernel(
 def _copy_pieces(
     host_ptr, rows_ptr, ids_ptr, e, col, ok, host_stride, rows_stride, VEC: tl.constexpr
 ):  # fmt: skip
-    """rows[e] = host[ids[e]] for the VEC-byte pieces at byte ``col`` of the lanes ``ok``
-    (shared with the in-kernel design's copies, kernels/logits_stage.py)."""
+    """rows[e] = host[ids[e]] for the VEC-byte pieces at byte ``col`` of the lanes ``ok``."""
     v = tl.arange(0, VEC)
     ids = tl.load(ids_ptr + e, mask=ok, other=0).to(tl.int64)
     src = host_ptr + (ids * host_stride + col)[:, None] + v[None, :]
@@ -251,3 +253,70 @@ def staged_entries(ids: torch.Tensor, staged: StagedRows) -> torch.Tensor:
     count = staged.counts.to(torch.int64)[entry // staged.cap].clamp(max=staged.limit)
     valid = (ids >= 0) & (stage_ids[entry] == ids) & (lane < count)
     return torch.where(valid, entry, -1)
+
+
+# ------------------------------------------------ step epilogue: the thresholds
+# One launch instead of a dozen tiny torch ops on the main stream: at hit rate 1.0 this
+# sits on the critical path of every layer's decode step.
+@triton.jit
+def _ema_store(theta_ptr, finite_ptr, row, new, alpha, live):
+    """DecodeThresholdPredictor.update's rule for the lanes' rows and new k-th scores."""
+    old = tl.load(theta_ptr + row, mask=live, other=0.0)
+    was_finite = tl.load(finite_ptr + row, mask=live, other=0) != 0
+    new_finite = tl.abs(new) < float("inf")
+    blend = was_finite & new_finite
+    # Zeros where a value is infinite: no inf - inf on lanes that keep ``new`` anyway.
+    a = tl.where(blend, new, 0.0)
+    b = tl.where(blend, old, 0.0)
+    value = tl.where(blend, alpha * a + (1.0 - alpha) * b, new)
+    tl.store(theta_ptr + row, value, mask=live)
+    tl.store(finite_ptr + row, new_finite, mask=live)
+
+
+@triton.jit
+def _topk_threshold_kernel(
+    theta_ptr, finite_ptr, scores_ptr, pos_ptr, rows_ptr, scores_stride, pos_stride, topk,
+    alpha, K: tl.constexpr,
+):  # fmt: skip
+    """One program per request: its k-th score (the smallest picked score; -inf where the
+    top-k has empty lanes) straight from the scores and positions, then the EMA."""
+    b = tl.program_id(0)
+    lane = tl.arange(0, K)
+    inside = lane < topk
+    pos = tl.load(pos_ptr + b * pos_stride + lane, mask=inside, other=0)
+    picked = tl.load(scores_ptr + b * scores_stride + pos, mask=inside & (pos >= 0), other=0.0)
+    picked = tl.where(inside & (pos >= 0), picked, float("inf"))
+    kth = tl.min(picked, 0)
+    missing = tl.sum((inside & (pos < 0)).to(tl.int32), 0) > 0
+    kth = tl.where(missing, float("-inf"), kth)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    _ema_store(theta_ptr, finite_ptr, row, kth, alpha, row >= 0)
+
+
+def update_thresholds_from_topk(
+    theta: torch.Tensor,
+    finite: torch.Tensor,
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    alpha: float,
+) -> None:
+    """DecodeThresholdPredictor.update (its reference) with the k-th scores taken from the
+    top-k itself (scores [B, L] float32, positions [B, topk], -1 = none), in one launch in
+    place of the gather, the two reductions and the fills that ``exact_topk`` would run on
+    the main stream: for distinct request rows, theta[row] = EMA(alpha) of the new k-th
+    score where both are finite, else the new score; finite[row] = whether the new score
+    is finite. The k-th score is the smallest picked score, -inf where a lane is empty
+    (exact_topk's rule). Floating-point contraction is off, so the thresholds match
+    exact_topk + the predictor's torch ops bit for bit."""
+    if theta.dtype != torch.float32 or finite.dtype != torch.bool:
+        raise ValueError("theta must be float32 and finite bool (DecodeThresholdPredictor)")
+    batch, topk = positions.shape
+    if scores.shape[0] != batch or rows.shape != (batch,) or scores.dtype != torch.float32:
+        raise ValueError("expected scores [B, L] float32, positions [B, topk], rows [B]")
+    if batch == 0 or topk == 0:
+        return
+    _topk_threshold_kernel[(batch,)](
+        theta, finite, scores, positions, rows, scores.stride(0), positions.stride(0), topk,
+        float(alpha), K=triton.next_power_of_2(topk), enable_fp_fusion=False,
+    )  # fmt: skip

@@ -48,9 +48,8 @@ def _fp8_logits_block(
     PRECISE_ACC: tl.constexpr,
     KEYS_AS_M: tl.constexpr,
 ):
-    """Logits of request ``b``'s keys at positions ``n`` (-inf at and past ``seq_len``) and
-    their key rows. Shared by the plain kernel and the fused decode-prefetch kernel
-    (kernels/decode_prefetch.py), so both compute the same logits bit for bit."""
+    """Logits of request ``b``'s keys at positions ``n`` (-inf at and past ``seq_len``),
+    their host ids and which positions are live."""
     d = tl.arange(0, D)
     live = n < seq_len
     loc = tl.load(locs_ptr + b * locs_stride + n, mask=live, other=0).to(tl.int64)

@@ -57,7 +57,7 @@ def pdl_prologue(PDL: tl.constexpr):
 
 
 # The atomics of the cache kernels need atomicity, not ordering: what one program writes is
-# read only by later launches (kernel boundaries order memory), so "relaxed" suffices. The
-# default "acq_rel" orders each atomic against every other access of its thread.
+# read only by later launches (kernel boundaries order memory), so "relaxed" suffices.
+# Triton's default "acq_rel" orders each atomic against every other access of its thread
+# (timed beside it: cache_ops.json's launch_chaining).
 ATOMIC_SEM = "relaxed"
-ATOMIC_SEMS = ("relaxed", "acq_rel")

@@ -416,3 +416,62 @@ def prefill_prefetch_reference(
     if budget is not None:
         budget.sub_(n)
     return PrefetchList(ids, count, c["threshold_bin"].to(torch.int32))
+
+
+# ------------------------------------------- the resolve's count of used prefetches
+# Telemetry of EchoManager.prefetch (this prefetch's rows are mapped into cache slots):
+# after the chunk's resolve, how many of them it selected.
+@triton.jit(do_not_specialize=("lanes",))
+def _prefetch_hits_kernel(
+    ids_ptr, slots_ptr, count_ptr, d2h_ptr, prio_ptr, clock_ptr, hits_ptr, lanes,
+    LANES: tl.constexpr,
+):  # fmt: skip
+    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    live = (lane < lanes) & (lane < tl.load(count_ptr))
+    ids = tl.load(ids_ptr + lane, mask=live, other=0)
+    slots = tl.load(slots_ptr + lane, mask=live, other=0)
+    owner = tl.load(d2h_ptr + slots, mask=live, other=-1).to(tl.int64)
+    stamp = tl.load(prio_ptr + slots, mask=live, other=-1)
+    hit = live & (owner == ids) & (stamp == tl.load(clock_ptr))
+    tl.atomic_add(hits_ptr, tl.sum(hit.to(tl.int64), 0))
+
+
+def count_prefetch_hits(
+    miss_ids: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    lanes: int,
+    device_to_host: torch.Tensor,
+    priority: torch.Tensor,
+    clock: torch.Tensor,
+    hits: torch.Tensor,
+) -> None:
+    """hits[0] += prefetched rows (the first ``miss_count`` of a prefetch's miss list,
+    at most ``lanes``) that the resolve selected: still owned by their token and stamped
+    with the layer's clock. One launch; :func:`count_prefetch_hits_reference` is the
+    same in torch."""
+    if lanes == 0:
+        return
+    block = 1024  # fixed: prefetch sizes vary (prefill), one compiled variant
+    _prefetch_hits_kernel[(triton.cdiv(lanes, block),)](
+        miss_ids, miss_slots, miss_count, device_to_host, priority, clock, hits, lanes,
+        LANES=block,
+    )  # fmt: skip
+
+
+def count_prefetch_hits_reference(
+    miss_ids: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    lanes: int,
+    device_to_host: torch.Tensor,
+    priority: torch.Tensor,
+    clock: torch.Tensor,
+    hits: torch.Tensor,
+) -> None:
+    """Plain torch (fixed shapes, no host sync) of :func:`count_prefetch_hits`."""
+    live = torch.arange(lanes, device=miss_ids.device) < miss_count
+    slots = torch.where(live, miss_slots[:lanes], 0)
+    owner = device_to_host[slots].to(torch.int64)
+    selected = priority[slots] == clock.reshape(())
+    hits += (live & (owner == miss_ids[:lanes]) & selected).sum()

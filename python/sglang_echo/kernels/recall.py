@@ -3,11 +3,9 @@
 The kernel reads host rows through their device-mapped (UVA) address, so one launch moves
 every miss of a layer with no staging copy and no host synchronisation. It is driven by a
 compacted miss list and a device-side count, with a grid fixed by the worst case (a fixed
-shape, capturable in a CUDA graph): the flat kernel (the default) loops up to the count
-over a few programs per SM, so a step with few misses costs little more than a launch;
-the row-tiled one launches a program per worst-case block and lanes past the count exit
-at once. Rows are
-copied as bytes, so bf16 rows (1152 B) and SGLang's fp8 layout (656 B) share one kernel;
+shape, capturable in a CUDA graph): the kernel loops over (row, 16-byte piece) up to the
+count on a few programs per SM, so a step with few misses costs little more than a
+launch. Rows are copied as bytes, so bf16 rows (1152 B) and SGLang's fp8 layout (656 B) share one kernel;
 with row strides that are multiples of 16 B, loads and stores are 16 B wide.
 """
 
@@ -25,41 +23,13 @@ from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 # Measured on an H200 (benchmark/results/recall.json, the flat kernel's grid-stride loop):
 # 512 16-byte chunks per program and 4 warps moved 98,304 random rows at 44.0 GB/s (656 B)
 # and 47.7 GB/s (1152 B), against 40.0 / 47.3 with 8 warps; the best of all 21 configs
-# were 44.0 / 49.1, the row-tiled variant at most 37.9 / 47.0.
+# were 44.0 / 49.1, the row-tiled variant (a program per block of rows, an option until
+# issue 51) at most 37.9 / 47.0.
 DEFAULT_FLAT_CHUNKS = 512
 DEFAULT_NUM_WARPS = 4
-DEFAULT_ROWS_PER_PROGRAM = 4  # for the row-tiled variant (flat_chunks=0)
-DEFAULT_BLOCK_BYTES = 256
 # Programs per SM of the flat kernel's grid-stride loop: enough loads in flight for the
 # H2D link (the loop, not the grid, covers the misses).
 PROGRAMS_PER_SM = 4
-
-
-@triton.jit
-def _recall_kernel(
-    host_ptr,
-    dev_ptr,
-    ids_ptr,
-    slots_ptr,
-    count_ptr,
-    host_stride,
-    dev_stride,
-    ROW_BYTES: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_prologue(PDL)
-    lane = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    live = lane < tl.load(count_ptr)  # lanes past the count touch no memory
-    ids = tl.load(ids_ptr + lane, mask=live, other=0).to(tl.int64)
-    slots = tl.load(slots_ptr + lane, mask=live, other=0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    for start in tl.static_range(0, ROW_BYTES, BLOCK):
-        c = start + cols
-        mask = live[:, None] & (c[None, :] < ROW_BYTES)
-        values = tl.load(host_ptr + ids[:, None] * host_stride + c[None, :], mask=mask)
-        tl.store(dev_ptr + slots[:, None] * dev_stride + c[None, :], values, mask=mask)
 
 
 @triton.jit
@@ -86,7 +56,7 @@ def _recall_flat_kernel(
     PDL: tl.constexpr,
     STAGED: tl.constexpr,
 ):
-    """Same copy, over the flat (row, VEC-byte chunk) space: no masked-off lanes for rows
+    """The copy over the flat (row, VEC-byte chunk) space: no masked-off lanes for rows
     that are not a power of two wide (656 B = 41 x 16 B). A grid-stride loop up to the
     count: the grid is a few programs per SM whatever the worst case, so a step with few
     misses does not pay for launching one program per chunk of the worst case.
@@ -141,18 +111,13 @@ def recall_rows(
     miss_ids: torch.Tensor,
     miss_slots: torch.Tensor,
     miss_count: torch.Tensor,
-    rows_per_program: int = DEFAULT_ROWS_PER_PROGRAM,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-    num_warps: int = DEFAULT_NUM_WARPS,
-    flat_chunks: int = DEFAULT_FLAT_CHUNKS,
     pdl: bool = True,
     staged: StagedRows | None = None,
 ) -> None:
     """dev_rows[miss_slots[i]] = host_rows[miss_ids[i]] for i < miss_count (a 1-element tensor).
 
     ``staged``: the decode prefetch's staging of this layer-step (kernels/decode_stage.py):
-    misses staged there are copied device to device and counted in ``staged.hits``
-    (the flat kernel only).
+    misses staged there are copied device to device and counted in ``staged.hits``.
 
     ``host_rows`` must be addressable by the kernel's device: a CUDA alias of pinned memory
     on GPU (see offload.host_pool), any tensor under TRITON_INTERPRET=1. ``pdl``: chain the
@@ -167,35 +132,25 @@ def recall_rows(
         return
     row_bytes = host_b.shape[1]
     chained = use_pdl(dev_b.device, pdl)
-    launch = dict(PDL=chained, launch_pdl=chained, num_warps=num_warps)
+    launch = dict(PDL=chained, launch_pdl=chained, num_warps=DEFAULT_NUM_WARPS)
     args = (host_b, dev_b, miss_ids, miss_slots, miss_count, host_b.stride(0), dev_b.stride(0))
-    if flat_chunks or staged is not None:
-        vec = byte_vector(row_bytes)
-        if staged is None:
-            stage = (dev_b, miss_ids, miss_ids, miss_ids, miss_count, 0, 1, 1, 1)  # unread
-        else:
-            stage_b = byte_rows(staged.rows, "recall")
-            if stage_b.shape[1] != row_bytes:
-                raise ValueError("staging rows must be as wide as the cache rows")
-            stage = (
-                stage_b, staged.stage_map, staged.ids, staged.counts, staged.hits,
-                stage_b.stride(0), staged.cap, staged.limit, staged.ids.numel(),
-            )  # fmt: skip
-        chunks = flat_chunks or DEFAULT_FLAT_CHUNKS
-        grid = (flat_programs(dev_b.device, lanes * (row_bytes // vec), chunks),)
-        _recall_flat_kernel[grid](
-            *args, *stage, ROW_BYTES=row_bytes, VEC=vec, CHUNKS=chunks,
-            STAGED=staged is not None, **launch,
-        )  # fmt: skip
+    vec = byte_vector(row_bytes)
+    if staged is None:
+        stage = (dev_b, miss_ids, miss_ids, miss_ids, miss_count, 0, 1, 1, 1)  # unread
     else:
-        grid = (triton.cdiv(lanes, rows_per_program),)
-        _recall_kernel[grid](
-            *args,
-            ROW_BYTES=row_bytes,
-            ROWS=rows_per_program,
-            BLOCK=block_bytes,
-            **launch,
-        )
+        stage_b = byte_rows(staged.rows, "recall")
+        if stage_b.shape[1] != row_bytes:
+            raise ValueError("staging rows must be as wide as the cache rows")
+        stage = (
+            stage_b, staged.stage_map, staged.ids, staged.counts, staged.hits,
+            stage_b.stride(0), staged.cap, staged.limit, staged.ids.numel(),
+        )  # fmt: skip
+    chunks = DEFAULT_FLAT_CHUNKS
+    grid = (flat_programs(dev_b.device, lanes * (row_bytes // vec), chunks),)
+    _recall_flat_kernel[grid](
+        *args, *stage, ROW_BYTES=row_bytes, VEC=vec, CHUNKS=chunks,
+        STAGED=staged is not None, **launch,
+    )  # fmt: skip
 
 
 def recall_rows_reference(

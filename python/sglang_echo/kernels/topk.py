@@ -61,18 +61,16 @@ DEFAULT_NUM_WARPS = 4  # Triton's default; indexer_bench's topk_launch_sweep tim
 # costs its full width whatever the mask. 128-1024 time within 9% of each other at 48 x
 # 100K (indexer.json's topk_launch_sweep), 2048 is 16% slower.
 DEFAULT_CAND_BLOCK = 512
-# Loads first: the split, candidate, count and collect programs issue every global load
-# they need (the histograms of the digits chosen so far, the counts, the scores or the
+# Loads first (no longer an option): the split, candidate, count and collect programs
+# issue every global load they need (the histograms of the digits chosen so far, the counts, the scores or the
 # first candidates) before the replay of the digit choices, instead of one after another
 # between its block-wide reductions. Compiled for sm_90 (PTX, compile only), the other
 # order's collect issues its loads in seven groups in a row, the scores' after ~50
 # barriers; with loads first all of them precede the first barrier. On the H200
 # (2026-12-02, 26825a3, graph-replayed at 48 x 100K / batch 1) it took 114.1 / 24.1 us
 # against 124.7 / 27.1 us in indexer_bench's topk_launch_sweep, and 115.1 / 24.2 against
-# 122.8 / 28.8 in topk_peer_bench's run: the default since. The output is the same tensor
-# either way (each kernel's two branches repeat their address arithmetic in their own
-# order, so the off state compiles to the PTX measured before the switch existed).
-DEFAULT_LOADS_FIRST = True
+# 122.8 / 28.8 in topk_peer_bench's run (topk_peers.json, ours_loads_first_off). The
+# output was the same tensor either way; the other order left the package in issue 51.
 # Blocks per row the collect pass sums over at compile time: 256K keys' worth (128 x 2048,
 # or 256 x 1024), so every context up to that shares one compiled variant per block width
 # (longer rows get a wider one). The interpreter (CPU tests) keeps 64 at any width.
@@ -128,19 +126,6 @@ def _choose(h, prefix, want, P: tl.constexpr):
 
 
 @triton.jit
-def _replay(hist_ptr, row, n_rows, k, PASSES: tl.constexpr):
-    """The key prefix (uint32) and the count still wanted at it, after PASSES digit
-    choices."""
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros((), dtype=tl.uint32)
-    want = tl.zeros((), dtype=tl.int32) + k
-    for p in tl.static_range(PASSES):
-        h = tl.load(hist_ptr + (p * n_rows + row) * 256 + bins)
-        prefix, want = _choose(h, prefix, want, p)
-    return prefix, want
-
-
-@triton.jit
 def _hist_rows(hist_ptr, row, n_rows, PASSES: tl.constexpr):
     """The row's first PASSES histograms, loaded at once (rows past PASSES are not
     loaded), so that the replay's reductions wait on one load, not on one per digit."""
@@ -158,7 +143,8 @@ def _hist_rows(hist_ptr, row, n_rows, PASSES: tl.constexpr):
 
 @triton.jit
 def _replay_rows(hists, k, PASSES: tl.constexpr):
-    """``_replay`` from ``_hist_rows``: the same prefix and count."""
+    """The key prefix (uint32) and the count still wanted at it, after PASSES digit
+    choices, from ``_hist_rows``."""
     h0, h1, h2, h3 = hists
     prefix, want = _choose(h0, tl.zeros((), dtype=tl.uint32), tl.zeros((), dtype=tl.int32) + k, 0)
     if PASSES > 1:
@@ -230,7 +216,7 @@ def _hist_kernel(
 def _split_kernel(
     scores_ptr, query_pos_ptr, hist_ptr, served_ptr, split_ptr, cand_ptr, scores_stride,
     n_cols, n_rows, k, n_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr,
-    FALLBACK: tl.constexpr, LOADS_FIRST: tl.constexpr,
+    FALLBACK: tl.constexpr,
 ):  # fmt: skip
     """After the first digit: this block's keys above its chosen top byte are picks, those
     at it are the candidates. Their count, the candidates' keys in position order in the
@@ -239,17 +225,12 @@ def _split_kernel(
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     if _unserved(served_ptr, row, FALLBACK):  # a served row's programs read nothing
-        if LOADS_FIRST:  # both loads in flight before the replay waits on one
-            hists = _hist_rows(hist_ptr, row, n_rows, 1)
-            _cols, inside, s = _row_scores(
-                scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
-            )
-            prefix, _want = _replay_rows(hists, k, 1)
-        else:
-            prefix, _want = _replay(hist_ptr, row, n_rows, k, 1)
-            _cols, inside, s = _row_scores(
-                scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
-            )
+        # Loads first: both loads in flight before the replay waits on one.
+        hists = _hist_rows(hist_ptr, row, n_rows, 1)
+        _cols, inside, s = _row_scores(
+            scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
+        )
+        prefix, _want = _replay_rows(hists, k, 1)
         key = _order_key32(s)
         top = key >> 24
         above = inside & (top > (prefix >> 24))
@@ -285,30 +266,22 @@ def _piece_counts(stored, live, threshold):
 def _cand_hist_kernel(
     hist_ptr, served_ptr, split_ptr, cand_ptr, n_rows, k, n_chunks, PASS: tl.constexpr,
     BLOCK: tl.constexpr, CAND_BLOCK: tl.constexpr, PDL: tl.constexpr, FALLBACK: tl.constexpr,
-    LOADS_FIRST: tl.constexpr,
 ):  # fmt: skip
     """Digit PASS (2 or 3) among this block's candidates that match the prefix, in pieces
     of CAND_BLOCK: the work follows the candidate count, not the block's width."""
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     if _unserved(served_ptr, row, FALLBACK):
-        if LOADS_FIRST:  # the histograms, the count and the first piece, then the replay
-            hists = _hist_rows(hist_ptr, row, n_rows, PASS)
-            base = row * n_chunks + chunk
-            n_cand = tl.load(split_ptr + 2 * base + 1)
-            stretch = cand_ptr + base.to(tl.int64) * BLOCK
-            i = tl.arange(0, CAND_BLOCK)
-            first = tl.load(stretch + i, mask=i < n_cand, other=0)
-            prefix, _want = _replay_rows(hists, k, PASS)
-            counts = _piece_hist(first, i < n_cand, prefix, PASS)
-            start = tl.zeros((), dtype=tl.int32) + CAND_BLOCK
-        else:
-            prefix, _want = _replay(hist_ptr, row, n_rows, k, PASS)
-            base = row * n_chunks + chunk
-            n_cand = tl.load(split_ptr + 2 * base + 1)
-            stretch = cand_ptr + base.to(tl.int64) * BLOCK
-            counts = tl.zeros((256,), dtype=tl.int32)
-            start = tl.zeros((), dtype=tl.int32)
+        # Loads first: the histograms, the count and the first piece, then the replay.
+        hists = _hist_rows(hist_ptr, row, n_rows, PASS)
+        base = row * n_chunks + chunk
+        n_cand = tl.load(split_ptr + 2 * base + 1)
+        stretch = cand_ptr + base.to(tl.int64) * BLOCK
+        i = tl.arange(0, CAND_BLOCK)
+        first = tl.load(stretch + i, mask=i < n_cand, other=0)
+        prefix, _want = _replay_rows(hists, k, PASS)
+        counts = _piece_hist(first, i < n_cand, prefix, PASS)
+        start = tl.zeros((), dtype=tl.int32) + CAND_BLOCK
         while start < n_cand:  # a loop bound loaded from memory: a while (the interpreter)
             i = start + tl.arange(0, CAND_BLOCK)
             live = i < n_cand
@@ -321,32 +294,23 @@ def _cand_hist_kernel(
 def _count_kernel(
     hist_ptr, served_ptr, split_ptr, cand_ptr, counts_ptr, n_rows, k, n_chunks,
     BLOCK: tl.constexpr, CAND_BLOCK: tl.constexpr, PDL: tl.constexpr, FALLBACK: tl.constexpr,
-    LOADS_FIRST: tl.constexpr,
 ):  # fmt: skip
     """Per block: entries above the k-th key T (those above the top byte, and candidates
     above T), and entries equal to it (candidates only)."""
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     if _unserved(served_ptr, row, FALLBACK):
-        if LOADS_FIRST:  # the histograms, the counts and the first piece, then the replay
-            hists = _hist_rows(hist_ptr, row, n_rows, 4)
-            base = row * n_chunks + chunk
-            n_cand = tl.load(split_ptr + 2 * base + 1)
-            n_top = tl.load(split_ptr + 2 * base)
-            stretch = cand_ptr + base.to(tl.int64) * BLOCK
-            i = tl.arange(0, CAND_BLOCK)
-            first = tl.load(stretch + i, mask=i < n_cand, other=0)
-            threshold, _want = _replay_rows(hists, k, 4)
-            above, equal = _piece_counts(first, i < n_cand, threshold)
-            start = tl.zeros((), dtype=tl.int32) + CAND_BLOCK
-        else:
-            threshold, _want = _replay(hist_ptr, row, n_rows, k, 4)
-            base = row * n_chunks + chunk
-            n_cand = tl.load(split_ptr + 2 * base + 1)
-            stretch = cand_ptr + base.to(tl.int64) * BLOCK
-            above = tl.zeros((CAND_BLOCK,), dtype=tl.int32)
-            equal = tl.zeros((CAND_BLOCK,), dtype=tl.int32)
-            start = tl.zeros((), dtype=tl.int32)
+        # Loads first: the histograms, the counts and the first piece, then the replay.
+        hists = _hist_rows(hist_ptr, row, n_rows, 4)
+        base = row * n_chunks + chunk
+        n_cand = tl.load(split_ptr + 2 * base + 1)
+        n_top = tl.load(split_ptr + 2 * base)
+        stretch = cand_ptr + base.to(tl.int64) * BLOCK
+        i = tl.arange(0, CAND_BLOCK)
+        first = tl.load(stretch + i, mask=i < n_cand, other=0)
+        threshold, _want = _replay_rows(hists, k, 4)
+        above, equal = _piece_counts(first, i < n_cand, threshold)
+        start = tl.zeros((), dtype=tl.int32) + CAND_BLOCK
         while start < n_cand:
             i = start + tl.arange(0, CAND_BLOCK)
             live = i < n_cand
@@ -356,8 +320,6 @@ def _count_kernel(
             above += piece_above
             equal += piece_equal
             start += CAND_BLOCK
-        if not LOADS_FIRST:
-            n_top = tl.load(split_ptr + 2 * base)
         n_above = n_top + tl.sum(above, 0)
         tl.store(counts_ptr + 2 * base, n_above)
         tl.store(counts_ptr + 2 * base + 1, tl.sum(equal, 0))
@@ -368,7 +330,7 @@ def _collect_kernel(
     scores_ptr, query_pos_ptr, hist_ptr, served_ptr, counts_ptr, out_ptr, kth_ptr,
     thresholds_ptr, rows_ptr, scores_stride, out_stride, n_cols, n_rows, k, topk, n_chunks,
     BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr,
-    FALLBACK: tl.constexpr, LOADS_FIRST: tl.constexpr,
+    FALLBACK: tl.constexpr,
 ):  # fmt: skip
     """Write this block's picks (keys > T, and the first ``want`` keys == T of the row in
     position order) after the picks of the blocks before it. FALLBACK: the first block of
@@ -376,35 +338,24 @@ def _collect_kernel(
     pdl_prologue(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     if _unserved(served_ptr, row, FALLBACK):  # a served row's programs read nothing
-        if LOADS_FIRST:  # the histograms, the counts before and the scores, then the replay
-            hists = _hist_rows(hist_ptr, row, n_rows, 4)
-            c = tl.arange(0, MAX_CHUNKS)
-            earlier = c < chunk
-            base = (row * n_chunks + c) * 2
-            above_each = tl.load(counts_ptr + base, mask=earlier, other=0)
-            equal_each = tl.load(counts_ptr + base + 1, mask=earlier, other=0)
-            cols, inside, s = _row_scores(
-                scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
-            )
-            above_before, equal_before = tl.sum(above_each, 0), tl.sum(equal_each, 0)
-            threshold, want = _replay_rows(hists, k, 4)
-        else:
-            threshold, want = _replay(hist_ptr, row, n_rows, k, 4)
+        # Loads first: the histograms, the counts before and the scores, then the replay.
+        hists = _hist_rows(hist_ptr, row, n_rows, 4)
+        c = tl.arange(0, MAX_CHUNKS)
+        earlier = c < chunk
+        base = (row * n_chunks + c) * 2
+        above_each = tl.load(counts_ptr + base, mask=earlier, other=0)
+        equal_each = tl.load(counts_ptr + base + 1, mask=earlier, other=0)
+        cols, inside, s = _row_scores(
+            scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
+        )
+        above_before, equal_before = tl.sum(above_each, 0), tl.sum(equal_each, 0)
+        threshold, want = _replay_rows(hists, k, 4)
         if FALLBACK:  # noqa: SIM102 (a constexpr branch: compiled only with the fallback)
             if chunk == 0:
                 kth = tl.where(k == topk, _key32_score(threshold), float("-inf"))
                 tl.store(kth_ptr + row, kth)
                 # The row's next pivot (its step stays what the pivot's compact left).
                 tl.store(thresholds_ptr + 2 * tl.load(rows_ptr + row), kth)
-        if not LOADS_FIRST:
-            c = tl.arange(0, MAX_CHUNKS)
-            earlier = c < chunk
-            base = (row * n_chunks + c) * 2
-            above_before = tl.sum(tl.load(counts_ptr + base, mask=earlier, other=0), 0)
-            equal_before = tl.sum(tl.load(counts_ptr + base + 1, mask=earlier, other=0), 0)
-            cols, inside, s = _row_scores(
-                scores_ptr, query_pos_ptr, row, chunk, scores_stride, n_cols, BLOCK
-            )
         key = _order_key32(s)
         above = inside & (key > threshold)
         equal = inside & (key == threshold)
@@ -428,15 +379,13 @@ def topk_positions(
     pdl: bool = False,
     num_warps: int = DEFAULT_NUM_WARPS,
     cand_block: int = DEFAULT_CAND_BLOCK,
-    loads_first: bool = DEFAULT_LOADS_FIRST,
 ) -> torch.Tensor:
     """scores [R, L] fp32 (column = key position), query_pos [R] -> positions [R, topk]
     (ascending; -1 for masked or missing). Same set as ``select_topk``. ``block``: keys
     per program. ``pdl``: chain the six launches
     (kernels/pdl.py; off by default: on an H200 it saved 2% at 48 rows and cost 6% at one,
-    indexer.json's ``topk_unchained`` beside ``topk``). Block, warps, ``cand_block``,
-    ``loads_first`` and chaining change speed only: the output is the same tensor for every
-    launch shape."""
+    indexer.json's ``topk_unchained`` beside ``topk``). Block, warps, ``cand_block`` and
+    chaining change speed only: the output is the same tensor for every launch shape."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError("scores must be a float32 [rows, keys] tensor")
     rows, n_cols = scores.shape
@@ -445,8 +394,7 @@ def topk_positions(
     if rows == 0 or n_cols == 0:
         return out
     radix_select(
-        scores.contiguous(), query_pos, out, k, block, pdl, num_warps,
-        cand_block=cand_block, loads_first=loads_first,
+        scores.contiguous(), query_pos, out, k, block, pdl, num_warps, cand_block=cand_block
     )  # fmt: skip
     return out
 
@@ -461,13 +409,11 @@ def radix_select(
     num_warps: int = DEFAULT_NUM_WARPS,
     fallback: tuple[torch.Tensor, ...] | None = None,
     cand_block: int = DEFAULT_CAND_BLOCK,
-    loads_first: bool = DEFAULT_LOADS_FIRST,
 ) -> None:
     """The six launches, writing picks into ``out`` [R, >= k] (pre-filled with -1).
     ``fallback`` (research/topk_pivot/kernel.py): (served [R], kth [R], thresholds, rows, topk):
     rows with served >= 0 are skipped, the others also get their k-th score written.
-    ``cand_block``: candidates a piece of the candidate passes reads; ``loads_first``: see
-    DEFAULT_LOADS_FIRST (both speed only)."""
+    ``cand_block``: candidates a piece of the candidate passes reads (speed only)."""
     rows, n_cols = scores.shape
     qpos = query_pos.to(torch.int64).contiguous()
     # The interpreter (CPU tests) compiles nothing and runs faster on blocks no wider than
@@ -495,16 +441,15 @@ def radix_select(
     )  # fmt: skip
     stride = scores.stride(0)
     _hist_kernel[grid](scores, qpos, hist, served, stride, n_cols, rows, **launch)
-    after = dict(launch, LOADS_FIRST=loads_first)  # the kernels that replay digit choices
     _split_kernel[grid](
-        scores, qpos, hist, served, split, cand, stride, n_cols, rows, k, n_chunks, **after
+        scores, qpos, hist, served, split, cand, stride, n_cols, rows, k, n_chunks, **launch
     )
     for p in (2, 3):
         _cand_hist_kernel[grid](
-            hist, served, split, cand, rows, k, n_chunks, PASS=p, CAND_BLOCK=cand_block, **after
+            hist, served, split, cand, rows, k, n_chunks, PASS=p, CAND_BLOCK=cand_block, **launch
         )
     _count_kernel[grid](
-        hist, served, split, cand, counts, rows, k, n_chunks, CAND_BLOCK=cand_block, **after
+        hist, served, split, cand, counts, rows, k, n_chunks, CAND_BLOCK=cand_block, **launch
     )
     _collect_kernel[grid](
         scores, qpos, hist, served, counts, out, kth, thresholds, row_ix, stride,
@@ -513,7 +458,7 @@ def radix_select(
             MIN_MAX_CHUNKS if interpreting else MIN_MAX_KEYS // block,
             triton.next_power_of_2(n_chunks),
         ),
-        **after,
+        **launch,
     )  # fmt: skip
 
 

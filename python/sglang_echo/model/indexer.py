@@ -226,28 +226,21 @@ class LightningIndexer(nn.Module):
         layer: int,
     ) -> torch.Tensor:
         """One query per request; context padded to the table width: fixed shapes only.
-        Returns top-k positions [B, 1, topk]; with ``prefetch``, its thresholds learn the
-        step's k-th scores."""
+        Returns top-k positions [B, 1, topk]. With ``prefetch`` (the chunked staged
+        design, offload/decode_prefetcher.py) each chunk of scores is handed to it as soon
+        as it is computed, so its likely misses start moving while the next chunks and the
+        top-k run, and its thresholds learn the step's k-th scores from the top-k."""
         ctx = batch.context_locs
         lens = batch.positions + 1
-        theta = h2d = None
-        cap = 0
-        if prefetch is not None:
-            theta = prefetch.theta(layer, batch.request_rows)
-            h2d = prefetch.host_to_device(layer)
-            cap = prefetch.cap_for(self.topk)
-        staged = prefetch is not None and prefetch.staged
+        theta = None if prefetch is None else prefetch.theta(layer, batch.request_rows)
         if self.mode == "fp8_hadamard" and use_kernels(q):
             from sglang_echo.kernels.indexer import fp8_index_logits, program_span
 
             keys, scales = unpack_fp8_rows(all_keys, self.head_dim)
             lens32 = lens.to(torch.int32)
-            if staged and prefetch.in_kernel:
-                # Each key block's misses start moving from inside the logits kernel.
-                scores = prefetch.stage_logits(layer, q, weights, keys, scales, ctx, lens32, theta)
-            elif staged:
-                # Chunks of key positions: each chunk's misses start moving (side stream)
-                # while the next chunks and the top-k are computed.
+            if prefetch is None:
+                scores = fp8_index_logits(q, weights, keys, scales, ctx, lens32)
+            else:
                 scores = torch.empty(ctx.shape[0], ctx.shape[1], dtype=torch.float32,
                                      device=q.device)  # fmt: skip
                 bounds = prefetch.chunk_bounds(ctx.shape[1], program_span())
@@ -256,34 +249,15 @@ class LightningIndexer(nn.Module):
                         q, weights, keys, scales, ctx, lens32, out=scores, start=start, end=end
                     )
                     prefetch.stage(layer, i, scores, ctx, lens32, theta, start, end)
-            elif prefetch is not None:
-                from sglang_echo.kernels.decode_prefetch import fp8_index_logits_prefetch
-
-                scores, cand = fp8_index_logits_prefetch(
-                    q, weights, keys, scales, ctx, lens32, theta, h2d, cap
-                )
-            else:
-                scores = fp8_index_logits(q, weights, keys, scales, ctx, lens32)
         else:
             scores = self._scores(q.unsqueeze(1), weights.unsqueeze(1), all_keys[ctx]).squeeze(1)
-            if staged:
-                length = scores.shape[1]
-                prefetch.stage(layer, 0, scores, ctx, lens, theta, 0, length)
-            elif prefetch is not None:
-                from sglang_echo.kernels.decode_prefetch import decode_prefetch_reference
-
-                cand = decode_prefetch_reference(scores, ctx, lens, theta, h2d, cap)
-        if prefetch is not None and not staged:
-            # Rows start moving (a side stream on CUDA) while the exact top-k runs.
-            prefetch.launch(layer, cand.ids, cand.counts)
-        # The thresholds learn this step's k-th scores: from the top-k in one launch.
+            if prefetch is not None:
+                prefetch.stage(layer, 0, scores, ctx, lens, theta, 0, scores.shape[1])
         pos, _ = exact_topk(
             scores, batch.positions, self.topk, use_kernels(q), False, self.topk_backend
         )
-        if staged:
+        if prefetch is not None:
             prefetch.finish(layer, scores.float(), pos, batch.request_rows)
-        elif prefetch is not None:
-            prefetch.observe_topk(layer, scores.float(), pos, batch.request_rows)
         return pos.unsqueeze(1)
 
     def select(
@@ -299,8 +273,8 @@ class LightningIndexer(nn.Module):
         """Top-k token locations [T, topk] (-1 none) for every query token of the batch.
 
         ``prefetch`` (ECHO's decode prefetch, decode batches with request rows only): the
-        misses scoring above each request's threshold are handed to it before the top-k,
-        and each request's exact k-th score after it. ``extend_prefetch`` (prefill, with
+        misses scoring above each request's threshold are staged before the top-k, and
+        each request's exact k-th score is learnt after it. ``extend_prefetch`` (prefill, with
         request rows): each query block's scores go to its histogram before the block's
         top-k, and the block's k-th scores after it. The selection itself is unchanged.
         """

@@ -14,7 +14,7 @@ import torch
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
-from sglang_echo.offload.decode_prefetcher import DEFAULT_IN_KERNEL, DecodePrefetcher
+from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_extents import HostExtents
 from sglang_echo.offload.host_pool import HostKVPool
@@ -75,13 +75,7 @@ class EchoKVCache:
         """The request table has ``max_rows`` rows: size the per-request prefetch state
         (once, before any step, so captured CUDA graphs keep their tensors)."""
         if self.config.fuse_decode != "0" and self.decode_prefetcher is None:
-            in_kernel = self.config.decode_stage_in_kernel
-            self.decode_prefetcher = DecodePrefetcher(
-                self.manager,
-                max_rows,
-                cap=self.config.decode_stage_rows,
-                in_kernel=DEFAULT_IN_KERNEL if in_kernel is None else in_kernel,
-            )
+            self.decode_prefetcher = DecodePrefetcher(self.manager, max_rows)
         if self.config.fuse_extend and self.prefill_prefetch is None:
             self.prefill_prefetch = PrefillPrefetcher(self.manager, max_rows)
 
@@ -124,7 +118,8 @@ class EchoKVCache:
     def checkpoint(self) -> StateCheckpoint:
         """The cache's small state (maps, stacks, clocks, counters, thresholds), to restore
         after dummy steps; KV rows, index keys and staging rows are data, not state."""
-        staging = getattr(self.decode_prefetcher, "stage_rows", None)
+        p = self.decode_prefetcher
+        staging = p.stage_rows if p is not None else None
         return StateCheckpoint(
             [self.cache, self.manager, self.decode_prefetcher, self.rule, self.prefill_prefetch],
             [self.cache.rows, self.host.rows, self.host.device_view, self.index, staging],
@@ -135,8 +130,6 @@ class EchoKVCache:
         staged rows it left pending, whose events were recorded in the capture and must not
         be waited on outside it."""
         self.manager.abandon_pending()
-        if self.decode_prefetcher is not None:
-            self.decode_prefetcher.abandon_pending()
 
     def before_decode_step(self) -> None:
         """Under auto: decide whether the coming decode step prefetches (the previous

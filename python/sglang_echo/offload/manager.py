@@ -7,9 +7,10 @@ CPU, bit-identical to each other. ``append`` and ``resolve`` use fixed shapes an
 every count on the device: no host synchronisation, so a decode step can be captured in a
 CUDA graph. Masked-off lanes write to scratch entries (slot N_G + 1, host id N_H + 1).
 
-``prefetch`` (decode intra-query prefetch, docs/ARCHITECTURE.md section 6) maps and
-starts copying rows the exact top-k will probably select before it is known; see its
-docstring.
+``prefetch`` (the prefill prefetch's, docs/ARCHITECTURE.md section 6) maps and starts
+copying rows the exact top-k is certain to select before it is known; see its docstring.
+The decode prefetch allocates nothing: it stages rows, which ``resolve``'s recall takes
+(``stage_ready``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from sglang_echo.kernels.alloc import (
     allocate_reference,
 )
 from sglang_echo.kernels.cache_layout import FREE
-from sglang_echo.kernels.decode_prefetch import count_prefetch_hits, count_prefetch_hits_reference
 from sglang_echo.kernels.decode_stage import StagedRows, staged_entries
 from sglang_echo.kernels.decode_write import (
     PINNED_PRIORITY,
@@ -37,6 +37,7 @@ from sglang_echo.kernels.decode_write import (
     place_slots_all_layers,
 )
 from sglang_echo.kernels.host_copy import upload
+from sglang_echo.kernels.prefill_prefetch import count_prefetch_hits, count_prefetch_hits_reference
 from sglang_echo.kernels.release import release_kernel, release_reference
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
@@ -84,7 +85,7 @@ class EchoManager:
         # them (kernels/pdl.py): SGLANG_ECHO_PDL from the process's settings unless given.
         self.pdl = settings().pdl if pdl is None else pdl
         self._workspace: AllocWorkspace | None = None
-        # Decode prefetch: its own allocation workspace (its miss list is read by the side
+        # Prefill prefetch: its own allocation workspace (its miss list is read by the side
         # stream's copy while the resolve's allocation runs), side stream, counters.
         self._prefetch_workspace: AllocWorkspace | None = None
         self._side_stream: torch.cuda.Stream | None = None
@@ -93,7 +94,7 @@ class EchoManager:
         # the next resolve's recall reads and the side stream's event after its work.
         self._staged: dict[int, tuple[StagedRows, _Event, _Event]] = {}
         i64 = dict(dtype=torch.int64, device=self.device)
-        self.prefetched_rows = torch.zeros(cache.num_layers, **i64)  # rows prefetched
+        self.prefetched_rows = torch.zeros(cache.num_layers, **i64)  # rows prefetched (staged)
         self.prefetch_hits = torch.zeros(cache.num_layers, **i64)  # ... and then selected
         # Released lanes refused on the device (sink, duplicates), summed over layers.
         self.release_errors = torch.zeros(1, **i64)
@@ -294,10 +295,11 @@ class EchoManager:
     def prefetch(
         self, layer: int, candidate_ids: torch.Tensor, counts: torch.Tensor | None = None
     ) -> None:
-        """Map and start copying rows the coming ``resolve`` of ``layer`` will probably ask
-        for: candidate host ids [B, cap] (-1 = none; with ``counts`` [B], lanes at and past
-        counts[b] are ignored too), all of them misses when flagged
-        (kernels/decode_prefetch.py).
+        """Map and start copying rows the coming ``resolve`` of ``layer`` will ask for:
+        candidate host ids [B, cap] (-1 = none; with ``counts`` [B], lanes at and past
+        counts[b] are ignored too). The prefill prefetch's only (offload/prefill_prefetcher.py:
+        one call per query block, its proven top-k members that are not resident); the
+        decode prefetch stages instead (``stage_ready``).
 
         Allocation: the same kernels/reference as append and resolve, in append mode: the
         candidates are stamped with the layer's current clock (not the resolve's clock + 1)
@@ -308,7 +310,7 @@ class EchoManager:
         looks last used in the previous step: older than this step's selections, so the
         resolve may evict it at once, and later victim choices take it before those. This
         keeps the resolve's guarantee: all but this step's selections are evictable, so
-        its misses always find slots (B x top-k <= N_G).
+        its misses always find slots.
 
         Copies: on CUDA with the Triton kernels, the allocation and the row copies run on
         a side stream forked from the current one (event fork/join, so it captures in a

@@ -5,8 +5,8 @@ Why this shape: a decode step's top-k must stay the one sglang computes from Dee
 paged logits, or outputs would differ from the same server without ECHO. So nothing here
 computes logits or changes the top-k. Between the logits and the top-k (sglang's
 ``metadata.topk_transform``), the chunked staged design of
-``offload/decode_prefetcher.py`` runs with one chunk (the runtime's in-kernel design
-stages from inside its own logits kernel, which sglang's DeepGEMM logits are not):
+``offload/decode_prefetcher.py`` runs with one chunk (sglang's logits come from one
+DeepGEMM launch, which cannot be split into chunks from here):
 
 1. On a side stream, select each request's keys that score above its predicted threshold
    (EMA of its previous k-th scores) and are not resident.
@@ -60,10 +60,7 @@ class PluginDecodePrefetch:
         """``req_to_host`` [request slots, positions] host ids (-1 none), sglang's
         ``req_to_host_pool``; ``num_real_reqs`` the step's real request count (a device
         scalar the model runner fills); ``max_rows`` the request slots."""
-        # The chunked design: sglang's logits are DeepGEMM's, so they cannot stage.
-        self.prefetcher = DecodePrefetcher(
-            manager, max_rows, chunks=PLUGIN_STAGE_CHUNKS, in_kernel=False
-        )
+        self.prefetcher = DecodePrefetcher(manager, max_rows, chunks=PLUGIN_STAGE_CHUNKS)
         self.req_to_host = req_to_host
         self.num_real_reqs = num_real_reqs
         self.scratch_row = self.prefetcher.predictors[0].scratch_row
