@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from sglang_echo.kernels import alloc
+from sglang_echo.kernels import alloc, alloc_common
 from sglang_echo.kernels.alloc import (
     EXACT_AGES,
     AllocWorkspace,
@@ -75,7 +75,7 @@ def program_order(request, monkeypatch):
     return request.param
 
 
-# A workspace's launch shape is kernels/alloc.py's module constants, read when it is made:
+# A workspace's launch shape is kernels/alloc_common.py's module constants, read when it is made:
 # small blocks (many programs per launch on small caches) set them first.
 SMALL_BLOCKS = {
     "LANE_BLOCK": 16,
@@ -88,10 +88,10 @@ SMALL_BLOCKS = {
 
 
 def _shape(monkeypatch, **constants) -> None:
-    """kernels/alloc.py's launch constants for the workspaces made after this call."""
+    """kernels/alloc_common.py's launch constants for the workspaces made after this call."""
     for name, value in constants.items():
-        assert hasattr(alloc, name), name
-        monkeypatch.setattr(alloc, name, value)
+        assert hasattr(alloc_common, name), name
+        monkeypatch.setattr(alloc_common, name, value)
 
 
 # The launch paths of allocate_kernel: past the one program (a resolve's look-back launches,

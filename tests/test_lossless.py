@@ -300,12 +300,12 @@ def test_lossless_with_prefill_prefetch_kernels(models, alloc_path, monkeypatch)
     """Prefill prefetch's GPU code path on the CPU: the histogram kernels and the cache
     kernels (Triton interpreter), chunks of several query blocks, under the same equality;
     with each allocation path (this small batch takes the one program unless forced past
-    it, kernels/alloc.py ONE_PROGRAM_LANES; past it resolves take the look-back launches of
-    kernels/alloc_lookback.py and appends the five-launch pipeline)."""
+    it, kernels/alloc_common.py ONE_PROGRAM_LANES; past it resolves take the look-back
+    launches of kernels/alloc_lookback.py and appends the five-launch pipeline)."""
     if alloc_path == "multi-launch":
-        from sglang_echo.kernels import alloc
+        from sglang_echo.kernels import alloc_common
 
-        monkeypatch.setattr(alloc, "ONE_PROGRAM_LANES", 0)
+        monkeypatch.setattr(alloc_common, "ONE_PROGRAM_LANES", 0)
     w = Workload(
         config="default-rope",
         dtype=torch.float32,

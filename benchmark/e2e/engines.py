@@ -47,7 +47,7 @@ def build(
         kv = echo_cache_for_model(
             echo, cfg, eng.host, p.dtype, device, kv_cache_dtype=p.kv_cache_dtype
         )
-        tokens, rows = eng.host, min(eng.max_batch, eng.dev_cache // topk)
+        tokens, rows = eng.host, min(eng.max_batch, echo.max_running(topk))
     runner = StepRunner(
         model,
         kv,

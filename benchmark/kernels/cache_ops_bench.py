@@ -42,12 +42,8 @@ from common import event_us, pyplot, save_record, time_us
 from victim_policies import policy_hit_rates
 
 from sglang_echo.config import EchoConfig
-from sglang_echo.kernels.alloc import (
-    ONE_PROGRAM_LANES,
-    STAGES,
-    AllocWorkspace,
-    allocate_kernel,
-)
+from sglang_echo.kernels.alloc import STAGES, AllocWorkspace, allocate_kernel
+from sglang_echo.kernels.alloc_common import ONE_PROGRAM_LANES
 from sglang_echo.kernels.alloc_lookback import STAGES as LOOKBACK_STAGES
 from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 from sglang_echo.offload.echo_cache import EchoKVCache

@@ -52,9 +52,11 @@ ENV_FUSE_DECODE = "SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE"
 ENV_FUSE_EXTEND = "SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND"
 # Extra victims a step takes whenever it must evict, left free for the next steps (which
 # then scan no slots): 0 = evict exactly the misses' worth. Unset: N_G / 32, at most 8192
-# (rounded up; on the H200 a reserve of 8192 in 260K slots cut cache management from 68.9 to 43.4 us
-# per layer-step at batch 48 with the hit rate unchanged: benchmark/results/history/
-# 2026-12-01-kernels-18b7783/cache_ops_reserve.json; the default's run is cache_ops.json).
+# (rounded up). Why: a step that must evict scans every slot; with the reserve the next
+# steps' misses fit the free stack and scan nothing. On the H200 a reserve of 8192 in 260K
+# slots made cache management faster per layer-step at batch 48 with the hit rate unchanged
+# (that run: docs/ARCHITECTURE.md section 15, "Measured choices"; the default's run is
+# cache_ops.json, the evidence row "cache-management kernels").
 ENV_EVICTION_RESERVE = "SGLANG_ECHO_EVICTION_RESERVE"
 ENV_PDL = "SGLANG_ECHO_PDL"
 # 1 (default): a decode step's new tokens also take a free device slot as their host rows
@@ -167,11 +169,12 @@ def parse_path(name: str, raw: str | None) -> str | None:
 # as many as fit in DEFAULT_STAGE_BYTES. Why bytes: what pays is the copy
 # that fits beside the logits and the top-k, and a staged row that loses the top-k costs
 # its PCIe time. End to end on an H200 (benchmark/results/e2e_prefetch/ and its history,
-# batch 17 x ~104K, 1152-byte rows, random keys, where about half of what beat the
-# threshold was then selected), 1536 rows per request ran 0.97x of ECHO without the
-# prefetch and 384 or 512 rows 1.05x; the paper's setting was 1.00x at 384 and 512 and
-# 0.99x at 1536. At 656-byte rows the same bytes are 896 rows, more than the kernel
-# bench's batch 16 x 128K staged per request at any hit rate. Here, not beside the
+# batch 17, 1152-byte rows, random keys, where about half of what beat the threshold was
+# then selected), 1536 rows per request ran slower than ECHO without the prefetch and 384
+# or 512 rows faster; at the paper's setting the rows made little difference
+# (docs/ARCHITECTURE.md section 6 and section 15, "Measured choices"; the evidence row
+# "decode prefetch end to end (auto)"). At 656-byte rows the same bytes are 896 rows, more
+# than the kernel bench's batch 16 x 128K staged per request at any hit rate. Here, not beside the
 # prefetcher, because the start-up sizing (sglang/sizing.py, free of torch) counts them.
 DEFAULT_STAGE_BYTES = 512 * 1152
 MAX_STAGE_ROWS = 1536  # and never more rows than this (small rows: the tests' models)
@@ -189,10 +192,48 @@ def default_stage_rows(row_bytes: int) -> int:
 def default_eviction_reserve(dev_cache_size: int) -> int:
     """N_G / 32 rounded up, at most 8192 (and at most half the cache): a step that evicts
     leaves this many slots free, so the next few steps' misses fit without a scan, while
-    the cache gives up at most ~3% of its capacity to free slots. Rounded up so that every
+    the cache gives up at most a 32nd of its capacity to free slots. Rounded up so that every
     cache of two slots or more runs with a reserve: the configuration served is the one
     tested, small test caches included."""
-    return min(MAX_DEFAULT_EVICTION_RESERVE, -(-dev_cache_size // 32), dev_cache_size // 2)
+    return min(
+        MAX_DEFAULT_EVICTION_RESERVE, -(-dev_cache_size // 32), max_eviction_reserve(dev_cache_size)
+    )
+
+
+def max_eviction_reserve(dev_cache_size: int) -> int:
+    """The largest eviction reserve an N_G = ``dev_cache_size`` cache takes: half its
+    slots (more would keep most of the cache free after each eviction)."""
+    return dev_cache_size // 2
+
+
+def eviction_reserve_in_force(dev_cache_size: int, asked: int | None) -> int:
+    """The eviction reserve of an N_G = ``dev_cache_size`` cache: ``asked``
+    (SGLANG_ECHO_EVICTION_RESERVE) when set, else ``default_eviction_reserve``. The one
+    place an unset reserve becomes a number: ``EchoConfig``, ``EchoSettings.shown``, the
+    plugin's cache (sglang/storage.py) and its sizing (sglang/sizing.py) call it."""
+    return default_eviction_reserve(dev_cache_size) if asked is None else asked
+
+
+# ------------------------------------------------------------------- the capacity rule
+def max_running(dev_cache_size: int, top_k: int) -> int:
+    """The capacity rule, written once: one decode step selects up to top-k tokens per
+    running request in each layer, and all of them must be resident in the N_G =
+    ``dev_cache_size`` device slots at once (N_G >= running x top-k), so at most
+    N_G // top-k requests decode together (per attention-DP rank under SGLang). 0: the
+    cache cannot hold one request's selection. The runtime (``EchoConfig.max_running``:
+    runtime/serving.py, offload/echo_cache.py), the plugin's plan (sglang/args.py), its
+    sizing (sglang/sizing.py) and its decode resolve (sglang/topk_resolve.py) call this;
+    tests/test_capacity_rule.py checks that they agree and that no other module of the
+    package divides by a top-k."""
+    if top_k < 1:
+        raise ValueError(f"top-k must be >= 1, got {top_k}")
+    return dev_cache_size // top_k
+
+
+def dev_cache_for(running: int, top_k: int) -> int:
+    """The rule read the other way: the smallest N_G at which ``max_running`` admits
+    ``running`` requests (running x top-k slots)."""
+    return running * top_k
 
 
 # ---------------------------------------------------------------------------- registry
@@ -325,10 +366,11 @@ class EchoConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fuse_decode", decode_prefetch_mode(self.fuse_decode))
-        if self.eviction_reserve is None:
-            object.__setattr__(
-                self, "eviction_reserve", default_eviction_reserve(self.dev_cache_size)
-            )
+        object.__setattr__(
+            self,
+            "eviction_reserve",
+            eviction_reserve_in_force(self.dev_cache_size, self.eviction_reserve),
+        )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EchoConfig:
@@ -341,9 +383,13 @@ class EchoConfig:
             **{v.setting: v.parse(v.name, env.get(v.name)) for v in VARIABLES if v.setting in own}
         )
 
+    def max_running(self, top_k: int) -> int:
+        """Requests that can decode together in this cache: ``max_running`` (the rule)."""
+        return max_running(self.dev_cache_size, top_k)
+
     def min_dev_cache_size(self, max_running_requests: int, topk: int, chunk_size: int) -> int:
         """Smallest N_G that holds one decode step's selections and one prefill chunk."""
-        return max(max_running_requests * topk, chunk_size, topk)
+        return max(dev_cache_for(max(1, max_running_requests), topk), chunk_size)
 
     def validate(
         self, *, host_tokens: int, max_running_requests: int, topk: int, chunk_size: int
@@ -352,11 +398,12 @@ class EchoConfig:
             raise ConfigError(f"the host pool must hold >= 1 token, got {host_tokens}.")
         if max_running_requests < 1:
             raise ConfigError(f"max running requests must be >= 1, got {max_running_requests}.")
-        if self.eviction_reserve > self.dev_cache_size // 2:
+        if self.eviction_reserve > max_eviction_reserve(self.dev_cache_size):
             raise ConfigError(
                 f"{ENV_EVICTION_RESERVE}={self.eviction_reserve} would keep more than half of "
                 f"the {self.dev_cache_size} device slots ({ENV_DEV_CACHE}) free after each "
-                f"eviction; use at most {self.dev_cache_size // 2} (a few thousand is plenty)."
+                f"eviction; use at most {max_eviction_reserve(self.dev_cache_size)} (a few "
+                "thousand is plenty)."
             )
         need = self.min_dev_cache_size(max_running_requests, topk, chunk_size)
         if self.dev_cache_size < need:
@@ -426,8 +473,8 @@ class EchoSettings:
     def shown(self, name: str) -> str:
         """A variable's value in force as one could set it (``1``/``0`` for switches)."""
         value = getattr(self, REGISTRY[name].setting)
-        if name == ENV_EVICTION_RESERVE and value is None:
-            value = default_eviction_reserve(self.dev_cache_size)
+        if name == ENV_EVICTION_RESERVE:
+            value = eviction_reserve_in_force(self.dev_cache_size, value)
         if isinstance(value, bool):
             return "1" if value else "0"
         if value is None:

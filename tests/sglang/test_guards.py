@@ -66,8 +66,10 @@ def build(runner) -> None:
     """sglang's own construction, then the AFTER hook that install() registers on it."""
     from sglang.srt.model_executor.model_runner import ModelRunner
 
+    from sglang_echo.sglang.coordinator import EchoCoordinator
+
     ModelRunner.maybe_init_hisparse_coordinator(runner)
-    guards.runner_guard(None, runner)
+    guards.runner_guard(EchoCoordinator)(None, runner)
 
 
 def test_real_construction_builds_echo_with_the_plan(monkeypatch):

@@ -33,6 +33,7 @@ from test_coordinator import assert_back_to_start, check_tables, selections  # n
 
 import sglang_echo.offload.manager as manager_module  # noqa: E402
 from sglang_echo.kernels import alloc as alloc_kernels  # noqa: E402
+from sglang_echo.kernels import alloc_common  # noqa: E402
 from sglang_echo.kernels import release as release_kernels  # noqa: E402
 
 # One decode layer-step of the resolve with the kernels, then the recall kernel:
@@ -260,7 +261,7 @@ def test_kernel_launches_per_finish_and_per_resolve_layer_step(
     for every layer and request; each decode layer-step of the resolve is one allocation
     launch (small batches) or four, and one recall launch."""
     if path == "lookback":  # every batch past the one-program bound
-        monkeypatch.setattr(alloc_kernels, "ONE_PROGRAM_LANES", 0)
+        monkeypatch.setattr(alloc_common, "ONE_PROGRAM_LANES", 0)
     report = {}
     for layers, finishing in ((2, 1), (4, 3)):
         node, rids, topk_for = live_node(layers, kernels=True, seed=layers)

@@ -56,7 +56,7 @@ class Workload:
 
 
 class TokenCounter:
-    """Counts / truncates text with the model's tokenizer, or ~4 characters per token."""
+    """Counts / truncates text with the model's tokenizer, or four characters per token."""
 
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer
@@ -193,7 +193,7 @@ def load_sharegpt(
 
 
 def synthetic_sharegpt(num_prompts: int, context_length: int, vocab: int, seed: int) -> Workload:
-    """Log-normal chat lengths (median ~200 prompt / ~150 reply tokens, long tails),
+    """Log-normal chat lengths (medians 200 prompt / 150 reply tokens, long tails),
     filtered as SGLang filters ShareGPT and scaled down to fit a small context."""
     rng = random.Random(seed)
     max_total = min(SHAREGPT_MAX_TOTAL, context_length)

@@ -38,8 +38,8 @@ def steady_output_throughput(
     the benchmark's start): ``(None, None)`` with fewer than 10 successful requests, no
     start times, or a window of zero length.
 
-    The plateau is the stretch between the completion of the first 10% of the requests
-    and the completion of 90% of them, leaving out the ramp up (the batch filling) and the
+    The plateau is the stretch between the completion of the first tenth of the requests
+    and the completion of nine tenths of them, leaving out the ramp up (the batch filling) and the
     drain (the last requests decoding alone). Concretely, with the ``n`` successful requests
     sorted by completion time ``c_1 <= ... <= c_n`` (completion = the request's send time
     ``starts[i]`` + its latency), ``lo = ceil(n / 10)`` and ``hi = ceil(9 n / 10)``: the

@@ -11,7 +11,7 @@ its run folders. Writes:
   summary.json            the plotted numbers and the offload / no-offload ratios
 
 Per run and rate, summary.json holds the record's throughput and latency figures, its
-``steady_output_throughput`` (bench.metrics: between the 10% and the 90% completions), the
+``steady_output_throughput`` (bench.metrics: between the first tenth's and nine tenths' completions), the
 server's ``served_efficiency`` and ``mean_decode_batch`` and ECHO's counters over the run
 (``echo_hit_rate``, ``echo_hits``, ``echo_misses``, ``echo_evictions``,
 ``echo_recalled_bytes``): None where a record lacks them (no ECHO, an older server, SGLang's

@@ -436,9 +436,9 @@ def print_summary(rec: dict, out=sys.stdout) -> None:
     print("=" * 50, file=out, flush=True)
 
 
-# uvicorn (this server's and SGLang's) closes a connection idle for 5 s; a pooled one kept
-# longer can be reused just as the server closes it, and the request fails with
-# ServerDisconnectedError (one request per run at rate 4 on the H200, after the warm-up).
+# uvicorn (this server's and SGLang's) closes a connection idle for UVICORN_KEEP_ALIVE_S; a
+# pooled one kept longer can be reused just as the server closes it, and the request fails
+# with ServerDisconnectedError (seen on the H200 after the warm-up).
 # The client drops idle connections first.
 UVICORN_KEEP_ALIVE_S = 5.0
 CLIENT_KEEP_ALIVE_S = 2.0

@@ -7,8 +7,9 @@ Why: in the five-launch pipeline each launch re-reads the ids and the map and ha
 counts to the next through a kernel boundary, though a step that evicts nothing needs only
 a look-up, the lane order of the first misses and a slot from the free stack for each.
 Here one launch does all of that (measured on an H200 at batch 48: benchmark/results/
-cache_ops.json times both paths in one run, and history/2026-12-03-cache-profile-c8968ca/
-shows this first launch is now most of such a step: its waits on earlier tiles, each
+cache_ops.json times both paths in one run, and a profile of this path, named in
+docs/ARCHITECTURE.md section 15 "Measured choices", shows this first launch is now most of
+such a step: its waits on earlier tiles, each
 after a release, cost round trips much as the launch boundaries did, so a call where no
 id repeats waits once, not twice):
 
@@ -42,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_echo.kernels.alloc import (
+from sglang_echo.kernels.alloc_common import (
     _ABSENT,
     _BUCKETS,
     _CLAIM,

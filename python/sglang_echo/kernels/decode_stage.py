@@ -42,8 +42,9 @@ import triton.language as tl
 from sglang_echo.kernels.cache_layout import ABSENT, byte_rows, byte_vector
 from sglang_echo.kernels.device_info import sm_count
 
-# Positions per select program. On an H200 (batch 16 x 64K-position chunks) 1024 took
-# 10-12 us per chunk and slowed the top-k beside it less than 4096 did (19 us).
+# Positions per select program. On an H200 (batch 16 x 64K-position chunks) 1024 kept each
+# chunk's select short and slowed the top-k beside it less than 4096 did (the run that
+# reverted 4096: docs/ARCHITECTURE.md section 15, "Measured choices").
 STAGE_TILE = 1024
 # The copy's grid: a quarter of the SMs' worth of programs. The overlap probe (issue 29)
 # hid the logits behind a recall on 33-66 programs and nothing at 132 or more.
@@ -256,8 +257,8 @@ def staged_entries(ids: torch.Tensor, staged: StagedRows) -> torch.Tensor:
 
 
 # ------------------------------------------------ step epilogue: the thresholds
-# One launch instead of a dozen tiny torch ops on the main stream: at hit rate 1.0 this
-# sits on the critical path of every layer's decode step.
+# One launch instead of a dozen tiny torch ops on the main stream: when every selection
+# hits, this sits on the critical path of every layer's decode step.
 @triton.jit
 def _ema_store(theta_ptr, finite_ptr, row, new, alpha, live):
     """DecodeThresholdPredictor.update's rule for the lanes' rows and new k-th scores."""

@@ -181,8 +181,8 @@ def place_slots_all_layers(cache: CacheState, locs: torch.Tensor, priority: int)
     """:func:`place_slots` for every layer at once (each layer's own maps and free stack,
     ``priority`` for every placed slot): one launch per op instead of one per op and
     layer. Returns the slots [layers, n] int64. Why: a decode node reserves a 100K-token
-    prompt's slots in all 61 layers on the engine thread; per layer that was ~20 launches
-    a layer, ~1,200 in all."""
+    prompt's slots in all 61 layers on the engine thread; one pass per layer multiplied
+    its launches by the layer count."""
     return _place(cache, slice(None), locs, priority)
 
 

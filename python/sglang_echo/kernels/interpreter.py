@@ -16,7 +16,7 @@ def fix_interpreter_bf16() -> None:
     operands computes in float32, and float32 -> bfloat16 rounds to nearest even.
 
     Triton 3.6's interpreter keeps bf16 values as their uint16 bit patterns and feeds them
-    to ``np.matmul`` as integers (a nonsense result, ~1e9 off). Widening a bf16 operand to
+    to ``np.matmul`` as integers (a nonsense result, orders of magnitude off). Widening a bf16 operand to
     float32 is exact, and bf16 x bf16 products are exact in float32, so this is the GPU's
     bf16 MMA with float32 accumulation. Patched here, not in the kernel, so the interpreted
     kernel is the very one compiled for the GPU (tests/test_zz_compile_sm90.py). Only runs

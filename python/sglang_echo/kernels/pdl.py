@@ -4,8 +4,9 @@ Why: a layer's cache management is up to five launches per allocation (kernels/a
 kernels/alloc_lookback.py) and a recall, each moving a few KB. On an H200 such a launch
 costs a few microseconds, mostly spent waiting for the previous kernel to drain and the
 next to be scheduled (the study's batch-1 profile, when a decode step still allocated for
-its new tokens too: ~38 us per layer over eleven launches; benchmark/results/cache_ops.json's
-launch_chaining times chained against plain). With PDL a
+its new tokens too: eleven launches per layer; the evidence row "cache-management kernels"
+gives the launches' floor, and benchmark/results/cache_ops.json's launch_chaining times
+chained against plain). With PDL a
 kernel asks for its successor to be scheduled as soon as all of its own programs have
 started; the successor's programs then wait in ``griddepcontrol.wait`` until this kernel has
 finished and its writes are visible. Every kernel here waits before its first memory access,

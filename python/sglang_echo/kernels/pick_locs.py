@@ -1,9 +1,10 @@
 """The top-k's picked positions as token locations, in one launch.
 
 Why a kernel: the torch form (a clamp, an expanded gather, a compare, a fill and a where)
-is five launches on every layer's selection. On an H200 at batch 16 x 128K they took ~12 us
-of a decode layer-step alone and ~34 us beside the decode prefetch's copies, whose traffic
-slows each small launch (gpu_checks_logs/736295d/prefetch_profile.log). One program per
+is five launches on every layer's selection. On an H200 at batch 16 x 128K they were a
+visible part of a decode layer-step alone, and longer beside the decode prefetch's copies,
+whose traffic slows each small launch (the profile: docs/ARCHITECTURE.md section 15,
+"Measured choices"). One program per
 (row, block of picks) reads each position once and gathers its location.
 
 ``pick_locs_reference`` is the plain-torch definition the kernel is tested against.

@@ -20,11 +20,11 @@ from sglang_echo.kernels.decode_stage import StagedRows, staged_entries
 from sglang_echo.kernels.device_info import sm_count
 from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 
-# Measured on an H200 (benchmark/results/recall.json, the flat kernel's grid-stride loop):
-# 512 16-byte chunks per program and 4 warps moved 98,304 random rows at 44.0 GB/s (656 B)
-# and 47.7 GB/s (1152 B), against 40.0 / 47.3 with 8 warps; the best of all 21 configs
-# were 44.0 / 49.1, the row-tiled variant (a program per block of rows, an option until
-# issue 51) at most 37.9 / 47.0.
+# Measured on an H200 (benchmark/results/recall.json, the flat kernel's grid-stride loop;
+# the evidence row "recall bandwidth"): 512 16-byte chunks per program and 4 warps are near
+# the best of the record's configurations for 656 B and 1152 B rows (``best_config_*``
+# beside ``default_GBps_656``); when they were chosen, 8 warps and the row-tiled variant (a
+# program per block of rows, an option until issue 51) were slower at both.
 DEFAULT_FLAT_CHUNKS = 512
 DEFAULT_NUM_WARPS = 4
 # Programs per SM of the flat kernel's grid-stride loop: enough loads in flight for the

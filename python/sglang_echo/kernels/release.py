@@ -1,8 +1,8 @@
 """Release of finished requests' tokens from every layer's device cache in one launch:
 the Triton kernel, its launcher and the torch reference.
 
-Why one launch: a release used to be ~12 torch ops per layer, so under SGLang's 61 layers
-a finished request cost ~730 launches. Here one program per layer walks the released host
+Why one launch: a release used to be a dozen torch ops per layer, so under SGLang's 61
+layers a finished request cost hundreds of launches. Here one program per layer walks the released host
 ids in lane order (so the free stack gets exactly the order the per-layer torch version
 gave), unmaps each resident token (``host_to_device`` -> ABSENT, ``device_to_host`` and
 ``priority`` -> FREE) and pushes its slot onto the layer's free stack.

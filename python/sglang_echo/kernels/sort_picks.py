@@ -2,11 +2,12 @@
 
 Why a kernel: FlashInfer's top-k (kernels/topk_flashinfer.py) returns its picks in its own
 order, and serving needs the radix select's very tensor. Done in torch (a gather, a mask
-and ``torch.sort`` over [R, k] int64) the finish took 55 us at 48 x 2048 and 52 us at one
-row on the H200 (history/2026-12-02-topk-peer-3e33bfb/). One program per row sorts its k
-picks in registers (``tl.sort``, a bitonic network over a power-of-two block): 38 us at
-48 rows and at one (benchmark/results/topk_peers.json, ``serving_adapter.finish_us``), so
-the network's latency in one program, not the rows, sets its cost.
+and ``torch.sort`` over [R, k] int64) the finish cost nearly as much at one row as at
+48 x 2048 on the H200 (that run: docs/ARCHITECTURE.md section 15, "Measured choices").
+One program per row sorts its k picks in registers (``tl.sort``, a bitonic network over a
+power-of-two block): faster than torch's, and the same at 48 rows and at one
+(benchmark/results/topk_peers.json, ``serving_adapter.finish_us``), so the network's
+latency in one program, not the rows, sets its cost.
 
 ``sort_picks_reference`` is the plain-torch definition the kernel is tested against.
 """

@@ -36,21 +36,24 @@ from sglang_echo.kernels.interpreter import fix_interpreter_bf16
 
 # Defaults for DeepSeek-V3.2 sizes (H 128, r 512, d 64, bf16), from the launch
 # configurations benchmark/kernels/sparse_mla_bench.py sweeps on an H200
-# (benchmark/results/sparse_mla.json): 64 heads x 64 rows, 8 warps, 2 stages (221 KB of
+# (benchmark/results/sparse_mla.json; the evidence rows "sparse MLA kernel" and "sparse MLA
+# kernel resources (issue 15)"): 64 heads x 64 rows, 8 warps, 2 stages (within sm_90's
 # shared memory, no spills). A step of the walk over a query's rows costs nearly the same
-# whatever the rows in it (2.8 / 4.0 us at 16 / 32 rows, batch 3), so 64-row blocks, half
-# the steps of 32: 157 / 94 / 46 us at batch 48 / 17 / 3, graph-replayed, against 207 / 129
-# / 65 (the record's batch sweep, "k32"). Deeper pipelines of 32-row blocks (index loads
-# asynchronous, rows double-buffered) gained 5%: the loads' latency is not what a step
-# waits for (history/2026-12-01-sparse-mla-stages-c4a9e6c/). Decode splits each query's
-# rows 4 ways: at batch 48 / 17 / 3, 8 splits ran 196 / 87 / 29 us and 2 splits 176 / 90 /
-# 82. The count is fixed, not chosen by batch, so a request's bits do not depend on how
-# many others share its step. Prefill runs thousands of queries, enough programs without
-# splits (whose float32 partials would cost Q x 1 MB), so it stays unsplit.
+# whatever the rows in it, so 64-row blocks, half the steps of 32, are faster than 32-row
+# ones at every batch of the record's sweep ("k32"), graph-replayed. Deeper pipelines of
+# 32-row blocks (index loads asynchronous, rows double-buffered) gained little: the loads'
+# latency is not what a step waits for (that run: docs/ARCHITECTURE.md section 15,
+# "Measured choices"). Decode splits each query's rows 4 ways: of 2, 4 and 8 splits, 4 is
+# the fastest at batch 48, where a step costs the most; 8 are faster at the small batches
+# and 2 slower at the smallest (the record's ``decode_b*_ours_k64_split*`` beside
+# ``decode_b*_ours_default_us``). The count is fixed, not chosen by batch, so a request's
+# bits do not depend on how many others share its step. Prefill runs thousands of queries,
+# enough programs without splits (whose float32 partials would cost about a megabyte per
+# query), so it stays unsplit.
 DEFAULT_BLOCK_H = 64
 DEFAULT_BLOCK_K = 64
-# float32 q and rows take twice the shared memory per row: 64-row blocks need 305 KB on
-# sm_90 (the H200 has 227 KB a block), 32-row blocks fit. One rule by dtype, the same for
+# float32 q and rows take twice the shared memory per row: 64-row blocks need more than
+# sm_90 gives a block (the H200's limit), 32-row blocks fit. One rule by dtype, the same for
 # offload and no-offload.
 DEFAULT_BLOCK_K_FLOAT32 = 32
 DEFAULT_NUM_WARPS = 8
@@ -201,8 +204,8 @@ def _combine_kernel(
 ):
     """Merge the SPLITS partial results of one query, for a small tile of heads x latent
     columns, in split order. The tile is small on purpose: a [64 heads x 512] float32 tile
-    over 16 splits spilled 35 KB per thread when compiled for sm_90a (the splits' loads
-    unrolled), which made split K slower than none (history/2026-12-01-study-autosplit/).
+    over 16 splits spilled registers to local memory when compiled for sm_90a (the splits'
+    loads unrolled), which made split K slower than none (history/2026-12-01-study-autosplit/).
     Each element's arithmetic is the same whatever the tile, so the bits do not depend on it.
     """
     t = tl.program_id(0).to(tl.int64)
@@ -346,8 +349,8 @@ def sparse_mla_from_buffer(
         BLOCK_K=block_k,
         SPLITS=splits,
         CHUNK=chunk,
-        # float32 dots in IEEE float32 (tf32 would cost ~3e-4 relative error); bf16 MMA
-        # always accumulates in float32 and ignores the choice.
+        # float32 dots in IEEE float32 (tf32 keeps a 10-bit mantissa, far from the float32
+        # reference); bf16 MMA always accumulates in float32 and ignores the choice.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=fp8,
         num_warps=num_warps,

@@ -9,7 +9,7 @@ ascending position instead of descending score. Positions whose score is -inf (m
 come back as -1.
 
 Every pass splits each row over many programs (one per BLOCK columns), so 48 rows of
-100K keys run on ~2350 programs: each pass adds its programs' histograms into a per-row,
+100K keys run on 48 x 49 programs: each pass adds its programs' histograms into a per-row,
 per-pass histogram with atomics, and the next pass replays the digit choices of the
 previous ones from those histograms (a few hundred loads) instead of a launch of its own.
 Six launches, three of which read the scores:
@@ -50,27 +50,28 @@ import triton.language as tl
 from sglang_echo.kernels.pdl import pdl_prologue, use_pdl
 
 # One width for every batch and context: each kernel compiles once, never mid-serving.
-# 2048 keys per program, 4 warps: with the candidate split (c4a2e78), 122.8 us at 48 x 100K
-# and 28.1 us at batch 1 in indexer.json's topk_launch_sweep; 4096 is as fast at 48
-# (120.7) but slower at batch 1 (34.9), 1024 the reverse (149.7 / 25.6). A width chosen
-# by batch would compile a second variant the first time serving meets the other width.
+# 2048 keys per program, 4 warps: in indexer.json's topk_launch_sweep, 4096 is as fast at
+# 48 x 100K but slower at batch 1, 1024 the reverse, and 2048 is near the faster at both
+# (the candidate split's first run: docs/ARCHITECTURE.md section 15, "Measured choices").
+# A width chosen by batch would compile a second variant the first time serving meets the
+# other width.
 DEFAULT_BLOCK = 2048
 DEFAULT_NUM_WARPS = 4  # Triton's default; indexer_bench's topk_launch_sweep times others
 # Candidates the last two digits and the count read per piece: a block's candidates are
 # usually a small share of it (those at the k-th key's top byte), and a piece's histogram
-# costs its full width whatever the mask. 128-1024 time within 9% of each other at 48 x
-# 100K (indexer.json's topk_launch_sweep), 2048 is 16% slower.
+# costs its full width whatever the mask. Widths from 128 to 1024 time close to each other
+# at 48 x 100K and 2048 is slower (indexer.json's topk_launch_sweep).
 DEFAULT_CAND_BLOCK = 512
 # Loads first (no longer an option): the split, candidate, count and collect programs
 # issue every global load they need (the histograms of the digits chosen so far, the counts, the scores or the
 # first candidates) before the replay of the digit choices, instead of one after another
 # between its block-wide reductions. Compiled for sm_90 (PTX, compile only), the other
-# order's collect issues its loads in seven groups in a row, the scores' after ~50
+# order's collect issues its loads in seven groups in a row, the scores' after dozens of
 # barriers; with loads first all of them precede the first barrier. On the H200
-# (2026-12-02, 26825a3, graph-replayed at 48 x 100K / batch 1) it took 114.1 / 24.1 us
-# against 124.7 / 27.1 us in indexer_bench's topk_launch_sweep, and 115.1 / 24.2 against
-# 122.8 / 28.8 in topk_peer_bench's run (topk_peers.json, ours_loads_first_off). The
-# output was the same tensor either way; the other order left the package in issue 51.
+# (graph-replayed at 48 x 100K and at batch 1) loads first was faster at both, in
+# indexer_bench's topk_launch_sweep and in topk_peer_bench's run (topk_peers.json,
+# ours_loads_first_off; the runs: docs/ARCHITECTURE.md section 15, "Measured choices").
+# The output was the same tensor either way; the other order left the package in issue 51.
 # Blocks per row the collect pass sums over at compile time: 256K keys' worth (128 x 2048,
 # or 256 x 1024), so every context up to that shares one compiled variant per block width
 # (longer rows get a wider one). The interpreter (CPU tests) keeps 64 at any width.
@@ -78,7 +79,8 @@ MIN_MAX_KEYS = 64 * 4096
 MIN_MAX_CHUNKS = 64
 # Sizes that change from call to call are not value-specialized: one variant per kernel.
 # Strides too: a decode width that is a multiple of 16 compiled a second variant of every
-# kernel mid-serving (the H200 test of f83148a), for a few vector loads.
+# kernel mid-serving (an H200 test: docs/ARCHITECTURE.md section 15, "Measured choices"),
+# for a few vector loads.
 _PER_CALL = ["n_cols", "n_rows", "k", "topk", "scores_stride", "out_stride"]
 
 
@@ -383,8 +385,8 @@ def topk_positions(
     """scores [R, L] fp32 (column = key position), query_pos [R] -> positions [R, topk]
     (ascending; -1 for masked or missing). Same set as ``select_topk``. ``block``: keys
     per program. ``pdl``: chain the six launches
-    (kernels/pdl.py; off by default: on an H200 it saved 2% at 48 rows and cost 6% at one,
-    indexer.json's ``topk_unchained`` beside ``topk``). Block, warps, ``cand_block`` and
+    (kernels/pdl.py; off by default: on an H200 it saved a little at 48 rows and cost more
+    at one, indexer.json's ``topk_unchained`` beside ``topk``). Block, warps, ``cand_block`` and
     chaining change speed only: the output is the same tensor for every launch shape."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError("scores must be a float32 [rows, keys] tensor")

@@ -16,13 +16,14 @@ short rows and a graph's replay included (tests/test_topk_flashinfer.py).
 ``flashinfer``, which requires FlashInfer and fails at the first selection, with the
 reason, where it cannot run. The variable is parsed once, by ``sglang_echo.config``
 (kernels import nothing above themselves): callers pass its value in as ``backend``. The radix select is the default because it measured faster
-under this contract on the H200 (benchmark/results/topk_peers.json): FlashInfer alone is
-faster at 48 x 100K (58 us deterministic with ties low, 79 on its graph-safe path, against
-our 114), but its time barely falls with fewer rows (51-72 us at one row, against our 24),
-and with the finish (38 us, kernels/sort_picks.py) the ragged graph-safe form took 102-110
-us at every row count from 1 to 48 (``by_rows``); its non-graph-safe path beat ours only
-at 48 rows (89 against 115 us), never at 32K keys. At the sweep's row counts nearest the
-end-to-end study's batches of 3 and 17 (2-4 and 16 rows) ours is 1.8-4.2x faster. The interpreter (CPU tests) always runs the radix
+under this contract on the H200 (benchmark/results/topk_peers.json; the evidence row
+"top-k peer (FlashInfer, issue 15)"): FlashInfer alone is faster at 48 x 100K, on its
+deterministic path with ties low and on its graph-safe one, but its time barely falls with
+fewer rows while ours does, and with the finish (kernels/sort_picks.py) the ragged
+graph-safe form took about the same at every row count from 1 to 48 (``by_rows``); its
+non-graph-safe path beat ours only at 48 rows, never at 32K keys. At the sweep's row
+counts nearest the end-to-end study's batches of 3 and 17 (2-4 and 16 rows) ours is
+faster, by up to several times. The interpreter (CPU tests) always runs the radix
 select: FlashInfer has no CPU path.
 """
 

@@ -29,9 +29,9 @@ from sglang_echo.model.rope import apply_rope_half, apply_rope_interleaved, atte
 GATHER_BLOCK_ELEMENTS = 1 << 26
 # Which sparse-MLA implementation attends: "torch" (gather the selected rows, then
 # sparse_mla), "kernel" (kernels/sparse_mla.py reads them from the buffer, no gather), or
-# "auto" (the default): the kernel on CUDA, where an H200 measured it 1.2x (decode) and
-# 1.5-1.65x (prefill) faster than the torch path (benchmark/results/sparse_mla.json),
-# torch on the CPU. The switch is SGLANG_ECHO_SPARSE_MLA (config.ENV_SPARSE_MLA, choices
+# "auto" (the default): the kernel on CUDA, where it was faster than the torch path on an
+# H200 in decode and prefill (benchmark/results/sparse_mla.json; the evidence row "sparse
+# MLA kernel"), torch on the CPU. The switch is SGLANG_ECHO_SPARSE_MLA (config.ENV_SPARSE_MLA, choices
 # config.SPARSE_MLA_BACKENDS), parsed with every other variable by sglang_echo.config.
 
 

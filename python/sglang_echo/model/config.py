@@ -26,11 +26,12 @@ class ModelConfigError(ValueError):
 
 def fp8_row_bytes(dim: int) -> int:
     """Bytes the model caches per fp8 index key: D key bytes + a 4-byte scale, padded to a
-    multiple of 16. On an H200 the decode logits kernel read SGLang's unpadded 132-byte
-    rows in 749-825 us and 144-byte rows in 305-384 us at 48 x 100K over three runs
-    (benchmark/results/indexer.json): a 132-byte stride leaves rows only 4-byte aligned,
-    so no vector loads.
-    The 12 bytes cost ~1.5% of a token's per-layer cache (656 B of MLA KV + the key)."""
+    multiple of 16. On an H200 the decode logits kernel took about twice as long over
+    SGLang's unpadded 132-byte rows as over 144-byte rows at 48 x 100K, in each of three
+    runs (benchmark/results/indexer.json; the evidence row "fp8 indexer logits (decode)"):
+    a 132-byte stride leaves rows only 4-byte aligned, so no vector loads.
+    The 12 bytes are a small share of a token's per-layer cache (656 B of MLA KV + the
+    key)."""
     return (dim + 4 + 15) // 16 * 16
 
 

@@ -33,12 +33,14 @@ from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.predictor import DecodeThresholdPredictor
 
 # Two chunks: the first chunk's rows move while the second is scored. On an H200 (batch
-# 16 x 128K, 911a4d4) four chunks started the copies earlier but cost more launches and
-# tails: 1.12x / 1.02x / 0.93x at hit 0.5 / 0.9 / 0.97 against 1.12x / 1.06x / 0.96x.
+# 16 x 128K) four chunks started the copies earlier but cost more launches and tails: as
+# fast where half the selections missed, slower where few did (docs/ARCHITECTURE.md
+# section 6, "Tried", and section 15, "Measured choices").
 DEFAULT_STAGE_CHUNKS = 2
 # The staging streams' priority (lower is higher; CUDA clamps to its range). A chunk's
 # select and copy are queued behind the next chunk's logits programs, which fill every
-# SM: at equal priority they ran only once the logits drained (H200 profile, a192da2).
+# SM: at equal priority they ran only once the logits drained (an H200 profile:
+# docs/ARCHITECTURE.md section 6).
 STAGE_STREAM_PRIORITY = -10
 
 
@@ -90,7 +92,7 @@ class DecodePrefetcher:
         """[start, end) of each chunk of a [B, length] score table, starts aligned to the
         logits kernel's ``span`` positions per program (fewer chunks for short tables).
         Even chunks: a smaller first chunk, to start the copies earlier, was within the
-        rounds' spread on an H200 (commit 8c90ac6; docs/ARCHITECTURE.md)."""
+        rounds' spread on an H200 (docs/ARCHITECTURE.md section 6, "Tried")."""
         if length <= 0:
             return [(0, 0)]
         per_chunk = -(-length // self.chunks)
@@ -141,10 +143,10 @@ class DecodePrefetcher:
             copy(*copy_args)
             return
         # The selects on a stream of their own, so that a chunk's select does not queue
-        # behind the previous chunk's copy (H200 profile at hit 0.5,
-        # gpu_checks_logs/ae80c55/prefetch_profile.log: on one stream the second select
-        # started when the first copy ended, ~60 us after its logits; timed beside each
-        # other in gpu_checks_logs/bdcc9e9/, never slower).
+        # behind the previous chunk's copy (an H200 profile where half the selections
+        # missed: on one stream the second select started only when the first copy ended,
+        # long after its logits; timed beside each other, never slower: docs/ARCHITECTURE.md
+        # section 6).
         pick = self._side_stream("select")
         pick.wait_stream(torch.cuda.current_stream(m.device))  # fork: this chunk's logits
         with torch.cuda.stream(pick):
@@ -154,7 +156,8 @@ class DecodePrefetcher:
         side.wait_stream(pick)  # the copy waits for this select, not the select for a copy
         with torch.cuda.stream(side):
             # A bounded grid even beside the top-k alone: with the recall's full grid the
-            # last chunk's copy held the top-k back (H200, hit 0.5: 1.03x against 1.12x).
+            # last chunk's copy held the top-k back, and where half the selections missed
+            # the prefetch kept little of its gain (docs/ARCHITECTURE.md section 15).
             stage_copy(*copy_args)
         _used_on(pick, scores, locs, seq_lens, theta)
 
@@ -165,8 +168,8 @@ class DecodePrefetcher:
         (:meth:`observe_topk`) and the layer's staging goes to the manager, whose recall
         waits for the copies only. On CUDA the threshold update runs on a stream of its
         own, joined after the recall: queued behind the copies on the side stream, it held
-        the recall back by its ~5 us whenever the last copy outlasted the top-k
-        (gpu_checks_logs/736295d/prefetch_profile.log, hit 0.5)."""
+        the recall back by its own time whenever the last copy outlasted the top-k (an H200
+        profile: docs/ARCHITECTURE.md section 15, "Measured choices")."""
         m = self.manager
         staged = self.staged_rows(layer, positions.shape[0])
         side = self._side_stream()

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from sglang_echo.config import EchoConfig
+from sglang_echo.config import EchoConfig, max_running
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
 from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
@@ -244,7 +244,9 @@ class EchoKVCache:
         return self.cache.rows[layer], self.manager.resolve(layer, locs, distinct)
 
     def max_resolve_queries(self, topk: int) -> int:
-        return max(1, self.cache.num_slots // topk)
+        # The capacity rule (config.max_running): the union of these queries' selections
+        # must fit the cache at once.
+        return max(1, max_running(self.cache.num_slots, topk))
 
     def release(self, locs: torch.Tensor) -> None:
         self.manager.release(locs)

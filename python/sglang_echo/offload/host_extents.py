@@ -1,6 +1,6 @@
 """A prompt's host locations as contiguous extents, so its rows can go by copy engine.
 
-Why: an arriving prompt's rows (~1 GB at 61 layers for 100K tokens) land in the pinned
+Why: an arriving prompt's rows (gigabytes at 61 layers for 100K tokens) land in the pinned
 host pool. Written by an ``index_copy_`` through the pool's UVA view, every byte is a GPU
 store over PCIe: the writing blocks hold SMs while they wait, and decode steps beside a
 transfer slow down. A copy of a contiguous range (``Tensor.copy_`` into a pinned slice) runs
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-# Shorter runs are not worth a copy launch each (~1 MB of bf16 rows per layer at this size).
+# Shorter runs are not worth a copy launch each (about a megabyte of bf16 rows per layer at
+# this size).
 MIN_EXTENT_TOKENS = 1024
 
 

@@ -107,8 +107,9 @@ class PrefillOffsetPredictor:
     top-k members; the ambiguous bin's width is proportional to |k-th score - offset|.
     A good offset is therefore a close estimate of the row's k-th score.
 
-    Choice: the offset of a request is an EMA (weight ``alpha``, default 0.5) of the
-    *mean* exact k-th score over the rows of its previous query blocks. Measured on
+    Choice: the offset of a request is an EMA of the *mean* exact k-th score over the rows
+    of its previous query blocks (weight ``alpha``; the default alpha 0.5 weighs the newest
+    block as much as all before it). Measured on
     synthetic indexer scores (``benchmark/kernels/prefill_prefetch_bench.py`` prints the
     census; tests/test_kernel_prefill_prefetch.py checks the shrink): the block mean
     matched the best single per-request value (the current block's own mean) and beat the

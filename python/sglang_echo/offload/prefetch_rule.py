@@ -4,8 +4,9 @@ measured rule on the previous decode step's miss fraction.
 Why a rule: the staged prefetch (kernels/decode_stage.py) pays when a step recalls many
 rows and costs a few percent when it recalls few (the chunked logits, the side stream's
 kernels beside the top-k). On an H200 (benchmark/results/decode_prefetch.json, batch 16
-x 128K) it was faster from hit rate 0.9 down and slower from 0.97 up, so it runs when
-the previous step missed at least ``AUTO_MISS_FRACTION`` of its selections. Decode steps
+x 128K; the evidence row "decode prefetch") it was faster where a tenth of the selections
+or more missed and slower where nearly all hit, so it runs when the previous step missed
+at least ``AUTO_MISS_FRACTION`` of its selections. Decode steps
 of a running batch select mostly the same tokens, so the last step's misses predict the
 next one's.
 
@@ -23,7 +24,8 @@ from __future__ import annotations
 import torch
 
 # Prefetch from this miss fraction of a decode step's selections up: between the hit
-# rates where the staged prefetch was last faster (0.9) and slower (0.97) on the H200.
+# rates where the staged prefetch was last faster and slower on the H200 (the evidence
+# row "decode prefetch").
 AUTO_MISS_FRACTION = 0.07
 
 

@@ -12,7 +12,7 @@ next block's ambiguous bin. The chunk's ``resolve`` then finds those rows reside
 Lossless by construction: the candidates are proven members of the top-k, and even a
 wrong one would only waste a copy (resolve looks everything up again). Measured on the
 H200 the side-stream work cost more than the recall it hid (benchmark/results/
-prefill_prefetch.json, 0.84-0.90x), so it is off by default.
+prefill_prefetch.json; the evidence row "prefill prefetch"), so it is off by default.
 """
 
 from __future__ import annotations

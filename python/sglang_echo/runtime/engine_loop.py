@@ -52,8 +52,9 @@ class EngineLoop:
     def start(self) -> None:
         # Every torch call of the engine thread drops and retakes the GIL; while an HTTP
         # thread runs Python (parsing a 100K-token request, streaming tokens) a retake
-        # waits up to the switch interval, 5 ms by default, per call, and a step makes
-        # dozens. 0.5 ms bounds that wait; the HTTP threads switch a little more often.
+        # waits up to the switch interval (CPython's default: milliseconds) per call, and a
+        # step makes dozens. ENGINE_SWITCH_INTERVAL_S, a tenth of that default, bounds that
+        # wait; the HTTP threads switch a little more often.
         sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
         self._thread.start()
 

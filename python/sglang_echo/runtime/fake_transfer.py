@@ -18,8 +18,8 @@ On CUDA the "transfer" runs as a real one does, beside decoding: the rows are ge
 and written on a side stream while the running batch keeps stepping, and the request joins
 the batch (its first token emitted) once its transfer's event has fired. Synthesizing a
 100K-token prompt's 8 layers takes tens of milliseconds of GPU time; on the decode stream
-that stalled every running request once per admission, which a decode node that admits a
-request every ~100 ms cannot afford (it cut the measured HTTP throughput, not the model's).
+that stalled every running request once per admission, which a decode node that admits
+several requests a second cannot afford (it cut the measured HTTP throughput, not the model's).
 The engine thread's share is kept to the bookkeeping: locations, the table row, a seed.
 """
 

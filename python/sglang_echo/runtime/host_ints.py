@@ -1,10 +1,10 @@
 """Python int lists -> int64 tensors, fast enough for 100K-token prompts.
 
-Why: a decode node admits 100K-token prompts, and ``torch.tensor(list)`` converts at
-about 45 ns an element (4.6 ms per 100K here), several times per admission (the table row,
-the transfer's locations, the release), on the engine thread that every running request
-waits for. ``array('q', list)`` makes the same int64 buffer in a C loop four times faster,
-and ``torch.frombuffer`` wraps it without a copy (keeping the array alive).
+Why: a decode node admits 100K-token prompts, and ``torch.tensor(list)`` converts element
+by element (milliseconds per 100K-token prompt), several times per admission (the table
+row, the transfer's locations, the release), on the engine thread that every running
+request waits for. ``array('q', list)`` makes the same int64 buffer in a C loop several
+times faster, and ``torch.frombuffer`` wraps it without a copy (keeping the array alive).
 """
 
 from __future__ import annotations

@@ -92,8 +92,8 @@ class ServeRequest(SeqState):
     arrival_s: float = 0.0
     preemptions: int = 0  # times this request was retracted and recomputed
     # A decode node's seed of the prompt's synthetic KV (fake transfer), computed where the
-    # request is parsed (a CRC over 100K ids is ~1-3 ms the engine thread need not spend);
-    # None: the node computes it at admission.
+    # request is parsed (a CRC over 100K ids takes milliseconds the engine thread need not
+    # spend); None: the node computes it at admission.
     prompt_seed: int | None = None
 
     @property

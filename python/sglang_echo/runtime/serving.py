@@ -101,6 +101,17 @@ def memory_token_budget(
     return max(1, min(on_device, on_host))
 
 
+def running_requests(asked: int | None, echo: EchoConfig, topk: int) -> int:
+    """Requests the scheduler runs at once: ``--max-running-requests`` as asked, else
+    ``DEFAULT_MAX_RUNNING``, under ECHO capped by what one decode step's selections leave
+    room for (``EchoConfig.max_running``, the capacity rule). An asked value past the rule
+    fails in ``build_kv_cache`` (``EchoConfig.validate``), naming the setting to change."""
+    running = asked or DEFAULT_MAX_RUNNING
+    if echo.offload and asked is None:
+        running = max(1, min(running, echo.max_running(topk)))
+    return running
+
+
 def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     """``echo`` overrides the environment's ECHO settings (tests build both kinds)."""
     device = resolve_device(args.device)
@@ -126,15 +137,12 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
             f"({cfg.max_position_embeddings}); lower it"
         )
     topk = cfg.index_topk
-    max_running = args.max_running_requests or DEFAULT_MAX_RUNNING
+    max_running = running_requests(args.max_running_requests, echo, topk)
     chunk = args.chunked_prefill_size or DEFAULT_CHUNK
     if chunk == -1:
         chunk = context
-    if echo.offload:
-        if args.max_running_requests is None:
-            max_running = max(1, min(max_running, echo.dev_cache_size // topk))
-        if args.chunked_prefill_size is None:
-            chunk = min(chunk, echo.dev_cache_size)
+    if echo.offload and args.chunked_prefill_size is None:
+        chunk = min(chunk, echo.dev_cache_size)
     frac = args.mem_fraction_static or (0.88 if device.type == "cuda" else 0.25)
     capacity = args.max_total_tokens
     if capacity is None:

@@ -52,6 +52,8 @@ from sglang_echo.config import (
     ConfigError,
     EchoConfig,
     decode_prefetch_mode,
+    dev_cache_for,
+    max_running,
     settings,
 )
 from sglang_echo.sglang import sizing
@@ -298,7 +300,7 @@ def plan_echo(
         raise ConfigError(format_problems(problems))
 
     attn_dp = attention_dp_size(view)
-    cap = config.dev_cache_size // top_k  # per attention-DP rank
+    cap = config.max_running(top_k)  # per attention-DP rank: the capacity rule
     asked = getattr(view, "max_running_requests", None)
     per_rank = cap if asked is None else int(asked) // attn_dp
     if cap < 1:
@@ -342,7 +344,7 @@ def running_problem(asked: int, attn_dp: int, cap: int, top_k: int, dev_cache: i
         f"--max-running-requests {asked}{share}: one decode step{where} selects up to "
         f"{per_rank} x top-k {top_k} = {per_rank * top_k} tokens per layer and all must fit "
         f"the {ENV_DEV_CACHE}={dev_cache} slots; set --max-running-requests between {low} "
-        f"and {high}, or {ENV_DEV_CACHE} >= {max(per_rank, 1) * top_k}."
+        f"and {high}, or {ENV_DEV_CACHE} >= {dev_cache_for(max(per_rank, 1), top_k)}."
     )
 
 
@@ -562,7 +564,7 @@ def measured_sizing(
         host_tokens=int(extra[HOST_TOKENS_KEY]),
         top_k=top_k,
         prefill_rows=prefill,
-        running=None if per_rank == n_g // top_k else per_rank,  # the default, or asked
+        running=None if per_rank == max_running(n_g, top_k) else per_rank,  # default, or asked
     )
     model_config = configurator.model_config
     config = _as_dict(getattr(model_config, "hf_text_config", None) or model_config.hf_config)

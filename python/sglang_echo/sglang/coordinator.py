@@ -11,8 +11,9 @@ per-step backup of the previous token.
 Device rows (one row-index space shared by all layers, HiSparseDSATokenToKVPool):
 - ``[row_base, row_base + N_G + 2)``: ECHO's cache, reserved once at start-up; slot ``s``
   of layer ``l`` is row ``row_base + s`` of layer ``l``'s buffer;
-- one 64-row page per running request: its newest token (written by the model this
-  step, backed up to the host at the next step);
+- one 64-row page per running request, its ring: the token at position p (decoded since
+  the request entered decode) in row p % 64, backed up to the host at the next step and
+  read in place by the resolve until token p + 64 overwrites it;
 - in a non-disaggregated server, the prompt rows of requests being prefilled (freed when
   the request is admitted to decode).
 

@@ -14,9 +14,10 @@ Each would otherwise leave a server that runs, but not as configured:
   so they would eat the memory sglang keeps for activations and CUDA graphs, and the
   server would run out of memory later, or the coordinator's allocation would fail.
 
-The decisions are plain functions (tested without sglang); ``runner_guard`` is the AFTER
-hook on ``ModelRunner.maybe_init_hisparse_coordinator`` that ``install`` registers, so the
-coordinator's class is checked in every scheduler process, where it is built;
+The decisions are plain functions (tested without sglang); ``runner_guard(echo_class)``
+makes the AFTER hook on ``ModelRunner.maybe_init_hisparse_coordinator`` that ``install``
+registers, so the coordinator's class is checked in every scheduler process, where it is
+built (the class is given, not imported: the coordinator imports this module);
 ``profile_guard`` is the AFTER hook on ``KVCacheConfigurator._profile_available_bytes``,
 where sglang turns the memory it sampled into its KV budget, before any pool exists.
 """
@@ -24,6 +25,7 @@ where sglang turns the memory it sampled into its KV budget, before any pool exi
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from sglang_echo.config import ENV_DEV_CACHE, ENV_OFFLOAD, ConfigError
@@ -58,18 +60,21 @@ def class_replace_problem(current: type | None, echo: type) -> str | None:
     )
 
 
-def runner_guard(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``maybe_init_hisparse_coordinator``: the runner must hold an EchoCoordinator."""
-    from sglang_echo.sglang.coordinator import EchoCoordinator
+def runner_guard(echo_class: type) -> Callable[..., None]:
+    """The AFTER hook on ``maybe_init_hisparse_coordinator``: the runner must hold an
+    ``echo_class`` (EchoCoordinator, given by ``install``)."""
 
-    if not getattr(runner, "enable_hisparse", False):
-        return  # no HiSparse on this runner: argument resolution already refused ECHO
-    coordinator = getattr(runner, "hisparse_coordinator", None)
-    problem = class_replace_problem(
-        None if coordinator is None else type(coordinator), EchoCoordinator
-    )
-    if problem:
-        raise ConfigError(problem)
+    def guard(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+        if not getattr(runner, "enable_hisparse", False):
+            return  # no HiSparse on this runner: argument resolution already refused ECHO
+        coordinator = getattr(runner, "hisparse_coordinator", None)
+        problem = class_replace_problem(
+            None if coordinator is None else type(coordinator), echo_class
+        )
+        if problem:
+            raise ConfigError(problem)
+
+    return guard
 
 
 def profile_guard(kv_bytes: int, configurator: Any, *args: Any, **kwargs: Any) -> None:

@@ -134,7 +134,7 @@ def install() -> None:
     register_resolution_hook(PLAN_STEP)(plan_step)
     register_resolution_hook(CHECK_STEP)(check_step)
     HookRegistry.register(COORDINATOR_TARGET, EchoCoordinator, HookType.REPLACE)
-    HookRegistry.register(RUNNER_TARGET, runner_guard, HookType.AFTER)
+    HookRegistry.register(RUNNER_TARGET, runner_guard(EchoCoordinator), HookType.AFTER)
     HookRegistry.register(PROFILE_TARGET, profile_guard, HookType.AFTER)
 
     log_prefetch_switches(settings())  # parsed by register() in this process

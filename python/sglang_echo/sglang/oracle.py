@@ -54,7 +54,7 @@ from sglang_echo.sglang.args import (
 # as sparse_extra_config and ignores them); the oracle's config is the rest.
 ECHO_ONLY_KEYS = (ECHO_EXTRA_KEY, HOST_TOKENS_KEY, DEVICE_ROWS_KEY)
 SEED = 1234  # --random-seed added to both lines when the user's has none
-READY_TIMEOUT_S = 3600.0  # a 671B checkpoint loads for many minutes
+READY_TIMEOUT_S = 3600.0  # DeepSeek-V3.2's full checkpoint loads for many minutes
 PROGRESS_EVERY_S = 30.0
 
 

@@ -69,8 +69,8 @@ PER_REQUEST_BUFFERS = (
 
 
 def drop_per_request_buffers(coordinator: Any) -> None:
-    """HiSparse's per-request, per-layer buffer tables (about 1 MB per request slot for 61
-    layers) are unused by ECHO: replace them by empty tensors, so a HiSparse path that
+    """HiSparse's per-request, per-layer buffer tables (about a megabyte per request slot
+    for 61 layers) are unused by ECHO: replace them by empty tensors, so a HiSparse path that
     ECHO does not override fails loudly instead of reading stale tables."""
     for name in PER_REQUEST_BUFFERS:
         old = getattr(coordinator, name)

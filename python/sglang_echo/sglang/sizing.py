@@ -3,7 +3,7 @@ whether it fits, decided while sglang resolves its arguments (before any weight 
 and again, exactly, against the memory sglang measured before it builds its pools.
 
 Why at resolution: sglang sizes its KV pools only after loading the weights (minutes on
-a 671B model), and HiSparse and ECHO allocate more after that. A plan that cannot fit
+DeepSeek-V3.2's full checkpoint), and HiSparse and ECHO allocate more after that. A plan that cannot fit
 must fail in the launcher, with the sizes that would fit, not after the load.
 
 All sizes are per attention-DP rank, i.e. per GPU: under DP attention each rank has its
@@ -44,7 +44,7 @@ What there is, twice:
   or, without one, from config.json (``weight_bytes``). Since sglang only limits its own
   pools and ECHO's metadata comes later, the plan fits when all device totals fit that
   budget, and the host pools of a node fit sglang's host-memory rule (available memory
-  less its 10 GiB reserve, as HiCache's host pools are checked).
+  less its fixed reserve, as HiCache's host pools are checked).
 - in each scheduler, where sglang turns what it measured into the KV budget
   (``MeasuredBudget``; ``guards.profile_guard``, an AFTER hook on
   ``KVCacheConfigurator._profile_available_bytes``, before any pool is allocated): the
@@ -72,7 +72,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sglang_echo.config import default_eviction_reserve, default_stage_rows
+from sglang_echo.config import (
+    default_stage_rows,
+    dev_cache_for,
+    eviction_reserve_in_force,
+    max_running,
+)
 
 PAGE = 64  # DSA's page size (sglang forces 64)
 SCALE_BLOCK = 128  # DSATokenToKVPool.quant_block_size: one fp32 scale per 128 values
@@ -80,7 +85,7 @@ HOST_RESERVE = 10 * 2**30  # sglang's HICACHE_HOST_MEMORY_RESERVE_BYTES
 # req_to_token rows are context + 4 wide (get_req_to_token_extra_context_len without
 # speculative decoding); req_to_host_pool adds one page.
 REQ_EXTRA_CONTEXT = 4
-# kernels/alloc.py's AllocWorkspace geometry (HIST_BINS, LANE_BLOCK, SLOT_BLOCK,
+# kernels/alloc_common.py's AllocWorkspace geometry (HIST_BINS, LANE_BLOCK, SLOT_BLOCK,
 # LOOKBACK_LANE_BLOCK; copied so that this module stays free of torch and triton;
 # tests/sglang/test_sizing.py builds the real workspace and compares).
 ALLOC_HIST_BINS, ALLOC_LANE_BLOCK, ALLOC_SLOT_BLOCK = 256, 1024, 2048
@@ -92,13 +97,13 @@ GiB = 2**30
 # What sglang's profile loses before it samples the memory it budgets against
 # (``pre_model_load_memory``, after the process groups are built and before the weights
 # load): the CUDA context, NCCL's and the custom all-reduce's buffers, the other start-up
-# allocations. sglang has no constant for it. AN ESTIMATE: issue 50 puts it at 1.5 to 3 GiB
-# per GPU on 8-GPU nodes; the early check takes the low end, so that it refuses only plans
-# that cannot fit, and the scheduler's exact check (``MeasuredBudget``) decides the rest.
+# allocations. sglang has no constant for it. AN ESTIMATE: issue 50 puts it in a range of
+# a few GiB per GPU on 8-GPU nodes; the early check takes the low end (the value below), so
+# that it refuses only plans that cannot fit, and the scheduler's exact check (``MeasuredBudget``) decides the rest.
 # The CUDA graphs need no term of their own: sglang reserves their memory in its default
 # fraction (``handle_gpu_memory_settings``), in the 1 - fraction share the budget leaves.
 STARTUP_OVERHEAD = 3 * GiB // 2
-# --mem-fraction-static is suggested in steps of 0.001 (sglang rounds its own to 3 places).
+# --mem-fraction-static is suggested in thousandths (sglang rounds its own to 3 places).
 FRACTION_STEP = 1000
 INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_HEADER_LIMIT = 100 * 2**20  # the format's own limit on a header's length
@@ -130,7 +135,9 @@ class EchoSizes:
     @property
     def per_rank_running(self) -> int:
         """Running requests per rank: one decode step's selections must fit N_G."""
-        return self.dev_cache_size // self.top_k if self.running is None else self.running
+        if self.running is None:
+            return max_running(self.dev_cache_size, self.top_k)  # the capacity rule
+        return self.running
 
     @property
     def device_rows(self) -> int:
@@ -154,8 +161,7 @@ class EchoSizes:
         return self.device_rows * self.ratio + PAGE
 
     def valid(self) -> bool:
-        running = self.per_rank_running
-        return running >= 1 and running * self.top_k <= self.dev_cache_size
+        return 1 <= self.per_rank_running <= max_running(self.dev_cache_size, self.top_k)
 
 
 @dataclass(frozen=True)
@@ -243,11 +249,11 @@ def echo_metadata_bytes(
 ) -> int:
     """ECHO's device tensors besides the rows: DeviceCache (offload/device_cache.py) over
     N_H = host_slots - 2 host ids and N_G slots, EchoManager's counters, the one
-    AllocWorkspace (kernels/alloc.py, max lanes N_G) of the rank, and the ids the
+    AllocWorkspace (kernels/alloc_common.py, max lanes N_G) of the rank, and the ids the
     coordinator reserves. ``eviction_reserve``: SGLANG_ECHO_EVICTION_RESERVE, None for its
     default."""
     n = dev_cache_size
-    reserve = default_eviction_reserve(n) if eviction_reserve is None else eviction_reserve
+    reserve = eviction_reserve_in_force(n, eviction_reserve)
     per_layer = (
         4 * host_slots  # host_to_device int32 [N_H + 2]
         + 4 * (n + 2)  # device_to_host int32 [N_G + 2]
@@ -999,14 +1005,14 @@ def largest_dev_cache(sizes: EchoSizes, shape: RankShape, budget: AnyBudget) -> 
     but S is constant between consecutive multiples of 64 and of top-k (where the default
     running count changes), and there only the metadata grows with N_G. So: walk those
     intervals from the top; in the first one whose bottom fits, binary-search the top."""
-    lowest = sizes.top_k * (sizes.running or 1)
+    lowest = dev_cache_for(sizes.running or 1, sizes.top_k)
     top = sizes.dev_cache_size
     while top >= lowest:
         # S is constant on [bottom, top]: N // 64 (so ceil64(N + 1)) and, by default, the
         # running count N // top-k do not change there.
         bottom = max(lowest, top // PAGE * PAGE)
         if sizes.running is None:
-            bottom = max(bottom, top // sizes.top_k * sizes.top_k)
+            bottom = max(bottom, dev_cache_for(max_running(top, sizes.top_k), sizes.top_k))
         if fits(replace(sizes, dev_cache_size=bottom), shape, budget):
             low, high = bottom, top
             while low < high:
@@ -1021,7 +1027,7 @@ def largest_dev_cache(sizes: EchoSizes, shape: RankShape, budget: AnyBudget) -> 
 
 
 def smallest_fraction(device_total: int, budget: AnyBudget) -> float | None:
-    """The smallest --mem-fraction-static (in steps of 0.001, below 1) whose budget holds
+    """The smallest --mem-fraction-static (in thousandths, below 1) whose budget holds
     ``device_total`` (the budget grows with the fraction: binary search)."""
     low, high = 0, FRACTION_STEP - 1  # not fits(low / STEP) unless the plan is empty
 

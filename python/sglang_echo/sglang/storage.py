@@ -26,8 +26,10 @@ from sglang_echo.config import (
     ENV_DEV_CACHE,
     ENV_EVICTION_RESERVE,
     ConfigError,
-    EchoConfig,
     EchoSettings,
+    default_eviction_reserve,
+    eviction_reserve_in_force,
+    max_eviction_reserve,
     settings,
 )
 from sglang_echo.offload.device_cache import DeviceCache
@@ -70,18 +72,18 @@ def eviction_reserve_for(num_slots: int, environ: Mapping[str, str] | None = Non
     the environment's ``NSA_DEV_CACHE_SIZE``. The reserve comes from the process's
     settings (parsed once, by register()), or from ``environ`` when given (tests)."""
     if environ is None:
-        reserve = settings().eviction_reserve
+        asked = settings().eviction_reserve
     else:
-        reserve = EchoSettings.from_env({**environ, ENV_DEV_CACHE: str(num_slots)}).eviction_reserve
-    config = EchoConfig(dev_cache_size=num_slots, eviction_reserve=reserve)
-    if config.eviction_reserve > num_slots // 2:
+        asked = EchoSettings.from_env({**environ, ENV_DEV_CACHE: str(num_slots)}).eviction_reserve
+    reserve = eviction_reserve_in_force(num_slots, asked)
+    if reserve > max_eviction_reserve(num_slots):
         raise ConfigError(
-            f"{ENV_EVICTION_RESERVE}={config.eviction_reserve} would keep more than half of "
+            f"{ENV_EVICTION_RESERVE}={reserve} would keep more than half of "
             f"the {num_slots} device slots ({ENV_DEV_CACHE}) free after each eviction; use "
-            f"at most {num_slots // 2} (a few thousand is plenty), or unset it for the "
-            f"default ({EchoConfig(dev_cache_size=num_slots).eviction_reserve})."
+            f"at most {max_eviction_reserve(num_slots)} (a few thousand is plenty), or unset "
+            f"it for the default ({default_eviction_reserve(num_slots)})."
         )
-    return config.eviction_reserve
+    return reserve
 
 
 class ExternalRowsCache(DeviceCache):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_echo.config import ENV_DEV_CACHE, ConfigError
+from sglang_echo.config import ENV_DEV_CACHE, ConfigError, dev_cache_for, max_running
 from sglang_echo.kernels.topk_rows import host_ids, host_ids_reference, rows, rows_reference
 from sglang_echo.offload.manager import EchoManager
 
@@ -60,8 +60,9 @@ class TopkToRows:
         self.top_k = top_k
         self.out = out
         # One decode step selects at most rows x top-k tokens per layer, and they must all
-        # be resident at once; the plugin's arguments bound the running requests by this.
-        self.max_rows = manager.cache.num_slots // top_k
+        # be resident at once (config.max_running, the capacity rule); the plugin's
+        # arguments bound the running requests by the same rule.
+        self.max_rows = max_running(manager.cache.num_slots, top_k)
         if self.max_rows < 1:
             raise ValueError(
                 f"the ECHO device cache ({manager.cache.num_slots} slots) cannot hold one "
@@ -79,7 +80,7 @@ class TopkToRows:
                 f"sglang-echo: this decode batch has {num_reqs} requests, but the ECHO "
                 f"device cache holds one step's selections of at most {ENV_DEV_CACHE} "
                 f"{n_g} // top-k {self.top_k} = {self.max_rows} requests; set "
-                f"{ENV_DEV_CACHE} >= {num_reqs * self.top_k}, or lower "
+                f"{ENV_DEV_CACHE} >= {dev_cache_for(num_reqs, self.top_k)}, or lower "
                 f"--max-running-requests to <= {self.max_rows} per attention-DP rank."
             )
 

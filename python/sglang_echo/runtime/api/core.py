@@ -40,8 +40,8 @@ class EventMailbox:
     Why: the engine thread emits an event per running request per decode step. One
     ``call_soon_threadsafe`` per event writes the loop's self-pipe and wakes its thread each
     time, which then contends for the GIL with the engine thread in the middle of its step
-    (through the server, ECHO's decode phase waited ~5 ms a step beyond its CPU time at a
-    batch of ~15). Here events queue under a lock, only the first of a burst wakes the
+    (through the server, ECHO's decode phase waited milliseconds a step beyond its CPU
+    time at a mid-size batch). Here events queue under a lock, only the first of a burst wakes the
     loop, and the loop hands the whole burst to the streams' queues, in order.
     """
 
