@@ -66,14 +66,14 @@ def _serve_all(serving, prompts) -> tuple[list[list[int]], dict]:
         outs = asyncio.run(go())
 
         def read(sched):
-            tel = getattr(sched.steps.kv_cache, "telemetry", None)
+            tel = sched.steps.kv_cache.telemetry()  # None: the plain pool
             return {
                 "prefill_steps": sched.stats.prefill_steps,
                 "prompt_tokens": sched.stats.prompt_tokens,
                 "free_tokens": sched.steps.allocator.num_free,
                 "free_rows": sched.steps.table.num_free_rows,
                 "live": len(sched.live),
-                "evictions": int(sum(tel()["evictions"])) if tel else 0,
+                "evictions": int(sum(tel["evictions"])) if tel else 0,
             }
 
         state = app.state.engine.call(read).result(timeout=60)

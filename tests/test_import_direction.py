@@ -9,10 +9,12 @@ package root such as ``config`` or ``launch_server``):
 - ``kernels/`` uses only itself, the standard library, torch and triton (numpy for the
   interpreter shim in ``kernels/sparse_mla.py``, flashinfer for the optional peer top-k):
   nothing above it (offload, model, runtime, sglang, bench, config...).
-- ``offload/`` uses kernels, config, itself, the standard library and torch: no model, no
-  runtime, no sglang, no upstream SGLang.
-- ``model/`` imports no runtime, no plugin (``sglang/``, ``plugin``), no serving-benchmark
-  client (``bench/``) and no CLI.
+- ``offload/`` uses kernels, config, itself, the standard library and torch, and of the
+  model only the contract it implements (``model/kv_cache.py``: the ``KVCache`` base;
+  ``model/selection_hooks.py``): no model code, no runtime, no sglang, no upstream SGLang.
+- ``model/`` imports no offload (not even for type checking: it owns the contract that
+  offload implements), no runtime, no plugin (``sglang/``, ``plugin``), no
+  serving-benchmark client (``bench/``) and no CLI.
 - ``runtime/`` and ``sglang/`` import neither each other nor the benchmark client or CLIs.
 - ``bench/`` (the serving-benchmark client, a user tool) imports none of the engine.
 - Nothing in the package imports the repository's ``benchmark/``, ``research/`` or
@@ -60,8 +62,13 @@ def _p(*units: str) -> tuple[str, ...]:
 
 RULES = {
     "kernels": Rule(_p("kernels"), frozenset({"torch", "triton", "numpy", "flashinfer"})),
-    "offload": Rule(_p("kernels", "config", "offload"), frozenset({"torch"})),
-    "model": Rule(forbidden=("runtime", "sglang", "plugin", "bench", *CLIS)),
+    # offload/ implements the model's declared contract (model/kv_cache.py, the KVCache
+    # base; model/selection_hooks.py) and nothing else of the model.
+    "offload": Rule(
+        _p("kernels", "config", "offload", "model.kv_cache", "model.selection_hooks"),
+        frozenset({"torch"}),
+    ),
+    "model": Rule(forbidden=("offload", "runtime", "sglang", "plugin", "bench", *CLIS)),
     "runtime": Rule(forbidden=("sglang", "plugin", "bench", *CLIS)),
     "sglang": Rule(forbidden=("runtime", "bench", *CLIS)),
     "bench": Rule(forbidden=("kernels", "offload", "model", "runtime", "sglang", "plugin")),
@@ -282,7 +289,15 @@ _UPWARD = {
         "import importlib\nm = importlib.import_module('sglang_echo.model.indexer')\n",
     ),
     "kernels: another library": ("kernels", "import transformers\n"),
-    "offload: model": ("offload", "from sglang_echo.model.kv_cache import KVCache\n"),
+    "offload: the model's code": (
+        "offload",
+        "from sglang_echo.model.attention import MLAttention\n",
+    ),
+    "model: offload, type checking only (model/indexer.py before issue 51)": (
+        "model",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from sglang_echo.offload.decode_prefetcher import DecodePrefetcher\n",
+    ),
     "offload: runtime, lazily": (
         "offload",
         "def f():\n    from sglang_echo.runtime.step_runner import StepRunner\n",
@@ -323,7 +338,11 @@ def test_checker_accepts_what_the_rules_allow():
         "from .indexer import fp8_index_logits\n"
     )
     assert violations(PACKAGE_ROOT / "kernels" / "example.py", kernels) == []
-    offload = "from sglang_echo.config import EchoConfig\nfrom sglang_echo.kernels import alloc\n"
+    offload = (
+        "from sglang_echo.config import EchoConfig\nfrom sglang_echo.kernels import alloc\n"
+        "from sglang_echo.model.kv_cache import KVCache\n"
+        "from sglang_echo.model.selection_hooks import DecodeSelectionHooks\n"
+    )
     assert violations(PACKAGE_ROOT / "offload" / "example.py", offload) == []
     model = "from sglang_echo.kernels import topk\nfrom sglang_echo.model.kv_cache import KVCache\n"
     assert violations(PACKAGE_ROOT / "model" / "example.py", model) == []

@@ -70,7 +70,7 @@ def resolve_chunk(
 def kv_storage_dtype(kv_cache: KVCache, q: torch.Tensor) -> torch.dtype:
     """The dtype the pool keeps KV rows in: its row buffer's (uint8 for fp8 rows); the
     query's for a backend that does not say."""
-    return getattr(kv_cache, "kv_dtype", None) or q.dtype
+    return kv_cache.kv_dtype or q.dtype
 
 
 def gather_selected(
@@ -144,7 +144,7 @@ def resolve_beside(
     absorption (weight-bound GEMMs) run on the main stream, so at low load the resolve
     costs little more than its join. None: resolve in place, on the current stream. The
     same kernels run in the same order on each stream, so the bits do not change."""
-    if not (is_decode and selected.is_cuda and getattr(kv_cache, "resolve_beside", False)):
+    if not (is_decode and selected.is_cuda and kv_cache.resolve_beside):
         return None
     side = _SIDE_STREAMS.get(selected.device)
     if side is None:
@@ -216,9 +216,9 @@ class MLAttention(nn.Module):
         )
         iq, iw = self.indexer.project_query(hidden, q_resid, cos, sin)
         keys = kv_cache.index_keys(layer_id)
-        # ECHO's decode and prefill prefetch, when on (optional attributes of the backend).
-        prefetch = getattr(kv_cache, "decode_prefetch", None)
-        extend_prefetch = getattr(kv_cache, "prefill_prefetch", None)
+        # ECHO's decode and prefill prefetch, when on (None otherwise: KVCache).
+        prefetch = kv_cache.decode_prefetch
+        extend_prefetch = kv_cache.prefill_prefetch
         if prefetch is None and extend_prefetch is None:
             # The plain call (hooks such as topk/tracer.py wrap it).
             selected = self.indexer.select(iq, iw, keys, batch)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +26,7 @@ from sglang_echo.kernels.topk_flashinfer import topk_positions_flashinfer, use_f
 from sglang_echo.model.config import DeepseekV32Config, fp8_row_bytes
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.rope import apply_rope_half
-
-if TYPE_CHECKING:  # the model only calls it; offload/ is not a dependency of model/
-    from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
-    from sglang_echo.offload.prefill_prefetcher import PrefillPrefetcher
+from sglang_echo.model.selection_hooks import DecodeSelectionHooks, PrefillSelectionHooks
 
 FP8_E4M3_MAX = 448.0
 # Largest [queries x heads x keys] float32 score block materialized at once (elements).
@@ -222,12 +218,12 @@ class LightningIndexer(nn.Module):
         weights: torch.Tensor,
         all_keys: torch.Tensor,
         batch: ForwardBatch,
-        prefetch: DecodePrefetcher | None,
+        prefetch: DecodeSelectionHooks | None,
         layer: int,
     ) -> torch.Tensor:
         """One query per request; context padded to the table width: fixed shapes only.
         Returns top-k positions [B, 1, topk]. With ``prefetch`` (the chunked staged
-        design, offload/decode_prefetcher.py) each chunk of scores is handed to it as soon
+        design, model/selection_hooks.py; ECHO implements it) each chunk of scores is handed to it as soon
         as it is computed, so its likely misses start moving while the next chunks and the
         top-k run, and its thresholds learn the step's k-th scores from the top-k."""
         ctx = batch.context_locs
@@ -266,9 +262,9 @@ class LightningIndexer(nn.Module):
         weights: torch.Tensor,
         all_keys: torch.Tensor,
         batch: ForwardBatch,
-        prefetch: DecodePrefetcher | None = None,
+        prefetch: DecodeSelectionHooks | None = None,
         layer: int = 0,
-        extend_prefetch: PrefillPrefetcher | None = None,
+        extend_prefetch: PrefillSelectionHooks | None = None,
     ) -> torch.Tensor:
         """Top-k token locations [T, topk] (-1 none) for every query token of the batch.
 

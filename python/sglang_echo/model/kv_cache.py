@@ -10,7 +10,8 @@ per-layer device cache and the slots it has just made resident. Model code is id
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 
@@ -18,14 +19,36 @@ from sglang_echo.kernels.fp8_kv import encode_kv_rows
 from sglang_echo.model.config import DeepseekV32Config
 
 
-@runtime_checkable
-class KVCache(Protocol):
-    """Token locations are ints in [1, capacity]; location 0 is a padding sink."""
+class KVCache:
+    """The contract between the model (and the runtime that drives it) and KV storage: the
+    whole lifecycle a backend may take part in, declared here once. ``write``,
+    ``index_keys`` and ``resolve`` are what every backend must do; every other method has
+    the plain pool's behaviour as its default (nothing to do), so callers call them
+    unconditionally instead of probing a backend for optional attributes.
+
+    Token locations are ints in [1, capacity]; location 0 is a padding sink."""
 
     num_layers: int
     kv_row_dim: int
     index_dim: int
+    # The decode resolve may run on a side stream beside the query's up-projection
+    # (model/attention.py: resolve_beside).
+    resolve_beside: bool = False
+    # A decode step can be captured in a CUDA graph (False: the backend's host pool is
+    # not device-addressable, so its recall cannot be captured).
+    graph_safe: bool = True
+    # An arriving prompt's writes change bytes and nothing else (no maps), so a transfer
+    # may launch them from another thread beside the decode steps.
+    fills_prompt_in_place: bool = False
+    # An arriving prompt is written by ``fill_prompt`` (into the slots ``reserve_prompt``
+    # gave, the host rows laid out by extents); otherwise by ``write_prompt``.
+    fill_takes_extents: bool = False
+    # The indexer's selection hooks for a decode step (ECHO's staged prefetch) and for a
+    # prefill chunk (its histogram prefetch), or None: model/indexer.py.
+    decode_prefetch: Any = None
+    prefill_prefetch: Any = None
 
+    # ------------------------------------------------------------ the model, per layer
     def write(
         self,
         layer: int,
@@ -41,9 +64,11 @@ class KVCache(Protocol):
         device cache may keep them out of it until a top-k selects them; ``resolve`` must
         still return their rows then.
         """
+        raise NotImplementedError
 
     def index_keys(self, layer: int) -> torch.Tensor:
         """Indexer keys of every token location: [capacity + 1, index_dim], on the device."""
+        raise NotImplementedError
 
     def resolve(
         self, layer: int, locs: torch.Tensor, distinct: bool = False
@@ -55,16 +80,89 @@ class KVCache(Protocol):
         per request, and requests never share a location here); a backend may save work
         on it, and must stay correct if the promise is wrong.
         """
+        raise NotImplementedError
 
     def max_resolve_queries(self, topk: int) -> int:
         """How many queries' selections one ``resolve`` call may carry (its union must fit)."""
+        return 1 << 30
 
+    @property
+    def kv_dtype(self) -> torch.dtype | None:
+        """What the KV rows are stored as (uint8: fp8 rows); None: the query's dtype."""
+        return None
+
+    # ------------------------------------------------------------ the runtime
     def release(self, locs: torch.Tensor) -> None:
         """Token locations ``locs`` are being freed: forget any state tied to them."""
 
+    def bind_request_rows(self, max_rows: int) -> None:
+        """Per-request state is sized by the request table, once, before any step."""
 
-class PlainKVCache:
+    def admit_row(self, row: int) -> None:
+        """A new request takes request-table row ``row``: reset what the row carried."""
+
+    def note_owner(self, rows: torch.Tensor | int, locs: torch.Tensor) -> None:
+        """Token locations ``locs`` belong to the requests of table rows ``rows`` (a row
+        per location, or one row for all): a backend partitioned by request learns it."""
+
+    def before_decode_step(self) -> None:
+        """Called before each decode step (it may pick the step's prefetch mode)."""
+
+    def after_decode_step(self) -> None:
+        """Called after each decode step was launched."""
+
+    def decode_prefetch_modes(self) -> tuple[bool, ...]:
+        """The decode-prefetch modes a step can take (a CUDA graph per batch size and mode)."""
+        return (False,)
+
+    def forced_decode_prefetch(self, on: bool) -> AbstractContextManager[None]:
+        """Steps inside run with the decode prefetch ``on`` (start-up capture)."""
+        return nullcontext()
+
+    def checkpoint(self) -> Any:
+        """The backend's small state, to put back after start-up capture (``restore()``),
+        or None when it has none."""
+        return None
+
+    def abandon_step(self) -> None:
+        """A captured step failed midway: drop what it left pending."""
+
+    def telemetry(self) -> dict | None:
+        """Counters for the server's metrics (reads the device), or None."""
+        return None
+
+    # ------------------------------------------------------------ arriving prompts
+    def write_prompt(
+        self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
+    ) -> None:
+        """A whole prompt's rows at ``locs``; by default as a prefill writes them."""
+        self.write(layer, locs, kv_rows, index_keys)
+
+    def reserve_prompt(self, locs: torch.Tensor) -> torch.Tensor | None:
+        """Device slots for an arriving prompt, per layer, or None (nothing to reserve)."""
+        return None
+
+    def fill_prompt(
+        self,
+        layer: int,
+        locs: torch.Tensor,
+        kv_rows: torch.Tensor,
+        index_keys: torch.Tensor,
+        slots: torch.Tensor | None,
+        extents: Any,
+    ) -> None:
+        """An arriving prompt's bytes, for ``fill_takes_extents`` backends: by default as
+        ``write_prompt``, ignoring the reserved slots and the host extents."""
+        self.write_prompt(layer, locs, kv_rows, index_keys)
+
+    def unpin_prompt(self, slots: torch.Tensor | None) -> None:
+        """An arrived prompt's reserved slots may be evicted from now on."""
+
+
+class PlainKVCache(KVCache):
     """No-offload: every token's rows for every layer stay on the model's device."""
+
+    fills_prompt_in_place = True  # its write is index copies into its own buffers
 
     def __init__(
         self,
@@ -139,12 +237,6 @@ class PlainKVCache:
         self, layer: int, locs: torch.Tensor, distinct: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[layer], locs
-
-    def max_resolve_queries(self, topk: int) -> int:
-        return 1 << 30
-
-    def release(self, locs: torch.Tensor) -> None:
-        return None
 
     def stats(self) -> dict:
         return {"backend": "no-offload", "kv_bytes": self.nbytes}

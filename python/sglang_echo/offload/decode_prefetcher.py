@@ -29,6 +29,7 @@ from sglang_echo.kernels.decode_stage import (
     stage_select_reference,
     update_thresholds_from_topk,
 )
+from sglang_echo.model.selection_hooks import DecodeSelectionHooks
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.predictor import DecodeThresholdPredictor
 
@@ -44,7 +45,7 @@ DEFAULT_STAGE_CHUNKS = 2
 STAGE_STREAM_PRIORITY = -10
 
 
-class DecodePrefetcher:
+class DecodePrefetcher(DecodeSelectionHooks):
     def __init__(
         self,
         manager: EchoManager,

@@ -14,6 +14,7 @@ import torch
 
 from sglang_echo.config import EchoConfig, max_running
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
+from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_extents import HostExtents
@@ -24,7 +25,12 @@ from sglang_echo.offload.prefill_prefetcher import PrefillPrefetcher
 from sglang_echo.offload.state_checkpoint import StateCheckpoint
 
 
-class EchoKVCache:
+class EchoKVCache(KVCache):
+    # An arriving prompt's bytes go to its host rows and reserved slots (fill_prompt):
+    # index copies only, so a transfer's own thread may launch them.
+    fills_prompt_in_place = True
+    fill_takes_extents = True
+
     def __init__(
         self,
         config: EchoConfig,
@@ -225,6 +231,11 @@ class EchoKVCache:
         placed rows become ordinary residents of the oldest priority."""
         if slots is not None:
             self.manager.unpin_prompt(slots)
+
+    @property
+    def graph_safe(self) -> bool:
+        """A decode step captures in a CUDA graph only over a device-addressable host pool."""
+        return self.manager.graph_safe
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -26,6 +26,7 @@ import torch
 
 from sglang_echo.config import settings
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
+from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.state_checkpoint import StateCheckpoint
 
@@ -33,7 +34,7 @@ ABSENT = -1
 DEFAULT_DEVICE_BUFFER_SIZE = 4096  # HiSparse's default device_buffer_size
 
 
-class HiSparseKVCache:
+class HiSparseKVCache(KVCache):
     def __init__(
         self,
         num_layers: int,
@@ -121,11 +122,13 @@ class HiSparseKVCache:
         )
 
     # --------------------------------------------------------------- writes
-    def note_owner(self, rows: torch.Tensor, locs: torch.Tensor) -> None:
-        """Token locations ``locs`` [T] now belong to request-table rows ``rows`` [T]."""
-        self.owner.index_copy_(
-            0, locs.to(self.device, torch.int64), rows.to(self.device, torch.int64)
-        )
+    def note_owner(self, rows: torch.Tensor | int, locs: torch.Tensor) -> None:
+        """Token locations ``locs`` [T] now belong to request-table rows ``rows`` [T] (or
+        all to the one row ``rows``)."""
+        locs = locs.to(self.device, torch.int64)
+        if isinstance(rows, int):
+            rows = torch.full_like(locs, rows)
+        self.owner.index_copy_(0, locs, rows.to(self.device, torch.int64))
 
     def _write_host(self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor) -> None:
         if self.host_view is not None:

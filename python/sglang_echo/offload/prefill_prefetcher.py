@@ -24,11 +24,12 @@ from sglang_echo.kernels.prefill_prefetch import (
     prefill_prefetch,
     prefill_prefetch_reference,
 )
+from sglang_echo.model.selection_hooks import PrefillSelectionHooks
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.predictor import PrefillOffsetPredictor
 
 
-class PrefillPrefetcher:
+class PrefillPrefetcher(PrefillSelectionHooks):
     def __init__(self, manager: EchoManager, max_rows: int, alpha: float = 0.5) -> None:
         self.manager = manager
         self.offsets = [

@@ -167,7 +167,7 @@ class CudaGraphDecodeRunner:
     ) -> None:
         if backend is None and not torch.cuda.is_available():
             raise RuntimeError("CUDA graphs need a CUDA device")
-        if getattr(getattr(kv_cache, "manager", None), "graph_safe", True) is False:
+        if not kv_cache.graph_safe:
             raise RuntimeError(
                 "the ECHO host pool is not device-addressable (no pinned UVA view), so a "
                 "decode step cannot be captured; run without CUDA graphs"
@@ -191,8 +191,7 @@ class CudaGraphDecodeRunner:
     def modes(self) -> tuple[bool, ...]:
         """The decode-prefetch modes the backend's steps can take (graph keys' second
         part): off, on, or both under the rule (``auto``)."""
-        modes = getattr(self.kv_cache, "decode_prefetch_modes", None)
-        return tuple(modes()) if modes is not None else (False,)
+        return tuple(self.kv_cache.decode_prefetch_modes())
 
     def capture_all(self, batch_sizes: list[int] | None = None) -> int:
         """Capture every (batch size, mode) before serving, largest batch first; returns
@@ -239,9 +238,7 @@ class CudaGraphDecodeRunner:
         except Exception as exc:  # never a request's failure: that shape runs eagerly
             self.capture_failures += 1
             self.eager_shapes.add(key)
-            abandon = getattr(self.kv_cache, "abandon_step", None)
-            if abandon is not None:
-                abandon()
+            self.kv_cache.abandon_step()
             clear_capture_error(self.device)
             log.warning(
                 "CUDA-graph capture of decode batch size %d (prefetch %s) failed; that shape "
@@ -283,7 +280,7 @@ class CudaGraphDecodeRunner:
             static.request_rows.copy_(batch.request_rows, non_blocking=True)
 
     def key_for(self, bs: int) -> GraphKey:
-        return (bs, getattr(self.kv_cache, "decode_prefetch", None) is not None)
+        return (bs, self.kv_cache.decode_prefetch is not None)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         if not batch.is_decode:

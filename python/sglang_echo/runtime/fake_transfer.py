@@ -39,7 +39,7 @@ import torch
 
 from sglang_echo.kernels.host_copy import upload
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
-from sglang_echo.model.kv_cache import KVCache, PlainKVCache
+from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.offload.host_extents import HostExtents, split_extents
 from sglang_echo.runtime.request import SeqState, ServeRequest, TokenLogprob
 from sglang_echo.runtime.step_runner import StepRunner
@@ -163,14 +163,13 @@ class FakeTransfer:
         first = random.Random(seed).randrange(self.vocab_size)
         first_lp = first_token_logprob(req, first, self.vocab_size)
         transfer = _Transfer(req, first, first_lp, started)
-        reserve = getattr(self.kv_cache, "reserve_prompt", None)
         if self.stream is None:
-            transfer.slots = reserve(loc_t) if reserve is not None else None
+            transfer.slots = self.kv_cache.reserve_prompt(loc_t)
             self._write(loc_t, seed, transfer.slots, locs)
             self._transfers.append(transfer)
             return
         current = torch.cuda.current_stream(self.steps.device)
-        transfer.slots = reserve(loc_t) if reserve is not None else None
+        transfer.slots = self.kv_cache.reserve_prompt(loc_t)
         # The writes start after everything the decode stream has queued: the locations may
         # have been a finished request's, and the slots were reserved there.
         self.stream.wait_stream(current)
@@ -183,24 +182,18 @@ class FakeTransfer:
             transfer.slots.record_stream(self.stream)
         transfer.locs = loc_t
         transfer.done = torch.cuda.Event()
-        if self._writes_data_only():
+        if self.kv_cache.fills_prompt_in_place:
             transfer.job = self._writer.submit(self._write_on_stream, loc_t, seed, transfer, locs)
         else:  # a backend whose write also moves its own maps: launched from this thread
             self._write_on_stream(loc_t, seed, transfer, locs)
         self._transfers.append(transfer)
-
-    def _writes_data_only(self) -> bool:
-        """Whether the prompt's writes change only bytes (ECHO's ``fill_prompt``, the plain
-        pool's ``write``), so another thread may launch them beside the steps."""
-        return hasattr(self.kv_cache, "fill_prompt") or isinstance(self.kv_cache, PlainKVCache)
 
     def _write(
         self, locs: torch.Tensor, seed: int, slots: torch.Tensor | None, host_locs: Sequence[int]
     ) -> None:
         """Every layer's rows and index keys of the prompt at ``locs`` (positions 0..n-1;
         ``host_locs``, the same on the CPU, lay out the host writes: offload/host_extents.py)."""
-        fill = getattr(self.kv_cache, "fill_prompt", None)
-        if fill is None:  # the plain pool (HiSparse-like: its own write_prompt)
+        if not self.kv_cache.fill_takes_extents:  # the plain pool, HiSparse-like
             self.synth.write(self.kv_cache, locs, seed)
             return
         extents = split_extents(host_locs)
@@ -208,7 +201,9 @@ class FakeTransfer:
         n = int(locs.numel())
         for layer in range(self.num_layers):
             kv, keys = self.synth.rows(layer, n, seed)
-            fill(layer, locs, kv, keys, None if slots is None else slots[layer], extents)
+            self.kv_cache.fill_prompt(
+                layer, locs, kv, keys, None if slots is None else slots[layer], extents
+            )
 
     def _write_on_stream(
         self, locs: torch.Tensor, seed: int, transfer: _Transfer, host_locs: Sequence[int]
@@ -237,12 +232,10 @@ class FakeTransfer:
         now = time.perf_counter()
         self.transfers += len(ready)
         self.transfer_s += sum(now - t.started for t in ready)
-        unpin = getattr(self.kv_cache, "unpin_prompt", None)
         for t in ready:  # the decode stream reads these rows from the next step on
             if t.done is not None:
                 torch.cuda.current_stream(self.steps.device).wait_event(t.done)
-            if unpin is not None:
-                unpin(t.slots)
+            self.kv_cache.unpin_prompt(t.slots)
         return [(t.req, t.first_token, t.first_logprob) for t in ready]
 
     def forget(self, req: SeqState) -> None:

@@ -5,7 +5,7 @@ as it was (``preserved``) and pin the decode-prefetch mode of the steps it captu
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 from sglang_echo.model.kv_cache import KVCache
 
@@ -13,8 +13,7 @@ from sglang_echo.model.kv_cache import KVCache
 @contextmanager
 def preserved(kv_cache: KVCache) -> Iterator[None]:
     """The backend's small state (``checkpoint()``) is put back when the block ends."""
-    checkpoint = getattr(kv_cache, "checkpoint", None)
-    saved = checkpoint() if checkpoint is not None else None
+    saved = kv_cache.checkpoint()
     try:
         yield
     finally:
@@ -25,5 +24,4 @@ def preserved(kv_cache: KVCache) -> Iterator[None]:
 def forced_decode_prefetch(kv_cache: KVCache, on: bool):
     """Steps inside the block run with the decode prefetch ``on`` where the backend
     chooses per step; elsewhere a no-op."""
-    force = getattr(kv_cache, "forced_decode_prefetch", None)
-    return force(on) if force is not None else nullcontext()
+    return kv_cache.forced_decode_prefetch(on)

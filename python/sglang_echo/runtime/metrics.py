@@ -53,9 +53,9 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
     if source is not None:
         snap["transfers_total"] = source.transfers
         snap["transfer_seconds_total"] = source.transfer_s
-    telemetry = getattr(kv_cache, "telemetry", None)
+    telemetry = kv_cache.telemetry()
     if telemetry is not None:
-        snap["echo"] = telemetry()
+        snap["echo"] = telemetry
     return snap
 
 

@@ -56,11 +56,7 @@ class StepRunner:
         self._released: list[list[int]] = []  # token locations queued by release_later
         # Per-request state of the KV backend (ECHO's decode-prefetch thresholds) is sized
         # by the request table, once, before any step.
-        bind = getattr(kv_cache, "bind_request_rows", None)
-        if bind is not None:
-            bind(max_requests)
-        # A backend that partitions by request (HiSparse-like) learns each token's owner.
-        self._note_owner = getattr(kv_cache, "note_owner", None)
+        kv_cache.bind_request_rows(max_requests)
         self.staging = DecodeInputStaging(max_requests, self.device)
         self.decode_runner = None
         if use_cuda_graph:
@@ -83,9 +79,7 @@ class StepRunner:
     # ------------------------------------------------------------- lifecycle
     def admit(self, req: SeqState) -> None:
         req.row = self.table.alloc_row()
-        admit_row = getattr(self.kv_cache, "admit_row", None)
-        if admit_row is not None:
-            admit_row(req.row)
+        self.kv_cache.admit_row(req.row)
 
     def release(self, req: SeqState) -> None:
         """Return the request's token locations (and ECHO's slots for them) and its row."""
@@ -180,8 +174,7 @@ class StepRunner:
             dst, src = both.split(len(carried.rows))
             ids_t.index_copy_(0, dst, carried.tokens.index_select(0, src))
         self.table.assign_next_on_device(rows_t, pos_t, locs_t, max(positions))
-        if self._note_owner is not None:
-            self._note_owner(rows_t, locs_t)
+        self.kv_cache.note_owner(rows_t, locs_t)
         for req, loc in zip(active, out_locs, strict=True):
             req.locs.append(loc)
             req.cached_len += 1
@@ -197,16 +190,12 @@ class StepRunner:
             request_rows=rows_t,
         )
         # ECHO's decode prefetch under auto picks this step's mode (and graph) here.
-        before = getattr(self.kv_cache, "before_decode_step", None)
-        if before is not None:
-            before()
+        self.kv_cache.before_decode_step()
         if self.decode_runner is not None:
             logits = self.decode_runner(batch)
         else:
             logits = self.model(batch, self.kv_cache)
-        after = getattr(self.kv_cache, "after_decode_step", None)
-        if after is not None:
-            after()
+        self.kv_cache.after_decode_step()
         return logits
 
     def place(self, req: SeqState, start: int, locs: Sequence[int]) -> torch.Tensor:
@@ -217,8 +206,7 @@ class StepRunner:
         on_device = int64_tensor(locs, self.device)  # for the table and the owner
         self.table.assign(req.row, start, on_device)
         req.locs.extend(locs)
-        if self._note_owner is not None:
-            self._note_owner(torch.full_like(on_device, req.row), on_device)
+        self.kv_cache.note_owner(req.row, on_device)
         return on_device
 
     # --------------------------------------------------------------- helpers

@@ -147,7 +147,6 @@ class SyntheticKV:
         0..n-1 in order) into every layer: ECHO's ``write_prompt`` (host rows + device
         index keys, no device slots) where the backend has it, else ``write`` (the plain
         pool's device rows)."""
-        write = getattr(kv_cache, "write_prompt", None) or kv_cache.write
         for layer in range(self.config.num_hidden_layers):
             kv, keys = self.rows(layer, int(locs.numel()), seed)
-            write(layer, locs, kv, keys)
+            kv_cache.write_prompt(layer, locs, kv, keys)
