@@ -240,7 +240,7 @@ def test_the_step_scope_wraps_sglangs_result_processing():
         SchedulerBatchResultProcessor,
     )
 
-    from sglang_echo.sglang.coordinator import release_finished_together
+    from sglang_echo.sglang.step_release import release_finished_together
 
     live_node(1, kernels=False)  # a coordinator exists in this process
     for name in ("decode", "prefill", "prebuilt"):

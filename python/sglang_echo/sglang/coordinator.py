@@ -19,7 +19,8 @@ Device rows (one row-index space shared by all layers, HiSparseDSATokenToKVPool)
 
 Finished requests release their host ids from ECHO's cache together: sglang processes a
 step's results (``SchedulerBatchResultProcessor.process_batch_result_*``) inside a scope
-the coordinator opens (an AROUND hook registered when the first coordinator is built), and
+the coordinator opens (step_release.py: an AROUND hook registered when the first
+coordinator is built), and
 the host ids of every request finished in it are unmapped from every layer in one
 ``EchoManager.release`` when it closes, then given back to the host pool. Finishes outside
 a step's processing (aborts, retraction, transfer failures) release at once.
@@ -54,6 +55,7 @@ from sglang_echo.sglang.pool_layout import (
 )
 from sglang_echo.sglang.prefill_budget import EchoPrefillBudget
 from sglang_echo.sglang.retraction import install_retraction
+from sglang_echo.sglang.step_release import install_step_release
 from sglang_echo.sglang.storage import (
     ExternalHostRows,
     ExternalRowsCache,
@@ -63,54 +65,6 @@ from sglang_echo.sglang.storage import (
 from sglang_echo.sglang.topk_resolve import TopkToRows
 
 logger = logging.getLogger(__name__)
-
-# sglang's processing of one step's results: where its scheduler finishes requests.
-RESULT_PROCESSOR = (
-    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
-)
-STEP_RESULT_TARGETS = tuple(
-    f"{RESULT_PROCESSOR}.{name}"
-    for name in (
-        "process_batch_result_decode",
-        "process_batch_result_prefill",
-        "process_batch_result_prebuilt",
-    )
-)
-_step_release_installed = False
-
-
-def release_finished_together(original, processor, *args, **kwargs):
-    """AROUND sglang's processing of one step's results: the host ids of every request it
-    finishes are released from ECHO's cache in one call when it returns."""
-    coordinator = getattr(processor, "hisparse_coordinator", None)
-    if not isinstance(coordinator, EchoCoordinator):
-        return original(processor, *args, **kwargs)
-    with coordinator.one_release_per_step():
-        return original(processor, *args, **kwargs)
-
-
-def install_step_release() -> None:
-    """Register ``release_finished_together`` on sglang's result processing, once per
-    process (the coordinator is built after the plugin's hooks were applied, so they are
-    applied again; targets already patched are skipped). If sglang cannot apply it (it
-    only logs that), finished requests release one at a time: slower, equally correct."""
-    global _step_release_installed
-    if _step_release_installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
-
-    source = HookSource(plugin_name="echo", dist_name="sglang-echo")
-    for target in STEP_RESULT_TARGETS:
-        HookRegistry.register(target, release_finished_together, HookType.AROUND, source=source)
-    HookRegistry.apply_hooks()
-    _step_release_installed = True
-    missing = [t for t in STEP_RESULT_TARGETS if t not in HookRegistry._patched]
-    if missing:
-        logger.warning(
-            "sglang-echo: could not wrap %s; finished requests release their host ids one "
-            "request at a time (correct, one release launch per request).",
-            ", ".join(missing),
-        )
 
 
 def echo_settings() -> dict:
@@ -245,7 +199,7 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         # many of its tokens the host pool holds (a retraction keeps those: kept_rows.py).
         self._host_len: dict[int, int] = {}
         self.kept_rows = KeptRows(self)
-        install_step_release()
+        install_step_release(EchoCoordinator)
         install_retraction()
         # SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1: stage predicted misses from sglang's own
         # indexer logits while its top-k runs (sglang/decode_prefetch.py).
