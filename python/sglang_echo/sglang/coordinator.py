@@ -20,10 +20,10 @@ Device rows (one row-index space shared by all layers, HiSparseDSATokenToKVPool)
 Finished requests release their host ids from ECHO's cache together: sglang processes a
 step's results (``SchedulerBatchResultProcessor.process_batch_result_*``) inside a scope
 the coordinator opens (step_release.py: an AROUND hook registered when the first
-coordinator is built), and
-the host ids of every request finished in it are unmapped from every layer in one
-``EchoManager.release`` when it closes, then given back to the host pool. Finishes outside
-a step's processing (aborts, retraction, transfer failures) release at once.
+coordinator is built), and the host ids of every request finished in it are unmapped from
+every layer in one ``EchoManager.release`` when it closes, then given back to the host
+pool. Finishes outside a step's processing (aborts, retraction, transfer failures)
+release at once.
 
 Imports sglang: loaded only by ``sglang_echo.sglang.install`` when ``NSA_KV_OFFLOAD=1``.
 """
