@@ -1313,7 +1313,7 @@ def check_sizing(args: list[str]) -> object:
     """The plugin's start-up sizing (sglang/sizing.py) of fp8 DeepSeek-V3.2 (its published
     config.json, benchmark/configs/) as a PD decode node under DP attention on 8 GPUs of
     ``gpu_gib`` each, at ``fraction`` (sglang's --mem-fraction-static)."""
-    from sglang_echo.sglang import sizing
+    from sglang_echo.sglang import sizing, sizing_budget, sizing_weights
 
     kw = _words(args)
     config = json.loads((Path(__file__).parent / "configs/deepseek-v3.2.json").read_text())
@@ -1322,8 +1322,8 @@ def check_sizing(args: list[str]) -> object:
         config["num_hidden_layers"], sizing.kv_row_bytes(config, fp8=True),
         sizing.index_row_bytes(config), config["max_position_embeddings"],
     )  # fmt: skip
-    weights = sizing.weight_bytes(config, sizing.Parallel(8, 8))
-    budget = sizing.Budget(int(kw["gpu_gib"] * 2**30), kw["fraction"], weights, 8)
+    weights = sizing_weights.weight_bytes(config, sizing_weights.Parallel(8, 8))
+    budget = sizing_budget.Budget(int(kw["gpu_gib"] * 2**30), kw["fraction"], weights, 8)
     result = sizing.check(sizes, shape, budget)
     if not result.fits:
         raise ValueError(result.message())

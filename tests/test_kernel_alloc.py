@@ -202,10 +202,10 @@ def test_resolve_after_long_idle_uses_the_log_buckets(path: str) -> None:
 def test_lane_counts_of_any_size_reuse_one_compiled_variant(monkeypatch) -> None:
     """Prefill appends and resolves come in every size: a new lane count must not compile
     a new kernel variant mid-serving (once seconds per call, seen as 1.4 s decode stalls)."""
-    from sglang_echo.kernels import alloc_lookback
+    from sglang_echo.kernels import alloc_lookback, alloc_one_program
 
     kernels = (alloc._lookup_kernel, alloc._count_kernel, alloc._rank_kernel)
-    kernels += (alloc._assign_kernel, alloc._finish_kernel, alloc._one_program_kernel)
+    kernels += (alloc._assign_kernel, alloc._finish_kernel, alloc_one_program._one_program_kernel)
     kernels += (alloc_lookback._lookup_rank_kernel, alloc_lookback._map_misses_kernel)
     cache = DeviceCache(1, 4096, 1 << 16, 4, torch.float32, DEV)
     # Both paths: up to 1024 lanes one program, past it the pipeline and the look-back.

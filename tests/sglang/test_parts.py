@@ -19,7 +19,8 @@ from sglang_echo.kernels.topk_rows import RING
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
-from sglang_echo.sglang.args import check_resolved, plan_echo
+from sglang_echo.sglang.args import plan_echo
+from sglang_echo.sglang.args_sizing import check_resolved
 from sglang_echo.sglang.storage import (
     ExternalHostRows,
     ExternalRowsCache,

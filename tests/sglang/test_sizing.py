@@ -44,7 +44,7 @@ plugin_testenv.require_sglang()
 import numpy as np  # noqa: E402
 
 from sglang_echo.config import default_eviction_reserve  # noqa: E402
-from sglang_echo.sglang import sizing  # noqa: E402
+from sglang_echo.sglang import sizing, sizing_budget, sizing_weights  # noqa: E402
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
@@ -372,7 +372,9 @@ def test_totals_at_real_sizes(fp8, node):
 )
 def test_weights_are_the_checkpoint_tensors(model, tp, attn_dp):
     config = CONFIGS[model]
-    got = sizing.weight_bytes(config, sizing.Parallel(tp_size=tp, attn_dp_size=attn_dp))
+    got = sizing_weights.weight_bytes(
+        config, sizing_weights.Parallel(tp_size=tp, attn_dp_size=attn_dp)
+    )
     assert got.total == weights_per_gpu(config, tp, attn_dp)
 
 
@@ -452,7 +454,7 @@ def write_small_checkpoint(folder: Path, config: dict) -> dict:
         weight_map.update(dict.fromkeys(part, shard))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / sizing.INDEX_FILE).write_text(json.dumps(index))
+    (folder / sizing_weights.INDEX_FILE).write_text(json.dumps(index))
     (folder / "config.json").write_text(json.dumps(config))
     return index
 
@@ -471,8 +473,8 @@ def test_weights_from_the_checkpoint_index(tmp_path, tp, attn_dp, dense_tp):
 
     config = {**MODEL_CONFIG, "num_nextn_predict_layers": 1}
     index = write_small_checkpoint(tmp_path, config)
-    parallel = sizing.Parallel(tp_size=tp, attn_dp_size=attn_dp, moe_dense_tp_size=dense_tp)
-    got = sizing.checkpoint_weight_bytes(tmp_path, config, parallel)
+    parallel = sizing_weights.Parallel(tp_size=tp, attn_dp_size=attn_dp, moe_dense_tp_size=dense_tp)
+    got = sizing_weights.checkpoint_weight_bytes(tmp_path, config, parallel)
     assert got is not None and got.source == "the checkpoint's model.safetensors.index.json"
 
     parts: dict[str, int] = {}
@@ -500,37 +502,37 @@ def test_weights_from_the_checkpoint_index(tmp_path, tp, attn_dp, dense_tp):
     want = sum(-(-nbytes // ways.get(part, 1)) for part, nbytes in parts.items())
     assert got.total == want
     assert got.routed_experts == -(-parts["routed"] // tp)
-    assert got.total == sizing.weight_bytes(config, parallel).total  # the two paths agree
+    assert got.total == sizing_weights.weight_bytes(config, parallel).total  # the two paths agree
 
 
 def test_index_weights_fall_back_to_config(tmp_path, caplog):
     """Without an index, with a shard missing, with an index that does not add up, or
     with online quantization (stored bytes are not loaded bytes): config.json's estimate,
-    through the launcher's own choice (args.weights_of)."""
+    through the launcher's own choice (args_sizing.weights_of)."""
     from test_plugin_args import MODEL_CONFIG
 
-    from sglang_echo.sglang.args import weights_of
+    from sglang_echo.sglang.args_sizing import weights_of
 
     config = {**MODEL_CONFIG, "num_nextn_predict_layers": 1}
-    parallel = sizing.Parallel(8, 8)
-    estimate = sizing.weight_bytes(config, parallel)
+    parallel = sizing_weights.Parallel(8, 8)
+    estimate = sizing_weights.weight_bytes(config, parallel)
     assert weights_of(str(tmp_path), config, parallel, None) == estimate  # no index
     assert weights_of("org/hub-name", config, parallel, None) == estimate  # not a folder
     index = write_small_checkpoint(tmp_path, config)
     from_index = weights_of(str(tmp_path), config, parallel, None)
     assert from_index.source != estimate.source and from_index.total == estimate.total
     online = weights_of(str(tmp_path), config, parallel, "fp8")
-    assert online == sizing.weight_bytes(config, parallel, "fp8") and online != from_index
+    assert online == sizing_weights.weight_bytes(config, parallel, "fp8") and online != from_index
     index["metadata"]["total_size"] += 1
-    (tmp_path / sizing.INDEX_FILE).write_text(json.dumps(index))
-    with pytest.raises(sizing.UnknownWeights, match="total_size"):
-        sizing.checkpoint_weight_bytes(tmp_path, config, parallel)
+    (tmp_path / sizing_weights.INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(sizing_weights.UnknownWeights, match="total_size"):
+        sizing_weights.checkpoint_weight_bytes(tmp_path, config, parallel)
     assert weights_of(str(tmp_path), config, parallel, None) == estimate
     assert "estimating the weights from config.json" in caplog.text
     index["metadata"]["total_size"] -= 1
-    (tmp_path / sizing.INDEX_FILE).write_text(json.dumps(index))
+    (tmp_path / sizing_weights.INDEX_FILE).write_text(json.dumps(index))
     (tmp_path / "model-00002-of-00003.safetensors").unlink()
-    assert sizing.checkpoint_weight_bytes(tmp_path, config, parallel) is None
+    assert sizing_weights.checkpoint_weight_bytes(tmp_path, config, parallel) is None
     assert weights_of(str(tmp_path), config, parallel, None) == estimate
 
 
@@ -542,15 +544,15 @@ def test_index_of_other_names_is_not_split(tmp_path):
     from test_plugin_args import MODEL_CONFIG
 
     config = {**MODEL_CONFIG, "num_nextn_predict_layers": 1}
-    parallel = sizing.Parallel(8, 8)
+    parallel = sizing_weights.Parallel(8, 8)
     index = write_small_checkpoint(tmp_path, config)
-    known = sizing.checkpoint_weight_bytes(tmp_path, config, parallel)
+    known = sizing_weights.checkpoint_weight_bytes(tmp_path, config, parallel)
     extra = torch.zeros(16, dtype=torch.float32)  # 64 B, e.g. a rotary buffer
     save_file({"rotary.inv_freq": extra}, str(tmp_path / "extra.safetensors"))
     index["weight_map"]["rotary.inv_freq"] = "extra.safetensors"
     index["metadata"]["total_size"] += 64
-    (tmp_path / sizing.INDEX_FILE).write_text(json.dumps(index))
-    with_extra = sizing.checkpoint_weight_bytes(tmp_path, config, parallel)
+    (tmp_path / sizing_weights.INDEX_FILE).write_text(json.dumps(index))
+    with_extra = sizing_weights.checkpoint_weight_bytes(tmp_path, config, parallel)
     assert with_extra.other == 64 and with_extra.total == known.total + 64
     renamed = {
         f"transformer.{name}": torch.zeros(shape, dtype=dtype)
@@ -560,17 +562,20 @@ def test_index_of_other_names_is_not_split(tmp_path):
     other.mkdir()
     save_file(renamed, str(other / "model.safetensors"))
     total = sum(t.numel() * t.element_size() for t in renamed.values())
-    (other / sizing.INDEX_FILE).write_text(json.dumps(
+    (other / sizing_weights.INDEX_FILE).write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": dict.fromkeys(renamed, "model.safetensors")}
     ))  # fmt: skip
-    assert sizing.checkpoint_weight_bytes(other, config, parallel) is None
+    assert sizing_weights.checkpoint_weight_bytes(other, config, parallel) is None
 
 
 def test_weights_count_the_published_parameters():
     """Unquantized, on one GPU, less the absorbed copies: DeepSeek-V3's 671B parameters
     (main model, MTP excluded) plus V3.2's indexers (61 x 14M), at 2 bytes each."""
     bf16 = {k: v for k, v in DSV32_CONFIG.items() if k != "quantization_config"}
-    params = (sizing.weight_bytes(bf16, sizing.Parallel()).total - 61 * 4 * 128 * 128 * 512) / 2
+    params = (
+        sizing_weights.weight_bytes(bf16, sizing_weights.Parallel()).total
+        - 61 * 4 * 128 * 128 * 512
+    ) / 2
     assert 671.5e9 < params < 672.0e9
 
 
@@ -581,15 +586,15 @@ def test_refusal_names_the_largest_values_that_fit(fp8):
     row = FP8_ROW if fp8 else BF16_ROW
     sizes = sizing.EchoSizes(N_G, T, TOP_K, 0)
     shape = sizing.RankShape(LAYERS, row, KEY_ROW, 163840)
-    weights = sizing.weight_bytes(DSV32_CONFIG, sizing.Parallel(8, 8))
-    budget = sizing.Budget(150 * GiB, 0.78, weights, 8, host_available=NODE_MEMORY)
+    weights = sizing_weights.weight_bytes(DSV32_CONFIG, sizing_weights.Parallel(8, 8))
+    budget = sizing_budget.Budget(150 * GiB, 0.78, weights, 8, host_available=NODE_MEMORY)
     result = sizing.check(sizes, shape, budget)
     want = device_totals(N_G, T, fp8, 163840)
     device = sum(v for k, v in want.items() if k != "host")
     assert not result.fits
     assert result.device.total == device
     # sglang's rule over what its profile will see: the GPU less the start-up overhead
-    kv = int((150 * GiB - sizing.STARTUP_OVERHEAD) * 0.78) - weights.total
+    kv = int((150 * GiB - sizing_budget.STARTUP_OVERHEAD) * 0.78) - weights.total
     assert result.device.total > budget.kv_bytes == kv
     assert (result.largest_host_tokens, result.largest_dev_cache) == largest_fitting(
         row, 163840, budget.kv_bytes, NODE_MEMORY - HOST_RESERVE
@@ -598,20 +603,20 @@ def test_refusal_names_the_largest_values_that_fit(fp8):
     assert f"--max-total-tokens {result.largest_host_tokens} " in message
     assert f"NSA_DEV_CACHE_SIZE={result.largest_dev_cache} " in message
     for key in ("rows", "keys", "metadata", "tables"):
-        assert sizing.gib(want[key]) in message, key
+        assert sizing_weights.gib(want[key]) in message, key
     # the smallest fraction (0.001 steps) whose budget holds the totals, and no smaller
     best = smallest_fitting_fraction(device, 150 * GiB, weights.total)
     assert result.smallest_fraction == best
     assert f"--mem-fraction-static {best} (the smallest that fits" in message
     assert "--cuda-graph-max-bs-decode" not in message  # no graphs given: not named
-    assert sizing.gib(sizing.STARTUP_OVERHEAD) in message
+    assert sizing_weights.gib(sizing_budget.STARTUP_OVERHEAD) in message
 
 
 def smallest_fitting_fraction(device: int, gpu: int, weights: int) -> float | None:
     """The smallest fraction k / 1000 below 1 whose estimated budget holds ``device``,
     by trying every k."""
     for k in range(1, 1000):
-        if int((gpu - sizing.STARTUP_OVERHEAD) * (k / 1000)) - weights >= device:
+        if int((gpu - sizing_budget.STARTUP_OVERHEAD) * (k / 1000)) - weights >= device:
             return k / 1000
     return None
 
@@ -622,18 +627,19 @@ def test_graph_advice_is_the_largest_batch_whose_default_fraction_fits():
     whose fraction holds the totals: trying every batch finds the same."""
     sizes = sizing.EchoSizes(N_G, T, TOP_K, 0)
     shape = sizing.RankShape(LAYERS, FP8_ROW, KEY_ROW, 163840)
-    weights = sizing.weight_bytes(DSV32_CONFIG, sizing.Parallel(8, 8))
+    weights = sizing_weights.weight_bytes(DSV32_CONFIG, sizing_weights.Parallel(8, 8))
 
     def fraction_at(bs: int) -> float:
         return round(0.95 - bs * 0.0003, 3)
 
-    budget = sizing.Budget(140 * GiB, fraction_at(512), weights, 8)
-    result = sizing.check(sizes, shape, budget, sizing.Graphs(512, fraction_at))
+    budget = sizing_budget.Budget(140 * GiB, fraction_at(512), weights, 8)
+    result = sizing.check(sizes, shape, budget, sizing_budget.Graphs(512, fraction_at))
     device = result.device.total
     fits_at = [
         bs
         for bs in range(1, 512)
-        if int((140 * GiB - sizing.STARTUP_OVERHEAD) * fraction_at(bs)) - weights.total >= device
+        if int((140 * GiB - sizing_budget.STARTUP_OVERHEAD) * fraction_at(bs)) - weights.total
+        >= device
     ]
     assert not result.fits and fits_at and max(fits_at) < 511
     assert result.largest_graph_bs == max(fits_at)
@@ -643,7 +649,7 @@ def test_graph_advice_is_the_largest_batch_whose_default_fraction_fits():
         f"{fraction_at(bs)}, {fraction_at(512)} at 512)"
     ) in result.message()
     tight = sizing.check(sizes, shape, replace(budget, gpu_memory=100 * GiB),
-                         sizing.Graphs(512, fraction_at))  # fmt: skip
+                         sizing_budget.Graphs(512, fraction_at))  # fmt: skip
     assert tight.largest_graph_bs is None
     assert "no --cuda-graph-max-bs-decode fits" in tight.message()
 
@@ -651,13 +657,16 @@ def test_graph_advice_is_the_largest_batch_whose_default_fraction_fits():
 def test_host_refusal_counts_every_rank_of_a_node():
     sizes = sizing.EchoSizes(N_G, T, TOP_K, 0)
     shape = sizing.RankShape(LAYERS, FP8_ROW, KEY_ROW, 163840)
-    weights = sizing.weight_bytes(DSV32_CONFIG, sizing.Parallel(8, 8))
-    budget = sizing.Budget(400 * GiB, 0.9, weights, 8, host_available=300 * GiB)
+    weights = sizing_weights.weight_bytes(DSV32_CONFIG, sizing_weights.Parallel(8, 8))
+    budget = sizing_budget.Budget(400 * GiB, 0.9, weights, 8, host_available=300 * GiB)
     result = sizing.check(sizes, shape, budget)
     host = device_totals(N_G, T, True, 163840)["host"]
     assert result.fits_device and not result.fits_host
     assert result.host.per_node == 8 * host
-    assert f"the host ({sizing.gib(8 * host)} > {sizing.gib(290 * GiB)})" in result.message()
+    assert (
+        f"the host ({sizing_weights.gib(8 * host)} > {sizing_weights.gib(290 * GiB)})"
+        in result.message()
+    )
     best_t, _ = largest_fitting(FP8_ROW, 163840, budget.kv_bytes, 290 * GiB)
     assert result.largest_host_tokens == best_t
     assert "no NSA_DEV_CACHE_SIZE fits" in result.message()  # the host pool follows T
@@ -877,7 +886,7 @@ def independent(result: dict) -> tuple[dict[str, int], int, int, dict]:
     gpu = GPU_MIB[GPU_OF[result["model"]]] * 2**20
     weights = weights_per_gpu(CONFIGS[result["model"]], tp, attn_dp)
     # sglang's rule over what its profile will see (the GPU less the stated overhead)
-    budget = int((gpu - sizing.STARTUP_OVERHEAD) * fraction) - weights
+    budget = int((gpu - sizing_budget.STARTUP_OVERHEAD) * fraction) - weights
     params = dict(row=FP8_ROW if fp8 else BF16_ROW, context=context, prefill=prefill, extra=extra)
     return totals, budget, result["node_memory"] - HOST_RESERVE, {**params, "n_g": n_g, "t": t}
 
@@ -891,7 +900,10 @@ def test_readme_lines_fit_the_gpus_they_name(launches):
         device = sum(v for k, v in totals.items() if k != "host")
         assert device <= budget, name
         assert 8 * totals["host"] <= host_limit, name
-        assert f"GPU total {sizing.gib(device)} <= KV budget {sizing.gib(budget)}" in result["log"]
+        assert (
+            f"GPU total {sizing_weights.gib(device)} <= KV budget {sizing_weights.gib(budget)}"
+            in result["log"]
+        )
 
 
 def logged_sizing_block(launches) -> list[list[str]]:
@@ -917,12 +929,15 @@ def test_launcher_refuses_what_does_not_fit(launches, name):
     totals, budget, host_limit, params = independent(result)
     device = sum(v for k, v in totals.items() if k != "host")
     if REFUSED[name] == "the GPU":
-        assert f"the GPU ({sizing.gib(device)} > {sizing.gib(budget)})" in error
+        assert f"the GPU ({sizing_weights.gib(device)} > {sizing_weights.gib(budget)})" in error
     else:
-        assert f"the host ({sizing.gib(8 * totals['host'])} > {sizing.gib(host_limit)})" in error
+        assert (
+            f"the host ({sizing_weights.gib(8 * totals['host'])} > {sizing_weights.gib(host_limit)})"
+            in error
+        )
     for key in ("rows", "keys", "metadata", "tables"):
-        assert sizing.gib(totals[key]) in error, key
-    assert f"= {sizing.gib(8 * totals['host'])}" in error  # the node's pinned pools
+        assert sizing_weights.gib(totals[key]) in error, key
+    assert f"= {sizing_weights.gib(8 * totals['host'])}" in error  # the node's pinned pools
     best_t, best_n = largest_fitting(budget=budget, host_limit=host_limit, **params)
     if best_t is None:  # the weights leave too little for the device cache itself
         assert "no --max-total-tokens fits" in error
@@ -944,11 +959,11 @@ def test_launcher_refuses_what_does_not_fit(launches, name):
     assert named(error, FRACTION_NAMED) == (None if best_f is None else str(best_f))
     # sglang's default fraction moves with the decode graphs: each PD refusal says how far.
     # (On the non-PD server with DP attention the plugin's probe of sglang's rule,
-    # args.graph_fractions, does not reproduce the launch's own fraction, so it gives no
+    # args_sizing.graph_fractions, does not reproduce the launch's own fraction, so it gives no
     # graph advice rather than a wrong one; why it differs there is not yet known.)
     if "--disaggregation-mode" in argv:
         assert "--cuda-graph-max-bs-decode" in error
-    assert sizing.gib(sizing.STARTUP_OVERHEAD) in error and "is an estimate" in error
+    assert sizing_weights.gib(sizing_budget.STARTUP_OVERHEAD) in error and "is an estimate" in error
 
 
 def test_launcher_hooks_the_profile(launches):
@@ -1032,7 +1047,7 @@ def _driver(cases_path: str) -> None:
         def emit(self, record: logging.LogRecord) -> None:
             records.append(record.getMessage())
 
-    log = logging.getLogger("sglang_echo.sglang.args")
+    log = logging.getLogger("sglang_echo.sglang.args_sizing")
     log.setLevel(logging.INFO)
     log.addHandler(Keep())
     names = ("hisparse_config", "kv_cache_dtype", "disaggregation_mode", "context_length",

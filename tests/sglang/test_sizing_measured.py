@@ -39,7 +39,7 @@ from sglang_world import init_process_group  # noqa: E402
 from test_sizing import DSV32_CONFIG, GPU_MIB, N_G, TOP_K, T, device_totals  # noqa: E402
 
 from sglang_echo.config import ConfigError, EchoConfig, reset_settings  # noqa: E402
-from sglang_echo.sglang import guards, sizing  # noqa: E402
+from sglang_echo.sglang import guards, sizing_weights  # noqa: E402
 from sglang_echo.sglang.args import plan_echo  # noqa: E402
 
 GiB = 2**30
@@ -206,13 +206,18 @@ def test_refusal_names_what_sglang_measured_and_exact_boundaries(model_dir):
     assert error.startswith("sglang-echo (NSA_KV_OFFLOAD=1) cannot run with these settings")
     want = device_totals(N_G, T, fp8=True, context=CONTEXT)
     for key in ("rows", "keys", "metadata", "tables"):
-        assert sizing.gib(want[key]) in error, key
+        assert sizing_weights.gib(want[key]) in error, key
     total = device_total(N_G, T)
-    assert f"({sizing.gib(total)} > {sizing.gib(base.budget)})" in error  # sglang's budget
+    assert (
+        f"({sizing_weights.gib(total)} > {sizing_weights.gib(base.budget)})" in error
+    )  # sglang's budget
     # what sglang sampled: before loading (its argument), after (the stubbed free memory)
-    assert f"free before loading {sizing.gib(FREE_BEFORE * GiB)} of 140.40 GiB" in error
-    assert f"free after loading {sizing.gib(free_after * GiB)}" in error
-    assert f"other start-up allocations: {sizing.gib((FREE_BEFORE - free_after) * GiB)}" in error
+    assert f"free before loading {sizing_weights.gib(FREE_BEFORE * GiB)} of 140.40 GiB" in error
+    assert f"free after loading {sizing_weights.gib(free_after * GiB)}" in error
+    assert (
+        f"other start-up allocations: {sizing_weights.gib((FREE_BEFORE - free_after) * GiB)}"
+        in error
+    )
     assert "0.929" in error and "is an estimate" not in error  # measured, not estimated
     assert "no --cuda-graph-max-bs-decode fits" in error  # 128 is at sglang's 10 GiB floor
 
@@ -260,18 +265,18 @@ def test_launcher_weights_come_from_the_checkpoint_index(tmp_path):
     from test_plugin_args import MODEL_CONFIG
     from test_sizing import write_small_checkpoint
 
-    from sglang_echo.sglang.args import sizing_inputs
+    from sglang_echo.sglang.args_sizing import sizing_inputs
 
     config = {**MODEL_CONFIG, "num_nextn_predict_layers": 1}
     write_small_checkpoint(tmp_path, config)
-    parallel = sizing.Parallel(tp_size=8, attn_dp_size=8)
-    want = sizing.checkpoint_weight_bytes(tmp_path, config, parallel)
+    parallel = sizing_weights.Parallel(tp_size=8, attn_dp_size=8)
+    want = sizing_weights.checkpoint_weight_bytes(tmp_path, config, parallel)
     plan = pd_plan(N_G, T)
     with pytest.MonkeyPatch.context() as mp:
         view = resolving_view(resolve(mp, tmp_path, plan))
         _, budget = sizing_inputs(view, plan)
         assert budget.weights == want and "index" in budget.weights.source
-        (tmp_path / sizing.INDEX_FILE).unlink()
+        (tmp_path / sizing_weights.INDEX_FILE).unlink()
         _, budget = sizing_inputs(view, plan)
-        assert budget.weights == sizing.weight_bytes(config, parallel)
+        assert budget.weights == sizing_weights.weight_bytes(config, parallel)
     reset_settings()

@@ -1,12 +1,14 @@
-"""What the two allocation launchers share: kernels/alloc.py (one program, the five-launch
-pipeline, the torch reference) and kernels/alloc_lookback.py (a resolve in four launches).
+"""What the allocation launchers share: kernels/alloc.py (the five-launch pipeline, the
+torch reference), kernels/alloc_one_program.py (a small call in one program) and
+kernels/alloc_lookback.py (a resolve in four launches).
 
-The victim policy's constants, the launch shape, the ``Allocation`` both return, the
-``AllocWorkspace`` both launch into, and the Triton device functions both compile in
-(stamp, age bucket, histogram, boundary, victims, the reserve's extras). They live here,
-not in alloc.py, so that each launcher imports them and neither imports the other back;
-their reference is alloc.py's ``allocate_reference``, which both launchers match bit for
-bit (tests/test_kernel_alloc.py).
+The victim policy's constants, the launch shape, the ``Allocation`` they return, the
+``AllocWorkspace`` they launch into, and the Triton device functions they compile in
+(stamp, age bucket, histogram, boundary, victims, the reserve's extras, first misses,
+serving ranks from the free stack). They live here, not in alloc.py, so that each launcher
+imports them and none imports another back; their reference is alloc.py's
+``allocate_reference``, which every launcher matches bit for bit
+(tests/test_kernel_alloc.py).
 """
 
 from __future__ import annotations
@@ -186,6 +188,35 @@ def _extras_onto_stack(extras_ptr, free_stack_ptr, extras, first, stride, LANES:
         j = j0 + tl.arange(0, LANES)
         tl.store(free_stack_ptr + j, tl.load(extras_ptr + j, mask=j < extras), mask=j < extras)
         j0 += stride
+
+
+@triton.jit
+def _serve_ranks(
+    rank, misses, free, need, evictable, stamp, scratch_slot, h2d_ptr, d2h_ptr, prio_ptr,
+    free_stack_ptr, miss_ids_ptr, miss_slots_ptr, LANES: tl.constexpr,
+):  # fmt: skip
+    """Misses of these ranks served from the free stack's top; unserved ones (past the
+    free slots and the victims: only if the cache is too small) give their claim back."""
+    live = rank < misses
+    from_stack = live & (rank < free)
+    unserved = live & (rank >= free + tl.minimum(need, evictable))
+    ids = tl.load(miss_ids_ptr + rank, mask=live, other=0)
+    slot = tl.load(free_stack_ptr + (free - 1 - rank), mask=from_stack, other=0)
+    tl.store(h2d_ptr + ids, slot, mask=from_stack)
+    tl.store(d2h_ptr + slot, ids.to(tl.int32), mask=from_stack)
+    tl.store(prio_ptr + slot, tl.zeros([LANES], dtype=tl.int64) + stamp, mask=from_stack)
+    tl.store(miss_slots_ptr + rank, slot.to(tl.int64), mask=from_stack)
+    tl.store(h2d_ptr + ids, _ABSENT, mask=unserved)
+    scratch = tl.zeros([LANES], tl.int64) + scratch_slot
+    tl.store(miss_slots_ptr + rank, scratch, mask=unserved)
+
+
+@triton.jit
+def _first_miss(ids_ptr, lanes, h2d_ptr, lane):
+    ids = tl.load(ids_ptr + lane, mask=lane < lanes, other=-1).to(tl.int64)
+    valid = ids >= 0
+    entry = tl.load(h2d_ptr + ids, mask=valid, other=0)
+    return ids, valid & (entry == (lane + _CLAIM).to(tl.int32))
 
 
 # ------------------------------------------------------------------------ workspace

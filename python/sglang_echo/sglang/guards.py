@@ -34,8 +34,8 @@ from sglang_echo.sglang.args import (
     HOST_TOKENS_KEY,
     SOURCE,
     format_problems,
-    measured_sizing,
 )
+from sglang_echo.sglang.args_sizing import measured_sizing
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def runner_guard(echo_class: type) -> Callable[..., None]:
 
 def profile_guard(kv_bytes: int, configurator: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``_profile_available_bytes(pre_model_load_memory)``: ECHO's device totals
-    against the bytes sglang's profile just returned (``args.measured_sizing``). Every rank
+    against the bytes sglang's profile just returned (``args_sizing.measured_sizing``). Every rank
     sees the same numbers (sglang takes the least free memory over the ranks), so all stop
     together, naming every total and the values that fit."""
     if getattr(configurator, "is_draft_worker", False):

@@ -33,10 +33,10 @@ from sglang_echo.sglang.args import (
     DEFAULT_TOP_K,
     SOURCE,
     EchoPlan,
-    check_resolved,
     format_problems,
     plan_echo,
 )
+from sglang_echo.sglang.args_sizing import check_resolved
 from sglang_echo.sglang.guards import (
     PROFILE_TARGET,
     RUNNER_TARGET,

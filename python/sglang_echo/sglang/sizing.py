@@ -31,45 +31,30 @@ On the GPU (``device_bytes``):
 On the host (``host_bytes``): HiSparse's pinned pool, ``(S x R + 64) x row x L`` per rank,
 once per GPU of a node.
 
-What there is, twice:
-
-- at argument resolution (``Budget``, an estimate, before anything loads): sglang's
-  static-fraction rule gives the KV pools ``mem_fraction_static x (GPU memory - start-up
-  overhead) - weights``. sglang budgets against the free memory it samples before loading
-  (``pre_model_load_memory``: the GPU less the CUDA context and the communicators' buffers),
-  less ``(1 - mem_fraction_static)`` of it, less what the load took. It has no constant for
-  that overhead, so ``STARTUP_OVERHEAD`` is one, stated as an estimate. The weights come
-  from the checkpoint (``checkpoint_weight_bytes``: every tensor's bytes from the shards'
-  headers, named by ``model.safetensors.index.json``, checked against its ``total_size``)
-  or, without one, from config.json (``weight_bytes``). Since sglang only limits its own
-  pools and ECHO's metadata comes later, the plan fits when all device totals fit that
-  budget, and the host pools of a node fit sglang's host-memory rule (available memory
-  less its fixed reserve, as HiCache's host pools are checked).
-- in each scheduler, where sglang turns what it measured into the KV budget
-  (``MeasuredBudget``; ``guards.profile_guard``, an AFTER hook on
-  ``KVCacheConfigurator._profile_available_bytes``, before any pool is allocated): the
-  same totals against the bytes sglang's profile returned. That check is exact; the
-  estimate only stops early what cannot fit.
+What there is, twice (``sizing_budget.py``): at argument resolution, ``Budget``, an estimate
+before anything loads (sglang's static-fraction rule less an estimated start-up overhead
+and the weights, from the checkpoint's index or config.json: ``sizing_weights.py``), and the host
+pools of a node against sglang's host-memory rule; in each scheduler, ``MeasuredBudget``
+(``guards.profile_guard``, an AFTER hook on ``KVCacheConfigurator._profile_available_bytes``,
+before any pool is allocated), the bytes sglang's profile returned. Since sglang only limits
+its own pools and ECHO's metadata comes later, the plan fits when all device totals fit the
+budget. The scheduler's check is exact; the estimate only stops early what cannot fit.
 
 A refusal names every total and the largest ``--max-total-tokens`` (at this N_G) and
 ``NSA_DEV_CACHE_SIZE`` (at this T) that fit, the smallest ``--mem-fraction-static`` that
 fits, and, where the fraction is sglang's default, the largest
 ``--cuda-graph-max-bs-decode`` whose default fraction fits (``Graphs``: sglang's own rule,
-probed by ``args.graph_fractions``).
+probed by ``args_sizing.graph_fractions``).
 
-Pure Python (no torch): ``sglang_echo.sglang.args`` gathers the inputs from sglang's
+Pure Python (no torch): ``sglang_echo.sglang.args_sizing`` gathers the inputs from sglang's
 resolved view and, in the scheduler, from its KV cache configurator.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
-import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from sglang_echo.config import (
@@ -78,10 +63,10 @@ from sglang_echo.config import (
     eviction_reserve_in_force,
     max_running,
 )
+from sglang_echo.sglang.sizing_budget import AnyBudget, Graphs
+from sglang_echo.sglang.sizing_weights import SCALE_BLOCK, gib
 
 PAGE = 64  # DSA's page size (sglang forces 64)
-SCALE_BLOCK = 128  # DSATokenToKVPool.quant_block_size: one fp32 scale per 128 values
-HOST_RESERVE = 10 * 2**30  # sglang's HICACHE_HOST_MEMORY_RESERVE_BYTES
 # req_to_token rows are context + 4 wide (get_req_to_token_extra_context_len without
 # speculative decoding); req_to_host_pool adds one page.
 REQ_EXTRA_CONTEXT = 4
@@ -93,32 +78,12 @@ ALLOC_LOOKBACK_LANE_BLOCK = 512
 # sglang/decode_prefetch.py's PLUGIN_STAGE_CHUNKS (copied for the same reason; the test
 # builds the plugin's prefetcher and compares).
 PLUGIN_STAGE_CHUNKS = 1
-GiB = 2**30
-# What sglang's profile loses before it samples the memory it budgets against
-# (``pre_model_load_memory``, after the process groups are built and before the weights
-# load): the CUDA context, NCCL's and the custom all-reduce's buffers, the other start-up
-# allocations. sglang has no constant for it. AN ESTIMATE: issue 50 puts it in a range of
-# a few GiB per GPU on 8-GPU nodes; the early check takes the low end (the value below), so
-# that it refuses only plans that cannot fit, and the scheduler's exact check (``MeasuredBudget``) decides the rest.
-# The CUDA graphs need no term of their own: sglang reserves their memory in its default
-# fraction (``handle_gpu_memory_settings``), in the 1 - fraction share the budget leaves.
-STARTUP_OVERHEAD = 3 * GiB // 2
 # --mem-fraction-static is suggested in thousandths (sglang rounds its own to 3 places).
 FRACTION_STEP = 1000
-INDEX_FILE = "model.safetensors.index.json"
-SAFETENSORS_HEADER_LIMIT = 100 * 2**20  # the format's own limit on a header's length
-# Tensors of no known part may hold at most this share of a checkpoint read through its
-# index; more means another naming than DeepSeek-V3.2's, whose split would be wrong.
-UNKNOWN_TENSORS_SHARE = 0.01
 
 
 def ceil_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def gib(nbytes: float) -> str:
-    """Bytes as the messages print them."""
-    return f"{nbytes / GiB:.2f} GiB"
 
 
 # ------------------------------------------------------------------------ the plan's sizes
@@ -359,493 +324,6 @@ class HostBytes:
 def host_bytes(sizes: EchoSizes, shape: RankShape, ranks_per_node: int) -> HostBytes:
     """HiSparse's pinned host pool: (S x R + 64) slots x row x L per rank."""
     return HostBytes(sizes.host_slots * shape.row_bytes * shape.layers, ranks_per_node)
-
-
-# ------------------------------------------------------------------------------ weights
-@dataclass(frozen=True)
-class Parallel:
-    """The parallel layout that splits the weights (pipeline parallelism is refused)."""
-
-    tp_size: int = 1
-    attn_dp_size: int = 1
-    nnodes: int = 1
-    enable_dp_lm_head: bool = False
-    moe_dense_tp_size: int | None = None
-
-    @property
-    def attn_tp_size(self) -> int:
-        return max(1, self.tp_size // self.attn_dp_size)
-
-    @property
-    def ranks_per_node(self) -> int:
-        return max(1, self.tp_size // max(1, self.nnodes))
-
-
-@dataclass(frozen=True)
-class WeightBytes:
-    """One GPU's share of the weights, by part."""
-
-    attention: int  # MLA + indexer (+ the absorbed bf16 copies of kv_b), norms
-    embeddings: int  # input embedding + lm_head
-    dense_mlp: int  # the first_k_dense_replace layers' MLPs
-    shared_experts: int
-    routed_experts: int
-    routers: int  # MoE gates and their bias
-    other: int = 0  # checkpoint tensors of no known part, counted whole on every GPU
-    source: str = "config.json"  # where the bytes were read
-
-    @property
-    def total(self) -> int:
-        return (
-            self.attention
-            + self.embeddings
-            + self.dense_mlp
-            + self.shared_experts
-            + self.routed_experts
-            + self.routers
-            + self.other
-        )
-
-    def lines(self) -> list[str]:
-        """The parts, for the summary."""
-        other = f", other {gib(self.other)}" if self.other else ""
-        return [
-            f"weights from {self.source}: attention {gib(self.attention)}, embeddings "
-            f"{gib(self.embeddings)}, dense MLPs {gib(self.dense_mlp)},",
-            f"  shared experts {gib(self.shared_experts)}, routed experts "
-            f"{gib(self.routed_experts)}, routers {gib(self.routers)}{other}",
-        ]
-
-
-_INT_METHODS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "moe_wna16")
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
-
-
-class UnknownWeights(ValueError):
-    """The config does not say enough to estimate the weights' bytes."""
-
-
-def _unconverted(quant: Mapping[str, Any], module: str) -> bool:
-    names = [*(quant.get("modules_to_not_convert") or []), *(quant.get("ignored_layers") or [])]
-    return any(name and name in module for name in names)
-
-
-def matrix_bytes(
-    quant: Mapping[str, Any] | None,
-    module: str,
-    rows: int,
-    cols: int,
-    *,
-    expert: bool = False,
-    dtype_bytes: int = 2,
-) -> int:
-    """Bytes of one ``[rows, cols]`` linear weight as the checkpoint stores it: fp8 = 1 B
-    per value + an fp32 scale per weight block; 4-bit group quantization (AWQ/GPTQ, what
-    --quantization moe_wna16 loads) = packed values + an fp16 scale and a packed zero per
-    group of inputs; w4afp8 = 4-bit experts with fp32 group scales, fp8 elsewhere;
-    unquantized, or a module the config leaves unconverted = the checkpoint's dtype."""
-    method = str((quant or {}).get("quant_method", "")).lower()
-    if not quant or _unconverted(quant, module):
-        return rows * cols * dtype_bytes
-    if method == "fp8" or (method == "w4afp8" and not expert):
-        block = quant.get("weight_block_size") or [SCALE_BLOCK, SCALE_BLOCK]
-        b0, b1 = int(block[0]), int(block[1])
-        return rows * cols + 4 * (-(-rows // b0)) * (-(-cols // b1))
-    if method == "w4afp8":
-        group = int(quant.get("group_size", SCALE_BLOCK))
-        return rows * cols // 2 + 4 * rows * (-(-cols // group))
-    if method in _INT_METHODS:
-        bits = int(quant.get("bits", quant.get("w_bit", 4)))
-        group = int(quant.get("group_size", quant.get("q_group_size", SCALE_BLOCK)))
-        groups = 1 if group <= 0 else -(-cols // group)
-        return rows * cols * bits // 8 + groups * rows * (2 * 8 + bits) // 8
-    raise UnknownWeights(f"quantization {method!r}")
-
-
-def weight_bytes(
-    config: Mapping[str, Any], parallel: Parallel, quantization: str | None = None
-) -> WeightBytes:
-    """One GPU's share of a DeepSeek-V3.2-style (MLA + DSA indexer + MoE) checkpoint,
-    counted from config.json: every weight matrix's bytes (``matrix_bytes``), norms and
-    gates in the checkpoint's dtype, each part divided as sglang loads it:
-
-    - attention: q_b/q, kv_b, o and sglang's absorbed bf16 copies of kv_b (w_kc, w_vc)
-      split by attention-TP (tp / attn_dp); q_a, kv_a, the indexer and norms replicated;
-    - the input embedding by attention-TP under DP attention, else by TP; lm_head by TP
-      (attention-TP with --enable-dp-lm-head);
-    - dense MLPs by TP (replicated with --moe-dense-tp-size 1); shared and routed experts
-      by TP (= EP x MoE-TP); gates and their bias replicated.
-
-    Not counted: the MTP layer (loaded only for speculative decoding, which ECHO refuses),
-    vocabulary padding, per-tensor scalars. ``quantization`` (``--quantization``) applies
-    only when config.json has no quantization_config (online fp8). Raises UnknownWeights
-    when a field or the quantization is unknown."""
-    try:
-        h = int(config["hidden_size"])
-        vocab = int(config["vocab_size"])
-        layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_lora = int(config["kv_lora_rank"])
-        nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
-        v_dim = int(config["v_head_dim"])
-        q_lora = int(config.get("q_lora_rank") or 0)
-        idx_heads = int(config.get("index_n_heads") or 0)
-        idx_dim = int(config.get("index_head_dim") or 0)
-        dense_inter = int(config["intermediate_size"])
-        moe_inter = int(config.get("moe_intermediate_size") or 0)
-        experts = int(config.get("n_routed_experts") or 0)
-        shared = int(config.get("n_shared_experts") or 0)
-        first_dense = int(config.get("first_k_dense_replace") or 0) if experts else layers
-        freq = int(config.get("moe_layer_freq") or 1)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UnknownWeights(f"config.json lacks {exc}") from exc
-    quant = config.get("quantization_config") or (
-        {"quant_method": quantization} if quantization else None
-    )
-    dt = _DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2)
-
-    def mat(module: str, rows: int, cols: int, expert: bool = False) -> int:
-        return matrix_bytes(quant, module, rows, cols, expert=expert, dtype_bytes=dt)
-
-    parts = dict.fromkeys(
-        ("attn_split", "attn_replicated", "dense", "shared", "routed", "routers"), 0
-    )
-    q_in = q_lora or h  # q_b reads the q_a latent; without q_lora, q_proj reads the hidden
-    for i in range(layers):
-        attn = f"model.layers.{i}.self_attn"
-        parts["attn_split"] += (
-            mat(f"{attn}.q_b_proj" if q_lora else f"{attn}.q_proj", heads * (nope + rope), q_in)
-            + mat(f"{attn}.kv_b_proj", heads * (nope + v_dim), kv_lora)
-            + mat(f"{attn}.o_proj", h, heads * v_dim)
-        )
-        parts["attn_replicated"] += (
-            mat(f"{attn}.kv_a_proj_with_mqa", kv_lora + rope, h)
-            + dt * (kv_lora + 2 * h)  # kv_a_layernorm, input and post-attention norms
-            + (mat(f"{attn}.q_a_proj", q_lora, h) + dt * q_lora if q_lora else 0)
-        )
-        if idx_heads and idx_dim:
-            parts["attn_replicated"] += (
-                mat(f"{attn}.indexer.wq_b", idx_heads * idx_dim, q_in)
-                + mat(f"{attn}.indexer.wk", idx_dim, h)
-                + dt * idx_heads * h  # weights_proj (unquantized)
-                + dt * 2 * idx_dim  # k_norm weight and bias
-            )
-        mlp = f"model.layers.{i}.mlp"
-        if i < first_dense or (i - first_dense) % freq:
-            parts["dense"] += 2 * mat(mlp, dense_inter, h) + mat(mlp, h, dense_inter)
-            continue
-        routed = f"{mlp}.experts"
-        parts["routed"] += experts * (
-            2 * mat(routed, moe_inter, h, True) + mat(routed, h, moe_inter, True)
-        )
-        one = f"{mlp}.shared_experts"
-        parts["shared"] += shared * (2 * mat(one, moe_inter, h) + mat(one, h, moe_inter))
-        parts["routers"] += dt * experts * h + 4 * experts  # gate, e_score_correction_bias
-
-    parts["attn_split"] += absorbed_bytes(config)  # w_kc, w_vc (bf16)
-    parts["embed"] = parts["lm_head"] = dt * vocab * h
-    parts["norm"] = dt * h  # the final norm
-    return split_weights(parts, parallel, "config.json")
-
-
-WEIGHT_PARTS = (
-    "attn_split", "attn_replicated", "embed", "lm_head", "norm",
-    "dense", "shared", "routed", "routers", "other",
-)  # fmt: skip
-
-
-def split_weights(parts: Mapping[str, int], parallel: Parallel, source: str) -> WeightBytes:
-    """One GPU's share of the whole model's bytes by part (``WEIGHT_PARTS``), divided as
-    sglang loads each part (``weight_bytes``'s list); a part not given is 0."""
-
-    def part(name: str) -> int:
-        return int(parts.get(name, 0))
-
-    def share(nbytes: int, ways: int) -> int:
-        return -(-nbytes // max(1, ways))
-
-    tp, attn_tp = max(1, parallel.tp_size), parallel.attn_tp_size
-    dense_tp = 1 if parallel.moe_dense_tp_size == 1 else tp
-    return WeightBytes(
-        attention=share(part("attn_split"), attn_tp) + part("attn_replicated"),
-        embeddings=share(part("embed"), attn_tp if parallel.attn_dp_size > 1 else tp)
-        + share(part("lm_head"), attn_tp if parallel.enable_dp_lm_head else tp)
-        + part("norm"),
-        dense_mlp=share(part("dense"), dense_tp),
-        shared_experts=share(part("shared"), tp),
-        routed_experts=share(part("routed"), tp),
-        routers=part("routers"),
-        other=part("other"),
-        source=source,
-    )
-
-
-def absorbed_bytes(config: Mapping[str, Any]) -> int:
-    """sglang's bf16 copies of each layer's kv_b (``w_kc`` [heads, nope, kv_lora] and
-    ``w_vc`` [heads, kv_lora, v]), made while loading: in no checkpoint, split like the
-    attention projections."""
-    heads, kv_lora = int(config["num_attention_heads"]), int(config["kv_lora_rank"])
-    per_layer = heads * (int(config["qk_nope_head_dim"]) + int(config["v_head_dim"])) * kv_lora
-    return int(config["num_hidden_layers"]) * 2 * per_layer
-
-
-_SPLIT_ATTENTION = ("q_b_proj", "q_proj", "kv_b_proj", "o_proj")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
-
-def tensor_part(name: str, layers: int) -> str | None:
-    """The part (``WEIGHT_PARTS``) of a DeepSeek-V3.2 checkpoint tensor, by its name; None
-    for the MTP layer (layer ``num_hidden_layers`` and above: loaded only for speculative
-    decoding, which ECHO refuses). A name of no known part is "other" (counted whole on
-    every GPU, the most it can take)."""
-    if name.startswith("model.embed_tokens."):
-        return "embed"
-    if name.startswith("lm_head."):
-        return "lm_head"
-    if name.startswith("model.norm."):
-        return "norm"
-    match = _LAYER.fullmatch(name)
-    if match is None:
-        return "other"
-    if int(match[1]) >= layers:
-        return None
-    rest = match[2]
-    if rest.startswith("self_attn."):
-        return "attn_split" if rest.split(".")[1] in _SPLIT_ATTENTION else "attn_replicated"
-    if rest.startswith(("input_layernorm.", "post_attention_layernorm.")):
-        return "attn_replicated"
-    for prefix, found in (
-        ("mlp.experts.", "routed"),
-        ("mlp.shared_experts.", "shared"),
-        ("mlp.gate.", "routers"),  # the router and its e_score_correction_bias
-        ("mlp.", "dense"),
-    ):
-        if rest.startswith(prefix):
-            return found
-    return "other"
-
-
-def safetensors_tensor_bytes(path: Path) -> dict[str, int]:
-    """Each tensor's bytes in one safetensors file, from its header only (an 8-byte
-    little-endian length, then JSON with each tensor's ``data_offsets``)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        if length > SAFETENSORS_HEADER_LIMIT:
-            raise ValueError(f"{path}: a {length}-byte header is not safetensors'")
-        header = json.loads(f.read(length))
-    return {
-        name: int(entry["data_offsets"][1]) - int(entry["data_offsets"][0])
-        for name, entry in header.items()
-        if name != "__metadata__"
-    }
-
-
-def checkpoint_weight_bytes(
-    model_dir: str | Path, config: Mapping[str, Any], parallel: Parallel
-) -> WeightBytes | None:
-    """One GPU's share of the weights as the checkpoint stores them: the tensors that
-    ``model.safetensors.index.json`` names, each one's bytes from its shard's header, by
-    part (``tensor_part``: MTP left out), plus sglang's absorbed copies, divided as
-    ``split_weights`` does. None (use ``weight_bytes``) without an index, when a shard is
-    missing or its header unreadable, or when tensors of no known part hold more than
-    ``UNKNOWN_TENSORS_SHARE`` of the bytes (not DeepSeek-V3.2's names).
-
-    The index alone maps names to shard files; its ``metadata.total_size`` is the sum
-    over every tensor, MTP included, so it cannot be split by part. The headers can (a few
-    kilobytes per shard, read without the data), and their sum must equal ``total_size``:
-    otherwise the index does not describe these shards and UnknownWeights is raised."""
-    model_dir = Path(model_dir)
-    index_path = model_dir / INDEX_FILE
-    if not index_path.is_file():
-        return None
-    index = json.loads(index_path.read_text())
-    weight_map: Mapping[str, str] = index.get("weight_map") or {}
-    total = (index.get("metadata") or {}).get("total_size")
-    sizes: dict[str, int] = {}
-    try:
-        for shard in sorted(set(weight_map.values())):
-            sizes.update(safetensors_tensor_bytes(model_dir / shard))
-    except (OSError, ValueError, KeyError, struct.error):
-        return None
-    if total is not None and sum(sizes.values()) != int(total):
-        raise UnknownWeights(
-            f"{index_path}: its shards hold {sum(sizes.values())} bytes of tensors, its "
-            f"metadata.total_size says {total}"
-        )
-    layers = int(config["num_hidden_layers"])
-    parts = dict.fromkeys(WEIGHT_PARTS, 0)
-    for name, nbytes in sizes.items():
-        part = tensor_part(name, layers)
-        if part is not None:
-            parts[part] += nbytes
-    if parts["other"] > UNKNOWN_TENSORS_SHARE * sum(sizes.values()):
-        return None
-    parts["attn_split"] += absorbed_bytes(config)
-    return split_weights(parts, parallel, f"the checkpoint's {INDEX_FILE}")
-
-
-# ------------------------------------------------------------------------------- budget
-@dataclass(frozen=True)
-class Budget:
-    """What one GPU and one node will have, estimated at argument resolution (before the
-    weights load): sglang's static-fraction rule over the memory its profile will see."""
-
-    gpu_memory: int  # bytes of one GPU (sglang's get_device_memory_capacity)
-    mem_fraction_static: float
-    weights: WeightBytes
-    ranks_per_node: int
-    host_available: int | None = None  # the node's available memory; None: not checked
-    host_reserve: int = HOST_RESERVE
-    startup_overhead: int = STARTUP_OVERHEAD  # an estimate: see STARTUP_OVERHEAD
-
-    @property
-    def free_before_load(self) -> int:
-        """What sglang's profile will find free before loading (estimated)."""
-        return self.gpu_memory - self.startup_overhead
-
-    @property
-    def static_bytes(self) -> int:
-        return int(self.free_before_load * self.mem_fraction_static)
-
-    @property
-    def kv_bytes(self) -> int:
-        """sglang's static-fraction rule: what is left for KV after the weights."""
-        return self.static_bytes - self.weights.total
-
-    @property
-    def host_limit(self) -> int | None:
-        if self.host_available is None:
-            return None
-        return self.host_available - self.host_reserve
-
-    def at_fraction(self, fraction: float) -> Budget:
-        return replace(self, mem_fraction_static=fraction)
-
-    def runtime_reserve(self, fraction: float) -> int:
-        """What sglang keeps outside its static share at ``fraction`` (its activations and
-        CUDA graphs): (1 - fraction) x the memory free before loading."""
-        return int(self.free_before_load * (1 - fraction))
-
-    def formula(self) -> str:
-        return (
-            f"{self.mem_fraction_static} x ({gib(self.gpu_memory)} - start-up "
-            f"{gib(self.startup_overhead)}) - weights {gib(self.weights.total)}"
-        )
-
-    def detail_lines(self) -> list[str]:
-        return self.weights.lines()
-
-    def gpu_name(self) -> str:
-        return "the GPU"
-
-    def note(self) -> str | None:
-        return (
-            f"the start-up overhead ({gib(self.startup_overhead)}) is an estimate: each "
-            "scheduler checks again against the memory sglang measures after loading"
-        )
-
-    def empty_message(self) -> str:
-        """When the weights alone fill sglang's static share: nothing ECHO sizes matters."""
-        return (
-            f"the weights alone ({gib(self.weights.total)} per GPU) fill sglang's static "
-            f"share of the GPU ({self.mem_fraction_static} x ({gib(self.gpu_memory)} - "
-            f"start-up {gib(self.startup_overhead)}) = {gib(self.static_bytes)}): no KV pool "
-            "fits; use GPUs with more memory, more GPUs for the weights, or a smaller "
-            "checkpoint."
-        )
-
-
-@dataclass(frozen=True)
-class MeasuredBudget:
-    """What one GPU has as sglang measured it, in the scheduler, before it built any pool:
-    the bytes ``KVCacheConfigurator._profile_available_bytes`` returned for its KV pools
-    (the memory free after loading less (1 - fraction) x the memory free before loading,
-    ``pre_model_load_memory``; both the least over the ranks). Exact at the measured
-    fraction; at another one sglang's rule moves the budget by the change x the memory
-    free before loading. The host pools are not checked here (argument resolution did)."""
-
-    free_before_load: int  # sglang's pre_model_load_memory, in bytes
-    measured_kv_bytes: int  # what sglang's profile returned
-    measured_fraction: float  # the --mem-fraction-static it was measured at
-    mem_fraction_static: float  # the fraction this budget is for (searches vary it)
-    gpu_memory: int | None = None  # the device's capacity, for the message
-    ranks_per_node: int = 1
-    host_available: int | None = None
-    host_reserve: int = HOST_RESERVE
-
-    @classmethod
-    def measured(
-        cls, free_before_load: int, kv_bytes: int, fraction: float, gpu_memory: int | None
-    ) -> MeasuredBudget:
-        return cls(free_before_load, kv_bytes, fraction, fraction, gpu_memory)
-
-    @property
-    def kv_bytes(self) -> int:
-        if self.mem_fraction_static == self.measured_fraction:
-            return self.measured_kv_bytes
-        change = (self.mem_fraction_static - self.measured_fraction) * self.free_before_load
-        return int(self.measured_kv_bytes + change)
-
-    @property
-    def free_after_load(self) -> int:
-        """What sglang's profile found free after loading (its budget, plus its slack)."""
-        return self.measured_kv_bytes + int((1 - self.measured_fraction) * self.free_before_load)
-
-    @property
-    def host_limit(self) -> int | None:
-        return None
-
-    def at_fraction(self, fraction: float) -> MeasuredBudget:
-        return replace(self, mem_fraction_static=fraction)
-
-    def runtime_reserve(self, fraction: float) -> int:
-        return int(self.free_before_load * (1 - fraction))
-
-    def formula(self) -> str:
-        return (
-            f"{gib(self.free_after_load)} free after loading - (1 - "
-            f"{self.mem_fraction_static}) x {gib(self.free_before_load)} free before"
-        )
-
-    def detail_lines(self) -> list[str]:
-        gpu = self.gpu_memory
-        total = (
-            "" if gpu is None else f" of {gib(gpu)} (start-up {gib(gpu - self.free_before_load)})"
-        )
-        loaded = self.free_before_load - self.free_after_load
-        return [
-            f"sglang's profile per GPU: free before loading {gib(self.free_before_load)}{total},",
-            f"  free after loading {gib(self.free_after_load)} (the weights as loaded and "
-            f"other start-up allocations: {gib(loaded)})",
-        ]
-
-    def gpu_name(self) -> str:
-        return "the GPU as sglang measured it"
-
-    def note(self) -> str | None:
-        return None
-
-    def empty_message(self) -> str:
-        return (
-            f"what sglang measured leaves no KV budget ({gib(self.kv_bytes)} = "
-            f"{self.formula()}): no KV pool fits; use GPUs with more memory, more GPUs for "
-            "the weights, or a smaller checkpoint."
-        )
-
-
-AnyBudget = Budget | MeasuredBudget
-
-
-@dataclass(frozen=True)
-class Graphs:
-    """sglang's default --mem-fraction-static as a function of
-    --cuda-graph-max-bs-decode (``fraction_at``: sglang's own rule, probed by
-    ``args.graph_fractions``; it reserves memory per captured decode batch), at the
-    launch's ``max_bs``. Only where the fraction is sglang's default: a fraction the user
-    set does not move with the graphs."""
-
-    max_bs: int
-    fraction_at: Callable[[int], float]
 
 
 @dataclass(frozen=True)
