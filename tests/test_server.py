@@ -17,7 +17,7 @@ import pytest
 from server_utils import make_serving, running_server
 from sglang_echo.config import EchoConfig
 from sglang_echo.generate import main as generate_main
-from sglang_echo.runtime.scheduler import ENGINE_PHASES
+from sglang_echo.runtime.scheduler_stats import ENGINE_PHASES
 
 N_REQUESTS = 32
 NEW_TOKENS = 24  # long enough that the running requests overflow the device cache: ECHO evicts

@@ -101,7 +101,7 @@ def render(snap: dict, model_name: str) -> str:
     metric(
         "engine_seconds",
         "counter",
-        "Engine-thread wall time by phase (runtime/scheduler.py ENGINE_PHASES).",
+        "Engine-thread wall time by phase (runtime/scheduler_stats.py ENGINE_PHASES).",
         [({"phase": k}, v) for k, v in snap["engine_seconds"].items()],
     )
     metric(
