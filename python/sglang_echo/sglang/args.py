@@ -112,6 +112,7 @@ class EchoPlan:
         )
 
     def declarations(self) -> dict[str, Any]:
+        """The fields the plugin sets (names: ``declared_fields``)."""
         fields: dict[str, Any] = {
             "enable_hisparse": True,
             "disable_radix_cache": True,
@@ -127,6 +128,12 @@ class EchoPlan:
             # with them (sglang/retraction.py), so it is neither copied nor aborted.
             fields["disaggregation_decode_retraction_backup"] = RETRACTION_BACKUP
         return fields
+
+
+def declared_fields(pd_decode: bool) -> tuple[str, ...]:
+    """The names of ``EchoPlan.declarations`` (the oracle sets each one explicitly)."""
+    plan = EchoPlan(1, 1, 1, 1, 0, 1, 1, pd_decode=pd_decode)
+    return tuple(plan.declarations())
 
 
 def _is_set(value: Any) -> bool:

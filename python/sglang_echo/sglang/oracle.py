@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -47,7 +48,7 @@ from sglang_echo.sglang.args import (
     DEVICE_ROWS_KEY,
     ECHO_EXTRA_KEY,
     HOST_TOKENS_KEY,
-    RETRACTION_BACKUP,
+    declared_fields,
 )
 
 # The keys of ECHO's hisparse_config that only ECHO reads (sglang passes unknown keys on
@@ -104,21 +105,14 @@ def oracle_config(hisparse_config: str) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k not in ECHO_ONLY_KEYS}
 
 
-def declared_fields(echo_fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields the plugin declares (``args.EchoPlan.declarations``), as ECHO's side
-    resolved them; the oracle's line sets each one explicitly."""
-    fields: dict[str, Any] = {
-        "enable_hisparse": True,
-        "disable_radix_cache": True,
-        "hisparse_config": json.dumps(
-            oracle_config(echo_fields["hisparse_config"]), sort_keys=True
-        ),
-        "max_total_tokens": echo_fields["max_total_tokens"],
-        "max_running_requests": echo_fields["max_running_requests"],
-    }
-    if echo_fields.get("disaggregation_mode") == "decode":
-        fields["disaggregation_decode_retraction_backup"] = RETRACTION_BACKUP
-    return fields
+def declared_values(echo_fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Every field the plugin declares (``args.declared_fields``) at the value ECHO's side
+    resolved it to; hisparse_config without ECHO's own keys. The oracle's line sets each
+    one explicitly."""
+    pd_decode = echo_fields.get("disaggregation_mode") == "decode"
+    values = {name: echo_fields[name] for name in declared_fields(pd_decode)}
+    values["hisparse_config"] = json.dumps(oracle_config(values["hisparse_config"]), sort_keys=True)
+    return values
 
 
 def oracle_argv(echo_argv: Sequence[str], echo_fields: Mapping[str, Any]) -> list[str]:
@@ -129,7 +123,7 @@ def oracle_argv(echo_argv: Sequence[str], echo_fields: Mapping[str, Any]) -> lis
             "NSA_KV_OFFLOAD=1 applied and the plugin loaded? Check with "
             "`NSA_KV_OFFLOAD=1 python -m sglang_echo.plugin`."
         )
-    declared = declared_fields(echo_fields)
+    declared = declared_values(echo_fields)
     argv = without_flags(echo_argv, declared)
     for name, value in declared.items():
         if value is True:
@@ -235,8 +229,6 @@ def line_pair(argv: Sequence[str], python: str = sys.executable) -> LinePair:
 
 def shell_line(argv: Sequence[str], dev_cache_size: int | None = None) -> str:
     """A launch line; ``dev_cache_size`` given: ECHO's (N_G as its side resolved it)."""
-    import shlex
-
     env = "NSA_KV_OFFLOAD=0"
     if dev_cache_size is not None:
         env = f"NSA_KV_OFFLOAD=1 NSA_DEV_CACHE_SIZE={dev_cache_size}"
