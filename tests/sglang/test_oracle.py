@@ -46,26 +46,17 @@ def resolved(tmp_path_factory):
     site = tmp / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITE)
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "NSA_DEV_CACHE_SIZE")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), saved["PYTHONPATH"]]))
-    os.environ["NSA_DEV_CACHE_SIZE"] = "8192"
     base = ["--model-path", str(model), "--device", "cpu", "--skip-tokenizer-init"]
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            pairs = {
-                name: pool.submit(oracle.line_pair, base + argv) for name, argv in CASES.items()
-            }
-            echo_line = oracle.with_seed(base + CASES["server"])
-            echo = pool.submit(oracle.resolve_fields, echo_line, True)
-            naive = pool.submit(oracle.resolve_fields, echo_line, False)
-            result = {name: f.result() for name, f in pairs.items()}
-            result["echo_fields"], result["naive_fields"] = echo.result(), naive.result()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as env, ThreadPoolExecutor(2) as pool:
+        path = os.environ.get("PYTHONPATH")
+        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), path])))
+        env.setenv("NSA_DEV_CACHE_SIZE", "8192")
+        pairs = {name: pool.submit(oracle.line_pair, base + argv) for name, argv in CASES.items()}
+        echo_line = oracle.with_seed(base + CASES["server"])
+        echo = pool.submit(oracle.resolve_fields, echo_line, True)
+        naive = pool.submit(oracle.resolve_fields, echo_line, False)
+        result = {name: f.result() for name, f in pairs.items()}
+        result["echo_fields"], result["naive_fields"] = echo.result(), naive.result()
     return result
 
 
