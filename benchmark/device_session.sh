@@ -204,9 +204,9 @@ run_stage() {
       stage study_fp8 130 python3 benchmark/e2e_study.py --out /tmp/ds/study_fp8 \
         --kv-cache-dtype fp8_e4m3 --repeats 2 --deadline-s 110 ;;
     harness)  # the plugin over sglang 0.5.23's pure-Python classes (the carried archive
-      # .harness/sglang-py.tar.gz: python -m benchmark.harness.sglang_pack), then its CUDA test
+      # .harness/sglang-py.tar.xz: python -m benchmark.harness.sglang_pack), then its CUDA test
       stage harness 240 bash -c "python3 benchmark/plugin_gpu_harness.py --out /tmp/ds/harness \
-        --sglang-pack .harness/sglang-py.tar.gz; ECHO_SGLANG_PACK=.harness/sglang-py.tar.gz \
+        --sglang-pack .harness/sglang-py.tar.xz; ECHO_SGLANG_PACK=.harness/sglang-py.tar.xz \
         ECHO_REQUIRE_SGLANG=1 PYTHONPATH=tests/sglang:\$PYTHONPATH python3 -m pytest -q \
         -p no:cacheprovider --confcutdir=tests/sglang tests/sglang/test_gpu_harness_loop.py" ;;
     *) echo "unknown stage $1; $usage" >&2; exit 2 ;;

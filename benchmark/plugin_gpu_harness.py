@@ -10,7 +10,7 @@ lists what was stood in for. Greedy tokens and logits are compared with ``torch.
 under eviction; the record has the evictions per step and ECHO's launches per
 layer-step (CUDA profiler over one replayed step).
 
-    python benchmark/plugin_gpu_harness.py --out OUT [--sglang-pack .harness/sglang-py.tar.gz]
+    python benchmark/plugin_gpu_harness.py --out OUT [--sglang-pack .harness/sglang-py.tar.xz]
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def _clean(loop) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for plugin_gpu_harness.json")
-    ap.add_argument("--sglang-pack", help="tar.gz of sglang's .py modules (GPU machine)")
+    ap.add_argument("--sglang-pack", help="tar.xz of sglang's .py modules (GPU machine)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="subset of " + ",".join(CONFIGS))
     ap.add_argument("--requests", type=int, default=10, help="requests per config")
     ap.add_argument("--no-graphs", action="store_true", help="eager steps only")

@@ -8,7 +8,7 @@ this machine is (no GPU), and on sglang's CUDA branch (``torch.cuda.is_available
 faked true, the harness machine's stand-ins forced in), because several modules import
 different siblings on a GPU.
 
-    python -m benchmark.harness.sglang_pack --out .harness/sglang-py.tar.gz
+    python -m benchmark.harness.sglang_pack --out .harness/sglang-py.tar.xz
 
 On the harness machine, ``use_pack(archive)`` extracts it, puts it first on ``sys.path``
 and installs the stand-ins (standins.py), before anything imports sglang.
@@ -17,12 +17,12 @@ and installs the stand-ins (standins.py), before anything imports sglang.
 from __future__ import annotations
 
 import argparse
-import gzip
 import importlib
 import importlib.abc
 import importlib.util
 import io
 import json
+import lzma
 import os
 import re
 import subprocess
@@ -270,7 +270,7 @@ def files_to_pack(root: Path, traces: Iterable[dict[str, list[str]]]) -> list[Pa
 
 
 def write_archive(out: Path, root: Path, files: list[Path], manifest: dict) -> int:
-    """A reproducible tar.gz of ``files`` (named from ``root``'s parent) and a manifest
+    """A reproducible tar.xz (xz: the device call carries 64 MiB with the tree) of ``files`` (named from ``root``'s parent) and a manifest
     ``SGLANG_PACK.json``; returns the bytes packed, uncompressed."""
 
     def info(name: str, size: int) -> tarfile.TarInfo:
@@ -282,7 +282,7 @@ def write_archive(out: Path, root: Path, files: list[Path], manifest: dict) -> i
     total = 0
     with (
         open(out, "wb") as raw,
-        gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as zipped,
+        lzma.LZMAFile(raw, mode="wb", preset=9 | lzma.PRESET_EXTREME) as zipped,
         tarfile.open(fileobj=zipped, mode="w") as tar,
     ):
         for path in files:
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment and packs the .py files it loaded, their packages' __init__.py, "
         "and the data sglang needs at import.",
     )
-    parser.add_argument("--out", type=Path, help="the .tar.gz to write (required)")
+    parser.add_argument("--out", type=Path, help="the .tar.xz to write (required)")
     parser.add_argument(
         "--python",
         type=Path,
