@@ -8,6 +8,12 @@ and plain number of the backend's objects (walked through their attributes, this
 package's objects only) except the data buffers named to it (KV rows, index keys, staging
 rows: the dummy steps write the sink's row only), and ``restore`` copies them back into the
 same tensors, so captured graphs keep their addresses and the cache is as a fresh one.
+
+Both the copy and the restore run on whatever stream is current (a server's engine
+stream), while the state was written, and is read next, on others (the default stream
+that built it, the test or scheduler that reads it after start-up): the device is settled
+before the copy and after the restore. A race here was seen on the H200 (counters read
+non-zero right after start-up, zero a moment later); at start-up the wait costs nothing.
 """
 
 from __future__ import annotations
@@ -23,10 +29,16 @@ def _ours(value: object) -> bool:
     return type(value).__module__.startswith(_PACKAGE) and hasattr(value, "__dict__")
 
 
+def _settle(tensors: Iterable[torch.Tensor]) -> None:
+    """Wait for every stream of each CUDA device these tensors live on."""
+    for device in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.synchronize(device)
+
+
 class StateCheckpoint:
     def __init__(self, roots: Iterable[object], data: Iterable[torch.Tensor | None]) -> None:
         skip = {t.data_ptr() for t in data if t is not None and t.numel()}
-        self._tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        found: list[torch.Tensor] = []
         self._numbers: list[tuple[object, str, bool | int | float]] = []
         seen: set[int] = set()
         stack = [r for r in roots if r is not None]
@@ -45,12 +57,15 @@ class StateCheckpoint:
                     if isinstance(item, torch.Tensor):
                         if item.numel() and item.data_ptr() not in skip:
                             skip.add(item.data_ptr())  # one copy of a shared tensor
-                            self._tensors.append((item, item.clone()))
+                            found.append(item)
                     elif _ours(item):
                         stack.append(item)
+        _settle(found)
+        self._tensors = [(t, t.clone()) for t in found]
 
     def restore(self) -> None:
         for tensor, saved in self._tensors:
             tensor.copy_(saved)
+        _settle(t for t, _ in self._tensors)
         for obj, name, value in self._numbers:
             object.__setattr__(obj, name, value)  # frozen dataclasses hold the same value
