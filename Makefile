@@ -120,7 +120,7 @@ test-sglang:
 endif
 
 # The generated documents (docs/DEVELOPMENT.md): README's results, docs/EVIDENCE.md and
-# docs/ERRORS.md from benchmark/evidence.py, docs/CONFIGURATION.md from the registry.
+# docs/ERRORS.md from benchmark/evidence/, docs/CONFIGURATION.md from the registry.
 .PHONY: docs
 docs: $(STAMP)
 	$(PY) -m benchmark.evidence --write README.md docs/EVIDENCE.md docs/ERRORS.md

@@ -1,7 +1,7 @@
 """The record's ``metrics``: the headline ratios (paper settings, same pools, equal HBM,
 the HiSparse-like baseline), the low-load cost, hit rates, step breakdowns, the spread
 over repeats, the 61-layer estimate and the details behind them (lossless checks, the
-locality sweep, every repeat's step time). benchmark/evidence.py and the README read these
+locality sweep, every repeat's step time). benchmark/evidence/ and the README read these
 keys: their names and shapes are the record's contract."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The documents' measured numbers come from the records, and every record names the
 committed command that wrote it (issue 13: evidence with provenance); the generated blocks
-of README.md and docs/ equal benchmark/evidence.py's output; README stays short, and every
+of README.md and docs/ equal benchmark/evidence/'s output; README stays short, and every
 command and link it shows exists (issue 30)."""
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def test_prose_holds_no_measured_figure(doc):
     found = evidence.prose_figures(doc.read_text())
     assert found == [], (
         f"{doc.name}: measured figures outside the evidence block (move them into a row of "
-        "benchmark/evidence.py, or rephrase without them; design constants "
+        "benchmark/evidence/ (its rows modules), or rephrase without them; design constants "
         "go in evidence.ALLOWED_FIGURES):\n" + "\n".join(found)
     )
 

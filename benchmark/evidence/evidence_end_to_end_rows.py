@@ -1,0 +1,174 @@
+"""docs/EVIDENCE.md's rows of the end-to-end study, its request-rate sweeps and task
+mixes (``END_TO_END_ROWS``, the table's first rows) and of the toy model's serving sweeps
+(``TOY_SERVING_ROWS``, its last). Each fact names its fields: {metrics.x:us} is the
+record's metrics.x in microseconds (FORMATS), {@name...} a value derived from the record
+(DERIVED)."""
+
+from __future__ import annotations
+
+from .records import SERVING_HISTORY, STUDY, STUDY_FP8, rec
+from .rows import Row
+
+SAME_POOLS = (
+    "the same decode node with both KV pools at the same size (no-offload pool, ECHO's "
+    "NSA_DEV_CACHE_SIZE), {@knobs.NUM_PROMPTS} prompts"
+)
+
+
+def rate_latency(rate: str) -> str:
+    runs = "{metrics.runs.%s." + rate + ".%s:ms}"
+    return (
+        f"at rate {rate}: median TTFT {runs % ('offload', 'median_ttft_ms')} vs "
+        f"{runs % ('no-offload', 'median_ttft_ms')} ms, median E2E "
+        f"{runs % ('offload', 'median_e2e_latency_ms')} vs "
+        f"{runs % ('no-offload', 'median_e2e_latency_ms')} ms"
+    )
+
+
+END_TO_END_ROWS: tuple[Row, ...] = (
+    Row(
+        "end-to-end decode study (issue 14)",
+        STUDY,
+        (
+            "{config.layers} layers at DeepSeek-V3.2's attention dims + one DP worker's routed MoE at equal bytes, bf16 KV, "
+            "fake-transfer decode node, prompts {config.prompt_tokens.0:n}-{config.prompt_tokens.1:n} tokens, locality "
+            "`{metrics.locality_source}` (real indexer + exact top-k), rate inf (closed batch)",
+            "ECHO / no-offload output throughput at the paper settings ({@paper_pools}) {metrics.ratio_paper_all_hbm:x} "
+            "(batch {metrics.details.paper_all_hbm.echo_batch} vs {metrics.details.paper_all_hbm.no_offload_batch})",
+            "?range {metrics.spread.ratio_paper_all_hbm.ratio_min:f2}-{metrics.spread.ratio_paper_all_hbm.ratio_max:f2}x "
+            "over {metrics.repeats} interleaved repeats of each side",
+            "at pools of {@same_pools}",
+            "at equal HBM ({@paper_pool:tok}) {metrics.ratio_equal_hbm_380k:x}",
+            "random keys (pessimistic, hit {metrics.details.random_keys_paper_all_hbm.echo_hit_rate_mean:f2}) "
+            "{metrics.details.random_keys_paper_all_hbm.ratio:x}",
+            "ECHO hit rate per layer {metrics.hit_rate_per_layer:f3-}",
+            "?ECHO's decode prefetch `{metrics.echo_decode_prefetch.mode}`: on in "
+            "{metrics.echo_decode_prefetch.steps_on_all.full.0:n} of {metrics.echo_decode_prefetch.steps_on_all.full.1:n} "
+            "decode steps at the paper's setting, {metrics.echo_decode_prefetch.steps_on_all.random.0:n} of "
+            "{metrics.echo_decode_prefetch.steps_on_all.random.1:n} on random keys",
+            "batch {metrics.low_load_cost.per_batch:keys} cost {metrics.low_load_cost.per_batch:f3/} "
+            "(mean {metrics.low_load_cost.mean:f3}, project target 0.015)",
+            "?medians of steps alternated with no-offload's; ECHO with decode tokens host-only and the "
+            "resolve in line (`echo_inline`, in the same alternation) {metrics.low_load_cost.inline_per_batch:f3/}",
+            "step {metrics.breakdown.no_offload.step_ms_device:ms} ms (no-offload, batch {metrics.breakdown.no_offload.batch}) "
+            "vs {metrics.breakdown.echo.step_ms_device:ms} ms (ECHO, batch {metrics.breakdown.echo.batch})",
+            "greedy outputs equal under eviction ({metrics.details.lossless_under_eviction.evictions_per_step:n} evictions per step, {metrics.details.lossless_under_eviction.tokens_compared} tokens{@compared}): {metrics.details.lossless_under_eviction.greedy_outputs_equal:yes}",
+            "without pressure at batch {metrics.details.greedy_outputs_equal_at_low_load:keys}: "
+            "{metrics.details.greedy_outputs_equal_at_low_load:yes/}",
+            "without pressure at batch {metrics.breakdown_low_load.echo.batch}: step {metrics.breakdown_low_load.echo.step_ms_device:ms} vs {metrics.breakdown_low_load.no_offload.step_ms_device:ms} ms, ECHO minus no-offload by kernel category (profiler, ms per step): "
+            "{@profile_difference}; kernels per step {metrics.breakdown_low_load.echo.profiler.kernels} vs {metrics.breakdown_low_load.no_offload.profiler.kernels}",
+            "HiSparse-like under eviction ({metrics.details.lossless_under_eviction_hisparse.evictions_per_step:n} evictions per step): {metrics.details.lossless_under_eviction_hisparse.greedy_outputs_equal:yes}",
+        ),
+    ),
+    Row(
+        "end-to-end study at fp8 KV (issues 14, 15)",
+        STUDY_FP8,
+        (
+            "the same study with `--kv-cache-dtype fp8_e4m3` ({config.kv_row_bytes}-byte rows in every pool): ECHO / "
+            "no-offload at the paper settings {metrics.ratio_paper_all_hbm:x}",
+            "at pools of {@same_pools}",
+            "hit rate per layer {metrics.hit_rate_per_layer:f3-}",
+            "batch {metrics.low_load_cost.per_batch:keys} cost {metrics.low_load_cost.per_batch:f3/}",
+            "steps at fp8 vs bf16 KV: no-offload batch {metrics.breakdown.no_offload.batch} "
+            "{metrics.breakdown.no_offload.step_ms_device:ms} vs {@bf16_steps.no_offload.step_ms_device:ms} ms, ECHO batch "
+            "{metrics.breakdown.echo.batch} {metrics.breakdown.echo.step_ms_device:ms} vs "
+            "{@bf16_steps.echo.step_ms_device:ms} ms (the fp8 sparse-MLA kernel: see its row)",
+            "the equal-HBM engines are not run at fp8",
+        ),
+        also=(STUDY,),
+    ),
+    Row(
+        "ECHO vs a HiSparse-like per-request buffer (issue 14)",
+        STUDY,
+        (
+            "same run, equal HBM to a {@paper_pool:tok}-token no-offload pool: ECHO (one shared cache per layer) "
+            "{@equal_hbm.echo.ratio:x} at batch {@equal_hbm.echo.echo_batch}, hit {@equal_hbm.echo.echo_hit_rate_mean:f3}",
+            "HiSparse-like (private {metrics.hisparse_device_buffer_size:n}-row buffers per request and layer, LRU inside; "
+            "cache management in torch ops, not a fused kernel) {@equal_hbm.hisparse.ratio:x} at batch "
+            "{@equal_hbm.hisparse.echo_batch}, hit {@equal_hbm.hisparse.echo_hit_rate_mean:f3}",
+            "steps {@equal_hbm.echo.echo_step_ms:ms} / {@equal_hbm.hisparse.echo_step_ms:ms} / "
+            "{@equal_hbm.echo.no_offload_step_ms:ms} ms (ECHO / HiSparse-like / no-offload batch "
+            "{@equal_hbm.echo.no_offload_batch})",
+        ),
+    ),
+    Row(
+        "request-rate sweep, decode node (issue 14, Figure 12)",
+        rec("e2e_sweep/e2e_sweep.json"),
+        (
+            "the study's {@knobs.LAYERS}-layer worker through the HTTP server as a fake-transfer decode node, "
+            "{@knobs.NUM_PROMPTS} InfiniteBench-like prompts (synthetic, {@infinitebench_prompts}): {@serving}",
+        ),
+    ),
+    Row(
+        "served against the engine, one device call (issue 49)",
+        rec("served_vs_study/served_vs_study.json"),
+        (
+            "the in-process study at the paper's setting ({metrics.study_ratio:x}) and the served Figure-12 sweep "
+            "(96 prompts, rates 1 and inf) in one call on commit `{commit}`: served ECHO / no-offload at rate inf "
+            "{metrics.served_ratio_inf:x}, served over study {metrics.served_over_study:f2} (goal 0.90); over the "
+            "steady window {metrics.steady_ratio_inf:x}",
+            "decode device time over wall time at rate inf: ECHO {metrics.echo_served_efficiency:f2}, no-offload "
+            "{metrics.no_offload_served_efficiency:f2} (goals 0.90 / 0.93); mean decode batch "
+            "{metrics.mean_decode_batch_inf:f1/} (no-offload / ECHO)",
+            "ECHO's median ITL over no-offload's at rate 1 {metrics.itl_p50_ratio_rate1:f3} (goal 1.02)",
+            "hit rate served {metrics.served_hit_rate:f3}, in the study {metrics.study_hit_rate:f3}",
+            "admission (engine thread, per 100K-token request) p50 {metrics.admission_ms_p50:f1} ms, mean at rate inf "
+            "{metrics.admission_ms_mean_inf:f1} ms (goal 2)",
+            "graph captures during the runs {metrics.graph_captures_during_run:n} (all at start-up)",
+            "greedy tokens equal between the servers at every rate: {metrics.outputs_equal:yes}",
+            "?per rate (equal, compared) {metrics.outputs_equal_by_rate:}",
+        ),
+    ),
+    Row(
+        "request-rate sweep at pools of 200K (issue 14, Figure 13)",
+        rec("e2e_sweep_200k/e2e_sweep.json"),
+        (SAME_POOLS + ": {@serving}",),
+    ),
+    Row(
+        "request-rate sweep at pools of 110K (issue 14, Figure 13)",
+        rec("e2e_sweep_110k/e2e_sweep.json"),
+        (
+            SAME_POOLS
+            + " (no-offload refuses, with a 400 that says why, the prompts whose tokens and output exceed its "
+            "pool): {@serving}",
+            rate_latency("2"),
+        ),
+    ),
+    Row(
+        "ShareGPT-like latency sweep (issue 14, Figure 15)",
+        rec("e2e_sweep_sharegpt/e2e_sweep.json"),
+        (
+            "the same worker on one server that prefills and decodes, {@knobs.NUM_PROMPTS} ShareGPT-like chats "
+            "(synthetic): {@serving}",
+            rate_latency("inf"),
+        ),
+    ),
+    Row(
+        "task mixes (issue 14, Figure 14)",
+        rec("e2e_sweep_tasks/e2e_sweep.json"),
+        (
+            "Figure 14's task mixes on the decode node (synthetic at InfiniteBench's task lengths and output lengths, "
+            "{@knobs.TASK_NUM_PROMPTS} prompts each, rate {@knobs.TASK_RATES}), ECHO / no-offload output throughput: "
+            "{@task_ratios}",
+        ),
+    ),
+)
+
+
+TOY_SERVING_ROWS: tuple[Row, ...] = (
+    Row(
+        "serving (toy model, issue 7)",
+        rec("serving/h200/serving_sweep.json"),
+        (
+            "{@knobs.LAYERS}-layer random model, {@knobs.NUM_PROMPTS} InfiniteBench-like prompts (synthetic) at context "
+            "{@knobs.CONTEXT:n}: {@serving}",
+        ),
+    ),
+    Row(
+        "serving, earlier runs (history)",
+        SERVING_HISTORY[0],
+        ("{@history_serving}",),
+        kind="measured, superseded",
+        also=SERVING_HISTORY[1:],
+    ),
+)
