@@ -47,9 +47,13 @@ class TinySpec:
     rope: str = "default"  # or "yarn"
     yarn_factor: float = 4.0
     init_std: float = 0.08
+    # DeepSeek's multi-token-prediction (NextN) layers after the decoder layers, as
+    # model.layers.{layers + k}.* (0: none, and the files are what they were without it).
+    num_nextn_predict_layers: int = 0
 
 
-def hf_config(spec: TinySpec):
+def hf_config(spec: TinySpec, layers: int | None = None):
+    """transformers' config of ``spec`` (``layers``: that many decoder layers instead)."""
     from transformers import DeepseekV32Config
 
     rope = {"rope_type": "default", "rope_theta": 10000.0}
@@ -67,12 +71,15 @@ def hf_config(spec: TinySpec):
         }
     elif spec.rope != "default":
         raise ValueError(f"rope must be 'default' or 'yarn', got {spec.rope!r}")
+    extra = {}
+    if spec.num_nextn_predict_layers:
+        extra["num_nextn_predict_layers"] = spec.num_nextn_predict_layers
     return DeepseekV32Config(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
         moe_intermediate_size=spec.moe_intermediate,
-        num_hidden_layers=spec.layers,
+        num_hidden_layers=spec.layers if layers is None else layers,
         first_k_dense_replace=spec.dense_layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.heads,
@@ -95,6 +102,7 @@ def hf_config(spec: TinySpec):
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=2,
+        **extra,
     )
 
 
@@ -112,14 +120,83 @@ def build_hf_model(spec: TinySpec):
     return model
 
 
+# The NextN layers' weights draw from their own seed, so the target's stay as without them.
+NEXTN_SEED_OFFSET = 1 << 20
+NEXTN_FILE = "model-nextn.safetensors"
+
+
+def nextn_tensors(spec: TinySpec, target) -> dict[str, torch.Tensor]:
+    """The NextN layers' tensors by checkpoint name, as DeepSeek ships them: for index
+    L = layers + k, the decoder layer that transformers' own classes build and save for
+    index L (taken from a model with L + 1 layers, so its MoE/dense type and names are
+    transformers'), random ``enorm``/``hnorm``/``shared_head.norm`` (not all ones, so
+    that a swapped norm shows) and ``eh_proj``, and copies of ``target``'s embedding and
+    LM head as ``embed_tokens`` and ``shared_head.head``."""
+    import tempfile
+
+    from safetensors.torch import load_file
+    from transformers import DeepseekV32ForCausalLM
+
+    n_layers = spec.layers + spec.num_nextn_predict_layers
+    torch.manual_seed(spec.seed + NEXTN_SEED_OFFSET)
+    donor = DeepseekV32ForCausalLM(hf_config(spec, layers=n_layers)).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        donor.save_pretrained(tmp)
+        saved: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(tmp).glob("*.safetensors")):
+            saved.update(load_file(str(file)))
+    g = torch.Generator().manual_seed(spec.seed + NEXTN_SEED_OFFSET)
+    hidden = spec.hidden
+    out: dict[str, torch.Tensor] = {}
+    for index in range(spec.layers, n_layers):
+        prefix = f"model.layers.{index}."
+        for name, tensor in saved.items():
+            if name.startswith(prefix):
+                out[name] = tensor.clone()
+        gate_bias = prefix + "mlp.gate.e_score_correction_bias"
+        if gate_bias in out:  # as build_hf_model does for the target's MoE layers
+            out[gate_bias] = torch.randn(out[gate_bias].shape, generator=g) * 0.05
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            out[f"{prefix}{norm}.weight"] = 1.0 + 0.2 * torch.randn(hidden, generator=g)
+        out[prefix + "eh_proj.weight"] = spec.init_std * torch.randn(
+            hidden, 2 * hidden, generator=g
+        )
+        out[prefix + "embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()
+        out[prefix + "shared_head.head.weight"] = target.lm_head.weight.detach().clone()
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def _write_nextn(out: Path, spec: TinySpec, target) -> None:
+    """The NextN tensors in a file of their own, listed in the shard index if there is one
+    (transformers then loads them as unexpected keys, and drops them)."""
+    from safetensors.torch import save_file
+
+    tensors = nextn_tensors(spec, target)
+    save_file(tensors, str(out / NEXTN_FILE), metadata={"format": "pt"})
+    index_file = out / "model.safetensors.index.json"
+    if index_file.is_file():
+        index = json.loads(index_file.read_text())
+        index["weight_map"].update(dict.fromkeys(tensors, NEXTN_FILE))
+        index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def make_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
     spec = spec or TinySpec()
+    if spec.num_nextn_predict_layers < 0:
+        raise ValueError(
+            f"num_nextn_predict_layers must be >= 0, got {spec.num_nextn_predict_layers}"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = build_hf_model(spec)
     model.save_pretrained(str(out), max_shard_size="15MB")
+    if spec.num_nextn_predict_layers:
+        _write_nextn(out, spec, model)
     save_byte_tokenizer(out)
-    (out / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
+    fields = asdict(spec)
+    if not spec.num_nextn_predict_layers:  # the spec file as it was before the field
+        del fields["num_nextn_predict_layers"]
+    (out / "tiny_spec.json").write_text(json.dumps(fields, indent=2))
     return out
 
 

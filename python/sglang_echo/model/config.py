@@ -7,7 +7,7 @@ checkpoint fails here with a message instead of deep inside a matmul.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,12 @@ class DeepseekV32Config:
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
     indexer_mode: str = "bf16"
+    # Layers at index >= this are MoE; it extends the MLP rule past the decoder layers, to
+    # the multi-token-prediction (NextN) layers (``mlp_layer_type``).
+    first_k_dense_replace: int = 3
+    # DeepSeek's NextN (MTP) layers, stored after the decoder layers as model.layers.{L}.*
+    # with L = num_hidden_layers; the target model never runs them (model/nextn.py).
+    num_nextn_predict_layers: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -102,6 +108,29 @@ class DeepseekV32Config:
         if self.indexer_mode == "fp8_hadamard":
             return fp8_row_bytes(self.index_head_dim)
         return self.index_head_dim
+
+    def mlp_layer_type(self, layer_id: int) -> str:
+        """'dense' or 'sparse' (MoE) for layer index ``layer_id``: the decoder layers' own
+        entry, and past them (the NextN layers) the rule the config derives them by."""
+        if layer_id < 0:
+            raise ValueError(f"layer index must be >= 0, got {layer_id}")
+        if layer_id < self.num_hidden_layers:
+            return self.mlp_layer_types[layer_id]
+        return "sparse" if layer_id >= self.first_k_dense_replace else "dense"
+
+    def nextn_layer_config(self) -> DeepseekV32Config:
+        """The config of the first NextN layer seen as a one-layer model: its MLP type at
+        index ``num_hidden_layers`` becomes layer 0's, so the ordinary ``DecoderLayer``
+        builds it and ``PlainKVCache.for_model`` sizes its own one-layer KV pool."""
+        if self.num_nextn_predict_layers < 1:
+            raise ModelConfigError(
+                "the config has no NextN (multi-token-prediction) layer: "
+                "num_nextn_predict_layers is 0."
+            )
+        kind = self.mlp_layer_type(self.num_hidden_layers)
+        return replace(
+            self, num_hidden_layers=1, mlp_layer_types=(kind,), num_nextn_predict_layers=0
+        )
 
     def index_row_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return torch.uint8 if self.indexer_mode == "fp8_hadamard" else model_dtype
@@ -140,11 +169,25 @@ class DeepseekV32Config:
         if missing:
             raise ModelConfigError(f"{source}: missing required DeepSeek-V3.2 fields {missing}.")
 
+        nextn = cfg.get("num_nextn_predict_layers", 0)
+        if nextn is None:
+            nextn = 0
+        if isinstance(nextn, bool) or not isinstance(nextn, int) or nextn < 0:
+            raise ModelConfigError(
+                f"{source}: num_nextn_predict_layers must be an integer >= 0 (the count of "
+                f"multi-token-prediction layers after the decoder layers), got {nextn!r}."
+            )
         n_layers = int(cfg["num_hidden_layers"])
         layer_types = cfg.get("mlp_layer_types")
+        first_dense = cfg.get("first_k_dense_replace")
         if layer_types is None:
-            n_dense = min(int(cfg.get("first_k_dense_replace", 3)), n_layers)
+            first_dense = 3 if first_dense is None else int(first_dense)
+            n_dense = min(first_dense, n_layers)
             layer_types = ["dense"] * n_dense + ["sparse"] * (n_layers - n_dense)
+        elif first_dense is None:  # the leading dense layers the list shows (all: NextN too)
+            first_dense = next(
+                (i for i, t in enumerate(layer_types) if t != "dense"), n_layers + nextn
+            )
         if len(layer_types) != n_layers or any(t not in ("dense", "sparse") for t in layer_types):
             raise ModelConfigError(
                 f"{source}: mlp_layer_types must list 'dense' or 'sparse' for each of the "
@@ -194,6 +237,8 @@ class DeepseekV32Config:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             indexer_mode=indexer_mode,
+            first_k_dense_replace=int(first_dense),
+            num_nextn_predict_layers=nextn,
             raw=dict(cfg),
         )
         config._check_shapes(source)
@@ -207,7 +252,11 @@ class DeepseekV32Config:
                 f"{source}: index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim "
                 f"({self.qk_rope_head_dim}): the indexer ropes its first qk_rope_head_dim dims."
             )
-        if "sparse" in self.mlp_layer_types:
+        nextn_types = [
+            self.mlp_layer_type(self.num_hidden_layers + k)
+            for k in range(self.num_nextn_predict_layers)
+        ]
+        if "sparse" in self.mlp_layer_types or "sparse" in nextn_types:
             if self.n_routed_experts % self.n_group:
                 raise ModelConfigError(f"{source}: n_routed_experts must be divisible by n_group.")
             if self.topk_group > self.n_group:
