@@ -331,9 +331,7 @@ def test_decode_prefetch_is_the_plugins_prefetcher(row):
     cache_ = DeviceCache(layers, 64, host_tokens, row, torch.uint8, "cpu")
     manager = EchoManager(host, cache_, use_kernels=False)
     p = DecodePrefetcher(manager, slots, chunks=PLUGIN_STAGE_CHUNKS)
-    thresholds = sum(q.theta.nbytes + q.finite.nbytes for q in p.predictors)
-    want = p.nbytes + thresholds
-    assert sizing.decode_prefetch_bytes(slots, host_tokens + 2, row, layers) == want
+    assert sizing.decode_prefetch_bytes(slots, host_tokens + 2, row, layers) == p.nbytes
     sizes = sizing.EchoSizes(N_G, T, TOP_K, 0)
     off = sizing.RankShape(LAYERS, row, KEY_ROW, 163840)
     on = sizing.RankShape(LAYERS, row, KEY_ROW, 163840, decode_prefetch=True)

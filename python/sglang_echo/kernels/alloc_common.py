@@ -20,25 +20,23 @@ import triton
 import triton.language as tl
 
 # The cache is typed by its protocol: it lives in offload/, which depends on kernels/.
+# The launch shape and the histogram's width, where the sizing code can read them without
+# torch or triton (offload/footprint.py).
+from sglang_echo.kernels.alloc_geometry import (
+    HIST_BINS,
+    LANE_BLOCK,
+    LOOKBACK_LANE_BLOCK,
+    LOOKBACK_WARPS,
+    NUM_BUCKETS,
+    NUM_WARPS,
+    SLOT_BLOCK,
+    workspace_bytes,
+)
 from sglang_echo.kernels.cache_layout import ABSENT, FREE, CacheState
 from sglang_echo.kernels.pdl import use_pdl
 
 CLAIM = -(2**31)  # host_to_device value CLAIM + lane: lane is the id's first miss lane
 EXACT_AGES = 224  # ages below this are exact buckets; older ones share log2 buckets
-NUM_BUCKETS = 256
-HIST_BINS = NUM_BUCKETS  # the age histogram: one bin per bucket (unevictable: masked out)
-# The launch shape (sglang/sizing.py mirrors the blocks). For the five-launch pipeline it
-# was the fastest of 8 shapes on an H200; for the look-back resolve, cache_ops_bench's
-# former --sweep timed 18 shapes at batch 48 in three runs (cache_ops.json's
-# launch_shape_sweep; the runs: docs/ARCHITECTURE.md section 15, "Measured choices"): 512
-# lanes x 16 warps was the fastest each time, ahead of this one, and fewer lanes or warps
-# per program were slower. So the look-back takes that shape (LOOKBACK_*); the pipeline
-# (appends) and the one program's block keep these, where they were measured.
-LANE_BLOCK = 1024
-SLOT_BLOCK = 2048
-NUM_WARPS = 8
-LOOKBACK_LANE_BLOCK = 512
-LOOKBACK_WARPS = 16
 # Calls of at most this many lanes run as one program (_one_program_kernel): up to a batch
 # of two decode requests at top-k 2048. Why: one SM walking the lanes serially beats a
 # chain of launches while the work is small. On an H200 (cache_ops.json's
@@ -226,6 +224,9 @@ class AllocWorkspace:
     LANE_BLOCK, SLOT_BLOCK, NUM_WARPS, ONE_PROGRAM_* and LOOKBACK_* (read here, not at
     import: tests make workspaces with small blocks by setting them) and whether launches
     chain (PDL). The shape changes speed only, never the state."""
+
+    # Its bytes from sizes alone, at the default geometry (kernels/alloc_geometry.py).
+    bytes_for = staticmethod(workspace_bytes)
 
     def __init__(self, cache: CacheState, max_lanes: int, pdl: bool = True) -> None:
         dev = cache.device

@@ -30,6 +30,7 @@ from sglang_echo.kernels.decode_stage import (
     update_thresholds_from_topk,
 )
 from sglang_echo.model.selection_hooks import DecodeSelectionHooks
+from sglang_echo.offload.footprint import decode_prefetch_bytes
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.predictor import DecodeThresholdPredictor
 
@@ -46,6 +47,9 @@ STAGE_STREAM_PRIORITY = -10
 
 
 class DecodePrefetcher(DecodeSelectionHooks):
+    # Its bytes from sizes alone, for sizing before it exists (offload/footprint.py).
+    bytes_for = staticmethod(decode_prefetch_bytes)
+
     def __init__(
         self,
         manager: EchoManager,
@@ -84,10 +88,10 @@ class DecodePrefetcher(DecodeSelectionHooks):
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the staging (rows, ids, counts, map); the thresholds are a few
-        bytes per request row."""
+        """Device bytes of the staging (rows, ids, counts, map) and the layers' thresholds."""
         buffers = (self.stage_rows, self.stage_ids, self.stage_counts, self.stage_map)
-        return sum(t.nbytes for t in buffers)
+        thresholds = (t for q in self.predictors for t in (q.theta, q.finite))
+        return sum(t.nbytes for t in (*buffers, *thresholds))
 
     def chunk_bounds(self, length: int, span: int) -> list[tuple[int, int]]:
         """[start, end) of each chunk of a [B, length] score table, starts aligned to the

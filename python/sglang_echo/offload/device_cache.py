@@ -11,11 +11,15 @@ from __future__ import annotations
 import torch
 
 from sglang_echo.kernels.cache_layout import ABSENT, FREE
+from sglang_echo.offload.footprint import device_cache_bytes
 
 __all__ = ["ABSENT", "FREE", "DeviceCache"]
 
 
 class DeviceCache:
+    # Its bytes from sizes alone, for sizing before it exists (offload/footprint.py).
+    bytes_for = staticmethod(device_cache_bytes)
+
     def __init__(
         self,
         num_layers: int,
@@ -69,20 +73,8 @@ class DeviceCache:
 
     @property
     def nbytes(self) -> int:
-        tensors = (
-            self.rows,
-            self.host_to_device,
-            self.device_to_host,
-            self.priority,
-            self.free_stack,
-            self.free_count,
-            self.clock,
-        )
-        return sum(t.nbytes for t in tensors)
-
-    @property
-    def metadata_bytes_per_layer(self) -> int:
-        return (self.nbytes - self.rows.nbytes) // self.num_layers
+        """Every tensor it allocated (rows, maps, stack, clock, counters)."""
+        return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
 
     def resident_count(self, layer: int) -> int:
         """Occupied token slots (sink excluded). Reads the device: for tests and stats."""

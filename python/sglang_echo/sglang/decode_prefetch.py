@@ -40,12 +40,11 @@ from typing import Any
 import torch
 
 from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
+from sglang_echo.sglang.sizing import PLUGIN_STAGE_CHUNKS
 
 logger = logging.getLogger(__name__)
 
 INDEXER_TARGET = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer._get_topk_paged"
-# One staging chunk: sglang's logits come from one DeepGEMM launch.
-PLUGIN_STAGE_CHUNKS = 1
 # The coordinator of this process whose decode steps prefetch (None: the switch is off).
 _ACTIVE: PluginDecodePrefetch | None = None
 _installed = False

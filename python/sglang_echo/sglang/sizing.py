@@ -63,6 +63,7 @@ from sglang_echo.config import (
     eviction_reserve_in_force,
     max_running,
 )
+from sglang_echo.offload import footprint
 from sglang_echo.sglang.sizing_budget import AnyBudget, Graphs
 from sglang_echo.sglang.sizing_weights import SCALE_BLOCK, gib
 
@@ -70,13 +71,9 @@ PAGE = 64  # DSA's page size (sglang forces 64)
 # req_to_token rows are context + 4 wide (get_req_to_token_extra_context_len without
 # speculative decoding); req_to_host_pool adds one page.
 REQ_EXTRA_CONTEXT = 4
-# kernels/alloc_common.py's AllocWorkspace geometry (HIST_BINS, LANE_BLOCK, SLOT_BLOCK,
-# LOOKBACK_LANE_BLOCK; copied so that this module stays free of torch and triton;
-# tests/sglang/test_sizing.py builds the real workspace and compares).
-ALLOC_HIST_BINS, ALLOC_LANE_BLOCK, ALLOC_SLOT_BLOCK = 256, 1024, 2048
-ALLOC_LOOKBACK_LANE_BLOCK = 512
-# sglang/decode_prefetch.py's PLUGIN_STAGE_CHUNKS (copied for the same reason; the test
-# builds the plugin's prefetcher and compares).
+# The plugin's decode prefetch stages in one chunk: sglang's logits come from one DeepGEMM
+# launch (sglang/decode_prefetch.py builds its prefetcher with this; defined here, where
+# sizing reads it without torch).
 PLUGIN_STAGE_CHUNKS = 1
 # --mem-fraction-static is suggested in thousandths (sglang rounds its own to 3 places).
 FRACTION_STEP = 1000
@@ -212,54 +209,35 @@ class DeviceBytes:
 def echo_metadata_bytes(
     dev_cache_size: int, host_slots: int, layers: int, eviction_reserve: int | None = None
 ) -> int:
-    """ECHO's device tensors besides the rows: DeviceCache (offload/device_cache.py) over
-    N_H = host_slots - 2 host ids and N_G slots, EchoManager's counters, the one
-    AllocWorkspace (kernels/alloc_common.py, max lanes N_G) of the rank, and the ids the
-    coordinator reserves. ``eviction_reserve``: SGLANG_ECHO_EVICTION_RESERVE, None for its
-    default."""
+    """ECHO's device tensors besides the rows, as their owners count them
+    (offload/footprint.py): the DeviceCache over N_H = host_slots - 2 host ids and N_G
+    slots (its rows borrowed from sglang's pool), the rank's one AllocWorkspace (calls of
+    up to N_G lanes), EchoManager's counters, and the ids the coordinator reserves.
+    ``eviction_reserve``: SGLANG_ECHO_EVICTION_RESERVE, None for its default."""
     n = dev_cache_size
     reserve = eviction_reserve_in_force(n, eviction_reserve)
-    per_layer = (
-        4 * host_slots  # host_to_device int32 [N_H + 2]
-        + 4 * (n + 2)  # device_to_host int32 [N_G + 2]
-        + 8 * (n + 2)  # priority int64 [N_G + 2]
-        + 4 * (n + 1)  # free_stack int32 [N_G + 1]
-        + 4 + 8  # free_count int32, clock int64
-        + 5 * 8  # hits, misses, evictions, append_evictions, recalled_rows int64
-        + 2 * 8  # EchoManager: prefetched_rows, prefetch_hits int64
-    )  # fmt: skip
-    workspace = (
-        4 * ALLOC_HIST_BINS  # hist int32
-        + 4 * max(1, -(-n // ALLOC_LANE_BLOCK))  # lane_counts int32
-        + 4 * 2 * -(-(n + 2) // ALLOC_SLOT_BLOCK)  # slot_counts int32
-        + 2 * 8 * (n + 1)  # miss_ids, miss_slots int64 [N_G + 1]
-        + 8 + 4  # miss_count int64, miss_bound int32
-        + 4 * max(1, reserve)  # extras int32
-        + 2 * (n + 2)  # buckets int16 [N_G + 2]
-        + 4 * 2  # tickets int32 (the look-back resolve's, kernels/alloc_lookback.py)
-        + 4 * 2 * max(1, -(-n // ALLOC_LOOKBACK_LANE_BLOCK))  # tile_words [2, look-back programs]
-        + 8 * -(-(n + 2) // ALLOC_SLOT_BLOCK)  # slot_words int64
-        + 2 * 8  # call_counts int64 [2]
-        + 4 * max(1, n)  # lane_ref int32 [N_G]
-    )  # fmt: skip
-    coordinator = (
-        8 * ceil_to(n + 1, PAGE)  # reserved_device_rows int64: ECHO's rows' ids
-        + 8 * PAGE  # reserved_logical_ids int64: the page the host pool cannot serve
-        + 8  # EchoManager.release_errors int64
-    )
-    return layers * per_layer + workspace + coordinator
+    return footprint.echo_metadata_bytes(layers, n, host_slots - 2, reserve) + reserved_id_bytes(n)
+
+
+def reserved_id_bytes(dev_cache_size: int) -> int:
+    """The coordinator's int64 ids (pool_layout.py): ECHO's N_G + 1 device rows, page-rounded
+    (``reserve_device_rows``), and the logical page the host pool cannot serve
+    (``match_logical_to_host``)."""
+    return 8 * ceil_to(dev_cache_size + 1, PAGE) + 8 * PAGE
 
 
 def decode_prefetch_bytes(request_slots: int, host_slots: int, row_bytes: int, layers: int) -> int:
     """The plugin's decode prefetch (sglang/decode_prefetch.py's DecodePrefetcher, made by
-    the coordinator after sglang profiled memory): staging rows and their int64 host ids
-    (request slots x the default rows per request), the chunks' int32 counters, the int32
-    host-id map over the host pool (N_H + 2 = host slots), and each layer's thresholds
-    (float32 and bool per request slot, plus a scratch row)."""
-    chunks = PLUGIN_STAGE_CHUNKS
-    entries = request_slots * (default_stage_rows(row_bytes) // chunks * chunks)
-    return (
-        entries * (row_bytes + 8) + 4 * chunks + 4 * host_slots + layers * 5 * (request_slots + 1)
+    the coordinator after sglang profiled memory), as the prefetcher counts itself: its
+    staging at the default rows per request in PLUGIN_STAGE_CHUNKS chunks, its host-id map
+    over the host pool (N_H + 2 = host slots) and each layer's thresholds."""
+    return footprint.decode_prefetch_bytes(
+        request_slots,
+        host_slots - 2,
+        row_bytes,
+        layers,
+        PLUGIN_STAGE_CHUNKS,
+        default_stage_rows(row_bytes),
     )
 
 
