@@ -51,7 +51,8 @@ CONFIGS = {
     # plugin's hook (side stream, stage kernels and the recall's staged path in the graphs).
     "fp8-pd-prefetch": dict(fp8=True, mode="pd", prefetch=True),
     # Real shape: top-k 2048 and three requests, 6,144 lanes a layer-step, past the one-
-    # program allocation (4,096 lanes), so the multi-launch resolve runs, in the graphs.
+    # program allocation (4,096 lanes), so the multi-launch resolve runs, in the graphs
+    # (the launches are counted at a step of all three: launches_profiled_batch).
     "fp8-pd-wide": WIDE,
     # The same with the decode prefetch: its step time against fp8-pd-wide's is the hook's
     # cost or gain on this shape (prefetch_step_ratio in the record).
@@ -139,6 +140,7 @@ def run_config(name: str, cfg, device: str, group) -> dict:
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "misses": misses,
         "launches_per_layer_step": launches or None,
+        "launches_profiled_batch": echo.launch_batch or None,
         "release_errors": int(coord.manager.release_errors.item()),
         "decode_prefetch": cfg.prefetch,
         # Whether sglang's own Indexer._get_topk_paged took the hook on this machine (the

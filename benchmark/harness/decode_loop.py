@@ -290,9 +290,13 @@ class DecodeLoop:
 
     # ------------------------------------------------------------ the run
     def run(self, specs: list[Spec], profile_at: int = 1 << 30) -> dict[str, Running]:
-        """Every request to its end; returns them by id (their tokens and logits). The
-        first step with requests at or after iteration ``profile_at`` is profiled on a GPU
-        (ECHO's launches per step, ``launch_counts``)."""
+        """Every request to its end; returns them by id (their tokens and logits). On a GPU
+        the first step at or after iteration ``profile_at`` whose batch is the widest the
+        run can take (``max_running`` requests, or all of them) is profiled: ECHO's
+        launches per step, ``launch_counts``, at ``launch_batch`` requests. The widest
+        batch, because the allocation path depends on the lanes (batch x top-k): profiling
+        an early, narrower step would show the one-program path where wider steps take
+        the multi-launch one."""
         self.capture()
         pending = sorted((replace(s) for s in specs), key=lambda s: s.arrival)
         running: list[Running] = []
@@ -301,6 +305,8 @@ class DecodeLoop:
         prev_batch: list[Running] = []
         it = idle = 0
         self.launch_counts = None
+        self.launch_batch = 0
+        widest = min(self.cfg.max_running, len(specs))
         while True:
             if pending and not running and idle >= IDLE_STEPS:
                 pending[0].arrival = it  # the late arrival, after IDLE_STEPS idle steps
@@ -316,8 +322,14 @@ class DecodeLoop:
             row_of = {id(r): i for i, r in enumerate(prev_batch)}
             batch = list(running)  # an empty batch is an IDLE step (arrivals pending)
             prev_rows = [row_of.get(id(r), -1) for r in batch]
-            if self.launch_counts is None and it >= profile_at and self.cuda and batch:
+            if (
+                self.launch_counts is None
+                and it >= profile_at
+                and self.cuda
+                and len(batch) >= widest
+            ):
                 self.launch_counts, current = count_launches(self.launch, batch, prev_rows)
+                self.launch_batch = len(batch)
             else:
                 current = self.launch(batch, prev_rows)
             prev_batch = batch
