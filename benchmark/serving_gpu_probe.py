@@ -13,7 +13,8 @@ import torch
 sys.path.insert(0, "python")
 sys.path.insert(0, ".")  # scripts/ (run from the repository root)
 from scripts.make_tiny_checkpoint import TinySpec, make_tiny_checkpoint
-from sglang_echo.config import EchoConfig
+from sglang_echo.config import EchoConfig, settings
+from sglang_echo.model.attention import ModelKernels
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.model.loader import load_model
 from sglang_echo.offload.echo_cache import EchoKVCache
@@ -22,7 +23,8 @@ from sglang_echo.runtime.scheduler import Scheduler
 from sglang_echo.runtime.step_runner import StepRunner
 
 ck = make_tiny_checkpoint("/tmp/probe_ckpt", TinySpec(seed=0))
-model = load_model(ck, device="cuda", dtype=torch.float32)
+kernels = ModelKernels.from_settings(settings())  # SGLANG_ECHO_TOPK / _SPARSE_MLA
+model = load_model(ck, device="cuda", dtype=torch.float32, kernels=kernels)
 cfg = model.config
 rng = random.Random(3)
 prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(5, 80))] for _ in range(14)]

@@ -1,6 +1,7 @@
-"""The one registry of environment variables (sglang_echo/config.py, issue 30 item 4).
+"""The one registry of environment variables (sglang_echo/env_settings.py, re-exported by
+sglang_echo/config.py; issue 30 item 4).
 
-docs/CONFIGURATION.md is the registry's generated table; no module but config.py reads a
+docs/CONFIGURATION.md is the registry's generated table; no module but env_settings.py reads a
 registered variable from the environment; every variable parses once per process into
 the frozen settings, with one error style; the kernels' switches come from those
 settings; ``--help`` lists the public variables with the values in force.
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_echo import config
+from sglang_echo import config, env_settings
 from sglang_echo.config import (
     APPLIES_TO,
     ENV_DEV_CACHE,
@@ -71,7 +72,7 @@ def test_unset_variables_give_the_defaults():
     for v in VARIABLES:
         default = next(f.default for f in dataclasses.fields(EchoSettings) if f.name == v.setting)
         assert v.parse(v.name, None) == default, v.name
-    assert EchoSettings().echo == EchoConfig() == EchoConfig.from_env({})
+    assert EchoConfig.from_settings(EchoSettings()) == EchoConfig() == EchoConfig.from_env({})
 
 
 def test_the_kernels_defaults_are_the_registrys():
@@ -145,6 +146,9 @@ def test_the_start_ups_load_the_settings(small_checkpoint, monkeypatch):
 
 
 def test_the_kernel_switches_come_from_the_settings(small_checkpoint, monkeypatch):
+    """Handed down: the manager's pdl, and the model's top-k as an entry point builds it
+    (tests/test_settings_handed_down.py has the rest)."""
+    from sglang_echo.model.attention import ModelKernels
     from sglang_echo.model.config import load_config
     from sglang_echo.model.indexer import LightningIndexer
     from sglang_echo.offload.device_cache import DeviceCache
@@ -159,7 +163,8 @@ def test_the_kernel_switches_come_from_the_settings(small_checkpoint, monkeypatc
         return EchoManager(host, DeviceCache(1, 16, 64, 8, torch.float32, "cpu"), **kw)
 
     assert manager().pdl is False and manager(pdl=True).pdl is True
-    assert LightningIndexer(load_config(small_checkpoint)).topk_backend == "flashinfer"
+    backend = ModelKernels.from_settings(settings()).topk
+    assert LightningIndexer(load_config(small_checkpoint), backend).topk_backend == "flashinfer"
 
 
 def test_the_plugin_parses_only_what_it_reads():
@@ -194,10 +199,10 @@ def test_a_plain_sglang_launch_parses_nothing_but_the_switch(monkeypatch):
     monkeypatch.setenv(ENV_TOPK, "not-a-backend")
     monkeypatch.setenv(ENV_DEV_CACHE, "lots")
     plugin.register()
-    assert config._process_settings is None
+    assert env_settings._process_settings is None
     monkeypatch.setenv(ENV_OFFLOAD, "0")
     plugin.register()
-    assert config._process_settings is None
+    assert env_settings._process_settings is None
 
 
 # ------------------------------------------------------ nobody else reads the environment
@@ -236,10 +241,14 @@ def _environ_keys(tree: ast.AST) -> list[tuple[int, ast.AST | None]]:
 
 def _module_strings(tree: ast.Module) -> dict[str, str | None]:
     """Module-level names bound to a string: literals, names imported from
-    sglang_echo.config, and aliases of either."""
+    sglang_echo.config (or sglang_echo.env_settings, which it re-exports), and aliases of
+    either."""
     names: dict[str, str | None] = {}
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module == "sglang_echo.config":
+        if isinstance(node, ast.ImportFrom) and node.module in (
+            "sglang_echo.config",
+            "sglang_echo.env_settings",
+        ):
             for alias in node.names:
                 value = getattr(config, alias.name, None)
                 names[alias.asname or alias.name] = value if isinstance(value, str) else None
@@ -256,7 +265,7 @@ def _resolve(key: ast.AST | None, names: dict[str, str | None]) -> str | None:
     if isinstance(key, ast.Name):
         return names.get(key.id)
     attribute = isinstance(key, ast.Attribute) and isinstance(key.value, ast.Name)
-    if attribute and key.value.id == "config":  # ``config.ENV_X``
+    if attribute and key.value.id in ("config", "env_settings"):  # ``config.ENV_X``
         value = getattr(config, key.attr, None)
         return value if isinstance(value, str) else None
     return None
@@ -272,14 +281,14 @@ def _sources(*roots: Path) -> list[Path]:
     return sorted(p for root in roots if root.is_dir() for p in root.rglob("*.py"))
 
 
-def test_no_module_but_config_reads_a_registered_variable():
+def test_no_module_but_env_settings_reads_a_registered_variable():
     """In the package every environment read names a variable that is not ECHO's (Triton's,
     listed in config.EXTERNAL_VARIABLES); the benchmarks and research code read no
     registered variable either (they take ``config.settings()``)."""
-    config_py = PACKAGE / "config.py"
+    registry_py = PACKAGE / "env_settings.py"
     problems = []
     for path in _sources(PACKAGE):
-        if path == config_py:
+        if path == registry_py:
             continue
         for line, name in _reads(path):
             if name is None or name in REGISTRY or name not in config.EXTERNAL_VARIABLES:

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from scripts.make_tiny_checkpoint import TinySpec, make_tiny_checkpoint
-from sglang_echo.config import EchoConfig, reset_settings
+from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.fp8_kv import fp8_row_bytes
-from sglang_echo.model import attention as attention_module
+from sglang_echo.model.attention import ModelKernels
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.model.loader import load_model
 from sglang_echo.offload.hisparse_cache import HiSparseKVCache
@@ -58,13 +58,8 @@ def _assert_equal(a_runs, b_runs, name: str) -> None:
 def test_fp8_kv_offload_equals_no_offload(fp8_checkpoint, backend, dtype, monkeypatch):
     if backend == "kernel":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setenv("SGLANG_ECHO_SPARSE_MLA", "kernel")
-    else:
-        monkeypatch.setenv("SGLANG_ECHO_SPARSE_MLA", "torch")
-    reset_settings()  # the model built next parses the switch (config.settings())
-    model = load_model(fp8_checkpoint, dtype=dtype)
-    for layer in model.model.layers:  # the switch is read when the layer is built
-        layer.self_attn.sparse_mla_backend = attention_module.sparse_mla_backend()
+    # SGLANG_ECHO_SPARSE_MLA=backend, as an entry point hands it to the model it builds.
+    model = load_model(fp8_checkpoint, dtype=dtype, kernels=ModelKernels(sparse_mla=backend))
     cfg = model.config
     prompts = _prompts()
     capacity = sum(len(p) + NEW for p in prompts)

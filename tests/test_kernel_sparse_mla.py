@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_echo.config import ENV_SPARSE_MLA, reset_settings
+from sglang_echo.config import ENV_SPARSE_MLA, EchoSettings, reset_settings
 from sglang_echo.kernels.fp8_kv import dequantize_kv_rows, fp8_row_bytes, quantize_kv_rows
 from sglang_echo.kernels.sparse_mla import sparse_mla_from_buffer, sparse_mla_reference
 from sglang_echo.model import attention as attention_module
+from sglang_echo.model.attention import ModelKernels
 from sglang_echo.model.config import ModelConfigError
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -209,8 +210,7 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 # ---------------------------------------------------------------- the switch and the model
 @pytest.fixture
 def backend(monkeypatch):
-    """Set SGLANG_ECHO_SPARSE_MLA for models built inside the test (parsed once per
-    process, config.settings(): the settings are forgotten around each change)."""
+    """Set SGLANG_ECHO_SPARSE_MLA (the settings are forgotten around each change)."""
 
     def set_to(value: str | None) -> None:
         if value is None:
@@ -225,31 +225,38 @@ def backend(monkeypatch):
 
 
 def test_switch_reads_the_environment(backend):
+    """The entry points hand the settings' value to the model (ModelKernels.from_settings);
+    a bad value fails the start-up's parse, and a model built with one."""
+
+    def handed_down() -> str:
+        return ModelKernels.from_settings(EchoSettings.from_env()).sparse_mla
+
     backend(None)
-    assert attention_module.sparse_mla_backend() == "auto"
+    assert handed_down() == "auto"
     backend("torch")
-    assert attention_module.sparse_mla_backend() == "torch"
+    assert handed_down() == "torch"
     backend(" Kernel ")
-    assert attention_module.sparse_mla_backend() == "kernel"
+    assert handed_down() == "kernel"
     backend("triton")
+    with pytest.raises(ValueError, match=r"SGLANG_ECHO_SPARSE_MLA='triton'.*auto, torch, kernel"):
+        handed_down()
     with pytest.raises(
         ModelConfigError, match=r"SGLANG_ECHO_SPARSE_MLA='triton'.*auto, torch, kernel"
     ):
-        attention_module.sparse_mla_backend()
+        ModelKernels(sparse_mla="triton")
 
 
 @pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="CPU (interpreter) run; test_cuda_lossless_with_kernel on GPUs",
 )
-def test_lossless_with_kernel(checkpoints, backend, monkeypatch):
+def test_lossless_with_kernel(checkpoints, monkeypatch):
     """A tiny model end to end with SGLANG_ECHO_SPARSE_MLA=kernel: no-offload vs ECHO at
     the legal minimum cache, token ids and every step's logits torch.equal."""
     from sglang_echo.model.loader import load_model
 
     from test_lossless import Workload, run_pair
 
-    backend("kernel")
     # Count the prefill fallback that stages blocks (ECHO's cache too small for a chunk's
     # distinct rows); no-offload always takes the whole chunk straight from its buffer.
     calls = {"gather_selected": 0}
@@ -260,7 +267,8 @@ def test_lossless_with_kernel(checkpoints, backend, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(attention_module, "gather_selected", counted)
-    model = load_model(checkpoints["default-rope"], dtype=torch.float32)
+    kernels = ModelKernels(sparse_mla="kernel")  # what an entry point passes under "kernel"
+    model = load_model(checkpoints["default-rope"], dtype=torch.float32, kernels=kernels)
     backends = {m.sparse_mla_backend for m in model.modules() if hasattr(m, "sparse_mla_backend")}
     assert backends == {"kernel"}
     w = Workload(
@@ -328,14 +336,14 @@ def test_cuda_fp8_decode_size_equals_its_dequantized_rows():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_lossless_with_kernel(checkpoints, backend, dtype):
+def test_cuda_lossless_with_kernel(checkpoints, dtype):
     """With the kernel: decode captured in CUDA graphs, then eager with host
     synchronisation made an error inside ECHO's append/resolve; torch.equal throughout."""
     from sglang_echo.model.loader import load_model
     from test_gpu import _lossless_pair, _prompts
 
-    backend("kernel")
-    model = load_model(checkpoints["default-rope"], device="cuda", dtype=dtype)
+    kernels = ModelKernels(sparse_mla="kernel")
+    model = load_model(checkpoints["default-rope"], device="cuda", dtype=dtype, kernels=kernels)
     prompts = _prompts(5, [60, 23, 90])
     graph = _lossless_pair(model, prompts, 12, 3, 8, use_graph=True, sync_check=False)
     model.set_graph_safe(False)

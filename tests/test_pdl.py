@@ -33,8 +33,8 @@ def test_the_cpu_and_the_interpreter_never_chain(monkeypatch: pytest.MonkeyPatch
 
 
 def test_env_choice_takes_the_first_when_unset_and_refuses_the_rest(monkeypatch) -> None:
-    from sglang_echo.config import ENV_SPARSE_MLA, reset_settings
-    from sglang_echo.model import attention
+    from sglang_echo.config import ENV_SPARSE_MLA
+    from sglang_echo.model.attention import ModelKernels
     from sglang_echo.model.config import ModelConfigError
 
     env_choice = parse_choice(("a", "b"))
@@ -42,7 +42,7 @@ def test_env_choice_takes_the_first_when_unset_and_refuses_the_rest(monkeypatch)
     assert env_choice("X", " B ") == "b"
     with pytest.raises(ConfigError, match=r"X='c' is not understood; set it to one of a, b"):
         env_choice("X", "c")
-    monkeypatch.setenv(ENV_SPARSE_MLA, "fast")
-    reset_settings()
-    with pytest.raises(ModelConfigError, match="auto, torch, kernel"):
-        attention.sparse_mla_backend()
+    with pytest.raises(ConfigError, match="auto, torch, kernel"):  # the start-up's parse
+        EchoSettings.from_env({ENV_SPARSE_MLA: "fast"})
+    with pytest.raises(ModelConfigError, match="auto, torch, kernel"):  # a model built so
+        ModelKernels(sparse_mla="fast")

@@ -39,12 +39,19 @@ def test_the_radix_select_is_the_default_and_flashinfer_says_why_it_cannot() -> 
 
 
 def test_a_bad_backend_fails_when_the_model_is_built(small_checkpoint, monkeypatch) -> None:
+    """At start-up (the settings' parse), and in a model built with it (handed down)."""
+    from sglang_echo.config import load_settings
+    from sglang_echo.model.attention import ModelKernels
     from sglang_echo.model.config import load_config
     from sglang_echo.model.indexer import LightningIndexer
 
     monkeypatch.setenv(ENV_TOPK, "fastest")
     with pytest.raises(ValueError, match="SGLANG_ECHO_TOPK='fastest' is not understood"):
-        LightningIndexer(load_config(small_checkpoint))
+        load_settings()
+    with pytest.raises(ValueError, match="SGLANG_ECHO_TOPK='fastest' is not understood"):
+        ModelKernels(topk="fastest")
+    with pytest.raises(ValueError, match="'fastest' is not one of radix, flashinfer"):
+        LightningIndexer(load_config(small_checkpoint), "fastest")
 
 
 def _shuffled_picks(scores: torch.Tensor, qpos: torch.Tensor, k: int, seed: int):
@@ -126,6 +133,7 @@ def test_the_model_decodes_the_same_tensors_with_either_top_k(checkpoints, confi
     if reason:
         pytest.skip(f"FlashInfer's top-k cannot run here: {reason}")
     from sglang_echo.config import EchoConfig
+    from sglang_echo.model.attention import ModelKernels
     from sglang_echo.model.loader import load_model
     from sglang_echo.runtime.engine import Engine
     from sglang_echo.runtime.kv_factory import echo_cache_for_model
@@ -139,9 +147,7 @@ def test_the_model_decodes_the_same_tensors_with_either_top_k(checkpoints, confi
     n_g = EchoConfig().min_dev_cache_size(batch, cfg.index_topk, chunk)
     outs = {}
     for backend in ("radix", "flashinfer"):
-        for indexer in model.modules():  # SGLANG_ECHO_TOPK, as if the model was built with it
-            if hasattr(indexer, "topk_backend"):
-                indexer.topk_backend = backend
+        ModelKernels(topk=backend).apply(model)  # as if the model was built with it
         echo = echo_cache_for_model(
             EchoConfig(offload=True, dev_cache_size=n_g), cfg, cap, torch.bfloat16, "cuda"
         )

@@ -11,7 +11,7 @@ import torch
 
 from benchmark.e2e.plan import Engine, StudyPlan
 from benchmark.e2e.timing import EventTimer
-from sglang_echo.config import EchoConfig
+from sglang_echo.config import EchoConfig, settings
 from sglang_echo.kernels.decode_write import PROMPT_PRIORITY
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.offload.hisparse_cache import HiSparseKVCache
@@ -33,7 +33,7 @@ def build(
         buffer = eng.buffer or setup.buffer_size
         rows = min(eng.max_batch, eng.dev_cache // buffer)
         kv = HiSparseKVCache.for_model(
-            cfg, eng.host, rows, buffer, p.dtype, device, p.kv_cache_dtype
+            cfg, eng.host, rows, buffer, p.dtype, device, p.kv_cache_dtype, pdl=settings().pdl
         )
         tokens = eng.host
     else:

@@ -261,8 +261,12 @@ def main() -> None:
         ),
         # The selection as the model serves it (model.indexer.exact_topk: the radix select,
         # or FlashInfer's top-k under SGLANG_ECHO_TOPK=flashinfer).
-        "topk_served": lambda: exact_topk(logits, qpos.view(-1), args.topk, True, False),
-        "topk_served_b1": lambda: exact_topk(logits[:1], qpos.view(-1)[:1], args.topk, True, False),
+        "topk_served": lambda: exact_topk(
+            logits, qpos.view(-1), args.topk, True, False, settings().topk
+        ),
+        "topk_served_b1": lambda: exact_topk(
+            logits[:1], qpos.view(-1)[:1], args.topk, True, False, settings().topk
+        ),
         "torch_topk": lambda: torch.topk(logits, args.topk, dim=-1),
         "stable_sort_topk": lambda: select_topk(logits.unsqueeze(1), qpos, args.topk),
     }
@@ -336,7 +340,7 @@ def main() -> None:
     else:
         metrics["timing_basis"] = "eager, CUDA events (graph capture failed)"
     metrics["topk_radix_us"] = metrics["topk_us"]
-    served = exact_topk(logits, qpos.view(-1), args.topk, True, False)[0]
+    served = exact_topk(logits, qpos.view(-1), args.topk, True, False, settings().topk)[0]
     metrics["topk_served"] = describe_topk(settings().topk)
     metrics["topk_served"]["equal_to_radix"] = torch.equal(served, got_sets)
     fi_serves = use_flashinfer(logits, args.topk, settings().topk)

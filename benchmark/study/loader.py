@@ -28,6 +28,8 @@ import torch
 
 from benchmark.study.locality import favoured_directions, install_preference
 from benchmark.study.worker_spec import is_study_worker, load_study_worker
+from sglang_echo.config import settings
+from sglang_echo.model.attention import ModelKernels
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.loader import load_model
 from sglang_echo.runtime.model_loader import LOCALITY_KEY
@@ -80,7 +82,8 @@ def load(
     if study:
         model = load_study_worker(model_path, device, dtype)
     else:
-        model = load_model(model_path, device=device, dtype=dtype)
+        kernels = ModelKernels.from_settings(settings())  # the server applies them too
+        model = load_model(model_path, device=device, dtype=dtype, kernels=kernels)
     info = {"loader": SPEC, "model": "study worker" if study else "checkpoint"}
     if p > 0:
         cfg = model.config

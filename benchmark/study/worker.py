@@ -15,6 +15,8 @@ import torch
 
 from benchmark.study.locality import favoured_directions, install_preference
 from benchmark.study.moe import LocalRoutedMoE
+from sglang_echo.config import settings
+from sglang_echo.model.attention import ModelKernels
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 
@@ -74,7 +76,7 @@ def build_worker(
     torch.manual_seed(seed)
     device = torch.device(device)
     with device:
-        model = DeepseekV32ForCausalLM(config)
+        model = DeepseekV32ForCausalLM(config, ModelKernels.from_settings(settings()))
     model = model.to(dtype)
     for i, layer in enumerate(model.model.layers):
         layer.mlp = LocalRoutedMoE(

@@ -15,8 +15,15 @@ from pathlib import Path
 
 import torch
 
-from sglang_echo.config import ConfigError, HelpFormatter, help_epilog, load_settings
+from sglang_echo.config import (
+    ConfigError,
+    EchoConfig,
+    HelpFormatter,
+    help_epilog,
+    load_settings,
+)
 from sglang_echo.kernels.fp8_kv import KV_CACHE_DTYPES
+from sglang_echo.model.attention import ModelKernels
 from sglang_echo.model.config import ModelConfigError
 from sglang_echo.model.loader import load_model, model_dtype
 from sglang_echo.runtime.engine import Engine
@@ -176,11 +183,13 @@ def run(args: argparse.Namespace) -> dict:
     )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda was given but no CUDA device is available")
-    # Start-up: every environment variable parsed once (config.py's registry); the model,
-    # the caches and the kernels' switches read these settings from here on.
-    echo = load_settings().echo
+    # Start-up: every environment variable parsed once (env_settings.py's registry); the
+    # model and the caches get their kernel switches from these settings, handed down.
+    env_settings = load_settings()
+    echo = EchoConfig.from_settings(env_settings)
     dtype = model_dtype(args.dtype)
-    model = load_model(args.model_path, device=device, dtype=dtype)
+    kernels = ModelKernels.from_settings(env_settings)
+    model = load_model(args.model_path, device=device, dtype=dtype, kernels=kernels)
     cfg = model.config
     context_limit = args.context_length or cfg.max_position_embeddings
     if context_limit > cfg.max_position_embeddings:

@@ -69,6 +69,7 @@ PRODUCT = (
     "sglang_echo/bench/plot.py",
     "sglang_echo/bench/metrics.py",
     "sglang_echo/config.py",
+    "sglang_echo/env_settings.py",
     "sglang_echo/tokenizer.py",
     "sglang_echo/generate.py",
     "sglang_echo/launch_server.py",

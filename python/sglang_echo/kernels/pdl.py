@@ -37,9 +37,10 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 def use_pdl(device: torch.device, asked: bool = True) -> bool:
-    """Whether launches on ``device`` chain: ``asked`` (the caller's SGLANG_ECHO_PDL,
-    ``sglang_echo.config.settings().pdl``; on by default, as that variable is) where the
-    device supports it, never where it does not."""
+    """Whether launches on ``device`` chain: ``asked`` where the device supports it, never
+    where it does not. ``asked`` is SGLANG_ECHO_PDL handed down (on by default, as that
+    variable is): the entry point reads it from ``settings()`` and passes it as the cache's
+    ``pdl=`` (``EchoManager``, ``HiSparseKVCache``), which passes it here."""
     return pdl_supported(device) and asked
 
 

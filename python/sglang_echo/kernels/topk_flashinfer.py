@@ -64,8 +64,10 @@ def flashinfer_unavailable() -> str | None:
 
 
 def use_flashinfer(scores: torch.Tensor, topk: int, backend: str = "radix") -> bool:
-    """Whether this selection runs on FlashInfer: ``backend`` (the caller's
-    ``SGLANG_ECHO_TOPK``, ``sglang_echo.config.settings().topk``) is ``flashinfer``. Either
+    """Whether this selection runs on FlashInfer: ``backend`` is ``flashinfer``. It is
+    ``SGLANG_ECHO_TOPK`` handed down: the entry point that builds the model (the server,
+    ``generate``, a benchmark) reads it from ``settings()`` and passes it as the model's
+    ``ModelKernels.topk`` (model/attention.py), and the indexer passes it here. Either
     backend returns the same tensor, so the choice changes speed only. Where FlashInfer
     cannot serve (not CUDA, the interpreter, not importable, a top-k above its graph-safe
     path's), the error says why and what to change."""

@@ -11,11 +11,19 @@ reference; SGLANG_ECHO_SPARSE_MLA=torch forces it).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from sglang_echo.config import ConfigError, settings
+from sglang_echo.config import (
+    ENV_SPARSE_MLA,
+    ENV_TOPK,
+    SPARSE_MLA_BACKENDS,
+    TOPK_BACKENDS,
+    ConfigError,
+    parse_choice,
+)
 from sglang_echo.kernels.fp8_kv import decode_kv_rows
 from sglang_echo.kernels.sparse_mla import DECODE_SPLITS, sparse_mla, sparse_mla_from_buffer
 from sglang_echo.model.config import DeepseekV32Config, ModelConfigError
@@ -31,20 +39,51 @@ GATHER_BLOCK_ELEMENTS = 1 << 26
 # sparse_mla), "kernel" (kernels/sparse_mla.py reads them from the buffer, no gather), or
 # "auto" (the default): the kernel on CUDA, where it was faster than the torch path on an
 # H200 in decode and prefill (benchmark/results/sparse_mla.json; the evidence row "sparse
-# MLA kernel"), torch on the CPU. The switch is SGLANG_ECHO_SPARSE_MLA (config.ENV_SPARSE_MLA, choices
-# config.SPARSE_MLA_BACKENDS), parsed with every other variable by sglang_echo.config.
+# MLA kernel"), torch on the CPU. The switch is SGLANG_ECHO_SPARSE_MLA (config.ENV_SPARSE_MLA,
+# choices config.SPARSE_MLA_BACKENDS), handed to the model in its ModelKernels.
 
 
-def sparse_mla_backend() -> str:
-    """``SGLANG_ECHO_SPARSE_MLA`` (default ``auto``) from the process's settings
-    (``config.settings()``, parsed once); a bad value fails when the model is built, naming
-    the allowed values. ``kernel`` applies on CUDA and under TRITON_INTERPRET=1 (tests); a
-    CPU run without the interpreter keeps the torch path. ``auto`` takes the kernel on CUDA
-    only, so interpreted CPU tests stay fast."""
-    try:
-        return settings().sparse_mla
-    except ConfigError as exc:
-        raise ModelConfigError(str(exc)) from None
+@dataclass(frozen=True)
+class ModelKernels:
+    """The model's kernel choices, given when it is built (``load_model(..., kernels=)``,
+    ``DeepseekV32ForCausalLM(config, kernels=)``): the model reads no process settings.
+    The entry points (the server, ``generate``, the benchmarks) pass
+    ``ModelKernels.from_settings(settings())``; the defaults are the registry's, so a model
+    built without them (a library user, a test) runs as unset variables do.
+
+    ``topk``: SGLANG_ECHO_TOPK, the indexer's kernel top-k (``radix`` or ``flashinfer``:
+    kernels/topk_flashinfer.py). ``sparse_mla``: SGLANG_ECHO_SPARSE_MLA; ``kernel`` applies
+    on CUDA and under TRITON_INTERPRET=1 (tests), a CPU run without the interpreter keeps
+    the torch path; ``auto`` takes the kernel on CUDA only, so interpreted CPU tests stay
+    fast. Values are read as the registry reads them (case and spaces ignored); a bad one
+    fails when the model is built, naming the allowed values."""
+
+    topk: str = TOPK_BACKENDS[0]
+    sparse_mla: str = SPARSE_MLA_BACKENDS[0]
+
+    def __post_init__(self) -> None:
+        try:
+            topk = parse_choice(TOPK_BACKENDS)(ENV_TOPK, self.topk)
+            sparse_mla = parse_choice(SPARSE_MLA_BACKENDS)(ENV_SPARSE_MLA, self.sparse_mla)
+        except ConfigError as exc:
+            raise ModelConfigError(str(exc)) from None
+        object.__setattr__(self, "topk", topk)
+        object.__setattr__(self, "sparse_mla", sparse_mla)
+
+    @classmethod
+    def from_settings(cls, parsed) -> ModelKernels:
+        """The choices of parsed settings (``config.EchoSettings``: ``.topk``,
+        ``.sparse_mla``); the entry points pass ``settings()``."""
+        return cls(topk=parsed.topk, sparse_mla=parsed.sparse_mla)
+
+    def apply(self, model: nn.Module) -> None:
+        """Switch an already built model (or layer) to these choices: every attention
+        layer's sparse-MLA path and its indexer's top-k (a model a ``--model-loader``
+        built, a test comparing backends on one model's weights)."""
+        for module in model.modules():
+            if isinstance(module, MLAttention):
+                module.sparse_mla_backend = self.sparse_mla
+                module.indexer.topk_backend = self.topk
 
 
 def resolve_chunk(
@@ -158,8 +197,9 @@ def resolve_beside(
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: DeepseekV32Config) -> None:
+    def __init__(self, config: DeepseekV32Config, kernels: ModelKernels | None = None) -> None:
         super().__init__()
+        kernels = kernels if kernels is not None else ModelKernels()
         self.n_heads = config.num_attention_heads
         self.nope_dim = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
@@ -178,8 +218,8 @@ class MLAttention(nn.Module):
             config.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False
         )
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, config.hidden_size, bias=False)
-        self.indexer = LightningIndexer(config)
-        self.sparse_mla_backend = sparse_mla_backend()
+        self.indexer = LightningIndexer(config, kernels.topk)
+        self.sparse_mla_backend = kernels.sparse_mla  # SGLANG_ECHO_SPARSE_MLA, handed down
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rope_interleave:

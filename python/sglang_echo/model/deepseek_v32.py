@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang_echo.model.attention import MLAttention
+from sglang_echo.model.attention import MLAttention, ModelKernels
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.kv_cache import KVCache
@@ -17,10 +17,12 @@ from sglang_echo.model.rope import RotaryTable
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DeepseekV32Config, layer_id: int) -> None:
+    def __init__(
+        self, config: DeepseekV32Config, layer_id: int, kernels: ModelKernels | None = None
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.self_attn = MLAttention(config)
+        self.self_attn = MLAttention(config, kernels)
         if config.mlp_layer_types[layer_id] == "sparse":
             self.mlp: nn.Module = MoE(config)
         else:
@@ -44,22 +46,25 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV32Backbone(nn.Module):
-    def __init__(self, config: DeepseekV32Config) -> None:
+    def __init__(self, config: DeepseekV32Config, kernels: ModelKernels | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekV32ForCausalLM(nn.Module):
-    """Inference-only; ``forward`` returns float32 logits for the batch's sampled rows."""
+    """Inference-only; ``forward`` returns float32 logits for the batch's sampled rows.
 
-    def __init__(self, config: DeepseekV32Config) -> None:
+    ``kernels``: the kernel choices (SGLANG_ECHO_TOPK, SGLANG_ECHO_SPARSE_MLA), handed down
+    by the entry point that builds the model; None: the registry's defaults."""
+
+    def __init__(self, config: DeepseekV32Config, kernels: ModelKernels | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekV32Backbone(config)
+        self.model = DeepseekV32Backbone(config, kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._rotary: RotaryTable | None = None
 

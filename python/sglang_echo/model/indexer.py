@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_echo.config import settings
+from sglang_echo.config import TOPK_BACKENDS
 from sglang_echo.kernels.pick_locs import pick_locs, pick_locs_reference
 from sglang_echo.kernels.topk import select_topk, topk_positions
 from sglang_echo.kernels.topk_flashinfer import topk_positions_flashinfer, use_flashinfer
-from sglang_echo.model.config import DeepseekV32Config, fp8_row_bytes
+from sglang_echo.model.config import DeepseekV32Config, ModelConfigError, fp8_row_bytes
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.rope import apply_rope_half
 from sglang_echo.model.selection_hooks import DecodeSelectionHooks, PrefillSelectionHooks
@@ -119,7 +119,7 @@ def exact_topk(
     topk: int,
     use_kernel: bool,
     with_kth: bool = True,
-    backend: str | None = None,
+    backend: str = TOPK_BACKENDS[0],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``select_topk`` with the k-th score, for scores [R, L] and query_pos [R]: positions
     [R, topk] and k-th scores [R]. With ``use_kernel`` (CUDA, or the interpreter in tests)
@@ -129,15 +129,16 @@ def exact_topk(
     outputs stay equal); the
     k-th score is the smallest picked score, -inf where fewer than ``topk`` keys are
     visible, exactly as ``select_topk`` reports it. Only the prefetchers read the k-th
-    score: without ``with_kth`` it is not computed (None). ``backend``: the kernel top-k, ``radix`` or ``flashinfer`` (the indexer passes
-    the one it was built with; None: the process's SGLANG_ECHO_TOPK, config.settings())."""
+    score: without ``with_kth`` it is not computed (None). ``backend``: the kernel top-k,
+    ``radix`` (the default, as SGLANG_ECHO_TOPK's) or ``flashinfer``; the indexer passes
+    the one it was built with (``ModelKernels.topk``, model/attention.py)."""
     if not use_kernel:
         if not with_kth:
             return select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk).squeeze(1), None
         pos, kth = select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk, True)
         return pos.squeeze(1), kth.squeeze(1)
     scores = scores.float()
-    if use_flashinfer(scores, topk, settings().topk if backend is None else backend):
+    if use_flashinfer(scores, topk, backend):
         pos = topk_positions_flashinfer(scores, query_pos, topk)
     else:
         pos = topk_positions(scores, query_pos, topk)
@@ -160,7 +161,7 @@ def positions_to_locs(
 
 
 class LightningIndexer(nn.Module):
-    def __init__(self, config: DeepseekV32Config) -> None:
+    def __init__(self, config: DeepseekV32Config, topk_backend: str = TOPK_BACKENDS[0]) -> None:
         super().__init__()
         self.n_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
@@ -172,8 +173,14 @@ class LightningIndexer(nn.Module):
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
-        # The kernel top-k (SGLANG_ECHO_TOPK), from the settings parsed at start-up.
-        self.topk_backend = settings().topk
+        # The kernel top-k (SGLANG_ECHO_TOPK), handed down by whoever builds the model
+        # (model/attention.py ModelKernels; the entry points pass their settings' value).
+        if topk_backend not in TOPK_BACKENDS:
+            raise ModelConfigError(
+                f"top-k backend {topk_backend!r} is not one of {', '.join(TOPK_BACKENDS)} "
+                "(SGLANG_ECHO_TOPK)"
+            )
+        self.topk_backend = topk_backend
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         roped = apply_rope_half(x[..., : self.rope_dim], cos, sin)

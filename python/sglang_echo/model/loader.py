@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from sglang_echo.model.attention import ModelKernels
 from sglang_echo.model.config import DeepseekV32Config, ModelConfigError, load_config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.nextn import NextNLayer
@@ -110,9 +111,14 @@ def _state_for(
 
 
 def load_model(
-    model_path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    model_path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    kernels: ModelKernels | None = None,
 ) -> DeepseekV32ForCausalLM:
-    """The target model; the NextN layers' tensors are not read (``load_nextn``)."""
+    """The target model; the NextN layers' tensors are not read (``load_nextn``).
+    ``kernels``: its kernel choices (the entry points pass their settings'); None: the
+    registry's defaults."""
     config = load_config(model_path)
     files = _weight_files(model_path)
     n_layers = config.num_hidden_layers
@@ -122,7 +128,7 @@ def load_model(
         tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
 
     with torch.device("meta"):
-        model = DeepseekV32ForCausalLM(config)
+        model = DeepseekV32ForCausalLM(config, kernels)
     state = _state_for(
         model.state_dict(), tensors, device, dtype, f"checkpoint {str(model_path)!r}"
     )

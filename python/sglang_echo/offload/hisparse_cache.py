@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from sglang_echo.config import settings
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
 from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.offload.host_pool import HostKVPool
@@ -49,6 +48,7 @@ class HiSparseKVCache(KVCache):
         pin: bool | None = None,
         use_kernels: bool | None = None,
         kv_lora_rank: int | None = None,
+        pdl: bool = True,
     ) -> None:
         device = torch.device(device)
         self.kv_lora_rank = kv_lora_rank  # needed to store fp8 rows (dtype uint8)
@@ -73,7 +73,9 @@ class HiSparseKVCache(KVCache):
         self.use_kernels = (
             use_kernels if use_kernels is not None else device.type == "cuda"
         ) and self.host_view is not None
-        self.pdl = settings().pdl  # SGLANG_ECHO_PDL: chained recall launches (kernels/pdl.py)
+        # Chained recall launches (kernels/pdl.py): SGLANG_ECHO_PDL, handed down by the entry
+        # point that builds the cache (its settings' value); on by default, as the variable.
+        self.pdl = pdl
         slots = max_requests * buffer_size + 1
         i64 = dict(dtype=torch.int64, device=device)
         self.rows = torch.zeros(num_layers, slots, kv_row_dim, dtype=dtype, device=device)

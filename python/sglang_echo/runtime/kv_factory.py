@@ -70,8 +70,10 @@ def build_hisparse_cache(
     dtype: torch.dtype,
     device: torch.device,
     kv_cache_dtype: str = "auto",
+    pdl: bool = True,
 ) -> HiSparseKVCache:
-    """The HiSparse-like backend; each request's buffer must hold one step's top-k."""
+    """The HiSparse-like backend; each request's buffer must hold one step's top-k.
+    ``pdl``: SGLANG_ECHO_PDL, from the caller's settings (the server passes its own)."""
     if echo.offload:
         raise ConfigError(
             "NSA_KV_OFFLOAD=1 and --enable-hisparse pick two different offload policies; keep one"
@@ -90,6 +92,7 @@ def build_hisparse_cache(
         dtype,
         device,
         kv_cache_dtype=kv_cache_dtype,
+        pdl=pdl,
     )
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sglang_echo.model.attention import ModelKernels
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.loader import load_model
 from sglang_echo.runtime.server_args import ServerArgError, ServerArgs, check_model_loader_spec
@@ -70,10 +71,18 @@ def resolve(spec: str) -> Callable:
     return func
 
 
-def load_served_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """The model ``args`` asks for: the checkpoint at ``--model-path``, or the loader's."""
+def load_served_model(
+    args: ServerArgs,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernels: ModelKernels | None = None,
+) -> LoadedModel:
+    """The model ``args`` asks for: the checkpoint at ``--model-path``, or the loader's.
+    ``kernels``: the kernel choices the start-up's settings name (None: the registry's
+    defaults); a loader's model is switched to them after it returns."""
+    kernels = kernels if kernels is not None else ModelKernels()
     if args.model_loader is None:
-        return LoadedModel(load_model(args.model_path, device=device, dtype=dtype))
+        return LoadedModel(load_model(args.model_path, device=device, dtype=dtype, kernels=kernels))
     spec = args.model_loader
     func = resolve(spec)
     argv = shlex.split(args.model_loader_args or "")
@@ -92,6 +101,7 @@ def load_served_model(args: ServerArgs, device: torch.device, dtype: torch.dtype
         json.dumps(info)
     except (TypeError, ValueError) as exc:
         raise ServerArgError(f"--model-loader {spec}: its info is not JSON ({exc})") from None
+    kernels.apply(model)  # SGLANG_ECHO_TOPK / _SPARSE_MLA: the server's, not the loader's
     loaded = LoadedModel(model.eval(), info)
     locality = info.get(LOCALITY_KEY, 0.0)
     if not isinstance(locality, int | float) or not 0.0 <= locality <= 1.0:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_echo.config import EchoConfig, load_settings
+from sglang_echo.model.attention import ModelKernels
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
@@ -119,11 +120,12 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device.type == "cuda" else "float32"
     dtype = model_dtype(dtype_name)
-    # Start-up: every environment variable parsed once (config.py's registry); the model,
-    # the caches and the kernels' switches read these settings from here on.
+    # Start-up: every environment variable parsed once (env_settings.py's registry); the
+    # model and the caches get their kernel switches from these settings, handed down.
     env_settings = load_settings()
-    echo = echo if echo is not None else env_settings.echo
-    loaded = load_served_model(args, device, dtype)  # --model-loader, or the checkpoint
+    echo = echo if echo is not None else EchoConfig.from_settings(env_settings)
+    kernels = ModelKernels.from_settings(env_settings)
+    loaded = load_served_model(args, device, dtype, kernels)  # --model-loader, or the checkpoint
     model = loaded.model
     cfg = model.config
     try:  # a KV dtype the model's widths cannot take: refused before anything is sized
@@ -157,7 +159,15 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         )
     else:
         kv_cache = build_hisparse_cache(
-            echo, cfg, capacity, max_running, buffer, dtype, device, args.kv_cache_dtype
+            echo,
+            cfg,
+            capacity,
+            max_running,
+            buffer,
+            dtype,
+            device,
+            args.kv_cache_dtype,
+            pdl=env_settings.pdl,
         )
     use_graph = device.type == "cuda" and not args.disable_cuda_graph
     steps = StepRunner(

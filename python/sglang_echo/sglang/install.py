@@ -25,6 +25,7 @@ from typing import Any
 from sglang_echo.config import (
     ENV_FUSE_DECODE,
     ConfigError,
+    EchoConfig,
     decode_prefetch_mode,
     load_settings,
     settings,
@@ -75,7 +76,7 @@ def plan_step(server_args: Any, previous) -> None:
     # Resolution is the launcher's start-up: the environment parsed as the launch sees it
     # (register() parsed it when the plugins loaded; the resolved plan goes to children).
     env_settings = load_settings(reader="plugin")
-    config = env_settings.echo
+    config = EchoConfig.from_settings(env_settings)
     top_k, context_len = model_facts(server_args, view)
     plan = plan_echo(view, config, top_k=top_k, context_len=context_len)
     declare_resolution(server_args, SOURCE, **plan.declarations())
