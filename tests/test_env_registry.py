@@ -162,7 +162,8 @@ def test_the_kernel_switches_come_from_the_settings(small_checkpoint, monkeypatc
         host = HostKVPool(1, 64, 8, torch.float32, pin=False)
         return EchoManager(host, DeviceCache(1, 16, 64, 8, torch.float32, "cpu"), **kw)
 
-    assert manager().pdl is False and manager(pdl=True).pdl is True
+    assert manager(pdl=settings().pdl).pdl is False and manager().pdl is True
+    assert EchoConfig.from_settings(settings()).pdl is False
     backend = ModelKernels.from_settings(settings()).topk
     assert LightningIndexer(load_config(small_checkpoint), backend).topk_backend == "flashinfer"
 

@@ -255,7 +255,8 @@ def test_chunk_bounds_tile_the_table(chunks, length):
 def test_stats_count_the_staging_buffer():
     """The start-up log's device bytes include the staging buffer when decode prefetch is
     on: request rows x rows per request x row bytes, plus its index (ids, a counter per
-    chunk, the host-id map)."""
+    chunk, the host-id map) and each layer's thresholds (float32 and bool per request row
+    and a scratch row)."""
     from sglang_echo.config import EchoConfig, default_stage_rows
     from sglang_echo.offload.echo_cache import EchoKVCache
 
@@ -270,7 +271,8 @@ def test_stats_count_the_staging_buffer():
     assert p.cap == default_stage_rows(16 * 4)  # float32 rows of 16
     rows = p.chunks * 4 * p.chunk_cap
     assert rows == 4 * p.cap  # rows x rows per request
-    want = rows * 16 * 4 + rows * 8 + p.chunks * 4 + (100 + 2) * 4
+    thresholds = 2 * (4 + 1) * (4 + 1)  # 2 layers x (float32 + bool) x (4 rows + scratch)
+    want = rows * 16 * 4 + rows * 8 + p.chunks * 4 + (100 + 2) * 4 + thresholds
     assert on.stats()["device_bytes"] - off.stats()["device_bytes"] == want == p.nbytes
 
 

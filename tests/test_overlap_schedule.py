@@ -40,7 +40,7 @@ _drain = drain
 def _all_free(sched: Scheduler, cache, n_g: int) -> None:
     assert sched.steps.allocator.num_free == sched.capacity
     assert sched.steps.table.num_free_rows == sched.steps.max_requests
-    assert not sched.live and sched._inflight is None
+    assert not sched.live and sched.in_flight.step is None
     assert cache.cache.free_count.tolist() == [n_g] * cache.num_layers
 
 
@@ -143,7 +143,7 @@ def test_an_abort_while_its_token_is_in_flight_emits_nothing_after_its_end(model
         sched.add(r)
     for _ in range(12):  # well into decoding: a step is in flight
         sched.step()
-    assert sched._inflight is not None and reqs[1] in sched._inflight.reqs
+    assert sched.in_flight.step is not None and reqs[1] in sched.in_flight.step.reqs
     held = list(reqs[1].output)
     assert sched.abort("1")
     _drain(sched)

@@ -238,7 +238,7 @@ def test_a_steps_events_go_out_after_the_next_launch_in_order_and_none_after_the
     decode = sched.steps.decode
 
     def logged_decode(active):
-        held_at_launch.append((len(sched._held_events), len(active)))
+        held_at_launch.append((len(sched.events.held), len(active)))
         return decode(active)
 
     sched.steps.decode = logged_decode
@@ -261,5 +261,5 @@ def test_a_steps_events_go_out_after_the_next_launch_in_order_and_none_after_the
         assert [t for e in mine for t in e.new_token_ids] == r.output  # each token once, in order
         ends = [k for k, e in enumerate(mine) if e.finish_reason is not None]
         assert ends == [len(mine) - 1]  # one terminal event, the last
-    assert not sched._held_events
+    assert not sched.events.held
     _assert_all_free(sched, cache, n_g)

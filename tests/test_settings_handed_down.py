@@ -34,11 +34,6 @@ PACKAGE = ROOT / "python" / "sglang_echo"
 BELOW_THE_ENTRY_POINTS = ("model", "offload", "kernels")
 # The functions that read (or load) the process's settings.
 READERS = frozenset({"settings", "load_settings", "reset_settings"})
-PENDING = {
-    # offload/manager.py: EchoManager still falls back to settings().pdl when no pdl is
-    # given; remove this exclusion once its callers hand SGLANG_ECHO_PDL down (issue 51).
-    "offload/manager.py",
-}
 
 
 def _settings_reads(source: str) -> list[tuple[int, str]]:
@@ -75,8 +70,6 @@ def test_the_model_the_offload_and_the_kernels_read_no_settings():
     for unit in BELOW_THE_ENTRY_POINTS:
         for path in sorted((PACKAGE / unit).rglob("*.py")):
             rel = path.relative_to(PACKAGE).as_posix()
-            if rel in PENDING:
-                continue
             for line, what in _settings_reads(path.read_text()):
                 problems.append(f"python/sglang_echo/{rel}:{line}: {what}")
     assert not problems, (
@@ -97,12 +90,6 @@ def test_the_model_the_offload_and_the_kernels_read_no_settings():
 )
 def test_the_check_catches_a_read(source):
     assert _settings_reads(source)
-
-
-def test_the_pending_exclusions_still_read_settings():
-    """An exclusion whose file no longer reads settings must go (so it cannot hide one)."""
-    for rel in PENDING:
-        assert _settings_reads((PACKAGE / rel).read_text()), f"drop {rel} from PENDING"
 
 
 # ------------------------------------------------------------- the defaults are the registry's

@@ -126,13 +126,13 @@ def _soak(checkpoint, seconds: float) -> Counter:
     counts: Counter = Counter()
     # Every event the engine emits, per request: True for a terminal one.
     terminal: dict[str, list[bool]] = defaultdict(list)
-    emit = serving.scheduler._emit
+    emit = serving.scheduler.events.emit
 
     def recording_emit(req, new_tokens, reason, logprobs=()):
         terminal[req.rid].append(reason is not None)
         emit(req, new_tokens, reason, logprobs)
 
-    serving.scheduler._emit = recording_emit
+    serving.scheduler.events.emit = recording_emit
     with running_server(serving) as (url, app):
         until = time.monotonic() + seconds
 

@@ -168,7 +168,7 @@ class Bench:
         self.host = HostKVPool(1, n_h, args.row_bytes, torch.uint8, pin=self.cuda)
         self._fill_host(g)
         self.cache = DeviceCache(1, args.dev_slots, n_h, args.row_bytes, torch.uint8, dev)
-        self.manager = EchoManager(self.host, self.cache, use_kernels=True)
+        self.manager = EchoManager(self.host, self.cache, use_kernels=True, pdl=settings().pdl)
         # The prefetcher's staged rows per request for these rows (at most the top-k: the
         # smoke run's tiny top-k).
         stage_cap = min(default_stage_rows(args.row_bytes), args.topk)

@@ -139,6 +139,9 @@ class EchoConfig:
     # A decode resolve on a side stream beside the query's up-projection (CUDA;
     # ENV_RESOLVE_OVERLAP); False: in line.
     resolve_overlap: bool = True
+    # Chained launches of the allocation and recall kernels where the device supports them
+    # (ENV_PDL, kernels/pdl.py).
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fuse_decode", decode_prefetch_mode(self.fuse_decode))

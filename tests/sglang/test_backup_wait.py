@@ -1,5 +1,5 @@
 """Host ids go back to sglang's host allocator only after the host has waited for the
-last decode backup (EchoCoordinator._finish_backup_on_host): under PD a freed host id
+last decode backup (NewestRowBackup.finish_on_host): under PD a freed host id
 can be handed at once to a transfer whose RDMA write follows no device stream. The
 order of the calls is recorded on the real coordinator (on the CPU every copy is
 synchronous, so the order is what can be checked here; the overlap needs a GPU)."""

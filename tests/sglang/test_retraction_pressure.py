@@ -199,7 +199,7 @@ def assert_ids_accounted(rank: DecodeRank) -> None:
         "kept": torch.cat([k.row[k.row >= 0] for k in kept] or [none]),
     }
     for r in reqs:
-        row = coord._host_id_row(r.kv.req_pool_idx)
+        row = coord.releases.host_id_row(r.kv.req_pool_idx)
         host_parts[r.rid] = row[row >= 0] if row is not None else none
     assert_disjoint_cover(host_parts, torch.arange(host.size), "host")
 

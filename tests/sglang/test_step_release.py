@@ -230,7 +230,7 @@ def test_finish_outside_a_step_releases_at_once(release_calls):
         node.finish(rid)
         assert len(release_calls) == n
         assert set(release_calls[-1]["ids"].tolist()) == ids
-    assert not node.coord._finished_host_rows
+    assert not node.coord.releases.finished_rows
     assert_back_to_start(node)
 
 

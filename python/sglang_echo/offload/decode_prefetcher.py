@@ -180,7 +180,7 @@ class DecodePrefetcher(DecodeSelectionHooks):
         side = self._side_stream()
         if side is None:
             self.observe_topk(layer, scores, positions, rows)
-            m.stage_ready(layer, staged, None)
+            m.prefetches.stage_ready(layer, staged, None)
             return
         copied = torch.cuda.Event()  # the chunks' copies, queued on the side stream
         copied.record(side)
@@ -190,7 +190,7 @@ class DecodePrefetcher(DecodeSelectionHooks):
             self.observe_topk(layer, scores, positions, rows)
             done = torch.cuda.Event()
             done.record(learn)
-        m.stage_ready(layer, staged, copied, joined=done)
+        m.prefetches.stage_ready(layer, staged, copied, joined=done)
         _used_on(learn, scores, positions, rows)
 
     def region_limit(self, batch: int) -> int:

@@ -3,12 +3,15 @@
 MLA rows live in the pinned host pool for every token and in a bounded per-layer device
 cache for recently selected ones; indexer keys stay on the device for every token, since
 the indexer scores all of them each step.
+
+The cache operations are EchoManager's (offload/manager.py); which decode prefetch a step
+runs with is DecodePrefetchSwitch's (offload/prefetch_switch.py). This class is the
+``KVCache`` interface over them, and what it reports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -21,8 +24,8 @@ from sglang_echo.offload.host_extents import HostExtents
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.prefetch_rule import DecodePrefetchRule
+from sglang_echo.offload.prefetch_switch import DecodePrefetchSwitch, SwitchedCheckpoint
 from sglang_echo.offload.prefill_prefetcher import PrefillPrefetcher
-from sglang_echo.offload.state_checkpoint import StateCheckpoint
 
 
 class EchoKVCache(KVCache):
@@ -30,6 +33,10 @@ class EchoKVCache(KVCache):
     # index copies only, so a transfer's own thread may launch them.
     fills_prompt_in_place = True
     fill_takes_extents = True
+    # What the KV rows are stored as (uint8: fp8 rows, kernels/fp8_kv.py): a plain
+    # attribute, set once in __init__ (the pools' dtype never changes); this class-level
+    # value shadows KVCache's read-only property so that the instance can hold it.
+    kv_dtype: torch.dtype | None = None
 
     def __init__(
         self,
@@ -62,7 +69,10 @@ class EchoKVCache(KVCache):
             num_layers, config.dev_cache_size, host_tokens, kv_row_dim, dtype, device,
             eviction_reserve=config.eviction_reserve,
         )  # fmt: skip
-        self.manager = EchoManager(self.host, self.cache, use_kernels=use_kernels)
+        self.manager = EchoManager(self.host, self.cache, use_kernels=use_kernels, pdl=config.pdl)
+        self.kv_dtype = self.cache.rows.dtype
+        # A decode step captures in a CUDA graph only over a device-addressable host pool.
+        self.graph_safe = self.manager.graph_safe
         # A decode resolve runs on a side stream beside the query's up-projection (CUDA;
         # model/attention.py resolve_beside).
         self.resolve_beside = config.resolve_overlap
@@ -71,9 +81,12 @@ class EchoKVCache(KVCache):
         )
         # Decode prefetch (SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 or auto): built once the
         # runtime says how many request rows there are (bind_request_rows); None = off.
-        # Under auto, ``rule`` picks the decode steps it runs in (``decode_prefetch``).
+        # Under auto, ``rule`` picks the decode steps it runs in; ``decode_prefetch`` (the
+        # model's hook) is the prefetcher for the coming step or None, kept by ``switch``.
         self.decode_prefetcher: DecodePrefetcher | None = None
+        self.decode_prefetch: DecodePrefetcher | None = None
         self.rule = DecodePrefetchRule(device, num_layers) if config.fuse_decode == "auto" else None
+        self.switch = DecodePrefetchSwitch(self, self.rule)
         # Prefill prefetch (SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1), built the same way.
         self.prefill_prefetch: PrefillPrefetcher | None = None
 
@@ -82,6 +95,7 @@ class EchoKVCache(KVCache):
         (once, before any step, so captured CUDA graphs keep their tensors)."""
         if self.config.fuse_decode != "0" and self.decode_prefetcher is None:
             self.decode_prefetcher = DecodePrefetcher(self.manager, max_rows)
+            self.switch.sync()
         if self.config.fuse_extend and self.prefill_prefetch is None:
             self.prefill_prefetch = PrefillPrefetcher(self.manager, max_rows)
 
@@ -92,41 +106,19 @@ class EchoKVCache(KVCache):
             if prefetcher is not None:
                 prefetcher.reset_rows([row])
 
-    @property
-    def decode_prefetch(self) -> DecodePrefetcher | None:
-        """The prefetcher the model's decode step uses: None when off, or under auto when
-        the rule left this step without it."""
-        if self.rule is not None and not self.rule.on:
-            return None
-        return self.decode_prefetcher
-
     def decode_prefetch_modes(self) -> tuple[bool, ...]:
-        """Whether decode steps run with the prefetch: (False,), (True,), or both under
-        the rule (a CUDA-graph runner captures one graph per mode)."""
-        if self.decode_prefetcher is None:
-            return (False,)
-        return (False, True) if self.rule is not None else (True,)
+        return self.switch.modes()
 
-    @contextmanager
-    def forced_decode_prefetch(self, on: bool) -> Iterator[None]:
-        """Steps inside run with the prefetch ``on`` (start-up graph capture); the rule's
-        own choice comes back after."""
-        if self.rule is None:
-            yield
-            return
-        before = self.rule.on
-        self.rule.on = on
-        try:
-            yield
-        finally:
-            self.rule.on = before
+    def forced_decode_prefetch(self, on: bool) -> AbstractContextManager[None]:
+        return self.switch.forced(on)
 
-    def checkpoint(self) -> StateCheckpoint:
+    def checkpoint(self) -> SwitchedCheckpoint:
         """The cache's small state (maps, stacks, clocks, counters, thresholds), to restore
         after dummy steps; KV rows, index keys and staging rows are data, not state."""
         p = self.decode_prefetcher
         staging = p.stage_rows if p is not None else None
-        return StateCheckpoint(
+        return SwitchedCheckpoint(
+            self.switch,
             [self.cache, self.manager, self.decode_prefetcher, self.rule, self.prefill_prefetch],
             [self.cache.rows, self.host.rows, self.host.device_view, self.index, staging],
         )
@@ -135,18 +127,13 @@ class EchoKVCache(KVCache):
         """Forget a step that stopped half way (a failed graph capture): prefetches and
         staged rows it left pending, whose events were recorded in the capture and must not
         be waited on outside it."""
-        self.manager.abandon_pending()
+        self.manager.prefetches.abandon()
 
     def before_decode_step(self) -> None:
-        """Under auto: decide whether the coming decode step prefetches (the previous
-        decode step's miss fraction) and snapshot the counters."""
-        if self.rule is not None and self.decode_prefetcher is not None:
-            self.rule.decide()
-            self.rule.before_step(self.cache.hits, self.cache.misses)
+        self.switch.before_step()
 
     def after_decode_step(self) -> None:
-        if self.rule is not None and self.decode_prefetcher is not None:
-            self.rule.after_step(self.cache.hits, self.cache.misses)
+        self.switch.after_step()
 
     def write(
         self,
@@ -165,11 +152,17 @@ class EchoKVCache(KVCache):
         SGLANG_ECHO_DECODE_PLACE=0 they go to the host only and the resolve recalls them."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
         if decode and self.config.decode_place:
-            self.manager.write_decode(layer, locs, self._stored(kv_rows))
+            self.manager.write_decode(
+                layer, locs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
+            )
         elif decode:
-            self.manager.write_host(layer, locs, self._stored(kv_rows))
+            self.manager.write_host(
+                layer, locs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
+            )
         else:
-            self.manager.append(layer, locs, self._stored(kv_rows))
+            self.manager.append(
+                layer, locs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
+            )
 
     def write_prompt(
         self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor, index_keys: torch.Tensor
@@ -181,9 +174,13 @@ class EchoKVCache(KVCache):
         fitting at all); what is not placed, the first decode step recalls when selected."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
         if self.config.decode_place:
-            self.manager.write_prompt(layer, locs, self._stored(kv_rows))
+            self.manager.write_prompt(
+                layer, locs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
+            )
         else:
-            self.manager.write_host(layer, locs, self._stored(kv_rows))
+            self.manager.write_host(
+                layer, locs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
+            )
 
     def reserve_prompt(self, locs: torch.Tensor) -> torch.Tensor | None:
         """A decode node's arriving prompt: its device slots in every layer, taken now from
@@ -213,7 +210,7 @@ class EchoKVCache(KVCache):
         rows of its long runs go by copy engine into the pinned pool (no SM held while
         PCIe drains), the rest by the UVA scatter; without it all by the scatter."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        stored = self._stored(kv_rows)
+        stored = encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
         host = self.manager.host_view if self.manager.host_view is not None else self.host.rows
         if extents is None:
             host[layer].index_copy_(0, locs.to(host.device), stored.to(host.device))
@@ -231,20 +228,6 @@ class EchoKVCache(KVCache):
         placed rows become ordinary residents of the oldest priority."""
         if slots is not None:
             self.manager.unpin_prompt(slots)
-
-    @property
-    def graph_safe(self) -> bool:
-        """A decode step captures in a CUDA graph only over a device-addressable host pool."""
-        return self.manager.graph_safe
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        """What the KV rows are stored as (uint8: fp8 rows, kernels/fp8_kv.py)."""
-        return self.cache.rows.dtype
-
-    def _stored(self, kv_rows: torch.Tensor) -> torch.Tensor:
-        """The rows as the pools keep them (fp8 rows when they hold bytes)."""
-        return encode_kv_rows(kv_rows, self.kv_lora_rank, self.cache.rows.dtype)
 
     def index_keys(self, layer: int) -> torch.Tensor:
         return self.index[layer]
@@ -295,7 +278,7 @@ class EchoKVCache(KVCache):
             "device_bytes": self.cache.nbytes
             + self.index.nbytes
             + (self.decode_prefetcher.nbytes if self.decode_prefetcher is not None else 0),
-            "graph_safe": self.manager.graph_safe,
+            "graph_safe": self.graph_safe,
             "prefetch": [
                 name
                 for name, on in (

@@ -10,17 +10,16 @@ CUDA graph. Masked-off lanes write to scratch entries (slot N_G + 1, host id N_H
 ``prefetch`` (the prefill prefetch's, docs/ARCHITECTURE.md section 6) maps and starts
 copying rows the exact top-k is certain to select before it is known; see its docstring.
 The decode prefetch allocates nothing: it stages rows, which ``resolve``'s recall takes
-(``stage_ready``).
+(``Prefetches.stage_ready``). What is pending per layer is offload/prefetch_pending.py's;
+the host-side check of released ids is offload/release_ids.py's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from sglang_echo.config import settings
 from sglang_echo.kernels.alloc import (
     Allocation,
     AllocWorkspace,
@@ -37,37 +36,24 @@ from sglang_echo.kernels.decode_write import (
     place_slots_all_layers,
 )
 from sglang_echo.kernels.host_copy import upload
-from sglang_echo.kernels.prefill_prefetch import count_prefetch_hits, count_prefetch_hits_reference
 from sglang_echo.kernels.release import release_kernel, release_reference
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_pool import HostKVPool
-
-_Event = torch.cuda.Event | None  # a side stream's event; None: nothing to wait for
-
-
-@dataclass
-class _PendingPrefetch:
-    """A prefetch of one layer that ``resolve`` has not joined yet."""
-
-    alloc: Allocation
-    lanes: int
-    allocated: torch.cuda.Event | None  # side stream: maps updated (None: synchronous)
-    copied: torch.cuda.Event | None  # side stream: rows copied
-    inputs: tuple  # candidate tensors (also of chained earlier prefetches), kept alive
-    # until the side stream is joined
-    # Chained earlier prefetches of the layer (prefill: one per query block): copies of
-    # their miss lists (the workspace is reused by the next link), so that the resolve
-    # counts the hits of every block, not only the last one's.
-    earlier: tuple[tuple[Allocation, int], ...] = ()
+from sglang_echo.offload.prefetch_pending import Prefetches
+from sglang_echo.offload.release_ids import ReleaseIdCheck
 
 
 class EchoManager:
+    """ECHO's cache operations on one host pool and device cache; collaborators:
+    ``prefetches`` (what prefetches are pending per layer, and their counters) and
+    ``check_release_ids`` (the host-side check of released ids)."""
+
     def __init__(
         self,
         host: HostKVPool,
         cache: DeviceCache,
         use_kernels: bool | None = None,
-        pdl: bool | None = None,
+        pdl: bool = True,
     ) -> None:
         if host.num_tokens != cache.host_tokens or host.num_layers != cache.num_layers:
             raise ValueError("host pool and device cache disagree on tokens or layers")
@@ -81,28 +67,19 @@ class EchoManager:
         self.use_kernels = (
             use_kernels if use_kernels is not None else self.device.type == "cuda"
         ) and self.host_view is not None
+        # Whether a decode step may be captured in a CUDA graph (host rows through the view).
+        self.graph_safe = self.host_view is not None
         # Chained launches of the allocation and recall kernels where the device supports
-        # them (kernels/pdl.py): SGLANG_ECHO_PDL from the process's settings unless given.
-        self.pdl = settings().pdl if pdl is None else pdl
+        # them (kernels/pdl.py); the entry point hands SGLANG_ECHO_PDL down (EchoConfig.pdl).
+        self.pdl = pdl
         self._workspace: AllocWorkspace | None = None
-        # Prefill prefetch: its own allocation workspace (its miss list is read by the side
-        # stream's copy while the resolve's allocation runs), side stream, counters.
-        self._prefetch_workspace: AllocWorkspace | None = None
-        self._side_stream: torch.cuda.Stream | None = None
-        self._pending: dict[int, _PendingPrefetch] = {}
-        # Staged decode prefetch (offload/decode_prefetcher.py): per layer, the staging
-        # the next resolve's recall reads and the side stream's event after its work.
-        self._staged: dict[int, tuple[StagedRows, _Event, _Event]] = {}
-        i64 = dict(dtype=torch.int64, device=self.device)
-        self.prefetched_rows = torch.zeros(cache.num_layers, **i64)  # rows prefetched (staged)
-        self.prefetch_hits = torch.zeros(cache.num_layers, **i64)  # ... and then selected
+        self.prefetches = Prefetches(self)
+        # The prefetch counters, per layer (the same tensors as the collaborator's).
+        self.prefetched_rows = self.prefetches.prefetched_rows  # rows prefetched (staged)
+        self.prefetch_hits = self.prefetches.prefetch_hits  # ... and then selected
         # Released lanes refused on the device (sink, duplicates), summed over layers.
-        self.release_errors = torch.zeros(1, **i64)
-        self._release_marks: torch.Tensor | None = None  # host scratch of the id check
-
-    @property
-    def graph_safe(self) -> bool:
-        return self.host_view is not None
+        self.release_errors = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.check_release_ids = ReleaseIdCheck(cache.host_tokens)
 
     # ------------------------------------------------------------------ host I/O
     def _write_host(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
@@ -114,7 +91,7 @@ class EchoManager:
     def write_host(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
         """Host rows only (no device slot, maps untouched): tokens whose KV arrives from
         elsewhere (a decode node's transferred prompt). Through the UVA view on CUDA."""
-        self._join(layer)
+        self.prefetches.join(layer)
         self._write_host(layer, locs, rows)
 
     def write_decode(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
@@ -130,8 +107,7 @@ class EchoManager:
         ``unpin_prompt``: call on the decode stream, which orders it with the steps that
         share the free stacks. Returns the slots [layers, n] (the scratch slot where none
         was free); the rows are written by ``EchoKVCache.fill_prompt``, on any stream."""
-        for layer in list(self._pending):
-            self._join(layer)
+        self.prefetches.join_all()
         return place_slots_all_layers(self.cache, locs.reshape(-1), PINNED_PRIORITY)
 
     def unpin_prompt(self, slots: torch.Tensor) -> None:
@@ -153,7 +129,7 @@ class EchoManager:
 
     def _write_placed(self, layer: int, locs: torch.Tensor, rows: torch.Tensor, write) -> None:
         """Host rows of ``locs`` and device rows where ``write`` places them."""
-        self._join(layer)
+        self.prefetches.join(layer)
         c = self.cache
         host = self.host_view if self.host_view is not None else self.host.rows
         ids = locs.reshape(-1).to(torch.int64)
@@ -203,7 +179,7 @@ class EchoManager:
     def append(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
         """New tokens (host ids not yet resident) -> host rows and fresh device slots."""
         self._check_lanes("append", locs.numel())
-        self._join(layer)
+        self.prefetches.join(layer)
         self._write_host(layer, locs, rows)
         self._place(layer, locs, rows)
 
@@ -215,7 +191,7 @@ class EchoManager:
         recalling them over PCIe. Host ids may already be resident (rewritten in place,
         same bytes)."""
         self._check_lanes("insert", locs.numel())
-        self._join(layer)
+        self.prefetches.join(layer)
         self._place(layer, locs, rows)
 
     def _place(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
@@ -231,7 +207,7 @@ class EchoManager:
         Afterwards every selected token is resident and its device row equals its host row.
         """
         self._check_lanes("resolve", locs.numel())
-        pending = self._pending.pop(layer, None)
+        pending = self.prefetches.pending.pop(layer, None)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if pending is not None and pending.allocated is not None:
             stream.wait_event(pending.allocated)  # the maps as the prefetch left them
@@ -240,7 +216,7 @@ class EchoManager:
             # Before our copies: a slot the prefetch is still filling may have just been
             # handed to one of our misses (an unselected prefetch is evictable).
             stream.wait_event(pending.copied)
-        staged, copied, joined = self._staged.pop(layer, (None, None, None))
+        staged, copied, joined = self.prefetches.staged.pop(layer, (None, None, None))
         if copied is not None:
             # The allocation above may run while rows are still being staged (staging
             # touches no cache state); the recall reads the staging buffer.
@@ -249,7 +225,7 @@ class EchoManager:
         if joined is not None:
             stream.wait_event(joined)  # the side stream's work ran beside the resolve
         if pending is not None:
-            self._count_prefetch_hits(layer, pending)
+            self.prefetches.count_hits(layer, pending)
         return alloc.slots.view(locs.shape)
 
     def _recall(self, layer: int, alloc: Allocation, staged: StagedRows | None = None) -> None:
@@ -275,22 +251,6 @@ class EchoManager:
             staged.hits.add_(hit.sum())
         c.rows[layer].index_copy_(0, slots, rows)
 
-    # ------------------------------------------------------------- staged prefetch
-    def stage_ready(
-        self,
-        layer: int,
-        staged: StagedRows,
-        copied: _Event,
-        joined: _Event = None,
-    ) -> None:
-        """The decode prefetch staged rows for ``layer``'s coming resolve; ``copied``: the
-        side stream's event after its copies, which the recall waits for (None: already
-        done); ``joined``: side-stream work the recall does not need (the threshold
-        update), which the stream waits for after the recall, so that it runs beside the
-        resolve and is still joined before the step ends (a CUDA graph's capture needs
-        every forked stream joined)."""
-        self._staged[layer] = (staged, copied, joined)
-
     # ------------------------------------------------------------------ prefetch
     def prefetch(
         self, layer: int, candidate_ids: torch.Tensor, counts: torch.Tensor | None = None
@@ -299,7 +259,7 @@ class EchoManager:
         candidate host ids [B, cap] (-1 = none; with ``counts`` [B], lanes at and past
         counts[b] are ignored too). The prefill prefetch's only (offload/prefill_prefetcher.py:
         one call per query block, its proven top-k members that are not resident); the
-        decode prefetch stages instead (``stage_ready``).
+        decode prefetch stages instead (``Prefetches.stage_ready``).
 
         Allocation: the same kernels/reference as append and resolve, in append mode: the
         candidates are stamped with the layer's current clock (not the resolve's clock + 1)
@@ -318,99 +278,9 @@ class EchoManager:
         copies before its recall and the attention that follows. Elsewhere everything runs
         synchronously, on the current stream.
         """
-        ids = candidate_ids.reshape(-1).to(torch.int64)
-        if counts is not None:
-            cap = candidate_ids.shape[-1]
-            lane = torch.arange(cap, device=ids.device)
-            live = (lane[None, :] < counts.reshape(-1, 1)).reshape(-1)
-            ids = torch.where(live, ids, torch.full_like(ids, -1))
-        self._check_lanes("prefetch", ids.numel())
-        # A prefetch of this layer that no resolve has joined yet (prefill: one per query
-        # block) is chained, not waited for: the side stream runs prefetches in order, so
-        # the next resolve's join covers them all, and the main stream keeps scoring.
-        # Nothing on the main stream changes this layer's maps in between (append and
-        # release join first).
-        previous = self._pending.pop(layer, None)
-        kept = (ids,) if previous is None else (ids, previous.inputs)
-        side = self._prefetch_stream()
-        if side is None:
-            earlier = self._chain(previous)
-            alloc = self._allocate_prefetch(layer, ids)
-            self._recall(layer, alloc)
-            self.prefetched_rows[layer : layer + 1] += alloc.miss_count
-            self._pending[layer] = _PendingPrefetch(alloc, ids.numel(), None, None, kept, earlier)
-            return
-        side.wait_stream(torch.cuda.current_stream(self.device))  # fork: maps, rows so far
-        with torch.cuda.stream(side):
-            earlier = self._chain(previous)  # before this link's allocation reuses the list
-            alloc = self._allocate_prefetch(layer, ids)
-            allocated = torch.cuda.Event()
-            allocated.record(side)
-            self._recall(layer, alloc)
-            self.prefetched_rows[layer : layer + 1] += alloc.miss_count
-            copied = torch.cuda.Event()
-            copied.record(side)
-        self._pending[layer] = _PendingPrefetch(
-            alloc, ids.numel(), allocated, copied, kept, earlier
-        )
-
-    @staticmethod
-    def _chain(previous: _PendingPrefetch | None) -> tuple[tuple[Allocation, int], ...]:
-        """The miss lists of ``previous`` and its earlier links, the last one copied out of
-        the workspace that the next allocation overwrites (on the stream that runs it)."""
-        if previous is None:
-            return ()
-        a, n = previous.alloc, previous.lanes
-        copy = Allocation(a.slots, a.miss_ids[: n + 1].clone(), a.miss_slots[: n + 1].clone(),
-                          a.miss_count.clone())  # fmt: skip
-        return (*previous.earlier, (copy, n))
-
-    def _prefetch_stream(self) -> torch.cuda.Stream | None:
-        """The side stream prefetch copies run on: CUDA with the Triton kernels only (the
-        torch path reads host rows through host-side copies that synchronise anyway)."""
-        if self.device.type != "cuda" or not self.use_kernels:
-            return None
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=self.device)
-        return self._side_stream
-
-    def _allocate_prefetch(self, layer: int, ids: torch.Tensor) -> Allocation:
-        """Append-mode allocation with its own workspace: its miss list must survive the
-        resolve's allocation, which runs while the side stream still copies from it."""
-        if not self.use_kernels:
-            return allocate_reference(self.cache, layer, ids, append=True)
-        if self._prefetch_workspace is None:
-            self._prefetch_workspace = AllocWorkspace(
-                self.cache, max_lanes=self.cache.num_slots, pdl=self.pdl
-            )
-        return allocate_kernel(self.cache, layer, ids, True, self._prefetch_workspace)
-
-    def _join(self, layer: int) -> None:
-        """Wait (on the device) for a prefetch of ``layer`` that no resolve joined."""
-        pending = self._pending.pop(layer, None)
-        if pending is not None and pending.copied is not None:
-            torch.cuda.current_stream(self.device).wait_event(pending.copied)
-
-    def _count_prefetch_hits(self, layer: int, pending: _PendingPrefetch) -> None:
-        """Prefetched rows the resolve then selected: still mapped to their token and
-        stamped with the resolve's clock (an unselected one kept the older stamp or was
-        evicted). Telemetry; one launch with the kernels."""
-        count = count_prefetch_hits if self.use_kernels else count_prefetch_hits_reference
-        c = self.cache
-        for a, lanes in (*pending.earlier, (pending.alloc, pending.lanes)):
-            count(
-                a.miss_ids, a.miss_slots, a.miss_count, lanes, c.device_to_host[layer],
-                c.priority[layer], c.clock[layer : layer + 1],
-                self.prefetch_hits[layer : layer + 1],
-            )  # fmt: skip
+        self.prefetches.prefetch(layer, candidate_ids, counts)
 
     # ------------------------------------------------------------------- release
-    def abandon_pending(self) -> None:
-        """Drop the prefetches and staged rows a step left pending without joining them
-        (a step that stopped half way: a failed graph capture recorded their events)."""
-        self._pending.clear()
-        self._staged.clear()
-
     def release(self, locs: torch.Tensor) -> None:
         """Host ids being freed (of any number of finished requests): unmap them in every
         layer and push their slots back, in one launch (kernels/release.py).
@@ -421,42 +291,10 @@ class EchoManager:
         refuses the same lanes itself and counts them in ``release_errors``."""
         c = self.cache
         if locs.device.type == "cpu":
-            self._check_release_ids(locs)
+            self.check_release_ids(locs)
         ids = upload(locs.reshape(-1).to(torch.int64), self.device)  # queued, no host wait
-        for layer in list(self._pending):
-            self._join(layer)
+        self.prefetches.join_all()
         if self.use_kernels:
             release_kernel(c, ids, self.release_errors)
         else:
             release_reference(c, ids, self.release_errors)
-
-    def _check_release_ids(self, locs: torch.Tensor) -> None:
-        """Refuse the sink, ids outside [1, N_H] and duplicates (a duplicate would push one
-        slot twice, and two tokens would later share it). A few vectorised passes over
-        the ids on the host, outside the decode step."""
-        ids = locs.reshape(-1).to(torch.int64)
-        if ids.numel() == 0:
-            return
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 1 or hi > self.cache.host_tokens:
-            bad = lo if lo < 1 else hi
-            what = "the padding sink (host row 0)" if bad == 0 else f"host id {bad}"
-            raise ValueError(
-                f"release of {what}: released ids must be tokens of the host pool, "
-                f"1..{self.cache.host_tokens}; the caller's token bookkeeping is corrupt"
-            )
-        if self._release_marks is None:
-            self._release_marks = torch.zeros(self.cache.host_tokens + 2, dtype=torch.int32)
-        # Each id's entry gets one of its lanes (the last write wins); an id listed twice
-        # then reads back another lane's number in one of its lanes. Every entry read was
-        # written in this call, so the scratch needs no reset.
-        lanes = torch.arange(ids.numel(), dtype=torch.int32)
-        marks = self._release_marks
-        marks[ids] = lanes
-        twice = marks[ids] != lanes
-        if bool(twice.any()):
-            dup = int(ids[twice][0])
-            raise ValueError(
-                f"release lists host id {dup} more than once: its slot would be pushed twice "
-                "and later shared by two tokens; release each token once"
-            )

@@ -39,23 +39,18 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_echo.runtime.admission import fits, future_tokens
 from sglang_echo.runtime.detokenizer import IncrementalText
-from sglang_echo.runtime.request import OutputEvent, ReqStatus, ServeRequest, TokenLogprob
-from sglang_echo.runtime.sampling import (
-    DeviceSample,
-    SampledBatch,
-    new_sample_key,
-    sample_batch,
-    sample_on_device,
-)
+from sglang_echo.runtime.request import ReqStatus, ServeRequest, TokenLogprob
+from sglang_echo.runtime.sampling import SampledBatch, new_sample_key, sample_batch
+from sglang_echo.runtime.scheduler_admission import AdmissionControl
+from sglang_echo.runtime.scheduler_events import EventOutbox, abort_reason
+from sglang_echo.runtime.scheduler_overlap import StepInFlight
 from sglang_echo.runtime.scheduler_stats import SchedulerStats
-from sglang_echo.runtime.step_runner import CarriedTokens, StepRunner
+from sglang_echo.runtime.step_runner import StepRunner
 
 if TYPE_CHECKING:
     from sglang_echo.runtime.fake_transfer import FakeTransfer
@@ -68,28 +63,16 @@ log = logging.getLogger("sglang_echo.scheduler")
 DECODE_RESERVE_STEPS = 32
 
 
-def abort_reason(message: str, status_code: int) -> dict:
-    """How an aborted request ends, as SGLang reports it: with the HTTP status a client
-    should see (499 aborted by a client, 400 refused, 500 engine error, 503 shutting down)."""
-    return {"type": "abort", "message": message, "status_code": status_code}
-
-
 class RequestRejected(ValueError):
     """A request that can never run here (too long for the context or the pool, or a
     request id already in use)."""
 
 
-@dataclass(eq=False)
-class _InFlight:
-    """A launched decode step whose tokens the host has not read yet (overlap)."""
-
-    reqs: list[ServeRequest]
-    logits: torch.Tensor
-    sample: DeviceSample
-    ids: set[int]  # id() of each request, for membership without comparing requests
-
-
 class Scheduler:
+    """Runs the steps over the running batch; its collaborators, one job each: ``admission``
+    (admission, decode counts, preemption), ``in_flight`` (the overlap schedule's step not
+    yet read) and ``events`` (output events, held through a decode step's acceptance)."""
+
     def __init__(
         self,
         steps: StepRunner,
@@ -104,7 +87,8 @@ class Scheduler:
     ) -> None:
         self.steps = steps
         self.overlap = overlap
-        self._inflight: _InFlight | None = None  # overlap: the decode step not yet read
+        self.in_flight = StepInFlight(self)  # overlap: the decode step not yet read
+        self.admission = AdmissionControl(self)
         self.capacity = steps.allocator.capacity
         self.max_running = min(max_running_requests, steps.max_requests)
         self.chunk = chunked_prefill_size
@@ -126,14 +110,7 @@ class Scheduler:
         # text itself (runtime/engine_process.py), so the engine decodes only what its stop
         # strings need, for requests that have some.
         self.text_in_engine = True
-        # Events of a decode step's tokens, held while its tokens are accepted and handed
-        # out once the next step is launched (``_hand_out_held``): whoever consumes them (an
-        # HTTP thread, the engine process's sender) then runs while the device works instead
-        # of between two steps, where it took the GIL from the engine thread preparing the
-        # next launch. The order of events is kept: any event made outside that window
-        # hands out the held ones first, so nothing follows a request's terminal event.
-        self._held_events: list[tuple[ServeRequest, OutputEvent]] = []
-        self._holding = False
+        self.events = EventOutbox(self)
 
     # ------------------------------------------------------------ requests
     def check(self, req: ServeRequest) -> None:
@@ -177,7 +154,7 @@ class Scheduler:
 
     def reject(self, req: ServeRequest, message: str) -> None:
         """End a request that was never admitted (its ``on_output`` hears why)."""
-        self._emit(req, (), abort_reason(message, 400))
+        self.events.emit(req, (), abort_reason(message, 400))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -186,49 +163,50 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduling round; returns False when there was nothing to do."""
         with self.stats.timed("admit"):
-            self._admit()
+            self.admission.admit()
         with self.stats.timed("receive"):
             self._receive_arrived()
         if not self.running:
             # A decode node's arrival can end its request at once (its first token is a stop
             # token or its whole budget): what it held goes back now, not at the next command.
-            self._read_inflight()
+            self.in_flight.read()
             self.steps.flush_releases()
-            self._hand_out_held()
+            self.events.hand_out()
             return False
         # ``running`` holds live requests only (``_finish`` takes a request out the moment it
         # ends), so no phase below can retract, prefill or decode one that has ended.
         if any(not r.prefill_done for r in self.running):
-            self._read_inflight()  # a prefill runs on the synchronous schedule
-            self._make_room(lambda: min(self.chunk, self._pending_prefill()))
+            self.in_flight.read()  # a prefill runs on the synchronous schedule
+            self.admission.make_room(lambda: min(self.chunk, self.admission.pending_prefill()))
             prefilling = [r for r in self.running if not r.prefill_done]
             if prefilling:
                 self._prefill(prefilling)
-        if any(self._decodable(r) for r in self.running):
-            if self.steps.allocator.num_free < self._decode_count():
-                self._read_inflight()  # preemption may come: on the synchronous schedule
-            self._make_room(self._decode_count)
-            decoding = [r for r in self.running if self._decodable(r)]
+        if any(self.admission.decodable(r) for r in self.running):
+            if self.steps.allocator.num_free < self.admission.decode_count():
+                self.in_flight.read()  # preemption may come: on the synchronous schedule
+            self.admission.make_room(self.admission.decode_count)
+            decoding = [r for r in self.running if self.admission.decodable(r)]
             if decoding:
                 self._decode(decoding)
             else:
-                self._read_inflight()
+                self.in_flight.read()
         else:
-            self._read_inflight()
+            self.in_flight.read()
             if self.prompt_source is not None and self.prompt_source.pending:
                 with self.stats.timed("receive"):
                     self._receive_arrived(wait=True)  # nothing to step: wait, do not spin
-        if self._inflight is not None and all(r.finished for r in self._inflight.reqs):
-            self._read_inflight()  # every request of the step in flight has ended
+        step = self.in_flight.step
+        if step is not None and all(r.finished for r in step.reqs):
+            self.in_flight.read()  # every request of the step in flight has ended
         self.steps.flush_releases()
-        if not any(self._decodable(r) for r in self.running):
-            self._hand_out_held()  # no decode launch comes next to hand them out after
+        if not any(self.admission.decodable(r) for r in self.running):
+            self.events.hand_out()  # no decode launch comes next to hand them out after
         self.stats.recent.append((time.perf_counter(), self.stats.generation_tokens))
         return True
 
     def fail_all(self, message: str, status_code: int = 503) -> None:
         """Shutdown (503), or an error outside any step (500): end every live request."""
-        self._inflight = None  # its tokens are not read: every request it holds ends here
+        self.in_flight.step = None  # its tokens are not read: every request it holds ends here
         for req in [*self.waiting, *self.running]:
             self._finish(req, abort_reason(message, status_code))
         self.steps.flush_releases()
@@ -242,7 +220,7 @@ class Scheduler:
         except Exception as exc:  # the phase's requests end, the rest go on
             self._fail(prefilling, "prefill", exc)
             return
-        self._hand_out_held()
+        self.events.hand_out()
         self.stats.prompt_tokens += sum(r.cached_len for r in prefilling) - before
         self.stats.prefill_steps += 1
         if done:
@@ -251,7 +229,7 @@ class Scheduler:
 
     def _decode(self, decoding: list[ServeRequest]) -> None:
         if self.overlap:
-            self._decode_ahead(decoding)
+            self.in_flight.launch(decoding)
             return
         try:
             with self.stats.timed("decode"):
@@ -263,74 +241,11 @@ class Scheduler:
         self.stats.decode_batch_requests += len(decoding)
         self._while_the_step_runs()
         with self.stats.timed("accept"):
-            self._holding = True
+            self.events.holding = True
             try:
                 self._accept_batch(decoding, logits)
             finally:
-                self._holding = False
-
-    def _decode_ahead(self, decoding: list[ServeRequest]) -> None:
-        """Overlap: launch this step (the step in flight's requests take their next ids from
-        its choices on the device) and its sampling, then read the step in flight."""
-        prev = self._inflight
-        pending = {id(r): i for i, r in enumerate(prev.reqs)} if prev is not None else {}
-        carried = None
-        if prev is not None:
-            rows = [j for j, r in enumerate(decoding) if id(r) in pending]
-            if rows:
-                carried = CarriedTokens(
-                    prev.sample.tokens, rows, [pending[id(decoding[j])] for j in rows]
-                )
-        try:
-            with self.stats.timed("decode"):
-                logits = self.steps.decode(decoding, carried)
-                sample = sample_on_device(
-                    logits,
-                    [r.params for r in decoding],
-                    [r.sample_key for r in decoding],
-                    [len(r.output) + (id(r) in pending) for r in decoding],
-                )
-        except Exception as exc:  # the phase's requests end, the rest go on
-            self._inflight = None  # its tokens are lost with the step that failed after it
-            launched = {id(r) for r in decoding}
-            extra = [r for r in (prev.reqs if prev else ()) if id(r) not in launched]
-            self._fail([*decoding, *extra], "decode", exc)
-            return
-        self.stats.decode_steps += 1
-        self.stats.decode_batch_requests += len(decoding)
-        self._inflight = _InFlight(decoding, logits, sample, {id(r) for r in decoding})
-        if prev is not None:
-            with self.stats.timed("accept"):
-                self._accept_read(prev)
-        self._while_the_step_runs()
-
-    def _read_inflight(self) -> None:
-        """Take the step in flight's tokens now (its requests then have no pending token)."""
-        prev, self._inflight = self._inflight, None
-        if prev is not None:
-            with self.stats.timed("accept"):
-                self._accept_read(prev)
-
-    def _accept_read(self, step: _InFlight) -> None:
-        """The tokens of a step read from the host copy; a request that ended since it was
-        launched (a stop at the step before, an abort) has its token discarded."""
-        live = [i for i, r in enumerate(step.reqs) if not r.finished]
-        if not live:
-            step.sample.read()  # nothing to keep, but its copy is done before its memory goes
-            return
-        reqs = [step.reqs[i] for i in live]
-        if self.on_logits is not None:
-            rows = torch.tensor(live, dtype=torch.int64).to(step.logits.device)
-            self.on_logits(reqs, step.logits.index_select(0, rows))
-        out = step.sample.read()
-        self._accept_sampled(
-            reqs,
-            SampledBatch(
-                [out.tokens[i] for i in live],
-                [out.finite[i] for i in live],
-                [out.logprobs[i] for i in live],
-            ),
-        )
+                self.events.holding = False
 
     def _while_the_step_runs(self) -> None:
         """Admission and arrivals, on the host while the decode step just launched runs on
@@ -340,9 +255,9 @@ class Scheduler:
         request admitted or arrived here is not in it, and an arrival that ends at once
         holds nothing the step reads. It keeps the GPU fed instead of idle through them.
         The previous step's events go out first."""
-        self._hand_out_held()
+        self.events.hand_out()
         with self.stats.timed("admit"):
-            self._admit()
+            self.admission.admit()
         with self.stats.timed("receive"):
             self._receive_arrived()
 
@@ -354,54 +269,7 @@ class Scheduler:
                 self.stats.failed_requests += 1
                 self._finish(req, abort_reason(message, 500))
 
-    # ------------------------------------------------------------ capacity
-    def _decodable(self, req: ServeRequest) -> bool:
-        """Has a token to extend. With a step in flight, a request whose token there is
-        its last one (its length) is not decoded again."""
-        if not (req.prefill_done and req.output and not req.finished):
-            return False
-        step = self._inflight
-        if step is not None and id(req) in step.ids:
-            return len(req.output) + 1 < req.params.max_new_tokens
-        return True
-
-    def _decode_count(self) -> int:
-        return sum(1 for r in self.running if self._decodable(r))
-
-    def _pending_prefill(self) -> int:
-        return sum(len(r.prefill_ids) - r.cached_len for r in self.running if not r.prefill_done)
-
-    def _growth(self, req: ServeRequest) -> int:
-        """Token locations set aside for a request's next few decode steps (a decode node
-        and the offline engine: all of them; runtime/admission.py)."""
-        return min(future_tokens(req, req.params.max_new_tokens), self.reserve_steps)
-
-    def _admit(self) -> None:
-        self.steps.flush_releases()
-        alloc = self.steps.allocator
-        while (
-            self.waiting
-            and len(self.running) < self.max_running
-            and self.steps.table.num_free_rows > 0
-        ):
-            req = self.waiting[0]
-            held_back = self._pending_prefill() + sum(self._growth(r) for r in self.running)
-            need = len(req.prefill_ids) + self._growth(req)
-            if not fits(alloc.num_free, held_back, need):
-                break
-            t0 = time.perf_counter()
-            self.waiting.popleft()
-            self.steps.admit(req)
-            req.status = ReqStatus.RUNNING
-            self.running.append(req)
-            if self.prompt_source is not None:
-                self.prompt_source.start(req)
-                self.stats.prompt_tokens += len(req.prompt)
-            took = time.perf_counter() - t0
-            self.stats.admission_s += took
-            self.stats.admissions += 1
-            self.stats.recent_admission_s.append(took)
-
+    # ------------------------------------------------------------ arrivals
     def _receive_arrived(self, wait: bool = False) -> None:
         """A decode node's requests whose prompt KV is in place: their first token (the
         prefill node's) is emitted, and they decode from the next step on."""
@@ -415,22 +283,6 @@ class Scheduler:
             if not req.finished:
                 self._fail([req], "transfer", exc)
 
-    def _make_room(self, tokens_needed: Callable[[], int]) -> None:
-        """Preempt the newest running requests until the next phase's tokens fit.
-
-        A decode node never preempts: admission reserved every request's whole budget, so
-        running short is a bookkeeping bug, and retracting would lose a prompt that no
-        prefill here can recompute. It raises instead (the phase's requests fail)."""
-        self.steps.flush_releases()
-        while self.steps.allocator.num_free < tokens_needed() and len(self.running) > 1:
-            if self.prompt_source is not None:
-                raise RuntimeError(
-                    f"decode node out of token locations ({self.steps.allocator.num_free} free, "
-                    f"{tokens_needed()} needed) although admission reserved every running "
-                    "request's budget: a bookkeeping bug"
-                )
-            self._retract(self.running[-1])
-
     def _release(self, req: ServeRequest) -> None:
         """Give back what a running request holds: its pending transfer is cancelled first
         (so nothing writes into locations another request may get next), then its row and
@@ -438,22 +290,6 @@ class Scheduler:
         if self.prompt_source is not None:
             self.prompt_source.forget(req)
         self.steps.release_later(req)
-
-    def _retract(self, req: ServeRequest) -> None:
-        self._release(req)
-        self.steps.flush_releases()
-        self.running.remove(req)
-        req.recompute_ids = req.prompt + req.output
-        req.cached_len = 0
-        req.status = ReqStatus.WAITING
-        req.preemptions += 1
-        self.stats.preemptions += 1
-        self.waiting.appendleft(req)
-        log.info(
-            "preempted request %s (%d tokens cached); it is recomputed when room comes back",
-            req.rid,
-            len(req.recompute_ids),
-        )
 
     # -------------------------------------------------------------- tokens
     def _accept_batch(self, reqs: list[ServeRequest], logits: torch.Tensor) -> None:
@@ -497,7 +333,7 @@ class Scheduler:
         if reason is not None:
             self._finish(req, reason, new_tokens=(token,), logprobs=lps)
         else:
-            self._emit(req, (token,), None, lps)
+            self.events.emit(req, (token,), None, lps)
 
     def _finish(
         self,
@@ -527,40 +363,7 @@ class Scheduler:
             self.stats.finished_requests += 1
         if req.text is not None:
             req.text.finish()
-        self._emit(req, new_tokens, reason, logprobs)
-
-    def _emit(
-        self,
-        req: ServeRequest,
-        new_tokens: tuple[int, ...],
-        reason: dict | None,
-        logprobs: tuple[TokenLogprob, ...] = (),
-    ) -> None:
-        if req.on_output is None:
-            return
-        delta = ""
-        if req.text is not None and self.text_in_engine:
-            delta = req.text.take_stream_delta(final=reason is not None)
-        event = OutputEvent(
-            req.rid, new_tokens, len(req.prompt), len(req.output), reason, delta, logprobs
-        )
-        if self._holding:
-            self._held_events.append((req, event))
-            return
-        self._hand_out_held()
-        req.on_output(event)
-
-    def _hand_out_held(self) -> None:
-        """Deliver the held events, in the order they were made."""
-        held, self._held_events = self._held_events, []
-        for req, event in held:
-            try:
-                req.on_output(event)
-            except Exception as exc:  # one consumer's failure ends its request, not the step
-                log.exception("request %s failed while its output was handed out", req.rid)
-                if not req.finished:
-                    self.stats.failed_requests += 1
-                    self._finish(req, abort_reason(f"{type(exc).__name__}: {exc}", 500))
+        self.events.emit(req, new_tokens, reason, logprobs)
 
     # ------------------------------------------------------------- metrics
     def gen_throughput(self, window_s: float = 5.0) -> float:

@@ -31,8 +31,7 @@ Imports sglang: loaded only by ``sglang_echo.sglang.install`` when ``NSA_KV_OFFL
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import sglang.srt.managers.hisparse_coordinator as hisparse
 import torch
@@ -41,10 +40,18 @@ from sglang_echo.config import ConfigError, decode_prefetch_mode, settings
 from sglang_echo.kernels.topk_rows import RING
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.sglang import retraction
+from sglang_echo.sglang.admission import (
+    patch_decode_capacity,
+    patch_prefill_budget,
+    warm_from_prompt,
+    warm_share,
+)
 from sglang_echo.sglang.args import ECHO_EXTRA_KEY
 from sglang_echo.sglang.decode_prefetch import install_decode_prefetch, uninstall_decode_prefetch
 from sglang_echo.sglang.guards import capacity_problems, decode_graphs_enabled, graph_problem
+from sglang_echo.sglang.host_release import HostRelease
 from sglang_echo.sglang.kept_rows import SCOPES, KeptRows
+from sglang_echo.sglang.newest_backup import NewestRowBackup
 from sglang_echo.sglang.observe import install_metrics_hook, startup_line
 from sglang_echo.sglang.pool_layout import (
     drop_per_request_buffers,
@@ -53,7 +60,6 @@ from sglang_echo.sglang.pool_layout import (
     reserve_host_pages,
     use_torch_transfers,
 )
-from sglang_echo.sglang.prefill_budget import EchoPrefillBudget
 from sglang_echo.sglang.retraction import install_retraction
 from sglang_echo.sglang.step_release import install_step_release
 from sglang_echo.sglang.storage import (
@@ -81,6 +87,12 @@ def echo_settings() -> dict:
 
 
 class EchoCoordinator(hisparse.HiSparseCoordinator):
+    """sglang's hooks over ECHO's cache; the jobs behind them are collaborators':
+    ``backup`` (newest_backup.py: the rings' host backups), ``releases``
+    (host_release.py: finished requests' host ids, once per step), ``kept_rows``
+    (kept_rows.py: retracted PD requests' host ids), admission.py (sglang's capacity
+    checks, a staged prompt's warm start) and pool_layout.py (the start-up reservations)."""
+
     def __init__(
         self,
         req_to_token_pool,
@@ -153,7 +165,7 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
             )
         self.host_rows = ExternalHostRows(host_rows)
         self.cache = ExternalRowsCache(device_rows, self.host_rows.num_tokens)
-        self.manager = EchoManager(self.host_rows, self.cache)
+        self.manager = EchoManager(self.host_rows, self.cache, pdl=settings().pdl)
         problem = graph_problem(
             is_cuda=self.is_cuda,
             graph_safe=self.manager.graph_safe,
@@ -177,8 +189,7 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         # ring_start: the first position written there (the tokens before are on the host).
         self.ring_rows = torch.zeros(max_reqs, RING, dtype=torch.int64, device=device)
         self.ring_start = torch.zeros(max_reqs, dtype=torch.int64, device=device)
-        self._newest_page: dict[int, torch.Tensor] = {}
-        self._backup_issued = False  # a decode backup recorded and not yet waited on
+        self.newest_page: dict[int, torch.Tensor] = {}  # each running request's ring page
         self.resolver = TopkToRows(
             self.manager,
             self.row_base,
@@ -191,13 +202,12 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         # What one admitted request holds on the device: its newest page. PD decode's
         # admission budget divides the free device rows by this.
         self.padded_buffer_size = self.page_size
-        # Finished requests' host-id rows (-1 padded) not yet released: one release per
-        # step (one_release_per_step), or at once outside a step's result processing.
-        self._finished_host_rows: list[torch.Tensor] = []
-        self._step_depth = 0
-        # For each request admitted directly (PD: its KV is all in the host pool), how
-        # many of its tokens the host pool holds (a retraction keeps those: kept_rows.py).
-        self._host_len: dict[int, int] = {}
+        # Prompt rows a staged request brings into ECHO's cache per layer (its share).
+        self.warm_tokens = warm_share(self.num_slots, max_reqs)
+        # Collaborators, one job each: the rings' host backups, the release of finished
+        # requests' host ids, and retracted PD requests' kept host ids.
+        self.backup = NewestRowBackup(self)
+        self.releases = HostRelease(self)
         self.kept_rows = KeptRows(self)
         install_step_release(EchoCoordinator)
         install_retraction()
@@ -214,42 +224,12 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
                 "staging buffer holds %.1f MB on the device",
                 self.decode_prefetch.nbytes / 1e6,
             )
-        self._patch_decode_capacity()
-        self._patch_prefill_budget()
+        patch_decode_capacity(self)
+        patch_prefill_budget(self.token_to_kv_pool_allocator)
         # Counter values last sent to sglang's exporter (observe.publish_metrics).
         self._metrics_sent: dict[str, float] = {}
         install_metrics_hook(EchoCoordinator)
         logger.info(startup_line(self, "on" if self.decode_prefetch is not None else "off"))
-
-    def _patch_decode_capacity(self) -> None:
-        """A decode step allocates logical token ids only (its KV goes to the request's
-        newest row), so only the logical pool can run short. HiSparse's allocator compares
-        min(logical, device) free and would retract requests for lack of device rows,
-        which ECHO reserved at start-up. Kept rows of retracted requests give way first
-        (``KeptRows.drop_for``): sglang's retract loop calls this check too, so they are
-        dropped before any running request is retracted or aborted."""
-        allocator = self.token_to_kv_pool_allocator
-        logical = allocator.logical_attn_allocator
-
-        def check_decode_capacity(*, num_tokens, tree_cache, requests=None, spec_algorithm=None):
-            allocator.evict_to_free_tokens(tree_cache, num_tokens)
-            self.kept_rows.drop_for(num_tokens)
-            return logical.available_size() >= num_tokens
-
-        allocator.check_decode_capacity = check_decode_capacity
-
-    def _patch_prefill_budget(self) -> None:
-        """A non-PD server's prefill admission: logical ids and device rows are separate
-        ledgers (EchoPrefillBudget), or running requests' future decode tokens, which
-        never take a device row, would starve every new prompt."""
-        allocator = self.token_to_kv_pool_allocator
-
-        def create_prefill_budget(tree_cache, *, num_mixed_decode_tokens=0):
-            return EchoPrefillBudget(
-                allocator, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens
-            )
-
-        allocator.create_prefill_budget = create_prefill_budget
 
     # ------------------------------------------------------------- admission
     def alloc_device_buffer(self, req) -> None:
@@ -257,11 +237,11 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         if any, are freed, and it gets one page, its ring, where the tokens it decodes
         from its current length on are written.
         A staged request's (local prefill) newest prompt rows go into ECHO's cache first,
-        copied on the device (``_warm_from_prompt``)."""
+        copied on the device (``admission.warm_from_prompt``)."""
         idx = req.kv.req_pool_idx
         logical = self.req_to_token_pool.req_to_token[idx, : req.kv.kv_allocated_len]
         if getattr(req, "hisparse_staging", False):
-            self._warm_from_prompt(idx, logical[: req.extend_end])
+            warm_from_prompt(self, idx, logical[: req.extend_end])
         page = self.token_to_kv_pool_allocator.alloc_device_buffer(
             logical.to(torch.int64), self.page_size
         )
@@ -273,39 +253,11 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
                 f"token and the device pool has {free} free rows; more requests were "
                 "admitted than the plan sized the pool for (--max-running-requests)."
             )
-        self._newest_page[idx] = page
+        self.newest_page[idx] = page
         self.ring_rows[idx] = page
         self.ring_start[idx] = req.kv.kv_allocated_len
         if self.decode_prefetch is not None:
             self.decode_prefetch.reset_row(idx)
-
-    def _warm_from_prompt(self, idx: int, logical: torch.Tensor) -> None:
-        """``logical``: the ids staging copied to the host (the prompt, ``extend_end``).
-        A locally prefilled prompt is on the device (its rows are freed right after
-        this) and, staged, on the host: its newest ``warm_tokens`` rows enter ECHO's cache
-        in every layer by a device-to-device copy, as the runtime's prefill appends its
-        prompt, so the first decode step does not recall a top-k's worth of rows per
-        layer that were on the GPU a moment ago. The window is the request's fair share
-        of the cache (N_G over the request slots), so one admission does not evict the
-        running requests' working sets. Stream order keeps the copy before any reuse of
-        the freed rows (their next writer runs after this on the forward stream)."""
-        n = logical.numel()
-        take = min(n, self.warm_tokens)
-        if take == 0:
-            return
-        device_rows = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(
-            logical[n - take :].to(torch.int64)
-        ).to(torch.int64)
-        host_ids = self.req_to_host_pool[idx, n - take : n].to(self.cache.device, torch.int64)
-        for layer, buf in enumerate(self.mem_pool_device.kv_buffer):
-            rows = buf.view(buf.shape[0], -1).index_select(0, device_rows)
-            self.manager.insert(layer, host_ids, rows)
-
-    @property
-    def warm_tokens(self) -> int:
-        """Prompt rows a staged request brings into ECHO's cache per layer (its share)."""
-        slots = max(1, self.req_to_token_pool.req_to_token.shape[0] - 1)
-        return min(self.num_slots, self.num_slots // slots)
 
     def admit_request_direct(self, req) -> None:
         """PD decode: the prompt's KV is already in the host pool (RDMA); no preload,
@@ -314,7 +266,7 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         req.hisparse_staging = False
         idx = req.kv.req_pool_idx
         self._skip_first_backup[idx] = True
-        self._host_len[idx] = self.host_token_len(req.kv.kv_allocated_len)
+        self.backup.host_len[idx] = self.host_token_len(req.kv.kv_allocated_len)
 
     # ------------------------------------------------------------ decode step
     def map_last_loc_to_buffer(
@@ -329,71 +281,13 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         its ring row (the model's KV write lands there). The batch's real request count
         is known here, on the host: one past N_G // top-k fails now."""
         self.resolver.check_batch(len(req_pool_indices_cpu))
-        self._eager_backup_previous_token(
-            seq_lens, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu
-        )
+        self.backup.previous_tokens(seq_lens, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu)
         mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
         mapping[out_cache_loc] = self.ring_row_of(req_pool_indices, seq_lens - 1)
-
-    def _eager_backup_previous_token(
-        self,
-        seq_lens: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens_cpu: torch.Tensor,
-        req_pool_indices_cpu: torch.Tensor,
-    ) -> None:
-        """The token decoded last step is in its ring row: copy it (all layers) to a fresh
-        host slot at its position, long before its row is written again (RING steps
-        on); the resolve reads it from the ring meanwhile."""
-        batch_rows: list[int] = []
-        host_ids: list[torch.Tensor] = []
-        for i, (req_idx, seq_len) in enumerate(
-            zip(req_pool_indices_cpu.tolist(), seq_lens_cpu.tolist(), strict=True)
-        ):
-            if self._skip_first_backup[req_idx]:  # prompt already on the host
-                self._skip_first_backup[req_idx] = False
-                continue
-            batch_rows.append(i)
-            host_ids.append(self._host_slot(req_idx, seq_len - 2))
-        if not batch_rows:
-            return
-        rows = torch.tensor(batch_rows, dtype=torch.int64, pin_memory=self.is_cuda)
-        rows = rows.to(self.device, non_blocking=True)
-        previous = self.ring_row_of(req_pool_indices[rows], seq_lens[rows] - 2)
-        self._backup_newest_rows(previous, torch.cat(host_ids))
 
     def ring_row_of(self, req_pool_indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The device row of each request's token at ``positions`` in its ring."""
         return self.ring_rows[req_pool_indices, positions.remainder(RING)]
-
-    def _host_slot(self, req_idx: int, position: int) -> torch.Tensor:
-        """The host slot of the request's token at ``position`` (allocated by page)."""
-        slot = self.mem_pool_host.alloc_paged_token_slots(
-            self.req_to_host_pool, self.req_to_host_pool_allocated_len, req_idx, position, 1
-        )
-        if req_idx in self._host_len:
-            self._host_len[req_idx] = max(self._host_len[req_idx], position + 1)
-        return slot
-
-    def _backup_newest_rows(self, device_rows: torch.Tensor, host_locs: torch.Tensor) -> None:
-        """Copy newest rows (all layers) to their host slots on the backup stream, after
-        the forward that wrote them."""
-        device_module = hisparse.device_module
-        self.wait_for_pending_backup()
-        schedule_stream = device_module.current_stream()
-        with device_module.stream(self.decode_backup_stream):
-            self.decode_backup_stream.wait_stream(schedule_stream)
-            if self.decode_producer_stream is not None:
-                self.decode_backup_stream.wait_stream(self.decode_producer_stream)
-            self.mem_pool_host.backup_from_device_all_layer(
-                self.mem_pool_device, host_locs, device_rows, io_backend="kernel"
-            )
-            self._backup_done_event.record()
-            self._backup_issued = True
-            if self.is_cuda:
-                host_locs.record_stream(self.decode_backup_stream)
-                device_rows.record_stream(self.decode_backup_stream)
-        self._has_pending_backup = True
 
     def swap_in_selected_pages(
         self,
@@ -410,122 +304,30 @@ class EchoCoordinator(hisparse.HiSparseCoordinator):
         )
 
     # --------------------------------------------------------------- release
-    def _release_host_ids(self, req_pool_idx: int) -> torch.Tensor:
-        """The request's host ids, unmapped from ECHO's cache in every layer: a host id
-        freed while still mapped would give its next owner another token's rows."""
-        host_ids = self.mem_pool_host.allocated_host_indices(
-            self.req_to_host_pool,
-            req_pool_idx,
-            self.req_to_host_pool_allocated_len[req_pool_idx],
-        )
-        if host_ids.numel() > 0:
-            self.manager.release(host_ids.to(self.cache.device, torch.int64))
-        return host_ids
-
-    def _host_id_row(self, req_pool_idx: int) -> torch.Tensor | None:
-        """A copy of the request's host-id row over its allocated pages (-1 = none), as
-        ``allocated_host_indices`` reads it, without its device-to-host filter."""
-        allocated = int(self.req_to_host_pool_allocated_len[req_pool_idx])
-        if allocated <= 0:
-            return None
-        page = self.mem_pool_host.page_size
-        length = min(-(-allocated // page) * page, self.req_to_host_pool.shape[1])
-        return self.req_to_host_pool[req_pool_idx, :length].clone()
-
-    @contextmanager
-    def one_release_per_step(self) -> Iterator[None]:
-        """Requests finished inside release their host ids together when the outermost
-        scope closes (sglang's processing of one step's results: release_finished_together).
-        Until then their host ids stay allocated in sglang's host pool, so none can be
-        reused while ECHO's maps still name it."""
-        self._step_depth += 1
-        try:
-            yield
-        finally:
-            self._step_depth -= 1
-            if self._step_depth == 0:
-                self.release_finished()
-
-    def release_finished(self) -> None:
-        """Every finished request's host ids not yet released: unmapped from ECHO's cache
-        in every layer in ONE EchoManager.release, then (the host having waited for the
-        last decode backup) given back to sglang's host pool, in that order."""
-        rows, self._finished_host_rows = self._finished_host_rows, []
-        if not rows:
-            return
-        ids = torch.cat(rows) if len(rows) > 1 else rows[0]
-        ids = ids[ids >= 0]
-        if ids.numel() == 0:
-            return
-        if self.decode_producer_stream is not None:
-            hisparse.device_module.current_stream().wait_stream(self.decode_producer_stream)
-        self.manager.release(ids.to(self.cache.device, torch.int64))
-        self._finish_backup_on_host()
-        self.mem_pool_host.free(ids)
+    def one_release_per_step(self) -> AbstractContextManager[None]:
+        """sglang's processing of one step's results (step_release.py): the requests it
+        finishes release their host ids together when it closes (HostRelease.per_step)."""
+        return self.releases.per_step()
 
     def request_finished(self, req) -> None:
-        """Finish, abort or retract: free the newest page and unmap the request's token
-        ids now; its host ids are released from ECHO's cache, then given back to the
-        host pool, with the other requests finished in this step (or at once outside a
-        step's result processing)."""
-        self._end_decode_state(req)
-        idx = req.kv.req_pool_idx
-        row = self._host_id_row(idx)
-        if row is not None:
-            self._finished_host_rows.append(row)
-        self._clear_host_row(idx)
-        if self._step_depth == 0:
-            self.release_finished()
-
-    def _end_decode_state(self, req) -> None:
-        """After the in-flight forward and the last backup: the newest page freed and the
-        request's token ids unmapped from it."""
-        device_module = hisparse.device_module
-        if self.decode_producer_stream is not None:
-            device_module.current_stream().wait_stream(self.decode_producer_stream)
-        self.wait_for_pending_backup()
-        idx = req.kv.req_pool_idx
-        page = self._newest_page.pop(idx, None)
-        if page is not None:
-            self.token_to_kv_pool_allocator.free_hisparse_indices(page)
-            logical = self.req_to_token_pool.req_to_token[idx, : req.kv.kv_allocated_len]
-            self.mem_pool_device.full_to_hisparse_device_index_mapping[logical.to(torch.int64)] = 0
-            self.ring_rows[idx] = 0
-            self.ring_start[idx] = 0
-        # Without a page the request ended during prefill: release_kv_cache frees its
-        # prompt rows through the mapping, as in HiSparse.
-
-    def _clear_host_row(self, idx: int) -> None:
-        self.req_to_host_pool[idx, :] = -1
-        self.req_to_host_pool_allocated_len[idx] = 0
-        self._skip_first_backup[idx] = False
-        self._host_len.pop(idx, None)
+        """Finish, abort or retract: HostRelease.finish (newest page freed now, host ids
+        released with the step's other finishes)."""
+        self.releases.finish(req)
 
     # ------------------------------------------------------------- retraction
     def retract_req(self, req) -> None:
         """A retraction inside sglang's release_req of a request admitted directly (PD
         decode: its KV is in the host pool) keeps its host ids; any other retraction
         releases like a finish (HiSparse's behaviour)."""
-        direct = req.kv.req_pool_idx in self._host_len
+        direct = req.kv.req_pool_idx in self.backup.host_len
         keeps = retraction.ENABLED and self.kept_rows in SCOPES and direct
         if not keeps or getattr(req, "hisparse_staging", False):
             super().retract_req(req)
             return
         self.kept_rows.unclaimed[id(req)] = self.kept_rows.keep(req)
 
-    def _finish_backup_on_host(self) -> None:
-        """Block the host until the last decode backup has landed, before host ids go
-        back to the allocator. wait_for_pending_backup only orders the device streams;
-        a freed host id can be handed at once to a PD transfer, whose RDMA write into
-        pinned memory follows no stream, and an in-flight backup of this request's
-        previous token would then land on the new owner's row. (A device sync on a
-        boolean mask happens to wait for it today; this does not rely on that.)"""
-        if self._backup_issued:
-            self._backup_done_event.synchronize()
-            self._backup_issued = False
-
     def abort_staging_request(self, req) -> None:
-        self._release_host_ids(req.kv.req_pool_idx)
+        self.releases.release_now(req.kv.req_pool_idx)
         super().abort_staging_request(req)
 
     def prepare_spec_verify(self, batch) -> None:

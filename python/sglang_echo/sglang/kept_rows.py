@@ -112,15 +112,15 @@ class KeptRows:
         idx = req.kv.req_pool_idx
         tokens = DecodePreallocQueue._pre_alloc_fill_len(req)
         self._back_up_missing_token(req, tokens)
-        self.c._end_decode_state(req)
-        row = self.c._host_id_row(idx)
+        self.c.releases.end_decode_state(req)
+        row = self.c.releases.host_id_row(idx)
         kept = KeptHostIds(
             self,
             row if row is not None else torch.empty(0, dtype=torch.int64),
             int(self.c.req_to_host_pool_allocated_len[idx]),
             tokens,
         )
-        self.c._clear_host_row(idx)
+        self.c.releases.clear_host_row(idx)
         return kept
 
     def _back_up_missing_token(self, req, tokens: int) -> None:
@@ -129,9 +129,9 @@ class KeptRows:
         them when the retraction comes while that step is in flight (its backup was
         issued when the step was prepared): in the first case copy the newest row now."""
         idx = req.kv.req_pool_idx
-        held = self.c._host_len.get(idx, 0)
+        held = self.c.backup.host_len.get(idx, 0)
         if held < tokens:
-            page = self.c._newest_page.get(idx)
+            page = self.c.newest_page.get(idx)
             if held != tokens - 1 or page is None or self.c._skip_first_backup[idx]:
                 raise RuntimeError(
                     f"sglang-echo: retracting request {req.rid!r}: the host pool holds "
@@ -140,8 +140,8 @@ class KeptRows:
                 )
             newest = self.c.ring_rows[idx : idx + 1, (tokens - 1) % RING].clone()
             # On the backup stream, after the in-flight forward.
-            self.c._backup_newest_rows(newest, self.c._host_slot(idx, tokens - 1))
-            self.c._finish_backup_on_host()
+            self.c.backup.copy(newest, self.c.backup.host_slot(idx, tokens - 1))
+            self.c.backup.finish_on_host()
 
     def claim(self, req) -> KeptHostIds | None:
         """The host ids this coordinator's retraction of ``req`` kept (sglang's backup),
@@ -211,9 +211,9 @@ class KeptRows:
         self.live.pop(id(kept), None)
         self.free_held_logical(kept)
         if kept.row.numel():
-            self.c._finished_host_rows.append(kept.row)
-        if self.c._step_depth == 0:
-            self.c.release_finished()
+            self.c.releases.finished_rows.append(kept.row)
+        if self.c.releases.depth == 0:
+            self.c.releases.release_finished()
 
     def free_held_logical(self, kept: KeptHostIds) -> None:
         if kept.logical is not None and kept.logical.numel():
@@ -241,4 +241,4 @@ class KeptRows:
         )
         kept.dropped = True
         self.discard(kept)
-        self.c.release_finished()  # its host ids free now, with its logical ids
+        self.c.releases.release_finished()  # its host ids free now, with its logical ids
