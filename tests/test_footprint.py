@@ -62,3 +62,33 @@ def test_echo_metadata_is_the_sum_of_its_owners():
     workspace = AllocWorkspace(cache, max_lanes=slots)
     want = tensor_bytes(cache) + tensor_bytes(workspace) + 8 * (2 * layers + 1)
     assert footprint.echo_metadata_bytes(layers, slots, host, reserve) == want
+
+
+def test_the_runtimes_token_budget_sums_the_owners(small_checkpoint, monkeypatch):
+    """runtime/serving.memory_token_budget under ECHO: the largest host-token count whose
+    device bytes (index keys, the cache over those host ids, its workspace and counters,
+    each as its owner counts it) fit the budget; one token more would not."""
+    from sglang_echo.config import EchoConfig
+    from sglang_echo.model.config import load_config
+    from sglang_echo.runtime import serving
+
+    cfg = load_config(small_checkpoint)
+    echo = EchoConfig(offload=True, dev_cache_size=256)
+    host_bytes = 64 * 2**20
+    monkeypatch.setattr(serving, "_host_available_bytes", lambda: host_bytes)
+    fraction = 0.25
+    tokens = serving.memory_token_budget(cfg, torch.float32, torch.device("cpu"), echo, fraction)
+    kv_b, idx_b = serving._token_bytes(cfg, torch.float32)
+    layers = cfg.num_hidden_layers
+
+    def device_bytes(t: int) -> int:
+        return t * idx_b + footprint.echo_device_bytes(
+            layers, 256, t, kv_b // layers, echo.eviction_reserve
+        )
+
+    budget = host_bytes * fraction
+    on_host = int(host_bytes * 0.5 // kv_b)
+    if tokens < on_host:  # bound by the device budget: tight there
+        assert device_bytes(tokens) <= budget < device_bytes(tokens + 1)
+    else:
+        assert device_bytes(tokens) <= budget

@@ -73,15 +73,27 @@ def decode_prefetch_bytes(
     )
 
 
-def echo_metadata_bytes(
-    layers: int, slots: int, host_tokens: int, eviction_reserve: int, max_lanes: int | None = None
+def echo_device_bytes(
+    layers: int,
+    slots: int,
+    host_tokens: int,
+    row_bytes: int,
+    eviction_reserve: int,
+    max_lanes: int | None = None,
 ) -> int:
-    """ECHO's device bytes besides rows and index keys: the per-layer cache metadata, the
-    one allocation workspace (calls of up to ``max_lanes`` lanes; default N_G) and the
-    manager's counters."""
+    """ECHO's device bytes besides the index keys: the per-layer cache (``row_bytes`` per
+    token and layer; 0 where the rows are borrowed), the one allocation workspace (calls of
+    up to ``max_lanes`` lanes; default N_G) and the manager's counters."""
     lanes = slots if max_lanes is None else max_lanes
     return (
-        device_cache_bytes(layers, slots, host_tokens, 0)
+        device_cache_bytes(layers, slots, host_tokens, row_bytes)
         + workspace_bytes(slots, lanes, eviction_reserve)
         + manager_counter_bytes(layers)
     )
+
+
+def echo_metadata_bytes(
+    layers: int, slots: int, host_tokens: int, eviction_reserve: int, max_lanes: int | None = None
+) -> int:
+    """``echo_device_bytes`` without rows: what the plugin adds beside sglang's own pool."""
+    return echo_device_bytes(layers, slots, host_tokens, 0, eviction_reserve, max_lanes)

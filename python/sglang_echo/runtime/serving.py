@@ -20,6 +20,7 @@ from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.model.loader import model_dtype
+from sglang_echo.offload import footprint
 from sglang_echo.runtime.kv_factory import build_hisparse_cache, build_kv_cache
 from sglang_echo.runtime.model_loader import load_served_model
 from sglang_echo.runtime.scheduler import Scheduler
@@ -93,11 +94,13 @@ def memory_token_budget(
         )
     if not echo.offload:
         return int(budget // (kv_b + idx_b))
-    # ECHO: the device keeps every token's indexer key (+ 4 B of map per layer) and the
-    # bounded cache; the host keeps every token's MLA rows.
-    layers = cfg.num_hidden_layers
-    cache_b = echo.dev_cache_size * (kv_b + 13 * layers)
-    on_device = int((budget - cache_b) // (idx_b + 4 * layers))
+    # ECHO: the device keeps every token's indexer key and host-map entry, the bounded
+    # cache (rows and metadata, as its owners count them: offload/footprint.py), one
+    # allocation workspace and the manager's counters; the host keeps every token's rows.
+    layers, n_g = cfg.num_hidden_layers, echo.dev_cache_size
+    fixed = footprint.echo_device_bytes(layers, n_g, 0, kv_b // layers, echo.eviction_reserve)
+    per_token = idx_b + footprint.host_map_bytes_per_token(layers)
+    on_device = int((budget - fixed) // per_token)
     on_host = int(_host_available_bytes() * 0.5 // kv_b)
     return max(1, min(on_device, on_host))
 
