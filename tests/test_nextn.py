@@ -259,3 +259,27 @@ def test_config_num_nextn_predict_layers_and_mlp_type_of_nextn_layer():
     assert DeepseekV32Config.from_dict(raw).mlp_layer_type(3) == "dense"
     with pytest.raises(ModelConfigError, match="no NextN"):
         DeepseekV32Config.from_dict(_config()).nextn_layer_config()
+
+
+def test_the_targets_hidden_feeds_the_draft(ckpts):
+    """``forward_with_hidden``: the same logits as ``forward`` (the very rows), and every
+    position's final-normed hidden state, which equals transformers' ``last_hidden_state``
+    (the input the NextN reference above is driven by), so the draft runs on our own
+    target's states."""
+    spec, path = SPECS["moe"], ckpts["moe"]
+    target = load_model(path)
+    _, hf_hidden = _inputs(path, spec)
+    n = PREFILL + DECODE
+    g = torch.Generator().manual_seed(spec.seed)
+    ids = torch.randint(3, spec.vocab_size, (n + 1,), generator=g)[:-1]  # _inputs' prompt
+    locs = torch.arange(1, n + 1)
+
+    def run(method):
+        cache = PlainKVCache.for_model(target.config, n, torch.float32, "cpu")
+        batch = ForwardBatch.whole_prompt(ids, locs)
+        return method(batch, cache)
+
+    logits, hidden = run(target.forward_with_hidden)
+    assert torch.equal(logits, run(target.forward))
+    assert hidden.shape == hf_hidden.shape
+    assert torch.allclose(hidden, hf_hidden, atol=ATOL, rtol=0)

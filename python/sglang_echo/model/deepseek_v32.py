@@ -80,12 +80,31 @@ class DeepseekV32ForCausalLM(nn.Module):
             if isinstance(layer.mlp, MoE):
                 layer.mlp.dense_dispatch = enabled
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+    def _layers(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Every position's hidden state after the decoder layers, before the final norm."""
         hidden = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary().cos_sin(batch.positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, cos, sin, batch, kv_cache)
+        return hidden
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        hidden = self._layers(batch, kv_cache)
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
         return self.lm_head(self.model.norm(hidden)).float()
+
+    @torch.inference_mode()
+    def forward_with_hidden(
+        self, batch: ForwardBatch, kv_cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 logits of the sampled rows, every position's final-normed hidden state).
+
+        Why: DeepSeek's NextN (MTP) layer drafts from the target's final-normed hidden state
+        at each position (model/nextn.py), the prompt's positions included, so the whole
+        sequence's states are kept, not only the sampled rows'. The logits are the same
+        tensor ``forward`` returns."""
+        normed = self.model.norm(self._layers(batch, kv_cache))
+        rows = normed if batch.logits_indices is None else normed[batch.logits_indices]
+        return self.lm_head(rows).float(), normed
