@@ -13,21 +13,18 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-from sglang_echo.config import (
-    ConfigError,
-    EchoConfig,
-    HelpFormatter,
-    help_epilog,
-    load_settings,
-)
+from sglang_echo.config import ConfigError, HelpFormatter, help_epilog
 from sglang_echo.kernels.fp8_kv import KV_CACHE_DTYPES
-from sglang_echo.model.attention import ModelKernels
 from sglang_echo.model.config import ModelConfigError
-from sglang_echo.model.loader import load_model, model_dtype
+from sglang_echo.model.loader import load_model
+from sglang_echo.runtime.assemble import (
+    build_kv_backend,
+    check_context,
+    check_kv_dtype,
+    resolve_start_up,
+)
 from sglang_echo.runtime.engine import Engine
-from sglang_echo.runtime.kv_factory import build_kv_cache, describe_kv_cache
+from sglang_echo.runtime.kv_factory import describe_kv_cache
 from sglang_echo.tokenizer import load_tokenizer
 
 
@@ -176,27 +173,12 @@ def run(args: argparse.Namespace) -> dict:
         "context_length",
     ):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
-    device = torch.device(
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if args.device == "auto" else args.device)
-    )
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda was given but no CUDA device is available")
-    # Start-up: every environment variable parsed once (env_settings.py's registry); the
-    # model and the caches get their kernel switches from these settings, handed down.
-    env_settings = load_settings()
-    echo = EchoConfig.from_settings(env_settings)
-    dtype = model_dtype(args.dtype)
-    kernels = ModelKernels.from_settings(env_settings)
-    model = load_model(args.model_path, device=device, dtype=dtype, kernels=kernels)
+    # The start-up the server shares (runtime/assemble.py): settings parsed once, handed down.
+    start = resolve_start_up(args.device, args.dtype, error=InputError)
+    device = start.device
+    model = load_model(args.model_path, device=device, dtype=start.dtype, kernels=start.kernels)
     cfg = model.config
-    context_limit = args.context_length or cfg.max_position_embeddings
-    if context_limit > cfg.max_position_embeddings:
-        raise InputError(
-            f"--context-length {context_limit} exceeds the model's max_position_embeddings "
-            f"({cfg.max_position_embeddings}); lower it"
-        )
+    context_limit = check_context(cfg, args.context_length, InputError)
     tokenizer = load_tokenizer(args.model_path)
     prompts = read_prompts(
         args.prompts_file,
@@ -219,12 +201,9 @@ def run(args: argparse.Namespace) -> dict:
             f"--max-total-tokens {capacity} cannot hold one batch of {batch} requests "
             f"({per_batch} tokens); raise it or lower --batch-size"
         )
-    try:  # a KV dtype the model's widths cannot take: refused before anything is built
-        cfg.kv_storage(dtype, args.kv_cache_dtype)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    kv_cache = build_kv_cache(
-        echo, cfg, capacity, batch, args.chunked_prefill_size, dtype, device, args.kv_cache_dtype
+    check_kv_dtype(cfg, start.dtype, args.kv_cache_dtype, InputError)
+    kv_cache = build_kv_backend(
+        start, cfg, capacity, batch, args.chunked_prefill_size, args.kv_cache_dtype
     )
     engine = Engine(
         model,
@@ -234,7 +213,7 @@ def run(args: argparse.Namespace) -> dict:
         longest,
         args.chunked_prefill_size,
         args.ignore_eos,
-        use_cuda_graph=device.type == "cuda" and not args.disable_cuda_graph,
+        use_cuda_graph=start.cuda_graphs(args.disable_cuda_graph),
     )
     from tqdm import tqdm
 

@@ -14,14 +14,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_echo.config import EchoConfig, load_settings
-from sglang_echo.model.attention import ModelKernels
+from sglang_echo.config import EchoConfig
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.model.loader import model_dtype
 from sglang_echo.offload import footprint
-from sglang_echo.runtime.kv_factory import build_hisparse_cache, build_kv_cache
+from sglang_echo.runtime.assemble import (
+    build_kv_backend,
+    check_context,
+    check_kv_dtype,
+    resolve_start_up,
+)
 from sglang_echo.runtime.model_loader import load_served_model
 from sglang_echo.runtime.scheduler import Scheduler
 from sglang_echo.runtime.server_args import ServerArgError, ServerArgs, hisparse_buffer_size
@@ -41,14 +44,6 @@ class Serving:
     tokenizer: object | None
     echo: EchoConfig
     info: dict = field(default_factory=dict)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ServerArgError("--device cuda was given but no CUDA device is available")
-    return torch.device(name)
 
 
 def _token_bytes(
@@ -118,29 +113,15 @@ def running_requests(asked: int | None, echo: EchoConfig, topk: int) -> int:
 
 def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     """``echo`` overrides the environment's ECHO settings (tests build both kinds)."""
-    device = resolve_device(args.device)
-    dtype_name = args.dtype
-    if dtype_name == "auto":
-        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
-    dtype = model_dtype(dtype_name)
-    # Start-up: every environment variable parsed once (env_settings.py's registry); the
-    # model and the caches get their kernel switches from these settings, handed down.
-    env_settings = load_settings()
-    echo = echo if echo is not None else EchoConfig.from_settings(env_settings)
-    kernels = ModelKernels.from_settings(env_settings)
-    loaded = load_served_model(args, device, dtype, kernels)  # --model-loader, or the checkpoint
+    # The start-up generate shares (runtime/assemble.py): settings parsed once, handed down.
+    start = resolve_start_up(args.device, args.dtype, echo, ServerArgError)
+    device, dtype, dtype_name, echo = start.device, start.dtype, start.dtype_name, start.echo
+    # --model-loader, or the checkpoint
+    loaded = load_served_model(args, device, dtype, start.kernels)
     model = loaded.model
     cfg = model.config
-    try:  # a KV dtype the model's widths cannot take: refused before anything is sized
-        cfg.kv_storage(dtype, args.kv_cache_dtype)
-    except ValueError as exc:
-        raise ServerArgError(str(exc)) from None
-    context = args.context_length or cfg.max_position_embeddings
-    if context > cfg.max_position_embeddings:
-        raise ServerArgError(
-            f"--context-length {context} exceeds the model's max_position_embeddings "
-            f"({cfg.max_position_embeddings}); lower it"
-        )
+    check_kv_dtype(cfg, dtype, args.kv_cache_dtype, ServerArgError)
+    context = check_context(cfg, args.context_length, ServerArgError)
     topk = cfg.index_topk
     max_running = running_requests(args.max_running_requests, echo, topk)
     chunk = args.chunked_prefill_size or DEFAULT_CHUNK
@@ -156,23 +137,10 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     if capacity < 2:
         raise ServerArgError(f"the KV pool of {capacity} tokens is too small to serve")
     buffer = hisparse_buffer_size(args)
-    if buffer is None:
-        kv_cache = build_kv_cache(
-            echo, cfg, capacity, max_running, chunk, dtype, device, args.kv_cache_dtype
-        )
-    else:
-        kv_cache = build_hisparse_cache(
-            echo,
-            cfg,
-            capacity,
-            max_running,
-            buffer,
-            dtype,
-            device,
-            args.kv_cache_dtype,
-            pdl=env_settings.pdl,
-        )
-    use_graph = device.type == "cuda" and not args.disable_cuda_graph
+    kv_cache = build_kv_backend(
+        start, cfg, capacity, max_running, chunk, args.kv_cache_dtype, hisparse_buffer=buffer
+    )
+    use_graph = start.cuda_graphs(args.disable_cuda_graph)
     steps = StepRunner(
         model,
         kv_cache,
