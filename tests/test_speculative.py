@@ -1,0 +1,208 @@
+"""Greedy MTP speculative decoding (runtime/speculative.py): lossless under ECHO (token
+ids, every verify's logits and accept lengths equal to the plain pool's, with the device
+cache at its legal minimum so that evictions happen), equal to plain greedy decoding, and
+its accept / stop rules, with scripted drafts (all wrong, all right)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from scripts.make_tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from sglang_echo.config import EchoConfig
+from sglang_echo.model.kv_cache import PlainKVCache
+from sglang_echo.model.loader import load_model, load_nextn
+from sglang_echo.offload.device_cache import ABSENT
+from sglang_echo.runtime.engine import Engine
+from sglang_echo.runtime.kv_factory import echo_cache_for_model
+from sglang_echo.runtime.speculative import SpeculativeGenerator
+
+SPEC = TinySpec(seed=4, num_nextn_predict_layers=1)  # index_topk 16: sparse past 16 tokens
+CHUNK, CONTEXT, NEW = 16, 96, 12
+BATCH = 3
+
+
+def _prompts(seed: int, n: int = BATCH) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, SPEC.vocab_size) for _ in range(rng.randint(14, 40))] for _ in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "moe", SPEC)
+    target = load_model(path)
+    return target, load_nextn(path, target=target)
+
+
+def _capacity(prompts: list[list[int]], new: int) -> int:
+    return sum(len(p) + new + 4 for p in prompts)
+
+
+def _plain(target, prompts, new):
+    return PlainKVCache.for_model(target.config, _capacity(prompts, new), torch.float32, "cpu")
+
+
+def _echo(target, prompts, new):
+    n_g = EchoConfig(offload=True).min_dev_cache_size(BATCH, target.config.index_topk, CHUNK)
+    cfg = EchoConfig(offload=True, dev_cache_size=n_g)
+    return echo_cache_for_model(cfg, target.config, _capacity(prompts, new), torch.float32, "cpu")
+
+
+def _speculate(models, cache, prompts, s: int, new: int = NEW):
+    target, draft = models
+    gen = SpeculativeGenerator(
+        target, draft, cache, s, _capacity(prompts, new), BATCH, CONTEXT, chunk_size=CHUNK
+    )
+    return gen.generate(prompts, new)
+
+
+@pytest.fixture(scope="module")
+def greedy(models):
+    """Plain greedy outputs (the offline engine's one-token decode steps), per prompt."""
+    target, _ = models
+    out = {}
+    for seed in (0, 1):
+        prompts = _prompts(seed)
+        engine = Engine(
+            target, _plain(target, prompts, NEW), _capacity(prompts, NEW), BATCH, CONTEXT, CHUNK
+        )
+        reqs = engine.generate(prompts, NEW, record_logits=True)
+        for p, r in zip(prompts, reqs, strict=True):
+            out[tuple(p)] = (list(r.output), r.step_logits)
+    return out
+
+
+def _no_stale_rows(cache) -> None:
+    """Every resident device row of ECHO equals its host row (rewritten locations
+    included): what a resolve serves is what was last written."""
+    c = cache.cache
+    for layer in range(c.num_layers):
+        d2h = c.device_to_host[layer, 1 : c.num_slots + 1].long()
+        slots = torch.nonzero(d2h >= 1).squeeze(1) + 1
+        host = cache.host.rows[layer].index_select(0, d2h[slots - 1])
+        assert torch.equal(c.rows[layer].index_select(0, slots), host), (
+            f"layer {layer}: a resident device row differs from its host row (stale copy)"
+        )
+
+
+@pytest.mark.parametrize("draft", ["nextn", "mixed"])
+@pytest.mark.parametrize("s", [1, 2])
+def test_echo_mtp_is_bit_identical_to_plain_pool(models, greedy, monkeypatch, s, draft):
+    """``nextn``: the real draft (the tiny random NextN layer's drafts are all rejected);
+    ``mixed``: scripted drafts right up to a point that moves each round, so windows of
+    every accept length are committed and rejected tails are rewritten."""
+    prompts = _prompts(0)
+    target, _ = models
+    if draft == "mixed":
+        _scripted(monkeypatch, greedy, "mixed")
+    plain = _speculate(models, _plain(target, prompts, NEW), prompts, s)
+    echo_cache = _echo(target, prompts, NEW)
+    resident_rewrites = []
+    original = SpeculativeGenerator._round
+
+    def checked_round(self, active, max_new):
+        # Rejected tails of the last round that are still resident in layer 0: the verify
+        # below rewrites them in place, and must leave no stale device copy.
+        h2d = echo_cache.cache.host_to_device[0]
+        for live in active:
+            tail = torch.tensor(live.seq.locs[live.seq.cached_len :], dtype=torch.int64)
+            resident_rewrites.append(int((h2d[tail] != ABSENT).sum()))
+        original(self, active, max_new)
+        _no_stale_rows(echo_cache)
+
+    monkeypatch.setattr(SpeculativeGenerator, "_round", checked_round)
+    echo = _speculate(models, echo_cache, prompts, s)
+    assert sum(echo_cache.telemetry()["evictions"]) > 0  # real pressure
+    assert sum(resident_rewrites) > 0  # the rewrite-in-place case did occur
+    for p, o in zip(plain, echo, strict=True):
+        assert o.tokens == p.tokens and o.accept_lens == p.accept_lens
+        assert len(o.verify_logits) == len(p.verify_logits)
+        assert all(torch.equal(a, b) for a, b in zip(o.verify_logits, p.verify_logits, strict=True))
+        assert all(1 <= n <= s + 1 for n in o.accept_lens)
+        assert all(v.shape == (s + 1, SPEC.vocab_size) for v in o.verify_logits)
+    if draft == "mixed":
+        lens = {n for o in echo for n in o.accept_lens}
+        assert lens == set(range(1, s + 2)), lens
+
+
+def _first_difference(ours: list[int], ref: list[int], ref_logits) -> tuple[int, float] | None:
+    """(first differing position, relative gap of the reference's top two logits there)."""
+    for i, (a, b) in enumerate(zip(ours, ref, strict=False)):
+        if a != b:
+            top = ref_logits[i].topk(2).values
+            return i, float((top[0] - top[1]) / top[0].abs().clamp(min=1e-30))
+    return None
+
+
+@pytest.mark.parametrize("s", [1, 3])
+def test_speculative_tokens_equal_plain_greedy(models, greedy, s):
+    target, _ = models
+    prompts = _prompts(1)
+    results = _speculate(models, _plain(target, prompts, NEW), prompts, s)
+    for p, r in zip(prompts, results, strict=True):
+        ref, ref_logits = greedy[tuple(p)]
+        diff = _first_difference(r.tokens, ref, ref_logits)
+        # A verify (extend) may round differently from a decode step; a difference is
+        # only acceptable at a near tie of the reference's two best candidates.
+        assert diff is None or diff[1] < 1e-4, f"first difference at {diff}"
+        if diff is None:
+            assert r.tokens == ref
+        # Accepted rows of the verifies against the decode steps' logits: close, not
+        # bit-equal (an extend and a decode step take different kernels' roundings).
+        at = 1  # the prefill's token is output 0
+        for rows, n in zip(r.verify_logits, r.accept_lens, strict=True):
+            for j in range(min(n, len(ref_logits) - at)):
+                assert torch.allclose(rows[j], ref_logits[at + j], atol=1e-4, rtol=0)
+            at += n
+        assert all(1 <= n <= s + 1 for n in r.accept_lens)
+
+
+def _scripted(monkeypatch, greedy, mode: str) -> None:
+    """Drafts replaced by plain greedy's next tokens (``right``), by other tokens
+    (``wrong``), or right for the first few only, a count that cycles with the rounds
+    (``mixed``); the real draft still runs, so its pool is written as usual."""
+    original = SpeculativeGenerator._draft
+
+    def scripted(self, active):
+        drafts = original(self, active)
+        out = []
+        for live, d in zip(active, drafts, strict=True):
+            ref, _ = greedy[tuple(live.seq.prompt)]
+            at = len(live.result.tokens)
+            right = [ref[min(at + j, len(ref) - 1)] for j in range(len(d))]
+            keep = {
+                "right": len(d),
+                "wrong": 0,
+                "mixed": len(live.result.accept_lens) % (len(d) + 1),
+            }[mode]
+            out.append(right[:keep] + [(t + 1) % SPEC.vocab_size for t in right[keep:]])
+        return out
+
+    monkeypatch.setattr(SpeculativeGenerator, "_draft", scripted)
+
+
+@pytest.mark.parametrize("cache", ["plain", "echo"])
+def test_rejected_drafts_still_make_progress(models, greedy, monkeypatch, cache):
+    target, _ = models
+    prompts = _prompts(0)
+    _scripted(monkeypatch, greedy, "wrong")
+    kv = (_plain if cache == "plain" else _echo)(target, prompts, NEW)
+    for p, r in zip(prompts, _speculate(models, kv, prompts, 2), strict=True):
+        assert r.accept_lens == [1] * (NEW - 1)  # the prefill gives the first token
+        assert r.tokens == greedy[tuple(p)][0]
+
+
+def test_max_new_tokens_inside_an_accepted_window(models, greedy, monkeypatch):
+    target, _ = models
+    prompts = _prompts(0)
+    _scripted(monkeypatch, greedy, "right")
+    new = 6  # 1 from the prefill, a window of 3, then 2 of the next window of 3
+    results = _speculate(models, _plain(target, prompts, new), prompts, 2, new)
+    for p, r in zip(prompts, results, strict=True):
+        assert r.finish_reason == "length" and len(r.tokens) == new
+        assert r.accept_lens == [3, 3]
+        assert r.tokens == greedy[tuple(p)][0][:new]
