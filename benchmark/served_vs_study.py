@@ -21,6 +21,8 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
 - ``outputs_equal``: every request's greedy tokens equal between the two servers, at
   every rate, ``outputs_equal_by_rate`` (rate -> [equal, compared]) and each server's
   ``server_schedule`` (overlap, engine process; None from records made before it);
+- ``outputs_equal_across_rates``: per engine, [equal, compared] between its lowest rate
+  and rate inf (the same prompts at another batch composition);
 - ``latency``: TTFT and ITL p50 / p99 of both engines at every rate;
 plus ``commit`` (as given: the sha, literally), ``device``, ``date`` and ``command``.
 
@@ -66,6 +68,24 @@ def _equal_by_rate(runs: dict[str, dict[str, dict]]) -> dict[str, list[int]] | N
             return None
         out[rate] = [sum(x == y for x, y in zip(a, b, strict=True)), len(a)]
     return out or None
+
+
+def _equal_across_rates(runs: dict[str, dict[str, dict]]) -> dict[str, list[int]] | None:
+    """engine -> [requests whose token ids are equal at its lowest rate and at rate inf,
+    requests compared] (None: a run without ids, or no two rates). Why: the same prompts
+    on the same server at another load differ only by batch composition, so this is the
+    size of batch-dependent rounding on each engine, beside ``outputs_equal_by_rate``."""
+    out: dict[str, list[int]] = {}
+    for eng in ENGINES:
+        rates = sorted((r for r in runs[eng] if r != "inf"), key=float)
+        if not rates or "inf" not in runs[eng]:
+            return None
+        a = runs[eng][rates[0]].get("output_ids")
+        b = runs[eng]["inf"].get("output_ids")
+        if not a or not b or len(a) != len(b) or any(x is None for x in [*a, *b]):
+            return None
+        out[eng] = [sum(x == y for x, y in zip(a, b, strict=True)), len(a)]
+    return out
 
 
 def _outputs_equal(runs: dict[str, dict[str, dict]]) -> bool | None:
@@ -120,6 +140,7 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
         "graph_captures_during_run": captures,
         "outputs_equal": _outputs_equal(runs),
         "outputs_equal_by_rate": _equal_by_rate(runs),
+        "outputs_equal_across_rates": _equal_across_rates(runs),
         "server_schedule": {
             eng: runs[eng].get("inf", {}).get("server_schedule") for eng in ENGINES
         },

@@ -117,6 +117,8 @@ END_TO_END_ROWS: tuple[Row, ...] = (
             "graph captures during the runs {metrics.graph_captures_during_run:n} (all at start-up)",
             "greedy tokens equal between the servers at every rate: {metrics.outputs_equal:yes}",
             "?per rate (equal, compared) {metrics.outputs_equal_by_rate:}",
+            "?each server at its lowest rate against rate inf (equal, compared) "
+            "{metrics.outputs_equal_across_rates:}",
         ),
     ),
     Row(

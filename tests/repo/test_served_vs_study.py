@@ -70,6 +70,7 @@ def test_record_from_study_and_sweep(tmp_path):
     assert m["admission_ms_p50"] == 3.0 and m["graph_captures_during_run"] == 0
     assert m["outputs_equal"] is False
     assert m["outputs_equal_by_rate"] == {"1": [2, 2], "inf": [1, 2]}
+    assert m["outputs_equal_across_rates"] == {"no-offload": [2, 2], "offload": [1, 2]}
     assert m["latency"]["offload"]["inf"]["p99_itl_ms"] == 24.0
     assert m["server_schedule"] == {
         "no-offload": None,  # a record from before bench_serving wrote it
