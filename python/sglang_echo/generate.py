@@ -4,6 +4,10 @@ Reads prompts (JSON lines of ``{"input_ids": [...]}`` or ``{"text": "..."}``), r
 through the DeepSeek-V3.2 model with the no-offload pool or ECHO (``NSA_KV_OFFLOAD=1``),
 writes ``{"input_ids", "output_ids"[, "text"]}`` lines in input order, and prints a
 summary to stderr.
+
+With ``--speculative-algorithm NEXTN`` (SGLang's flags; ``EAGLE`` is the same chain draft)
+the checkpoint's MTP layer drafts and the model verifies (runtime/speculative.py): the
+same greedy tokens, fewer target forwards when drafts are accepted.
 """
 
 from __future__ import annotations
@@ -16,16 +20,29 @@ from pathlib import Path
 from sglang_echo.config import ConfigError, HelpFormatter, help_epilog
 from sglang_echo.kernels.fp8_kv import KV_CACHE_DTYPES
 from sglang_echo.model.config import ModelConfigError
-from sglang_echo.model.loader import load_model
+from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
+from sglang_echo.model.kv_cache import KVCache
+from sglang_echo.model.loader import load_model, load_nextn
 from sglang_echo.runtime.assemble import (
+    StartUp,
     build_kv_backend,
     check_context,
     check_kv_dtype,
     resolve_start_up,
 )
-from sglang_echo.runtime.engine import Engine
+from sglang_echo.runtime.engine import Engine, RunStats
 from sglang_echo.runtime.kv_factory import describe_kv_cache
+from sglang_echo.runtime.speculative import MAX_DRAFT_TOKENS, SpeculativeGenerator
 from sglang_echo.tokenizer import load_tokenizer
+
+# SGLang's names for the chain draft of the checkpoint's MTP layer (SGLang maps NEXTN to
+# EAGLE); reported as NEXTN.
+SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
+_SPECULATIVE_FLAGS = (
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+)
 
 
 class InputError(ValueError):
@@ -156,12 +173,117 @@ def build_parser() -> argparse.ArgumentParser:
         help="run decode eagerly on CUDA (decode steps are captured in CUDA graphs by default)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    spec = p.add_argument_group("MTP speculative decoding (greedy; SGLang's flags)")
+    spec.add_argument(
+        "--speculative-algorithm",
+        choices=SPECULATIVE_ALGORITHMS,
+        default=None,
+        help="NEXTN: the checkpoint's MTP layer drafts, the model verifies (EAGLE: an alias)",
+    )
+    spec.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=None,
+        metavar="S",
+        help=f"S, draft tokens per round, 1 to {MAX_DRAFT_TOKENS} (default 1)",
+    )
+    spec.add_argument(
+        "--speculative-eagle-topk",
+        type=int,
+        default=None,
+        metavar="K",
+        help="drafts per step: 1 only (one chain; tree drafts are not supported)",
+    )
+    spec.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=None,
+        metavar="Q",
+        help="Q, tokens verified per round: S + 1 only (the default; a chain draft's size)",
+    )
     return p
 
 
 def _positive(name: str, value: int | None) -> None:
     if value is not None and value < 1:
         raise InputError(f"{name} must be >= 1, got {value}")
+
+
+def speculative_steps(args: argparse.Namespace) -> int | None:
+    """S, the draft tokens per round, when ``--speculative-algorithm`` is given (else None);
+    the SGLang flags this runtime cannot honour are refused with the value to use."""
+    if args.speculative_algorithm is None:
+        for name in _SPECULATIVE_FLAGS:
+            if getattr(args, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise InputError(f"{flag} needs --speculative-algorithm NEXTN (or EAGLE)")
+        return None
+    steps = 1 if args.speculative_num_steps is None else args.speculative_num_steps
+    if not 1 <= steps <= MAX_DRAFT_TOKENS:
+        raise InputError(
+            f"--speculative-num-steps {steps}: the MTP layer drafts 1 to {MAX_DRAFT_TOKENS} "
+            f"tokens per round; use --speculative-num-steps 1 to {MAX_DRAFT_TOKENS}"
+        )
+    topk = args.speculative_eagle_topk
+    if topk is not None and topk != 1:
+        raise InputError(
+            f"--speculative-eagle-topk {topk}: tree drafts are not supported, only one "
+            "draft chain per request; use --speculative-eagle-topk 1 or leave it out"
+        )
+    draft_tokens = args.speculative_num_draft_tokens
+    if draft_tokens is not None and draft_tokens != steps + 1:
+        raise InputError(
+            f"--speculative-num-draft-tokens {draft_tokens}: Q must be S + 1 for a chain "
+            f"draft (--speculative-num-steps {steps}); use --speculative-num-draft-tokens "
+            f"{steps + 1} or leave it out"
+        )
+    return steps
+
+
+def _speculate(
+    args: argparse.Namespace,
+    start: StartUp,
+    model: DeepseekV32ForCausalLM,
+    kv_cache: KVCache,
+    prompts: list[list[int]],
+    steps: int,
+    sizes: tuple[int, int, int],
+) -> tuple[list[tuple[list[int], list[int]]], RunStats, dict]:
+    """MTP speculative generation (runtime/speculative.py) with the Engine path's model,
+    KV backend and sizes (token capacity, batch, context): the (prompt, output) pairs,
+    the run's totals and the speculative statistics of the summary."""
+    capacity, batch, longest = sizes
+    draft = load_nextn(args.model_path, start.device, start.dtype, target=model)
+    gen = SpeculativeGenerator(
+        model,
+        draft,
+        kv_cache,
+        steps,
+        capacity,
+        batch,
+        longest,
+        args.chunked_prefill_size,
+        eos_token_ids=[] if args.ignore_eos else None,
+        record_logits=False,
+    )
+    done = gen.generate(prompts, args.max_new_tokens)
+    rounds = sum(len(r.accept_lens) for r in done)
+    stats = RunStats(
+        prompt_tokens=sum(map(len, prompts)),
+        output_tokens=sum(len(r.tokens) for r in done),
+        prefill_s=gen.phase_s["prefill"],
+        decode_s=gen.phase_s["decode"] if rounds else 0.0,  # none: one token each
+    )
+    speculative = {
+        "algorithm": "NEXTN",
+        "num_steps": steps,
+        "num_draft_tokens": steps + 1,
+        "rounds": rounds,
+        "accept_length": round(sum(sum(r.accept_lens) for r in done) / rounds, 4)
+        if rounds
+        else None,
+    }
+    return [(p, r.tokens) for p, r in zip(prompts, done, strict=True)], stats, speculative
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -173,11 +295,19 @@ def run(args: argparse.Namespace) -> dict:
         "context_length",
     ):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
+    steps = speculative_steps(args)
     # The start-up the server shares (runtime/assemble.py): settings parsed once, handed down.
     start = resolve_start_up(args.device, args.dtype, error=InputError)
     device = start.device
     model = load_model(args.model_path, device=device, dtype=start.dtype, kernels=start.kernels)
     cfg = model.config
+    if steps is not None and cfg.num_nextn_predict_layers < 1:
+        raise InputError(
+            f"--speculative-algorithm {args.speculative_algorithm} needs the checkpoint's "
+            f"MTP (NextN) layer, but {args.model_path}/config.json sets "
+            f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers}; use a checkpoint "
+            "that ships its MTP layer, or drop --speculative-algorithm"
+        )
     context_limit = check_context(cfg, args.context_length, InputError)
     tokenizer = load_tokenizer(args.model_path)
     prompts = read_prompts(
@@ -187,14 +317,25 @@ def run(args: argparse.Namespace) -> dict:
         context_limit - args.max_new_tokens,
         context_limit,
     )
+    # A speculative round places its S drafts past the accepted tokens: S more positions
+    # and token locations per request.
+    extra = steps or 0
     batch = min(args.batch_size, len(prompts))
-    longest = max(len(p) for p in prompts) + args.max_new_tokens
-    per_batch = sum(sorted((len(p) + args.max_new_tokens for p in prompts), reverse=True)[:batch])
+    longest = max(len(p) for p in prompts) + args.max_new_tokens + extra
+    if longest > context_limit:
+        raise InputError(
+            f"a prompt of {longest - args.max_new_tokens - extra} tokens plus the requested "
+            f"new tokens and {extra} draft positions exceeds the context limit of "
+            f"{context_limit}; shorten it, or lower --max-new-tokens or --speculative-num-steps"
+        )
+    per_batch = sum(
+        sorted((len(p) + args.max_new_tokens + extra for p in prompts), reverse=True)[:batch]
+    )
     capacity = args.max_total_tokens or per_batch
     if capacity < longest:
         raise InputError(
             f"--max-total-tokens {capacity} cannot hold the longest request ({longest} tokens "
-            "incl. new tokens); raise it"
+            f"incl. new tokens{' and draft positions' if extra else ''}); raise it"
         )
     if capacity < per_batch:
         raise InputError(
@@ -202,34 +343,46 @@ def run(args: argparse.Namespace) -> dict:
             f"({per_batch} tokens); raise it or lower --batch-size"
         )
     check_kv_dtype(cfg, start.dtype, args.kv_cache_dtype, InputError)
-    kv_cache = build_kv_backend(
-        start, cfg, capacity, batch, args.chunked_prefill_size, args.kv_cache_dtype
-    )
-    engine = Engine(
-        model,
-        kv_cache,
-        capacity,
-        batch,
-        longest,
-        args.chunked_prefill_size,
-        args.ignore_eos,
-        use_cuda_graph=start.cuda_graphs(args.disable_cuda_graph),
-    )
+    # ECHO's device cache takes a verify's Q tokens per request in one append, as a chunk.
+    chunk = args.chunked_prefill_size
+    kv_chunk = chunk if steps is None else max(chunk, batch * (steps + 1))
+    kv_cache = build_kv_backend(start, cfg, capacity, batch, kv_chunk, args.kv_cache_dtype)
     from tqdm import tqdm
 
     bar = tqdm(
         total=len(prompts), desc="generate", unit="req", disable=args.quiet or None, file=sys.stderr
     )
-    results = engine.generate(prompts, args.max_new_tokens, on_request_done=lambda _: bar.update(1))
+    speculative = None
+    if steps is None:
+        engine = Engine(
+            model,
+            kv_cache,
+            capacity,
+            batch,
+            longest,
+            chunk,
+            args.ignore_eos,
+            use_cuda_graph=start.cuda_graphs(args.disable_cuda_graph),
+        )
+        done = engine.generate(
+            prompts, args.max_new_tokens, on_request_done=lambda _: bar.update(1)
+        )
+        results = [(req.prompt, req.output) for req in done]
+        s, cuda_graph = engine.stats, engine.decode_runner is not None
+    else:
+        results, s, speculative = _speculate(
+            args, start, model, kv_cache, prompts, steps, (capacity, batch, longest)
+        )
+        bar.update(len(results))
+        cuda_graph = False  # the rounds run eagerly
     bar.close()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w") as out:
-        for req in results:
-            record = {"input_ids": req.prompt, "output_ids": req.output}
+        for prompt, output in results:
+            record = {"input_ids": prompt, "output_ids": output}
             if tokenizer is not None:
-                record["text"] = tokenizer.decode(req.output)
+                record["text"] = tokenizer.decode(output)
             out.write(json.dumps(record) + "\n")
-    s = engine.stats
     summary = {
         "requests": len(results),
         "prompt_tokens": s.prompt_tokens,
@@ -243,10 +396,18 @@ def run(args: argparse.Namespace) -> dict:
         "device": str(device),
         "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
-        "cuda_graph": engine.decode_runner is not None,
+        "cuda_graph": cuda_graph,
         "kv": kv_cache.stats(),
     }
     print(describe_kv_cache(summary), file=sys.stderr)
+    if speculative is not None:
+        summary["speculative"] = speculative
+        print(
+            f"speculative: {speculative['algorithm']}  steps {steps}  rounds "
+            f"{speculative['rounds']}  accept length {speculative['accept_length'] or '-'} "
+            "tokens/round",
+            file=sys.stderr,
+        )
     return summary
 
 

@@ -21,6 +21,13 @@ PLUGIN_HINT = (
     "the ECHO plugin instead (pip install sglang-echo, then NSA_KV_OFFLOAD=1 python -m "
     "sglang.launch_server ...; see python/sglang_echo/sglang/)"
 )
+# Speculative decoding: not in the server yet, and the plugin refuses it under ECHO, so
+# the plugin is no way out; the offline CLI runs MTP (runtime/speculative.py).
+SPECULATIVE_HINT = (
+    "the server's scheduler has no verify step yet, and the SGLang plugin refuses "
+    "speculative decoding under ECHO; MTP runs offline: python -m sglang_echo.generate "
+    "--speculative-algorithm NEXTN (docs/USAGE.md)"
+)
 # SGLang flags that take a value; accepted only at their single-device setting.
 _SINGLE_DEVICE_ONLY = {"--tp": "1", "--tp-size": "1", "--dp": "1", "--dp-size": "1"}
 _SINGLE_DEVICE_ONLY |= {"--pp-size": "1", "--ep-size": "1", "--nnodes": "1"}
@@ -258,6 +265,8 @@ def _check_foreign(unknown: list[str]) -> None:
                 i += 1
                 continue
             shown = f"{flag} {value}".strip()
+            if flag.startswith("--speculative-"):
+                raise ServerArgError(f"{shown} is not supported by this server: {SPECULATIVE_HINT}")
             raise ServerArgError(f"{shown} is not supported: " + PLUGIN_HINT.format(flag=shown))
         if flag in _UNSUPPORTED_SWITCHES:
             raise ServerArgError(f"{flag} is not supported: " + PLUGIN_HINT.format(flag=flag))

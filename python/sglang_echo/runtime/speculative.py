@@ -28,6 +28,7 @@ backend) is ``StepRunner``'s; only the batches are built here.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -78,7 +79,11 @@ class SpeculativeGenerator:
     ``kv_cache`` is the target's (plain pool or ECHO); the draft gets a plain one-layer
     pool with the same token locations, so a position's draft and target rows share one
     location and one request-table entry. Prompts are prefilled one request at a time in
-    chunks of ``chunk_size`` (an ECHO append must fit its device cache)."""
+    chunks of ``chunk_size`` (an ECHO append must fit its device cache).
+
+    ``record_logits``: keep every verify's logits in the results (the lossless checks);
+    off for long runs, whose [Q, vocab] rows per round would pile up on the host.
+    ``phase_s``: wall seconds spent in prefills (with their draft extends) and in rounds."""
 
     def __init__(
         self,
@@ -91,6 +96,7 @@ class SpeculativeGenerator:
         max_context: int,
         chunk_size: int = 8192,
         eos_token_ids: Sequence[int] | None = None,
+        record_logits: bool = True,
     ) -> None:
         if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]")
@@ -105,6 +111,8 @@ class SpeculativeGenerator:
         self.draft_cache = PlainKVCache.for_model(draft.config, token_capacity, dtype, self.device)
         eos = target.config.eos_token_ids if eos_token_ids is None else eos_token_ids
         self.eos_ids = set(eos)
+        self.record_logits = record_logits
+        self.phase_s = {"prefill": 0.0, "decode": 0.0}
 
     # ------------------------------------------------------------------ the driver
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[SpecResult]:
@@ -126,11 +134,14 @@ class SpeculativeGenerator:
             raise ValueError("empty prompt")
         lives = [_Live(SeqState(list(p)), SpecResult()) for p in prompts]
         try:  # rows and locations go back even when a forward fails
+            began = time.perf_counter()  # each phase ends on a host read of its tokens
             for live in lives:
                 self.steps.admit(live.seq)
                 self._prefill(live, max_new)
+            began = self._lap("prefill", began)
             while active := [live for live in lives if not live.done]:
                 self._round(active, max_new)
+            self._lap("decode", began)
         finally:
             for live in lives:
                 self.steps.release(live.seq)
@@ -177,7 +188,8 @@ class SpeculativeGenerator:
             while k < self.num_draft and d[k] == best[i][k]:
                 k += 1
             accepted = [*d[:k], best[i][k]]
-            live.result.verify_logits.append(logits[i * q : (i + 1) * q].to("cpu", copy=True))
+            if self.record_logits:
+                live.result.verify_logits.append(logits[i * q : (i + 1) * q].to("cpu", copy=True))
             live.result.accept_lens.append(k + 1)
             live.seq.cached_len = start + k + 1  # positions start..start+k are committed
             if not self._accept(live, accepted, max_new):
@@ -264,6 +276,11 @@ class SpeculativeGenerator:
             logits_indices=None,
             request_rows=rows,
         )
+
+    def _lap(self, phase: str, began: float) -> float:
+        now = time.perf_counter()
+        self.phase_s[phase] += now - began
+        return now
 
     def _ints(self, values: list[int]) -> torch.Tensor:
         return int64_tensor(values, self.device)

@@ -150,7 +150,7 @@ def weight_bytes(
     - dense MLPs by TP (replicated with --moe-dense-tp-size 1); shared and routed experts
       by TP (= EP x MoE-TP); gates and their bias replicated.
 
-    Not counted: the MTP layer (loaded only for speculative decoding, which ECHO refuses),
+    Not counted: the MTP layer (loaded only for speculative decoding, which the plugin refuses under ECHO),
     vocabulary padding, per-tensor scalars. ``quantization`` (``--quantization``) applies
     only when config.json has no quantization_config (online fp8). Raises UnknownWeights
     when a field or the quantization is unknown."""
@@ -270,7 +270,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 def tensor_part(name: str, layers: int) -> str | None:
     """The part (``WEIGHT_PARTS``) of a DeepSeek-V3.2 checkpoint tensor, by its name; None
     for the MTP layer (layer ``num_hidden_layers`` and above: loaded only for speculative
-    decoding, which ECHO refuses). A name of no known part is "other" (counted whole on
+    decoding, which the plugin refuses under ECHO). A name of no known part is "other" (counted whole on
     every GPU, the most it can take)."""
     if name.startswith("model.embed_tokens."):
         return "embed"
