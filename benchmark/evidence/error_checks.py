@@ -97,6 +97,15 @@ def check_server(args: list[str]) -> object:
     return parse_server_args(["--model-path", "DIR", *args])
 
 
+def check_generate(args: list[str]) -> object:
+    """``generate``'s flag checks, which run before the model loads."""
+    from sglang_echo.generate import build_parser, speculative_steps
+
+    argv = ["--model-path", "DIR", "--prompts-file", "P", "--output", "O", "--max-new-tokens", "8"]
+    argv += args
+    return speculative_steps(build_parser().parse_args(argv))
+
+
 # What sglang's resolved arguments hold unless a row says otherwise (a non-PD server).
 SGLANG_ARGS = {"disaggregation_mode": "null", "context_length": 131072, "max_total_tokens": 2000000}
 
@@ -141,6 +150,7 @@ CHECKS: dict[str, tuple[str, Callable[[list[str]], object]]] = {
     "prompts": ("`generate.read_prompts`", check_prompts),
     "host_pool": ("`HostKVPool` (pinned)", check_host_pool),
     "server": ("`parse_server_args`", check_server),
+    "generate": ("`generate.speculative_steps`", check_generate),
     "plugin": ("`sglang.args.plan_echo`", check_plugin),
     "sizing": ("`sglang.sizing.check`", check_sizing),
 }
