@@ -15,32 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from scripts.make_tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from scripts.make_tiny_checkpoint import make_tiny_checkpoint
 from sglang_echo.generate import InputError, build_parser, main, run
+from test_generate_cli import SPEC as CLI_SPEC
 
-SPEC = TinySpec(
-    seed=3,
-    layers=2,
-    dense_layers=1,
-    hidden=32,
-    heads=2,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=8,
-    intermediate=32,
-    moe_intermediate=16,
-    experts=4,
-    experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    index_heads=2,
-    index_dim=16,
-    index_topk=4,
-    max_position=256,
-    num_nextn_predict_layers=1,
-)
+# The CLI tests' tiny model, with one NextN (MTP) layer.
+SPEC = replace(CLI_SPEC, seed=3, num_nextn_predict_layers=1)
 BATCH, CHUNK, NEW = 2, 8, 7
 # Smallest legal NSA_DEV_CACHE_SIZE: one decode step's selections, one prefill chunk (and a
 # verify of BATCH x (S + 1) tokens fits in it).
