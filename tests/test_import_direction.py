@@ -11,7 +11,8 @@ package root such as ``config`` or ``launch_server``):
   nothing above it (offload, model, runtime, sglang, bench, config...).
 - ``offload/`` uses kernels, config, itself, the standard library and torch, and of the
   model only the contract it implements (``model/kv_cache.py``: the ``KVCache`` base;
-  ``model/selection_hooks.py``): no model code, no runtime, no sglang, no upstream SGLang.
+  ``model/selection_hooks.py``; ``model/periodic_rows.py``, the arriving rows' window type):
+  no model code, no runtime, no sglang, no upstream SGLang.
 - ``model/`` imports no offload (not even for type checking: it owns the contract that
   offload implements), no runtime, no plugin (``sglang/``, ``plugin``), no
   serving-benchmark client (``bench/``) and no CLI.
@@ -63,9 +64,17 @@ def _p(*units: str) -> tuple[str, ...]:
 RULES = {
     "kernels": Rule(_p("kernels"), frozenset({"torch", "triton", "numpy", "flashinfer"})),
     # offload/ implements the model's declared contract (model/kv_cache.py, the KVCache
-    # base; model/selection_hooks.py) and nothing else of the model.
+    # base; model/selection_hooks.py; model/periodic_rows.py, a type fill_prompt takes) and
+    # nothing else of the model.
     "offload": Rule(
-        _p("kernels", "config", "offload", "model.kv_cache", "model.selection_hooks"),
+        _p(
+            "kernels",
+            "config",
+            "offload",
+            "model.kv_cache",
+            "model.selection_hooks",
+            "model.periodic_rows",
+        ),
         frozenset({"torch"}),
     ),
     "model": Rule(forbidden=("offload", "runtime", "sglang", "plugin", "bench", *CLIS)),

@@ -110,6 +110,9 @@ def test_synthetic_kv_is_deterministic_by_seed(worker) -> None:
     assert not torch.equal(kv_a, kv_c) and not torch.equal(keys_a, keys_c)
     assert kv_a.shape == (300, cfg.kv_row_dim) and keys_a.shape == (300, cfg.index_row_dim)
     assert keys_a.dtype == torch.uint8  # fp8 rows + scale, as the model caches them
+    # the MLA rows are a window into the layer's bank: other layers get other rows
+    assert torch.equal(kv_a, synth.kv_window(1, 300, seed=7).materialize())
+    assert not torch.equal(kv_a, synth.rows(0, 300, seed=7)[0])
     hot = synth.hot_positions(1, 300, seed=7)
     assert hot.numel() == round(0.5 * cfg.index_topk)
 

@@ -17,6 +17,7 @@ import torch
 
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
 from sglang_echo.model.config import DeepseekV32Config
+from sglang_echo.model.periodic_rows import PeriodicRows
 
 
 class KVCache:
@@ -146,13 +147,16 @@ class KVCache:
         self,
         layer: int,
         locs: torch.Tensor,
-        kv_rows: torch.Tensor,
+        kv_rows: torch.Tensor | PeriodicRows,
         index_keys: torch.Tensor,
         slots: torch.Tensor | None,
         extents: Any,
     ) -> None:
         """An arriving prompt's bytes, for ``fill_takes_extents`` backends: by default as
-        ``write_prompt``, ignoring the reserved slots and the host extents."""
+        ``write_prompt``, ignoring the reserved slots and the host extents. ``kv_rows`` may
+        be a window into a bank of rows (an emulated arrival: model/periodic_rows.py)."""
+        if isinstance(kv_rows, PeriodicRows):
+            kv_rows = kv_rows.materialize()
         self.write_prompt(layer, locs, kv_rows, index_keys)
 
     def unpin_prompt(self, slots: torch.Tensor | None) -> None:

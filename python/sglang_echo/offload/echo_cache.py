@@ -18,6 +18,7 @@ import torch
 from sglang_echo.config import EchoConfig, max_running
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
 from sglang_echo.model.kv_cache import KVCache
+from sglang_echo.model.periodic_rows import PeriodicRows
 from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
 from sglang_echo.offload.host_extents import HostExtents
@@ -196,7 +197,7 @@ class EchoKVCache(KVCache):
         self,
         layer: int,
         locs: torch.Tensor,
-        kv_rows: torch.Tensor,
+        kv_rows: torch.Tensor | PeriodicRows,
         index_keys: torch.Tensor,
         slots: torch.Tensor | None,
         extents: HostExtents | None = None,
@@ -208,8 +209,16 @@ class EchoKVCache(KVCache):
 
         ``extents`` (offload/host_extents.py, its ``rest`` on the rows' device): the host
         rows of its long runs go by copy engine into the pinned pool (no SM held while
-        PCIe drains), the rest by the UVA scatter; without it all by the scatter."""
+        PCIe drains), the rest by the UVA scatter; without it all by the scatter.
+        ``kv_rows`` as a window into a bank (model/periodic_rows.py): the long runs are
+        copied from the bank's stored form, stretch by stretch, with no rows made first."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
+        if isinstance(kv_rows, PeriodicRows):
+            window = kv_rows.with_bank(
+                encode_kv_rows(kv_rows.bank, self.kv_lora_rank, self.kv_dtype)
+            )
+            self._fill_from_window(layer, locs, window, slots, extents)
+            return
         stored = encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
         host = self.manager.host_view if self.manager.host_view is not None else self.host.rows
         if extents is None:
@@ -222,6 +231,33 @@ class EchoKVCache(KVCache):
                 host[layer].index_copy_(0, locs[rest].to(host.device), stored[rest].to(host.device))
         if slots is not None:
             self.cache.rows[layer].index_copy_(0, slots, stored)
+
+    def _fill_from_window(
+        self,
+        layer: int,
+        locs: torch.Tensor,
+        window: PeriodicRows,
+        slots: torch.Tensor | None,
+        extents: HostExtents | None,
+    ) -> None:
+        """``fill_prompt``'s rows from a window over the stored bank."""
+        host = self.manager.host_view if self.manager.host_view is not None else self.host.rows
+        if extents is None:
+            host[layer].index_copy_(0, locs.to(host.device), window.materialize().to(host.device))
+        else:
+            for pos, dst, n in extents.runs:
+                for first, skip, take in window.segments(pos, n):
+                    at = dst + skip
+                    self.host.rows[layer, at : at + take].copy_(
+                        window.bank[first : first + take], non_blocking=True
+                    )
+            if extents.rest.numel():
+                rest = extents.rest
+                host[layer].index_copy_(
+                    0, locs[rest].to(host.device), window.gather(rest).to(host.device)
+                )
+        if slots is not None:
+            self.cache.rows[layer].index_copy_(0, slots, window.materialize())
 
     def unpin_prompt(self, slots: torch.Tensor | None) -> None:
         """The prompt has arrived (on the decode stream, after its transfer's event): its

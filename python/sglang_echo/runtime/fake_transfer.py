@@ -21,6 +21,9 @@ the batch (its first token emitted) once its transfer's event has fired. Synthes
 that stalled every running request once per admission, which a decode node that admits
 several requests a second cannot afford (it cut the measured HTTP throughput, not the model's).
 The engine thread's share is kept to the bookkeeping: locations, the table row, a seed.
+The MLA rows come from a bank made at start-up (runtime/synthetic_kv.py), copied stretch by
+stretch by copy engine: only the index keys are generated per prompt, so an arrival takes
+a few SM-milliseconds, as an RDMA arrival takes none.
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class FakeTransfer:
         )
         self.locality = Locality(locality)
         self.synth = SyntheticKV(cfg, directions, self.locality, dtype, steps.device)
+        self.synth.bank()  # at start-up, not in the first arrival
         self.num_layers = cfg.num_hidden_layers
         self.kv_cache = kv_cache
         self.steps = steps
@@ -200,9 +204,13 @@ class FakeTransfer:
         extents = HostExtents(extents.runs, upload(extents.rest, locs.device))
         n = int(locs.numel())
         for layer in range(self.num_layers):
-            kv, keys = self.synth.rows(layer, n, seed)
             self.kv_cache.fill_prompt(
-                layer, locs, kv, keys, None if slots is None else slots[layer], extents
+                layer,
+                locs,
+                self.synth.kv_window(layer, n, seed),
+                self.synth.keys(layer, n, seed),
+                None if slots is None else slots[layer],
+                extents,
             )
 
     def _write_on_stream(

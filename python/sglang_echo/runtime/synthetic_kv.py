@@ -6,7 +6,10 @@ decode node alone with a ``fake`` transfer backend. Here the KV a 100K-token pro
 bring is generated on the node (on the device, in one pass per layer) and written straight
 into the KV backend, so a request starts decoding at once, admitted in milliseconds instead
 of a prefill's seconds. Rows are random but deterministic by (seed, layer): two runs, or
-two backends, see the same prompt. Indexer keys are encoded exactly as the model caches its
+two backends, see the same prompt. The MLA rows are a window into a per-layer bank of
+random rows made once (model/periodic_rows.py), so a prompt's rows cost no generation and
+go to the host pool by copy engine; the index keys, which decide every selection, are
+drawn per prompt. Indexer keys are encoded exactly as the model caches its
 own (fp8 + scale after a Hadamard rotation, or plain values in bf16 mode).
 
 Locality: each layer has a *favoured direction* u (``favoured_directions``: a unit vector
@@ -22,6 +25,7 @@ random keys, labelled "random").
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +33,16 @@ import torch
 from sglang_echo.model.config import DeepseekV32Config, fp8_row_bytes
 from sglang_echo.model.indexer import hadamard_matrix, pack_fp8_rows, quantize_fp8
 from sglang_echo.model.kv_cache import KVCache
+from sglang_echo.model.periodic_rows import PeriodicRows
 
 # The hot keys' u-component, in units of a cold key's norm (~sqrt(D)).
 HOT_KEY_SCALE = 2.0
+
+# The MLA rows' bank (model/periodic_rows.py): at most this many rows per layer, and at most
+# this many bytes for all layers (a fake transfer's only standing device memory).
+ROW_BANK_MAX_ROWS = 16384
+ROW_BANK_MIN_ROWS = 1024
+ROW_BANK_MAX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,7 @@ class SyntheticKV:
         self.locality = locality
         self.dtype = dtype
         self.device = torch.device(device)
+        self._row_bank: torch.Tensor | None = None  # made at first use (kv_window)
 
     def hot_positions(self, layer: int, length: int, seed: int) -> torch.Tensor:
         """Sorted prompt positions whose keys carry the favoured direction."""
@@ -128,19 +140,51 @@ class SyntheticKV:
         rotated = k @ hadamard_matrix(d, k.device, k.dtype)
         return pack_fp8_rows(*quantize_fp8(rotated), fp8_row_bytes(d))
 
-    def rows(self, layer: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLA rows [n, kv_row_dim] in the model dtype, index-key rows [n, index_row_dim])."""
+    @property
+    def bank_rows(self) -> int:
+        """P, the bank's rows per layer: as many as the byte bound allows, within bounds."""
         cfg = self.config
-        gen = _generator(self.device, seed, layer, 1)
-        kv = torch.randn(length, cfg.kv_row_dim, generator=gen, device=self.device)
-        keys = index_keys(
+        row_bytes = cfg.kv_row_dim * torch.empty(0, dtype=self.dtype).element_size()
+        fit = ROW_BANK_MAX_BYTES // max(1, cfg.num_hidden_layers * row_bytes)
+        return max(ROW_BANK_MIN_ROWS, min(ROW_BANK_MAX_ROWS, fit))
+
+    def bank(self) -> torch.Tensor:
+        """[L, P, kv_row_dim] random rows in the model dtype, made once (seeded)."""
+        if self._row_bank is None:
+            cfg = self.config
+            self._row_bank = torch.stack(
+                [
+                    torch.randn(
+                        self.bank_rows,
+                        cfg.kv_row_dim,
+                        generator=_generator(self.device, 0, layer, 1),
+                        device=self.device,
+                    ).to(self.dtype)
+                    for layer in range(cfg.num_hidden_layers)
+                ]
+            )
+        return self._row_bank
+
+    def kv_window(self, layer: int, length: int, seed: int) -> PeriodicRows:
+        """The prompt's MLA rows in ``layer``: a window into the layer's bank at an offset
+        drawn from (seed, layer), so prompts (and layers) get different rows."""
+        offset = random.Random(seed * 1_000_003 + layer).randrange(self.bank_rows)
+        return PeriodicRows(self.bank()[layer], offset, length)
+
+    def keys(self, layer: int, length: int, seed: int) -> torch.Tensor:
+        """The prompt's index-key rows [n, index_row_dim] in ``layer``."""
+        raw = index_keys(
             length,
             self.directions[layer],
             self.hot_positions(layer, length, seed),
             _generator(self.device, seed, layer, 2),
             self.device,
         )
-        return kv.to(self.dtype), self.encode_keys(keys)
+        return self.encode_keys(raw)
+
+    def rows(self, layer: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLA rows [n, kv_row_dim] in the model dtype, index-key rows [n, index_row_dim])."""
+        return self.kv_window(layer, length, seed).materialize(), self.keys(layer, length, seed)
 
     def write(self, kv_cache: KVCache, locs: torch.Tensor, seed: int) -> None:
         """Write a prompt of ``len(locs)`` tokens at token locations ``locs`` (positions
