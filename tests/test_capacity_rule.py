@@ -2,8 +2,9 @@
 
 The rule: one decode step selects up to top-k tokens per running request in each layer,
 and all of them must be resident in the N_G device slots at once, so at most N_G // top-k
-requests decode together. ``sglang_echo.config.max_running(dev_cache_size, top_k)`` is its
-one home (``EchoConfig.max_running(top_k)`` delegates; ``dev_cache_for`` reads it the other
+requests decode together; under speculative decoding a verify step has Q = S + 1 query
+tokens per request, so N_G // (Q x top-k) (``queries_per_request``, the same function).
+``sglang_echo.config.max_running(dev_cache_size, top_k)`` is its one home (``EchoConfig.max_running(top_k)`` delegates; ``dev_cache_for`` reads it the other
 way). Here, for a grid of (N_G, top-k):
 
 - every site that bounds running requests agrees with it: the runtime's admission bound
@@ -13,7 +14,7 @@ way). Here, for a grid of (N_G, top-k):
 - a scanner (``capacity_arithmetic``) finds no module of the package but the rule's home
   computing the rule by hand. What it flags, by the AST: a division of anything by a name
   or attribute called ``top_k``/``topk``/``index_topk`` (``//``, ``/``, ``//=``,
-  ``divmod``), and a comparison with a ``x * top_k`` side (``running * top_k <= n_g``).
+  ``divmod``; the rule with Q query tokens per request, ``n_g // q // top_k``, too), and a comparison with a ``x * top_k`` side (``running * top_k <= n_g``).
   Not flagged: a product outside a comparison (bytes of a top-k table, messages' "x
   tokens per layer"); a top-k under another name. ``test_the_scanner_finds_hand_written_rules``
   shows each flagged form is caught.
@@ -98,6 +99,42 @@ def test_the_rule_and_its_inverse() -> None:
             assert EchoConfig().min_dev_cache_size(running, top_k, 1) == n_g
     with pytest.raises(ValueError, match="top-k"):
         max_running(2048, 0)
+
+
+@pytest.mark.parametrize("q", (1, 2, 3, 4))
+def test_the_rule_with_q_query_tokens_per_request(q: int) -> None:
+    """A verify step of Q tokens per request: N_G >= running x Q x top-k, one function."""
+    for top_k in TOP_KS:
+        for running in (1, 2, 3, 126):
+            n_g = dev_cache_for(running, top_k, queries_per_request=q)
+            assert n_g == running * q * top_k
+            assert max_running(n_g, top_k, queries_per_request=q) == running
+            assert max_running(n_g - 1, top_k, queries_per_request=q) == running - 1
+            echo = EchoConfig(offload=True, dev_cache_size=n_g)
+            assert echo.max_running(top_k, queries_per_request=q) == running
+            assert echo.min_dev_cache_size(running, top_k, 1, queries_per_request=q) == n_g
+            echo.check_verify_batch(running, top_k, q)  # fits exactly
+            with pytest.raises(ConfigError) as refused:
+                echo.check_verify_batch(running + 1, top_k, q)
+            message = str(refused.value)
+            for needle in (
+                f"NSA_DEV_CACHE_SIZE={n_g} (N_G)",
+                f"Q {q} query tokens",
+                f"top-k {top_k}",
+                f"largest batch that fits is {running}",
+                f">= {dev_cache_for(running + 1, top_k, queries_per_request=q)} for a batch",
+            ):
+                assert needle in message, (needle, message)
+        # Q = 1 is the plain decode rule; without offload nothing is checked.
+        assert max_running(5000, top_k, queries_per_request=1) == max_running(5000, top_k)
+        EchoConfig(offload=False, dev_cache_size=1).check_verify_batch(10**6, top_k, q)
+    with pytest.raises(ValueError, match="queries per request"):
+        max_running(2048, 8, queries_per_request=0)
+
+
+def test_a_verify_that_fits_no_batch_says_so() -> None:
+    with pytest.raises(ConfigError, match=r"largest batch that fits is 0 \(no batch fits\)"):
+        EchoConfig(offload=True, dev_cache_size=10).check_verify_batch(1, 4, 3)
 
 
 @pytest.mark.parametrize("n_g", DEV_CACHE_SIZES)
@@ -226,7 +263,7 @@ def test_no_module_but_the_rules_home_computes_it() -> None:
     )
     # The home holds it once: max_running's division.
     assert [hit.split(": ", 1)[1] for hit in capacity_arithmetic(RULE_HOME.read_text())] == [
-        "dev_cache_size // top_k"
+        "dev_cache_size // queries_per_request // top_k"
     ]
 
 
@@ -238,6 +275,7 @@ def test_no_module_but_the_rules_home_computes_it() -> None:
         "running = self.dev_cache_size // self.top_k",
         "running = n_g //cfg.index_topk",
         "share = n_g / topk",
+        "running = n_g // q // top_k",
         "n //= top_k",
         "rows, rest = divmod(n_g, self.top_k)",
         "ok = running * self.top_k <= self.dev_cache_size",

@@ -1,7 +1,9 @@
 """MTP speculative decoding behind ``python -m sglang_echo.generate`` (SGLang's
 ``--speculative-*`` flags) on a tiny random checkpoint with one NextN layer: the same
 output ids as plain greedy generation, with the plain pool and with ECHO under eviction
-pressure; the statistics in the summary; EAGLE as NEXTN's alias; and the refusals.
+pressure; seeded sampling (``--temperature``/``--seed``) equal to seeded non-speculative
+generation token for token; the statistics in the summary; EAGLE as NEXTN's alias; the
+capacity rule with Q = S + 1 at start-up; and the refusals.
 
 The CLI is called in-process, as in tests/test_generate_cli.py.
 """
@@ -16,15 +18,18 @@ from pathlib import Path
 import pytest
 
 from scripts.make_tiny_checkpoint import make_tiny_checkpoint
+from sglang_echo.config import ConfigError, dev_cache_for
 from sglang_echo.generate import InputError, build_parser, main, run
+from sglang_echo.runtime.speculative import SpeculativeGenerator
 from test_generate_cli import SPEC as CLI_SPEC
 
 # The CLI tests' tiny model, with one NextN (MTP) layer.
 SPEC = replace(CLI_SPEC, seed=3, num_nextn_predict_layers=1)
 BATCH, CHUNK, NEW = 2, 8, 7
-# Smallest legal NSA_DEV_CACHE_SIZE: one decode step's selections, one prefill chunk (and a
-# verify of BATCH x (S + 1) tokens fits in it).
-MIN_DEV_CACHE = max(BATCH * SPEC.index_topk, CHUNK)
+STEPS = 2  # S; a verify has Q = S + 1 query tokens per request
+# Smallest legal NSA_DEV_CACHE_SIZE under speculation: one verify step's selections
+# (BATCH x Q x top-k, the rule with Q) and one prefill chunk.
+MIN_DEV_CACHE = max(dev_cache_for(BATCH, SPEC.index_topk, queries_per_request=STEPS + 1), CHUNK)
 ENV_VARS = (
     "NSA_KV_OFFLOAD",
     "NSA_DEV_CACHE_SIZE",
@@ -110,7 +115,7 @@ def test_speculative_output_equals_greedy(
         "--speculative-algorithm",
         "NEXTN",
         "--speculative-num-steps",
-        "2",
+        str(STEPS),
     )
     err = capsys.readouterr().err
     assert spec_out == plain_out
@@ -225,3 +230,117 @@ def test_help_explains_each_flag() -> None:
     ):
         assert flag in text
     assert "EAGLE" in text and "tree drafts are not supported" in text
+
+
+SAMPLING = ("--temperature", "0.8", "--top-p", "0.9", "--top-k", "40")
+
+
+def _script_drafts(monkeypatch: pytest.MonkeyPatch, reference: dict[tuple, list[int]]) -> None:
+    """Drafts equal to the reference's next tokens up to a count that cycles with the
+    rounds, wrong after it, so every accept length occurs (the tiny random NextN layer's
+    own drafts are all rejected)."""
+    original = SpeculativeGenerator._draft
+
+    def scripted(self, active):
+        out = []
+        for live, d in zip(active, original(self, active), strict=True):
+            ref = reference[tuple(live.seq.prompt)]
+            at = len(live.result.tokens)
+            right = [ref[min(at + j, len(ref) - 1)] for j in range(len(d))]
+            keep = len(live.result.accept_lens) % (len(d) + 1)
+            out.append(right[:keep] + [(t + 1) % SPEC.vocab_size for t in right[keep:]])
+        return out
+
+    monkeypatch.setattr(SpeculativeGenerator, "_draft", scripted)
+
+
+@pytest.mark.parametrize("seed", ["5", "99"])
+@pytest.mark.parametrize("kv", ["plain", "echo"])
+def test_seeded_speculative_output_equals_seeded_output(
+    checkpoints, prompts_file, tmp_path, monkeypatch, kv, seed
+) -> None:
+    """``--temperature``/``--top-p``/``--top-k``/``--seed`` with NEXTN: the same ids as the
+    seeded run without speculation, drafts accepted at every length, ECHO evicting at the
+    legal minimum N_G for Q = S + 1."""
+    if kv == "echo":
+        monkeypatch.setenv("NSA_KV_OFFLOAD", "1")
+        monkeypatch.setenv("NSA_DEV_CACHE_SIZE", str(MIN_DEV_CACHE))
+    model = checkpoints["mtp"]
+    flags = (*SAMPLING, "--seed", seed)
+    plain_out, _ = _generate(model, prompts_file, tmp_path / "plain.jsonl", *flags)
+    greedy_out, _ = _generate(model, prompts_file, tmp_path / "greedy.jsonl")
+    assert plain_out != greedy_out  # sampling is on: the equality below is not greedy's
+    _script_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain_out, strict=True)})
+    spec_out, summary = _generate(
+        model,
+        prompts_file,
+        tmp_path / "spec.jsonl",
+        *flags,
+        *("--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(STEPS)),
+    )
+    assert spec_out == plain_out
+    assert all(len(o) == NEW for o in spec_out)
+    assert summary["speculative"]["accept_length"] > 1.0  # drafts were accepted
+    if kv == "echo":
+        assert sum(summary["kv"]["evictions"]) > 0
+
+
+def test_a_different_seed_gives_different_output(checkpoints, prompts_file, tmp_path) -> None:
+    model = checkpoints["mtp"]
+    spec = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(STEPS))
+    a, _ = _generate(model, prompts_file, tmp_path / "a.jsonl", *SAMPLING, "--seed", "5", *spec)
+    again, _ = _generate(model, prompts_file, tmp_path / "c.jsonl", *SAMPLING, "--seed", "5", *spec)
+    b, _ = _generate(model, prompts_file, tmp_path / "b.jsonl", *SAMPLING, "--seed", "6", *spec)
+    assert a == again  # seeded: repeatable
+    assert a != b
+
+
+@pytest.mark.parametrize(
+    ("dev_cache", "batch", "fits"),
+    [(MIN_DEV_CACHE - 1, BATCH, BATCH - 1), (SPEC.index_topk, 1, 0)],
+    ids=["one-short", "none-fits"],
+)
+def test_capacity_rule_with_q_refuses_at_start_up(
+    checkpoints, prompts_file, tmp_path, monkeypatch, capsys, dev_cache, batch, fits
+) -> None:
+    """N_G >= batch x Q x top-k under speculation: one slot short of the legal minimum is
+    refused before anything runs, naming N_G, Q, top-k, the largest batch that fits and
+    the N_G this batch needs (the plain decode rule alone would have accepted it)."""
+    monkeypatch.setenv("NSA_KV_OFFLOAD", "1")
+    monkeypatch.setenv("NSA_DEV_CACHE_SIZE", str(dev_cache))
+    out = tmp_path / "out.jsonl"
+    argv = _argv(checkpoints["mtp"], prompts_file, out, "--speculative-algorithm", "NEXTN")
+    argv += ["--speculative-num-steps", str(STEPS), "--batch-size", str(batch)]
+    argv += ["--chunked-prefill-size", str(min(CHUNK, dev_cache))]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    need = dev_cache_for(batch, SPEC.index_topk, queries_per_request=STEPS + 1)
+    for needle in (
+        f"NSA_DEV_CACHE_SIZE={dev_cache} (N_G)",
+        f"Q {STEPS + 1} query tokens",
+        f"top-k {SPEC.index_topk}",
+        f"largest batch that fits is {fits}",
+        f"NSA_DEV_CACHE_SIZE >= {need} for a batch of {batch}",
+    ):
+        assert needle in err, (needle, err)
+    assert not out.exists()
+    with pytest.raises(ConfigError):
+        run(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--temperature", "-1"], "--temperature must be in [0, 100]"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--top-k", "0"], "--top-k must be -1 (all) or >= 1"),
+    ],
+)
+def test_bad_sampling_flags_are_refused(checkpoints, prompts_file, tmp_path, flags, needle):
+    args = build_parser().parse_args(
+        _argv(checkpoints["mtp"], prompts_file, tmp_path / "o.jsonl", *flags)
+    )
+    with pytest.raises(InputError) as refused:
+        run(args)
+    assert needle in str(refused.value)

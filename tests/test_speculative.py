@@ -1,22 +1,27 @@
-"""Greedy MTP speculative decoding (runtime/speculative.py): lossless under ECHO (token
-ids, every verify's logits and accept lengths equal to the plain pool's, with the device
-cache at its legal minimum so that evictions happen), equal to plain greedy decoding, and
-its accept / stop rules, with scripted drafts (all wrong, all right)."""
+"""MTP speculative decoding (runtime/speculative.py): lossless under ECHO (token ids,
+every verify's logits and accept lengths equal to the plain pool's, with the device cache
+small enough that evictions happen), equal to plain greedy decoding, its accept / stop
+rules, with scripted drafts (all wrong, all right); and seeded sampling: speculative output
+equal to the scheduler's seeded non-speculative output token for token, with the plain
+pool and with ECHO at the legal minimum N_G of the rule with Q (N_G >= batch x Q x top-k)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 from scripts.make_tiny_checkpoint import TinySpec, make_tiny_checkpoint
 from sglang_echo.config import EchoConfig
+from sglang_echo.generate import generate_sampled
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.model.loader import load_model, load_nextn
 from sglang_echo.offload.device_cache import ABSENT
 from sglang_echo.runtime.engine import Engine
 from sglang_echo.runtime.kv_factory import echo_cache_for_model
+from sglang_echo.runtime.request import SamplingParams
 from sglang_echo.runtime.speculative import SpeculativeGenerator
 
 SPEC = TinySpec(seed=4, num_nextn_predict_layers=1)  # index_topk 16: sparse past 16 tokens
@@ -24,10 +29,10 @@ CHUNK, CONTEXT, NEW = 16, 96, 12
 BATCH = 3
 
 
-def _prompts(seed: int, n: int = BATCH) -> list[list[int]]:
+def _prompts(seed: int, n: int = BATCH, lengths: tuple[int, int] = (14, 40)) -> list[list[int]]:
     rng = random.Random(seed)
     return [
-        [rng.randrange(3, SPEC.vocab_size) for _ in range(rng.randint(14, 40))] for _ in range(n)
+        [rng.randrange(3, SPEC.vocab_size) for _ in range(rng.randint(*lengths))] for _ in range(n)
     ]
 
 
@@ -46,18 +51,30 @@ def _plain(target, prompts, new):
     return PlainKVCache.for_model(target.config, _capacity(prompts, new), torch.float32, "cpu")
 
 
-def _echo(target, prompts, new):
-    n_g = EchoConfig(offload=True).min_dev_cache_size(BATCH, target.config.index_topk, CHUNK)
+def _echo(target, prompts, new, q: int = 1):
+    """ECHO at the smallest N_G for BATCH requests of ``q`` query tokens each (q = 1: below
+    the speculative rule's minimum, more pressure than ``generate`` would allow)."""
+    n_g = EchoConfig(offload=True).min_dev_cache_size(
+        BATCH, target.config.index_topk, CHUNK, queries_per_request=q
+    )
     cfg = EchoConfig(offload=True, dev_cache_size=n_g)
     return echo_cache_for_model(cfg, target.config, _capacity(prompts, new), torch.float32, "cpu")
 
 
-def _speculate(models, cache, prompts, s: int, new: int = NEW):
+def _speculate(models, cache, prompts, s: int, new: int = NEW, params=None, eos=None):
     target, draft = models
     gen = SpeculativeGenerator(
-        target, draft, cache, s, _capacity(prompts, new), BATCH, CONTEXT, chunk_size=CHUNK
+        target,
+        draft,
+        cache,
+        s,
+        _capacity(prompts, new),
+        BATCH,
+        CONTEXT,
+        chunk_size=CHUNK,
+        eos_token_ids=eos,
     )
-    return gen.generate(prompts, new)
+    return gen.generate(prompts, new, params)
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +223,90 @@ def test_max_new_tokens_inside_an_accepted_window(models, greedy, monkeypatch):
         assert r.finish_reason == "length" and len(r.tokens) == new
         assert r.accept_lens == [3, 3]
         assert r.tokens == greedy[tuple(p)][0][:new]
+
+
+# ------------------------------------------------------------------ seeded sampling
+SAMPLED = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_p=0.95, top_k=50, ignore_eos=True)
+SEEDS = (7, 1234)
+# Long enough that BATCH contexts overflow the legal minimum N_G for Q = 3 (BATCH x 3 x 16).
+LONG = (50, 70)
+
+
+@pytest.fixture(scope="module")
+def seeded(models):
+    """The scheduler's seeded non-speculative outputs (one-token decode steps), per
+    (seed, prompt); the same prompts with every seed."""
+    target, _ = models
+    prompts = _prompts(2, lengths=LONG)
+    out = {}
+    for seed in SEEDS:
+        engine = Engine(
+            target, _plain(target, prompts, NEW), _capacity(prompts, NEW), BATCH, CONTEXT, CHUNK
+        )
+        done = generate_sampled(engine, prompts, replace(SAMPLED, seed=seed))
+        for p, r in zip(prompts, done, strict=True):
+            out[seed, tuple(p)] = list(r.output)
+    return out
+
+
+def _scripted_from(monkeypatch, reference) -> None:
+    """Drafts right (equal to the seeded reference's next tokens) up to a count that
+    cycles with the rounds, wrong after it: every accept length occurs."""
+    original = SpeculativeGenerator._draft
+
+    def scripted(self, active):
+        drafts = original(self, active)
+        out = []
+        for live, d in zip(active, drafts, strict=True):
+            ref = reference[live.params.seed, tuple(live.seq.prompt)]
+            at = len(live.result.tokens)
+            right = [ref[min(at + j, len(ref) - 1)] for j in range(len(d))]
+            keep = len(live.result.accept_lens) % (len(d) + 1)
+            out.append(right[:keep] + [(t + 1) % SPEC.vocab_size for t in right[keep:]])
+        return out
+
+    monkeypatch.setattr(SpeculativeGenerator, "_draft", scripted)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("cache", ["plain", "echo"])
+def test_seeded_speculative_equals_seeded_decoding(models, seeded, monkeypatch, cache, seed):
+    """Each verify position's token is the request's own seeded draw at that output index,
+    a draft is kept iff it equals it: the same tokens as plain seeded decoding, with drafts
+    accepted at every length, ECHO evicting at the legal minimum N_G for Q = S + 1."""
+    target, _ = models
+    prompts, s = _prompts(2, lengths=LONG), 2
+    _scripted_from(monkeypatch, seeded)
+    kv = _plain(target, prompts, NEW) if cache == "plain" else _echo(target, prompts, NEW, s + 1)
+    results = _speculate(models, kv, prompts, s, params=replace(SAMPLED, seed=seed), eos=[])
+    for p, r in zip(prompts, results, strict=True):
+        assert r.tokens == seeded[seed, tuple(p)]
+        assert len(r.tokens) == NEW
+    assert {n for r in results for n in r.accept_lens} == set(range(1, s + 2))
+    if cache == "echo":
+        assert sum(kv.telemetry()["evictions"]) > 0  # real pressure
+
+
+def test_seeded_sampling_is_not_greedy_and_the_seed_matters(models, seeded):
+    """The equality above is not trivial: the seeds' outputs differ from each other and
+    from greedy, and the speculative path follows the seed it is given."""
+    target, _ = models
+    prompts = _prompts(2, lengths=LONG)
+    a, b = SEEDS
+    assert any(seeded[a, tuple(p)] != seeded[b, tuple(p)] for p in prompts)
+    greedy_out = _speculate(models, _plain(target, prompts, NEW), prompts, 1, eos=[])
+    assert any(g.tokens != seeded[a, tuple(p)] for p, g in zip(prompts, greedy_out, strict=True))
+    spec = {
+        seed: _speculate(
+            models,
+            _plain(target, prompts, NEW),
+            prompts,
+            1,
+            params=replace(SAMPLED, seed=seed),
+            eos=[],
+        )
+        for seed in SEEDS
+    }
+    assert [r.tokens for r in spec[a]] != [r.tokens for r in spec[b]]
+    for seed in SEEDS:
+        assert [r.tokens for r in spec[seed]] == [seeded[seed, tuple(p)] for p in prompts]

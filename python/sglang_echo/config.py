@@ -93,25 +93,32 @@ def default_stage_rows(row_bytes: int) -> int:
 
 
 # ------------------------------------------------------------------- the capacity rule
-def max_running(dev_cache_size: int, top_k: int) -> int:
+def max_running(dev_cache_size: int, top_k: int, *, queries_per_request: int = 1) -> int:
     """The capacity rule, written once: one decode step selects up to top-k tokens per
-    running request in each layer, and all of them must be resident in the N_G =
-    ``dev_cache_size`` device slots at once (N_G >= running x top-k), so at most
-    N_G // top-k requests decode together (per attention-DP rank under SGLang). 0: the
-    cache cannot hold one request's selection. The runtime (``EchoConfig.max_running``:
-    runtime/serving.py, offload/echo_cache.py), the plugin's plan (sglang/args.py), its
-    sizing (sglang/sizing.py) and its decode resolve (sglang/topk_resolve.py) call this;
+    query token in each layer, and all of them must be resident in the N_G =
+    ``dev_cache_size`` device slots at once (N_G >= running x Q x top-k), so at most
+    N_G // (Q x top-k) requests decode together (per attention-DP rank under SGLang).
+    Q = ``queries_per_request`` is 1 for a plain decode step and S + 1 for a speculative
+    verify step (the last accepted token and S drafts, each selecting its own top-k).
+    0: the cache cannot hold one request's selection. The runtime
+    (``EchoConfig.max_running``: runtime/serving.py, offload/echo_cache.py, the
+    speculative start-up check), the plugin's plan (sglang/args.py), its sizing
+    (sglang/sizing.py) and its decode resolve (sglang/topk_resolve.py) call this;
     tests/test_capacity_rule.py checks that they agree and that no other module of the
     package divides by a top-k."""
     if top_k < 1:
         raise ValueError(f"top-k must be >= 1, got {top_k}")
-    return dev_cache_size // top_k
+    if queries_per_request < 1:
+        raise ValueError(f"queries per request must be >= 1, got {queries_per_request}")
+    # floor(floor(N_G / Q) / top-k) == floor(N_G / (Q x top-k)): one division by top-k.
+    return dev_cache_size // queries_per_request // top_k
 
 
-def dev_cache_for(running: int, top_k: int) -> int:
+def dev_cache_for(running: int, top_k: int, *, queries_per_request: int = 1) -> int:
     """The rule read the other way: the smallest N_G at which ``max_running`` admits
-    ``running`` requests (running x top-k slots)."""
-    return running * top_k
+    ``running`` requests of Q = ``queries_per_request`` query tokens each
+    (running x Q x top-k slots)."""
+    return running * queries_per_request * top_k
 
 
 def decode_prefetch_mode(value: bool | str) -> str:
@@ -167,13 +174,41 @@ class EchoConfig:
         """The ECHO part of the settings a start-up parsed (``settings()``)."""
         return cls(**{f.name: getattr(parsed, f.name) for f in fields(cls)})
 
-    def max_running(self, top_k: int) -> int:
-        """Requests that can decode together in this cache: ``max_running`` (the rule)."""
-        return max_running(self.dev_cache_size, top_k)
+    def max_running(self, top_k: int, *, queries_per_request: int = 1) -> int:
+        """Requests that can decode together in this cache: ``max_running`` (the rule),
+        with Q = ``queries_per_request`` query tokens each (S + 1 under speculation)."""
+        return max_running(self.dev_cache_size, top_k, queries_per_request=queries_per_request)
 
-    def min_dev_cache_size(self, max_running_requests: int, topk: int, chunk_size: int) -> int:
-        """Smallest N_G that holds one decode step's selections and one prefill chunk."""
-        return max(dev_cache_for(max(1, max_running_requests), topk), chunk_size)
+    def min_dev_cache_size(
+        self, max_running_requests: int, topk: int, chunk_size: int, *, queries_per_request: int = 1
+    ) -> int:
+        """Smallest N_G that holds one decode (or verify) step's selections and one
+        prefill chunk."""
+        running = max(1, max_running_requests)
+        return max(
+            dev_cache_for(running, topk, queries_per_request=queries_per_request), chunk_size
+        )
+
+    def check_verify_batch(self, batch: int, top_k: int, queries_per_request: int) -> None:
+        """Refuse, at start-up, a speculative batch whose verify step cannot be resident:
+        each of its ``batch`` requests verifies Q = ``queries_per_request`` tokens, each
+        selecting up to ``top_k`` tokens per layer (the rule with Q). The message names the
+        largest batch that fits and the N_G that would fit this one, so either can be
+        changed without working the rule out by hand. No-op without offload."""
+        if not self.offload:
+            return
+        fits = self.max_running(top_k, queries_per_request=queries_per_request)
+        if batch <= fits:
+            return
+        need = dev_cache_for(batch, top_k, queries_per_request=queries_per_request)
+        lower = f"lower --batch-size to {fits}" if fits else "no batch fits"
+        raise ConfigError(
+            f"{ENV_DEV_CACHE}={self.dev_cache_size} (N_G) is too small for speculative "
+            f"decoding: a verify step of {batch} requests x Q {queries_per_request} query "
+            f"tokens (S + 1) x top-k {top_k} selects up to {need} tokens per layer; the "
+            f"largest batch that fits is {fits} ({lower}), or set {ENV_DEV_CACHE} >= {need} "
+            f"for a batch of {batch}, or lower --speculative-num-steps."
+        )
 
     def validate(
         self, *, host_tokens: int, max_running_requests: int, topk: int, chunk_size: int

@@ -1,13 +1,15 @@
-"""Offline greedy generation: ``python -m sglang_echo.generate --help``.
+"""Offline generation: ``python -m sglang_echo.generate --help``.
 
 Reads prompts (JSON lines of ``{"input_ids": [...]}`` or ``{"text": "..."}``), runs them
 through the DeepSeek-V3.2 model with the no-offload pool or ECHO (``NSA_KV_OFFLOAD=1``),
 writes ``{"input_ids", "output_ids"[, "text"]}`` lines in input order, and prints a
-summary to stderr.
+summary to stderr. Greedy by default; ``--temperature`` (with ``--top-p``, ``--top-k`` and
+``--seed``) samples with the server's seeded sampler (runtime/sampling.py).
 
 With ``--speculative-algorithm NEXTN`` (SGLang's flags; ``EAGLE`` is the same chain draft)
 the checkpoint's MTP layer drafts and the model verifies (runtime/speculative.py): the
-same greedy tokens, fewer target forwards when drafts are accepted.
+same tokens (greedy, or seeded sampling token for token), fewer target forwards when
+drafts are accepted.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from sglang_echo.config import ConfigError, HelpFormatter, help_epilog
@@ -30,8 +33,10 @@ from sglang_echo.runtime.assemble import (
     check_kv_dtype,
     resolve_start_up,
 )
-from sglang_echo.runtime.engine import Engine, RunStats
+from sglang_echo.runtime.engine import Engine, Request, RunStats
 from sglang_echo.runtime.kv_factory import describe_kv_cache
+from sglang_echo.runtime.protocol import SEED_RANGE
+from sglang_echo.runtime.request import SamplingParams
 from sglang_echo.runtime.speculative import MAX_DRAFT_TOKENS, SpeculativeGenerator
 from sglang_echo.tokenizer import load_tokenizer
 
@@ -111,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m sglang_echo.generate",
         description=__doc__.split("\n\n")[0].split(": ")[0]
-        + ". Greedy decoding of a DeepSeek-V3.2 checkpoint; set NSA_KV_OFFLOAD=1 for ECHO "
+        + ". Greedy (or seeded sampled) decoding of a DeepSeek-V3.2 checkpoint; set NSA_KV_OFFLOAD=1 for ECHO "
         "(NSA_DEV_CACHE_SIZE = device cache slots per layer).",
         epilog=help_epilog(),
         formatter_class=HelpFormatter,
@@ -173,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run decode eagerly on CUDA (decode steps are captured in CUDA graphs by default)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    spec = p.add_argument_group("MTP speculative decoding (greedy; SGLang's flags)")
+    _add_sampling_flags(p)
+    spec = p.add_argument_group("MTP speculative decoding (SGLang's flags)")
     spec.add_argument(
         "--speculative-algorithm",
         choices=SPECULATIVE_ALGORITHMS,
@@ -202,6 +208,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="Q, tokens verified per round: S + 1 only (the default; a chain draft's size)",
     )
     return p
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """The server's sampling parameters, as flags applied to every prompt."""
+    g = p.add_argument_group("sampling (the server's seeded sampler; greedy by default)")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 to 100; below 1e-5 = greedy (the default 0)",
+    )
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, (0, 1] (default 1)")
+    g.add_argument("--top-k", type=int, default=-1, help="-1 (all, the default) or >= 1")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="noise key of every request: with the output index it fixes each sampled "
+        "token, so a seeded run repeats (speculative or not); default: fresh randomness",
+    )
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The flags' SamplingParams, refused outside the ranges the server accepts."""
+    if not 0.0 <= args.temperature <= 100.0:
+        raise InputError(f"--temperature must be in [0, 100], got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 1 and args.top_k != -1:
+        raise InputError(f"--top-k must be -1 (all) or >= 1, got {args.top_k}")
+    if args.seed is not None and not SEED_RANGE[0] <= args.seed < SEED_RANGE[1]:
+        raise InputError(f"--seed must be an integer in [-2**63, 2**64), got {args.seed}")
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+    )
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -266,7 +312,7 @@ def _speculate(
         eos_token_ids=[] if args.ignore_eos else None,
         record_logits=False,
     )
-    done = gen.generate(prompts, args.max_new_tokens)
+    done = gen.generate(prompts, args.max_new_tokens, sampling_params(args))
     rounds = sum(len(r.accept_lens) for r in done)
     stats = RunStats(
         prompt_tokens=sum(map(len, prompts)),
@@ -286,6 +332,28 @@ def _speculate(
     return [(p, r.tokens) for p, r in zip(prompts, done, strict=True)], stats, speculative
 
 
+def generate_sampled(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams
+) -> list[Request]:
+    """Sampled outputs of ``prompts`` through the engine's scheduler, every request with
+    ``params`` (its seed becomes the noise key at admission). ``Engine.generate`` is
+    greedy only; this is its loop with the flags' sampling, and the reference that the
+    speculative path's seeded output equals."""
+    sched = engine.scheduler
+    requests = [
+        Request(list(p), rid=f"offline-{i}", params=replace(params), index=i)
+        for i, p in enumerate(prompts)
+    ]
+    for req in requests:
+        sched.add(req)
+    while sched.has_work():
+        sched.step()
+    failed = [r for r in requests if r.finish_reason and r.finish_reason["type"] == "abort"]
+    if failed:
+        raise RuntimeError(f"request {failed[0].index} failed: {failed[0].finish_reason}")
+    return requests
+
+
 def run(args: argparse.Namespace) -> dict:
     for name in (
         "max_new_tokens",
@@ -296,6 +364,7 @@ def run(args: argparse.Namespace) -> dict:
     ):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     steps = speculative_steps(args)
+    params = sampling_params(args)
     # The start-up the server shares (runtime/assemble.py): settings parsed once, handed down.
     start = resolve_start_up(args.device, args.dtype, error=InputError)
     device = start.device
@@ -343,6 +412,8 @@ def run(args: argparse.Namespace) -> dict:
             f"({per_batch} tokens); raise it or lower --batch-size"
         )
     check_kv_dtype(cfg, start.dtype, args.kv_cache_dtype, InputError)
+    if steps is not None:  # the capacity rule with Q = S + 1 query tokens per request
+        start.echo.check_verify_batch(batch, cfg.index_topk, steps + 1)
     # ECHO's device cache takes a verify's Q tokens per request in one append, as a chunk.
     chunk = args.chunked_prefill_size
     kv_chunk = chunk if steps is None else max(chunk, batch * (steps + 1))
@@ -364,9 +435,13 @@ def run(args: argparse.Namespace) -> dict:
             args.ignore_eos,
             use_cuda_graph=start.cuda_graphs(args.disable_cuda_graph),
         )
-        done = engine.generate(
-            prompts, args.max_new_tokens, on_request_done=lambda _: bar.update(1)
-        )
+        if params.greedy:
+            done = engine.generate(
+                prompts, args.max_new_tokens, on_request_done=lambda _: bar.update(1)
+            )
+        else:
+            done = generate_sampled(engine, prompts, params)
+            bar.update(len(done))
         results = [(req.prompt, req.output) for req in done]
         s, cuda_graph = engine.stats, engine.decode_runner is not None
     else:

@@ -1,10 +1,20 @@
-"""Greedy MTP speculative decoding: DeepSeek's NextN layer drafts, the target verifies.
+"""MTP speculative decoding: DeepSeek's NextN layer drafts, the target verifies.
 
 Each round drafts S tokens per request with the NextN layer (model/nextn.py), then checks
 all of them in ONE target forward: an extend of Q = S + 1 tokens per request over its
 cached context (the last accepted token and the S drafts). The longest prefix of drafts
-that equals the target's own argmax is accepted, plus the target's next token, so a round
-commits 1..Q tokens and greedy output is exactly what one-token decode steps would give.
+that equals the target's own choice is accepted, plus the target's next token, so a round
+commits 1..Q tokens and the output is exactly what one-token decode steps would give.
+
+The target's choice at a verify position is the runtime's own sampler
+(runtime/sampling.py) on that position's logits, with the request's noise key and the
+output index that position would have in plain decoding as the counter: greedy rows take
+the argmax, sampled rows (temperature, top-p, top-k) draw by the counter-based race. So a
+seeded request's draw at output index i depends only on (seed, i, the logits there), the
+same as the non-speculative scheduler's, and a draft is accepted iff it equals that draw:
+seeded speculative output is token for token the seeded non-speculative output (drafts
+only decide how many of those tokens one round commits). The draft itself stays greedy;
+it proposes, it never decides.
 
 Why it stays lossless under ECHO (offload/echo_cache.py): the verify is a prefill-style
 extend, so its KV rows go through ``EchoKVCache.write``'s append path. A rejected
@@ -39,10 +49,12 @@ from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.kv_cache import KVCache, PlainKVCache
 from sglang_echo.model.nextn import NextNLayer
 from sglang_echo.runtime.host_ints import int64_tensor
-from sglang_echo.runtime.request import SeqState
+from sglang_echo.runtime.request import SamplingParams, SeqState
+from sglang_echo.runtime.sampling import new_sample_key, sample_batch
 from sglang_echo.runtime.step_runner import StepRunner
 
 MAX_DRAFT_TOKENS = 3  # the NextN layer chained on itself: deeper drafts rarely pay off
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass
@@ -61,10 +73,13 @@ class SpecResult:
 class _Live:
     """A request in flight: its cached state (``seq.cached_len`` = target positions whose
     KV is committed; the last output token is not cached yet) and the draft's carry, the
-    first draft token of the coming round and the NextN out_hidden that produced it."""
+    first draft token of the coming round and the NextN out_hidden that produced it.
+    ``params`` and ``key``: its sampling and noise key, as the scheduler would give it."""
 
     seq: SeqState
     result: SpecResult
+    params: SamplingParams = field(default_factory=lambda: GREEDY)
+    key: int = 0
     draft_token: int = -1
     draft_hidden: torch.Tensor | None = None
 
@@ -74,7 +89,7 @@ class _Live:
 
 
 class SpeculativeGenerator:
-    """Greedy generation of a batch of prompts with NextN drafts of ``num_draft_tokens``.
+    """Generation (greedy or seeded sampling) of a batch of prompts with NextN drafts of ``num_draft_tokens``.
 
     ``kv_cache`` is the target's (plain pool or ECHO); the draft gets a plain one-layer
     pool with the same token locations, so a position's draft and target rows share one
@@ -115,24 +130,36 @@ class SpeculativeGenerator:
         self.phase_s = {"prefill": 0.0, "decode": 0.0}
 
     # ------------------------------------------------------------------ the driver
-    def generate(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[SpecResult]:
-        """Greedy outputs of ``prompts`` in their order, ``max_new_tokens`` at most each;
-        up to ``max_batch_size`` requests run together, in waves."""
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+    ) -> list[SpecResult]:
+        """Outputs of ``prompts`` in their order, ``max_new_tokens`` at most each; up to
+        ``max_batch_size`` requests run together, in waves. ``params``: every request's
+        sampling (its temperature, top-p, top-k and seed; None = greedy), applied as the
+        scheduler applies it, so the tokens equal non-speculative decoding's."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        params = GREEDY if params is None else params
         results = []
         for start in range(0, len(prompts), self.max_batch_size):
             wave = prompts[start : start + self.max_batch_size]
-            results.extend(self._run_wave(wave, max_new_tokens))
+            results.extend(self._run_wave(wave, max_new_tokens, params))
         return results
 
-    def _run_wave(self, prompts: Sequence[list[int]], max_new: int) -> list[SpecResult]:
+    def _run_wave(
+        self, prompts: Sequence[list[int]], max_new: int, params: SamplingParams
+    ) -> list[SpecResult]:
         need = max(len(p) for p in prompts) + max_new + self.num_draft
         if need > self.steps.max_context:
             raise ValueError(f"prompt + max_new_tokens + drafts needs {need} positions")
         if not all(prompts):
             raise ValueError("empty prompt")
-        lives = [_Live(SeqState(list(p)), SpecResult()) for p in prompts]
+        lives = [
+            _Live(SeqState(list(p)), SpecResult(), params, new_sample_key(params)) for p in prompts
+        ]
         try:  # rows and locations go back even when a forward fails
             began = time.perf_counter()  # each phase ends on a host read of its tokens
             for live in lives:
@@ -162,7 +189,7 @@ class SpeculativeGenerator:
             batch.logits_indices = self._ints([n - 1])
             logits, h = self.target.forward_with_hidden(batch, self.steps.kv_cache)
             hidden.append(h)
-        first = int(logits[0].argmax())
+        (first,) = self._choose(logits[:1], [live], [0])
         if self._accept(live, [first], max_new):
             return
         self._draft_extend([live], [[*ids[1:], first]], [0], torch.cat(hidden))
@@ -181,7 +208,7 @@ class SpeculativeGenerator:
         ids = [[live.seq.output[-1], *d] for live, d in zip(active, drafts, strict=True)]
         batch = self._batch([live.seq for live in active], ids, starts, decode=False)
         logits, hidden = self.target.forward_with_hidden(batch, self.steps.kv_cache)
-        best = logits.argmax(-1).view(len(active), q).tolist()
+        best = self._verify_choices(logits, active, q)
         cont, cont_ids, cont_starts, cont_rows = [], [], [], []
         for i, (live, d, start) in enumerate(zip(active, drafts, starts, strict=True)):
             k = 0
@@ -235,6 +262,24 @@ class SpeculativeGenerator:
         for i, (live, token) in enumerate(zip(lives, logits.argmax(-1).tolist(), strict=True)):
             live.draft_token = token
             live.draft_hidden = out_hidden[i]
+
+    # ---------------------------------------------------------------- choices
+    def _verify_choices(self, logits: torch.Tensor, active: list[_Live], q: int) -> list[list[int]]:
+        """The target's token at each of a verify's Q positions per request: position j
+        of a request with n output tokens is its output index n + j, the counter the
+        non-speculative scheduler would sample that token with."""
+        lives = [live for live in active for _ in range(q)]
+        counters = [len(live.seq.output) + j for live in active for j in range(q)]
+        flat = self._choose(logits, lives, counters)
+        return [flat[i * q : (i + 1) * q] for i in range(len(active))]
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, lives: list[_Live], counters: list[int]) -> list[int]:
+        """One token per logits row by the runtime's sampler (runtime/sampling.py), with
+        row i's request params and noise key and output index ``counters[i]``."""
+        return sample_batch(
+            logits, [live.params for live in lives], [live.key for live in lives], counters
+        ).tokens
 
     # ------------------------------------------------------------------ helpers
     def _accept(self, live: _Live, tokens: list[int], max_new: int) -> bool:
