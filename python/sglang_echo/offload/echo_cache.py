@@ -21,7 +21,7 @@ from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.model.periodic_rows import PeriodicRows
 from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
 from sglang_echo.offload.device_cache import DeviceCache
-from sglang_echo.offload.host_extents import HostExtents
+from sglang_echo.offload.host_extents import HostExtents, all_rows, copy_runs, rows_at
 from sglang_echo.offload.host_pool import HostKVPool
 from sglang_echo.offload.manager import EchoManager
 from sglang_echo.offload.prefetch_rule import DecodePrefetchRule
@@ -213,51 +213,24 @@ class EchoKVCache(KVCache):
         ``kv_rows`` as a window into a bank (model/periodic_rows.py): the long runs are
         copied from the bank's stored form, stretch by stretch, with no rows made first."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        if isinstance(kv_rows, PeriodicRows):
-            window = kv_rows.with_bank(
+        if isinstance(kv_rows, PeriodicRows):  # the bank stored once, not every row
+            stored = kv_rows.with_bank(
                 encode_kv_rows(kv_rows.bank, self.kv_lora_rank, self.kv_dtype)
             )
-            self._fill_from_window(layer, locs, window, slots, extents)
-            return
-        stored = encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
+        else:
+            stored = encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
         host = self.manager.host_view if self.manager.host_view is not None else self.host.rows
         if extents is None:
-            host[layer].index_copy_(0, locs.to(host.device), stored.to(host.device))
+            host[layer].index_copy_(0, locs.to(host.device), all_rows(stored).to(host.device))
         else:
-            for pos, dst, n in extents.runs:
-                self.host.rows[layer, dst : dst + n].copy_(stored[pos : pos + n], non_blocking=True)
-            if extents.rest.numel():
-                rest = extents.rest
-                host[layer].index_copy_(0, locs[rest].to(host.device), stored[rest].to(host.device))
-        if slots is not None:
-            self.cache.rows[layer].index_copy_(0, slots, stored)
-
-    def _fill_from_window(
-        self,
-        layer: int,
-        locs: torch.Tensor,
-        window: PeriodicRows,
-        slots: torch.Tensor | None,
-        extents: HostExtents | None,
-    ) -> None:
-        """``fill_prompt``'s rows from a window over the stored bank."""
-        host = self.manager.host_view if self.manager.host_view is not None else self.host.rows
-        if extents is None:
-            host[layer].index_copy_(0, locs.to(host.device), window.materialize().to(host.device))
-        else:
-            for pos, dst, n in extents.runs:
-                for first, skip, take in window.segments(pos, n):
-                    at = dst + skip
-                    self.host.rows[layer, at : at + take].copy_(
-                        window.bank[first : first + take], non_blocking=True
-                    )
+            copy_runs(self.host.rows[layer], stored, extents.runs)
             if extents.rest.numel():
                 rest = extents.rest
                 host[layer].index_copy_(
-                    0, locs[rest].to(host.device), window.gather(rest).to(host.device)
+                    0, locs[rest].to(host.device), rows_at(stored, rest).to(host.device)
                 )
         if slots is not None:
-            self.cache.rows[layer].index_copy_(0, slots, window.materialize())
+            self.cache.rows[layer].index_copy_(0, slots, all_rows(stored))
 
     def unpin_prompt(self, slots: torch.Tensor | None) -> None:
         """The prompt has arrived (on the decode stream, after its transfer's event): its

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_echo.model.periodic_rows import PeriodicRows
+
 # Shorter runs are not worth a copy launch each (about a megabyte of bf16 rows per layer at
 # this size).
 MIN_EXTENT_TOKENS = 1024
@@ -58,3 +60,28 @@ def split_extents(locs: Sequence[int], min_tokens: int = MIN_EXTENT_TOKENS) -> H
     )
     in_short_run = torch.repeat_interleave(~long, lengths)
     return HostExtents(runs, torch.nonzero(in_short_run).flatten())
+
+
+def copy_runs(
+    dst: torch.Tensor, rows: torch.Tensor | PeriodicRows, runs: Sequence[tuple[int, int, int]]
+) -> None:
+    """Each run (first position, first location, length) of ``rows`` into ``dst`` (one
+    layer's pinned host rows) by plain copies, which a copy engine runs: a slice of the
+    rows, or for a window into a bank its contiguous stretches of the bank."""
+    for pos, first, n in runs:
+        if isinstance(rows, PeriodicRows):
+            for bank_row, skip, take in rows.segments(pos, n):
+                at = first + skip
+                dst[at : at + take].copy_(rows.bank[bank_row : bank_row + take], non_blocking=True)
+        else:
+            dst[first : first + n].copy_(rows[pos : pos + n], non_blocking=True)
+
+
+def rows_at(rows: torch.Tensor | PeriodicRows, positions: torch.Tensor) -> torch.Tensor:
+    """The rows of prompt ``positions``."""
+    return rows.gather(positions) if isinstance(rows, PeriodicRows) else rows[positions]
+
+
+def all_rows(rows: torch.Tensor | PeriodicRows) -> torch.Tensor:
+    """Every row, made where it is a window."""
+    return rows.materialize() if isinstance(rows, PeriodicRows) else rows
