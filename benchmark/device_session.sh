@@ -171,17 +171,18 @@ run_stage() {
         tests/test_serving_gpu.py::test_scheduler_with_cuda_graphs_is_lossless \
         "tests/test_gpu.py::test_lossless_cuda_graph_decode[dtype1-True]" ;;
     served_vs_study)  # the in-process study at the paper's setting and the served Figure-12
-      # sweep (rates 1 and inf, 96 prompts) in one call -> served_vs_study.json (~8 min)
+      # sweep (rates 1 and inf, 96 prompts) in one call -> served_vs_study.json (~6 min); the
+      # servers run their engine in a process of its own (ENGINE_PROCESS=0: in-process)
       peer_or_say
       stage served_vs_study 580 bash -c "python3 benchmark/e2e_study.py \
         --out /tmp/ds/served_vs_study/study --only noff_paper,echo_paper --repeats 3 \
         --no-random-keys --locality-sweep '' --skip-components --skip-fixed --profile-steps 0 \
-        --deadline-s 120; env RATES=1,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 \
-        WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh /tmp/ds/served_vs_study/sweep; \
+        --deadline-s 120; env ENGINE_PROCESS=${ENGINE_PROCESS:-1} RATES=1,inf NUM_PROMPTS=96 \
+        MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh /tmp/ds/served_vs_study/sweep; \
         python3 benchmark/served_vs_study.py --study /tmp/ds/served_vs_study/study \
         --sweep /tmp/ds/served_vs_study/sweep --commit '${ECHO_COMMIT:-}' \
         --out /tmp/ds/served_vs_study/served_vs_study.json \
-        --command 'bash benchmark/device_session.sh OUTDIR served_vs_study'" ;;
+        --command 'ENGINE_PROCESS=${ENGINE_PROCESS:-1} bash benchmark/device_session.sh OUTDIR served_vs_study'" ;;
     sweep)
       stage sweep 230 env RATES=4,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 \
         bash benchmark/e2e_sweep.sh /tmp/ds/sweep/e2e_sweep ;;
