@@ -20,7 +20,8 @@
 #   NO_OFFLOAD_TOKENS=380000 (the paper's per-worker pool) DEV_CACHE=260000
 #   OFFLOAD_TOKENS=1800000 FAKE_KV_LOCALITY=0.9 MAX_OUTPUT_LEN=256 WARMUP_REQUESTS=16
 #   SMOKE=1: tiny dimensions and sizes (a CPU check of the whole pipeline)
-#   ENGINE_PROCESS=1: both servers with --engine-process (the engine behind the HTTP front)
+#   ENGINE_PROCESS=1 (default): both servers with --engine-process (the engine behind the
+#   HTTP front); 0: the engine in the server process
 # fastapi/uvicorn missing there? bash benchmark/fetch_server_wheels.sh here, carry .whl/.
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
@@ -61,7 +62,7 @@ knobs+=" NO_OFFLOAD_TOKENS=$NO_OFFLOAD_TOKENS DEV_CACHE=$DEV_CACHE OFFLOAD_TOKEN
 knobs+=" FAKE_KV_LOCALITY=$FAKE_KV_LOCALITY KV_CACHE_DTYPE=$KV_CACHE_DTYPE MAX_OUTPUT_LEN=$MAX_OUTPUT_LEN"
 knobs+=" WARMUP_REQUESTS=$WARMUP_REQUESTS INFINI=$INFINI TASKS=$TASKS TASK_RATES=$TASK_RATES"
 knobs+=" TASK_NUM_PROMPTS=$TASK_NUM_PROMPTS"
-knobs+=" SHAREGPT=$SHAREGPT SHAREGPT_RATES=$SHAREGPT_RATES ENGINE_PROCESS=${ENGINE_PROCESS:-0}"
+knobs+=" SHAREGPT=$SHAREGPT SHAREGPT_RATES=$SHAREGPT_RATES ENGINE_PROCESS=${ENGINE_PROCESS:-1}"
 if [[ "$INFINI$TASKS$SHAREGPT" != *1* ]]; then
   echo "nothing to run: INFINI=0 and neither TASKS=1 nor SHAREGPT=1" >&2
   exit 2

@@ -44,7 +44,9 @@ COMMON_USAGE='  --request-rates LIST              comma-separated request rates,
   --port N                          server port (default 30000)
   -h, --help                        this help
 Environment: ENGINE=echo|sglang (default echo); DSV32W4=checkpoint (ENGINE=echo without it
-uses a generated tiny DeepSeek-V3.2 model); PYTHON; E2E_WORK (scratch, default .e2e/).'
+uses a generated tiny DeepSeek-V3.2 model); ENGINE_PROCESS=1|0 (ENGINE=echo: the engine in
+a process of its own behind the HTTP front, default 1; 0 runs it in the server process);
+PYTHON; E2E_WORK (scratch, default .e2e/).'
 
 parse_common_options() {
   # Sets the variables of the options above; the caller provides usage().
@@ -148,8 +150,9 @@ launch_echo() {
   [[ -n "${KV_CACHE_DTYPE:-}" ]] && args+=(--kv-cache-dtype "$KV_CACHE_DTYPE")
   [[ -n "${CHUNKED_PREFILL_SIZE:-}" ]] && args+=(--chunked-prefill-size "$CHUNKED_PREFILL_SIZE")
   [[ -n "${MAX_RUNNING_REQUESTS:-}" ]] && args+=(--max-running-requests "$MAX_RUNNING_REQUESTS")
-  # ENGINE_PROCESS=1: the engine in a process of its own behind the HTTP front.
-  [[ "${ENGINE_PROCESS:-0}" == "1" ]] && args+=(--engine-process)
+  # The engine in a process of its own behind the HTTP front, so HTTP and detokenizing never
+  # hold the engine's GIL (benchmark/results/served_vs_study/); ENGINE_PROCESS=0: in-process.
+  [[ "${ENGINE_PROCESS:-1}" == "1" ]] && args+=(--engine-process)
   local envs=(NSA_KV_OFFLOAD=0)
   if [[ "$mode" == "offload" ]]; then
     envs=(NSA_KV_OFFLOAD=1 "NSA_DEV_CACHE_SIZE=$OFFLOAD_NSA_DEV_CACHE_SIZE")
