@@ -193,9 +193,11 @@ def test_sglang_flags(small_checkpoint, capsys):
             parse_server_args(["--model-path", "m", *bad])
     with pytest.raises(ServerArgError, match="unknown flag"):
         parse_server_args(["--model-path", "m", "--frobnicate"])
-    # Speculative decoding: pointed at the offline CLI, not at the plugin (which refuses it).
-    with pytest.raises(ServerArgError, match=r"sglang_echo\.generate --speculative-algorithm"):
-        parse_server_args(["--model-path", "m", "--speculative-algorithm", "NEXTN"])
+    # MTP runs in the server (tests/test_scheduler_speculative.py); a separate draft model
+    # does not, and is not pointed at the plugin (which refuses speculation under ECHO).
+    assert parse_server_args(["--model-path", "m", "--speculative-algorithm", "NEXTN"])
+    with pytest.raises(ServerArgError, match=r"own MTP \(NextN\) layer"):
+        parse_server_args(["--model-path", "m", "--speculative-draft-model-path", "d"])
     assert launch_main(["--model-path", str(small_checkpoint), "--tp-size=8"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --tp-size 8 is not supported") and "sglang" in err

@@ -51,7 +51,8 @@ def check_request(args: list[str]) -> object:
 
     kw = _words(args)
     req = ServeRequest([1] * kw["prompt"], params=SamplingParams(max_new_tokens=kw["new"]))
-    return Scheduler.check(_Stub(context_length=kw["context"], capacity=kw["pool"], live={}), req)
+    stub = _Stub(context_length=kw["context"], capacity=kw["pool"], live={}, draft_tail=0)
+    return Scheduler.check(stub, req)
 
 
 def check_body(args: list[str]) -> object:

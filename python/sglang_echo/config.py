@@ -189,19 +189,23 @@ class EchoConfig:
             dev_cache_for(running, topk, queries_per_request=queries_per_request), chunk_size
         )
 
-    def check_verify_batch(self, batch: int, top_k: int, queries_per_request: int) -> None:
+    def check_verify_batch(
+        self, batch: int, top_k: int, queries_per_request: int, batch_flag: str = "--batch-size"
+    ) -> None:
         """Refuse, at start-up, a speculative batch whose verify step cannot be resident:
         each of its ``batch`` requests verifies Q = ``queries_per_request`` tokens, each
         selecting up to ``top_k`` tokens per layer (the rule with Q). The message names the
         largest batch that fits and the N_G that would fit this one, so either can be
-        changed without working the rule out by hand. No-op without offload."""
+        changed without working the rule out by hand; ``batch_flag``: the entry point's
+        flag for the batch (generate's --batch-size, the server's --max-running-requests).
+        No-op without offload."""
         if not self.offload:
             return
         fits = self.max_running(top_k, queries_per_request=queries_per_request)
         if batch <= fits:
             return
         need = dev_cache_for(batch, top_k, queries_per_request=queries_per_request)
-        lower = f"lower --batch-size to {fits}" if fits else "no batch fits"
+        lower = f"lower {batch_flag} to {fits}" if fits else "no batch fits"
         raise ConfigError(
             f"{ENV_DEV_CACHE}={self.dev_cache_size} (N_G) is too small for speculative "
             f"decoding: a verify step of {batch} requests x Q {queries_per_request} query "

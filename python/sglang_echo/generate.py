@@ -37,17 +37,13 @@ from sglang_echo.runtime.engine import Engine, Request, RunStats
 from sglang_echo.runtime.kv_factory import describe_kv_cache
 from sglang_echo.runtime.protocol import SEED_RANGE
 from sglang_echo.runtime.request import SamplingParams
-from sglang_echo.runtime.speculative import MAX_DRAFT_TOKENS, SpeculativeGenerator
-from sglang_echo.tokenizer import load_tokenizer
-
-# SGLang's names for the chain draft of the checkpoint's MTP layer (SGLang maps NEXTN to
-# EAGLE); reported as NEXTN.
-SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
-_SPECULATIVE_FLAGS = (
-    "speculative_num_steps",
-    "speculative_eagle_topk",
-    "speculative_num_draft_tokens",
+from sglang_echo.runtime.speculative import SpeculativeGenerator
+from sglang_echo.runtime.speculative_flags import (
+    add_speculative_flags,
+    check_nextn_layer,
 )
+from sglang_echo.runtime.speculative_flags import speculative_steps as validate_speculative
+from sglang_echo.tokenizer import load_tokenizer
 
 
 class InputError(ValueError):
@@ -179,34 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_sampling_flags(p)
-    spec = p.add_argument_group("MTP speculative decoding (SGLang's flags)")
-    spec.add_argument(
-        "--speculative-algorithm",
-        choices=SPECULATIVE_ALGORITHMS,
-        default=None,
-        help="NEXTN: the checkpoint's MTP layer drafts, the model verifies (EAGLE: an alias)",
-    )
-    spec.add_argument(
-        "--speculative-num-steps",
-        type=int,
-        default=None,
-        metavar="S",
-        help=f"S, draft tokens per round, 1 to {MAX_DRAFT_TOKENS} (default 1)",
-    )
-    spec.add_argument(
-        "--speculative-eagle-topk",
-        type=int,
-        default=None,
-        metavar="K",
-        help="drafts per step: 1 only (one chain; tree drafts are not supported)",
-    )
-    spec.add_argument(
-        "--speculative-num-draft-tokens",
-        type=int,
-        default=None,
-        metavar="Q",
-        help="Q, tokens verified per round: S + 1 only (the default; a chain draft's size)",
-    )
+    add_speculative_flags(p)
     return p
 
 
@@ -256,34 +225,9 @@ def _positive(name: str, value: int | None) -> None:
 
 
 def speculative_steps(args: argparse.Namespace) -> int | None:
-    """S, the draft tokens per round, when ``--speculative-algorithm`` is given (else None);
-    the SGLang flags this runtime cannot honour are refused with the value to use."""
-    if args.speculative_algorithm is None:
-        for name in _SPECULATIVE_FLAGS:
-            if getattr(args, name) is not None:
-                flag = "--" + name.replace("_", "-")
-                raise InputError(f"{flag} needs --speculative-algorithm NEXTN (or EAGLE)")
-        return None
-    steps = 1 if args.speculative_num_steps is None else args.speculative_num_steps
-    if not 1 <= steps <= MAX_DRAFT_TOKENS:
-        raise InputError(
-            f"--speculative-num-steps {steps}: the MTP layer drafts 1 to {MAX_DRAFT_TOKENS} "
-            f"tokens per round; use --speculative-num-steps 1 to {MAX_DRAFT_TOKENS}"
-        )
-    topk = args.speculative_eagle_topk
-    if topk is not None and topk != 1:
-        raise InputError(
-            f"--speculative-eagle-topk {topk}: tree drafts are not supported, only one "
-            "draft chain per request; use --speculative-eagle-topk 1 or leave it out"
-        )
-    draft_tokens = args.speculative_num_draft_tokens
-    if draft_tokens is not None and draft_tokens != steps + 1:
-        raise InputError(
-            f"--speculative-num-draft-tokens {draft_tokens}: Q must be S + 1 for a chain "
-            f"draft (--speculative-num-steps {steps}); use --speculative-num-draft-tokens "
-            f"{steps + 1} or leave it out"
-        )
-    return steps
+    """S, the draft tokens per round, when ``--speculative-algorithm`` is given (else None):
+    the server's validation (runtime/speculative_flags.py), refused as an InputError."""
+    return validate_speculative(args, InputError)
 
 
 def _speculate(
@@ -370,12 +314,9 @@ def run(args: argparse.Namespace) -> dict:
     device = start.device
     model = load_model(args.model_path, device=device, dtype=start.dtype, kernels=start.kernels)
     cfg = model.config
-    if steps is not None and cfg.num_nextn_predict_layers < 1:
-        raise InputError(
-            f"--speculative-algorithm {args.speculative_algorithm} needs the checkpoint's "
-            f"MTP (NextN) layer, but {args.model_path}/config.json sets "
-            f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers}; use a checkpoint "
-            "that ships its MTP layer, or drop --speculative-algorithm"
+    if steps is not None:
+        check_nextn_layer(
+            cfg.num_nextn_predict_layers, args.speculative_algorithm, args.model_path, InputError
         )
     context_limit = check_context(cfg, args.context_length, InputError)
     tokenizer = load_tokenizer(args.model_path)

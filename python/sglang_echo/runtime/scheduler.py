@@ -24,6 +24,12 @@ it). One that ends by its length is known before and not decoded again. Prefill 
 preemption and an idle batch first take the step in flight's tokens. Tokens, their order
 and the events are those of the synchronous schedule.
 
+MTP speculative decoding (``speculative``: runtime/speculative.py's ``SpecRounds``):
+each decode step is one round over the decoding requests (``scheduler_speculative.py``):
+S drafts, one verify extend of Q = S + 1 positions per request, its accepted tokens
+through ``_accept`` one at a time. Admission reserves each request's draft tail (S more
+locations), and the overlap schedule is off (a round's next inputs are read on the host).
+
 A step that raises ends the requests of the phase that raised (prefill or decode) with
 the error; a row of non-finite logits ends only its request. Everything else goes on.
 
@@ -49,11 +55,13 @@ from sglang_echo.runtime.sampling import SampledBatch, new_sample_key, sample_ba
 from sglang_echo.runtime.scheduler_admission import AdmissionControl
 from sglang_echo.runtime.scheduler_events import EventOutbox, abort_reason
 from sglang_echo.runtime.scheduler_overlap import StepInFlight
+from sglang_echo.runtime.scheduler_speculative import SpeculativeDecode
 from sglang_echo.runtime.scheduler_stats import SchedulerStats
 from sglang_echo.runtime.step_runner import StepRunner
 
 if TYPE_CHECKING:
     from sglang_echo.runtime.fake_transfer import FakeTransfer
+    from sglang_echo.runtime.speculative import SpecRounds
 
 log = logging.getLogger("sglang_echo.scheduler")
 
@@ -71,7 +79,8 @@ class RequestRejected(ValueError):
 class Scheduler:
     """Runs the steps over the running batch; its collaborators, one job each: ``admission``
     (admission, decode counts, preemption), ``in_flight`` (the overlap schedule's step not
-    yet read) and ``events`` (output events, held through a decode step's acceptance)."""
+    yet read), ``events`` (output events, held through a decode step's acceptance) and
+    ``speculative`` (MTP rounds instead of decode steps; None without speculation)."""
 
     def __init__(
         self,
@@ -84,10 +93,23 @@ class Scheduler:
         reserve_steps: int = DECODE_RESERVE_STEPS,
         prompt_source: FakeTransfer | None = None,
         overlap: bool = False,
+        speculative: SpecRounds | None = None,
     ) -> None:
         self.steps = steps
+        if speculative is not None and prompt_source is not None:
+            raise ValueError("speculative decoding is not supported on a PD decode node")
+        if speculative is not None and overlap:
+            log.info(
+                "overlap schedule off under speculative decoding: a round's next inputs are "
+                "its accepted tokens, read on the host"
+            )
+            overlap = False
         self.overlap = overlap
+        self.speculative = None if speculative is None else SpeculativeDecode(self, speculative)
         self.in_flight = StepInFlight(self)  # overlap: the decode step not yet read
+        # Locations a request may hold past its committed positions: S under speculative
+        # decoding (a round's draft tail, rewritten in place), 0 otherwise.
+        self.draft_tail = 0 if speculative is None else speculative.num_draft
         self.admission = AdmissionControl(self)
         self.capacity = steps.allocator.capacity
         self.max_running = min(max_running_requests, steps.max_requests)
@@ -116,16 +138,20 @@ class Scheduler:
     def check(self, req: ServeRequest) -> None:
         """Raise ``RequestRejected`` for a request that could never be admitted."""
         n = len(req.prompt)
-        total = n + req.params.max_new_tokens
+        tail = self.draft_tail  # a speculative round's draft positions
+        drafts = f" and {tail} draft positions" if tail else ""
+        held = f" (its {tail} draft positions included)" if tail else ""
+        total = n + req.params.max_new_tokens + tail
         if total > self.context_length:
             raise RequestRejected(
-                f"the prompt has {n} tokens and max_new_tokens is {req.params.max_new_tokens}: "
-                f"{total} tokens exceed the context length of {self.context_length}; shorten "
-                "the prompt or lower max_new_tokens"
+                f"the prompt has {n} tokens and max_new_tokens is {req.params.max_new_tokens}"
+                f"{drafts}: {total} tokens exceed the context length of {self.context_length}; "
+                "shorten the prompt or lower max_new_tokens"
             )
-        if req.token_budget() > self.capacity:
+        if req.token_budget() + tail > self.capacity:
             raise RequestRejected(
-                f"the request needs {req.token_budget()} KV token slots but the pool holds "
+                f"the request needs {req.token_budget() + tail} KV token slots{held} but "
+                "the pool holds "
                 f"{self.capacity} (--max-total-tokens); shorten it or raise --max-total-tokens"
             )
         if req.rid in self.live:
@@ -214,9 +240,11 @@ class Scheduler:
     # ---------------------------------------------------------- the phases
     def _prefill(self, prefilling: list[ServeRequest]) -> None:
         before = sum(r.cached_len for r in prefilling)
+        spec = self.speculative
+        forward = self.steps.prefill_chunk if spec is None else spec.prefill_chunk
         try:
             with self.stats.timed("prefill"):
-                done, logits = self.steps.prefill_chunk(prefilling, self.chunk)
+                done, logits = forward(prefilling, self.chunk)
         except Exception as exc:  # the phase's requests end, the rest go on
             self._fail(prefilling, "prefill", exc)
             return
@@ -226,8 +254,13 @@ class Scheduler:
         if done:
             with self.stats.timed("accept"):
                 self._accept_batch(done, logits)
+        if spec is not None:
+            spec.draft_prompts()  # after the first tokens: a prompt's last draft takes one
 
     def _decode(self, decoding: list[ServeRequest]) -> None:
+        if self.speculative is not None:
+            self.speculative.decode(decoding)
+            return
         if self.overlap:
             self.in_flight.launch(decoding)
             return
@@ -289,6 +322,8 @@ class Scheduler:
         token locations (the KV backend's release is batched until the next flush)."""
         if self.prompt_source is not None:
             self.prompt_source.forget(req)
+        if self.speculative is not None:
+            self.speculative.forget(req)
         self.steps.release_later(req)
 
     # -------------------------------------------------------------- tokens

@@ -37,15 +37,24 @@ class AdmissionControl:
         return True
 
     def decode_count(self) -> int:
-        return sum(1 for r in self.s.running if self.decodable(r))
+        """Token locations the next decode step takes: one per decodable request; under
+        speculation each one's Q = S + 1 verified positions less those it still holds
+        (its last round's rejected tail keeps its locations)."""
+        if not self.s.draft_tail:
+            return sum(1 for r in self.s.running if self.decodable(r))
+        q = 1 + self.s.draft_tail
+        return sum(
+            max(0, r.cached_len + q - len(r.locs)) for r in self.s.running if self.decodable(r)
+        )
 
     def pending_prefill(self) -> int:
         return sum(len(r.prefill_ids) - r.cached_len for r in self.s.running if not r.prefill_done)
 
     def growth(self, req: ServeRequest) -> int:
         """Token locations set aside for a request's next few decode steps (a decode node
-        and the offline engine: all of them; runtime/admission.py)."""
-        return min(future_tokens(req, req.params.max_new_tokens), self.s.reserve_steps)
+        and the offline engine: all of them; runtime/admission.py), and its draft tail."""
+        steps = min(future_tokens(req, req.params.max_new_tokens), self.s.reserve_steps)
+        return steps + self.s.draft_tail
 
     def admit(self) -> None:
         s = self.s

@@ -1,8 +1,9 @@
 """``launch_server`` flags: named and behaving as SGLang's where they overlap.
 
 SGLang flags that need a multi-GPU deployment (tensor/data parallelism, PD
-disaggregation, quantized MoE, speculative decoding...) are refused with a pointer to the
-SGLang plugin, which runs ECHO inside SGLang itself. Values that cannot work fail here,
+disaggregation, quantized MoE...) are refused with a pointer to the SGLang plugin, which
+runs ECHO inside SGLang itself. MTP speculative decoding (``--speculative-algorithm
+NEXTN``) runs here, validated as ``generate`` validates it (runtime/speculative_flags.py). Values that cannot work fail here,
 at start-up, with the flag to change.
 """
 
@@ -15,18 +16,17 @@ from dataclasses import dataclass
 
 from sglang_echo.config import ConfigError, HelpFormatter, help_epilog, parse_size
 from sglang_echo.kernels.fp8_kv import KV_CACHE_DTYPES
+from sglang_echo.runtime.speculative_flags import add_speculative_flags, speculative_steps
 
 PLUGIN_HINT = (
     "this single-node runtime serves one model on one device; for {flag} run SGLang with "
     "the ECHO plugin instead (pip install sglang-echo, then NSA_KV_OFFLOAD=1 python -m "
     "sglang.launch_server ...; see python/sglang_echo/sglang/)"
 )
-# Speculative decoding: not in the server yet, and the plugin refuses it under ECHO, so
-# the plugin is no way out; the offline CLI runs MTP (runtime/speculative.py).
+# A separate draft model: the server drafts with the checkpoint's own MTP layer only.
 SPECULATIVE_HINT = (
-    "the server's scheduler has no verify step yet, and the SGLang plugin refuses "
-    "speculative decoding under ECHO; MTP runs offline: python -m sglang_echo.generate "
-    "--speculative-algorithm NEXTN (docs/USAGE.md)"
+    "the draft is the checkpoint's own MTP (NextN) layer: use --speculative-algorithm "
+    "NEXTN without a draft model path (docs/USAGE.md)"
 )
 # SGLang flags that take a value; accepted only at their single-device setting.
 _SINGLE_DEVICE_ONLY = {"--tp": "1", "--tp-size": "1", "--dp": "1", "--dp-size": "1"}
@@ -35,7 +35,6 @@ _SINGLE_DEVICE_ONLY |= {"--pp-size": "1", "--ep-size": "1", "--nnodes": "1"}
 _UNSUPPORTED_WITH_VALUE = {
     "--disaggregation-bootstrap-port",
     "--quantization",
-    "--speculative-algorithm",
     "--speculative-draft-model-path",
     "--load-balance-method",
     "--dist-init-addr",
@@ -101,6 +100,11 @@ class ServerArgs:
     # The engine (model, KV cache, scheduler) in a process of its own behind the HTTP front
     # (runtime/engine_process.py), instead of a thread of the server's process.
     engine_process: bool = False
+    # MTP speculative decoding (runtime/speculative_flags.py validates them).
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
 
 
 def _size(text: str) -> int:
@@ -246,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         "at least the model's index_topk)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_speculative_flags(p)
     return p
 
 
@@ -289,7 +294,28 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
     _check_disaggregation(args)
     _check_model_loader(args)
     hisparse_buffer_size(args)  # a malformed --hisparse-config fails here, at start-up
+    speculative_num_steps(args)
     return args
+
+
+def speculative_num_steps(args: ServerArgs) -> int | None:
+    """S under ``--speculative-algorithm`` (else None), validated as ``generate`` does;
+    what the server cannot combine with it is refused with the reason."""
+    steps = speculative_steps(args, ServerArgError)
+    if steps is None:
+        return None
+    shown = f"--speculative-algorithm {args.speculative_algorithm}"
+    if args.disaggregation_mode == "decode":
+        raise ServerArgError(
+            f"{shown} is not supported with --disaggregation-mode decode: the fake transfer "
+            "synthesizes the prompt's KV, not the MTP layer's, so no round has a draft"
+        )
+    if args.enable_hisparse:
+        raise ServerArgError(
+            f"{shown} is not supported with --enable-hisparse: verify steps are implemented "
+            "for the plain pool and ECHO only; use ECHO (NSA_KV_OFFLOAD=1) or the plain pool"
+        )
+    return steps
 
 
 def hisparse_buffer_size(args: ServerArgs) -> int | None:

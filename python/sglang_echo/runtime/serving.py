@@ -18,8 +18,10 @@ from sglang_echo.config import EchoConfig
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
+from sglang_echo.model.loader import load_nextn
 from sglang_echo.offload import footprint
 from sglang_echo.runtime.assemble import (
+    StartUp,
     build_kv_backend,
     check_context,
     check_kv_dtype,
@@ -27,7 +29,14 @@ from sglang_echo.runtime.assemble import (
 )
 from sglang_echo.runtime.model_loader import load_served_model
 from sglang_echo.runtime.scheduler import Scheduler
-from sglang_echo.runtime.server_args import ServerArgError, ServerArgs, hisparse_buffer_size
+from sglang_echo.runtime.server_args import (
+    ServerArgError,
+    ServerArgs,
+    hisparse_buffer_size,
+    speculative_num_steps,
+)
+from sglang_echo.runtime.speculative import SpecRounds
+from sglang_echo.runtime.speculative_flags import check_nextn_layer
 from sglang_echo.runtime.step_runner import StepRunner
 from sglang_echo.tokenizer import load_tokenizer
 
@@ -100,15 +109,43 @@ def memory_token_budget(
     return max(1, min(on_device, on_host))
 
 
-def running_requests(asked: int | None, echo: EchoConfig, topk: int) -> int:
+def running_requests(asked: int | None, echo: EchoConfig, topk: int, q: int = 1) -> int:
     """Requests the scheduler runs at once: ``--max-running-requests`` as asked, else
     ``DEFAULT_MAX_RUNNING``, under ECHO capped by what one decode step's selections leave
-    room for (``EchoConfig.max_running``, the capacity rule). An asked value past the rule
-    fails in ``build_kv_cache`` (``EchoConfig.validate``), naming the setting to change."""
+    room for (``EchoConfig.max_running``, the capacity rule, with Q = ``q`` query tokens
+    per request: S + 1 under speculative decoding). An asked value past the rule fails in
+    ``build_kv_cache`` (``EchoConfig.validate``), or here under speculation
+    (``EchoConfig.check_verify_batch``), naming the setting to change."""
     running = asked or DEFAULT_MAX_RUNNING
     if echo.offload and asked is None:
-        running = max(1, min(running, echo.max_running(topk)))
+        running = max(1, min(running, echo.max_running(topk, queries_per_request=q)))
+    if q > 1:
+        echo.check_verify_batch(running, topk, q, batch_flag="--max-running-requests")
     return running
+
+
+def check_speculative(args: ServerArgs, start: StartUp, cfg: DeepseekV32Config) -> int:
+    """Q = S + 1 under ``--speculative-algorithm`` (1 without): the flags as ``generate``
+    validates them, and what this server cannot run with them, refused with the reason."""
+    steps = speculative_num_steps(args)
+    if steps is None:
+        return 1
+    shown = f"--speculative-algorithm {args.speculative_algorithm}"
+    check_nextn_layer(
+        cfg.num_nextn_predict_layers, args.speculative_algorithm, args.model_path, ServerArgError
+    )
+    if start.cuda_graphs(args.disable_cuda_graph):
+        raise ServerArgError(
+            f"{shown}: verify and draft steps are not captured in CUDA graphs yet; add "
+            "--disable-cuda-graph"
+        )
+    if start.echo.offload and start.echo.fuse_decode == "1":
+        raise ServerArgError(
+            f"{shown} is not supported with decode prefetch on every step "
+            "(SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1): a verify is an extend, which that "
+            "prefetch does not serve; set it to auto or 0"
+        )
+    return steps + 1
 
 
 def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
@@ -123,7 +160,8 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     check_kv_dtype(cfg, dtype, args.kv_cache_dtype, ServerArgError)
     context = check_context(cfg, args.context_length, ServerArgError)
     topk = cfg.index_topk
-    max_running = running_requests(args.max_running_requests, echo, topk)
+    q = check_speculative(args, start, cfg)
+    max_running = running_requests(args.max_running_requests, echo, topk, q)
     chunk = args.chunked_prefill_size or DEFAULT_CHUNK
     if chunk == -1:
         chunk = context
@@ -137,8 +175,10 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     if capacity < 2:
         raise ServerArgError(f"the KV pool of {capacity} tokens is too small to serve")
     buffer = hisparse_buffer_size(args)
+    # ECHO takes a verify's Q tokens per request in one append, as a prefill chunk.
+    kv_chunk = chunk if q == 1 else max(chunk, max_running * q)
     kv_cache = build_kv_backend(
-        start, cfg, capacity, max_running, chunk, args.kv_cache_dtype, hisparse_buffer=buffer
+        start, cfg, capacity, max_running, kv_chunk, args.kv_cache_dtype, hisparse_buffer=buffer
     )
     use_graph = start.cuda_graphs(args.disable_cuda_graph)
     steps = StepRunner(
@@ -160,6 +200,10 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         from sglang_echo.runtime.fake_transfer import FakeTransfer
 
         fake = FakeTransfer(model, kv_cache, steps, loaded.synthetic_kv_locality, dtype)
+    rounds = None
+    if q > 1:
+        draft = load_nextn(args.model_path, device, dtype, target=model)
+        rounds = SpecRounds(model, draft, steps, q - 1, capacity)
     scheduler = Scheduler(
         steps,
         max_running,
@@ -169,6 +213,7 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         detok,
         prompt_source=fake,
         overlap=not args.disable_overlap_schedule,
+        speculative=rounds,
     )
     info = {
         "model_path": args.model_path,
@@ -184,7 +229,9 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         "chunked_prefill_size": chunk,
         "cuda_graph": use_graph,
         "cuda_graph_max_bs": args.cuda_graph_max_bs if use_graph else 0,
-        "overlap_schedule": not args.disable_overlap_schedule,
+        "overlap_schedule": scheduler.overlap,
+        "speculative_algorithm": "NEXTN" if q > 1 else None,
+        "speculative_num_steps": q - 1 if q > 1 else None,
         "cuda_graphs_captured": captured,
         "kv_backend": "hisparse" if buffer else "echo" if echo.offload else "no-offload",
         "device_buffer_size": buffer,

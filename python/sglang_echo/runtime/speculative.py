@@ -33,13 +33,17 @@ past the next verify's first position. The draft's own one-layer pool is a plain
 in place the same way, by the draft extend that follows each verify.
 
 The runtime bookkeeping (request-table rows, token locations, releases through the KV
-backend) is ``StepRunner``'s; only the batches are built here.
+backend) is ``StepRunner``'s; only the batches are built here. A round over a batch
+(draft, verify, the accepted window, the draft over what was committed) is ``SpecRounds``'s,
+shared by the offline ``SpeculativeGenerator`` below and the server's scheduler
+(runtime/scheduler_speculative.py): each decides on its own how accepted tokens end a
+request.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,10 +54,10 @@ from sglang_echo.model.kv_cache import KVCache, PlainKVCache
 from sglang_echo.model.nextn import NextNLayer
 from sglang_echo.runtime.host_ints import int64_tensor
 from sglang_echo.runtime.request import SamplingParams, SeqState
-from sglang_echo.runtime.sampling import new_sample_key, sample_batch
+from sglang_echo.runtime.sampling import SampledBatch, new_sample_key, sample_batch
+from sglang_echo.runtime.speculative_flags import MAX_DRAFT_TOKENS
 from sglang_echo.runtime.step_runner import StepRunner
 
-MAX_DRAFT_TOKENS = 3  # the NextN layer chained on itself: deeper drafts rarely pay off
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -70,31 +74,204 @@ class SpecResult:
 
 
 @dataclass(eq=False)
-class _Live:
-    """A request in flight: its cached state (``seq.cached_len`` = target positions whose
-    KV is committed; the last output token is not cached yet) and the draft's carry, the
-    first draft token of the coming round and the NextN out_hidden that produced it.
-    ``params`` and ``key``: its sampling and noise key, as the scheduler would give it."""
+class SpecLane:
+    """A request in flight as a round sees it: its cached state (``seq.cached_len`` =
+    target positions whose KV is committed; the last output token is not cached yet) and
+    the draft's carry, the first draft token of the coming round and the NextN out_hidden
+    that produced it. ``params`` and ``key``: its sampling and noise key, as the
+    scheduler gives them."""
 
     seq: SeqState
-    result: SpecResult
     params: SamplingParams = field(default_factory=lambda: GREEDY)
     key: int = 0
     draft_token: int = -1
     draft_hidden: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class _Live(SpecLane):
+    """An offline request: a lane with the output it builds."""
+
+    result: SpecResult = field(default_factory=SpecResult)
 
     @property
     def done(self) -> bool:
         return bool(self.result.finish_reason)
 
 
+@dataclass
+class Verified:
+    """One verify's outcome, per lane in the round's order: ``accepted`` its window (the
+    matching drafts and the target's next token, 1..Q tokens), ``picks`` the target's
+    choices at those positions (token, finite, logprob: the scheduler accepts them one by
+    one), ``starts`` its first verified position. ``logits`` [lanes x Q, vocab] and
+    ``hidden`` (every verified position's target state) stay for the draft extend."""
+
+    lanes: list[SpecLane]
+    starts: list[int]
+    accepted: list[list[int]]
+    picks: list[SampledBatch]
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    q: int
+
+
+class SpecRounds:
+    """The round over a batch of lanes, and the draft over committed positions.
+
+    The draft gets a plain one-layer pool with the target's token locations, so a
+    position's draft and target rows share one location and one request-table entry; the
+    locations, rows and the target's KV backend are ``steps``' (a StepRunner)."""
+
+    def __init__(
+        self,
+        target: DeepseekV32ForCausalLM,
+        draft: NextNLayer,
+        steps: StepRunner,
+        num_draft_tokens: int,
+        token_capacity: int,
+    ) -> None:
+        if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]")
+        self.target = target
+        self.draft_model = draft
+        self.steps = steps
+        self.num_draft = num_draft_tokens
+        self.device = steps.device
+        dtype = target.lm_head.weight.dtype
+        self.draft_cache = PlainKVCache.for_model(draft.config, token_capacity, dtype, self.device)
+
+    # ------------------------------------------------------------------- a round
+    def verify(
+        self, lanes: list[SpecLane], drafter: Callable[[list[SpecLane]], list[list[int]]]
+    ) -> Verified:
+        """Place Q = S + 1 positions per lane, draft S tokens (``drafter``: ``draft``, or
+        a test's script of it), verify them (the lane's last output and its S drafts) in
+        one target extend and commit each lane's accepted window (``seq.cached_len``); the
+        caller appends the accepted tokens to the outputs. Rejected positions keep their
+        token locations, rewritten by the next verify (see the module docstring)."""
+        q = self.num_draft + 1
+        self.steps.flush_releases()
+        starts = [lane.seq.cached_len for lane in lanes]
+        for lane, start in zip(lanes, starts, strict=True):
+            have = len(lane.seq.locs)
+            if have < start + q:
+                self.steps.place(lane.seq, have, self.steps.allocator.alloc(start + q - have))
+        drafts = drafter(lanes)
+        ids = [[lane.seq.output[-1], *d] for lane, d in zip(lanes, drafts, strict=True)]
+        batch = self.batch([lane.seq for lane in lanes], ids, starts, decode=False)
+        logits, hidden = self.target.forward_with_hidden(batch, self.steps.kv_cache)
+        # Position j of a lane with n outputs is output index n + j: the counter the
+        # non-speculative scheduler would sample that token with.
+        rows = [lane for lane in lanes for _ in range(q)]
+        counters = [len(lane.seq.output) + j for lane in lanes for j in range(q)]
+        flat = self.choose(logits, rows, counters)
+        accepted, picks = [], []
+        for i, (lane, d, start) in enumerate(zip(lanes, drafts, starts, strict=True)):
+            best = flat.tokens[i * q : (i + 1) * q]
+            k = 0
+            while k < self.num_draft and d[k] == best[k]:
+                k += 1
+            accepted.append([*d[:k], best[k]])
+            at = slice(i * q, i * q + k + 1)
+            picks.append(SampledBatch(best[: k + 1], flat.finite[at], flat.logprobs[at]))
+            lane.seq.cached_len = start + k + 1  # positions start..start+k are committed
+        return Verified(lanes, starts, accepted, picks, logits, hidden, q)
+
+    def extend_drafts(self, v: Verified, going_on: Sequence[bool]) -> None:
+        """The draft over each going-on lane's accepted positions, with the target's
+        states there: the next round's first draft (a lane that finished is skipped)."""
+        keep = [i for i, go in enumerate(going_on) if go]
+        if not keep:
+            return
+        rows = [r for i in keep for r in range(i * v.q, i * v.q + len(v.accepted[i]))]
+        self.draft_over(
+            [v.lanes[i] for i in keep],
+            [v.accepted[i] for i in keep],
+            [v.starts[i] for i in keep],
+            v.hidden[self._ints(rows)],
+        )
+
+    def draft(self, lanes: list[SpecLane]) -> list[list[int]]:
+        """S draft tokens per lane: the carried first draft, then the NextN layer on its
+        own out_hidden and argmax token at the next position (one-token steps on the
+        draft pool; their rows past the accepted positions are rewritten later)."""
+        drafts = [[lane.draft_token] for lane in lanes]
+        hidden = torch.stack([lane.draft_hidden for lane in lanes])
+        seqs = [lane.seq for lane in lanes]
+        for j in range(1, self.num_draft):
+            starts = [lane.seq.cached_len + j - 1 for lane in lanes]
+            ids = [[d[-1]] for d in drafts]
+            batch = self.batch(seqs, ids, starts, decode=True)
+            logits, hidden = self.draft_model(batch, hidden, self.draft_cache)
+            for d, token in zip(drafts, logits.argmax(-1).tolist(), strict=True):
+                d.append(token)
+        return drafts
+
+    def draft_over(
+        self,
+        lanes: list[SpecLane],
+        next_ids: list[list[int]],
+        starts: list[int],
+        target_hidden: torch.Tensor,
+    ) -> None:
+        """The draft over newly committed positions (a prompt chunk, or a round's accepted
+        ones): position p takes the token at p + 1 and the target's hidden state at p,
+        overwriting the draft rows the draft steps wrote there; each lane's last row
+        gives the next round's first draft and its out_hidden."""
+        seqs = [lane.seq for lane in lanes]
+        batch = self.batch(seqs, next_ids, starts, decode=False)
+        ends = torch.tensor([len(ids) for ids in next_ids]).cumsum(0) - 1
+        batch.logits_indices = ends.to(self.device)
+        logits, out_hidden = self.draft_model(batch, target_hidden, self.draft_cache)
+        for i, (lane, token) in enumerate(zip(lanes, logits.argmax(-1).tolist(), strict=True)):
+            lane.draft_token = token
+            lane.draft_hidden = out_hidden[i]
+
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def choose(logits: torch.Tensor, lanes: list[SpecLane], counters: list[int]) -> SampledBatch:
+        """One token per logits row by the runtime's sampler (runtime/sampling.py), with
+        row i's lane params and noise key and output index ``counters[i]``."""
+        return sample_batch(
+            logits, [lane.params for lane in lanes], [lane.key for lane in lanes], counters
+        )
+
+    def batch(
+        self, seqs: list[SeqState], ids: list[list[int]], starts: list[int], decode: bool
+    ) -> ForwardBatch:
+        """Request i's ``ids`` at positions starts[i].. over its first starts[i] + len
+        positions, at the token locations its table row holds there."""
+        lens = [len(x) for x in ids]
+        context = [s + n for s, n in zip(starts, lens, strict=True)]
+        positions = [p for s, n in zip(starts, lens, strict=True) for p in range(s, s + n)]
+        out_locs = [
+            seq.locs[p] for seq, s, n in zip(seqs, starts, lens, strict=True)
+            for p in range(s, s + n)
+        ]  # fmt: skip
+        rows = self._ints([seq.row for seq in seqs])
+        return ForwardBatch(
+            input_ids=self._ints([t for x in ids for t in x]),
+            positions=self._ints(positions),
+            out_locs=self._ints(out_locs),
+            context_locs=self.steps.table.table[rows, : max(context)],
+            extend_lens=lens,
+            context_lens=context,
+            is_decode=decode,
+            logits_indices=None,
+            request_rows=rows,
+        )
+
+    def _ints(self, values: list[int]) -> torch.Tensor:
+        return int64_tensor(values, self.device)
+
+
 class SpeculativeGenerator:
     """Generation (greedy or seeded sampling) of a batch of prompts with NextN drafts of ``num_draft_tokens``.
 
-    ``kv_cache`` is the target's (plain pool or ECHO); the draft gets a plain one-layer
-    pool with the same token locations, so a position's draft and target rows share one
-    location and one request-table entry. Prompts are prefilled one request at a time in
-    chunks of ``chunk_size`` (an ECHO append must fit its device cache).
+    ``kv_cache`` is the target's (plain pool or ECHO); the rounds are ``SpecRounds``'.
+    Prompts are prefilled one request at a time in chunks of ``chunk_size`` (an ECHO
+    append must fit its device cache).
 
     ``record_logits``: keep every verify's logits in the results (the lossless checks);
     off for long runs, whose [Q, vocab] rows per round would pile up on the host.
@@ -113,17 +290,12 @@ class SpeculativeGenerator:
         eos_token_ids: Sequence[int] | None = None,
         record_logits: bool = True,
     ) -> None:
-        if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]")
         self.target = target
-        self.draft = draft
-        self.num_draft = num_draft_tokens
         self.chunk_size = chunk_size
         self.max_batch_size = max_batch_size
         self.steps = StepRunner(target, kv_cache, token_capacity, max_batch_size, max_context)
-        self.device = self.steps.device
-        dtype = target.lm_head.weight.dtype
-        self.draft_cache = PlainKVCache.for_model(draft.config, token_capacity, dtype, self.device)
+        self.rounds = SpecRounds(target, draft, self.steps, num_draft_tokens, token_capacity)
+        self.num_draft = num_draft_tokens
         eos = target.config.eos_token_ids if eos_token_ids is None else eos_token_ids
         self.eos_ids = set(eos)
         self.record_logits = record_logits
@@ -158,7 +330,8 @@ class SpeculativeGenerator:
         if not all(prompts):
             raise ValueError("empty prompt")
         lives = [
-            _Live(SeqState(list(p)), SpecResult(), params, new_sample_key(params)) for p in prompts
+            _Live(SeqState(list(p)), params, new_sample_key(params), result=SpecResult())
+            for p in prompts
         ]
         try:  # rows and locations go back even when a forward fails
             began = time.perf_counter()  # each phase ends on a host read of its tokens
@@ -185,101 +358,32 @@ class SpeculativeGenerator:
             n = min(self.chunk_size, len(ids) - start)
             self.steps.place(seq, start, self.steps.allocator.alloc(n))
             seq.cached_len = start + n
-            batch = self._batch([seq], [ids[start : start + n]], [start], decode=False)
-            batch.logits_indices = self._ints([n - 1])
+            batch = self.rounds.batch([seq], [ids[start : start + n]], [start], decode=False)
+            batch.logits_indices = self.rounds._ints([n - 1])
             logits, h = self.target.forward_with_hidden(batch, self.steps.kv_cache)
             hidden.append(h)
-        (first,) = self._choose(logits[:1], [live], [0])
+        (first,) = self.rounds.choose(logits[:1], [live], [0]).tokens
         if self._accept(live, [first], max_new):
             return
-        self._draft_extend([live], [[*ids[1:], first]], [0], torch.cat(hidden))
+        self.rounds.draft_over([live], [[*ids[1:], first]], [0], torch.cat(hidden))
 
     # ------------------------------------------------------------------- a round
     def _round(self, active: list[_Live], max_new: int) -> None:
         """Draft S tokens, verify Q = S + 1 positions in one target extend, accept, and
         re-run the draft over the accepted positions with the target's states."""
-        q = self.num_draft + 1
-        starts = [live.seq.cached_len for live in active]
-        for live, start in zip(active, starts, strict=True):
-            have = len(live.seq.locs)
-            if have < start + q:  # rejected positions keep their locations (see above)
-                self.steps.place(live.seq, have, self.steps.allocator.alloc(start + q - have))
-        drafts = self._draft(active)
-        ids = [[live.seq.output[-1], *d] for live, d in zip(active, drafts, strict=True)]
-        batch = self._batch([live.seq for live in active], ids, starts, decode=False)
-        logits, hidden = self.target.forward_with_hidden(batch, self.steps.kv_cache)
-        best = self._verify_choices(logits, active, q)
-        cont, cont_ids, cont_starts, cont_rows = [], [], [], []
-        for i, (live, d, start) in enumerate(zip(active, drafts, starts, strict=True)):
-            k = 0
-            while k < self.num_draft and d[k] == best[i][k]:
-                k += 1
-            accepted = [*d[:k], best[i][k]]
+        v = self.rounds.verify(active, self._draft)
+        going_on = []
+        for i, (live, accepted) in enumerate(zip(active, v.accepted, strict=True)):
             if self.record_logits:
-                live.result.verify_logits.append(logits[i * q : (i + 1) * q].to("cpu", copy=True))
-            live.result.accept_lens.append(k + 1)
-            live.seq.cached_len = start + k + 1  # positions start..start+k are committed
-            if not self._accept(live, accepted, max_new):
-                cont.append(live)
-                cont_ids.append(accepted)
-                cont_starts.append(start)
-                cont_rows.extend(range(i * q, i * q + k + 1))
-        if cont:
-            self._draft_extend(cont, cont_ids, cont_starts, hidden[self._ints(cont_rows)])
+                rows = v.logits[i * v.q : (i + 1) * v.q]
+                live.result.verify_logits.append(rows.to("cpu", copy=True))
+            live.result.accept_lens.append(len(accepted))
+            going_on.append(not self._accept(live, accepted, max_new))
+        self.rounds.extend_drafts(v, going_on)
 
     def _draft(self, active: list[_Live]) -> list[list[int]]:
-        """S draft tokens per request: the carried first draft, then the NextN layer on
-        its own out_hidden and argmax token at the next position (one-token steps on the
-        draft pool; their rows past the accepted positions are rewritten later)."""
-        drafts = [[live.draft_token] for live in active]
-        hidden = torch.stack([live.draft_hidden for live in active])
-        seqs = [live.seq for live in active]
-        for j in range(1, self.num_draft):
-            starts = [live.seq.cached_len + j - 1 for live in active]
-            ids = [[d[-1]] for d in drafts]
-            batch = self._batch(seqs, ids, starts, decode=True)
-            logits, hidden = self.draft(batch, hidden, self.draft_cache)
-            for d, token in zip(drafts, logits.argmax(-1).tolist(), strict=True):
-                d.append(token)
-        return drafts
-
-    def _draft_extend(
-        self,
-        lives: list[_Live],
-        next_ids: list[list[int]],
-        starts: list[int],
-        target_hidden: torch.Tensor,
-    ) -> None:
-        """The draft over newly committed positions (the prompt, or a round's accepted
-        ones): position p takes the token at p + 1 and the target's hidden state at p,
-        overwriting the draft rows the draft steps wrote there; each request's last row
-        gives the next round's first draft and its out_hidden."""
-        seqs = [live.seq for live in lives]
-        batch = self._batch(seqs, next_ids, starts, decode=False)
-        ends = torch.tensor([len(ids) for ids in next_ids]).cumsum(0) - 1
-        batch.logits_indices = ends.to(self.device)
-        logits, out_hidden = self.draft(batch, target_hidden, self.draft_cache)
-        for i, (live, token) in enumerate(zip(lives, logits.argmax(-1).tolist(), strict=True)):
-            live.draft_token = token
-            live.draft_hidden = out_hidden[i]
-
-    # ---------------------------------------------------------------- choices
-    def _verify_choices(self, logits: torch.Tensor, active: list[_Live], q: int) -> list[list[int]]:
-        """The target's token at each of a verify's Q positions per request: position j
-        of a request with n output tokens is its output index n + j, the counter the
-        non-speculative scheduler would sample that token with."""
-        lives = [live for live in active for _ in range(q)]
-        counters = [len(live.seq.output) + j for live in active for j in range(q)]
-        flat = self._choose(logits, lives, counters)
-        return [flat[i * q : (i + 1) * q] for i in range(len(active))]
-
-    @staticmethod
-    def _choose(logits: torch.Tensor, lives: list[_Live], counters: list[int]) -> list[int]:
-        """One token per logits row by the runtime's sampler (runtime/sampling.py), with
-        row i's request params and noise key and output index ``counters[i]``."""
-        return sample_batch(
-            logits, [live.params for live in lives], [live.key for live in lives], counters
-        ).tokens
+        """The round's drafts (``SpecRounds.draft``; tests script them here)."""
+        return self.rounds.draft(active)
 
     # ------------------------------------------------------------------ helpers
     def _accept(self, live: _Live, tokens: list[int], max_new: int) -> bool:
@@ -297,38 +401,17 @@ class SpeculativeGenerator:
                 return True
         return False
 
-    def _batch(
-        self, seqs: list[SeqState], ids: list[list[int]], starts: list[int], decode: bool
-    ) -> ForwardBatch:
-        """Request i's ``ids`` at positions starts[i].. over its first starts[i] + len
-        positions, at the token locations its table row holds there."""
-        lens = [len(x) for x in ids]
-        context = [s + n for s, n in zip(starts, lens, strict=True)]
-        positions = [p for s, n in zip(starts, lens, strict=True) for p in range(s, s + n)]
-        out_locs = [
-            seq.locs[p] for seq, s, n in zip(seqs, starts, lens, strict=True)
-            for p in range(s, s + n)
-        ]  # fmt: skip
-        rows = self._ints([seq.row for seq in seqs])
-        return ForwardBatch(
-            input_ids=self._ints([t for x in ids for t in x]),
-            positions=self._ints(positions),
-            out_locs=self._ints(out_locs),
-            context_locs=self.steps.table.table[rows, : max(context)],
-            extend_lens=lens,
-            context_lens=context,
-            is_decode=decode,
-            logits_indices=None,
-            request_rows=rows,
-        )
-
     def _lap(self, phase: str, began: float) -> float:
         now = time.perf_counter()
         self.phase_s[phase] += now - began
         return now
 
-    def _ints(self, values: list[int]) -> torch.Tensor:
-        return int64_tensor(values, self.device)
 
-
-__all__ = ["MAX_DRAFT_TOKENS", "SpecResult", "SpeculativeGenerator"]
+__all__ = [
+    "MAX_DRAFT_TOKENS",
+    "SpecLane",
+    "SpecResult",
+    "SpecRounds",
+    "SpeculativeGenerator",
+    "Verified",
+]

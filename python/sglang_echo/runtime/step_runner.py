@@ -120,6 +120,24 @@ class StepRunner:
         Returns the requests whose prompt is now fully cached and their next-token logits
         ([len(done), vocab]); the others only advanced ``cached_len``.
         """
+        _, done, batch = self._prefill_batch(pending, budget)
+        return done, self.model(batch, self.kv_cache)
+
+    def prefill_chunk_with_hidden(
+        self, pending: Sequence[SeqState], budget: int
+    ) -> tuple[list[tuple[SeqState, int]], list[SeqState], torch.Tensor, torch.Tensor]:
+        """``prefill_chunk`` that also returns the chunk's members (request, tokens) in
+        batch order and every position's final-normed hidden state: MTP's draft runs over
+        the prompt with them (runtime/scheduler_speculative.py)."""
+        members, done, batch = self._prefill_batch(pending, budget)
+        logits, hidden = self.model.forward_with_hidden(batch, self.kv_cache)
+        return members, done, logits, hidden
+
+    def _prefill_batch(
+        self, pending: Sequence[SeqState], budget: int
+    ) -> tuple[list[tuple[SeqState, int]], list[SeqState], ForwardBatch]:
+        """A prefill chunk's members, the requests it completes, and its batch (the
+        members' token locations placed)."""
         self.flush_releases()
         members: list[tuple[SeqState, int]] = []
         for req in pending:
@@ -154,7 +172,7 @@ class StepRunner:
             is_decode=False,
             logits_rows=done_rows,
         )
-        return done, self.model(batch, self.kv_cache)
+        return members, done, batch
 
     def decode(
         self, active: Sequence[SeqState], carried: CarriedTokens | None = None
