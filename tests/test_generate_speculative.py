@@ -21,6 +21,7 @@ from scripts.make_tiny_checkpoint import make_tiny_checkpoint
 from sglang_echo.config import ConfigError, dev_cache_for
 from sglang_echo.generate import InputError, build_parser, main, run
 from sglang_echo.runtime.speculative import SpeculativeGenerator
+from spec_drafts import script_drafts
 from test_generate_cli import SPEC as CLI_SPEC
 
 # The CLI tests' tiny model, with one NextN (MTP) layer.
@@ -236,22 +237,15 @@ SAMPLING = ("--temperature", "0.8", "--top-p", "0.9", "--top-k", "40")
 
 
 def _script_drafts(monkeypatch: pytest.MonkeyPatch, reference: dict[tuple, list[int]]) -> None:
-    """Drafts equal to the reference's next tokens up to a count that cycles with the
-    rounds, wrong after it, so every accept length occurs (the tiny random NextN layer's
-    own drafts are all rejected)."""
-    original = SpeculativeGenerator._draft
-
-    def scripted(self, active):
-        out = []
-        for live, d in zip(active, original(self, active), strict=True):
-            ref = reference[tuple(live.seq.prompt)]
-            at = len(live.result.tokens)
-            right = [ref[min(at + j, len(ref) - 1)] for j in range(len(d))]
-            keep = len(live.result.accept_lens) % (len(d) + 1)
-            out.append(right[:keep] + [(t + 1) % SPEC.vocab_size for t in right[keep:]])
-        return out
-
-    monkeypatch.setattr(SpeculativeGenerator, "_draft", scripted)
+    """Every accept length occurs (tests/spec_drafts.py)."""
+    script_drafts(
+        monkeypatch,
+        SpeculativeGenerator,
+        lambda live: reference[tuple(live.seq.prompt)],
+        SPEC.vocab_size,
+        produced_of=lambda live: len(live.result.tokens),
+        key_of=id,
+    )
 
 
 @pytest.mark.parametrize("seed", ["5", "99"])

@@ -13,7 +13,6 @@ request rows, ECHO's device slots, no refused release); and the start-up refusal
 from __future__ import annotations
 
 import random
-from collections import defaultdict
 from dataclasses import replace
 
 import pytest
@@ -27,6 +26,7 @@ from sglang_echo.runtime.request import SamplingParams, ServeRequest
 from sglang_echo.runtime.scheduler_speculative import SpeculativeDecode
 from sglang_echo.runtime.server_args import ServerArgError, parse_server_args
 from sglang_echo.tokenizer import load_tokenizer
+from spec_drafts import script_drafts
 
 SPEC = TinySpec(seed=4, num_nextn_predict_layers=1)  # index_topk 16: sparse past 16 tokens
 CHUNK, CONTEXT, RUNNING, POOL = 16, 128, 3, 1200
@@ -89,23 +89,17 @@ def _run(serving, prompts, params) -> list[ServeRequest]:
 
 def _script(monkeypatch, reference: dict[str, list[int]], mode: str = "cycle") -> None:
     """Drafts equal to the reference's next tokens up to a count that cycles with each
-    request's rounds (``cycle``: every accept length occurs) or always (``right``),
-    wrong after it; the real draft still runs, so its pool is written as usual."""
-    original = SpeculativeDecode._draft
-    rounds: dict[str, int] = defaultdict(int)
-
-    def scripted(self, lanes):
-        out = []
-        for lane, d in zip(lanes, original(self, lanes), strict=True):
-            ref = reference[lane.seq.rid]
-            at = len(lane.seq.output)
-            right = [ref[min(at + j, len(ref) - 1)] for j in range(len(d))]
-            keep = len(d) if mode == "right" else rounds[lane.seq.rid] % (len(d) + 1)
-            rounds[lane.seq.rid] += 1
-            out.append(right[:keep] + [(t + 1) % SPEC.vocab_size for t in right[keep:]])
-        return out
-
-    monkeypatch.setattr(SpeculativeDecode, "_draft", scripted)
+    request's rounds (``cycle``: every accept length occurs) or always (``right``), wrong
+    after it (tests/spec_drafts.py)."""
+    script_drafts(
+        monkeypatch,
+        SpeculativeDecode,
+        lambda lane: reference[lane.seq.rid],
+        SPEC.vocab_size,
+        produced_of=lambda lane: len(lane.seq.output),
+        key_of=lambda lane: lane.seq.rid,
+        always_right=mode == "right",
+    )
 
 
 def _assert_events(req: ServeRequest) -> None:

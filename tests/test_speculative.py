@@ -23,6 +23,7 @@ from sglang_echo.runtime.engine import Engine
 from sglang_echo.runtime.kv_factory import echo_cache_for_model
 from sglang_echo.runtime.request import SamplingParams
 from sglang_echo.runtime.speculative import SpeculativeGenerator
+from spec_drafts import script_drafts
 
 SPEC = TinySpec(seed=4, num_nextn_predict_layers=1)  # index_topk 16: sparse past 16 tokens
 CHUNK, CONTEXT, NEW = 16, 96, 12
@@ -250,22 +251,16 @@ def seeded(models):
 
 
 def _scripted_from(monkeypatch, reference) -> None:
-    """Drafts right (equal to the seeded reference's next tokens) up to a count that
-    cycles with the rounds, wrong after it: every accept length occurs."""
-    original = SpeculativeGenerator._draft
-
-    def scripted(self, active):
-        drafts = original(self, active)
-        out = []
-        for live, d in zip(active, drafts, strict=True):
-            ref = reference[live.params.seed, tuple(live.seq.prompt)]
-            at = len(live.result.tokens)
-            right = [ref[min(at + j, len(ref) - 1)] for j in range(len(d))]
-            keep = len(live.result.accept_lens) % (len(d) + 1)
-            out.append(right[:keep] + [(t + 1) % SPEC.vocab_size for t in right[keep:]])
-        return out
-
-    monkeypatch.setattr(SpeculativeGenerator, "_draft", scripted)
+    """Drafts right (the seeded reference's next tokens) up to a count that cycles with
+    the rounds, wrong after it: every accept length occurs (tests/spec_drafts.py)."""
+    script_drafts(
+        monkeypatch,
+        SpeculativeGenerator,
+        lambda live: reference[live.params.seed, tuple(live.seq.prompt)],
+        SPEC.vocab_size,
+        produced_of=lambda live: len(live.result.tokens),
+        key_of=id,
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -1,0 +1,43 @@
+"""Scripted MTP drafts for the speculative tests (runtime/speculative.py and the server's
+runtime/scheduler_speculative.py): the tiny checkpoints' random NextN layer is never
+right, so these tests replace each round's drafts by the reference's next tokens up to a
+count, wrong after it, and acceptance of every length actually happens. The real draft
+still runs first, so its one-layer pool is written as usual."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+
+def script_drafts(
+    monkeypatch: pytest.MonkeyPatch,
+    owner: type,
+    reference_of: Callable[[Any], list[int]],
+    vocab_size: int,
+    produced_of: Callable[[Any], int],
+    key_of: Callable[[Any], Any],
+    always_right: bool = False,
+) -> None:
+    """Patch ``owner._draft`` (a method taking the round's lanes, returning drafts).
+
+    For each lane: ``reference_of`` its reference tokens, ``produced_of`` how many it has
+    produced so far, ``key_of`` a stable key counting its rounds. The first k drafts are
+    right, where k cycles 0..S with the lane's rounds (or is S with ``always_right``)."""
+    original = owner._draft
+    rounds: dict[Any, int] = defaultdict(int)
+
+    def scripted(self, lanes):
+        out = []
+        for lane, d in zip(lanes, original(self, lanes), strict=True):
+            ref, at, key = reference_of(lane), produced_of(lane), key_of(lane)
+            right = [ref[min(at + j, len(ref) - 1)] for j in range(len(d))]
+            keep = len(d) if always_right else rounds[key] % (len(d) + 1)
+            rounds[key] += 1
+            out.append(right[:keep] + [(t + 1) % vocab_size for t in right[keep:]])
+        return out
+
+    monkeypatch.setattr(owner, "_draft", scripted)
