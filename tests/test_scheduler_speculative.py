@@ -22,6 +22,7 @@ from scripts.make_tiny_checkpoint import TinySpec, make_tiny_checkpoint
 from server_utils import make_serving
 from sglang_echo.config import ConfigError, EchoConfig
 from sglang_echo.launch_server import main as launch_main
+from sglang_echo.runtime import metrics
 from sglang_echo.runtime.request import SamplingParams, ServeRequest
 from sglang_echo.runtime.scheduler_speculative import SpeculativeDecode
 from sglang_echo.runtime.server_args import ServerArgError, parse_server_args
@@ -162,6 +163,32 @@ def test_speculative_scheduler_equals_plain_scheduler(ckpts, monkeypatch, kv, sa
     if kv == "echo":
         assert sum(serving.kv_cache.telemetry()["evictions"]) > 0  # real pressure
     _assert_all_free(serving, kv)
+
+
+def test_speculative_gauges_follow_the_rounds(ckpts, monkeypatch):
+    """``/metrics`` and ``/get_server_info`` carry SGLang's speculative gauges, computed
+    from the rounds' accepted lengths; a server without speculation carries none."""
+    prompts, params = _prompts(1), _params("greedy")
+    plain = _serving(ckpts["mtp"], "plain", False)
+    reference = {r.rid: r.output for r in _run(plain, prompts, params)}
+    assert "avg_spec_accept_length" not in metrics.snapshot(plain.scheduler, plain.kv_cache)
+    _script(monkeypatch, reference)
+    serving = _serving(ckpts["mtp"], "plain", True)
+    _run(serving, prompts, params)
+    lens = serving.scheduler.speculative.accept_lens
+    snap = metrics.snapshot(serving.scheduler, serving.kv_cache)
+    rounds = sum(lens.values())
+    assert snap["spec_verify_rounds_total"] == rounds > 0
+    assert snap["avg_spec_accept_length"] == pytest.approx(
+        sum(k * n for k, n in lens.items()) / rounds
+    )
+    assert 1 < snap["avg_spec_accept_length"] < Q  # every length occurred (scripted cycle)
+    kept = sum((k - 1) * n for k, n in lens.items())
+    assert snap["spec_accept_rate"] == pytest.approx(kept / (rounds * S))
+    text = metrics.render(snap, "m")
+    assert 'sglang:spec_accept_length{model_name="m"}' in text
+    assert f'sglang:spec_num_draft_tokens{{model_name="m"}} {float(Q)!r}' in text
+    assert "sglang:spec_verify_rounds_total" in text
 
 
 def test_sampling_is_not_greedy_and_seeds_differ(ckpts):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from sglang_echo.runtime.scheduler import Scheduler
+from sglang_echo.runtime.scheduler_speculative import accept_stats
 
 PREFIX = "sglang"
 
@@ -53,6 +54,8 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
     if source is not None:
         snap["transfers_total"] = source.transfers
         snap["transfer_seconds_total"] = source.transfer_s
+    if sched.speculative is not None:  # SGLang's names (avg_spec_accept_length in its states)
+        snap.update(accept_stats(sched.speculative.accept_lens, sched.speculative.num_draft))
     telemetry = kv_cache.telemetry()
     if telemetry is not None:
         snap["echo"] = telemetry
@@ -167,6 +170,19 @@ def render(snap: dict, model_name: str) -> str:
     ):
         if key in snap:
             one(key.removesuffix("_total"), kind, text, key)
+    if "avg_spec_accept_length" in snap:
+        for key, text in (
+            ("avg_spec_accept_length", "Mean tokens a speculative round commits per request."),
+            ("spec_accept_rate", "Share of proposed draft tokens accepted."),
+            ("spec_num_steps", "Draft tokens per round (--speculative-num-steps)."),
+            (
+                "spec_num_draft_tokens",
+                "Verified positions per round (--speculative-num-draft-tokens).",
+            ),
+        ):
+            name = "spec_accept_length" if key == "avg_spec_accept_length" else key
+            metric(name, "gauge", text, [({}, snap[key])])
+        one("spec_verify_rounds", "counter", "Request-rounds verified.", "spec_verify_rounds_total")
     echo = snap.get("echo")
     if echo is not None:
         layers = range(len(echo["hit_rate"]))

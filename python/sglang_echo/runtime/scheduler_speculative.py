@@ -140,3 +140,20 @@ class SpeculativeDecode:
     def _draft(self, lanes: list[SpecLane]) -> list[list[int]]:
         """The round's drafts (``SpecRounds.draft``; tests script them here)."""
         return self.rounds.draft(lanes)
+
+
+def accept_stats(accept_lens: Counter[int], num_draft: int) -> dict[str, float]:
+    """The speculative gauges SGLang exports, from the rounds' accepted lengths (1..Q per
+    request and round): the mean accepted length (drafts kept + the target's token) and
+    the share of proposed drafts kept; a round a request's end cut short counts as cut."""
+    rounds = sum(accept_lens.values())
+    kept = sum((length - 1) * n for length, n in accept_lens.items())
+    return {
+        "avg_spec_accept_length": sum(k * n for k, n in accept_lens.items()) / rounds
+        if rounds
+        else 0.0,
+        "spec_accept_rate": kept / (rounds * num_draft) if rounds else 0.0,
+        "spec_num_steps": float(num_draft),
+        "spec_num_draft_tokens": float(num_draft + 1),
+        "spec_verify_rounds_total": float(rounds),
+    }
