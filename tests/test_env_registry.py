@@ -100,6 +100,7 @@ BAD = {
     "SGLANG_ECHO_RESOLVE_OVERLAP": "on",
     "SGLANG_ECHO_TOPK": "fast",
     "SGLANG_ECHO_SPARSE_MLA": "triton",
+    "SGLANG_ECHO_BATCH_INVARIANT": "on",
 }
 
 
@@ -179,6 +180,7 @@ def test_the_plugin_parses_only_what_it_reads():
         "ECHO_ENGINE_PROFILE",
         "SGLANG_ECHO_DECODE_PLACE",
         "SGLANG_ECHO_RESOLVE_OVERLAP",
+        "SGLANG_ECHO_BATCH_INVARIANT",
     }
     bad_runtime_only = {name: BAD.get(name, "x") for name in runtime_only}
     plugin = EchoSettings.from_env({ENV_OFFLOAD: "1", **bad_runtime_only}, reader="plugin")

@@ -27,9 +27,11 @@ reads ``os.environ`` for a registered name (tested).
 Settings are handed down, never looked up below the entry points: ``model/``,
 ``offload/`` and ``kernels/`` call no ``settings()`` (tests/test_settings_handed_down.py).
 Each switch is a parameter whose value the entry point passes from ``settings()``:
-``SGLANG_ECHO_TOPK`` and ``SGLANG_ECHO_SPARSE_MLA`` reach the model as its
-``ModelKernels`` (``load_model(..., kernels=)``, ``DeepseekV32ForCausalLM(config,
-kernels=)``; the indexer hands the top-k to ``use_flashinfer(scores, topk, backend)``),
+``SGLANG_ECHO_TOPK``, ``SGLANG_ECHO_SPARSE_MLA`` and ``SGLANG_ECHO_BATCH_INVARIANT`` reach
+the model as its ``ModelKernels`` (``load_model(..., kernels=)``,
+``DeepseekV32ForCausalLM(config, kernels=)``; the indexer hands the top-k to
+``use_flashinfer(scores, topk, backend)``; the NextN draft layer gets the batch-invariant
+mode from ``model.layers.set_batch_invariant``),
 and ``SGLANG_ECHO_PDL`` reaches the caches as ``pdl=`` (``HiSparseKVCache(..., pdl=)``,
 ``offload.manager.EchoManager``), which pass it to ``use_pdl(device, asked)``,
 ``recall_rows(..., pdl=)`` and ``AllocWorkspace(..., pdl=)``. Every such default equals
@@ -76,6 +78,13 @@ ENV_DECODE_PLACE = "SGLANG_ECHO_DECODE_PLACE"
 ENV_RESOLVE_OVERLAP = "SGLANG_ECHO_RESOLVE_OVERLAP"
 ENV_TOPK = "SGLANG_ECHO_TOPK"
 ENV_SPARSE_MLA = "SGLANG_ECHO_SPARSE_MLA"
+# 1: every matmul of the model's forward by the batch-invariant GEMM
+# (kernels/invariant_matmul.py), handed to the model as ModelKernels.batch_invariant. Why:
+# served ECHO decodes more requests per step than no-offload, and cuBLAS (MKL on the CPU)
+# rounds a row by the batch's size, so at high load the two served runs' greedy tokens
+# could differ though each is lossless at equal batches. Off by default: the fixed-tile
+# GEMM is slower than cuBLAS, and the default path stays as it was.
+ENV_BATCH_INVARIANT = "SGLANG_ECHO_BATCH_INVARIANT"
 # A path: the engine thread runs under cProfile and writes PATH (pstats) and PATH.txt (the
 # top functions by cumulative time) when it stops; "{pid}" in it becomes the process id
 # (several servers, one setting). It slows the host side, so not for timed runs.
@@ -283,6 +292,13 @@ VARIABLES: tuple[Variable, ...] = (
         parse_choice(SPARSE_MLA_BACKENDS),
     ),
     Variable(
+        ENV_BATCH_INVARIANT, "batch_invariant", "0", "runtime", False,
+        "`1`: every matmul of the model's forward runs the batch-invariant GEMM "
+        "(`kernels/invariant_matmul.py`), so a request's tokens do not depend on how many "
+        "others share its batch (served ECHO vs no-offload); slower; `0`: cuBLAS/MKL",
+        parse_flag,
+    ),
+    Variable(
         ENV_ENGINE_PROFILE, "engine_profile", "unset", "runtime", False,
         "a path: the engine thread runs under cProfile and writes PATH and PATH.txt when it "
         "stops (`{pid}` = the process id); slows the host side",
@@ -314,6 +330,7 @@ class EchoSettings:
     resolve_overlap: bool = True
     topk: str = TOPK_BACKENDS[0]
     sparse_mla: str = SPARSE_MLA_BACKENDS[0]
+    batch_invariant: bool = False
     engine_profile: str | None = None
     # Not settings: who parsed them ("runtime" or "plugin": the variables read there; the
     # others keep their defaults) and which names the environment set (for the log).

@@ -25,6 +25,7 @@ from sglang_echo.kernels.fp8_kv import KV_CACHE_DTYPES
 from sglang_echo.model.config import ModelConfigError
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
+from sglang_echo.model.layers import set_batch_invariant
 from sglang_echo.model.loader import load_model, load_nextn
 from sglang_echo.runtime.assemble import (
     StartUp,
@@ -244,6 +245,7 @@ def _speculate(
     the run's totals and the speculative statistics of the summary."""
     capacity, batch, longest = sizes
     draft = load_nextn(args.model_path, start.device, start.dtype, target=model)
+    set_batch_invariant(draft, start.kernels.batch_invariant)  # as the target's
     gen = SpeculativeGenerator(
         model,
         draft,

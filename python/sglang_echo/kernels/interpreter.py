@@ -8,6 +8,10 @@ again (idempotent) for a process that sets the variable later.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import triton.language as tl
 
 
@@ -57,3 +61,57 @@ def fix_interpreter_bf16() -> None:
     builder.cast_impl = round_to_bf16
     builder.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
     builder._echo_bf16_dot = True
+
+
+_ROW_WISE = threading.local()  # per thread: a launch in another thread keeps its own dots
+
+
+@contextmanager
+def row_independent_dots() -> Iterator[None]:
+    """Within this block (this thread only), the interpreter's ``tl.dot`` computes each row
+    of its left operand on its own, so a row's bits do not depend on where it sits in the
+    tile.
+
+    Why: the interpreter hands a dot to ``np.matmul``, and OpenBLAS sums a row's products
+    in an order that depends on the row's position in the block (on this machine rows 6 to
+    15 of a 16-row tile round differently from row 0). A GPU's MMA computes every row of a
+    tile with the same instructions, which is what the batch-invariant GEMM
+    (kernels/invariant_matmul.py) relies on; its launcher runs under this block so that the
+    interpreted kernel is batch invariant too. Other kernels keep the one-call dot."""
+    _install_row_wise_dot()
+    before = getattr(_ROW_WISE, "on", False)
+    _ROW_WISE.on = True
+    try:
+        yield
+    finally:
+        _ROW_WISE.on = before
+
+
+def _install_row_wise_dot() -> None:
+    """Wrap the interpreter's dot (whatever wraps it already, e.g. the bf16 fix) once."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_echo_row_dot", False):
+        return
+    current = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not getattr(_ROW_WISE, "on", False) or a.data.ndim != 2:
+            return current(self, a, b, d, input_precision, max_num_imprecise_acc)
+        rows = [
+            current(
+                self,
+                interpreter.TensorHandle(a.data[i : i + 1], a.dtype),
+                b,
+                interpreter.TensorHandle(d.data[i : i + 1], d.dtype),
+                input_precision,
+                max_num_imprecise_acc,
+            )
+            for i in range(a.data.shape[0])
+        ]
+        return interpreter.TensorHandle(np.concatenate([r.data for r in rows]), rows[0].dtype)
+
+    builder.create_dot = create_dot
+    builder._echo_row_dot = True

@@ -25,12 +25,13 @@ from sglang_echo.config import (
     parse_choice,
 )
 from sglang_echo.kernels.fp8_kv import decode_kv_rows
+from sglang_echo.kernels.invariant_matmul import invariant_bmm
 from sglang_echo.kernels.sparse_mla import DECODE_SPLITS, sparse_mla, sparse_mla_from_buffer
 from sglang_echo.model.config import DeepseekV32Config, ModelConfigError
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.indexer import LightningIndexer
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.model.layers import RMSNorm
+from sglang_echo.model.layers import Linear, RMSNorm, set_batch_invariant
 from sglang_echo.model.rope import apply_rope_half, apply_rope_interleaved, attention_softmax_scale
 
 # Largest gathered [queries x top-k x row] block materialized at once (elements).
@@ -55,11 +56,15 @@ class ModelKernels:
     kernels/topk_flashinfer.py). ``sparse_mla``: SGLANG_ECHO_SPARSE_MLA; ``kernel`` applies
     on CUDA and under TRITON_INTERPRET=1 (tests), a CPU run without the interpreter keeps
     the torch path; ``auto`` takes the kernel on CUDA only, so interpreted CPU tests stay
-    fast. Values are read as the registry reads them (case and spaces ignored); a bad one
-    fails when the model is built, naming the allowed values."""
+    fast. ``batch_invariant``: SGLANG_ECHO_BATCH_INVARIANT; every matmul of the forward by
+    the batch-invariant GEMM (kernels/invariant_matmul.py; model/layers.py
+    ``set_batch_invariant``), so a request's logits do not depend on its batch. Values are
+    read as the registry reads them (case and spaces ignored); a bad one fails when the
+    model is built, naming the allowed values."""
 
     topk: str = TOPK_BACKENDS[0]
     sparse_mla: str = SPARSE_MLA_BACKENDS[0]
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -73,13 +78,19 @@ class ModelKernels:
     @classmethod
     def from_settings(cls, parsed) -> ModelKernels:
         """The choices of parsed settings (``config.EchoSettings``: ``.topk``,
-        ``.sparse_mla``); the entry points pass ``settings()``."""
-        return cls(topk=parsed.topk, sparse_mla=parsed.sparse_mla)
+        ``.sparse_mla``, ``.batch_invariant``); the entry points pass ``settings()``."""
+        return cls(
+            topk=parsed.topk,
+            sparse_mla=parsed.sparse_mla,
+            batch_invariant=parsed.batch_invariant,
+        )
 
     def apply(self, model: nn.Module) -> None:
         """Switch an already built model (or layer) to these choices: every attention
-        layer's sparse-MLA path and its indexer's top-k (a model a ``--model-loader``
-        built, a test comparing backends on one model's weights)."""
+        layer's sparse-MLA path and its indexer's top-k, and every matmul's batch-invariant
+        mode (a model a ``--model-loader`` built, a test comparing backends on one model's
+        weights)."""
+        set_batch_invariant(model, self.batch_invariant)
         for module in model.modules():
             if isinstance(module, MLAttention):
                 module.sparse_mla_backend = self.sparse_mla
@@ -207,19 +218,24 @@ class MLAttention(nn.Module):
         self.kv_lora_rank = config.kv_lora_rank
         self.rope_interleave = config.rope_interleave
         self.scale = attention_softmax_scale(config.rope, config.qk_head_dim)
-        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * config.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
+        self.q_b_proj = Linear(config.q_lora_rank, self.n_heads * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(
             config.hidden_size, config.kv_lora_rank + self.rope_dim, bias=False
         )
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             config.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False
         )
-        self.o_proj = nn.Linear(self.n_heads * self.v_dim, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.n_heads * self.v_dim, config.hidden_size, bias=False)
         self.indexer = LightningIndexer(config, kernels.topk)
         self.sparse_mla_backend = kernels.sparse_mla  # SGLANG_ECHO_SPARSE_MLA, handed down
+        # SGLANG_ECHO_BATCH_INVARIANT (set_batch_invariant sets it with every Linear's): the
+        # per-head absorption by the invariant GEMM too.
+        self.batch_invariant = False
+        if kernels.batch_invariant:
+            set_batch_invariant(self, True)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rope_interleave:
@@ -273,11 +289,24 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self._rope(q_pe, cos, sin)
         w_uk, w_uv = self._absorbed_weights()
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        if self.batch_invariant:
+            q_lat = self._absorb(q_nope, w_uk.transpose(1, 2))
+        else:
+            q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
         q_full = torch.cat((q_lat, q_pe), dim=-1)
         out_lat = self._attend(q_full, selected, batch, kv_cache, layer_id, resolved)
-        out = torch.einsum("thr,hvr->thv", out_lat, w_uv)
+        if self.batch_invariant:
+            out = self._absorb(out_lat, w_uv)
+        else:
+            out = torch.einsum("thr,hvr->thv", out_lat, w_uv)
         return self.o_proj(out.reshape(n_tokens, self.n_heads * self.v_dim))
+
+    def _absorb(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Batch-invariant mode's absorption: per head h, x[:, h] @ w[h].T, x [T, H, K],
+        w [H, N, K] -> [T, H, N], by the invariant GEMM on head-major views (no copies)."""
+        out = x.new_empty(x.shape[0], x.shape[1], w.shape[1])
+        invariant_bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
+        return out
 
     def _attend(
         self,

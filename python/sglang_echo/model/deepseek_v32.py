@@ -12,7 +12,7 @@ from sglang_echo.model.attention import MLAttention, ModelKernels
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.model.layers import GatedMLP, MoE, RMSNorm
+from sglang_echo.model.layers import GatedMLP, Linear, MoE, RMSNorm, set_batch_invariant
 from sglang_echo.model.rope import RotaryTable
 
 
@@ -58,15 +58,18 @@ class DeepseekV32Backbone(nn.Module):
 class DeepseekV32ForCausalLM(nn.Module):
     """Inference-only; ``forward`` returns float32 logits for the batch's sampled rows.
 
-    ``kernels``: the kernel choices (SGLANG_ECHO_TOPK, SGLANG_ECHO_SPARSE_MLA), handed down
+    ``kernels``: the kernel choices (SGLANG_ECHO_TOPK, SGLANG_ECHO_SPARSE_MLA,
+    SGLANG_ECHO_BATCH_INVARIANT), handed down
     by the entry point that builds the model; None: the registry's defaults."""
 
     def __init__(self, config: DeepseekV32Config, kernels: ModelKernels | None = None) -> None:
         super().__init__()
         self.config = config
         self.model = DeepseekV32Backbone(config, kernels)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self._rotary: RotaryTable | None = None
+        if kernels is not None and kernels.batch_invariant:
+            set_batch_invariant(self, True)  # every Linear, the router, the absorption
 
     def rotary(self) -> RotaryTable:
         device = self.lm_head.weight.device

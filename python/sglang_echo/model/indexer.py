@@ -20,11 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_echo.config import TOPK_BACKENDS
+from sglang_echo.kernels.invariant_matmul import invariant_linear
 from sglang_echo.kernels.pick_locs import pick_locs, pick_locs_reference
 from sglang_echo.kernels.topk import select_topk, topk_positions
 from sglang_echo.kernels.topk_flashinfer import topk_positions_flashinfer, use_flashinfer
 from sglang_echo.model.config import DeepseekV32Config, ModelConfigError, fp8_row_bytes
 from sglang_echo.model.forward_batch import ForwardBatch
+from sglang_echo.model.layers import Linear
 from sglang_echo.model.rope import apply_rope_half
 from sglang_echo.model.selection_hooks import DecodeSelectionHooks, PrefillSelectionHooks
 
@@ -169,10 +171,10 @@ class LightningIndexer(nn.Module):
         self.topk = config.index_topk
         self.mode = config.indexer_mode
         self.softmax_scale = self.head_dim**-0.5
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False)
         # The kernel top-k (SGLANG_ECHO_TOPK), handed down by whoever builds the model
         # (model/attention.py ModelKernels; the entry points pass their settings' value).
         if topk_backend not in TOPK_BACKENDS:
@@ -181,13 +183,19 @@ class LightningIndexer(nn.Module):
                 "(SGLANG_ECHO_TOPK)"
             )
         self.topk_backend = topk_backend
+        # Batch-invariant mode (model/layers.py set_batch_invariant): the Hadamard rotation
+        # by the invariant GEMM too (its projections are ``Linear`` layers).
+        self.batch_invariant = False
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         roped = apply_rope_half(x[..., : self.rope_dim], cos, sin)
         return torch.cat((roped, x[..., self.rope_dim :]), dim=-1)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ hadamard_matrix(self.head_dim, x.device, x.dtype)
+        h = hadamard_matrix(self.head_dim, x.device, x.dtype)
+        if self.batch_invariant:
+            return invariant_linear(x, h.t())  # x @ h as F.linear takes it
+        return x @ h
 
     def project_key(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

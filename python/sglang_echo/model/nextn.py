@@ -27,7 +27,7 @@ from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DecoderLayer
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.model.layers import MoE, RMSNorm
+from sglang_echo.model.layers import Linear, MoE, RMSNorm
 from sglang_echo.model.rope import RotaryTable
 
 
@@ -37,7 +37,7 @@ class SharedHead(nn.Module):
     def __init__(self, config: DeepseekV32Config) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
 
 class NextNLayer(DecoderLayer):
@@ -58,7 +58,7 @@ class NextNLayer(DecoderLayer):
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.enorm = RMSNorm(hidden, config.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.eh_proj = Linear(2 * hidden, hidden, bias=False)
         self.shared_head = SharedHead(config)
         self._rotary: RotaryTable | None = None
 

@@ -18,6 +18,7 @@ from sglang_echo.config import EchoConfig
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
+from sglang_echo.model.layers import set_batch_invariant
 from sglang_echo.model.loader import load_nextn
 from sglang_echo.offload import footprint
 from sglang_echo.runtime.assemble import (
@@ -203,6 +204,7 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     rounds = None
     if q > 1:
         draft = load_nextn(args.model_path, device, dtype, target=model)
+        set_batch_invariant(draft, start.kernels.batch_invariant)  # as the target's
         rounds = SpecRounds(model, draft, steps, q - 1, capacity)
     scheduler = Scheduler(
         steps,
