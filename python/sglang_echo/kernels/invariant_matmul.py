@@ -3,8 +3,8 @@
 Why: served ECHO and served no-offload must give the same greedy tokens for every request,
 but they run different batches (ECHO decodes more requests per step). cuBLAS on the GPU
 and MKL/oneDNN on the CPU choose their tiling, split-K and reduction order by the row count
-M, so a row's bits depend on how many other rows share its matmul (float32 decode logits
-of the tiny test model differ by ~6e-6 between batch 8 and batch 1 on the CPU). Under
+M, so a row's bits depend on how many other rows share its matmul (tests/test_batch_invariant.py
+shows the tiny model's decode logits change with the batch when the mode is off). Under
 SGLANG_ECHO_BATCH_INVARIANT=1 every matmul of the model's forward runs this kernel
 instead (model/layers.py ``Linear``, ``ModelKernels.batch_invariant``).
 
