@@ -227,6 +227,38 @@ def test_a_client_that_leaves_aborts_its_request_in_the_engine(engine_client):
     assert snap["token_usage"] == 0.0
 
 
+def test_snapshots_while_tokens_stream_all_come_back(engine_client):
+    """The engine process answers a snapshot from the engine thread while its sender
+    thread streams output events: every answer and every event must arrive, whole (one
+    thread writes the outbound socket; a ZeroMQ socket is not thread-safe, and two writers
+    lost a snapshot's answer under load)."""
+    client, serving = engine_client
+
+    async def stream(url, rid):
+        body = {"input_ids": [7] * 12, "stream": True, "rid": rid,
+                "sampling_params": {"max_new_tokens": 120, "ignore_eos": True}}  # fmt: skip
+        async with aiohttp.ClientSession() as s, s.post(url + "/generate", json=body) as r:
+            return [json.loads(raw[6:]) async for raw in r.content if raw.startswith(b"data: {")]
+
+    async def go(url):
+        streams = [asyncio.create_task(stream(url, f"s{i}")) for i in range(3)]
+        answers = 0
+        while not all(t.done() for t in streams):
+            futs = [client.snapshot() for _ in range(20)]
+            for fut in futs:
+                snap = await asyncio.wrap_future(fut)
+                answers += "num_running_reqs" in snap
+            await asyncio.sleep(0)
+        return answers, [await t for t in streams]
+
+    with running_server(serving, client) as (url, _app):
+        answers, outs = asyncio.run(asyncio.wait_for(go(url), timeout=120))
+    assert answers >= 20
+    for chunks in outs:
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(chunks[-1]["output_ids"]) == 120
+
+
 def test_a_new_engine_starts_after_one_was_killed(small_checkpoint, engine_client):
     """After ``kill -9`` and a stop, nothing is left behind (process reaped, sockets gone)
     and a new engine process starts and serves."""

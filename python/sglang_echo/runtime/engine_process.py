@@ -50,6 +50,14 @@ from sglang_echo.runtime.request import OutputEvent, ServeRequest
 
 log = logging.getLogger("sglang_echo.engine_process")
 
+
+@dataclass(frozen=True)
+class _Frames:
+    """A message for the engine process's one sending thread to send as it is."""
+
+    frames: list
+
+
 WATCH_S = 0.2  # how often the front checks that the engine process is alive
 START_TIMEOUT_S = 1800.0  # model load + graph capture on a cold machine
 
@@ -114,33 +122,41 @@ def engine_main(args, in_addr: str, out_addr: str, log_level: str = "info") -> N
         return
     serving.scheduler.text_in_engine = False  # the front decodes the text
     engine = EngineLoop(serving.scheduler)
-    pending: queue.SimpleQueue = queue.SimpleQueue()  # OutputEvent or None (stop)
+    # Everything the engine process sends after start-up goes through this queue to ONE
+    # thread: a ZeroMQ socket is not thread-safe, and the engine thread (snapshot answers),
+    # this loop (fatal) and the sender (events) writing it at once lost messages.
+    pending: queue.SimpleQueue = queue.SimpleQueue()  # OutputEvent, _Frames, or None (stop)
 
     def sender() -> None:
+        batch: list = []
         while True:
-            first = pending.get()
-            if first is None:
-                return
-            batch = [first]
-            while True:  # everything queued since: about one message per step
+            item = pending.get()
+            while True:  # everything queued since: about one events message per step
+                if item is None or isinstance(item, _Frames):
+                    if batch:
+                        outbox.send_multipart([b"events", pickle.dumps(batch)])
+                        batch = []
+                    if item is None:
+                        return
+                    outbox.send_multipart(item.frames)
+                else:
+                    batch.append(item)
                 try:
-                    more = pending.get_nowait()
+                    item = pending.get_nowait()
                 except queue.Empty:
                     break
-                if more is None:
-                    outbox.send_multipart([b"events", pickle.dumps(batch)])
-                    return
-                batch.append(more)
-            outbox.send_multipart([b"events", pickle.dumps(batch)])
+            if batch:
+                outbox.send_multipart([b"events", pickle.dumps(batch)])
+                batch = []
 
     send_thread = threading.Thread(target=sender, name="echo-engine-sender", daemon=True)
     send_thread.start()
     engine.start()
-    outbox.send_multipart([b"ready", pickle.dumps(serving.info)])
+    pending.put(_Frames([b"ready", pickle.dumps(serving.info)]))
     reported = False
     while True:
         if engine.fatal_error and not reported:  # the device is lost: the front must know
-            outbox.send_multipart([b"fatal", engine.fatal_error.encode()])
+            pending.put(_Frames([b"fatal", engine.fatal_error.encode()]))
             reported = True
         if not inbox.poll(int(WATCH_S * 1000)):
             if os.getppid() != parent:  # the front died: nobody will read the outputs
@@ -171,7 +187,7 @@ def engine_main(args, in_addr: str, out_addr: str, log_level: str = "info") -> N
             def reply(f: Future, call_id: bytes = call_id) -> None:
                 exc = f.exception()
                 value = exc if exc is not None else f.result()
-                outbox.send_multipart([b"result", call_id, pickle.dumps(value)])
+                pending.put(_Frames([b"result", call_id, pickle.dumps(value)]))
 
             fut.add_done_callback(reply)
         elif kind == b"drain":
