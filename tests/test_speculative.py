@@ -305,3 +305,69 @@ def test_seeded_sampling_is_not_greedy_and_the_seed_matters(models, seeded):
     assert [r.tokens for r in spec[a]] != [r.tokens for r in spec[b]]
     for seed in SEEDS:
         assert [r.tokens for r in spec[seed]] == [seeded[seed, tuple(p)] for p in prompts]
+
+
+FP8_SPEC = TinySpec(seed=7, layers=2, kv_lora_rank=128, index_topk=8, num_nextn_predict_layers=1)
+
+
+@pytest.fixture(scope="module")
+def fp8_models(tmp_path_factory):
+    """A tiny model with a NextN layer whose latent is one fp8 tile wide (kv_lora_rank 128),
+    so its KV rows can be stored as fp8."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("spec-fp8") / "moe", FP8_SPEC)
+    target = load_model(path)
+    return target, load_nextn(path, target=target)
+
+
+@pytest.mark.parametrize("place", [True, False], ids=["placed", "host-only"])
+@pytest.mark.parametrize("rows", ["auto", "fp8_e4m3"], ids=["fp32", "fp8"])
+def test_echo_mtp_bit_identical_with_fp8_rows_and_without_placement(
+    fp8_models, monkeypatch, rows, place
+):
+    """ECHO + MTP against the plain pool + MTP with the same stored rows (fp32 or fp8),
+    with the decoded tokens placed on the device or written to the host only
+    (SGLANG_ECHO_DECODE_PLACE=0, where a rewritten rejected position must not leave a
+    stale device row), at the legal minimum N_G for Q = 3 (evicting), drafts scripted so
+    every accept length is committed: tokens, accept lengths and verify logits equal."""
+    target, _ = fp8_models
+    s, prompts = 2, _prompts(5, lengths=(30, 40))
+    capacity = _capacity(prompts, NEW)
+
+    def plain_pool():
+        return PlainKVCache.for_model(
+            target.config, capacity, torch.float32, "cpu", kv_cache_dtype=rows
+        )
+
+    reference = {  # real drafts (all rejected): the model's own tokens
+        tuple(p): r.tokens
+        for p, r in zip(prompts, _speculate(fp8_models, plain_pool(), prompts, s), strict=True)
+    }
+    script_drafts(
+        monkeypatch,
+        SpeculativeGenerator,
+        lambda live: reference[tuple(live.seq.prompt)],
+        FP8_SPEC.vocab_size,
+        produced_of=lambda live: len(live.result.tokens),
+        key_of=id,
+    )
+    plain = _speculate(fp8_models, plain_pool(), prompts, s)
+    n_g = EchoConfig(offload=True).min_dev_cache_size(
+        BATCH, target.config.index_topk, CHUNK, queries_per_request=s + 1
+    )
+    echo_cache = echo_cache_for_model(
+        EchoConfig(offload=True, dev_cache_size=n_g, decode_place=place),
+        target.config,
+        capacity,
+        torch.float32,
+        "cpu",
+        kv_cache_dtype=rows,
+    )
+    echo = _speculate(fp8_models, echo_cache, prompts, s)
+    assert (echo_cache.host.rows.dtype == torch.uint8) == (rows == "fp8_e4m3")
+    assert sum(echo_cache.telemetry()["evictions"]) > 0  # real pressure
+    assert {n for o in echo for n in o.accept_lens} == set(range(1, s + 2))
+    for prompt, p, o in zip(prompts, plain, echo, strict=True):
+        assert o.tokens == p.tokens == reference[tuple(prompt)]
+        assert o.accept_lens == p.accept_lens
+        assert all(torch.equal(a, b) for a, b in zip(o.verify_logits, p.verify_logits, strict=True))
+    _no_stale_rows(echo_cache)
