@@ -133,15 +133,21 @@ def test_abort_by_rid_reaches_the_engine(engine_client):
     client, serving = engine_client
 
     async def go(url):
+        # The abort goes out once the first token is seen (not after a fixed sleep, which
+        # a fast engine outran: 200 tokens of the tiny model take well under a second).
         async with aiohttp.ClientSession() as s:
-            body = {"input_ids": [5] * 20, "rid": "long-one",
+            body = {"input_ids": [5] * 20, "rid": "long-one", "stream": True,
                     "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}  # fmt: skip
-            task = asyncio.create_task(s.post(url + "/generate", json=body))
-            await asyncio.sleep(0.5)
-            async with s.post(url + "/abort_request", json={"rid": "long-one"}) as r:
-                assert r.status == 200
-            resp = await task
-            return await resp.json()
+            chunks = []
+            async with s.post(url + "/generate", json=body) as stream:
+                async for raw in stream.content:
+                    if not raw.startswith(b"data: {"):
+                        continue
+                    chunks.append(json.loads(raw[6:]))
+                    if len(chunks) == 1:
+                        async with s.post(url + "/abort_request", json={"rid": "long-one"}) as r:
+                            assert r.status == 200
+            return chunks[-1]
 
     with running_server(serving, client) as (url, _app):
         out = asyncio.run(go(url))
