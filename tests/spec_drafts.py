@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from sglang_echo.runtime.speculative import SpeculativeGenerator
+
 
 def script_drafts(
     monkeypatch: pytest.MonkeyPatch,
@@ -41,3 +43,18 @@ def script_drafts(
         return out
 
     monkeypatch.setattr(owner, "_draft", scripted)
+
+
+def script_generator_drafts(
+    monkeypatch: pytest.MonkeyPatch, reference_of: Callable[[Any], list[int]], vocab_size: int
+) -> None:
+    """``script_drafts`` for the offline generator (runtime/speculative.py): its lanes count
+    what they produced in ``result.tokens`` and live as long as the run."""
+    script_drafts(
+        monkeypatch,
+        SpeculativeGenerator,
+        reference_of,
+        vocab_size,
+        produced_of=lambda live: len(live.result.tokens),
+        key_of=id,
+    )

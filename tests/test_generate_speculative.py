@@ -20,8 +20,7 @@ import pytest
 from scripts.make_tiny_checkpoint import make_tiny_checkpoint
 from sglang_echo.config import ConfigError, dev_cache_for
 from sglang_echo.generate import InputError, build_parser, main, run
-from sglang_echo.runtime.speculative import SpeculativeGenerator
-from spec_drafts import script_drafts
+from spec_drafts import script_generator_drafts
 from test_generate_cli import SPEC as CLI_SPEC
 
 # The CLI tests' tiny model, with one NextN (MTP) layer.
@@ -238,13 +237,8 @@ SAMPLING = ("--temperature", "0.8", "--top-p", "0.9", "--top-k", "40")
 
 def _script_drafts(monkeypatch: pytest.MonkeyPatch, reference: dict[tuple, list[int]]) -> None:
     """Every accept length occurs (tests/spec_drafts.py)."""
-    script_drafts(
-        monkeypatch,
-        SpeculativeGenerator,
-        lambda live: reference[tuple(live.seq.prompt)],
-        SPEC.vocab_size,
-        produced_of=lambda live: len(live.result.tokens),
-        key_of=id,
+    script_generator_drafts(
+        monkeypatch, lambda live: reference[tuple(live.seq.prompt)], SPEC.vocab_size
     )
 
 

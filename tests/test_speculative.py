@@ -23,7 +23,7 @@ from sglang_echo.runtime.engine import Engine
 from sglang_echo.runtime.kv_factory import echo_cache_for_model
 from sglang_echo.runtime.request import SamplingParams
 from sglang_echo.runtime.speculative import SpeculativeGenerator
-from spec_drafts import script_drafts
+from spec_drafts import script_generator_drafts
 
 SPEC = TinySpec(seed=4, num_nextn_predict_layers=1)  # index_topk 16: sparse past 16 tokens
 CHUNK, CONTEXT, NEW = 16, 96, 12
@@ -253,13 +253,10 @@ def seeded(models):
 def _scripted_from(monkeypatch, reference) -> None:
     """Drafts right (the seeded reference's next tokens) up to a count that cycles with
     the rounds, wrong after it: every accept length occurs (tests/spec_drafts.py)."""
-    script_drafts(
+    script_generator_drafts(
         monkeypatch,
-        SpeculativeGenerator,
         lambda live: reference[live.params.seed, tuple(live.seq.prompt)],
         SPEC.vocab_size,
-        produced_of=lambda live: len(live.result.tokens),
-        key_of=id,
     )
 
 
@@ -342,13 +339,8 @@ def test_echo_mtp_bit_identical_with_fp8_rows_and_without_placement(
         tuple(p): r.tokens
         for p, r in zip(prompts, _speculate(fp8_models, plain_pool(), prompts, s), strict=True)
     }
-    script_drafts(
-        monkeypatch,
-        SpeculativeGenerator,
-        lambda live: reference[tuple(live.seq.prompt)],
-        FP8_SPEC.vocab_size,
-        produced_of=lambda live: len(live.result.tokens),
-        key_of=id,
+    script_generator_drafts(
+        monkeypatch, lambda live: reference[tuple(live.seq.prompt)], FP8_SPEC.vocab_size
     )
     plain = _speculate(fp8_models, plain_pool(), prompts, s)
     n_g = EchoConfig(offload=True).min_dev_cache_size(
