@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_echo.config import EchoConfig
 from sglang_echo.kernels.decode_write import PINNED_PRIORITY, PROMPT_PRIORITY
@@ -191,3 +192,78 @@ def test_split_extents_covers_every_position_once():
     assert split_extents([]).runs == () and split_extents([]).rest.numel() == 0
     with pytest.raises(ValueError, match="min_tokens"):
         split_extents([1, 2], min_tokens=0)
+
+
+class _KernelCount(TorchDispatchMode):
+    """Ops that launch work (views and allocations excluded), as a GPU would see them."""
+
+    NO_LAUNCH = frozenset(
+        [
+            "select",
+            "slice",
+            "view",
+            "expand",
+            "alias",
+            "detach",
+            "unsqueeze",
+            "squeeze",
+            "reshape",
+            "_unsafe_view",
+            "as_strided",
+            "t",
+            "transpose",
+            "lift_fresh",
+            "empty",
+            "resize_",
+            "permute",
+            "split",
+            "unbind",
+        ]
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in self.NO_LAUNCH:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _arrival_launches(layers: int, fuse_extend: bool) -> int:
+    """Launches of an arrival's engine-thread share (the row's predictors reset, the
+    prompt's slots reserved in every layer) on a cache of ``layers`` layers."""
+    config = EchoConfig(offload=True, dev_cache_size=SLOTS, fuse_extend=fuse_extend)
+    c = EchoKVCache(config, layers, HOST, WIDTH, INDEX, torch.float32, "cpu")
+    c.bind_request_rows(4)
+    locs, _, _ = _prompt(30, seed=1)
+    with _KernelCount() as counter:
+        c.admit_row(2)
+        c.reserve_prompt(locs)
+    return counter.count
+
+
+@pytest.mark.parametrize("fuse_extend", [False, True])
+def test_an_arrivals_engine_thread_launches_do_not_grow_with_layers(fuse_extend):
+    # Why: the engine thread admits while running requests wait; a reset per layer and
+    # predictor cost ~180 launches per admission on a 61-layer model. Both prefetchers'
+    # per-layer state lives in [layers, rows] tensors, reset in two launches each.
+    assert _arrival_launches(2, fuse_extend) == _arrival_launches(7, fuse_extend)
+
+
+def test_a_reset_row_forgets_every_layers_prediction_and_nothing_else():
+    config = EchoConfig(offload=True, dev_cache_size=SLOTS, fuse_extend=True)
+    c = EchoKVCache(config, 3, HOST, WIDTH, INDEX, torch.float32, "cpu")
+    c.bind_request_rows(4)
+    for layer, p in enumerate(c.decode_prefetcher.predictors):
+        p.update(torch.tensor([1.0 + layer, 2.0]), torch.tensor([1, 2]))
+    for layer, p in enumerate(c.prefill_prefetch.offsets):
+        p.update(torch.tensor([3.0 + layer, 4.0]), torch.tensor([1, 2]))
+    c.admit_row(1)
+    for p in c.decode_prefetcher.predictors:
+        assert p.theta[1] == float("inf") and not p.finite[1]
+        assert p.theta[2] == 2.0 and p.finite[2]
+    for p in c.prefill_prefetch.offsets:
+        assert p.offset[1] == 0.0 and not p.known[1]
+        assert p.offset[2] == 4.0 and p.known[2]

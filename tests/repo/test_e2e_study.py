@@ -113,8 +113,15 @@ def test_synthetic_kv_is_deterministic_by_seed(worker) -> None:
     # the MLA rows are a window into the layer's bank: other layers get other rows
     assert torch.equal(kv_a, synth.kv_window(1, 300, seed=7).materialize())
     assert not torch.equal(kv_a, synth.rows(0, 300, seed=7)[0])
-    hot = synth.hot_positions(1, 300, seed=7)
-    assert hot.numel() == round(0.5 * cfg.index_topk)
+    hot = synth.hot_positions(range(0, 2), 300, seed=7)
+    assert hot.shape == (2, round(0.5 * cfg.index_topk))
+    assert torch.equal(hot[1], synth.hot_positions(range(1, 2), 300, seed=7)[0])
+    # a transfer makes keys a group of layers at a time: each layer's from its own draw
+    # (the group's batched arithmetic may round a few bytes differently from a group of one)
+    group = synth.keys_of(range(0, 2), 300, seed=7)
+    assert torch.equal(group, synth.keys_of(range(0, 2), 300, seed=7))
+    assert (group[1] == keys_a).float().mean() > 0.95
+    assert (group[0] == keys_a).float().mean() < 0.5
 
 
 def _echo_node(cfg, model, directions, stable: float, n_g: int, host: int):
@@ -155,9 +162,9 @@ def test_decode_node_admits_decodes_releases_without_leaks(worker) -> None:
         assert torch.equal(kv.cache.rows[layer, slots], kv.host.rows[layer, first[:64]])
     for r in reqs[1:]:
         assert (kv.cache.host_to_device[:, torch.tensor(r.locs)] == ABSENT).all()
-    host_rows, keys = SyntheticKV(cfg, directions, Locality(0.5), torch.float32, "cpu").rows(
-        1, 320, seed=2
-    )
+    synth = SyntheticKV(cfg, directions, Locality(0.5), torch.float32, "cpu")
+    (group,) = synth.layer_groups(320)  # both layers' keys made in one pass, as written
+    host_rows, keys = synth.kv_window(1, 320, seed=2).materialize(), synth.keys_of(group, 320, 2)[1]
     locs = torch.tensor(reqs[2].locs)
     assert torch.equal(kv.host.rows[1, locs], host_rows)
     assert torch.equal(kv.index[1, locs], keys)

@@ -32,7 +32,7 @@ from sglang_echo.kernels.decode_stage import (
 from sglang_echo.model.selection_hooks import DecodeSelectionHooks
 from sglang_echo.offload.footprint import decode_prefetch_bytes
 from sglang_echo.offload.manager import EchoManager
-from sglang_echo.offload.predictor import DecodeThresholdPredictor
+from sglang_echo.offload.predictor import DecodeThresholdPredictor, layer_state, reset_layer_rows
 
 # Two chunks: the first chunk's rows move while the second is scored. On an H200 (batch
 # 16 x 128K) four chunks started the copies earlier but cost more launches and tails: as
@@ -73,8 +73,15 @@ class DecodePrefetcher(DecodeSelectionHooks):
         self.chunks = int(chunks)
         self.chunk_cap = self.cap // self.chunks
         layers = manager.cache.num_layers
+        self._thresholds = layer_state(layers, max_rows, manager.device, float("inf"))
         self.predictors = [
-            DecodeThresholdPredictor(max_rows, manager.device, alpha) for _ in range(layers)
+            DecodeThresholdPredictor(
+                max_rows,
+                manager.device,
+                alpha,
+                state=(self._thresholds[0][i], self._thresholds[1][i]),
+            )
+            for i in range(layers)
         ]
         self._streams: dict[str, torch.cuda.Stream] | None = None  # by role, made on first use
         # The staging buffer and its index (shared by the layers: a layer's staging is
@@ -90,8 +97,7 @@ class DecodePrefetcher(DecodeSelectionHooks):
     def nbytes(self) -> int:
         """Device bytes of the staging (rows, ids, counts, map) and the layers' thresholds."""
         buffers = (self.stage_rows, self.stage_ids, self.stage_counts, self.stage_map)
-        thresholds = (t for q in self.predictors for t in (q.theta, q.finite))
-        return sum(t.nbytes for t in (*buffers, *thresholds))
+        return sum(t.nbytes for t in (*buffers, *self._thresholds))
 
     def chunk_bounds(self, length: int, span: int) -> list[tuple[int, int]]:
         """[start, end) of each chunk of a [B, length] score table, starts aligned to the
@@ -242,8 +248,8 @@ class DecodePrefetcher(DecodeSelectionHooks):
         update_thresholds_from_topk(p.theta, p.finite, scores, positions, rows, p.alpha)
 
     def reset_rows(self, rows: torch.Tensor | list[int]) -> None:
-        for p in self.predictors:
-            p.reset(rows)
+        """Every layer's thresholds of ``rows`` back to "no prediction" (two launches)."""
+        reset_layer_rows(self._thresholds, rows, float("inf"))
 
 
 def _used_on(stream: torch.cuda.Stream, *tensors: torch.Tensor) -> None:

@@ -32,6 +32,31 @@ def _check_rows(max_rows: int) -> int:
     return int(max_rows)
 
 
+def layer_state(
+    layers: int, max_rows: int, device: torch.device | str, value: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's (value, flag) state in two [layers, max_rows + 1] tensors: a predictor
+    per layer takes row ``layer`` of each (``state=``), and ``reset_layer_rows`` clears a
+    request row in all layers with two launches. Why: a new request is admitted on the
+    engine thread, and one reset per layer and predictor cost three launches per layer
+    (a 61-layer model: ~180 per admission) while running requests waited."""
+    rows = _check_rows(max_rows) + 1
+    dev = torch.device(device)
+    values = torch.full((layers, rows), value, dtype=torch.float32, device=dev)
+    return values, torch.zeros(layers, rows, dtype=torch.bool, device=dev)
+
+
+def reset_layer_rows(
+    state: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | list[int], value: float
+) -> None:
+    """Rows handed to new requests, in every layer of ``layer_state``'s tensors: value
+    ``value``, flag False."""
+    values, flags = state
+    idx = upload(torch.as_tensor(rows, dtype=torch.int64), values.device)  # no host wait
+    values.index_fill_(1, idx, value)
+    flags.index_fill_(1, idx, False)
+
+
 class DecodeThresholdPredictor:
     """theta[row] = EMA (weight ``alpha`` on the newest value) of the request's previous
     exact k-th indexer scores; decode prefetches miss tokens that score above theta.
@@ -46,15 +71,22 @@ class DecodeThresholdPredictor:
     """
 
     def __init__(
-        self, max_rows: int, device: torch.device | str = "cpu", alpha: float = 0.5
+        self,
+        max_rows: int,
+        device: torch.device | str = "cpu",
+        alpha: float = 0.5,
+        state: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """``state``: (theta, finite) rows [max_rows + 1] of ``layer_state(..., +inf)``;
+        by default its own."""
         self.max_rows = _check_rows(max_rows)
         self.alpha = _check_alpha(alpha)
         self.scratch_row = self.max_rows
-        dev = torch.device(device)
-        self.theta = torch.full((self.max_rows + 1,), _INF, dtype=torch.float32, device=dev)
-        # True where theta is an EMA of finite k-th scores (new values are averaged in).
-        self.finite = torch.zeros(self.max_rows + 1, dtype=torch.bool, device=dev)
+        if state is None:
+            theta, finite = layer_state(1, max_rows, device, _INF)
+            state = theta[0], finite[0]
+        # theta, and True where it is an EMA of finite k-th scores (new values averaged in).
+        self.theta, self.finite = state
 
     @property
     def device(self) -> torch.device:
@@ -62,9 +94,7 @@ class DecodeThresholdPredictor:
 
     def reset(self, rows: torch.Tensor | list[int]) -> None:
         """Rows handed to new requests: back to "no prediction" (+inf)."""
-        idx = upload(torch.as_tensor(rows, dtype=torch.int64), self.device)  # no host wait
-        self.theta.index_fill_(0, idx, _INF)
-        self.finite.index_fill_(0, idx, False)
+        reset_layer_rows((self.theta.unsqueeze(0), self.finite.unsqueeze(0)), rows, _INF)
 
     def predict(self, rows: torch.Tensor) -> torch.Tensor:
         """theta for each lane's row: [B] float32 (+inf = prefetch nothing)."""
@@ -123,23 +153,28 @@ class PrefillOffsetPredictor:
     """
 
     def __init__(
-        self, max_rows: int, device: torch.device | str = "cpu", alpha: float = 0.5
+        self,
+        max_rows: int,
+        device: torch.device | str = "cpu",
+        alpha: float = 0.5,
+        state: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """``state``: (offset, known) rows [max_rows + 1] of ``layer_state(..., 0)``; by
+        default its own."""
         self.max_rows = _check_rows(max_rows)
         self.alpha = _check_alpha(alpha)
         self.scratch_row = self.max_rows
-        dev = torch.device(device)
-        self.offset = torch.zeros(self.max_rows + 1, dtype=torch.float32, device=dev)
-        self.known = torch.zeros(self.max_rows + 1, dtype=torch.bool, device=dev)
+        if state is None:
+            offset, known = layer_state(1, max_rows, device, 0.0)
+            state = offset[0], known[0]
+        self.offset, self.known = state
 
     @property
     def device(self) -> torch.device:
         return self.offset.device
 
     def reset(self, rows: torch.Tensor | list[int]) -> None:
-        idx = upload(torch.as_tensor(rows, dtype=torch.int64), self.device)  # no host wait
-        self.offset.index_fill_(0, idx, 0.0)
-        self.known.index_fill_(0, idx, False)
+        reset_layer_rows((self.offset.unsqueeze(0), self.known.unsqueeze(0)), rows, 0.0)
 
     def predict(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per query row [R] (each lane's request row): (offset [R] float32, known [R])."""

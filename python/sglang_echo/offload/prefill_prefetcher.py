@@ -26,15 +26,19 @@ from sglang_echo.kernels.prefill_prefetch import (
 )
 from sglang_echo.model.selection_hooks import PrefillSelectionHooks
 from sglang_echo.offload.manager import EchoManager
-from sglang_echo.offload.predictor import PrefillOffsetPredictor
+from sglang_echo.offload.predictor import PrefillOffsetPredictor, layer_state, reset_layer_rows
 
 
 class PrefillPrefetcher(PrefillSelectionHooks):
     def __init__(self, manager: EchoManager, max_rows: int, alpha: float = 0.5) -> None:
         self.manager = manager
+        layers = manager.cache.num_layers
+        self._offsets = layer_state(layers, max_rows, manager.device, 0.0)
         self.offsets = [
-            PrefillOffsetPredictor(max_rows, manager.device, alpha)
-            for _ in range(manager.cache.num_layers)
+            PrefillOffsetPredictor(
+                max_rows, manager.device, alpha, state=(self._offsets[0][i], self._offsets[1][i])
+            )
+            for i in range(layers)
         ]
         # Rows still allowed this chunk and layer: min(8192, N_G - 1 - Q), on the device.
         self.budget = torch.zeros(1, dtype=torch.int64, device=manager.device)
@@ -72,5 +76,5 @@ class PrefillPrefetcher(PrefillSelectionHooks):
         self.offsets[layer].update(kth, rows)
 
     def reset_rows(self, rows: torch.Tensor | list[int]) -> None:
-        for p in self.offsets:
-            p.reset(rows)
+        """Every layer's offsets of ``rows`` back to "none yet" (two launches)."""
+        reset_layer_rows(self._offsets, rows, 0.0)

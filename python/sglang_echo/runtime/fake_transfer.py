@@ -203,15 +203,17 @@ class FakeTransfer:
         extents = split_extents(host_locs)
         extents = HostExtents(extents.runs, upload(extents.rest, locs.device))
         n = int(locs.numel())
-        for layer in range(self.num_layers):
-            self.kv_cache.fill_prompt(
-                layer,
-                locs,
-                self.synth.kv_window(layer, n, seed),
-                self.synth.keys(layer, n, seed),
-                None if slots is None else slots[layer],
-                extents,
-            )
+        for group in self.synth.layer_groups(n):
+            keys = self.synth.keys_of(group, n, seed)
+            for i, layer in enumerate(group):
+                self.kv_cache.fill_prompt(
+                    layer,
+                    locs,
+                    self.synth.kv_window(layer, n, seed),
+                    keys[i],
+                    None if slots is None else slots[layer],
+                    extents,
+                )
 
     def _write_on_stream(
         self, locs: torch.Tensor, seed: int, transfer: _Transfer, host_locs: Sequence[int]

@@ -43,6 +43,9 @@ HOT_KEY_SCALE = 2.0
 ROW_BANK_MAX_ROWS = 16384
 ROW_BANK_MIN_ROWS = 1024
 ROW_BANK_MAX_BYTES = 256 << 20
+# A transfer makes its index keys a group of layers at a time, in float32 scratch of at
+# most this many bytes (runtime/fake_transfer.py).
+KEY_GROUP_MAX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -79,19 +82,25 @@ def favoured_directions(
 
 def index_keys(
     n: int,
-    direction: torch.Tensor,
+    directions: torch.Tensor,
     hot_positions: torch.Tensor,
-    generator: torch.Generator,
+    generators: list[torch.Generator],
     device: torch.device,
 ) -> torch.Tensor:
-    """Unrotated float32 keys [n, D]: cold keys ~ N(0, I) with the u-component removed;
-    keys at ``hot_positions`` get HOT_KEY_SCALE x sqrt(D) x u added."""
-    d = direction.shape[0]
-    u = direction.to(device=device, dtype=torch.float32)
-    k = torch.randn(n, d, generator=generator, device=device)
-    k -= (k @ u).unsqueeze(1) * u
+    """Unrotated float32 keys [G, n, D] of G layers (``directions`` [G, D], sorted
+    ``hot_positions`` [G, m], one generator per layer): cold keys ~ N(0, I) with the
+    layer's u-component removed; keys at the hot positions get HOT_KEY_SCALE x sqrt(D) x u
+    added. Each layer's draw comes from its own generator, the arithmetic is one pass over
+    the group: a transfer's launches do not grow with the layer count."""
+    g, d = directions.shape
+    u = directions.to(device=device, dtype=torch.float32)
+    k = torch.empty(g, n, d, device=device)
+    for i, gen in enumerate(generators):
+        torch.randn(n, d, generator=gen, device=device, out=k[i])
+    k -= torch.bmm(k, u.unsqueeze(2)) * u.unsqueeze(1)
     if hot_positions.numel():
-        k[hot_positions] += HOT_KEY_SCALE * d**0.5 * u
+        layer = torch.arange(g, device=device).unsqueeze(1)
+        k[layer, hot_positions] += HOT_KEY_SCALE * d**0.5 * u.unsqueeze(1)
     return k
 
 
@@ -123,22 +132,27 @@ class SyntheticKV:
         self.device = torch.device(device)
         self._row_bank: torch.Tensor | None = None  # made at first use (kv_window)
 
-    def hot_positions(self, layer: int, length: int, seed: int) -> torch.Tensor:
-        """Sorted prompt positions whose keys carry the favoured direction."""
+    def hot_positions(self, layers: range, length: int, seed: int) -> torch.Tensor:
+        """[len(layers), m] sorted prompt positions whose keys carry each layer's favoured
+        direction."""
         m = self.locality.hot_count(self.config.index_topk, length)
         # Drawn where the keys are made: on CUDA no host permutation of 100K positions per
         # layer (a few ms of the engine thread per admission) and no copy to wait for.
-        gen = _generator(self.device, seed, layer, 0)
-        return torch.randperm(length, generator=gen, device=self.device)[:m].sort().values
+        perm = torch.empty(len(layers), length, dtype=torch.int64, device=self.device)
+        for i, layer in enumerate(layers):
+            gen = _generator(self.device, seed, layer, 0)
+            torch.randperm(length, generator=gen, device=self.device, out=perm[i])
+        return perm[:, :m].sort(dim=1).values
 
     def encode_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """Unrotated float keys [n, D] -> the rows the model caches (``index_row_dim``)."""
+        """Unrotated float keys [..., n, D] -> the rows the model caches (``index_row_dim``)."""
         k = keys.to(self.dtype)
         if self.config.indexer_mode != "fp8_hadamard":
             return k
         d = self.config.index_head_dim
-        rotated = k @ hadamard_matrix(d, k.device, k.dtype)
-        return pack_fp8_rows(*quantize_fp8(rotated), fp8_row_bytes(d))
+        rotated = k.reshape(-1, d) @ hadamard_matrix(d, k.device, k.dtype)
+        packed = pack_fp8_rows(*quantize_fp8(rotated), fp8_row_bytes(d))
+        return packed.reshape(*keys.shape[:-1], -1)
 
     @property
     def bank_rows(self) -> int:
@@ -172,15 +186,31 @@ class SyntheticKV:
         return PeriodicRows(self.bank()[layer], offset, length)
 
     def keys(self, layer: int, length: int, seed: int) -> torch.Tensor:
-        """The prompt's index-key rows [n, index_row_dim] in ``layer``."""
+        """The prompt's index-key rows [n, index_row_dim] in ``layer``, made as a group of one
+        (a transfer makes them by ``layer_groups``; the same draws, the arithmetic batched
+        differently, so on CUDA the bits may differ: every server writes by groups)."""
+        return self.keys_of(range(layer, layer + 1), length, seed)[0]
+
+    def keys_of(self, layers: range, length: int, seed: int) -> torch.Tensor:
+        """The prompt's index-key rows [len(layers), n, index_row_dim] of ``layers``, each
+        layer's drawn from its own generator."""
         raw = index_keys(
             length,
-            self.directions[layer],
-            self.hot_positions(layer, length, seed),
-            _generator(self.device, seed, layer, 2),
+            self.directions[layers.start : layers.stop],
+            self.hot_positions(layers, length, seed),
+            [_generator(self.device, seed, layer, 2) for layer in layers],
             self.device,
         )
         return self.encode_keys(raw)
+
+    def layer_groups(self, length: int) -> list[range]:
+        """The model's layers in groups whose float32 keys for ``length`` tokens fit
+        KEY_GROUP_MAX_BYTES (at least one layer per group): the transfer makes each
+        group's keys in one pass."""
+        per_layer = max(1, length * self.config.index_head_dim * 4)
+        size = max(1, KEY_GROUP_MAX_BYTES // per_layer)
+        layers = self.config.num_hidden_layers
+        return [range(a, min(a + size, layers)) for a in range(0, layers, size)]
 
     def rows(self, layer: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLA rows [n, kv_row_dim] in the model dtype, index-key rows [n, index_row_dim])."""
@@ -191,6 +221,9 @@ class SyntheticKV:
         0..n-1 in order) into every layer: ECHO's ``write_prompt`` (host rows + device
         index keys, no device slots) where the backend has it, else ``write`` (the plain
         pool's device rows)."""
-        for layer in range(self.config.num_hidden_layers):
-            kv, keys = self.rows(layer, int(locs.numel()), seed)
-            kv_cache.write_prompt(layer, locs, kv, keys)
+        n = int(locs.numel())
+        for group in self.layer_groups(n):
+            keys = self.keys_of(group, n, seed)
+            for i, layer in enumerate(group):
+                kv = self.kv_window(layer, n, seed).materialize()
+                kv_cache.write_prompt(layer, locs, kv, keys[i])
