@@ -19,7 +19,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -183,6 +183,12 @@ run_stage() {
         --sweep /tmp/ds/served_vs_study/sweep --commit '${ECHO_COMMIT:-}' \
         --out /tmp/ds/served_vs_study/served_vs_study.json \
         --command 'ENGINE_PROCESS=${ENGINE_PROCESS:-1} bash benchmark/device_session.sh OUTDIR served_vs_study'" ;;
+    admission_probe)  # the decode node's engine without HTTP (benchmark/decode_node_probe.py):
+      # where admission's engine-thread time goes at 100K tokens, with a cProfile of it (~2 min; est.)
+      stage admission_probe 240 bash -c "python3 -m benchmark.study.worker_spec \
+        --out /tmp/ds/admission_probe/model && python3 benchmark/decode_node_probe.py \
+        --model /tmp/ds/admission_probe/model --backend echo --num-prompts 24 \
+        --out /tmp/ds/admission_probe/clock.json --profile /tmp/ds/admission_probe/admit.prof" ;;
     sweep)
       stage sweep 230 env RATES=4,inf NUM_PROMPTS=96 MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 \
         bash benchmark/e2e_sweep.sh /tmp/ds/sweep/e2e_sweep ;;
