@@ -37,6 +37,11 @@ def _prompts(seed: int, n: int = BATCH, lengths: tuple[int, int] = (14, 40)) -> 
     ]
 
 
+def _long_prompts() -> list[list[int]]:
+    """Prompts whose contexts together pass N_G = B x Q x top-k: evictions happen."""
+    return _prompts(0, lengths=(50, 70))
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "moe", SPEC)
@@ -52,9 +57,9 @@ def _plain(target, prompts, new):
     return PlainKVCache.for_model(target.config, _capacity(prompts, new), torch.float32, "cpu")
 
 
-def _echo(target, prompts, new, q: int = 1):
-    """ECHO at the smallest N_G for BATCH requests of ``q`` query tokens each (q = 1: below
-    the speculative rule's minimum, more pressure than ``generate`` would allow)."""
+def _echo(target, prompts, new, q: int):
+    """ECHO at the smallest N_G for BATCH requests of ``q`` query tokens each (a verify
+    resolves its B x Q lanes' selections at once: the rule's minimum is also its floor)."""
     n_g = EchoConfig(offload=True).min_dev_cache_size(
         BATCH, target.config.index_topk, CHUNK, queries_per_request=q
     )
@@ -83,8 +88,7 @@ def greedy(models):
     """Plain greedy outputs (the offline engine's one-token decode steps), per prompt."""
     target, _ = models
     out = {}
-    for seed in (0, 1):
-        prompts = _prompts(seed)
+    for prompts in (_prompts(0), _prompts(1), _long_prompts()):
         engine = Engine(
             target, _plain(target, prompts, NEW), _capacity(prompts, NEW), BATCH, CONTEXT, CHUNK
         )
@@ -113,12 +117,12 @@ def test_echo_mtp_is_bit_identical_to_plain_pool(models, greedy, monkeypatch, s,
     """``nextn``: the real draft (the tiny random NextN layer's drafts are all rejected);
     ``mixed``: scripted drafts right up to a point that moves each round, so windows of
     every accept length are committed and rejected tails are rewritten."""
-    prompts = _prompts(0)
+    prompts = _long_prompts()
     target, _ = models
     if draft == "mixed":
         _scripted(monkeypatch, greedy, "mixed")
     plain = _speculate(models, _plain(target, prompts, NEW), prompts, s)
-    echo_cache = _echo(target, prompts, NEW)
+    echo_cache = _echo(target, prompts, NEW, s + 1)
     resident_rewrites = []
     original = SpeculativeGenerator._round
 
@@ -164,13 +168,14 @@ def test_speculative_tokens_equal_plain_greedy(models, greedy, s):
     for p, r in zip(prompts, results, strict=True):
         ref, ref_logits = greedy[tuple(p)]
         diff = _first_difference(r.tokens, ref, ref_logits)
-        # A verify (extend) may round differently from a decode step; a difference is
-        # only acceptable at a near tie of the reference's two best candidates.
+        # A verify runs B x Q decode lanes where plain decoding runs B: batched matmuls may
+        # round differently; a difference is only acceptable at a near tie of the
+        # reference's two best candidates.
         assert diff is None or diff[1] < 1e-4, f"first difference at {diff}"
         if diff is None:
             assert r.tokens == ref
         # Accepted rows of the verifies against the decode steps' logits: close, not
-        # bit-equal (an extend and a decode step take different kernels' roundings).
+        # bit-equal (other batch sizes, other roundings).
         at = 1  # the prefill's token is output 0
         for rows, n in zip(r.verify_logits, r.accept_lens, strict=True):
             for j in range(min(n, len(ref_logits) - at)):
@@ -208,7 +213,7 @@ def test_rejected_drafts_still_make_progress(models, greedy, monkeypatch, cache)
     target, _ = models
     prompts = _prompts(0)
     _scripted(monkeypatch, greedy, "wrong")
-    kv = (_plain if cache == "plain" else _echo)(target, prompts, NEW)
+    kv = _plain(target, prompts, NEW) if cache == "plain" else _echo(target, prompts, NEW, 3)
     for p, r in zip(prompts, _speculate(models, kv, prompts, 2), strict=True):
         assert r.accept_lens == [1] * (NEW - 1)  # the prefill gives the first token
         assert r.tokens == greedy[tuple(p)][0]

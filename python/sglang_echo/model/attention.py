@@ -165,10 +165,6 @@ def _resolve_distinct(
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one per device
-# A decode step's selections [B, K] hold no location twice: a row per request, a top-k's
-# positions are distinct, and requests never share a location (runtime/token_table.py hands
-# each out to one request; there is no prefix cache). KVCache.resolve's ``distinct``.
-DECODE_SELECTIONS_DISTINCT = True
 
 
 class ResolvedBeside:
@@ -184,7 +180,7 @@ class ResolvedBeside:
 
 
 def resolve_beside(
-    kv_cache: KVCache, layer_id: int, selected: torch.Tensor, is_decode: bool
+    kv_cache: KVCache, layer_id: int, selected: torch.Tensor, batch: ForwardBatch
 ) -> ResolvedBeside | None:
     """Start a decode step's resolve on a side stream, forked from the current one (event
     fork and join: it captures in a CUDA graph), where the backend asks for it
@@ -194,7 +190,7 @@ def resolve_beside(
     absorption (weight-bound GEMMs) run on the main stream, so at low load the resolve
     costs little more than its join. None: resolve in place, on the current stream. The
     same kernels run in the same order on each stream, so the bits do not change."""
-    if not (is_decode and selected.is_cuda and kv_cache.resolve_beside):
+    if not (batch.is_decode and selected.is_cuda and kv_cache.resolve_beside):
         return None
     side = _SIDE_STREAMS.get(selected.device)
     if side is None:
@@ -203,7 +199,7 @@ def resolve_beside(
         torch.cuda.current_stream(selected.device)
     )  # fork: the selection and the step's writes first
     with torch.cuda.stream(side):
-        buffer, rows = kv_cache.resolve(layer_id, selected, distinct=DECODE_SELECTIONS_DISTINCT)
+        buffer, rows = kv_cache.resolve(layer_id, selected, distinct=batch.selections_distinct)
     return ResolvedBeside(buffer, rows, side)
 
 
@@ -272,8 +268,10 @@ class MLAttention(nn.Module):
         )
         iq, iw = self.indexer.project_query(hidden, q_resid, cos, sin)
         keys = kv_cache.index_keys(layer_id)
-        # ECHO's decode and prefill prefetch, when on (None otherwise: KVCache).
-        prefetch = kv_cache.decode_prefetch
+        # ECHO's decode and prefill prefetch, when on (None otherwise: KVCache). The decode
+        # prefetch's thresholds are one per request row: a verify, whose lanes share rows,
+        # runs without it (what attention reads is the exact top-k's either way).
+        prefetch = kv_cache.decode_prefetch if batch.selections_distinct else None
         extend_prefetch = kv_cache.prefill_prefetch
         if prefetch is None and extend_prefetch is None:
             # The plain call (hooks such as topk/tracer.py wrap it).
@@ -284,7 +282,7 @@ class MLAttention(nn.Module):
             )
         # The query's up-projection and absorption need nothing from the cache: they run
         # after the selection, so that a decode resolve started beside them overlaps them.
-        resolved = resolve_beside(kv_cache, layer_id, selected, batch.is_decode)
+        resolved = resolve_beside(kv_cache, layer_id, selected, batch)
         q = self.q_b_proj(q_resid).view(n_tokens, self.n_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self._rope(q_pe, cos, sin)
@@ -330,7 +328,7 @@ class MLAttention(nn.Module):
                 buffer, rows = resolved.join()
             else:
                 buffer, rows = kv_cache.resolve(
-                    layer_id, selected, distinct=DECODE_SELECTIONS_DISTINCT
+                    layer_id, selected, distinct=batch.selections_distinct
                 )
             if kernel:  # rows are -1 where selected is (KVCache.resolve)
                 return self._kernel(q_full, buffer, rows, splits=DECODE_SPLITS)

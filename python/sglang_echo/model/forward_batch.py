@@ -29,6 +29,11 @@ class ForwardBatch:
     # [R] int64 request-table row of each request: keys per-request state that lives
     # across steps (decode prefetch thresholds). None outside a runtime (oracles, traces).
     request_rows: torch.Tensor | None = None
+    # Whether no location is selected twice in the batch. A decode step's are distinct (a
+    # query per request, requests share no location); a speculative verify's are not: its
+    # Q queries of one request, decode lanes of one row, select mostly the same keys
+    # (KVCache.resolve's ``distinct``).
+    selections_distinct: bool = True
 
     @property
     def num_tokens(self) -> int:

@@ -156,9 +156,12 @@ class EchoKVCache(KVCache):
             self.manager.write_decode(
                 layer, locs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
             )
-        elif decode:
+        elif decode:  # a verify's rejected positions come again: residents rewritten
             self.manager.write_host(
-                layer, locs, encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
+                layer,
+                locs,
+                encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype),
+                residents=True,
             )
         else:
             self.manager.append(

@@ -26,7 +26,7 @@ from sglang_echo.kernels.alloc import (
     allocate_kernel,
     allocate_reference,
 )
-from sglang_echo.kernels.cache_layout import FREE
+from sglang_echo.kernels.cache_layout import ABSENT, FREE
 from sglang_echo.kernels.decode_stage import StagedRows, staged_entries
 from sglang_echo.kernels.decode_write import (
     PINNED_PRIORITY,
@@ -88,11 +88,26 @@ class EchoManager:
         else:
             self.host.rows[layer].index_copy_(0, locs.cpu(), rows.to("cpu", self.host.rows.dtype))
 
-    def write_host(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
-        """Host rows only (no device slot, maps untouched): tokens whose KV arrives from
-        elsewhere (a decode node's transferred prompt). Through the UVA view on CUDA."""
+    def write_host(
+        self, layer: int, locs: torch.Tensor, rows: torch.Tensor, residents: bool = False
+    ) -> None:
+        """Host rows only (no device slot taken, maps untouched): tokens whose KV arrives
+        from elsewhere (a decode node's transferred prompt), or a decode step's with
+        SGLANG_ECHO_DECODE_PLACE=0. Through the UVA view on CUDA.
+
+        ``residents``: ids already resident get their device row rewritten too. Why: a
+        speculative verify writes its rejected positions again the next round, and such a
+        location may have been recalled in between; its device row must not keep the old
+        bytes (the device row of a resident id always equals its host row)."""
         self.prefetches.join(layer)
         self._write_host(layer, locs, rows)
+        if not residents:
+            return
+        c = self.cache
+        ids = locs.reshape(-1).to(torch.int64)
+        slots = c.host_to_device[layer].index_select(0, ids).to(torch.int64)
+        dest = torch.where(slots != ABSENT, slots, c.scratch_slot)  # the others: the scratch
+        c.rows[layer].index_copy_(0, dest, rows.reshape(ids.numel(), -1).to(c.rows.dtype))
 
     def write_decode(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
         """A decode step's new tokens: host rows, and device slots from the free stack

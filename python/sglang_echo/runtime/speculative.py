@@ -1,10 +1,13 @@
 """MTP speculative decoding: DeepSeek's NextN layer drafts, the target verifies.
 
 Each round drafts S tokens per request with the NextN layer (model/nextn.py), then checks
-all of them in ONE target forward: an extend of Q = S + 1 tokens per request over its
-cached context (the last accepted token and the S drafts). The longest prefix of drafts
-that equals the target's own choice is accepted, plus the target's next token, so a round
-commits 1..Q tokens and the output is exactly what one-token decode steps would give.
+all of them in ONE target forward: Q = S + 1 decode lanes per request over its cached
+context (the last accepted token and the S drafts, lane j at position start + j seeing
+positions 0..start + j). The longest prefix of drafts that equals the target's own choice
+is accepted, plus the target's next token, so a round commits 1..Q tokens and the output
+is exactly what one-token decode steps would give. Every step of a round (the draft
+steps, the verify, the draft over the verified positions) is a decode step of fixed
+lanes: the shape CUDA graphs capture.
 
 The target's choice at a verify position is the runtime's own sampler
 (runtime/sampling.py) on that position's logits, with the request's noise key and the
@@ -16,21 +19,22 @@ seeded speculative output is token for token the seeded non-speculative output (
 only decide how many of those tokens one round commits). The draft itself stays greedy;
 it proposes, it never decides.
 
-Why it stays lossless under ECHO (offload/echo_cache.py): the verify is a prefill-style
-extend, so its KV rows go through ``EchoKVCache.write``'s append path. A rejected
-position keeps its token location; the next round's verify starts at the first rejected
-position and writes it again, in each layer before that layer's indexer and attention
-read anything. The append's allocation (kernels/alloc.py, append mode) finds a location
-that is still resident as a hit and the new rows are copied into that very slot, while
-the host row and the index key are overwritten too; if the slot is taken for another
-lane's miss instead, the location is unmapped. Either way no stale device row of a
-rewritten location can be served, so the locations are reused in place: no release and
-re-allocation (which would cost a release launch per round and churn the allocator).
-No query can see a rejected row before it is rewritten: a query at position p selects
-only positions <= p (the indexer's causal mask), and every rejected position is at or
-past the next verify's first position. The draft's own one-layer pool is a plain pool
-(its full KV is one layer's worth, beside the target's many): its rows are overwritten
-in place the same way, by the draft extend that follows each verify.
+Why it stays lossless under ECHO (offload/echo_cache.py): a verify's lanes write their KV
+rows as a decode step does (each layer writes every lane's row before its indexer and
+attention read anything, so lane j sees lanes < j of its request), and one resolve per
+layer serves the union of the Q lanes' selections (``selections_distinct`` False: they
+repeat locations). A rejected position keeps its token location; the next round's verify
+starts at the first rejected position and writes it again. A location that is still
+resident then gets its device row rewritten in place, with the decode write's placement
+and without it (SGLANG_ECHO_DECODE_PLACE=0: ``EchoManager.write_host(residents=True)``),
+so no stale device row of a rewritten location can be served, and locations are reused in
+place: no release and re-allocation per round. No query can see a rejected row before it
+is rewritten: a query at position p selects only positions <= p (the indexer's causal
+mask), and every rejected position is at or past the next verify's first position. The
+decode prefetch keeps one threshold per request row, so a verify runs without it. The
+draft's own one-layer pool is a plain pool (its full KV is one layer's worth, beside the
+target's many): its rows are overwritten in place the same way, by the draft over the
+verified positions that follows each verify.
 
 The runtime bookkeeping (request-table rows, token locations, releases through the KV
 backend) is ``StepRunner``'s; only the batches are built here. A round over a batch
@@ -159,7 +163,7 @@ class SpecRounds:
                 self.steps.place(lane.seq, have, self.steps.allocator.alloc(start + q - have))
         drafts = drafter(lanes)
         ids = [[lane.seq.output[-1], *d] for lane, d in zip(lanes, drafts, strict=True)]
-        batch = self.batch([lane.seq for lane in lanes], ids, starts, decode=False)
+        batch = self.batch([lane.seq for lane in lanes], ids, starts, decode=True)
         logits, hidden = self.target.forward_with_hidden(batch, self.steps.kv_cache)
         # Position j of a lane with n outputs is output index n + j: the counter the
         # non-speculative scheduler would sample that token with.
@@ -179,17 +183,27 @@ class SpecRounds:
         return Verified(lanes, starts, accepted, picks, logits, hidden, q)
 
     def extend_drafts(self, v: Verified, going_on: Sequence[bool]) -> None:
-        """The draft over each going-on lane's accepted positions, with the target's
-        states there: the next round's first draft (a lane that finished is skipped)."""
+        """The draft over each going-on lane's verified positions, with the target's
+        states there: the next round's first draft (a lane that finished is skipped).
+
+        All Q positions go, as decode lanes (fixed shapes, like the verify): position
+        start + j takes the accepted token j where there is one and a filler past the
+        window; the next round's first draft comes from the last accepted position. A
+        filler's draft row lies past the committed positions, where the next round's draft
+        steps and draft extend write before any draft query reads (queries are causal)."""
         keep = [i for i, go in enumerate(going_on) if go]
         if not keep:
             return
-        rows = [r for i in keep for r in range(i * v.q, i * v.q + len(v.accepted[i]))]
+        q = v.q
+        rows = [r for i in keep for r in range(i * q, (i + 1) * q)]
+        ids = [[*v.accepted[i], *[v.accepted[i][-1]] * (q - len(v.accepted[i]))] for i in keep]
+        last = [n * q + len(v.accepted[i]) - 1 for n, i in enumerate(keep)]
         self.draft_over(
             [v.lanes[i] for i in keep],
-            [v.accepted[i] for i in keep],
+            ids,
             [v.starts[i] for i in keep],
             v.hidden[self._ints(rows)],
+            decode_lanes=last,
         )
 
     def draft(self, lanes: list[SpecLane]) -> list[list[int]]:
@@ -214,14 +228,21 @@ class SpecRounds:
         next_ids: list[list[int]],
         starts: list[int],
         target_hidden: torch.Tensor,
+        decode_lanes: list[int] | None = None,
     ) -> None:
-        """The draft over newly committed positions (a prompt chunk, or a round's accepted
+        """The draft over newly committed positions (a prompt chunk, or a round's verified
         ones): position p takes the token at p + 1 and the target's hidden state at p,
         overwriting the draft rows the draft steps wrote there; each lane's last row
-        gives the next round's first draft and its out_hidden."""
+        gives the next round's first draft and its out_hidden. ``decode_lanes``: every
+        position as a decode lane, and the rows (one per lane, in the batch's order) whose
+        draft is the next round's; None: an extend, each lane's last position's."""
         seqs = [lane.seq for lane in lanes]
-        batch = self.batch(seqs, next_ids, starts, decode=False)
-        ends = torch.tensor([len(ids) for ids in next_ids]).cumsum(0) - 1
+        if decode_lanes is None:
+            batch = self.batch(seqs, next_ids, starts, decode=False)
+            ends = torch.tensor([len(ids) for ids in next_ids]).cumsum(0) - 1
+        else:
+            batch = self.batch(seqs, next_ids, starts, decode=True)
+            ends = torch.tensor(decode_lanes)
         batch.logits_indices = ends.to(self.device)
         logits, out_hidden = self.draft_model(batch, target_hidden, self.draft_cache)
         for i, (lane, token) in enumerate(zip(lanes, logits.argmax(-1).tolist(), strict=True)):
@@ -241,7 +262,12 @@ class SpecRounds:
         self, seqs: list[SeqState], ids: list[list[int]], starts: list[int], decode: bool
     ) -> ForwardBatch:
         """Request i's ``ids`` at positions starts[i].. over its first starts[i] + len
-        positions, at the token locations its table row holds there."""
+        positions, at the token locations its table row holds there.
+
+        ``decode``: every token a decode lane of its own (position p over positions
+        0..p of its request's row): the fixed-shape step a CUDA graph captures, whatever
+        the counts. A request with several tokens has several lanes on one row, whose
+        selections repeat locations (``selections_distinct`` False). Else an extend."""
         lens = [len(x) for x in ids]
         context = [s + n for s, n in zip(starts, lens, strict=True)]
         positions = [p for s, n in zip(starts, lens, strict=True) for p in range(s, s + n)]
@@ -249,7 +275,12 @@ class SpecRounds:
             seq.locs[p] for seq, s, n in zip(seqs, starts, lens, strict=True)
             for p in range(s, s + n)
         ]  # fmt: skip
-        rows = self._ints([seq.row for seq in seqs])
+        if decode:
+            row_of = [seq.row for seq, n in zip(seqs, lens, strict=True) for _ in range(n)]
+            lens, context = [1] * len(positions), [p + 1 for p in positions]
+        else:
+            row_of = [seq.row for seq in seqs]
+        rows = self._ints(row_of)
         return ForwardBatch(
             input_ids=self._ints([t for x in ids for t in x]),
             positions=self._ints(positions),
@@ -260,6 +291,7 @@ class SpecRounds:
             is_decode=decode,
             logits_indices=None,
             request_rows=rows,
+            selections_distinct=len(set(row_of)) == len(row_of),
         )
 
     def _ints(self, values: list[int]) -> torch.Tensor:
