@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from sglang_echo.runtime.speculative import SpeculativeGenerator
 
@@ -58,3 +59,30 @@ def script_generator_drafts(
         produced_of=lambda live: len(live.result.tokens),
         key_of=id,
     )
+
+
+class ReplayingGraphs:
+    """A stand-in CUDA-graph backend: ``capture`` runs the step once (as a capture records
+    it) and a replay runs it again on the same static tensors, into the same outputs. What
+    it checks is the plumbing: the inputs copied into a shape's static tensors (lanes,
+    context width, the draft's states and logits rows) before each replay."""
+
+    def __init__(self, fail_lanes: tuple[int, ...] = ()) -> None:
+        self.fail_lanes = fail_lanes
+        self.captured: list[int] = []
+        self.replays = 0
+
+    def capture(self, step):
+        out = step()
+        lanes = out[1].shape[0]
+        if lanes in self.fail_lanes:
+            raise RuntimeError("operation not permitted when stream is capturing (injected)")
+        self.captured.append(lanes)
+
+        def replay() -> None:
+            self.replays += 1
+            with torch.inference_mode():
+                for old, new in zip(out, step(), strict=True):
+                    old.copy_(new)
+
+        return replay, out

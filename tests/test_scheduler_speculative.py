@@ -16,6 +16,7 @@ import random
 from dataclasses import replace
 
 import pytest
+import torch
 
 from scheduler_utils import drain
 from scripts.make_tiny_checkpoint import TinySpec, make_tiny_checkpoint
@@ -26,8 +27,9 @@ from sglang_echo.runtime import metrics
 from sglang_echo.runtime.request import SamplingParams, ServeRequest
 from sglang_echo.runtime.scheduler_speculative import SpeculativeDecode
 from sglang_echo.runtime.server_args import ServerArgError, parse_server_args
+from sglang_echo.runtime.spec_graphs import SpecStepGraphs
 from sglang_echo.tokenizer import load_tokenizer
-from spec_drafts import script_drafts
+from spec_drafts import ReplayingGraphs, script_drafts
 
 SPEC = TinySpec(seed=4, num_nextn_predict_layers=1)  # index_topk 16: sparse past 16 tokens
 CHUNK, CONTEXT, RUNNING, POOL = 16, 128, 3, 1200
@@ -163,6 +165,54 @@ def test_speculative_scheduler_equals_plain_scheduler(ckpts, monkeypatch, kv, sa
     if kv == "echo":
         assert sum(serving.kv_cache.telemetry()["evictions"]) > 0  # real pressure
     _assert_all_free(serving, kv)
+
+
+def test_rounds_from_graphs_captured_at_start_up(ckpts, monkeypatch):
+    """The server's start-up capture of every round shape (runtime/spec_graphs.py
+    ``capture_all``, with a stand-in graph backend): ECHO's state after it is a fresh
+    cache's, no capture happens while serving, and the outputs and accept lengths equal
+    the eager rounds' (both with the MoE's graph-safe dispatch)."""
+    prompts, params = _prompts(1), _params("greedy")
+    base = _run(_serving(ckpts["mtp"], "echo", False), prompts, params)
+    _script(monkeypatch, {r.rid: r.output for r in base})
+
+    def speculative(graphs: bool):
+        serving = _serving(ckpts["mtp"], "echo", True)
+        rounds = serving.scheduler.speculative.rounds
+        rounds.target.set_graph_safe(True)
+        rounds.draft_model.set_graph_safe(True)
+        if graphs:
+            fresh = _cache_state(serving.kv_cache)
+            rounds.graphs = SpecStepGraphs(
+                rounds.target, rounds.draft_model, serving.kv_cache, rounds.draft_cache,
+                CONTEXT, backend=ReplayingGraphs(),
+            )  # fmt: skip
+            captured = rounds.graphs.capture_all(list(range(1, RUNNING + 1)), S)
+            assert captured == rounds.graphs.startup_captures == 3 * RUNNING
+            after = _cache_state(serving.kv_cache)  # the state as before the capture
+            assert all(torch.equal(fresh[k], after[k]) for k in fresh), fresh.keys()
+        return serving, _run(serving, prompts, params)
+
+    (eager, eager_reqs), (replayed, reqs) = speculative(False), speculative(True)
+    graphs = replayed.scheduler.speculative.rounds.graphs
+    assert graphs.captures == graphs.startup_captures  # none while serving
+    assert graphs.backend.replays > 0
+    assert [r.output for r in reqs] == [r.output for r in eager_reqs] == [r.output for r in base]
+    # (the script's cycle of right drafts runs on across both servers: their accept
+    # lengths differ, every length occurs in each)
+    for serving in (eager, replayed):
+        assert set(serving.scheduler.speculative.accept_lens) == set(range(1, Q + 1))
+    for r in reqs:
+        _assert_events(r)
+    _assert_all_free(replayed, "echo")
+
+
+def _cache_state(cache) -> dict:
+    c = cache.cache
+    names = ("host_to_device", "device_to_host", "priority", "free_stack", "free_count", "clock")
+    state = {n: getattr(c, n).clone() for n in names}
+    state |= {f"telemetry.{k}": torch.tensor(v) for k, v in cache.telemetry().items()}
+    return state
 
 
 def test_speculative_gauges_follow_the_rounds(ckpts, monkeypatch):

@@ -263,7 +263,7 @@ def test_gc_of_an_earlier_engines_graphs_cannot_invalidate_a_capture(checkpoints
 
     def engine(guarded: bool):
         if not guarded:
-            monkeypatch.setattr(cuda_graph, "_no_gc", contextlib.nullcontext)
+            monkeypatch.setattr(cuda_graph, "no_gc", contextlib.nullcontext)
         earlier = StepRunner(
             model,
             PlainKVCache.for_model(cfg, cap, torch.float32, "cuda"),

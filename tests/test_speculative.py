@@ -22,8 +22,8 @@ from sglang_echo.offload.device_cache import ABSENT
 from sglang_echo.runtime.engine import Engine
 from sglang_echo.runtime.kv_factory import echo_cache_for_model
 from sglang_echo.runtime.request import SamplingParams
-from sglang_echo.runtime.speculative import SpeculativeGenerator
-from spec_drafts import script_generator_drafts
+from sglang_echo.runtime.speculative import SpecRounds, SpeculativeGenerator
+from spec_drafts import ReplayingGraphs, script_generator_drafts
 
 SPEC = TinySpec(seed=4, num_nextn_predict_layers=1)  # index_topk 16: sparse past 16 tokens
 CHUNK, CONTEXT, NEW = 16, 96, 12
@@ -368,3 +368,85 @@ def test_echo_mtp_bit_identical_with_fp8_rows_and_without_placement(
         assert o.accept_lens == p.accept_lens
         assert all(torch.equal(a, b) for a, b in zip(o.verify_logits, p.verify_logits, strict=True))
     _no_stale_rows(echo_cache)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["captured", "capture-fails"])
+def test_rounds_replayed_from_graphs_equal_eager_rounds(models, greedy, monkeypatch, fail):
+    """ECHO + MTP with every round step replayed from a (stand-in) graph equals the plain
+    pool replayed the same way (tokens, accept lengths, verify logits) and the eager
+    rounds' tokens. Scripted drafts commit windows of every length; a failed capture
+    (injected for the verify's lanes) leaves that shape eager, the output unchanged."""
+    s = 2
+    prompts = _long_prompts()
+    target, _ = models
+    _scripted(monkeypatch, greedy, "mixed")
+    eager = _speculate(models, _plain(target, prompts, NEW), prompts, s)
+
+    def replayed(cache, backend):
+        gen = SpeculativeGenerator(
+            *models, cache, s, _capacity(prompts, NEW), BATCH, CONTEXT, chunk_size=CHUNK,
+            cuda_graphs=True, graph_backend=backend,
+        )  # fmt: skip
+        return gen, gen.generate(prompts, NEW)
+
+    try:
+        _, plain = replayed(_plain(target, prompts, NEW), ReplayingGraphs())
+        backend = ReplayingGraphs(fail_lanes=(BATCH * (s + 1),) if fail else ())
+        echo_cache = _echo(target, prompts, NEW, s + 1)
+        gen, echo = replayed(echo_cache, backend)
+    finally:  # the module's other tests run the models eagerly
+        for model in models:
+            model.set_graph_safe(False)
+    graphs = gen.rounds.graphs
+    assert backend.replays > 0 and graphs.captures == len(backend.captured)
+    # verify (B x Q lanes), draft steps (B lanes), draft over the verified (B x Q, B rows)
+    kinds = {(k[0], k[2] > 0) for k in graphs.shapes}
+    assert ("draft", False) in kinds and ("draft", True) in kinds
+    assert (("verify", False) in kinds) != fail
+    assert graphs.capture_failures == (1 if fail else 0)
+    for p, o, e in zip(plain, echo, eager, strict=True):
+        assert o.tokens == p.tokens == e.tokens and o.accept_lens == p.accept_lens
+        assert all(torch.equal(a, b) for a, b in zip(o.verify_logits, p.verify_logits, strict=True))
+        # Graphs run the MoE's fixed-shape dispatch (set_graph_safe), eager steps its
+        # sparse one: the same experts, summed in another order.
+        assert all(
+            torch.allclose(a, b, atol=1e-5, rtol=0)
+            for a, b in zip(o.verify_logits, e.verify_logits, strict=True)
+        )
+    _no_stale_rows(echo_cache)
+
+
+def test_graph_rounds_draft_as_eager_rounds(models, monkeypatch):
+    """The draft's own steps from graphs (its step lanes, the draft over the verified
+    positions with its rows of logits, the carried states) give the eager rounds' draft
+    tokens, round for round: the real NextN draft, no script (the MoE's graph-safe
+    dispatch in both)."""
+    s = 3
+    prompts = _long_prompts()
+    target, _ = models
+    drafted: list[list[list[int]]] = []
+    original = SpecRounds.draft
+    monkeypatch.setattr(
+        SpecRounds,
+        "draft",
+        lambda self, lanes: drafted.append(original(self, lanes)) or drafted[-1],
+    )
+
+    def run(graphs: bool) -> list[list[list[int]]]:
+        drafted.clear()
+        gen = SpeculativeGenerator(
+            *models, _plain(target, prompts, NEW), s, _capacity(prompts, NEW), BATCH, CONTEXT,
+            chunk_size=CHUNK, cuda_graphs=graphs,
+            graph_backend=ReplayingGraphs() if graphs else None,
+        )  # fmt: skip
+        gen.generate(prompts, NEW)
+        return list(drafted)
+
+    for model in models:
+        model.set_graph_safe(True)
+    try:
+        eager, replayed = run(False), run(True)
+    finally:
+        for model in models:
+            model.set_graph_safe(False)
+    assert len(eager) > 2 and replayed == eager

@@ -257,6 +257,7 @@ def _speculate(
         args.chunked_prefill_size,
         eos_token_ids=[] if args.ignore_eos else None,
         record_logits=False,
+        cuda_graphs=start.cuda_graphs(args.disable_cuda_graph),
     )
     done = gen.generate(prompts, args.max_new_tokens, sampling_params(args))
     rounds = sum(len(r.accept_lens) for r in done)
@@ -357,10 +358,8 @@ def run(args: argparse.Namespace) -> dict:
     check_kv_dtype(cfg, start.dtype, args.kv_cache_dtype, InputError)
     if steps is not None:  # the capacity rule with Q = S + 1 query tokens per request
         start.echo.check_verify_batch(batch, cfg.index_topk, steps + 1)
-    # ECHO's device cache takes a verify's Q tokens per request in one append, as a chunk.
     chunk = args.chunked_prefill_size
-    kv_chunk = chunk if steps is None else max(chunk, batch * (steps + 1))
-    kv_cache = build_kv_backend(start, cfg, capacity, batch, kv_chunk, args.kv_cache_dtype)
+    kv_cache = build_kv_backend(start, cfg, capacity, batch, chunk, args.kv_cache_dtype)
     from tqdm import tqdm
 
     bar = tqdm(
@@ -392,7 +391,7 @@ def run(args: argparse.Namespace) -> dict:
             args, start, model, kv_cache, prompts, steps, (capacity, batch, longest)
         )
         bar.update(len(results))
-        cuda_graph = False  # the rounds run eagerly
+        cuda_graph = start.cuda_graphs(args.disable_cuda_graph)
     bar.close()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w") as out:

@@ -78,7 +78,7 @@ class CudaGraphs:
 
 
 @contextmanager
-def _no_gc() -> Iterator[None]:
+def no_gc() -> Iterator[None]:
     """No garbage collection inside: collected first, then held off until the end."""
     enabled = gc.isenabled()
     gc.collect()
@@ -233,7 +233,7 @@ class CudaGraphDecodeRunner:
         """1 when ``key`` is captured; 0 when its capture failed (logged; eager from now)."""
         t0 = time.perf_counter()
         try:
-            with _no_gc():
+            with no_gc():
                 replay, logits = self.backend.capture(lambda: self.model(static, self.kv_cache))
         except Exception as exc:  # never a request's failure: that shape runs eagerly
             self.capture_failures += 1
@@ -270,14 +270,7 @@ class CudaGraphDecodeRunner:
 
     @staticmethod
     def _load(static: ForwardBatch, batch: ForwardBatch) -> None:
-        static.input_ids.copy_(batch.input_ids, non_blocking=True)
-        static.positions.copy_(batch.positions, non_blocking=True)
-        static.out_locs.copy_(batch.out_locs, non_blocking=True)
-        width = batch.context_locs.shape[1]
-        static.context_locs[:, :width].copy_(batch.context_locs, non_blocking=True)
-        static.context_locs[:, width:].zero_()
-        if batch.request_rows is not None:
-            static.request_rows.copy_(batch.request_rows, non_blocking=True)
+        copy_lane_inputs(static, batch)
 
     def key_for(self, bs: int) -> GraphKey:
         return (bs, self.kv_cache.decode_prefetch is not None)
@@ -309,6 +302,21 @@ class CudaGraphDecodeRunner:
             torch.cuda.synchronize(self.device)
         self._capture(key, static)
         return result
+
+
+def copy_lane_inputs(static: ForwardBatch, batch: ForwardBatch) -> None:
+    """A decode batch's inputs into a captured step's static batch of as many lanes (its
+    context width at least ``batch``'s; the rest zeroed), queued without a host wait."""
+    static.input_ids.copy_(batch.input_ids, non_blocking=True)
+    static.positions.copy_(batch.positions, non_blocking=True)
+    static.out_locs.copy_(batch.out_locs, non_blocking=True)
+    width = batch.context_locs.shape[1]
+    static.context_locs[:, :width].copy_(batch.context_locs, non_blocking=True)
+    static.context_locs[:, width:].zero_()
+    if batch.request_rows is not None:
+        static.request_rows.copy_(batch.request_rows, non_blocking=True)
+    if static.logits_indices is not None:
+        static.logits_indices.copy_(batch.logits_indices, non_blocking=True)
 
 
 def _ranges(values: list[int]) -> str:

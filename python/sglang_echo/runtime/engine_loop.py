@@ -204,10 +204,12 @@ def engine_time_summary(sched: Scheduler) -> str:
     parts.append(f"{s.decode_steps} decode steps")
     runner = sched.steps.decode_runner
     if runner is not None:
+        owners = metrics.graph_owners(sched)
+        captures = sum(g.captures for g in owners)
+        during = sum(g.captures - g.startup_captures for g in owners)
         parts.append(
-            f"{runner.captures} graph captures {runner.capture_s:.2f} s "
-            f"({runner.captures - runner.startup_captures} during the run, "
-            f"{runner.capture_failures} failed)"
+            f"{captures} graph captures {sum(g.capture_s for g in owners):.2f} s "
+            f"({during} during the run, {sum(g.capture_failures for g in owners)} failed)"
         )
         runner.clock.poll(wait=True)
         if runner.clock.steps:

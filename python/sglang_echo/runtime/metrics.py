@@ -16,6 +16,16 @@ from sglang_echo.runtime.scheduler_speculative import accept_stats
 PREFIX = "sglang"
 
 
+def graph_owners(sched: Scheduler) -> list:
+    """What captures CUDA graphs in this engine: the decode runner, and the speculative
+    rounds' step graphs (runtime/spec_graphs.py) under MTP. Each counts ``captures``,
+    ``startup_captures``, ``capture_s`` and ``capture_failures``."""
+    owners: list = [sched.steps.decode_runner]
+    if sched.speculative is not None:
+        owners.append(sched.speculative.rounds.graphs)
+    return [o for o in owners if o is not None]
+
+
 def snapshot(sched: Scheduler, kv_cache) -> dict:
     s = sched.stats
     free = sched.steps.allocator.num_free
@@ -41,10 +51,13 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
     snap["admission_seconds_quantiles"] = quantiles(list(s.recent_admission_s), (0.5, 0.99))
     runner = sched.steps.decode_runner
     if runner is not None:
-        snap["graph_captures_total"] = runner.captures
-        snap["graph_capture_seconds_total"] = runner.capture_s
-        snap["graph_captures_during_run_total"] = runner.captures - runner.startup_captures
-        snap["graph_capture_failures_total"] = runner.capture_failures
+        owners = graph_owners(sched)
+        snap["graph_captures_total"] = sum(g.captures for g in owners)
+        snap["graph_capture_seconds_total"] = sum(g.capture_s for g in owners)
+        snap["graph_captures_during_run_total"] = sum(
+            g.captures - g.startup_captures for g in owners
+        )
+        snap["graph_capture_failures_total"] = sum(g.capture_failures for g in owners)
         runner.clock.poll()
         if runner.clock.enabled:
             snap["decode_device_seconds_total"] = runner.clock.total_seconds

@@ -39,6 +39,7 @@ from sglang_echo.runtime.server_args import (
 from sglang_echo.runtime.speculative import SpecRounds
 from sglang_echo.runtime.speculative_flags import check_nextn_layer
 from sglang_echo.runtime.step_runner import StepRunner
+from sglang_echo.runtime.streams import on_engine_stream
 from sglang_echo.tokenizer import load_tokenizer
 
 DEFAULT_MAX_RUNNING = 64
@@ -131,21 +132,9 @@ def check_speculative(args: ServerArgs, start: StartUp, cfg: DeepseekV32Config) 
     steps = speculative_num_steps(args)
     if steps is None:
         return 1
-    shown = f"--speculative-algorithm {args.speculative_algorithm}"
     check_nextn_layer(
         cfg.num_nextn_predict_layers, args.speculative_algorithm, args.model_path, ServerArgError
     )
-    if start.cuda_graphs(args.disable_cuda_graph):
-        raise ServerArgError(
-            f"{shown}: verify and draft steps are not captured in CUDA graphs yet; add "
-            "--disable-cuda-graph"
-        )
-    if start.echo.offload and start.echo.fuse_decode == "1":
-        raise ServerArgError(
-            f"{shown} is not supported with decode prefetch on every step "
-            "(SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1): a verify is an extend, which that "
-            "prefetch does not serve; set it to auto or 0"
-        )
     return steps + 1
 
 
@@ -176,10 +165,8 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     if capacity < 2:
         raise ServerArgError(f"the KV pool of {capacity} tokens is too small to serve")
     buffer = hisparse_buffer_size(args)
-    # ECHO takes a verify's Q tokens per request in one append, as a prefill chunk.
-    kv_chunk = chunk if q == 1 else max(chunk, max_running * q)
     kv_cache = build_kv_backend(
-        start, cfg, capacity, max_running, kv_chunk, args.kv_cache_dtype, hisparse_buffer=buffer
+        start, cfg, capacity, max_running, chunk, args.kv_cache_dtype, hisparse_buffer=buffer
     )
     use_graph = start.cuda_graphs(args.disable_cuda_graph)
     steps = StepRunner(
@@ -192,8 +179,9 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     # Every decode shape captured now, before the server says it is ready
-    # (runtime/cuda_graph.py): no capture lands in a client's step.
-    captured = steps.capture_decode_graphs() if use_graph else 0
+    # (runtime/cuda_graph.py): no capture lands in a client's step. Under MTP the rounds'
+    # shapes instead (runtime/spec_graphs.py): a round replaces every decode step.
+    captured = steps.capture_decode_graphs() if use_graph and q == 1 else 0
     tokenizer = load_tokenizer(args.model_path)
     detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
     fake = None
@@ -205,7 +193,11 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     if q > 1:
         draft = load_nextn(args.model_path, device, dtype, target=model)
         set_batch_invariant(draft, start.kernels.batch_invariant)  # as the target's
-        rounds = SpecRounds(model, draft, steps, q - 1, capacity)
+        rounds = SpecRounds(model, draft, steps, q - 1, capacity, graphs=use_graph)
+        if rounds.graphs is not None:
+            bound = min(args.cuda_graph_max_bs or max_running, max_running)
+            with on_engine_stream(device):
+                captured = rounds.graphs.capture_all(list(range(1, bound + 1)), q - 1)
     scheduler = Scheduler(
         steps,
         max_running,

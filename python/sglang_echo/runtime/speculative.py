@@ -56,9 +56,11 @@ from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.kv_cache import KVCache, PlainKVCache
 from sglang_echo.model.nextn import NextNLayer
+from sglang_echo.runtime.cuda_graph import GraphBackend
 from sglang_echo.runtime.host_ints import int64_tensor
 from sglang_echo.runtime.request import SamplingParams, SeqState
 from sglang_echo.runtime.sampling import SampledBatch, new_sample_key, sample_batch
+from sglang_echo.runtime.spec_graphs import SpecStepGraphs
 from sglang_echo.runtime.speculative_flags import MAX_DRAFT_TOKENS
 from sglang_echo.runtime.step_runner import StepRunner
 
@@ -134,7 +136,12 @@ class SpecRounds:
         steps: StepRunner,
         num_draft_tokens: int,
         token_capacity: int,
+        graphs: bool = False,
+        graph_backend: GraphBackend | None = None,
     ) -> None:
+        """``graphs``: the round's decode-lane steps replay CUDA graphs
+        (runtime/spec_graphs.py; ``graph_backend``: the decode runner's pool by default, a
+        stand-in in tests)."""
         if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]")
         self.target = target
@@ -144,6 +151,19 @@ class SpecRounds:
         self.device = steps.device
         dtype = target.lm_head.weight.dtype
         self.draft_cache = PlainKVCache.for_model(draft.config, token_capacity, dtype, self.device)
+        self.graphs: SpecStepGraphs | None = None
+        # Rounds of more requests than this run eagerly (--cuda-graph-max-bs), as decode does.
+        self.graph_max_bs: int | None = None
+        if graphs:
+            runner = steps.decode_runner
+            if runner is not None:
+                self.graph_max_bs = runner.max_batch_size
+                if graph_backend is None:
+                    graph_backend = runner.backend  # one memory pool for every graph
+            self.graphs = SpecStepGraphs(
+                target, draft, steps.kv_cache, self.draft_cache, steps.table.max_context,
+                backend=graph_backend,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------- a round
     def verify(
@@ -164,7 +184,11 @@ class SpecRounds:
         drafts = drafter(lanes)
         ids = [[lane.seq.output[-1], *d] for lane, d in zip(lanes, drafts, strict=True)]
         batch = self.batch([lane.seq for lane in lanes], ids, starts, decode=True)
-        logits, hidden = self.target.forward_with_hidden(batch, self.steps.kv_cache)
+        graphs = self._graphs_for(len(lanes))
+        if graphs is not None:
+            logits, hidden = graphs.verify(batch)
+        else:
+            logits, hidden = self.target.forward_with_hidden(batch, self.steps.kv_cache)
         # Position j of a lane with n outputs is output index n + j: the counter the
         # non-speculative scheduler would sample that token with.
         rows = [lane for lane in lanes for _ in range(q)]
@@ -217,7 +241,7 @@ class SpecRounds:
             starts = [lane.seq.cached_len + j - 1 for lane in lanes]
             ids = [[d[-1]] for d in drafts]
             batch = self.batch(seqs, ids, starts, decode=True)
-            logits, hidden = self.draft_model(batch, hidden, self.draft_cache)
+            logits, hidden = self._draft_lanes(batch, hidden, len(lanes))
             for d, token in zip(drafts, logits.argmax(-1).tolist(), strict=True):
                 d.append(token)
         return drafts
@@ -244,12 +268,30 @@ class SpecRounds:
             batch = self.batch(seqs, next_ids, starts, decode=True)
             ends = torch.tensor(decode_lanes)
         batch.logits_indices = ends.to(self.device)
-        logits, out_hidden = self.draft_model(batch, target_hidden, self.draft_cache)
+        if decode_lanes is None:
+            logits, out_hidden = self.draft_model(batch, target_hidden, self.draft_cache)
+        else:
+            logits, out_hidden = self._draft_lanes(batch, target_hidden, len(lanes))
         for i, (lane, token) in enumerate(zip(lanes, logits.argmax(-1).tolist(), strict=True)):
             lane.draft_token = token
             lane.draft_hidden = out_hidden[i]
 
     # ---------------------------------------------------------------- helpers
+    def _graphs_for(self, requests: int) -> SpecStepGraphs | None:
+        """The step graphs for a round of ``requests`` requests (None: eager)."""
+        if self.graph_max_bs is not None and requests > self.graph_max_bs:
+            return None
+        return self.graphs
+
+    def _draft_lanes(
+        self, batch: ForwardBatch, hidden: torch.Tensor, requests: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft step of decode lanes: from its CUDA graph where there are graphs."""
+        graphs = self._graphs_for(requests)
+        if graphs is not None:
+            return graphs.draft_step(batch, hidden)
+        return self.draft_model(batch, hidden, self.draft_cache)
+
     @staticmethod
     def choose(logits: torch.Tensor, lanes: list[SpecLane], counters: list[int]) -> SampledBatch:
         """One token per logits row by the runtime's sampler (runtime/sampling.py), with
@@ -307,6 +349,7 @@ class SpeculativeGenerator:
 
     ``record_logits``: keep every verify's logits in the results (the lossless checks);
     off for long runs, whose [Q, vocab] rows per round would pile up on the host.
+    ``cuda_graphs``: the rounds' steps replay CUDA graphs (runtime/spec_graphs.py).
     ``phase_s``: wall seconds spent in prefills (with their draft extends) and in rounds."""
 
     def __init__(
@@ -321,12 +364,17 @@ class SpeculativeGenerator:
         chunk_size: int = 8192,
         eos_token_ids: Sequence[int] | None = None,
         record_logits: bool = True,
+        cuda_graphs: bool = False,
+        graph_backend: GraphBackend | None = None,
     ) -> None:
         self.target = target
         self.chunk_size = chunk_size
         self.max_batch_size = max_batch_size
         self.steps = StepRunner(target, kv_cache, token_capacity, max_batch_size, max_context)
-        self.rounds = SpecRounds(target, draft, self.steps, num_draft_tokens, token_capacity)
+        self.rounds = SpecRounds(
+            target, draft, self.steps, num_draft_tokens, token_capacity,
+            graphs=cuda_graphs, graph_backend=graph_backend,
+        )  # fmt: skip
         self.num_draft = num_draft_tokens
         eos = target.config.eos_token_ids if eos_token_ids is None else eos_token_ids
         self.eos_ids = set(eos)
