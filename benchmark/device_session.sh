@@ -19,7 +19,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: mtp_study admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -183,6 +183,10 @@ run_stage() {
         --sweep /tmp/ds/served_vs_study/sweep --commit '${ECHO_COMMIT:-}' \
         --out /tmp/ds/served_vs_study/served_vs_study.json \
         --command 'ENGINE_PROCESS=${ENGINE_PROCESS:-1} bash benchmark/device_session.sh OUTDIR served_vs_study'" ;;
+    mtp_study)  # MTP rounds against plain decode (batch 1) and ECHO against no-offload with MTP
+      # (the paper setting), forced acceptance p = 0.85, S = 1 (benchmark/mtp_study.py; est. ~6 min)
+      stage mtp_study 540 python3 benchmark/mtp_study.py --out /tmp/ds/mtp_study \
+        --commit "${ECHO_COMMIT:-}" --command "bash benchmark/device_session.sh OUTDIR mtp_study" ;;
     admission_probe)  # the decode node's engine without HTTP (benchmark/decode_node_probe.py):
       # where admission's engine-thread time goes at 100K tokens, with a cProfile of it (~2 min; est.)
       stage admission_probe 240 bash -c "python3 -m benchmark.study.worker_spec \

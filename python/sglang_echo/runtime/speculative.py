@@ -197,14 +197,21 @@ class SpecRounds:
         accepted, picks = [], []
         for i, (lane, d, start) in enumerate(zip(lanes, drafts, starts, strict=True)):
             best = flat.tokens[i * q : (i + 1) * q]
-            k = 0
-            while k < self.num_draft and d[k] == best[k]:
-                k += 1
+            k = self.accepted_drafts(lane, d, best)
             accepted.append([*d[:k], best[k]])
             at = slice(i * q, i * q + k + 1)
             picks.append(SampledBatch(best[: k + 1], flat.finite[at], flat.logprobs[at]))
             lane.seq.cached_len = start + k + 1  # positions start..start+k are committed
         return Verified(lanes, starts, accepted, picks, logits, hidden, q)
+
+    def accepted_drafts(self, lane: SpecLane, drafts: list[int], best: list[int]) -> int:
+        """How many of ``drafts`` the round accepts: the longest prefix equal to the
+        target's own choices ``best`` (a benchmark may force another count: the tokens
+        committed are then the drafts it accepts and the target's choice after them)."""
+        k = 0
+        while k < len(drafts) and drafts[k] == best[k]:
+            k += 1
+        return k
 
     def extend_drafts(self, v: Verified, going_on: Sequence[bool]) -> None:
         """The draft over each going-on lane's verified positions, with the target's
