@@ -39,7 +39,8 @@ def layer_state(
     per layer takes row ``layer`` of each (``state=``), and ``reset_layer_rows`` clears a
     request row in all layers with two launches. Why: a new request is admitted on the
     engine thread, and one reset per layer and predictor cost three launches per layer
-    (a 61-layer model: ~180 per admission) while running requests waited."""
+    and admission (benchmark/arrival_launches.py counts them) while running requests
+    waited."""
     rows = _check_rows(max_rows) + 1
     dev = torch.device(device)
     values = torch.full((layers, rows), value, dtype=torch.float32, device=dev)
