@@ -215,6 +215,33 @@ def _cache_state(cache) -> dict:
     return state
 
 
+@pytest.mark.parametrize("kv", ["plain", "echo"])
+def test_decode_node_under_speculation_equals_the_plain_decode_node(ckpts, monkeypatch, kv):
+    """A PD decode node (fake transfer) with MTP: each arrival brings the draft's KV and
+    carry as well, and its rounds give the tokens of the same node decoding one token a
+    step (the stand-in first token, then the target's greedy choices), with every accept
+    length committed; one terminal event per request, everything freed."""
+    node = {"disaggregation_mode": "decode", "disaggregation_transfer_backend": "fake"}
+    prompts, params = _prompts(3), _params("greedy")
+    base = _run(_serving(ckpts["mtp"], kv, False, **node), prompts, params)
+    assert [len(r.output) for r in base] == list(NEW)
+    _script(monkeypatch, {r.rid: r.output for r in base})
+    serving = _serving(ckpts["mtp"], kv, True, **node)
+    source = serving.scheduler.prompt_source
+    assert (
+        source is not None
+        and source.draft_cache is serving.scheduler.speculative.rounds.draft_cache
+    )
+    spec = _run(serving, prompts, params)
+    assert [r.output for r in spec] == [r.output for r in base]
+    for r in spec:
+        _assert_events(r)
+    assert set(serving.scheduler.speculative.accept_lens) == set(range(1, Q + 1))
+    assert serving.scheduler.stats.decode_steps < sum(NEW) - len(NEW)
+    assert not source._drafts  # every carry taken
+    _assert_all_free(serving, kv)
+
+
 def test_speculative_gauges_follow_the_rounds(ckpts, monkeypatch):
     """``/metrics`` and ``/get_server_info`` carry SGLang's speculative gauges, computed
     from the rounds' accepted lengths; a server without speculation carries none."""
@@ -386,14 +413,10 @@ def test_default_max_running_fits_the_rule_with_q(ckpts):
         (["--speculative-num-steps", "4"], ["--speculative-num-steps 4", "1 to 3"]),
         (["--speculative-eagle-topk", "2"], ["tree drafts are not supported"]),
         (["--speculative-num-draft-tokens", "5"], ["Q must be S + 1"]),
-        (
-            ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake"],
-            ["--disaggregation-mode decode", "no round has a draft"],
-        ),
         (["--enable-hisparse"], ["--enable-hisparse", "plain pool and ECHO only"]),
         (["--speculative-draft-model-path", "d"], ["own MTP (NextN) layer"]),
     ],
-    ids=["num-steps", "topk", "draft-tokens", "pd-decode", "hisparse", "draft-model"],
+    ids=["num-steps", "topk", "draft-tokens", "hisparse", "draft-model"],
 )
 def test_flag_refusals(flags, needles):
     argv = ["--model-path", "m", "--speculative-algorithm", "NEXTN", *flags]

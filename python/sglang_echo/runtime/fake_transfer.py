@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_echo.kernels.host_copy import upload
+from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.offload.host_extents import HostExtents, split_extents
@@ -82,6 +83,7 @@ class _Transfer:
     locs: torch.Tensor | None = None  # the prompt's locations on the device
     job: Future | None = None  # the writer thread's launches (None: written in line, CPU)
     done: torch.cuda.Event | None = None  # recorded after the last write (CUDA)
+    draft: tuple[int, torch.Tensor] | None = None  # under MTP: the draft's carry
 
     @property
     def error(self) -> BaseException | None:
@@ -143,6 +145,21 @@ class FakeTransfer:
         self.failed: list[tuple[SeqState, BaseException]] = []
         self.transfers = 0  # arrived so far
         self.transfer_s = 0.0  # their start-to-arrival times (seen at the step's poll), summed
+        self.directions = directions
+        self.dtype = dtype
+        self.draft_cache: KVCache | None = None  # under MTP (with_draft)
+        self.draft_synth: SyntheticKV | None = None
+        self._drafts: dict[int, tuple[int, torch.Tensor]] = {}  # id(request) -> carry
+
+    def with_draft(self, draft_cache: KVCache, draft_config: DeepseekV32Config) -> None:
+        """Under MTP: each arrival also brings what a prefill node sends for the draft, the
+        NextN layer's KV rows over the prompt (into the draft's one-layer pool, at the
+        prompt's locations) and its carry (the first draft token and the NextN state that
+        made it), synthesized like the target's and seeded by the prompt."""
+        self.draft_cache = draft_cache
+        self.draft_synth = SyntheticKV(
+            draft_config, self.directions[:1], Locality(0.0), self.dtype, self.steps.device
+        )
 
     @property
     def pending(self) -> int:
@@ -167,6 +184,8 @@ class FakeTransfer:
         first = random.Random(seed).randrange(self.vocab_size)
         first_lp = first_token_logprob(req, first, self.vocab_size)
         transfer = _Transfer(req, first, first_lp, started)
+        if self.draft_synth is not None:
+            transfer.draft = self._draft_carry(seed)
         if self.stream is None:
             transfer.slots = self.kv_cache.reserve_prompt(loc_t)
             self._write(loc_t, seed, transfer.slots, locs)
@@ -197,6 +216,8 @@ class FakeTransfer:
     ) -> None:
         """Every layer's rows and index keys of the prompt at ``locs`` (positions 0..n-1;
         ``host_locs``, the same on the CPU, lay out the host writes: offload/host_extents.py)."""
+        if self.draft_synth is not None:  # the NextN layer's rows over the prompt
+            self.draft_synth.write(self.draft_cache, locs, seed)
         if not self.kv_cache.fill_takes_extents:  # the plain pool, HiSparse-like
             self.synth.write(self.kv_cache, locs, seed)
             return
@@ -224,10 +245,19 @@ class FakeTransfer:
             self._write(locs, seed, transfer.slots, host_locs)
             transfer.done.record(self.stream)
 
+    def _draft_carry(self, seed: int) -> tuple[int, torch.Tensor]:
+        """The stand-in for the prefill node's first draft token and NextN state."""
+        token = random.Random(seed * 7 + 1).randrange(self.vocab_size)
+        gen = torch.Generator(device=self.steps.device).manual_seed(seed * 7 + 2)
+        width = self.draft_synth.config.hidden_size
+        hidden = torch.randn(width, generator=gen, device=self.steps.device)
+        return token, hidden.to(self.dtype)
+
     def arrived(self, wait: bool = False) -> list[tuple[SeqState, int, TokenLogprob | None]]:
         """(request, first token, its log-probability or None) of every transfer that has
-        finished, in admission order. ``wait``: block until the oldest has (the caller has
-        nothing else to run)."""
+        finished, in admission order (under MTP each request's draft carry is then
+        ``draft_of``'s). ``wait``: block until the oldest has (the caller has nothing else
+        to run)."""
         if wait and self._transfers:
             self._transfers[0].wait()
         ready = [t for t in self._transfers if t.ready()]
@@ -246,11 +276,19 @@ class FakeTransfer:
             if t.done is not None:
                 torch.cuda.current_stream(self.steps.device).wait_event(t.done)
             self.kv_cache.unpin_prompt(t.slots)
+            if t.draft is not None:
+                self._drafts[id(t.req)] = t.draft
         return [(t.req, t.first_token, t.first_logprob) for t in ready]
+
+    def draft_of(self, req: SeqState) -> tuple[int, torch.Tensor] | None:
+        """Under MTP: the arrived request's draft carry (first draft token, NextN state),
+        once; None without MTP."""
+        return self._drafts.pop(id(req), None)
 
     def forget(self, req: SeqState) -> None:
         """``req`` ends before its first token (an abort): let its transfer finish writing
         before its locations (and slots) go back to the pool."""
+        self._drafts.pop(id(req), None)
         for t in self._transfers:
             if t.req is req:
                 t.wait()

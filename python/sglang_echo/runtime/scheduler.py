@@ -97,7 +97,8 @@ class Scheduler:
     ) -> None:
         self.steps = steps
         if speculative is not None and prompt_source is not None:
-            raise ValueError("speculative decoding is not supported on a PD decode node")
+            # Arrivals bring the draft's KV and carry too, as from a prefill node.
+            prompt_source.with_draft(speculative.draft_cache, speculative.draft_model.config)
         if speculative is not None and overlap:
             log.info(
                 "overlap schedule off under speculative decoding: a round's next inputs are "
@@ -309,6 +310,9 @@ class Scheduler:
         if self.prompt_source is None:
             return
         for req, first, logprob in self.prompt_source.arrived(wait=wait):
+            carry = self.prompt_source.draft_of(req)
+            if carry is not None and self.speculative is not None:
+                self.speculative.arrived(req, *carry)
             if not req.finished:
                 self._accept(req, first, logprob)
         failed, self.prompt_source.failed = self.prompt_source.failed, []

@@ -54,6 +54,12 @@ class SpeculativeDecode:
             self.lanes[id(req)] = lane
         return lane
 
+    def arrived(self, req: ServeRequest, draft_token: int, draft_hidden: torch.Tensor) -> None:
+        """A decode node's arrival: its draft carry came with its KV (no prefill here to
+        draft over), so its first round has a draft."""
+        lane = self.lane(req)
+        lane.draft_token, lane.draft_hidden = draft_token, draft_hidden
+
     def forget(self, req: ServeRequest) -> None:
         """A request released (ended or preempted): its carry goes; a recompute drafts
         over its whole sequence again."""

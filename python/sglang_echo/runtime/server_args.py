@@ -305,11 +305,6 @@ def speculative_num_steps(args: ServerArgs) -> int | None:
     if steps is None:
         return None
     shown = f"--speculative-algorithm {args.speculative_algorithm}"
-    if args.disaggregation_mode == "decode":
-        raise ServerArgError(
-            f"{shown} is not supported with --disaggregation-mode decode: the fake transfer "
-            "synthesizes the prompt's KV, not the MTP layer's, so no round has a draft"
-        )
     if args.enable_hisparse:
         raise ServerArgError(
             f"{shown} is not supported with --enable-hisparse: verify steps are implemented "
