@@ -151,7 +151,8 @@ run_stage() {
       # the serving scheduler's GPU tests, start-up capture and its failure included
       stage cuda_tests_graphs 570 bash -c "python3 -m pytest -q -m gpu -s -p no:cacheprovider \
         --durations=10 tests/test_gpu.py -k 'lossless_cuda_graph_decode'; \
-        python3 -m pytest -q -m gpu -s -p no:cacheprovider --durations=10 tests/test_serving_gpu.py" ;;
+        python3 -m pytest -q -m gpu -s -p no:cacheprovider --durations=10 tests/test_serving_gpu.py \
+        tests/test_speculative_gpu.py" ;;
     cuda_tests_rest)  # the other CUDA tests: oracle on CUDA, fp8 KV with graphs, the cache, sparse-MLA and top-k kernels on the GPU
       peer_or_say
       stage cuda_tests_rest 480 python3 -m pytest -q -m gpu -s -p no:cacheprovider --durations=15 \
