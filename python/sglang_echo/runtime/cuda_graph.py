@@ -77,6 +77,21 @@ class CudaGraphs:
         return graph.replay, out
 
 
+def graph_backend(
+    kv_cache: KVCache, device: torch.device, backend: GraphBackend | None, step: str
+) -> GraphBackend:
+    """``backend``, or CUDA graphs on ``device``; refused, saying why, where ``step`` (what
+    would be captured) cannot be: no CUDA, or an ECHO host pool the device cannot address."""
+    if backend is None and not torch.cuda.is_available():
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    if not kv_cache.graph_safe:
+        raise RuntimeError(
+            "the ECHO host pool is not device-addressable (no pinned UVA view), so "
+            f"{step} cannot be captured; run without CUDA graphs"
+        )
+    return backend if backend is not None else CudaGraphs(device)
+
+
 @contextmanager
 def no_gc() -> Iterator[None]:
     """No garbage collection inside: collected first, then held off until the end."""
@@ -165,19 +180,12 @@ class CudaGraphDecodeRunner:
         max_batch_size: int | None = None,
         backend: GraphBackend | None = None,
     ) -> None:
-        if backend is None and not torch.cuda.is_available():
-            raise RuntimeError("CUDA graphs need a CUDA device")
-        if not kv_cache.graph_safe:
-            raise RuntimeError(
-                "the ECHO host pool is not device-addressable (no pinned UVA view), so a "
-                "decode step cannot be captured; run without CUDA graphs"
-            )
         self.model = model
         self.kv_cache = kv_cache
         self.context_width = context_width
         self.max_batch_size = max_batch_size  # larger decode batches run eagerly; None = all
         self.device = model.lm_head.weight.device
-        self.backend = backend if backend is not None else CudaGraphs(self.device)
+        self.backend = graph_backend(kv_cache, self.device, backend, "a decode step")
         self.graphs: dict[GraphKey, _Captured] = {}
         self.eager_shapes: set[GraphKey] = set()  # their capture failed: eager from then on
         self.captures = 0  # shapes captured so far

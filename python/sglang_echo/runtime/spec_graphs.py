@@ -30,10 +30,10 @@ from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.model.nextn import NextNLayer
 from sglang_echo.runtime import kv_state
 from sglang_echo.runtime.cuda_graph import (
-    CudaGraphs,
     GraphBackend,
     clear_capture_error,
     copy_lane_inputs,
+    graph_backend,
     no_gc,
 )
 
@@ -66,18 +66,11 @@ class SpecStepGraphs:
         context_width: int,
         backend: GraphBackend | None = None,
     ) -> None:
-        if backend is None and not torch.cuda.is_available():
-            raise RuntimeError("CUDA graphs need a CUDA device")
-        if not target_cache.graph_safe:
-            raise RuntimeError(
-                "the ECHO host pool is not device-addressable (no pinned UVA view), so a "
-                "verify step cannot be captured; run without CUDA graphs"
-            )
         self.target, self.draft = target, draft
         self.target_cache, self.draft_cache = target_cache, draft_cache
         self.context_width = context_width
         self.device = target.lm_head.weight.device
-        self.backend = backend if backend is not None else CudaGraphs(self.device)
+        self.backend = graph_backend(target_cache, self.device, backend, "a verify step")
         self.shapes: dict[SpecKey, _Static] = {}
         self.eager_shapes: set[SpecKey] = set()  # their capture failed
         self.captures = 0
