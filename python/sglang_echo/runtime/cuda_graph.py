@@ -264,17 +264,7 @@ class CudaGraphDecodeRunner:
 
     # --------------------------------------------------------------- steps
     def _static_batch(self, bs: int) -> ForwardBatch:
-        z = dict(dtype=torch.int64, device=self.device)
-        return ForwardBatch(
-            input_ids=torch.zeros(bs, **z),
-            positions=torch.zeros(bs, **z),
-            out_locs=torch.zeros(bs, **z),
-            context_locs=torch.zeros(bs, self.context_width, **z),
-            extend_lens=[1] * bs,
-            context_lens=[0] * bs,
-            is_decode=True,
-            request_rows=torch.zeros(bs, **z),
-        )
+        return static_lanes(bs, self.context_width, self.device)
 
     @staticmethod
     def _load(static: ForwardBatch, batch: ForwardBatch) -> None:
@@ -310,6 +300,31 @@ class CudaGraphDecodeRunner:
             torch.cuda.synchronize(self.device)
         self._capture(key, static)
         return result
+
+
+def static_lanes(
+    lanes: int,
+    width: int,
+    device: torch.device,
+    logits_rows: int = 0,
+    selections_distinct: bool = True,
+) -> ForwardBatch:
+    """The static decode batch a captured step reads (``copy_lane_inputs`` fills it):
+    ``lanes`` lanes over ``width`` context positions, every lane the padding sink
+    (location 0, position 0) until filled; ``logits_rows`` rows with logits (0: all)."""
+    z = dict(dtype=torch.int64, device=device)
+    return ForwardBatch(
+        input_ids=torch.zeros(lanes, **z),
+        positions=torch.zeros(lanes, **z),
+        out_locs=torch.zeros(lanes, **z),
+        context_locs=torch.zeros(lanes, width, **z),
+        extend_lens=[1] * lanes,
+        context_lens=[0] * lanes,
+        is_decode=True,
+        logits_indices=torch.zeros(logits_rows, **z) if logits_rows else None,
+        request_rows=torch.zeros(lanes, **z),
+        selections_distinct=selections_distinct,
+    )
 
 
 def copy_lane_inputs(static: ForwardBatch, batch: ForwardBatch) -> None:

@@ -35,6 +35,7 @@ from sglang_echo.runtime.cuda_graph import (
     copy_lane_inputs,
     graph_backend,
     no_gc,
+    static_lanes,
 )
 
 log = logging.getLogger("sglang_echo.cuda_graph")
@@ -173,18 +174,8 @@ class SpecStepGraphs:
 
     def _static(self, key: SpecKey, selections_distinct: bool) -> _Static:
         lanes, rows = key[1], key[2]
-        z = dict(dtype=torch.int64, device=self.device)
-        static_batch = ForwardBatch(
-            input_ids=torch.zeros(lanes, **z),
-            positions=torch.zeros(lanes, **z),
-            out_locs=torch.zeros(lanes, **z),
-            context_locs=torch.zeros(lanes, self.context_width, **z),
-            extend_lens=[1] * lanes,
-            context_lens=[0] * lanes,
-            is_decode=True,
-            logits_indices=torch.zeros(rows, **z) if rows else None,
-            request_rows=torch.zeros(lanes, **z),
-            selections_distinct=selections_distinct,
+        static_batch = static_lanes(
+            lanes, self.context_width, self.device, rows, selections_distinct
         )
         hidden = None
         if key[0] == "draft":
