@@ -45,14 +45,8 @@ import torch
 
 from benchmark.study.decode_node import DecodeNode, NodeRequest
 from benchmark.study.moe import LocalRoutedMoE
-from benchmark.study.worker import (
-    DSV32_DIMS,
-    DSV32_MOE,
-    SMOKE_DIMS,
-    SMOKE_MOE,
-    build_worker,
-    study_config,
-)
+from benchmark.study.worker import build_worker, study_config
+from benchmark.study.worker_spec import SIZES
 from sglang_echo.config import EchoConfig
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.model.nextn import NextNLayer
@@ -82,7 +76,7 @@ class ForcedRounds(SpecRounds):
 
 def build_models(args, device: torch.device, dtype: torch.dtype):
     """(target worker, its NextN layer, favoured directions): random, deterministic."""
-    dims, moe = (SMOKE_DIMS, SMOKE_MOE) if args.smoke else (DSV32_DIMS, DSV32_MOE)
+    dims, moe = SIZES["smoke" if args.smoke else "dsv32"]
     cfg = study_config(dims, args.layers, 4096, 131_072, "fp8_hadamard")
     # One NextN layer, its placeholder FFN dense (replaced below by the MoE share).
     cfg = dataclasses.replace(
