@@ -110,6 +110,9 @@ class EchoModel:
         self.alloc = TokenSlotAllocator(n_h)
         self.broken = False
         self.live: dict[int, list[int]] = {}
+        # A verify's rejected positions per request: the last ids of its live list, held
+        # and written again by its next verify (runtime/speculative.py).
+        self.tail: dict[int, int] = {}
         self.next_rid = 0
         self.counter = 0
         # What the test wrote to each (layer, host id): the host must keep exactly this.
@@ -222,6 +225,63 @@ class EchoModel:
         assert set(res_after) - set(res_before) == set(locs[:placed])
 
     @_marks_broken
+    def write_verify(self, layer: int, locs: list[int]) -> None:
+        """A verify's ``cache.write(..., decode=True)`` of its lanes, fresh ids and ids of
+        rejected positions written again: host rows and index keys are the new ones; an id
+        resident before keeps its slot and gets the new row there (with placement and
+        without); with placement the absent ones take free slots in lane order while they
+        last. Nothing is evicted and no counter moves."""
+        rows = self._fresh_rows(len(locs), ROW_DIM)
+        keys = self._fresh_rows(len(locs), INDEX_DIM)
+        before = self._snapshot(layer)
+        stack = self.c.free_stack[layer].tolist()
+        t = torch.tensor(locs, dtype=torch.int64)
+        self.kv.write(layer, t, rows, keys, decode=True)
+        self.expected_host[layer, t] = rows
+        assert torch.equal(self.kv.host.rows[layer, t], rows)
+        assert torch.equal(self.kv.index_keys(layer)[t], keys)
+        after = self._snapshot(layer)
+        placed = 0
+        for i, h in enumerate(locs):
+            s = before["h2d"][h]
+            if s != ABSENT:  # rewritten in place
+                assert after["h2d"][h] == s, f"id {h} moved from slot {s}"
+                assert torch.equal(self.c.rows[layer, s], rows[i]), f"slot {s}: stale row"
+            elif self.decode_place and placed < before["free"]:
+                s = stack[before["free"] - 1 - placed]
+                placed += 1
+                assert after["h2d"][h] == s and torch.equal(self.c.rows[layer, s], rows[i])
+            else:
+                assert after["h2d"][h] == ABSENT, f"id {h} mapped with no free slot"
+        assert after["free"] == before["free"] - placed
+        for key in ("clock", "hits", "misses", "evictions", "append_evictions", "recalled"):
+            assert after[key] == before[key], f"layer {layer}: a verify's write moved {key}"
+
+    @_marks_broken
+    def verify(
+        self, rid: int, q: int, pick: Callable[[list[int], int], list[int]], accept: int
+    ) -> None:
+        """A verify of ``q`` positions of one request: its rejected tail and fresh ids
+        written (``write_verify``), then per layer ONE resolve of its q lanes, lane j
+        selecting among positions 0..committed + j (the lanes repeat ids), then ``accept``
+        + 1 positions committed; the rest is the tail the next verify writes again."""
+        ids = self.live[rid]
+        held = self.tail.get(rid, 0)
+        new = self.alloc.alloc(q - held)
+        ids.extend(new)
+        committed = len(ids) - q
+        lanes = ids[committed:]
+        for layer in range(NUM_LAYERS):
+            self.write_verify(layer, lanes)
+        for layer in range(NUM_LAYERS):
+            sel = []
+            for j in range(q):
+                chosen = pick(ids[: committed + j + 1], layer)
+                sel.append(chosen + [-1] * (TOPK - len(chosen)))
+            self.resolve(layer, sel)
+        self.tail[rid] = q - (accept + 1)
+
+    @_marks_broken
     def write(self, layer: int, locs: list[int]) -> None:
         """``cache.write`` of fresh rows for new host ids, checked."""
         n = len(locs)
@@ -328,6 +388,7 @@ class EchoModel:
     @_marks_broken
     def finish(self, rid: int) -> None:
         locs = self.live.pop(rid)
+        self.tail.pop(rid, None)
         c = self.c
         free_before = c.free_count.tolist()
         resident_before = [
@@ -442,9 +503,12 @@ class EchoMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def decode_step(self, data):
         m = self.m
-        most = min(MAX_REQ, len(m.live), m.alloc.num_free)
+        untailed = sorted(r for r in m.live if not m.tail.get(r))
+        if not untailed:
+            return
+        most = min(MAX_REQ, len(untailed), m.alloc.num_free)
         rids = data.draw(
-            st.lists(st.sampled_from(sorted(m.live)), min_size=1, max_size=most, unique=True),
+            st.lists(st.sampled_from(untailed), min_size=1, max_size=most, unique=True),
             label="requests",
         )
 
@@ -501,6 +565,25 @@ class EchoMachine(RuleBasedStateMachine):
                 row = chosen + [-1] * (TOPK - len(chosen))
                 sel.append(data.draw(st.permutations(row)))
             m.resolve(layer, sel)
+
+    @precondition(lambda self: self.m.live and self.m.alloc.num_free >= 2)
+    @rule(data=st.data())
+    def verify_round(self, data):
+        """A speculative verify (Q lanes of one request on its row: Q x TOPK <= N_G), a
+        rejected tail written again by the next one."""
+        m = self.m
+        rid = data.draw(st.sampled_from(sorted(m.live)), label="request")
+        held = m.tail.get(rid, 0)
+        q = data.draw(st.integers(max(2, held), min(MAX_REQ, held + m.alloc.num_free)), label="Q")
+
+        def pick(ids: list[int], layer: int) -> list[int]:
+            k = min(TOPK, len(ids))
+            return data.draw(
+                st.lists(st.sampled_from(ids), min_size=k, max_size=k, unique=True),
+                label=f"lane top-k layer {layer}",
+            )
+
+        m.verify(rid, q, pick, data.draw(st.integers(0, q - 1), label="accepted drafts"))
 
     @precondition(lambda self: self.m.live)
     @rule(data=st.data())
