@@ -29,7 +29,6 @@ a host pool the machine cannot pin (DeepSeek-V3.2's 61 layers of 656-byte fp8 ro
 `--fake-kv-locality 0.9` on the server | server start-up | server --fake-kv-locality 0.9
 `--hisparse-config` without `--enable-hisparse` | server start-up | server --hisparse-config {}
 `--model-loader` that is not MODULE:FUNCTION | server start-up | server --model-loader benchmark/study/loader.py
-`--speculative-algorithm NEXTN` on a PD decode node | server start-up | server --speculative-algorithm NEXTN --disaggregation-mode decode --disaggregation-transfer-backend fake
 a draft of more tokens than its steps chain (`--speculative-num-steps 2 --speculative-num-draft-tokens 4`) | `generate` | generate --speculative-algorithm NEXTN --speculative-num-steps 2 --speculative-num-draft-tokens 4
 a tree draft (`--speculative-eagle-topk 2`) | `generate` | generate --speculative-algorithm NEXTN --speculative-eagle-topk 2
 plugin: no `--max-total-tokens` | `sglang.launch_server` with `NSA_KV_OFFLOAD=1` | plugin max_total_tokens=None
