@@ -26,7 +26,7 @@ and the events are those of the synchronous schedule.
 
 MTP speculative decoding (``speculative``: runtime/speculative.py's ``SpecRounds``):
 each decode step is one round over the decoding requests (``scheduler_speculative.py``):
-S drafts, one verify extend of Q = S + 1 positions per request, its accepted tokens
+S drafts, one verify step of Q = S + 1 lanes per request, its accepted tokens
 through ``_accept`` one at a time. Admission reserves each request's draft tail (S more
 locations), and the overlap schedule is off (a round's next inputs are read on the host).
 

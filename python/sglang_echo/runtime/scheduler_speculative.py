@@ -1,7 +1,7 @@
 """The scheduler's MTP speculative decode: a decode step becomes one speculative round.
 
 Why apart from the scheduler: the round itself (draft S tokens with the NextN layer,
-verify Q = S + 1 positions per request in one target extend, the accepted window, the
+verify Q = S + 1 positions per request in one target decode step, the accepted window, the
 draft over what was committed) is ``SpecRounds``' (runtime/speculative.py), shared with
 the offline ``generate``; what is the scheduler's own is small but separate: each
 request's draft carry across steps, the draft over each prefill chunk (so the first

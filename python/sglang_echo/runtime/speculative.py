@@ -171,9 +171,10 @@ class SpecRounds:
     ) -> Verified:
         """Place Q = S + 1 positions per lane, draft S tokens (``drafter``: ``draft``, or
         a test's script of it), verify them (the lane's last output and its S drafts) in
-        one target extend and commit each lane's accepted window (``seq.cached_len``); the
-        caller appends the accepted tokens to the outputs. Rejected positions keep their
-        token locations, rewritten by the next verify (see the module docstring)."""
+        one target decode step of Q lanes per request and commit each lane's accepted
+        window (``seq.cached_len``); the caller appends the accepted tokens to the outputs.
+        Rejected positions keep their token locations, rewritten by the next verify (see
+        the module docstring)."""
         q = self.num_draft + 1
         self.steps.flush_releases()
         starts = [lane.seq.cached_len for lane in lanes]
@@ -456,7 +457,7 @@ class SpeculativeGenerator:
 
     # ------------------------------------------------------------------- a round
     def _round(self, active: list[_Live], max_new: int) -> None:
-        """Draft S tokens, verify Q = S + 1 positions in one target extend, accept, and
+        """Draft S tokens, verify Q = S + 1 positions in one target decode step, accept, and
         re-run the draft over the accepted positions with the target's states."""
         v = self.rounds.verify(active, self._draft)
         going_on = []
