@@ -193,44 +193,21 @@ class EchoModel:
     # --------------------------------------------------------------- operations
     @_marks_broken
     def write_decode(self, layer: int, locs: list[int]) -> None:
-        """A decode step's ``cache.write(..., decode=True)``: host rows and index keys; with
-        placement, the first min(tokens, free) ids in lane order take the slots on top of
-        the free stack, stamped with the layer's clock, their rows written there; the rest
-        stay host-only. Nothing is evicted, no other mapping moves, no counter changes."""
-        rows = self._fresh_rows(len(locs), ROW_DIM)
-        keys = self._fresh_rows(len(locs), INDEX_DIM)
+        """A decode step's ``cache.write(..., decode=True)`` of fresh ids: host rows and
+        index keys; with placement, the first min(tokens, free) ids in lane order take the
+        slots on top of the free stack, stamped with the layer's clock, their rows written
+        there; the rest stay host-only. Nothing is evicted, no other mapping moves, no
+        counter changes."""
         before = self._snapshot(layer)
-        stack = self.c.free_stack[layer].tolist()
         assert all(before["h2d"][h] == ABSENT for h in locs), "a fresh id was mapped"
-        t = torch.tensor(locs, dtype=torch.int64)
-        self.kv.write(layer, t, rows, keys, decode=True)
-        self.expected_host[layer, t] = rows
-        assert torch.equal(self.kv.host.rows[layer, t], rows)
-        assert torch.equal(self.kv.index_keys(layer)[t], keys)
-        after = self._snapshot(layer)
-        placed = min(len(locs), before["free"]) if self.decode_place else 0
-        for i, h in enumerate(locs):
-            if i < placed:
-                s = stack[before["free"] - 1 - i]
-                assert after["h2d"][h] == s and after["d2h"][s] == h, f"id {h}: not in slot {s}"
-                assert after["prio"][s] == before["clock"], f"slot {s}: not stamped now"
-                assert torch.equal(self.c.rows[layer, s], rows[i]), f"slot {s}: wrong row"
-            else:
-                assert after["h2d"][h] == ABSENT, f"id {h} mapped with no free slot"
-        assert after["free"] == before["free"] - placed
-        for key in ("clock", "hits", "misses", "evictions", "append_evictions", "recalled"):
-            assert after[key] == before[key], f"layer {layer}: a decode write moved {key}"
-        res_before, res_after = self._resident(before), self._resident(after)
-        assert all(res_after.get(h) == s for h, s in res_before.items()), "a resident moved"
-        assert set(res_after) - set(res_before) == set(locs[:placed])
+        self.write_verify(layer, locs)
 
     @_marks_broken
     def write_verify(self, layer: int, locs: list[int]) -> None:
-        """A verify's ``cache.write(..., decode=True)`` of its lanes, fresh ids and ids of
-        rejected positions written again: host rows and index keys are the new ones; an id
-        resident before keeps its slot and gets the new row there (with placement and
-        without); with placement the absent ones take free slots in lane order while they
-        last. Nothing is evicted and no counter moves."""
+        """``write_decode`` of a verify's lanes, fresh ids and ids of rejected positions
+        written again: an id resident before keeps its slot and gets the new row there
+        (with placement and without); with placement the absent ones take the slots on top
+        of the free stack in lane order while they last, stamped with the layer's clock."""
         rows = self._fresh_rows(len(locs), ROW_DIM)
         keys = self._fresh_rows(len(locs), INDEX_DIM)
         before = self._snapshot(layer)
@@ -241,21 +218,26 @@ class EchoModel:
         assert torch.equal(self.kv.host.rows[layer, t], rows)
         assert torch.equal(self.kv.index_keys(layer)[t], keys)
         after = self._snapshot(layer)
-        placed = 0
+        placed = []
         for i, h in enumerate(locs):
             s = before["h2d"][h]
             if s != ABSENT:  # rewritten in place
                 assert after["h2d"][h] == s, f"id {h} moved from slot {s}"
                 assert torch.equal(self.c.rows[layer, s], rows[i]), f"slot {s}: stale row"
-            elif self.decode_place and placed < before["free"]:
-                s = stack[before["free"] - 1 - placed]
-                placed += 1
-                assert after["h2d"][h] == s and torch.equal(self.c.rows[layer, s], rows[i])
+            elif self.decode_place and len(placed) < before["free"]:
+                s = stack[before["free"] - 1 - len(placed)]
+                placed.append(h)
+                assert after["h2d"][h] == s and after["d2h"][s] == h, f"id {h}: not in slot {s}"
+                assert after["prio"][s] == before["clock"], f"slot {s}: not stamped now"
+                assert torch.equal(self.c.rows[layer, s], rows[i]), f"slot {s}: wrong row"
             else:
                 assert after["h2d"][h] == ABSENT, f"id {h} mapped with no free slot"
-        assert after["free"] == before["free"] - placed
+        assert after["free"] == before["free"] - len(placed)
         for key in ("clock", "hits", "misses", "evictions", "append_evictions", "recalled"):
-            assert after[key] == before[key], f"layer {layer}: a verify's write moved {key}"
+            assert after[key] == before[key], f"layer {layer}: a decode write moved {key}"
+        res_before, res_after = self._resident(before), self._resident(after)
+        assert all(res_after.get(h) == s for h, s in res_before.items()), "a resident moved"
+        assert set(res_after) - set(res_before) == set(placed)
 
     @_marks_broken
     def verify(
