@@ -41,6 +41,8 @@ COMMON_USAGE='  --request-rates LIST              comma-separated request rates,
   --chunked-prefill-size N          server chunked prefill size
   --cuda-graph-max-bs N             server CUDA-graph batch-size limit
   --max-running-requests N          server max running requests
+  --speculative-num-steps S         (ENGINE=echo) both servers decode with MTP, S draft tokens
+                                    per round (the checkpoint NextN layer drafts; 1 to 3)
   --port N                          server port (default 30000)
   -h, --help                        this help
 Environment: ENGINE=echo|sglang (default echo); DSV32W4=checkpoint (ENGINE=echo without it
@@ -67,6 +69,7 @@ parse_common_options() {
       --chunked-prefill-size) CHUNKED_PREFILL_SIZE="$2" ;;
       --cuda-graph-max-bs) CUDA_GRAPH_MAX_BS="$2" ;;
       --max-running-requests) MAX_RUNNING_REQUESTS="$2" ;;
+      --speculative-num-steps) SPEC_NUM_STEPS="$2" ;;
       --port) PORT="$2" ;;
       *) echo "Unknown argument: $1" >&2; usage >&2; exit 2 ;;
     esac
@@ -74,6 +77,11 @@ parse_common_options() {
   done
   read -r -a REQUEST_RATES <<< "${REQUEST_RATES_INPUT//,/ }"
   if [[ ${#REQUEST_RATES[@]} -eq 0 ]]; then echo "--request-rates cannot be empty" >&2; exit 2; fi
+  if [[ -n "${SPEC_NUM_STEPS:-}" && "$ENGINE" == "sglang" ]]; then
+    echo "--speculative-num-steps: the ECHO plugin does not run speculative decoding yet" \
+      "(README: limits); run it with ENGINE=echo, or leave it out" >&2
+    exit 2
+  fi
 }
 
 # The model: $DSV32W4, or (ENGINE=echo) a tiny generated checkpoint, made once.
@@ -83,9 +91,15 @@ choose_model() {
     echo "ENGINE=sglang needs DSV32W4=<DeepSeek-V3.2 checkpoint>" >&2; exit 2
   fi
   MODEL="$E2E_WORK/tiny-dsv32"
+  local nextn=()
+  if [[ -n "${SPEC_NUM_STEPS:-}" ]]; then  # with an MTP (NextN) layer to draft with
+    MODEL="$E2E_WORK/tiny-dsv32-mtp"
+    nextn=(--num-nextn-predict-layers 1)
+  fi
   if [[ ! -f "$MODEL/config.json" ]]; then
     echo "DSV32W4 unset: generating a tiny DeepSeek-V3.2 checkpoint in $MODEL" >&2
-    "$PYTHON" "$E2E_ROOT/scripts/make_tiny_checkpoint.py" --out "$MODEL" --layers 4 --index-topk 32 >&2
+    "$PYTHON" "$E2E_ROOT/scripts/make_tiny_checkpoint.py" --out "$MODEL" --layers 4 \
+      --index-topk 32 "${nextn[@]}" >&2
   fi
 }
 
@@ -150,6 +164,8 @@ launch_echo() {
   [[ -n "${KV_CACHE_DTYPE:-}" ]] && args+=(--kv-cache-dtype "$KV_CACHE_DTYPE")
   [[ -n "${CHUNKED_PREFILL_SIZE:-}" ]] && args+=(--chunked-prefill-size "$CHUNKED_PREFILL_SIZE")
   [[ -n "${MAX_RUNNING_REQUESTS:-}" ]] && args+=(--max-running-requests "$MAX_RUNNING_REQUESTS")
+  [[ -n "${SPEC_NUM_STEPS:-}" ]] && args+=(--speculative-algorithm NEXTN
+    --speculative-num-steps "$SPEC_NUM_STEPS")
   # The engine in a process of its own behind the HTTP front, so HTTP and detokenizing never
   # hold the engine's GIL (benchmark/results/served_vs_study/); ENGINE_PROCESS=0: in-process.
   [[ "${ENGINE_PROCESS:-1}" == "1" ]] && args+=(--engine-process)

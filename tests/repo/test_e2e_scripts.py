@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmark.make_tasks import write_tasks
+from scripts.make_tiny_checkpoint import TinySpec, make_tiny_checkpoint
 from server_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,6 +82,40 @@ def test_infini_sweep(tmp_path, small_checkpoint):
     _check_run(res["no-offload"], "no-offload", 3)
     _check_run(res["offload"], "echo", 3)
     assert not list((tmp_path / "pids").glob("*.pid"))  # every server stopped
+
+
+def test_infini_sweep_with_mtp(tmp_path):
+    """``--speculative-num-steps 1``: both decode nodes run MTP rounds (their arrivals bring
+    the NextN layer's KV and first draft), each run records its accept length, and the
+    offload node gives the no-offload node's tokens."""
+    model = make_tiny_checkpoint(
+        tmp_path / "mtp", TinySpec(num_nextn_predict_layers=1, index_topk=32)
+    )
+    res = {m: tmp_path / f"{m}-mtp" for m in ("no-offload", "offload")}
+    args = [*TINY, "--speculative-num-steps", "1", "--offload-nsa-dev-cache-size", "512"]
+    args += [
+        "--no-offload-res-dir",
+        str(res["no-offload"]),
+        "--offload-res-dir",
+        str(res["offload"]),
+    ]
+    proc = _run(SCRIPTS[0], args, _env(tmp_path, model, INFINI_DATASET=""))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_run(res["no-offload"], "no-offload", 3)
+    _check_run(res["offload"], "echo", 3)
+    recs = {
+        m: json.loads((res[m] / "req_rate_inf.jsonl").read_text().splitlines()[-1]) for m in res
+    }
+    for rec in recs.values():
+        assert 1.0 <= rec["spec_accept_length"] <= 2.0
+    assert recs["offload"]["output_ids"] == recs["no-offload"]["output_ids"]
+
+
+def test_mtp_flag_is_refused_for_the_plugin(tmp_path):
+    env = _env(tmp_path, tmp_path) | {"ENGINE": "sglang"}
+    proc = _run(SCRIPTS[0], [*TINY, "--speculative-num-steps", "1"], env)
+    assert proc.returncode == 2
+    assert "does not run speculative decoding" in proc.stderr
 
 
 def test_task_sweep(tmp_path, small_checkpoint):

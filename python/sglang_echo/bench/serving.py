@@ -104,6 +104,8 @@ ENGINE_COUNTERS = frozenset(
         "decode_batch_requests",  # the decode steps' batch sizes, summed
         "admissions",  # requests admitted, and the engine thread's seconds admitting them
         "admission_seconds",
+        "spec_verify_rounds",  # MTP: request-rounds, and the tokens they committed
+        "spec_accepted_tokens",
         "graph_captures_during_run",  # captures after start-up (0 on a server that captures all)
         "graph_capture_failures",
     }
@@ -208,7 +210,9 @@ def served_fields(before: dict, after: dict, duration: float) -> dict:
       steps' device seconds / their count over the run, by batch size (those that ran);
     - ``admission_ms_mean``: the engine thread's milliseconds per admission over the run;
       ``admission_ms_p50`` / ``admission_ms_p99``: quantiles of the server's last 1024
-      admissions when the run ended (its warm-up and earlier runs' included).
+      admissions when the run ended (its warm-up and earlier runs' included);
+    - ``spec_accept_length``: under MTP, the tokens a request's round committed on average
+      over the run (accepted drafts + the target's token; 1..Q).
 
     Each is None where the server does not expose its counters.
     """
@@ -232,6 +236,11 @@ def served_fields(before: dict, after: dict, duration: float) -> dict:
         "admission_ms_mean": (
             1e3 * eng["admission_seconds"] / eng["admissions"]
             if eng.get("admissions") and "admission_seconds" in eng
+            else None
+        ),
+        "spec_accept_length": (
+            eng["spec_accepted_tokens"] / eng["spec_verify_rounds"]
+            if eng.get("spec_verify_rounds")
             else None
         ),
         "admission_ms_p50": _ms(after.get("admission_quantiles", {}).get("0.5")),
@@ -420,6 +429,8 @@ def print_summary(rec: dict, out=sys.stdout) -> None:
         rows.append(("Mean decode batch (requests):", f"{rec['mean_decode_batch']:.2f}"))
     if rec.get("served_efficiency") is not None:
         rows.append(("Served efficiency (decode device/wall):", f"{rec['served_efficiency']:.3f}"))
+    if rec.get("spec_accept_length") is not None:
+        rows.append(("MTP accept length (tokens/round):", f"{rec['spec_accept_length']:.3f}"))
     echo = rec.get("server_echo")
     if echo:
         rate = "n/a" if echo["hit_rate"] is None else f"{echo['hit_rate']:.4f}"

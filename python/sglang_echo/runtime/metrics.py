@@ -196,6 +196,12 @@ def render(snap: dict, model_name: str) -> str:
             name = "spec_accept_length" if key == "avg_spec_accept_length" else key
             metric(name, "gauge", text, [({}, snap[key])])
         one("spec_verify_rounds", "counter", "Request-rounds verified.", "spec_verify_rounds_total")
+        one(
+            "spec_accepted_tokens",
+            "counter",
+            "Tokens the rounds committed (their accepted lengths, summed).",
+            "spec_accepted_tokens_total",
+        )
     echo = snap.get("echo")
     if echo is not None:
         layers = range(len(echo["hit_rate"]))

@@ -162,4 +162,5 @@ def accept_stats(accept_lens: Counter[int], num_draft: int) -> dict[str, float]:
         "spec_num_steps": float(num_draft),
         "spec_num_draft_tokens": float(num_draft + 1),
         "spec_verify_rounds_total": float(rounds),
+        "spec_accepted_tokens_total": float(sum(k * n for k, n in accept_lens.items())),
     }
