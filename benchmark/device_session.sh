@@ -178,7 +178,7 @@ run_stage() {
       stage served_vs_study 580 bash -c "python3 benchmark/e2e_study.py \
         --out /tmp/ds/served_vs_study/study --only noff_paper,echo_paper --repeats 3 \
         --no-random-keys --locality-sweep '' --skip-components --skip-fixed --profile-steps 0 \
-        --deadline-s 120; env ENGINE_PROCESS=${ENGINE_PROCESS:-1} RATES=1,inf NUM_PROMPTS=96 \
+        --deadline-s 120; env ENGINE_PROCESS=${ENGINE_PROCESS:-1} POLL_COUNTERS_S=0.5 RATES=1,inf NUM_PROMPTS=96 \
         MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh /tmp/ds/served_vs_study/sweep; \
         python3 benchmark/served_vs_study.py --study /tmp/ds/served_vs_study/study \
         --sweep /tmp/ds/served_vs_study/sweep --commit '${ECHO_COMMIT:-}' \

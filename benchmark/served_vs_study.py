@@ -14,7 +14,12 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
   where nothing needs offloading; goal <= 1.02);
 - ``echo_served_efficiency`` / ``no_offload_served_efficiency`` at rate inf: the decode
   steps' device time (CUDA events) over the run's wall time (goals >= 0.90 / 0.93);
-- ``served_hit_rate`` and ``study_hit_rate`` (should agree within 0.01);
+- ``served_hit_rate`` and ``study_hit_rate`` (should agree within 0.01); the study counts
+  full-batch steps after a warm-up, the whole run counts every arrival's first steps and
+  the ramp and drain, so ``served_hit_rate_steady`` (and each engine's
+  ``mean_decode_batch_steady_inf``) takes the servers' counters sampled during the run
+  (``bench_serving --poll-counters-s``; the stage sets ``POLL_COUNTERS_S=0.5``) over its
+  steady window;
 - ``admission_ms_p50`` (engine-thread ms per admission on the ECHO server; goal <= 2) and
   its per-run mean;
 - ``graph_captures_during_run`` (both servers, all runs; goal 0);
@@ -134,6 +139,12 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
         "echo_served_efficiency": inf_e.get("served_efficiency"),
         "no_offload_served_efficiency": inf_n.get("served_efficiency"),
         "served_hit_rate": served_hit,
+        # over the run's steady window (the servers' counters sampled during it)
+        "served_hit_rate_steady": inf_e.get("steady_hit_rate"),
+        "mean_decode_batch_steady_inf": {
+            "no-offload": inf_n.get("steady_mean_decode_batch"),
+            "offload": inf_e.get("steady_mean_decode_batch"),
+        },
         "study_hit_rate": round(statistics.fmean(hit), 4) if hit else None,
         "admission_ms_p50": inf_e.get("admission_ms_p50"),
         "admission_ms_mean_inf": inf_e.get("admission_ms_mean"),

@@ -48,6 +48,7 @@ COMMON_USAGE='  --request-rates LIST              comma-separated request rates,
 Environment: ENGINE=echo|sglang (default echo); DSV32W4=checkpoint (ENGINE=echo without it
 uses a generated tiny DeepSeek-V3.2 model); ENGINE_PROCESS=1|0 (ENGINE=echo: the engine in
 a process of its own behind the HTTP front, default 1; 0 runs it in the server process);
+POLL_COUNTERS_S (the benchmark samples the server counters that often, for steady_* fields);
 PYTHON; E2E_WORK (scratch, default .e2e/).'
 
 parse_common_options() {
@@ -250,6 +251,8 @@ bench() {
   cmd+=(--backend sglang --host 127.0.0.1 --port "$PORT" --model "$MODEL"
     --num-prompts "$NUM_PROMPTS" --warmup-requests "$WARMUP_REQUESTS"
     --request-rate "$rate" --output-file "$stem.jsonl" "$@")
+  # POLL_COUNTERS_S: sample the server's counters that often during each run (steady_* fields)
+  [[ -n "${POLL_COUNTERS_S:-}" ]] && cmd+=(--poll-counters-s "$POLL_COUNTERS_S")
   echo "bench: rate $rate -> $stem.jsonl" >&2
   "${cmd[@]}" > "$stem.log" 2>&1 || { echo "benchmark failed; see $stem.log" >&2; tail -n 5 "$stem.log" >&2; return 1; }
 }

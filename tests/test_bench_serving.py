@@ -12,6 +12,7 @@ import pytest
 from server_utils import make_serving, min_cache_echo_serving, running_server
 from sglang_echo.bench import datasets as ds
 from sglang_echo.bench.client import RequestResult
+from sglang_echo.bench.counter_poll import CounterPoll, steady_fields
 from sglang_echo.bench.metrics import steady_output_throughput, summarize
 from sglang_echo.bench.plot import main as plot_main
 from sglang_echo.bench.serving import main as bench_main
@@ -339,6 +340,48 @@ def test_bench_records_echo_counters_and_steady_throughput(small_checkpoint, tmp
     lo, hi = rec["steady_window_s"]
     assert 0 < lo < hi <= rec["duration"] and rec["steady_output_throughput"] > 0
     assert rec["mean_decode_batch"] is None or 1 <= rec["mean_decode_batch"] <= 4
+
+
+def test_steady_counters_from_samples_inside_the_run(small_checkpoint, tmp_path):
+    """--poll-counters-s: the counters sampled during the run bound its steady window, and
+    the steady hit rate, mean batch and counts come from those two samples only."""
+    serving = min_cache_echo_serving(small_checkpoint, 4, 32, 600, 512)
+    out = tmp_path / "req_rate_inf.jsonl"
+    argv = ["--dataset-name", "random", "--num-prompts", "12", "--random-input-len", "40"]
+    argv += ["--random-output-len", "8", "--random-range-ratio", "1", "--disable-tqdm"]
+    argv += ["--max-concurrency", "4", "--output-file", str(out), "--poll-counters-s", "0.02"]
+    with running_server(serving) as (url, _app):
+        assert bench_main(["--base-url", url, *argv]) == 0
+    rec = json.loads(out.read_text())
+    lo, hi = rec["steady_window_s"]
+    a, b = rec["steady_counters_window_s"]
+    assert a <= lo < hi <= b <= rec["duration"] + 1.0
+    assert 0.0 <= rec["steady_hit_rate"] <= 1.0
+    assert 1 <= rec["steady_mean_decode_batch"] <= 4
+
+
+def test_counter_poll_bounds_and_steady_fields():
+    def counters(hits: float, misses: float, steps: float, batch: float) -> dict:
+        echo = {"hits": hits, "misses": misses, "evictions": 0.0, "recalled_bytes": 0.0}
+        engine = {"decode_steps": steps, "decode_batch_requests": batch}
+        return {"engine": engine, "echo": echo, "device_seconds": {}, "device_steps": {}}
+
+    poll = CounterPoll(read=None, interval=0.5)
+    poll.samples = [
+        (0.0, counters(0, 0, 0, 0)),
+        (1.0, counters(10, 10, 5, 5)),  # ramp: half the selections missed
+        (2.0, counters(100, 20, 15, 45)),
+        (3.0, counters(190, 30, 25, 85)),  # steady: 90 of 100 hit, batch 4
+        (4.0, counters(200, 40, 30, 90)),
+    ]
+    (t_a, _), (t_b, _) = poll.bounds([1.5, 2.5])
+    assert (t_a, t_b) == (1.0, 3.0)  # the samples just outside the window
+    steady = steady_fields(poll, [2.0, 3.0], served_fields)
+    assert steady["steady_counters_window_s"] == [2.0, 3.0]
+    assert steady["steady_hit_rate"] == pytest.approx(0.9)
+    assert steady["steady_mean_decode_batch"] == pytest.approx(4.0)
+    assert steady_fields(poll, [2.0, 4.5], served_fields) == {}  # no sample after the end
+    assert steady_fields(None, [2.0, 3.0], served_fields) == {}
 
 
 def test_bench_reports_unreachable_server(tmp_path):

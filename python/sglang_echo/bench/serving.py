@@ -22,6 +22,7 @@ import aiohttp
 
 from sglang_echo.bench import datasets as ds
 from sglang_echo.bench.client import RequestResult, send_generate
+from sglang_echo.bench.counter_poll import CounterPoll, steady_fields
 from sglang_echo.bench.metrics import summarize
 
 DEFAULT_CONTEXT = 131072
@@ -73,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--disable-ignore-eos", action="store_true")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument(
+        "--poll-counters-s",
+        type=float,
+        default=0.0,
+        help="sample the server's counters every S seconds during the run, for the steady_* "
+        "fields (hit rate, mean batch, efficiency over the steady window; 0: off, default)",
+    )
     p.add_argument("--request-timeout", type=float, default=6 * 3600)
     return p
 
@@ -345,9 +353,10 @@ async def run_requests(
     ignore_eos: bool,
     seed: int,
     progress: bool,
+    poll: CounterPoll | None = None,
 ) -> tuple[list[RequestResult], float, list[float]]:
     """-> (results, the run's wall seconds, each request's send time in seconds from the
-    start; parallel to ``reqs``)."""
+    start; parallel to ``reqs``). ``poll`` samples the server's counters meanwhile."""
     rng = random.Random(seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = None
@@ -373,6 +382,8 @@ async def run_requests(
         return res
 
     start = time.perf_counter()
+    stop = asyncio.Event()
+    sampling = asyncio.create_task(poll.run(start, stop)) if poll is not None else None
     tasks = []
     for i, req in enumerate(reqs):
         if i and math.isfinite(rate) and rate > 0:
@@ -380,6 +391,9 @@ async def run_requests(
         tasks.append(asyncio.create_task(one(i, req)))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
+    if sampling is not None:
+        stop.set()
+        await sampling
     if bar is not None:
         bar.close()
     return list(results), duration, starts
@@ -431,6 +445,11 @@ def print_summary(rec: dict, out=sys.stdout) -> None:
         rows.append(("Served efficiency (decode device/wall):", f"{rec['served_efficiency']:.3f}"))
     if rec.get("spec_accept_length") is not None:
         rows.append(("MTP accept length (tokens/round):", f"{rec['spec_accept_length']:.3f}"))
+    if rec.get("steady_hit_rate") is not None:
+        lo, hi = rec["steady_counters_window_s"]
+        rows.append(
+            ("ECHO hit rate (steady):", f"{rec['steady_hit_rate']:.4f} ({lo:.1f}-{hi:.1f} s)")
+        )
     echo = rec.get("server_echo")
     if echo:
         rate = "n/a" if echo["hit_rate"] is None else f"{echo['hit_rate']:.4f}"
@@ -491,6 +510,9 @@ async def run(args) -> dict:
             if bad:
                 raise SystemExit(f"error: warmup request failed: {bad[0]}")
         counters_before = await engine_counters(session, base)
+        poll = None
+        if args.poll_counters_s > 0:
+            poll = CounterPoll(lambda: engine_counters(session, base), args.poll_counters_s)
         results, duration, starts = await run_requests(
             session,
             url,
@@ -500,6 +522,7 @@ async def run(args) -> dict:
             ignore_eos,
             args.seed,
             progress=not args.disable_tqdm,
+            poll=poll,
         )
         counters_after = await engine_counters(session, base)
     record = {
@@ -534,6 +557,7 @@ async def run(args) -> dict:
         # server_echo, mean_decode_batch, served_efficiency (see served_fields).
         **served_fields(counters_before, counters_after, duration),
     }
+    record.update(steady_fields(poll, record.get("steady_window_s"), served_fields))
     return record
 
 
