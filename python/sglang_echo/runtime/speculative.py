@@ -46,6 +46,7 @@ request.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -271,11 +272,12 @@ class SpecRounds:
         seqs = [lane.seq for lane in lanes]
         if decode_lanes is None:
             batch = self.batch(seqs, next_ids, starts, decode=False)
-            ends = torch.tensor([len(ids) for ids in next_ids]).cumsum(0) - 1
+            ends = list(itertools.accumulate(len(ids) for ids in next_ids))
+            rows = [end - 1 for end in ends]
         else:
             batch = self.batch(seqs, next_ids, starts, decode=True)
-            ends = torch.tensor(decode_lanes)
-        batch.logits_indices = ends.to(self.device)
+            rows = decode_lanes
+        batch.logits_indices = self._ints(rows)  # queued, no host wait
         if decode_lanes is None:
             logits, out_hidden = self.draft_model(batch, target_hidden, self.draft_cache)
         else:
