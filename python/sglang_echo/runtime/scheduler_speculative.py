@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from sglang_echo.runtime.host_ints import int64_tensor
 from sglang_echo.runtime.request import ServeRequest
 from sglang_echo.runtime.sampling import SampledBatch
 from sglang_echo.runtime.speculative import SpecLane, SpecRounds
@@ -99,7 +100,7 @@ class SpeculativeDecode:
             return
         try:
             with self.s.stats.timed("prefill"):
-                picked = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
+                picked = hidden[int64_tensor(rows, hidden.device)]
                 self.rounds.draft_over([self.lane(r) for r in reqs], ids, starts, picked)
         except Exception as exc:  # the phase's requests end, the rest go on
             self.s._fail(reqs, "draft", exc)
