@@ -112,6 +112,9 @@ END_TO_END_ROWS: tuple[Row, ...] = (
             "{metrics.mean_decode_batch_inf:f1/} (no-offload / ECHO)",
             "ECHO's median ITL over no-offload's at rate 1 {metrics.itl_p50_ratio_rate1:f3} (goal 1.02)",
             "hit rate served {metrics.served_hit_rate:f3}, in the study {metrics.study_hit_rate:f3}",
+            "?over the steady window (the servers' counters sampled during the runs): hit rate "
+            "{metrics.served_hit_rate_steady:f3}, mean decode batch "
+            "{metrics.mean_decode_batch_steady_inf:f1/} (no-offload / ECHO)",
             "admission (engine thread, per 100K-token request) p50 {metrics.admission_ms_p50:f1} ms, mean at rate inf "
             "{metrics.admission_ms_mean_inf:f1} ms (goal 2)",
             "graph captures during the runs {metrics.graph_captures_during_run:n} (all at start-up)",
