@@ -22,24 +22,30 @@ def script_drafts(
     reference_of: Callable[[Any], list[int]],
     vocab_size: int,
     produced_of: Callable[[Any], int],
-    key_of: Callable[[Any], Any],
+    key_of: Callable[[Any], Any] | None = None,
     always_right: bool = False,
+    rounds_of: Callable[[Any], int] | None = None,
 ) -> None:
     """Patch ``owner._draft`` (a method taking the round's lanes, returning drafts).
 
     For each lane: ``reference_of`` its reference tokens, ``produced_of`` how many it has
-    produced so far, ``key_of`` a stable key counting its rounds. The first k drafts are
-    right, where k cycles 0..S with the lane's rounds (or is S with ``always_right``)."""
+    produced so far, and its rounds so far: ``rounds_of`` the lane's own count, or counted
+    here under ``key_of``, a stable key. The first k drafts are right, where k cycles 0..S
+    with the lane's rounds (or is S with ``always_right``)."""
     original = owner._draft
     rounds: dict[Any, int] = defaultdict(int)
 
     def scripted(self, lanes):
         out = []
         for lane, d in zip(lanes, original(self, lanes), strict=True):
-            ref, at, key = reference_of(lane), produced_of(lane), key_of(lane)
+            ref, at = reference_of(lane), produced_of(lane)
             right = [ref[min(at + j, len(ref) - 1)] for j in range(len(d))]
-            keep = len(d) if always_right else rounds[key] % (len(d) + 1)
-            rounds[key] += 1
+            if rounds_of is not None:
+                done = rounds_of(lane)
+            else:
+                done = rounds[key_of(lane)]
+                rounds[key_of(lane)] += 1
+            keep = len(d) if always_right else done % (len(d) + 1)
             out.append(right[:keep] + [(t + 1) % vocab_size for t in right[keep:]])
         return out
 
@@ -50,14 +56,15 @@ def script_generator_drafts(
     monkeypatch: pytest.MonkeyPatch, reference_of: Callable[[Any], list[int]], vocab_size: int
 ) -> None:
     """``script_drafts`` for the offline generator (runtime/speculative.py): its lanes count
-    what they produced in ``result.tokens`` and live as long as the run."""
+    what they produced in ``result.tokens`` and their rounds in ``result.accept_lens``, so
+    two runs of the same prompts take the same drafts round for round."""
     script_drafts(
         monkeypatch,
         SpeculativeGenerator,
         reference_of,
         vocab_size,
         produced_of=lambda live: len(live.result.tokens),
-        key_of=id,
+        rounds_of=lambda live: len(live.result.accept_lens),
     )
 
 
