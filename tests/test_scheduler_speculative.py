@@ -12,6 +12,7 @@ request rows, ECHO's device slots, no refused release); and the start-up refusal
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import replace
 
@@ -240,6 +241,29 @@ def test_decode_node_under_speculation_equals_the_plain_decode_node(ckpts, monke
     assert serving.scheduler.stats.decode_steps < sum(NEW) - len(NEW)
     assert not source._drafts  # every carry taken
     _assert_all_free(serving, kv)
+
+
+def test_every_step_of_a_round_is_timed_under_its_batch(ckpts, monkeypatch):
+    """With a device clock (the decode runner's on CUDA; a recording stand-in here) each
+    step of a round (S - 1 draft steps, the verify, the draft over the verified positions
+    unless every request ended) is timed under the round's batch size: /metrics' decode
+    device time covers a speculative server."""
+    calls: list[int] = []
+
+    class Clock:
+        @contextlib.contextmanager
+        def timed(self, batch_size: int):
+            calls.append(batch_size)
+            yield
+
+    prompts, params = _prompts(1), _params("greedy")
+    serving = _serving(ckpts["mtp"], "plain", True)
+    serving.scheduler.speculative.rounds.clock = Clock()
+    _run(serving, prompts, params)
+    rounds = serving.scheduler.stats.decode_steps
+    assert rounds > 0 and 2 * rounds <= len(calls) <= (S + 1) * rounds
+    assert set(calls) <= set(range(1, RUNNING + 1))
+    assert sum(calls) >= 2 * serving.scheduler.stats.decode_batch_requests  # verify + draft
 
 
 def test_speculative_gauges_follow_the_rounds(ckpts, monkeypatch):

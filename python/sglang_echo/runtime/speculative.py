@@ -49,6 +49,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -165,6 +166,14 @@ class SpecRounds:
                 target, draft, steps.kv_cache, self.draft_cache, steps.table.max_context,
                 backend=graph_backend,
             )  # fmt: skip
+        # The decode runner's device clock (CUDA events, runtime/cuda_graph.py): each of a
+        # round's steps is timed under the round's batch size, so /metrics' decode device
+        # time (and a benchmark's served efficiency) covers speculative servers too.
+        runner = steps.decode_runner
+        self.clock = runner.clock if runner is not None else None
+
+    def _timed(self, requests: int) -> AbstractContextManager[None]:
+        return self.clock.timed(requests) if self.clock is not None else nullcontext()
 
     # ------------------------------------------------------------------- a round
     def verify(
@@ -187,10 +196,11 @@ class SpecRounds:
         ids = [[lane.seq.output[-1], *d] for lane, d in zip(lanes, drafts, strict=True)]
         batch = self.batch([lane.seq for lane in lanes], ids, starts, decode=True)
         graphs = self._graphs_for(len(lanes))
-        if graphs is not None:
-            logits, hidden = graphs.verify(batch)
-        else:
-            logits, hidden = self.target.forward_with_hidden(batch, self.steps.kv_cache)
+        with self._timed(len(lanes)):
+            if graphs is not None:
+                logits, hidden = graphs.verify(batch)
+            else:
+                logits, hidden = self.target.forward_with_hidden(batch, self.steps.kv_cache)
         # Position j of a lane with n outputs is output index n + j: the counter the
         # non-speculative scheduler would sample that token with.
         rows = [lane for lane in lanes for _ in range(q)]
@@ -298,9 +308,10 @@ class SpecRounds:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A draft step of decode lanes: from its CUDA graph where there are graphs."""
         graphs = self._graphs_for(requests)
-        if graphs is not None:
-            return graphs.draft_step(batch, hidden)
-        return self.draft_model(batch, hidden, self.draft_cache)
+        with self._timed(requests):
+            if graphs is not None:
+                return graphs.draft_step(batch, hidden)
+            return self.draft_model(batch, hidden, self.draft_cache)
 
     @staticmethod
     def choose(logits: torch.Tensor, lanes: list[SpecLane], counters: list[int]) -> SampledBatch:
