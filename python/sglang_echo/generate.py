@@ -25,13 +25,13 @@ from sglang_echo.kernels.fp8_kv import KV_CACHE_DTYPES
 from sglang_echo.model.config import ModelConfigError
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.model.layers import set_batch_invariant
-from sglang_echo.model.loader import load_model, load_nextn
+from sglang_echo.model.loader import load_model
 from sglang_echo.runtime.assemble import (
     StartUp,
     build_kv_backend,
     check_context,
     check_kv_dtype,
+    load_draft,
     resolve_start_up,
 )
 from sglang_echo.runtime.engine import Engine, Request, RunStats
@@ -244,8 +244,7 @@ def _speculate(
     KV backend and sizes (token capacity, batch, context): the (prompt, output) pairs,
     the run's totals and the speculative statistics of the summary."""
     capacity, batch, longest = sizes
-    draft = load_nextn(args.model_path, start.device, start.dtype, target=model)
-    set_batch_invariant(draft, start.kernels.batch_invariant)  # as the target's
+    draft = load_draft(args.model_path, start, model)
     gen = SpeculativeGenerator(
         model,
         draft,

@@ -90,6 +90,9 @@ class EchoKVCache(KVCache):
         self.switch = DecodePrefetchSwitch(self, self.rule)
         # Prefill prefetch (SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1), built the same way.
         self.prefill_prefetch: PrefillPrefetcher | None = None
+        # Banks of arriving rows (model/periodic_rows.py) in stored form, by the bank's
+        # data pointer, the bank kept alive beside it so the pointer is never reused.
+        self._stored_banks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bind_request_rows(self, max_rows: int) -> None:
         """The request table has ``max_rows`` rows: size the per-request prefetch state
@@ -217,9 +220,14 @@ class EchoKVCache(KVCache):
         copied from the bank's stored form, stretch by stretch, with no rows made first."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
         if isinstance(kv_rows, PeriodicRows):  # the bank stored once, not every row
-            stored = kv_rows.with_bank(
-                encode_kv_rows(kv_rows.bank, self.kv_lora_rank, self.kv_dtype)
-            )
+            # Encoded at its first arrival only: every prompt of a decode node's transfer
+            # draws from one bank per layer, and encoding it per arrival and layer
+            # quantized the whole bank each time under fp8.
+            key = kv_rows.bank.data_ptr()
+            if key not in self._stored_banks:
+                encoded = encode_kv_rows(kv_rows.bank, self.kv_lora_rank, self.kv_dtype)
+                self._stored_banks[key] = (kv_rows.bank, encoded)
+            stored = kv_rows.with_bank(self._stored_banks[key][1])
         else:
             stored = encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
         host = self.manager.host_view if self.manager.host_view is not None else self.host.rows

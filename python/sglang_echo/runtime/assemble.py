@@ -21,8 +21,11 @@ import torch
 from sglang_echo.config import EchoConfig, EchoSettings, load_settings
 from sglang_echo.model.attention import ModelKernels
 from sglang_echo.model.config import DeepseekV32Config
+from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.model.loader import model_dtype
+from sglang_echo.model.layers import set_batch_invariant
+from sglang_echo.model.loader import load_nextn, model_dtype
+from sglang_echo.model.nextn import NextNLayer
 from sglang_echo.runtime.kv_factory import build_hisparse_cache, build_kv_cache
 
 ErrorType = type[ValueError]
@@ -43,6 +46,15 @@ class StartUp:
     def cuda_graphs(self, disabled: bool) -> bool:
         """Decode steps replay CUDA graphs on CUDA unless ``--disable-cuda-graph``."""
         return self.device.type == "cuda" and not disabled
+
+
+def load_draft(model_path: str, start: StartUp, target: DeepseekV32ForCausalLM) -> NextNLayer:
+    """The checkpoint's MTP (NextN) layer on the start-up's device and dtype, with the
+    target's kernel choices (batch-invariant GEMMs too, so its drafts round as the
+    target's do)."""
+    draft = load_nextn(model_path, start.device, start.dtype, target=target)
+    set_batch_invariant(draft, start.kernels.batch_invariant)
+    return draft
 
 
 def resolve_device(name: str, error: ErrorType = ValueError) -> torch.device:

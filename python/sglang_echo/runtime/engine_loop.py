@@ -204,12 +204,10 @@ def engine_time_summary(sched: Scheduler) -> str:
     parts.append(f"{s.decode_steps} decode steps")
     runner = sched.steps.decode_runner
     if runner is not None:
-        owners = metrics.graph_owners(sched)
-        captures = sum(g.captures for g in owners)
-        during = sum(g.captures - g.startup_captures for g in owners)
+        g = metrics.graph_counts(sched)
         parts.append(
-            f"{captures} graph captures {sum(g.capture_s for g in owners):.2f} s "
-            f"({during} during the run, {sum(g.capture_failures for g in owners)} failed)"
+            f"{g['captures']} graph captures {g['seconds']:.2f} s "
+            f"({g['during_run']} during the run, {g['failures']} failed)"
         )
         runner.clock.poll(wait=True)
         if runner.clock.steps:

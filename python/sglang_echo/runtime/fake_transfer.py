@@ -160,6 +160,7 @@ class FakeTransfer:
         self.draft_synth = SyntheticKV(
             draft_config, self.directions[:1], Locality(0.0), self.dtype, self.steps.device
         )
+        self.draft_synth.bank()  # now, not in the first arrival (as the target's)
 
     @property
     def pending(self) -> int:

@@ -16,14 +16,20 @@ from sglang_echo.runtime.scheduler_speculative import accept_stats
 PREFIX = "sglang"
 
 
-def graph_owners(sched: Scheduler) -> list:
-    """What captures CUDA graphs in this engine: the decode runner, and the speculative
-    rounds' step graphs (runtime/spec_graphs.py) under MTP. Each counts ``captures``,
-    ``startup_captures``, ``capture_s`` and ``capture_failures``."""
+def graph_counts(sched: Scheduler) -> dict[str, float]:
+    """The engine's CUDA-graph captures, summed over what captures them (the decode runner,
+    and under MTP the rounds' step graphs, runtime/spec_graphs.py): ``captures``,
+    ``seconds``, ``during_run`` (not at start-up) and ``failures``."""
     owners: list = [sched.steps.decode_runner]
     if sched.speculative is not None:
         owners.append(sched.speculative.rounds.graphs)
-    return [o for o in owners if o is not None]
+    owners = [o for o in owners if o is not None]
+    return {
+        "captures": sum(o.captures for o in owners),
+        "seconds": sum(o.capture_s for o in owners),
+        "during_run": sum(o.captures - o.startup_captures for o in owners),
+        "failures": sum(o.capture_failures for o in owners),
+    }
 
 
 def snapshot(sched: Scheduler, kv_cache) -> dict:
@@ -51,13 +57,11 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
     snap["admission_seconds_quantiles"] = quantiles(list(s.recent_admission_s), (0.5, 0.99))
     runner = sched.steps.decode_runner
     if runner is not None:
-        owners = graph_owners(sched)
-        snap["graph_captures_total"] = sum(g.captures for g in owners)
-        snap["graph_capture_seconds_total"] = sum(g.capture_s for g in owners)
-        snap["graph_captures_during_run_total"] = sum(
-            g.captures - g.startup_captures for g in owners
-        )
-        snap["graph_capture_failures_total"] = sum(g.capture_failures for g in owners)
+        graphs = graph_counts(sched)
+        snap["graph_captures_total"] = graphs["captures"]
+        snap["graph_capture_seconds_total"] = graphs["seconds"]
+        snap["graph_captures_during_run_total"] = graphs["during_run"]
+        snap["graph_capture_failures_total"] = graphs["failures"]
         runner.clock.poll()
         if runner.clock.enabled:
             snap["decode_device_seconds_total"] = runner.clock.total_seconds

@@ -45,7 +45,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from sglang_echo.runtime.speculative import SpecRounds
 
 log = logging.getLogger("sglang_echo.scheduler")
+T = TypeVar("T")
 
 # Admission leaves every running request room for this many more tokens, so a preemption
 # (a recompute) is rare and a retracted request is not re-admitted only to be retracted
@@ -265,21 +266,25 @@ class Scheduler:
         if self.overlap:
             self.in_flight.launch(decoding)
             return
+        logits = self.run_decode_step(decoding, lambda: self.steps.decode(decoding))
+        if logits is not None:
+            with self.stats.timed("accept"), self.events.holding_events():
+                self._accept_batch(decoding, logits)
+
+    def run_decode_step(self, decoding: list[ServeRequest], step: Callable[[], T]) -> T | None:
+        """``step`` (the batch's decode step, or an MTP round's verify) as the decode phase:
+        one that raises ends the batch's requests, the rest go on (None); else it is
+        counted and admission and arrivals run while it does. Returns its result."""
         try:
             with self.stats.timed("decode"):
-                logits = self.steps.decode(decoding)
-        except Exception as exc:  # the phase's requests end, the rest go on
+                out = step()
+        except Exception as exc:
             self._fail(decoding, "decode", exc)
-            return
+            return None
         self.stats.decode_steps += 1
         self.stats.decode_batch_requests += len(decoding)
         self._while_the_step_runs()
-        with self.stats.timed("accept"):
-            self.events.holding = True
-            try:
-                self._accept_batch(decoding, logits)
-            finally:
-                self.events.holding = False
+        return out
 
     def _while_the_step_runs(self) -> None:
         """Admission and arrivals, on the host while the decode step just launched runs on

@@ -11,6 +11,8 @@ one job of its own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sglang_echo.runtime.request import OutputEvent, ServeRequest, TokenLogprob
@@ -39,6 +41,15 @@ class EventOutbox:
         # terminal event.
         self.held: list[tuple[ServeRequest, OutputEvent]] = []
         self.holding = False
+
+    @contextmanager
+    def holding_events(self) -> Iterator[None]:
+        """A decode step's acceptance: the events it makes are held, handed out later."""
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
 
     def emit(
         self,

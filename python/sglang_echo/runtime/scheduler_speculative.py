@@ -111,24 +111,14 @@ class SpeculativeDecode:
         acceptance one at a time, then the draft over what each going-on request kept."""
         s = self.s
         lanes = [self.lane(r) for r in decoding]
-        try:
-            with s.stats.timed("decode"):
-                v = self.rounds.verify(lanes, self._draft)
-        except Exception as exc:  # the phase's requests end, the rest go on
-            s._fail(decoding, "decode", exc)
+        v = s.run_decode_step(decoding, lambda: self.rounds.verify(lanes, self._draft))
+        if v is None:
             return
-        s.stats.decode_steps += 1
-        s.stats.decode_batch_requests += len(decoding)
-        s._while_the_step_runs()
         going_on = []
-        with s.stats.timed("accept"):
-            s.events.holding = True
-            try:
-                for req, picks in zip(decoding, v.picks, strict=True):
-                    self.accept_lens[len(picks.tokens)] += 1
-                    going_on.append(self._accept_window(req, picks))
-            finally:
-                s.events.holding = False
+        with s.stats.timed("accept"), s.events.holding_events():
+            for req, picks in zip(decoding, v.picks, strict=True):
+                self.accept_lens[len(picks.tokens)] += 1
+                going_on.append(self._accept_window(req, picks))
         try:
             with s.stats.timed("decode"):
                 self.rounds.extend_drafts(v, going_on)

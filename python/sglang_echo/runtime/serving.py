@@ -18,14 +18,12 @@ from sglang_echo.config import EchoConfig
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
-from sglang_echo.model.layers import set_batch_invariant
-from sglang_echo.model.loader import load_nextn
 from sglang_echo.offload import footprint
 from sglang_echo.runtime.assemble import (
-    StartUp,
     build_kv_backend,
     check_context,
     check_kv_dtype,
+    load_draft,
     resolve_start_up,
 )
 from sglang_echo.runtime.model_loader import load_served_model
@@ -126,7 +124,7 @@ def running_requests(asked: int | None, echo: EchoConfig, topk: int, q: int = 1)
     return running
 
 
-def check_speculative(args: ServerArgs, start: StartUp, cfg: DeepseekV32Config) -> int:
+def check_speculative(args: ServerArgs, cfg: DeepseekV32Config) -> int:
     """Q = S + 1 under ``--speculative-algorithm`` (1 without): the flags as ``generate``
     validates them, and what this server cannot run with them, refused with the reason."""
     steps = speculative_num_steps(args)
@@ -150,7 +148,7 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     check_kv_dtype(cfg, dtype, args.kv_cache_dtype, ServerArgError)
     context = check_context(cfg, args.context_length, ServerArgError)
     topk = cfg.index_topk
-    q = check_speculative(args, start, cfg)
+    q = check_speculative(args, cfg)
     max_running = running_requests(args.max_running_requests, echo, topk, q)
     chunk = args.chunked_prefill_size or DEFAULT_CHUNK
     if chunk == -1:
@@ -191,8 +189,7 @@ def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
         fake = FakeTransfer(model, kv_cache, steps, loaded.synthetic_kv_locality, dtype)
     rounds = None
     if q > 1:
-        draft = load_nextn(args.model_path, device, dtype, target=model)
-        set_batch_invariant(draft, start.kernels.batch_invariant)  # as the target's
+        draft = load_draft(args.model_path, start, model)
         rounds = SpecRounds(model, draft, steps, q - 1, capacity, graphs=use_graph)
         if rounds.graphs is not None:
             bound = min(args.cuda_graph_max_bs or max_running, max_running)

@@ -153,24 +153,21 @@ class SpecRounds:
         self.device = steps.device
         dtype = target.lm_head.weight.dtype
         self.draft_cache = PlainKVCache.for_model(draft.config, token_capacity, dtype, self.device)
-        self.graphs: SpecStepGraphs | None = None
+        runner = steps.decode_runner
+        # The decode runner's device clock (CUDA events, runtime/cuda_graph.py): each of a
+        # round's steps is timed under the round's batch size, so /metrics' decode device
+        # time (and a benchmark's served efficiency) covers speculative servers too.
+        self.clock = runner.clock if runner is not None else None
         # Rounds of more requests than this run eagerly (--cuda-graph-max-bs), as decode does.
-        self.graph_max_bs: int | None = None
+        self.graph_max_bs = runner.max_batch_size if runner is not None else None
+        self.graphs: SpecStepGraphs | None = None
         if graphs:
-            runner = steps.decode_runner
-            if runner is not None:
-                self.graph_max_bs = runner.max_batch_size
-                if graph_backend is None:
-                    graph_backend = runner.backend  # one memory pool for every graph
+            if graph_backend is None and runner is not None:
+                graph_backend = runner.backend  # one memory pool for every graph
             self.graphs = SpecStepGraphs(
                 target, draft, steps.kv_cache, self.draft_cache, steps.table.max_context,
                 backend=graph_backend,
             )  # fmt: skip
-        # The decode runner's device clock (CUDA events, runtime/cuda_graph.py): each of a
-        # round's steps is timed under the round's batch size, so /metrics' decode device
-        # time (and a benchmark's served efficiency) covers speculative servers too.
-        runner = steps.decode_runner
-        self.clock = runner.clock if runner is not None else None
 
     def _timed(self, requests: int) -> AbstractContextManager[None]:
         return self.clock.timed(requests) if self.clock is not None else nullcontext()
@@ -238,16 +235,15 @@ class SpecRounds:
         if not keep:
             return
         q = v.q
-        rows = [r for i in keep for r in range(i * q, (i + 1) * q)]
+        hidden = v.hidden
+        if len(keep) < len(v.lanes):  # the going-on lanes' states (all: no gather)
+            hidden = hidden[self.ints([r for i in keep for r in range(i * q, (i + 1) * q)])]
         ids = [[*v.accepted[i], *[v.accepted[i][-1]] * (q - len(v.accepted[i]))] for i in keep]
         last = [n * q + len(v.accepted[i]) - 1 for n, i in enumerate(keep)]
         self.draft_over(
-            [v.lanes[i] for i in keep],
-            ids,
-            [v.starts[i] for i in keep],
-            v.hidden[self._ints(rows)],
+            [v.lanes[i] for i in keep], ids, [v.starts[i] for i in keep], hidden,
             decode_lanes=last,
-        )
+        )  # fmt: skip
 
     def draft(self, lanes: list[SpecLane]) -> list[list[int]]:
         """S draft tokens per lane: the carried first draft, then the NextN layer on its
@@ -280,18 +276,15 @@ class SpecRounds:
         position as a decode lane, and the rows (one per lane, in the batch's order) whose
         draft is the next round's; None: an extend, each lane's last position's."""
         seqs = [lane.seq for lane in lanes]
-        if decode_lanes is None:
-            batch = self.batch(seqs, next_ids, starts, decode=False)
-            ends = list(itertools.accumulate(len(ids) for ids in next_ids))
-            rows = [end - 1 for end in ends]
-        else:
-            batch = self.batch(seqs, next_ids, starts, decode=True)
-            rows = decode_lanes
-        batch.logits_indices = self._ints(rows)  # queued, no host wait
-        if decode_lanes is None:
-            logits, out_hidden = self.draft_model(batch, target_hidden, self.draft_cache)
-        else:
+        decode = decode_lanes is not None
+        batch = self.batch(seqs, next_ids, starts, decode=decode)
+        if decode:
+            batch.logits_indices = self.ints(decode_lanes)  # queued, no host wait
             logits, out_hidden = self._draft_lanes(batch, target_hidden, len(lanes))
+        else:
+            ends = itertools.accumulate(len(ids) for ids in next_ids)
+            batch.logits_indices = self.ints([end - 1 for end in ends])
+            logits, out_hidden = self.draft_model(batch, target_hidden, self.draft_cache)
         for i, (lane, token) in enumerate(zip(lanes, logits.argmax(-1).tolist(), strict=True)):
             lane.draft_token = token
             lane.draft_hidden = out_hidden[i]
@@ -343,11 +336,11 @@ class SpecRounds:
             lens, context = [1] * len(positions), [p + 1 for p in positions]
         else:
             row_of = [seq.row for seq in seqs]
-        rows = self._ints(row_of)
+        rows = self.ints(row_of)
         return ForwardBatch(
-            input_ids=self._ints([t for x in ids for t in x]),
-            positions=self._ints(positions),
-            out_locs=self._ints(out_locs),
+            input_ids=self.ints([t for x in ids for t in x]),
+            positions=self.ints(positions),
+            out_locs=self.ints(out_locs),
             context_locs=self.steps.table.table[rows, : max(context)],
             extend_lens=lens,
             context_lens=context,
@@ -357,7 +350,8 @@ class SpecRounds:
             selections_distinct=len(set(row_of)) == len(row_of),
         )
 
-    def _ints(self, values: list[int]) -> torch.Tensor:
+    def ints(self, values: list[int]) -> torch.Tensor:
+        """``values`` as an int64 tensor on the device, queued without a host wait."""
         return int64_tensor(values, self.device)
 
 
@@ -460,7 +454,7 @@ class SpeculativeGenerator:
             self.steps.place(seq, start, self.steps.allocator.alloc(n))
             seq.cached_len = start + n
             batch = self.rounds.batch([seq], [ids[start : start + n]], [start], decode=False)
-            batch.logits_indices = self.rounds._ints([n - 1])
+            batch.logits_indices = self.rounds.ints([n - 1])
             logits, h = self.target.forward_with_hidden(batch, self.steps.kv_cache)
             hidden.append(h)
         (first,) = self.rounds.choose(logits[:1], [live], [0]).tokens
