@@ -161,7 +161,7 @@ run_stage() {
     capture_probe)  # which host events invalidate a CUDA-graph capture here (~30 s)
       stage capture_probe 150 python3 benchmark/capture_probe.py \
         --out /tmp/ds/capture_probe/capture_probe.json ;;
-    graph_repeats)  # the start-up-capture and lossless decode-graph tests, each round all of
+    graph_repeats)  # the start-up-capture, lossless decode-graph and MTP-round graph tests, each round all of
       # them in one process (the suite's pattern), ROUNDS rounds (default 5), PARALLEL of them at
       # once (default 5: one compiling round is ~255 s, a warm one ~85 s), within the limit
       stage graph_repeats 570 python3 benchmark/gpu_repeats.py --rounds "${ROUNDS:-5}" \
@@ -170,7 +170,8 @@ run_stage() {
         --out /tmp/ds/graph_repeats/gpu_lossless_repeats.json \
         tests/test_serving_gpu.py::test_engines_one_after_another_capture_at_startup \
         tests/test_serving_gpu.py::test_scheduler_with_cuda_graphs_is_lossless \
-        "tests/test_gpu.py::test_lossless_cuda_graph_decode[dtype1-True]" ;;
+        "tests/test_gpu.py::test_lossless_cuda_graph_decode[dtype1-True]" \
+        tests/test_speculative_gpu.py::test_rounds_from_cuda_graphs_are_lossless_under_echo ;;
     served_vs_study)  # the in-process study at the paper's setting and the served Figure-12
       # sweep (rates 1 and inf, 96 prompts) in one call -> served_vs_study.json (~6 min); the
       # servers run their engine in a process of its own (ENGINE_PROCESS=0: in-process)

@@ -125,6 +125,25 @@ END_TO_END_ROWS: tuple[Row, ...] = (
         ),
     ),
     Row(
+        "MTP speculative decoding on the study's decode node (issue 52)",
+        rec("mtp_study/mtp_study.json"),
+        (
+            "{config.layers} layers at DeepSeek-V3.2's dims with one NextN layer of the same dims, forced acceptance "
+            "p = {config.accept_rate:g} per draft (a seeded coin, the same decisions on both backends), "
+            "S = {config.spec_num_steps} draft step, every step a CUDA graph replay",
+            "batch 1, rounds over plain decode steps: ECHO {metrics.mtp_speedup_batch1_echo.median:x} "
+            "(range {metrics.mtp_speedup_batch1_echo.min:f2}-{metrics.mtp_speedup_batch1_echo.max:f2}x, goal 1.6x), "
+            "no-offload {metrics.mtp_speedup_batch1_no_offload.median:x}",
+            "the verify step over a plain decode step: ECHO {metrics.verify_over_decode_step_echo.median:f2}, "
+            "no-offload {metrics.verify_over_decode_step_no_offload.median:f2}",
+            "committed tokens equal between the backends: {metrics.outputs_equal_batch1:yes}",
+            "?ECHO / no-offload with MTP at the paper's setting (batch {phases.paper.batch.echo} vs "
+            "{phases.paper.batch.no-offload}) {metrics.echo_over_no_offload_mtp_paper.median:x} "
+            "(range {metrics.echo_over_no_offload_mtp_paper.min:f2}-{metrics.echo_over_no_offload_mtp_paper.max:f2}x over "
+            "{config.repeats} interleaved repeats, goal 3.3x)",
+        ),
+    ),
+    Row(
         "request-rate sweep at pools of 200K (issue 14, Figure 13)",
         rec("e2e_sweep_200k/e2e_sweep.json"),
         (SAME_POOLS + ": {@serving}",),

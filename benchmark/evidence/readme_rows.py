@@ -36,6 +36,12 @@ RESULTS: tuple[Result, ...] = (
         "{metrics.served_ratio_inf:x} ({metrics.study_ratio:x})",
     ),
     Result(
+        "MTP (one draft step, acceptance forced at 0.85): tokens/s over plain decode at batch 1 under ECHO; "
+        "ECHO / no-offload with MTP at the paper's setting",
+        rec("mtp_study/mtp_study.json"),
+        "{metrics.mtp_speedup_batch1_echo.median:x}; {metrics.echo_over_no_offload_mtp_paper.median:x}",
+    ),
+    Result(
         "decode cost per request and layer at batch {@per_request.batch}, all of ECHO's kernels, us",
         INDEXER,
         "{@per_request.total:us}",
