@@ -15,9 +15,10 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
 - ``echo_served_efficiency`` / ``no_offload_served_efficiency`` at rate inf: the decode
   steps' device time (CUDA events) over the run's wall time (goals >= 0.90 / 0.93);
 - ``served_hit_rate`` and ``study_hit_rate`` (should agree within 0.01); the study counts
-  full-batch steps after a warm-up, the whole run counts every arrival's first steps and
-  the ramp and drain, so ``served_hit_rate_steady`` (and each engine's
-  ``mean_decode_batch_steady_inf``) takes the servers' counters sampled during the run
+  full-batch steps after a warm-up and fill (and the workload's locality grows as requests
+  decode), the whole run counts every arrival's first steps and the ramp and drain, so
+  ``study_hit_rate_from_admission`` counts the study's steps from admission on, and
+  ``served_hit_rate_steady`` (and each engine's ``mean_decode_batch_steady_inf``) takes the servers' counters sampled during the run
   (``bench_serving --poll-counters-s``; the stage sets ``POLL_COUNTERS_S=0.5``) over its
   steady window;
 - ``admission_ms_p50`` (engine-thread ms per admission on the ECHO server; goal <= 2) and
@@ -99,6 +100,19 @@ def _outputs_equal(runs: dict[str, dict[str, dict]]) -> bool | None:
     return None if by_rate is None else all(eq == n for eq, n in by_rate.values())
 
 
+def _from_admission(study_metrics: dict) -> dict | None:
+    """The study's hit rate over every decode step since admission (mean over layers) and
+    the steps it spans; None for a study that predates it."""
+    seen = study_metrics.get("hit_rate_from_admission")
+    if not seen:
+        return None
+    per_layer = seen["per_layer"]
+    return {
+        "hit_rate": round(statistics.fmean(per_layer), 4),
+        "decode_steps": seen["decode_steps"],
+    }
+
+
 def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
     noff, echo = runs["no-offload"], runs["offload"]
     m = study.get("metrics", {})
@@ -146,6 +160,8 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
             "offload": inf_e.get("steady_mean_decode_batch"),
         },
         "study_hit_rate": round(statistics.fmean(hit), 4) if hit else None,
+        # the study's requests from their first decode step (a served run sees every step)
+        "study_hit_rate_from_admission": _from_admission(m),
         "admission_ms_p50": inf_e.get("admission_ms_p50"),
         "admission_ms_mean_inf": inf_e.get("admission_ms_mean"),
         "graph_captures_during_run": captures,

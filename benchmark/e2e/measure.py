@@ -199,14 +199,19 @@ class DecodeBench:
                 node.step()
                 filled += 1
         moes = [m for m in self.model.modules() if isinstance(m, LocalRoutedMoE)]
+        warm_counts = None
         if counters is not None:
+            tel = kv.telemetry()
+            warm_counts = (tel["hits"], tel["misses"], a.warmup + filled)
             (kv.cache if eng.backend == "echo" else kv).reset_telemetry()
         for m in moes:
             m.touched.zero_()
             m.forwards.zero_()
         if timer is not None:
             timer.events.clear()
-        return LivePhase(eng, phase, kv, runner, timer, node, admitted, admit_s, ctx, filled, moes)
+        return LivePhase(
+            eng, phase, kv, runner, timer, node, admitted, admit_s, ctx, filled, moes, warm_counts
+        )
 
     def finish_phase(self, live: LivePhase) -> dict:
         """The phase's result after its timed steps: device and wall times, telemetry, the
@@ -257,6 +262,8 @@ class DecodeBench:
         if eviction_counter(kv) is not None:
             tel = kv.telemetry()
             res["hit_rate_per_layer"] = [round(h, 4) for h in tel["hit_rate"]]
+            if live.warm_counts is not None:  # every step since admission, warm-up included
+                res.update(hit_rate_from_admission(live.warm_counts, tel, a.steps))
             res["evictions_per_step"] = sum(tel["evictions"]) / a.steps
             res["recalled_mb_per_step"] = sum(tel["recalled_bytes"]) / a.steps / 2**20
             if tel.get("prefetch_steps"):  # decode prefetch under auto: [on, all] steps
@@ -281,6 +288,23 @@ class DecodeBench:
         return res
 
 
+def hit_rate_from_admission(warm_counts: tuple, tel: dict, timed_steps: int) -> dict:
+    """The hit rate per layer over every decode step since admission (warm-up, fill and
+    timed steps), beside the timed steps' own.
+
+    Why: the synthetic workload's locality grows as requests decode (their own keys join
+    the stable part: benchmark/study/locality.py), so the timed steps, which come after a
+    long fill, hit more than a request's first steps do. A server's requests are seen at
+    every step from their first, so this is the study's figure to set beside a served
+    run's hit rate, with the number of steps it spans."""
+    hits0, misses0, steps0 = warm_counts
+    rates = [
+        round((h0 + h) / (h0 + h + m0 + m), 4) if h0 + h + m0 + m else 1.0
+        for h0, m0, h, m in zip(hits0, misses0, tel["hits"], tel["misses"], strict=True)
+    ]
+    return {"hit_rate_from_admission": rates, "decode_steps_from_admission": steps0 + timed_steps}
+
+
 @dataclass
 class LivePhase:
     """One engine's phase between its admission and its result: its node and requests,
@@ -297,6 +321,7 @@ class LivePhase:
     ctx: list[int]
     filled: int
     moes: list
+    warm_counts: tuple[list[int], list[int], int] | None  # hits, misses, steps before the timed
     wall: list[float] = field(default_factory=list)
     prep: list[float] = field(default_factory=list)
     post: list[float] = field(default_factory=list)

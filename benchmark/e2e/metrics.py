@@ -61,6 +61,14 @@ def metrics(setup: StudyPlan, runs: list[dict], components: dict) -> dict:
     hit = None
     if echo_runs:  # per layer, the median over the repeats
         hit = [round(statistics.median(v), 4) for v in zip(*(r["hit_rate_per_layer"] for r in echo_runs), strict=True)]  # fmt: skip
+    from_admission = [r for r in echo_runs if "hit_rate_from_admission" in r]
+    hit_admitted = from_admission and {
+        "per_layer": [
+            round(statistics.median(v), 4)
+            for v in zip(*(r["hit_rate_from_admission"] for r in from_admission), strict=True)
+        ],
+        "decode_steps": from_admission[0]["decode_steps_from_admission"],
+    }
     return {
         "decode_prefetch_auto": prefetch_auto(runs),
         "echo_decode_prefetch": echo_decode_prefetch(runs),
@@ -83,6 +91,8 @@ def metrics(setup: StudyPlan, runs: list[dict], components: dict) -> dict:
             "inline_details": {"vs_no_offload": inline, "vs_default": inline_gain},
         },
         "hit_rate_per_layer": hit,
+        # every step since admission (the timed steps follow a long fill): a served run's peer
+        "hit_rate_from_admission": hit_admitted or None,
         "locality_source": echo_run and echo_run["locality_source"],
         "breakdown": {
             "no_offload": breakdown(find_all(runs, "noff_paper"), components, plan.layers),

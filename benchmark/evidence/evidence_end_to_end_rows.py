@@ -112,6 +112,8 @@ END_TO_END_ROWS: tuple[Row, ...] = (
             "{metrics.mean_decode_batch_inf:f1/} (no-offload / ECHO)",
             "ECHO's median ITL over no-offload's at rate 1 {metrics.itl_p50_ratio_rate1:f3} (goal 1.02)",
             "hit rate served {metrics.served_hit_rate:f3}, in the study {metrics.study_hit_rate:f3}",
+            "?in the study from admission on (its first {metrics.study_hit_rate_from_admission.decode_steps} "
+            "decode steps, as a served request is seen) {metrics.study_hit_rate_from_admission.hit_rate:f3}",
             "?over the steady window (the servers' counters sampled during the runs): hit rate "
             "{metrics.served_hit_rate_steady:f3}, mean decode batch "
             "{metrics.mean_decode_batch_steady_inf:f1/} (no-offload / ECHO)",

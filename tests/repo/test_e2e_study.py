@@ -258,6 +258,11 @@ def test_e2e_study_smoke_writes_the_record(e2e_study, tmp_path: Path) -> None:
     assert "hisparse_ratio_equal_hbm_380k" in m and m["locality_source"] == "synthetic-keys:0.9"
     assert m["echo_decode_prefetch"]["mode"] == "auto"  # the study runs the product default
     assert len(m["hit_rate_per_layer"]) == rec["config"]["layers"]
+    # from admission on: the first step's recalls counted, so below the timed steps' rate
+    seen = m["hit_rate_from_admission"]
+    assert len(seen["per_layer"]) == rec["config"]["layers"]
+    assert seen["decode_steps"] > rec["config"]["measured_steps"]
+    assert sum(seen["per_layer"]) < sum(m["hit_rate_per_layer"])
     assert all(r["leak_free"] for r in rec["runs"])
     batches = {r["engine"]: r["batch"] for r in rec["runs"] if r["phase"] == "full"}
     assert batches["noff_paper"] == 3 and batches["echo_paper"] == 10  # the capacity rules

@@ -55,7 +55,13 @@ def test_record_from_study_and_sweep(tmp_path):
             ),
         },
     }
-    study = {"metrics": {"ratio_paper_all_hbm": 4.0, "hit_rate_per_layer": [0.96, 0.98]}}
+    study = {
+        "metrics": {
+            "ratio_paper_all_hbm": 4.0,
+            "hit_rate_per_layer": [0.96, 0.98],
+            "hit_rate_from_admission": {"per_layer": [0.92, 0.94], "decode_steps": 149},
+        }
+    }
     s, w = _write(tmp_path, runs, study)
     out = tmp_path / "r.json"
     rec = served_vs_study.main(["--study", str(s), "--sweep", str(w), "--out", str(out),
@@ -66,6 +72,7 @@ def test_record_from_study_and_sweep(tmp_path):
     assert m["steady_ratio_inf"] == 2.5
     assert m["itl_p50_ratio_rate1"] == pytest.approx(1.05)
     assert m["study_hit_rate"] == pytest.approx(0.97) and m["served_hit_rate"] == 0.95
+    assert m["study_hit_rate_from_admission"] == {"hit_rate": 0.93, "decode_steps": 149}
     assert m["echo_served_efficiency"] == 0.5 and m["no_offload_served_efficiency"] == 0.7
     assert m["admission_ms_p50"] == 3.0 and m["graph_captures_during_run"] == 0
     assert m["outputs_equal"] is False
