@@ -19,7 +19,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: mtp_study admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: mtp_served mtp_study admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -189,6 +189,11 @@ run_stage() {
       # (the paper setting), forced acceptance p = 0.85, S = 1 (benchmark/mtp_study.py; est. ~6 min)
       stage mtp_study 540 python3 benchmark/mtp_study.py --out /tmp/ds/mtp_study \
         --commit "${ECHO_COMMIT:-}" --command "bash benchmark/device_session.sh OUTDIR mtp_study" ;;
+    mtp_served)  # the e2e MTP sweep test on the GPU: both decode nodes (tiny checkpoint with a
+      # NextN layer) serve MTP rounds through HTTP, ECHO's tokens equal no-offload's (.whl carried)
+      stage mtp_served 300 bash -c 'export PYTHON=python3; source benchmark/web_stack.sh \
+        && ensure_web_stack /tmp/ds/mtp_served && python3 -m pytest -q -p no:cacheprovider -s \
+        tests/repo/test_e2e_scripts.py::test_infini_sweep_with_mtp' ;;
     admission_probe)  # the decode node's engine without HTTP (benchmark/decode_node_probe.py):
       # where admission's engine-thread time goes at 100K tokens, with a cProfile of it (~2 min; est.)
       stage admission_probe 240 bash -c "python3 -m benchmark.study.worker_spec \
@@ -232,7 +237,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in mtp_study|admission_probe|cuda_tests_graphs|cuda_tests_rest|capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_profile|prefetch_study|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in mtp_served|mtp_study|admission_probe|cuda_tests_graphs|cuda_tests_rest|capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_profile|prefetch_study|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 if [ "${PACK_TRITON_CACHE:-0}" = 1 ]; then  # for the next call: unpack into .triton_cache, carry it
