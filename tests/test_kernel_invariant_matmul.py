@@ -11,8 +11,11 @@ from sglang_echo.kernels.invariant_matmul import (
     BLOCK_N,
     invariant_bmm,
     invariant_bmm_reference,
+    invariant_grouped_mm,
+    invariant_grouped_mm_reference,
     invariant_linear,
     invariant_linear_reference,
+    invariant_row_sum,
 )
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,3 +90,53 @@ def test_refuses_mixed_dtypes_and_unchained_shapes():
         invariant_linear(x, w.to(torch.bfloat16))
     with pytest.raises(ValueError, match="do not chain"):
         invariant_linear(x, w[:, :8])
+
+
+def _segments(sizes: list[int], k: int, n: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(sizes) + 3  # three rows past the last group: no group's
+    x = torch.randn(rows, k, generator=g).to(DEV, dtype)
+    w = (torch.randn(len(sizes), n, k, generator=g) / k**0.5).to(DEV, dtype)
+    offs = torch.tensor(sizes, device=DEV).cumsum(0).to(torch.int32)
+    return x, w, offs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segmented_groups_close_to_the_reference(dtype):
+    """Empty groups, a group over one 16-row tile, rows past the last group (zero)."""
+    sizes = [3, 0, 17, 1, 0, 5]
+    x, w, offs = _segments(sizes, 2 * BLOCK_K + 5, 70, dtype)
+    got = invariant_grouped_mm(x, w, offs, max_rows=max(sizes))
+    rtol, atol = TOLERANCE[dtype]
+    want = invariant_grouped_mm_reference(x, w, offs)
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+    assert not got[sum(sizes) :].any()
+    # a bound above the largest group launches idle tiles, and changes nothing
+    assert torch.equal(got, invariant_grouped_mm(x, w, offs, max_rows=max(sizes) + 40))
+
+
+def test_a_segmented_rows_bits_do_not_depend_on_its_group_mates():
+    """A row alone in its group equals the same row among 16 others, at another position
+    of another tile: what a routed MoE needs when the batch changes who shares an expert."""
+    x, w, offs = _segments([4, 20], BLOCK_K + 9, 33, torch.bfloat16, seed=2)
+    full = invariant_grouped_mm(x, w, offs, max_rows=20)
+    for row, group in ((1, 0), (9, 1), (23, 1)):
+        alone = torch.zeros(w.shape[0], dtype=torch.int32, device=DEV)
+        alone[group:] = 1  # group `group` holds one row: row 0
+        one = invariant_grouped_mm(x[row : row + 1], w, alone, max_rows=1)
+        assert torch.equal(one[0], full[row]), row
+
+
+def test_row_sum_is_batch_invariant_and_close():
+    x, _, _ = _inputs(13, 8, 3 * BLOCK_K + 7, torch.float32, seed=4)
+    full = invariant_row_sum(x)
+    assert full.shape == (13, 1)
+    torch.testing.assert_close(full, x.sum(-1, keepdim=True), rtol=1e-5, atol=1e-4)
+    for i in (0, 7, 12):
+        assert torch.equal(invariant_row_sum(x[i : i + 1])[0], full[i])
+
+
+def test_segmented_refuses_bad_offsets():
+    x, w, offs = _segments([2, 2], 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="offs must be"):
+        invariant_grouped_mm(x, w, offs[:1], max_rows=2)

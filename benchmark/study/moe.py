@@ -53,7 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_echo.model.layers import GatedMLP
+from sglang_echo.kernels.invariant_matmul import invariant_grouped_mm, invariant_linear
+from sglang_echo.model.layers import GatedMLP, elementwise_apart, ordered_sum
 
 # The paper's deployment of DeepSeek-V3.2 (8xH20, DP attention, EP 8).
 DP_RANKS = 8
@@ -131,7 +132,12 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, impl: str
 
 
 def combine_pairs(
-    contrib: torch.Tensor, pair_id: torch.Tensor, live: torch.Tensor, tokens: int, top_k: int
+    contrib: torch.Tensor,
+    pair_id: torch.Tensor,
+    live: torch.Tensor,
+    tokens: int,
+    top_k: int,
+    ordered: bool = False,
 ) -> torch.Tensor:
     """Sum each token's weighted expert outputs in routing-rank order -> [tokens, hidden].
 
@@ -145,14 +151,17 @@ def combine_pairs(
     greedy outputs that parted after ~34 tokens, while repeats of one engine agreed: the
     study's offload-vs-no-offload comparisons were unreliable. Here every pair lands in its
     own row and a token's rows are summed by one fixed reduction, so the bits
-    depend on the pairs alone, not on the lanes' order.
+    depend on the pairs alone, not on the lanes' order. ``ordered`` (batch-invariant mode):
+    the top-k rows added left to right, whose order does not follow the number of tokens
+    as a CUDA reduction's thread layout does.
     """
     hidden = contrib.shape[1]
     spare = tokens * top_k  # dead lanes' row, dropped
     row = torch.where(live, pair_id, torch.full_like(pair_id, spare))
     dense = torch.zeros(spare + 1, hidden, dtype=contrib.dtype, device=contrib.device)
     dense.index_copy_(0, row, contrib)  # dead lanes (garbage, even NaN) land in the spare row
-    return dense[:spare].view(tokens, top_k, hidden).sum(dim=1)
+    per_token = dense[:spare].view(tokens, top_k, hidden)
+    return ordered_sum(per_token, 1) if ordered else per_token.sum(dim=1)
 
 
 class LocalRoutedMoE(nn.Module):
@@ -201,6 +210,10 @@ class LocalRoutedMoE(nn.Module):
         signs = torch.randint(0, 2, (dp_ranks, hidden), generator=gen, device=device) * 2 - 1
         signs[0] = 1  # rank 0 is this worker's own tokens
         self.register_buffer("peer_signs", signs.to(dtype))
+        # set_batch_invariant (SGLANG_ECHO_BATCH_INVARIANT): router and expert GEMMs by the
+        # invariant kernels, sums in a fixed order, so served ECHO and no-offload, which
+        # decode different batches, give equal tokens.
+        self.batch_invariant = False
         # Telemetry: local experts touched, summed over forwards (device counters).
         self.register_buffer("touched", torch.zeros((), dtype=torch.int64, device=device))
         self.register_buffer("forwards", torch.zeros((), dtype=torch.int64, device=device))
@@ -217,10 +230,17 @@ class LocalRoutedMoE(nn.Module):
         g = (x.unsqueeze(0) * self.peer_signs.to(x.dtype).unsqueeze(1)).reshape(
             self.dp_ranks * b, self.hidden
         )
-        scores = F.linear(g, self.router.to(g.dtype)).float().sigmoid()
-        weights, experts = scores.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True) * self.routed_scaling
-        return g, experts, weights
+        if self.batch_invariant:  # float32 scores: bf16 ties at the k-th expert would
+            # leave the pick to torch.topk's algorithm, which follows the batch's size
+            logits = invariant_linear(g.float(), self.router.float())
+            scores = elementwise_apart(torch.sigmoid, logits)
+            weights, experts = scores.topk(self.top_k, dim=-1)
+            total = ordered_sum(weights, -1).unsqueeze(-1)
+        else:
+            scores = F.linear(g, self.router.to(g.dtype)).float().sigmoid()
+            weights, experts = scores.topk(self.top_k, dim=-1)
+            total = weights.sum(dim=-1, keepdim=True)
+        return g, experts, weights / total * self.routed_scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = x.shape[0]
@@ -237,10 +257,16 @@ class LocalRoutedMoE(nn.Module):
         self.forwards += 1
         pair_token = order // self.top_k
         xs = g.index_select(0, pair_token)
-        impl = self._impl(x)
-        h = grouped_gemm(xs, self.w_gate_up, offs, impl)
-        act = F.silu(h[:, : self.intermediate]) * h[:, self.intermediate :]
-        y = grouped_gemm(act, self.w_down, offs, impl)
+        if self.batch_invariant:  # an expert holds at most every global token once
+            rows = g.shape[0]
+            h = invariant_grouped_mm(xs, self.w_gate_up, offs, rows)
+            gate = elementwise_apart(F.silu, h[:, : self.intermediate])
+            y = invariant_grouped_mm(gate * h[:, self.intermediate :], self.w_down, offs, rows)
+        else:
+            impl = self._impl(x)
+            h = grouped_gemm(xs, self.w_gate_up, offs, impl)
+            act = F.silu(h[:, : self.intermediate]) * h[:, self.intermediate :]
+            y = grouped_gemm(act, self.w_down, offs, impl)
         # Keep the served local pairs of this worker's own tokens: at most b x top_k of
         # the 8 b x top_k rows, compacted first (a stable sort of the keep flags) so the
         # combine touches b x top_k rows, not all. Rows past offs[-1] are unwritten:
@@ -253,7 +279,7 @@ class LocalRoutedMoE(nn.Module):
         pair_id = order.index_select(0, kept)  # token * top_k + its routing rank
         pair_w = weights.reshape(-1).index_select(0, pair_id)
         contrib = y.index_select(0, kept).float() * pair_w.unsqueeze(1)
-        out = combine_pairs(contrib, pair_id, live, b, self.top_k)
+        out = combine_pairs(contrib, pair_id, live, b, self.top_k, ordered=self.batch_invariant)
         return out.to(x.dtype) + self.shared(x)
 
     @torch.no_grad()

@@ -75,13 +75,15 @@ def build_worker(
     [L, D]) so synthetic keys can use the same directions."""
     torch.manual_seed(seed)
     device = torch.device(device)
+    kernels = ModelKernels.from_settings(settings())
     with device:
-        model = DeepseekV32ForCausalLM(config, ModelKernels.from_settings(settings()))
+        model = DeepseekV32ForCausalLM(config, kernels)
     model = model.to(dtype)
     for i, layer in enumerate(model.model.layers):
         layer.mlp = LocalRoutedMoE(
             config.hidden_size, seed=seed + 1 + i, device=device, dtype=dtype, **moe
         )
+    kernels.apply(model)  # the MoE built after the model takes its batch-invariant mode too
     directions = favoured_directions(
         config.num_hidden_layers, config.index_head_dim, config.qk_rope_head_dim, seed
     )

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_echo.kernels.invariant_matmul import invariant_linear
+from sglang_echo.kernels.invariant_matmul import invariant_linear, invariant_row_sum
 from sglang_echo.model.config import DeepseekV32Config
 
 
@@ -53,10 +53,21 @@ def elementwise_apart(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
     return fn(padded)[: flat.numel()].view(x.shape)
 
 
+def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x.sum(dim)`` added left to right, one elementwise add per slice: the order (and so
+    the bits) never depends on the other dimensions' sizes, which a CUDA reduction's
+    thread layout does. For short dimensions (a token's top-k weights)."""
+    parts = x.unbind(dim)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
 def set_batch_invariant(model: nn.Module, enabled: bool) -> None:
     """Switch every module of ``model`` that has a batch-invariant mode (its ``Linear``
-    layers, the MoE router, the attention's absorption, the indexer's rotation) on or off:
-    ``ModelKernels.apply`` and the entry points' draft layer call it."""
+    layers and norms, the MoE router, the attention's absorption, the indexer's rotation)
+    on or off: ``ModelKernels.apply`` and the entry points' draft layer call it."""
     for module in model.modules():
         if hasattr(module, "batch_invariant"):
             module.batch_invariant = enabled
@@ -69,11 +80,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # set_batch_invariant: the mean square by the invariant GEMM's row sum (a CUDA
+        # reduction lays its threads out by the number of rows, so a row rounds by its batch)
+        self.batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.batch_invariant:
+            mean_square = invariant_row_sum(xf * xf) / xf.shape[-1]
+        else:
+            mean_square = xf.pow(2).mean(-1, keepdim=True)
+        xf = xf * torch.rsqrt(mean_square + self.eps)
         return self.weight * xf.to(dtype)
 
 
@@ -130,7 +148,11 @@ class GroupedTopkRouter(nn.Module):
             experts = experts.sort(dim=-1).values
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            if self.batch_invariant:
+                total = ordered_sum(weights, -1).unsqueeze(-1)
+            else:
+                total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total + 1e-20)
         return experts, weights * self.routed_scaling_factor
 
 
