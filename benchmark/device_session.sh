@@ -19,7 +19,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: mtp_served mtp_study admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: served_equal mtp_served mtp_study admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -185,6 +185,16 @@ run_stage() {
         --sweep /tmp/ds/served_vs_study/sweep --commit '${ECHO_COMMIT:-}' \
         --out /tmp/ds/served_vs_study/served_vs_study.json \
         --command 'ENGINE_PROCESS=${ENGINE_PROCESS:-1} bash benchmark/device_session.sh OUTDIR served_vs_study'" ;;
+    served_equal)  # SGLANG_ECHO_BATCH_INVARIANT=1: the study worker's batch invariance through
+      # decode graphs (its GPU test), then both servers at rate inf, where their batches
+      # differ -> served_equal.json: equal tokens for every request (.whl carried; est. ~4 min)
+      stage served_equal 540 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/repo/test_study_batch_invariant.py; export SGLANG_ECHO_BATCH_INVARIANT=1; \
+        env ENGINE_PROCESS=${ENGINE_PROCESS:-1} RATES=inf NUM_PROMPTS=48 MAX_OUTPUT_LEN=64 \
+        WARMUP_REQUESTS=8 bash benchmark/e2e_sweep.sh /tmp/ds/served_equal/sweep; \
+        python3 -m benchmark.served_equal --sweep /tmp/ds/served_equal/sweep \
+        --out /tmp/ds/served_equal/served_equal.json --commit '${ECHO_COMMIT:-}' \
+        --command 'bash benchmark/device_session.sh OUTDIR served_equal'" ;;
     mtp_study)  # MTP rounds against plain decode (batch 1) and ECHO against no-offload with MTP
       # (the paper setting), forced acceptance p = 0.85, S = 1 (benchmark/mtp_study.py; est. ~6 min)
       stage mtp_study 540 python3 benchmark/mtp_study.py --out /tmp/ds/mtp_study \
@@ -237,7 +247,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in mtp_served|mtp_study|admission_probe|cuda_tests_graphs|cuda_tests_rest|capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_profile|prefetch_study|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in served_equal|mtp_served|mtp_study|admission_probe|cuda_tests_graphs|cuda_tests_rest|capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_profile|prefetch_study|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 if [ "${PACK_TRITON_CACHE:-0}" = 1 ]; then  # for the next call: unpack into .triton_cache, carry it

@@ -120,3 +120,16 @@ def test_off_a_linear_is_f_linear():
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     layer.batch_invariant = True
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_the_setting_is_refused_at_start_up_where_its_kernel_cannot_run(monkeypatch):
+    """On the CPU without the Triton interpreter the invariant GEMM cannot run: the start-up
+    says so (a served request's first decode step failed instead)."""
+    from sglang_echo.runtime.assemble import resolve_start_up
+
+    monkeypatch.setenv(ENV_BATCH_INVARIANT, "1")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs a CUDA device.*TRITON_INTERPRET=1"):
+        resolve_start_up("cpu", "float32")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_start_up("cpu", "float32").kernels.batch_invariant

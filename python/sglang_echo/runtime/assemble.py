@@ -14,11 +14,12 @@ the message is the same from both.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from sglang_echo.config import EchoConfig, EchoSettings, load_settings
+from sglang_echo.config import ENV_BATCH_INVARIANT, EchoConfig, EchoSettings, load_settings
 from sglang_echo.model.attention import ModelKernels
 from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
@@ -91,6 +92,14 @@ def resolve_start_up(
     settings = load_settings()
     echo = echo if echo is not None else EchoConfig.from_settings(settings)
     kernels = ModelKernels.from_settings(settings)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if kernels.batch_invariant and device.type != "cuda" and not interpreted:
+        # refused here, not by the first decode step's GEMM (a served request would fail)
+        raise error(
+            f"{ENV_BATCH_INVARIANT}=1 runs every matmul through a Triton kernel: it needs a "
+            f"CUDA device (here {device}), or TRITON_INTERPRET=1 on the CPU (slow; for "
+            f"tests); unset {ENV_BATCH_INVARIANT} to use torch's GEMMs"
+        )
     return StartUp(device, dtype_name, dtype, settings, echo, kernels)
 
 
