@@ -129,7 +129,7 @@ def test_the_setting_is_refused_at_start_up_where_its_kernel_cannot_run(monkeypa
 
     monkeypatch.setenv(ENV_BATCH_INVARIANT, "1")
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(ValueError, match="needs a CUDA device.*TRITON_INTERPRET=1"):
+    with pytest.raises(ValueError, match=r"needs a CUDA device.*TRITON_INTERPRET=1"):
         resolve_start_up("cpu", "float32")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_start_up("cpu", "float32").kernels.batch_invariant
