@@ -22,7 +22,8 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
   (``bench_serving --poll-counters-s``; the stage sets ``POLL_COUNTERS_S=0.5``) over its
   steady window;
 - ``admission_ms_p50`` (engine-thread ms per admission on the ECHO server; goal <= 2) and
-  its per-run mean;
+  its per-run mean, and ``admission_ms_parts_inf``: that mean by part at rate inf (the
+  table row, then the transfer start's locations, upload, seed, ECHO's slots, submission);
 - ``graph_captures_during_run`` (both servers, all runs; goal 0);
 - ``outputs_equal``: every request's greedy tokens equal between the two servers, at
   every rate, ``outputs_equal_by_rate`` (rate -> [equal, compared]) and each server's
@@ -113,6 +114,16 @@ def _from_admission(study_metrics: dict) -> dict | None:
     }
 
 
+def _admission_parts(engine: dict) -> dict[str, float] | None:
+    """Engine-thread ms per admission by part over a run (None: a server without parts)."""
+    admissions = engine.get("admissions")
+    prefix = "admission_part_seconds."
+    parts = {k[len(prefix) :]: v for k, v in engine.items() if k.startswith(prefix)}
+    if not admissions or not parts:
+        return None
+    return {k: round(1e3 * v / admissions, 3) for k, v in parts.items()}
+
+
 def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
     noff, echo = runs["no-offload"], runs["offload"]
     m = study.get("metrics", {})
@@ -164,6 +175,7 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
         "study_hit_rate_from_admission": _from_admission(m),
         "admission_ms_p50": inf_e.get("admission_ms_p50"),
         "admission_ms_mean_inf": inf_e.get("admission_ms_mean"),
+        "admission_ms_parts_inf": _admission_parts(inf_e.get("server_engine") or {}),
         "graph_captures_during_run": captures,
         "outputs_equal": _outputs_equal(runs),
         "outputs_equal_by_rate": _equal_by_rate(runs),

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from benchmark.make_tasks import FIGURE_14_TASKS
+from server_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_e2e_sweep_smoke(tmp_path):
     env = {**os.environ, "SMOKE": "1", "TASKS": "1", "SHAREGPT": "1", "PYTHON": sys.executable}
     env["E2E_WORK"] = str(tmp_path / "w")
+    # its own port and pid files: another sweep test may run beside it (pytest -n 2)
+    env.update(PORT=str(free_port()), E2E_PID_DIR=str(tmp_path / "pids"))
     out = tmp_path / "out"
     proc = subprocess.run(
         ["bash", "benchmark/e2e_sweep.sh", str(out)],

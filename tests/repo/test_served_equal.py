@@ -1,8 +1,8 @@
 """``benchmark/served_equal.py`` (device stage ``served_equal``): under
 SGLANG_ECHO_BATCH_INVARIANT=1 both servers give every request the same tokens at rate inf,
 where they decode different batches. On the CPU: the whole pipeline at smoke sizes (the
-servers inherit the setting, the record says so), and the equality count from runs that
-differ in one request."""
+servers inherit the setting, the record says so; the decode node's admission time comes
+by part), and the equality count from runs that differ in one request."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from benchmark.served_equal import combine
+from server_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +44,9 @@ def test_served_equal_smoke(tmp_path: Path) -> None:
         "PYTHON": sys.executable,
         "E2E_WORK": str(tmp_path / "w"),
         "SGLANG_ECHO_BATCH_INVARIANT": "1",
+        # its own port and pid files: another sweep test may run beside it (pytest -n 2)
+        "PORT": str(free_port()),
+        "E2E_PID_DIR": str(tmp_path / "pids"),
     }
     sweep, out = tmp_path / "sweep", tmp_path / "served_equal.json"
     for cmd in (
@@ -62,3 +66,13 @@ def test_served_equal_smoke(tmp_path: Path) -> None:
     assert batches["offload"]["inf"] > batches["no-offload"]["inf"]  # the batches differed
     log = (sweep / "infini" / "offload" / "server.log").read_text()
     assert "Traceback" not in log
+    # The admissions' engine-thread time by part (/metrics -> the record): every part
+    # timed, and together no more than the admissions' total.
+    run = json.loads(
+        (sweep / "infini" / "offload" / "req_rate_inf.jsonl").read_text().splitlines()[-1]
+    )
+    engine = run["server_engine"]
+    parts = {k.split(".", 1)[1]: v for k, v in engine.items() if k.startswith("admission_part_")}
+    assert set(parts) == {"row", "alloc", "place", "seed", "reserve", "submit"}
+    assert all(v >= 0 for v in parts.values()) and parts["submit"] > 0
+    assert sum(parts.values()) <= engine["admission_seconds"] + 1e-3

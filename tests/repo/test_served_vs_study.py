@@ -50,7 +50,12 @@ def test_record_from_study_and_sweep(tmp_path):
                 steady_output_throughput=800,
                 server_echo={"hit_rate": 0.95},
                 admission_ms_p50=3.0,
-                server_engine={"graph_captures_during_run": 0.0},
+                server_engine={
+                    "graph_captures_during_run": 0.0,
+                    "admissions": 4.0,
+                    "admission_part_seconds.row": 0.0004,
+                    "admission_part_seconds.reserve": 0.006,
+                },
                 server_schedule={"overlap": True, "engine_process": False},
             ),
         },
@@ -75,6 +80,7 @@ def test_record_from_study_and_sweep(tmp_path):
     assert m["study_hit_rate_from_admission"] == {"hit_rate": 0.93, "decode_steps": 149}
     assert m["echo_served_efficiency"] == 0.5 and m["no_offload_served_efficiency"] == 0.7
     assert m["admission_ms_p50"] == 3.0 and m["graph_captures_during_run"] == 0
+    assert m["admission_ms_parts_inf"] == {"row": 0.1, "reserve": 1.5}  # ms per admission
     assert m["outputs_equal"] is False
     assert m["outputs_equal_by_rate"] == {"1": [2, 2], "inf": [1, 2]}
     assert m["outputs_equal_across_rates"] == {"no-offload": [2, 2], "offload": [1, 2]}

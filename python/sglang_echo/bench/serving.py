@@ -112,6 +112,7 @@ ENGINE_COUNTERS = frozenset(
         "decode_batch_requests",  # the decode steps' batch sizes, summed
         "admissions",  # requests admitted, and the engine thread's seconds admitting them
         "admission_seconds",
+        "admission_part_seconds",  # the same by part (``part`` label folded in)
         "spec_verify_rounds",  # MTP: request-rounds, and the tokens they committed
         "spec_accepted_tokens",
         "graph_captures_during_run",  # captures after start-up (0 on a server that captures all)
@@ -170,8 +171,8 @@ def parse_counters(text: str) -> dict[str, dict[str, float]]:
             continue
         elif not labels:
             engine[name] = value
-        elif set(labels) == {"phase"}:
-            engine[f"{name}.{labels['phase']}"] = value
+        elif set(labels) in ({"phase"}, {"part"}):
+            engine[f"{name}.{labels.get('phase') or labels['part']}"] = value
     return {"engine": engine, "echo": echo, **by_batch, "admission_quantiles": admission}
 
 

@@ -73,6 +73,22 @@ def first_token_logprob(req: SeqState, token: int, vocab_size: int) -> TokenLogp
     return TokenLogprob(token, lp, top)
 
 
+# The parts of ``FakeTransfer.start`` timed on the engine thread (in order; see ``start``).
+START_PARTS = ("alloc", "place", "seed", "reserve", "submit")
+
+
+class _Laps:
+    """Adds the seconds since the previous lap to ``into[part]``."""
+
+    def __init__(self, into: dict[str, float], t0: float) -> None:
+        self.into, self.last = into, t0
+
+    def __call__(self, part: str) -> None:
+        now = time.perf_counter()
+        self.into[part] += now - self.last
+        self.last = now
+
+
 @dataclass(eq=False)  # identity: `in` and `remove` must not compare 100K-id prompts
 class _Transfer:
     req: SeqState
@@ -145,6 +161,8 @@ class FakeTransfer:
         self.failed: list[tuple[SeqState, BaseException]] = []
         self.transfers = 0  # arrived so far
         self.transfer_s = 0.0  # their start-to-arrival times (seen at the step's poll), summed
+        # ``start``'s engine-thread seconds by part (the admission's cost, /metrics by part)
+        self.start_part_s = dict.fromkeys(START_PARTS, 0.0)
         self.directions = directions
         self.dtype = dtype
         self.draft_cache: KVCache | None = None  # under MTP (with_draft)
@@ -175,10 +193,13 @@ class FakeTransfer:
         that share the free stacks). The rows themselves are generated and written by the
         writer thread on the transfer's stream, beside the steps."""
         started = time.perf_counter()
+        lap = _Laps(self.start_part_s, started)
         n = len(req.prompt)
         locs = self.steps.allocator.alloc(n)
+        lap("alloc")
         loc_t = self.steps.place(req, 0, locs)  # on the device (queued, not waited for)
         req.cached_len = n
+        lap("place")
         seed = getattr(req, "prompt_seed", None)
         if seed is None:  # not computed where the request was parsed
             seed = prompt_seed(req.prompt)
@@ -187,10 +208,13 @@ class FakeTransfer:
         transfer = _Transfer(req, first, first_lp, started)
         if self.draft_synth is not None:
             transfer.draft = self._draft_carry(seed)
+        lap("seed")
         if self.stream is None:
             transfer.slots = self.kv_cache.reserve_prompt(loc_t)
+            lap("reserve")
             self._write(loc_t, seed, transfer.slots, locs)
             self._transfers.append(transfer)
+            lap("submit")  # here the writes themselves: no writer thread on the CPU
             return
         current = torch.cuda.current_stream(self.steps.device)
         transfer.slots = self.kv_cache.reserve_prompt(loc_t)
@@ -206,11 +230,13 @@ class FakeTransfer:
             transfer.slots.record_stream(self.stream)
         transfer.locs = loc_t
         transfer.done = torch.cuda.Event()
+        lap("reserve")
         if self.kv_cache.fills_prompt_in_place:
             transfer.job = self._writer.submit(self._write_on_stream, loc_t, seed, transfer, locs)
         else:  # a backend whose write also moves its own maps: launched from this thread
             self._write_on_stream(loc_t, seed, transfer, locs)
         self._transfers.append(transfer)
+        lap("submit")
 
     def _write(
         self, locs: torch.Tensor, seed: int, slots: torch.Tensor | None, host_locs: Sequence[int]

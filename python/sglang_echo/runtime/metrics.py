@@ -55,6 +55,10 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
     snap["admission_seconds_total"] = s.admission_s
     snap["admissions_total"] = s.admissions
     snap["admission_seconds_quantiles"] = quantiles(list(s.recent_admission_s), (0.5, 0.99))
+    parts = dict(s.admission_part_s)
+    if sched.prompt_source is not None:
+        parts.update(sched.prompt_source.start_part_s)
+    snap["admission_part_seconds"] = parts
     runner = sched.steps.decode_runner
     if runner is not None:
         graphs = graph_counts(sched)
@@ -142,6 +146,14 @@ def render(snap: dict, model_name: str) -> str:
         "counter",
         "Engine-thread seconds spent admitting them (a decode node's transfer start included).",
         "admission_seconds_total",
+    )
+    metric(
+        "admission_part_seconds",
+        "counter",
+        "Those seconds by part: row (the table row); on a decode node alloc (token "
+        "locations), place (their upload), seed (the first token), reserve (ECHO's prompt "
+        "slots, stream order), submit (the writer thread's job).",
+        [({"part": k}, v) for k, v in snap["admission_part_seconds"].items()],
     )
     if snap["admission_seconds_quantiles"] is not None:
         metric(

@@ -69,6 +69,7 @@ class AdmissionControl:
             t0 = time.perf_counter()
             s.waiting.popleft()
             s.steps.admit(req)
+            s.stats.admission_part_s["row"] += time.perf_counter() - t0
             req.status = ReqStatus.RUNNING
             s.running.append(req)
             if s.prompt_source is not None:
