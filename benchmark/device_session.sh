@@ -174,17 +174,21 @@ run_stage() {
         tests/test_speculative_gpu.py::test_rounds_from_cuda_graphs_are_lossless_under_echo ;;
     served_vs_study)  # the in-process study at the paper's setting and the served Figure-12
       # sweep (rates 1 and inf, 96 prompts) in one call -> served_vs_study.json (~6 min); the
-      # servers run their engine in a process of its own (ENGINE_PROCESS=0: in-process)
+      # servers run their engine in a process of its own (ENGINE_PROCESS=0: in-process).
+      # SERVED_RATES / SERVED_PROMPTS change the sweep (318 prompts at rate inf: ramp and
+      # drain weigh less; est. ~5 min)
       peer_or_say
+      local knobs="ENGINE_PROCESS=${ENGINE_PROCESS:-1} SERVED_RATES=${SERVED_RATES:-1,inf} SERVED_PROMPTS=${SERVED_PROMPTS:-96}"
       stage served_vs_study 580 bash -c "python3 benchmark/e2e_study.py \
         --out /tmp/ds/served_vs_study/study --only noff_paper,echo_paper --repeats 3 \
         --no-random-keys --locality-sweep '' --skip-components --skip-fixed --profile-steps 0 \
-        --deadline-s 120; env ENGINE_PROCESS=${ENGINE_PROCESS:-1} POLL_COUNTERS_S=0.5 RATES=1,inf NUM_PROMPTS=96 \
+        --deadline-s 120; env ENGINE_PROCESS=${ENGINE_PROCESS:-1} POLL_COUNTERS_S=0.5 \
+        RATES=${SERVED_RATES:-1,inf} NUM_PROMPTS=${SERVED_PROMPTS:-96} \
         MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh /tmp/ds/served_vs_study/sweep; \
         python3 benchmark/served_vs_study.py --study /tmp/ds/served_vs_study/study \
         --sweep /tmp/ds/served_vs_study/sweep --commit '${ECHO_COMMIT:-}' \
         --out /tmp/ds/served_vs_study/served_vs_study.json \
-        --command 'ENGINE_PROCESS=${ENGINE_PROCESS:-1} bash benchmark/device_session.sh OUTDIR served_vs_study'" ;;
+        --command '$knobs bash benchmark/device_session.sh OUTDIR served_vs_study'" ;;
     served_equal)  # SGLANG_ECHO_BATCH_INVARIANT=1: the study worker's batch invariance through
       # decode graphs (its GPU test), then both servers at rate inf, where their batches
       # differ -> served_equal.json: equal tokens for every request (.whl carried; est. ~4 min)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from benchmark.served_vs_study import ENGINES, _device, _equal_by_rate, _runs
+from sglang_echo.config import load_settings
 
 
 def combine(runs: dict[str, dict[str, dict]], batch_invariant: bool) -> dict:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not all(runs.values()):
         missing = [eng for eng, r in runs.items() if not r]
         print(f"missing runs under {args.sweep}: {missing}", file=sys.stderr)
-    invariant = os.environ.get("SGLANG_ECHO_BATCH_INVARIANT", "0") == "1"
+    invariant = load_settings().batch_invariant  # what the servers inherited
     record = {
         "name": "served_equal",
         "commit": args.commit,
