@@ -78,7 +78,7 @@ ENV_DECODE_PLACE = "SGLANG_ECHO_DECODE_PLACE"
 ENV_RESOLVE_OVERLAP = "SGLANG_ECHO_RESOLVE_OVERLAP"
 ENV_TOPK = "SGLANG_ECHO_TOPK"
 ENV_SPARSE_MLA = "SGLANG_ECHO_SPARSE_MLA"
-# 1: every matmul of the model's forward by the batch-invariant GEMM
+# 1: every matmul and norm of the model's forward by the batch-invariant GEMM
 # (kernels/invariant_matmul.py), handed to the model as ModelKernels.batch_invariant. Why:
 # served ECHO decodes more requests per step than no-offload, and cuBLAS (MKL on the CPU)
 # rounds a row by the batch's size, so at high load the two served runs' greedy tokens
@@ -293,9 +293,10 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         ENV_BATCH_INVARIANT, "batch_invariant", "0", "runtime", False,
-        "`1`: every matmul of the model's forward runs the batch-invariant GEMM "
-        "(`kernels/invariant_matmul.py`), so a request's tokens do not depend on how many "
-        "others share its batch (served ECHO vs no-offload); slower; `0`: cuBLAS/MKL",
+        "`1`: every matmul and norm of the model's forward runs the batch-invariant GEMM "
+        "(`kernels/invariant_matmul.py`; MoE sums in a fixed order), so a request's tokens "
+        "do not depend on how many others share its batch (served ECHO vs no-offload); "
+        "needs CUDA (or TRITON_INTERPRET=1); slower; `0`: cuBLAS/MKL",
         parse_flag,
     ),
     Variable(
