@@ -12,8 +12,9 @@ Reads an e2e sweep's runs (``infini/{no-offload,offload}/req_rate_R.jsonl``) and
 ``outputs_equal_by_rate`` (rate -> [equal, compared]), ``mean_decode_batch`` (engine ->
 rate -> mean requests per decode step: the batches really differed), ``batch_invariant``
 (the setting the servers inherited) and each engine's ``output_throughput`` (tokens/s,
-the invariant mode's, not the product's), plus ``commit``, ``device``, ``date``,
-``command``.
+the invariant mode's, not the product's), and the ECHO server's admission at rate inf
+(``admission_ms_p50``, ``admission_ms_parts_inf``: engine-thread ms per admission by
+part), plus ``commit``, ``device``, ``date``, ``command``.
 
     python3 benchmark/served_equal.py --sweep DIR --out FILE --commit SHA --command CMD
 """
@@ -26,12 +27,13 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark.served_vs_study import ENGINES, _device, _equal_by_rate, _runs
+from benchmark.served_vs_study import ENGINES, _admission_parts, _device, _equal_by_rate, _runs
 from sglang_echo.config import load_settings
 
 
 def combine(runs: dict[str, dict[str, dict]], batch_invariant: bool) -> dict:
     by_rate = _equal_by_rate(runs)
+    inf_e = runs["offload"].get("inf", {})
     return {
         "outputs_equal": None if by_rate is None else all(eq == n for eq, n in by_rate.values()),
         "outputs_equal_by_rate": by_rate,
@@ -44,6 +46,10 @@ def combine(runs: dict[str, dict[str, dict]], batch_invariant: bool) -> dict:
             eng: {rate: r.get("output_throughput") for rate, r in runs[eng].items()}
             for eng in ENGINES
         },
+        # the ECHO server's admissions at rate inf: engine-thread ms, p50 and by part (the
+        # admission path does not depend on the GEMMs, so this is the product's)
+        "admission_ms_p50": inf_e.get("admission_ms_p50"),
+        "admission_ms_parts_inf": _admission_parts(inf_e.get("server_engine") or {}),
     }
 
 

@@ -76,3 +76,4 @@ def test_served_equal_smoke(tmp_path: Path) -> None:
     assert set(parts) == {"row", "alloc", "place", "seed", "reserve", "submit"}
     assert all(v >= 0 for v in parts.values()) and parts["submit"] > 0
     assert sum(parts.values()) <= engine["admission_seconds"] + 1e-3
+    assert set(metrics["admission_ms_parts_inf"]) == set(parts)
