@@ -119,11 +119,24 @@ END_TO_END_ROWS: tuple[Row, ...] = (
             "{metrics.mean_decode_batch_steady_inf:f1/} (no-offload / ECHO)",
             "admission (engine thread, per 100K-token request) p50 {metrics.admission_ms_p50:f1} ms, mean at rate inf "
             "{metrics.admission_ms_mean_inf:f1} ms (goal 2)",
+            "?that mean by part (ms; the table row, then the transfer start's locations, their upload, the seed, "
+            "ECHO's prompt slots, the submission) {metrics.admission_ms_parts_inf:}",
             "graph captures during the runs {metrics.graph_captures_during_run:n} (all at start-up)",
             "greedy tokens equal between the servers at every rate: {metrics.outputs_equal:yes}",
             "?per rate (equal, compared) {metrics.outputs_equal_by_rate:}",
             "?each server at its lowest rate against rate inf (equal, compared) "
             "{metrics.outputs_equal_across_rates:}",
+        ),
+    ),
+    Row(
+        "served outputs equal under batch invariance (issue 49)",
+        rec("served_equal/served_equal.json"),
+        (
+            "both servers with SGLANG_ECHO_BATCH_INVARIANT=1 (batch-invariant: {metrics.batch_invariant:yes}) "
+            "at rate inf on commit `{commit}`, mean decode batch {metrics.mean_decode_batch.no-offload.inf:f1} "
+            "(no-offload) against {metrics.mean_decode_batch.offload.inf:f1} (ECHO)",
+            "every request's greedy tokens equal between the servers: {metrics.outputs_equal:yes} "
+            "(equal, compared: {metrics.outputs_equal_by_rate:})",
         ),
     ),
     Row(
