@@ -27,12 +27,12 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark.served_vs_study import ENGINES, _admission_parts, _device, _equal_by_rate, _runs
+from benchmark.served_vs_study import ENGINES, admission_parts, device_name, equal_by_rate, runs_of
 from sglang_echo.config import load_settings
 
 
 def combine(runs: dict[str, dict[str, dict]], batch_invariant: bool) -> dict:
-    by_rate = _equal_by_rate(runs)
+    by_rate = equal_by_rate(runs)
     inf_e = runs["offload"].get("inf", {})
     return {
         "outputs_equal": None if by_rate is None else all(eq == n for eq, n in by_rate.values()),
@@ -49,7 +49,7 @@ def combine(runs: dict[str, dict[str, dict]], batch_invariant: bool) -> dict:
         # the ECHO server's admissions at rate inf: engine-thread ms, p50 and by part (the
         # admission path does not depend on the GEMMs, so this is the product's)
         "admission_ms_p50": inf_e.get("admission_ms_p50"),
-        "admission_ms_parts_inf": _admission_parts(inf_e.get("server_engine") or {}),
+        "admission_ms_parts_inf": admission_parts(inf_e.get("server_engine") or {}),
     }
 
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--commit", default="", help="the sha the runs were made on, literally")
     ap.add_argument("--command", default="", help="the command that made the runs")
     args = ap.parse_args(argv)
-    runs = {eng: _runs(args.sweep, eng) for eng in ENGINES}
+    runs = {eng: runs_of(args.sweep, eng) for eng in ENGINES}
     if not all(runs.values()):
         missing = [eng for eng, r in runs.items() if not r]
         print(f"missing runs under {args.sweep}: {missing}", file=sys.stderr)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     record = {
         "name": "served_equal",
         "commit": args.commit,
-        "device": _device(),
+        "device": device_name(),
         "date": time.strftime("%Y-%m-%d"),
         "command": args.command or " ".join(sys.argv),
         "metrics": combine(runs, invariant),

@@ -48,7 +48,7 @@ from pathlib import Path
 ENGINES = ("no-offload", "offload")
 
 
-def _runs(sweep: Path, engine: str) -> dict[str, dict]:
+def runs_of(sweep: Path, engine: str) -> dict[str, dict]:
     """rate -> the last record of that rate's jsonl."""
     out: dict[str, dict] = {}
     for f in sorted((sweep / "infini" / engine).glob("req_rate_*.jsonl")):
@@ -62,7 +62,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
 
-def _equal_by_rate(runs: dict[str, dict[str, dict]]) -> dict[str, list[int]] | None:
+def equal_by_rate(runs: dict[str, dict[str, dict]]) -> dict[str, list[int]] | None:
     """rate -> [requests whose token ids are equal on both servers, requests compared]
     (None: a run without ids). Why per rate: the servers' batches differ most at rate inf,
     and bf16 GEMMs round by batch shape, so a difference there and none at rate 1 says
@@ -97,7 +97,7 @@ def _equal_across_rates(runs: dict[str, dict[str, dict]]) -> dict[str, list[int]
 
 def _outputs_equal(runs: dict[str, dict[str, dict]]) -> bool | None:
     """Whether every request of every rate got the same token ids from both servers."""
-    by_rate = _equal_by_rate(runs)
+    by_rate = equal_by_rate(runs)
     return None if by_rate is None else all(eq == n for eq, n in by_rate.values())
 
 
@@ -114,7 +114,7 @@ def _from_admission(study_metrics: dict) -> dict | None:
     }
 
 
-def _admission_parts(engine: dict) -> dict[str, float] | None:
+def admission_parts(engine: dict) -> dict[str, float] | None:
     """Engine-thread ms per admission by part over a run (None: a server without parts)."""
     admissions = engine.get("admissions")
     prefix = "admission_part_seconds."
@@ -175,10 +175,10 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
         "study_hit_rate_from_admission": _from_admission(m),
         "admission_ms_p50": inf_e.get("admission_ms_p50"),
         "admission_ms_mean_inf": inf_e.get("admission_ms_mean"),
-        "admission_ms_parts_inf": _admission_parts(inf_e.get("server_engine") or {}),
+        "admission_ms_parts_inf": admission_parts(inf_e.get("server_engine") or {}),
         "graph_captures_during_run": captures,
         "outputs_equal": _outputs_equal(runs),
-        "outputs_equal_by_rate": _equal_by_rate(runs),
+        "outputs_equal_by_rate": equal_by_rate(runs),
         "outputs_equal_across_rates": _equal_across_rates(runs),
         "server_schedule": {
             eng: runs[eng].get("inf", {}).get("server_schedule") for eng in ENGINES
@@ -197,13 +197,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     study_file = args.study / "e2e_study.json"
     study = json.loads(study_file.read_text()) if study_file.is_file() else {}
-    runs = {eng: _runs(args.sweep, eng) for eng in ENGINES}
+    runs = {eng: runs_of(args.sweep, eng) for eng in ENGINES}
     if not study or not all(runs.values()):
         print(f"missing input: study {study_file.is_file()}, runs {list(runs)}", file=sys.stderr)
     record = {
         "name": "served_vs_study",
         "commit": args.commit,
-        "device": study.get("device") or _device(),
+        "device": study.get("device") or device_name(),
         "date": time.strftime("%Y-%m-%d"),
         "command": args.command or " ".join(sys.argv),
         "metrics": combine(study, runs),
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     return record
 
 
-def _device() -> str:
+def device_name() -> str:
     try:
         import torch
 

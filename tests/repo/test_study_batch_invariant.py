@@ -93,20 +93,22 @@ def _check_batched_equal_alone(model, device: str, graphs: bool) -> None:
                 assert torch.equal(x, y), f"echo={echo} request {i} step {step}"
 
 
-def _worker(dims: dict, device: str, dtype: torch.dtype):
+# The worker's MoE shape at a quarter of the experts: the same kernels, a smaller test.
+GPU_MOE = dict(intermediate=512, local_experts=8, global_experts=64, top_k=8, dp_ranks=8)
+
+
+def _worker(dims: dict, moe: dict, device: str, dtype: torch.dtype):
     cfg = study_config(dims, 2, 256, 2048, "fp8_hadamard")
-    model, _ = build_worker(cfg, SMOKE_MOE if dims is SMOKE_DIMS else _GPU_MOE, dtype, device)
+    model, _ = build_worker(cfg, moe, dtype, device)
     ModelKernels(batch_invariant=True).apply(model)
     assert all(m.batch_invariant for m in model.modules() if isinstance(m, LocalRoutedMoE))
     return model
 
 
-# The worker's MoE shape at a quarter of the experts: the same kernels, a smaller test.
-_GPU_MOE = dict(intermediate=512, local_experts=8, global_experts=64, top_k=8, dp_ranks=8)
-
-
 def test_smoke_worker_batched_equals_alone_on_the_cpu() -> None:
-    _check_batched_equal_alone(_worker(SMOKE_DIMS, "cpu", torch.float32), "cpu", graphs=False)
+    _check_batched_equal_alone(
+        _worker(SMOKE_DIMS, SMOKE_MOE, "cpu", torch.float32), "cpu", graphs=False
+    )
 
 
 @pytest.mark.gpu
@@ -114,5 +116,5 @@ def test_worker_batched_equals_alone_through_cuda_graphs() -> None:
     """DeepSeek-V3.2's attention dimensions, bf16, decode graphs (padded buckets)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    model = _worker(DSV32_DIMS, "cuda", torch.bfloat16)
+    model = _worker(DSV32_DIMS, GPU_MOE, "cuda", torch.bfloat16)
     _check_batched_equal_alone(model, "cuda", graphs=True)
