@@ -50,6 +50,9 @@ def combine(runs: dict[str, dict[str, dict]], batch_invariant: bool) -> dict:
         # admission path does not depend on the GEMMs, so this is the product's)
         "admission_ms_p50": inf_e.get("admission_ms_p50"),
         "admission_ms_parts_inf": admission_parts(inf_e.get("server_engine") or {}),
+        "admission_cpu_ms_parts_inf": admission_parts(
+            inf_e.get("server_engine") or {}, "cpu_seconds"
+        ),
     }
 
 

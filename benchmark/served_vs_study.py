@@ -31,6 +31,11 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
 - ``outputs_equal_across_rates``: per engine, [equal, compared] between its lowest rate
   and rate inf (the same prompts at another batch composition);
 - ``latency``: TTFT and ITL p50 / p99 of both engines at every rate;
+- ``throughput_factors``: per engine, served output throughput at rate inf over the study's
+  full-batch device throughput, taken apart: ``batch`` (served mean decode batch / the
+  study's), ``step`` (the study's device ms per step / the served one's), ``efficiency``
+  (device time of decode steps / wall), their ``product``, and ``measured``; where the
+  served ratio loses against the study's, these say which factor and on which engine;
 plus ``commit`` (as given: the sha, literally), ``device``, ``date`` and ``command``.
 
     python3 benchmark/served_vs_study.py --study DIR --sweep DIR --out FILE --commit SHA
@@ -114,14 +119,49 @@ def _from_admission(study_metrics: dict) -> dict | None:
     }
 
 
-def admission_parts(engine: dict) -> dict[str, float] | None:
-    """Engine-thread ms per admission by part over a run (None: a server without parts)."""
+def admission_parts(engine: dict, clock: str = "seconds") -> dict[str, float] | None:
+    """Engine-thread ms per admission by part over a run (None: a server without parts);
+    ``clock="cpu_seconds"``: the thread's CPU ms instead of wall (wall minus CPU is the
+    time it waited)."""
     admissions = engine.get("admissions")
-    prefix = "admission_part_seconds."
+    prefix = f"admission_part_{clock}."
     parts = {k[len(prefix) :]: v for k, v in engine.items() if k.startswith(prefix)}
     if not admissions or not parts:
         return None
     return {k: round(1e3 * v / admissions, 3) for k, v in parts.items()}
+
+
+STUDY_ENGINES = {"no-offload": "noff_paper", "offload": "echo_paper"}
+
+
+def throughput_factors(study: dict, served: dict) -> dict | None:
+    """One engine's served throughput against the study's, as the product of its decode
+    batch, its device time per step and the share of wall time the device decoded (None:
+    a record without the counters). Why: served over study below 1 can come from smaller
+    batches (ramp, drain, arrivals not yet in place), slower steps at the same batch (the
+    transfer's writes beside the decode, a lower hit rate) or host time between steps,
+    and each asks for a different fix."""
+    full = [r for r in study if r.get("phase") == "full" and r.get("step_ms_device")]
+    eng = served.get("server_engine") or {}
+    steps, device_s = eng.get("decode_steps"), eng.get("decode_device_seconds")
+    batch, eff = served.get("mean_decode_batch"), served.get("served_efficiency")
+    if not full or not steps or not device_s or not batch or not eff:
+        return None
+    study_batch = statistics.median(r["batch"] for r in full)
+    study_step_ms = statistics.median(r["step_ms_device"] for r in full)
+    study_tps = statistics.median(r["tokens_per_s_device"] for r in full)
+    served_step_ms = 1e3 * device_s / steps
+    parts = {
+        "batch": batch / study_batch,
+        "step": study_step_ms / served_step_ms,
+        "efficiency": eff,
+    }
+    out = {k: round(v, 4) for k, v in parts.items()}
+    out["product"] = round(parts["batch"] * parts["step"] * parts["efficiency"], 4)
+    out["measured"] = _ratio(served.get("output_throughput"), study_tps)
+    out["study_batch"], out["served_batch"] = study_batch, round(batch, 2)
+    out["study_step_ms"], out["served_step_ms"] = study_step_ms, round(served_step_ms, 3)
+    return out
 
 
 def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
@@ -176,6 +216,9 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
         "admission_ms_p50": inf_e.get("admission_ms_p50"),
         "admission_ms_mean_inf": inf_e.get("admission_ms_mean"),
         "admission_ms_parts_inf": admission_parts(inf_e.get("server_engine") or {}),
+        "admission_cpu_ms_parts_inf": admission_parts(
+            inf_e.get("server_engine") or {}, "cpu_seconds"
+        ),
         "graph_captures_during_run": captures,
         "outputs_equal": _outputs_equal(runs),
         "outputs_equal_by_rate": equal_by_rate(runs),
@@ -184,6 +227,13 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
             eng: runs[eng].get("inf", {}).get("server_schedule") for eng in ENGINES
         },
         "latency": latency,
+        "throughput_factors": {
+            eng: throughput_factors(
+                [r for r in study.get("runs", []) if r.get("engine") == STUDY_ENGINES[eng]],
+                runs[eng].get("inf", {}),
+            )
+            for eng in ENGINES
+        },
     }
 
 

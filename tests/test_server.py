@@ -257,6 +257,12 @@ def test_metrics_parse_with_prometheus_client(echo_server):
     cpu = {s.labels["phase"]: s.value for s in families["sglang:engine_cpu_seconds"].samples}
     assert set(cpu) == set(ENGINE_PHASES) and cpu["decode"] > 0  # the steps' host work
     assert all(0 <= cpu[k] <= phases[k] + 1e-3 for k in ENGINE_PHASES)  # CPU never above wall
+    # Admissions by part, on both clocks: the table row was timed, its CPU never above wall.
+    part = {s.labels["part"]: s.value for s in families["sglang:admission_part_seconds"].samples}
+    part_cpu = families["sglang:admission_part_cpu_seconds"].samples
+    part_cpu = {s.labels["part"]: s.value for s in part_cpu}
+    assert set(part_cpu) == set(part) and part["row"] > 0
+    assert all(0 <= part_cpu[k] <= part[k] + 1e-3 for k in part)
     assert families["sglang:decode_steps"].samples[0].value >= 2
 
 

@@ -72,8 +72,17 @@ def test_served_equal_smoke(tmp_path: Path) -> None:
         (sweep / "infini" / "offload" / "req_rate_inf.jsonl").read_text().splitlines()[-1]
     )
     engine = run["server_engine"]
-    parts = {k.split(".", 1)[1]: v for k, v in engine.items() if k.startswith("admission_part_")}
+
+    def by_part(clock: str) -> dict[str, float]:
+        prefix = f"admission_part_{clock}."
+        return {k[len(prefix) :]: v for k, v in engine.items() if k.startswith(prefix)}
+
+    parts, cpu = by_part("seconds"), by_part("cpu_seconds")
     assert set(parts) == {"row", "alloc", "place", "seed", "reserve", "submit"}
     assert all(v >= 0 for v in parts.values()) and parts["submit"] > 0
     assert sum(parts.values()) <= engine["admission_seconds"] + 1e-3
     assert set(metrics["admission_ms_parts_inf"]) == set(parts)
+    # The same parts on the thread's CPU clock: never above their wall time.
+    assert set(cpu) == set(parts) and sum(cpu.values()) > 0
+    assert all(0 <= cpu[k] <= parts[k] + 1e-3 for k in parts)
+    assert set(metrics["admission_cpu_ms_parts_inf"]) == set(parts)

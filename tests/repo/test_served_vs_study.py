@@ -50,11 +50,16 @@ def test_record_from_study_and_sweep(tmp_path):
                 steady_output_throughput=800,
                 server_echo={"hit_rate": 0.95},
                 admission_ms_p50=3.0,
+                mean_decode_batch=12.0,
                 server_engine={
                     "graph_captures_during_run": 0.0,
+                    "decode_steps": 100.0,
+                    "decode_device_seconds": 1.0,
                     "admissions": 4.0,
                     "admission_part_seconds.row": 0.0004,
                     "admission_part_seconds.reserve": 0.006,
+                    "admission_part_cpu_seconds.row": 0.0004,
+                    "admission_part_cpu_seconds.reserve": 0.002,
                 },
                 server_schedule={"overlap": True, "engine_process": False},
             ),
@@ -65,8 +70,14 @@ def test_record_from_study_and_sweep(tmp_path):
             "ratio_paper_all_hbm": 4.0,
             "hit_rate_per_layer": [0.96, 0.98],
             "hit_rate_from_admission": {"per_layer": [0.92, 0.94], "decode_steps": 149},
-        }
-    }
+        },
+        "runs": [  # ECHO's full-batch steps at batch 16, 8 ms each (2000 tok/s); a b1 run
+            {"engine": "echo_paper", "phase": "full", "batch": 16, "step_ms_device": 8.0,
+             "tokens_per_s_device": 2000.0},
+            {"engine": "echo_paper", "phase": "b1", "batch": 1, "step_ms_device": 5.0,
+             "tokens_per_s_device": 200.0},
+        ],
+    }  # fmt: skip
     s, w = _write(tmp_path, runs, study)
     out = tmp_path / "r.json"
     rec = served_vs_study.main(["--study", str(s), "--sweep", str(w), "--out", str(out),
@@ -81,6 +92,12 @@ def test_record_from_study_and_sweep(tmp_path):
     assert m["echo_served_efficiency"] == 0.5 and m["no_offload_served_efficiency"] == 0.7
     assert m["admission_ms_p50"] == 3.0 and m["graph_captures_during_run"] == 0
     assert m["admission_ms_parts_inf"] == {"row": 0.1, "reserve": 1.5}  # ms per admission
+    assert m["admission_cpu_ms_parts_inf"] == {"row": 0.1, "reserve": 0.5}  # its CPU ms
+    # Served ECHO against the study: batch 12 / 16, steps 8 / 10 ms, efficiency 0.5.
+    f = m["throughput_factors"]["offload"]
+    assert (f["batch"], f["step"], f["efficiency"]) == (0.75, 0.8, 0.5)
+    assert f["product"] == 0.3 and f["measured"] == 0.3  # 600 / 2000 tok/s
+    assert m["throughput_factors"]["no-offload"] is None  # no study runs, no counters
     assert m["outputs_equal"] is False
     assert m["outputs_equal_by_rate"] == {"1": [2, 2], "inf": [1, 2]}
     assert m["outputs_equal_across_rates"] == {"no-offload": [2, 2], "offload": [1, 2]}

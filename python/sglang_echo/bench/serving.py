@@ -113,6 +113,7 @@ ENGINE_COUNTERS = frozenset(
         "admissions",  # requests admitted, and the engine thread's seconds admitting them
         "admission_seconds",
         "admission_part_seconds",  # the same by part (``part`` label folded in)
+        "admission_part_cpu_seconds",  # the engine thread's CPU seconds in those parts
         "spec_verify_rounds",  # MTP: request-rounds, and the tokens they committed
         "spec_accepted_tokens",
         "graph_captures_during_run",  # captures after start-up (0 on a server that captures all)

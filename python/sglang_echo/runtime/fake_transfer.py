@@ -78,15 +78,20 @@ START_PARTS = ("alloc", "place", "seed", "reserve", "submit")
 
 
 class _Laps:
-    """Adds the seconds since the previous lap to ``into[part]``."""
+    """Adds the wall seconds since the previous lap to ``into[part]`` and the calling
+    thread's CPU seconds to ``cpu_into[part]``: wall well above CPU is the engine thread
+    waiting (for the GIL while the writer thread runs Python, or on the device), wall close
+    to CPU is work of its own."""
 
-    def __init__(self, into: dict[str, float], t0: float) -> None:
-        self.into, self.last = into, t0
+    def __init__(self, into: dict[str, float], cpu_into: dict[str, float]) -> None:
+        self.into, self.cpu_into = into, cpu_into
+        self.last, self.last_cpu = time.perf_counter(), time.thread_time()
 
     def __call__(self, part: str) -> None:
-        now = time.perf_counter()
+        now, now_cpu = time.perf_counter(), time.thread_time()
         self.into[part] += now - self.last
-        self.last = now
+        self.cpu_into[part] += now_cpu - self.last_cpu
+        self.last, self.last_cpu = now, now_cpu
 
 
 @dataclass(eq=False)  # identity: `in` and `remove` must not compare 100K-id prompts
@@ -163,6 +168,7 @@ class FakeTransfer:
         self.transfer_s = 0.0  # their start-to-arrival times (seen at the step's poll), summed
         # ``start``'s engine-thread seconds by part (the admission's cost, /metrics by part)
         self.start_part_s = dict.fromkeys(START_PARTS, 0.0)
+        self.start_part_cpu_s = dict.fromkeys(START_PARTS, 0.0)  # its CPU seconds
         self.directions = directions
         self.dtype = dtype
         self.draft_cache: KVCache | None = None  # under MTP (with_draft)
@@ -192,8 +198,8 @@ class FakeTransfer:
         ECHO, the prompt's device slots (reserved and pinned there, in order with the steps
         that share the free stacks). The rows themselves are generated and written by the
         writer thread on the transfer's stream, beside the steps."""
-        started = time.perf_counter()
-        lap = _Laps(self.start_part_s, started)
+        lap = _Laps(self.start_part_s, self.start_part_cpu_s)
+        started = lap.last
         n = len(req.prompt)
         locs = self.steps.allocator.alloc(n)
         lap("alloc")

@@ -55,10 +55,12 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
     snap["admission_seconds_total"] = s.admission_s
     snap["admissions_total"] = s.admissions
     snap["admission_seconds_quantiles"] = quantiles(list(s.recent_admission_s), (0.5, 0.99))
-    parts = dict(s.admission_part_s)
+    parts, cpu_parts = dict(s.admission_part_s), dict(s.admission_part_cpu_s)
     if sched.prompt_source is not None:
         parts.update(sched.prompt_source.start_part_s)
+        cpu_parts.update(sched.prompt_source.start_part_cpu_s)
     snap["admission_part_seconds"] = parts
+    snap["admission_part_cpu_seconds"] = cpu_parts
     runner = sched.steps.decode_runner
     if runner is not None:
         graphs = graph_counts(sched)
@@ -154,6 +156,13 @@ def render(snap: dict, model_name: str) -> str:
         "locations), place (their upload), seed (the first token), reserve (ECHO's prompt "
         "slots, stream order), submit (the writer thread's job).",
         [({"part": k}, v) for k, v in snap["admission_part_seconds"].items()],
+    )
+    metric(
+        "admission_part_cpu_seconds",
+        "counter",
+        "The engine thread's CPU seconds in those parts: wall well above CPU is waiting "
+        "(for the GIL, or on the device).",
+        [({"part": k}, v) for k, v in snap["admission_part_cpu_seconds"].items()],
     )
     if snap["admission_seconds_quantiles"] is not None:
         metric(

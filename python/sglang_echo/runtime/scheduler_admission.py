@@ -66,10 +66,11 @@ class AdmissionControl:
             need = len(req.prefill_ids) + self.growth(req)
             if not fits(alloc.num_free, held_back, need):
                 break
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             s.waiting.popleft()
             s.steps.admit(req)
             s.stats.admission_part_s["row"] += time.perf_counter() - t0
+            s.stats.admission_part_cpu_s["row"] += time.thread_time() - c0
             req.status = ReqStatus.RUNNING
             s.running.append(req)
             if s.prompt_source is not None:

@@ -41,6 +41,7 @@ class SchedulerStats:
     # Of those seconds, the table row's (``row``; a decode node's transfer start keeps its
     # own parts: runtime/fake_transfer.py ``start_part_s``), for /metrics by part.
     admission_part_s: dict[str, float] = field(default_factory=lambda: {"row": 0.0})
+    admission_part_cpu_s: dict[str, float] = field(default_factory=lambda: {"row": 0.0})
     # (time, generation_tokens) samples of the last few seconds, for a throughput gauge.
     recent: deque = field(default_factory=lambda: deque(maxlen=256))
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ENGINE_PHASES, 0.0))
