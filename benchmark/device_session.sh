@@ -5,13 +5,14 @@
 # tests ~490 s, kernels ~300 s, study ~165 s (5 repeats; ~210 s on 2026-12-03), study_fp8 ~80 s,
 # topk ~120 s, cache ~75 s (with its tests and the launch-shape sweep it ran then ~450 s on 2026-12-03),
 # mla_profile ~20 s, indexer_profile ~25 s; topk_peer ~5 min (est.: the FlashInfer top-k JIT build is ~4).
+# On 2026-12-05 sweep_200k and sharegpt ran past 200 s (their limits now 280 / 330 s).
 #   bash benchmark/device_session.sh OUTDIR tests                          # one call
 #   bash benchmark/device_session.sh OUTDIR kernels mla_profile study     # one call
 #   bash benchmark/device_session.sh OUTDIR topk study_fp8                # one call
 #   bash benchmark/device_session.sh OUTDIR cache                          # one call
 #   bash benchmark/device_session.sh OUTDIR topk_peer                     # one call (.peer carried)
 #   bash benchmark/device_session.sh OUTDIR e2e      # decode-node sweep + the study, bf16 and fp8 (~9 min)
-#   bash benchmark/device_session.sh OUTDIR figures  # Figure 13 at 110K, 14 and 15 (~10 min; est.)
+#   bash benchmark/device_session.sh OUTDIR figures  # Figure 13 at 110K, 14 and 15 (past one call's 10 min: name two)
 # (`checks` = tests + kernels, more than one call's 10 minutes now: name the stages. The
 # GPU tests in three calls: cuda_tests_graphs, cuda_tests_rest, kernel_tests.)
 # Records that name their commit read ECHO_COMMIT: give the sha literally (the tree's git on
@@ -33,6 +34,9 @@ SECONDS=0
 stage() {  # stage NAME LIMIT_S COMMAND...: run, log, pack NAME.tgz from /tmp/ds/NAME
   local name=$1 limit=$2
   shift 2
+  # Emptied first: a warm machine keeps /tmp between calls, and a stage that writes fewer
+  # files than the last one (other rates) would pack the last call's beside its own.
+  rm -rf "/tmp/ds/$name"
   mkdir -p "/tmp/ds/$name"
   echo "[device_session] ${SECONDS}s: $name (limit ${limit}s)"
   timeout "$limit" "$@" > "/tmp/ds/$name/$name.log" 2>&1
@@ -206,7 +210,7 @@ run_stage() {
     mtp_served)  # the e2e MTP sweep test on the GPU: both decode nodes (tiny checkpoint with a
       # NextN layer) serve MTP rounds through HTTP, ECHO's tokens equal no-offload's (.whl carried)
       stage mtp_served 300 bash -c 'export PYTHON=python3; source benchmark/web_stack.sh \
-        && ensure_web_stack /tmp/ds/mtp_served && python3 -m pytest -q -p no:cacheprovider -s \
+        && ensure_web_stack /tmp/mtp_served_web && python3 -m pytest -q -p no:cacheprovider -s \
         tests/repo/test_e2e_scripts.py::test_infini_sweep_with_mtp' ;;
     admission_probe)  # the decode node's engine without HTTP (benchmark/decode_node_probe.py):
       # where admission's engine-thread time goes at 100K tokens, with a cProfile of it (~2 min; est.)
@@ -220,13 +224,13 @@ run_stage() {
     sweep_200k | sweep_110k)  # Figure 13: both pools at 200K / 110K tokens, finite rates too
       local pool=${1#sweep_}
       pool=${pool%k}000
-      stage "$1" 200 env NO_OFFLOAD_TOKENS="$pool" DEV_CACHE="$pool" RATES=2,inf NUM_PROMPTS=48 \
+      stage "$1" 280 env NO_OFFLOAD_TOKENS="$pool" DEV_CACHE="$pool" RATES=2,inf NUM_PROMPTS=48 \
         MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh "/tmp/ds/$1/e2e_sweep_$pool" ;;
     tasks)  # Figure 14: the four InfiniteBench task mixes (synthetic lengths) at rate inf
       stage tasks 240 env INFINI=0 TASKS=1 TASK_RATES=inf TASK_NUM_PROMPTS=32 MAX_OUTPUT_LEN=128 \
         WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh /tmp/ds/tasks/e2e_sweep_tasks ;;
     sharegpt)  # Figure 15: ShareGPT-like chats on one prefill + decode server
-      stage sharegpt 200 env INFINI=0 SHAREGPT=1 NUM_PROMPTS=48 RATES=1,4,inf \
+      stage sharegpt 330 env INFINI=0 SHAREGPT=1 NUM_PROMPTS=48 RATES=1,4,inf \
         bash benchmark/e2e_sweep.sh /tmp/ds/sharegpt/e2e_sweep_sharegpt ;;
     # Five interleaved repeats per ratio (issue 29: the cost without pressure is smaller
     # than two repeats' spread): ~165 s on an H200.

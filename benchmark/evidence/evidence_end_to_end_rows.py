@@ -121,6 +121,17 @@ END_TO_END_ROWS: tuple[Row, ...] = (
             "{metrics.admission_ms_mean_inf:f1} ms (goal 2)",
             "?that mean by part (ms; the table row, then the transfer start's locations, their upload, the seed, "
             "ECHO's prompt slots, the submission) {metrics.admission_ms_parts_inf:}",
+            "?the same parts on the engine thread's CPU clock (wall above CPU is waiting) "
+            "{metrics.admission_cpu_ms_parts_inf:}",
+            "?ECHO's served throughput over the study's, taken apart: decode batch "
+            "{metrics.throughput_factors.offload.batch:f2} ({metrics.throughput_factors.offload.served_batch:f1} "
+            "against {metrics.throughput_factors.offload.study_batch}), step time "
+            "{metrics.throughput_factors.offload.step:f2}, efficiency "
+            "{metrics.throughput_factors.offload.efficiency:f2}, product "
+            "{metrics.throughput_factors.offload.product:f2} (measured "
+            "{metrics.throughput_factors.offload.measured:f2}); no-offload's product "
+            "{metrics.throughput_factors.no-offload.product:f2} (measured "
+            "{metrics.throughput_factors.no-offload.measured:f2})",
             "graph captures during the runs {metrics.graph_captures_during_run:n} (all at start-up)",
             "greedy tokens equal between the servers at every rate: {metrics.outputs_equal:yes}",
             "?per rate (equal, compared) {metrics.outputs_equal_by_rate:}",
