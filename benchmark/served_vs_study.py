@@ -36,6 +36,10 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
   study's), ``step`` (the study's device ms per step / the served one's), ``efficiency``
   (device time of decode steps / wall), their ``product``, and ``measured``; where the
   served ratio loses against the study's, these say which factor and on which engine;
+  and the requests a decode step had beside it on average (``served_running``: admitted,
+  ``served_arriving``: admitted with their KV still arriving, ``served_waiting``: not
+  admitted) with the free token locations (``served_free_tokens``): a small batch with
+  few running and few free tokens is memory, with many arriving is the arrivals;
 plus ``commit`` (as given: the sha, literally), ``device``, ``date`` and ``command``.
 
     python3 benchmark/served_vs_study.py --study DIR --sweep DIR --out FILE --commit SHA
@@ -160,6 +164,12 @@ def throughput_factors(study: dict, served: dict) -> dict | None:
     out["product"] = round(parts["batch"] * parts["step"] * parts["efficiency"], 4)
     out["measured"] = _ratio(served.get("output_throughput"), study_tps)
     out["study_batch"], out["served_batch"] = study_batch, round(batch, 2)
+    held = served.get("mean_step_requests")
+    if held:  # the batch factor's parts: admitted, and of those decodable
+        out["served_running"] = held.get("running")
+        out["served_arriving"] = held.get("arriving")
+        out["served_waiting"] = held.get("waiting")
+        out["served_free_tokens"] = served.get("mean_free_tokens")
     out["study_step_ms"], out["served_step_ms"] = study_step_ms, round(served_step_ms, 3)
     return out
 

@@ -544,3 +544,32 @@ def test_client_drops_idle_connections_before_uvicorn_does(plain_server):
 
     # reused while fresh, a new connection after the idle time
     assert asyncio.run(connection_events()) == ["new", "reused", "new"]
+
+
+def _held_text(steps: float, running: float, arriving: float, waiting: float, free: float) -> str:
+    """/metrics with the decode steps and what each step held (runtime/metrics.py)."""
+    m = 'model_name="tiny"'
+    held = {"running": running, "arriving": arriving, "waiting": waiting}
+    return _metrics_text(steps, 0.0) + "\n".join(
+        [
+            *(
+                f'sglang:decode_step_requests_total{{{m},state="{k}"}} {v!r}'
+                for k, v in held.items()
+            ),
+            f"sglang:decode_step_free_tokens_total{{{m}}} {free!r}",
+        ]
+    )
+
+
+def test_served_fields_mean_requests_held_per_step():
+    """What a decode step had beside it, on average over the run: 100 steps that held
+    1,200 running (300 of them arriving) and 50 waiting requests, 4,000 free tokens each."""
+    before = parse_counters(_held_text(10.0, 100.0, 20.0, 0.0, 1000.0))
+    after = parse_counters(_held_text(110.0, 1300.0, 320.0, 50.0, 401000.0))
+    assert after["engine"]["decode_step_requests.arriving"] == 320.0  # the state folded in
+    fields = served_fields(before, after, duration=1.0)
+    assert fields["mean_step_requests"] == {"running": 12.0, "arriving": 3.0, "waiting": 0.5}
+    assert fields["mean_free_tokens"] == 4000
+    # a server without them (or no decode step over the run): None, not zeros
+    bare = served_fields(parse_counters(_metrics_text(1.0, 0.0)), parse_counters(_metrics_text(1.0, 0.0)), 1.0)  # fmt: skip
+    assert bare["mean_step_requests"] is None and bare["mean_free_tokens"] is None

@@ -264,6 +264,14 @@ def test_metrics_parse_with_prometheus_client(echo_server):
     assert set(part_cpu) == set(part) and part["row"] > 0
     assert all(0 <= part_cpu[k] <= part[k] + 1e-3 for k in part)
     assert families["sglang:decode_steps"].samples[0].value >= 2
+    # What each decode step held beside it: at least the requests it decoded were running,
+    # none arriving (no decode node here); free tokens counted.
+    held = families["sglang:decode_step_requests"].samples
+    held = {s.labels["state"]: s.value for s in held}
+    assert set(held) == {"running", "arriving", "waiting"} and held["arriving"] == 0
+    batch = families["sglang:decode_batch_requests"].samples[0].value
+    assert held["running"] >= batch > 0
+    assert families["sglang:decode_step_free_tokens"].samples[0].value > 0
 
 
 def test_official_openai_client(echo_server):

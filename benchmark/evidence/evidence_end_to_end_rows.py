@@ -132,6 +132,10 @@ END_TO_END_ROWS: tuple[Row, ...] = (
             "{metrics.throughput_factors.offload.measured:f2}); no-offload's product "
             "{metrics.throughput_factors.no-offload.product:f2} (measured "
             "{metrics.throughput_factors.no-offload.measured:f2})",
+            "?beside ECHO's decode steps on average: {metrics.throughput_factors.offload.served_running:f1} "
+            "requests running (admitted), {metrics.throughput_factors.offload.served_arriving:f1} of them with "
+            "their KV still arriving, {metrics.throughput_factors.offload.served_waiting:f1} waiting, "
+            "{metrics.throughput_factors.offload.served_free_tokens:n} free token locations",
             "graph captures during the runs {metrics.graph_captures_during_run:n} (all at start-up)",
             "greedy tokens equal between the servers at every rate: {metrics.outputs_equal:yes}",
             "?per rate (equal, compared) {metrics.outputs_equal_by_rate:}",

@@ -86,3 +86,9 @@ def test_served_equal_smoke(tmp_path: Path) -> None:
     assert set(cpu) == set(parts) and sum(cpu.values()) > 0
     assert all(0 <= cpu[k] <= parts[k] + 1e-3 for k in parts)
     assert set(metrics["admission_cpu_ms_parts_inf"]) == set(parts)
+    # What the decode steps held beside them: every step decoded requests that were running
+    # (admitted), and a decode node's arrivals are counted (none can be negative).
+    held = run["mean_step_requests"]
+    assert set(held) == {"running", "arriving", "waiting"} and min(held.values()) >= 0
+    assert held["running"] >= run["mean_decode_batch"] > 0
+    assert run["mean_free_tokens"] > 0

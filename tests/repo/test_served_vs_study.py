@@ -51,6 +51,8 @@ def test_record_from_study_and_sweep(tmp_path):
                 server_echo={"hit_rate": 0.95},
                 admission_ms_p50=3.0,
                 mean_decode_batch=12.0,
+                mean_step_requests={"running": 15.0, "arriving": 3.0, "waiting": 40.0},
+                mean_free_tokens=9000,
                 server_engine={
                     "graph_captures_during_run": 0.0,
                     "decode_steps": 100.0,
@@ -98,6 +100,8 @@ def test_record_from_study_and_sweep(tmp_path):
     assert (f["batch"], f["step"], f["efficiency"]) == (0.75, 0.8, 0.5)
     assert f["product"] == 0.3 and f["measured"] == 0.3  # 600 / 2000 tok/s
     assert m["throughput_factors"]["no-offload"] is None  # no study runs, no counters
+    assert (f["served_running"], f["served_arriving"], f["served_waiting"]) == (15.0, 3.0, 40.0)
+    assert f["served_free_tokens"] == 9000
     assert m["outputs_equal"] is False
     assert m["outputs_equal_by_rate"] == {"1": [2, 2], "inf": [1, 2]}
     assert m["outputs_equal_across_rates"] == {"no-offload": [2, 2], "offload": [1, 2]}

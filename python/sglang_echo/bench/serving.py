@@ -97,7 +97,7 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> dict | None:
 
 
 # The engine's own counters (this project's /metrics; absent on SGLang), by sample name
-# without ``sglang:`` and ``_total``; a ``phase`` label is folded in
+# without ``sglang:`` and ``_total``; a ``phase``, ``part`` or ``state`` label is folded in
 # (engine_seconds_total{phase="decode"} -> engine_seconds.decode).
 ENGINE_COUNTERS = frozenset(
     {
@@ -110,6 +110,8 @@ ENGINE_COUNTERS = frozenset(
         "transfer_seconds",
         "decode_device_seconds",  # CUDA-event time of the decode steps (absent on the CPU)
         "decode_batch_requests",  # the decode steps' batch sizes, summed
+        "decode_step_requests",  # requests held at each step by state (``state`` folded in)
+        "decode_step_free_tokens",  # free token locations at each step, summed
         "admissions",  # requests admitted, and the engine thread's seconds admitting them
         "admission_seconds",
         "admission_part_seconds",  # the same by part (``part`` label folded in)
@@ -120,6 +122,8 @@ ENGINE_COUNTERS = frozenset(
         "graph_capture_failures",
     }
 )
+# The one label of an engine counter that is folded into its key (name.value).
+FOLDED_LABELS = {"phase", "part", "state"}
 # Decode device counters per ``batch_size`` label (CUDA only): sample name -> the key of
 # parse_counters. Seconds come as decode_device_seconds_total{batch_size="16"} or as
 # runtime/metrics.py's decode_device_seconds_by_batch_total{batch_size="16"}, beside
@@ -172,8 +176,8 @@ def parse_counters(text: str) -> dict[str, dict[str, float]]:
             continue
         elif not labels:
             engine[name] = value
-        elif set(labels) in ({"phase"}, {"part"}):
-            engine[f"{name}.{labels.get('phase') or labels['part']}"] = value
+        elif len(labels) == 1 and set(labels) <= FOLDED_LABELS:
+            engine[f"{name}.{next(iter(labels.values()))}"] = value
     return {"engine": engine, "echo": echo, **by_batch, "admission_quantiles": admission}
 
 
@@ -206,6 +210,15 @@ def echo_delta(before: dict[str, float], after: dict[str, float]) -> dict | None
     return out
 
 
+def _mean_held(engine: dict[str, float], steps: float | None) -> dict[str, float] | None:
+    """state -> the requests held in that state at a decode step on average (None: none)."""
+    prefix = "decode_step_requests."
+    held = {k[len(prefix) :]: v for k, v in engine.items() if k.startswith(prefix)}
+    if not steps or not held:
+        return None
+    return {k: round(v / steps, 3) for k, v in held.items()}
+
+
 def served_fields(before: dict, after: dict, duration: float) -> dict:
     """The record's server-side fields from two ``parse_counters`` snapshots taken around
     a run of ``duration`` seconds (the benchmark's wall time):
@@ -221,6 +234,9 @@ def served_fields(before: dict, after: dict, duration: float) -> dict:
     - ``admission_ms_mean``: the engine thread's milliseconds per admission over the run;
       ``admission_ms_p50`` / ``admission_ms_p99``: quantiles of the server's last 1024
       admissions when the run ended (its warm-up and earlier runs' included);
+    - ``mean_step_requests``: the requests held at a decode step on average, by state
+      (running, arriving, waiting: ``decode_step_requests`` / decode_steps), and
+      ``mean_free_tokens``: the free token locations at a step on average;
     - ``spec_accept_length``: under MTP, the tokens a request's round committed on average
       over the run (accepted drafts + the target's token; 1..Q).
 
@@ -246,6 +262,12 @@ def served_fields(before: dict, after: dict, duration: float) -> dict:
         "admission_ms_mean": (
             1e3 * eng["admission_seconds"] / eng["admissions"]
             if eng.get("admissions") and "admission_seconds" in eng
+            else None
+        ),
+        "mean_step_requests": _mean_held(eng, steps),
+        "mean_free_tokens": (
+            round(eng["decode_step_free_tokens"] / steps)
+            if steps and "decode_step_free_tokens" in eng
             else None
         ),
         "spec_accept_length": (

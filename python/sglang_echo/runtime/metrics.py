@@ -52,6 +52,8 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
     snap["engine_seconds"] = dict(s.phase_s)
     snap["engine_cpu_seconds"] = dict(s.phase_cpu_s)
     snap["decode_batch_requests_total"] = s.decode_batch_requests
+    snap["decode_step_requests"] = dict(s.step_requests)
+    snap["decode_step_free_tokens_total"] = s.step_free_tokens
     snap["admission_seconds_total"] = s.admission_s
     snap["admissions_total"] = s.admissions
     snap["admission_seconds_quantiles"] = quantiles(list(s.recent_admission_s), (0.5, 0.99))
@@ -141,6 +143,20 @@ def render(snap: dict, model_name: str) -> str:
         "counter",
         "Requests over all decode steps (mean decode batch = this / decode_steps).",
         "decode_batch_requests_total",
+    )
+    metric(
+        "decode_step_requests",
+        "counter",
+        "Requests held at each decode step, summed over the steps (mean = this / "
+        "decode_steps), by state: running (admitted), arriving (admitted, KV not yet in "
+        "place) and waiting (not admitted).",
+        [({"state": k}, v) for k, v in snap["decode_step_requests"].items()],
+    )
+    one(
+        "decode_step_free_tokens",
+        "counter",
+        "Free token locations at each decode step, summed over the steps.",
+        "decode_step_free_tokens_total",
     )
     one("admissions", "counter", "Requests admitted to the running batch.", "admissions_total")
     one(

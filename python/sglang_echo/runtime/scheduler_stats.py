@@ -33,6 +33,15 @@ class SchedulerStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     decode_batch_requests: int = 0  # requests over all decode steps (mean batch = / steps)
+    # At each decode step, the requests held by state, summed over the steps (mean = / steps):
+    # ``running`` (admitted: decoding, prefilling or, on a decode node, their KV still
+    # arriving), ``arriving`` (that last part) and ``waiting`` (not admitted); and the free
+    # token locations. Why: a decode batch below the study's is either memory (few running,
+    # few free tokens), arrivals (running but not yet decodable) or no demand (none waiting).
+    step_requests: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("running", "arriving", "waiting"), 0)
+    )
+    step_free_tokens: int = 0
     # Engine-thread seconds of each admission (the request's row, locations and, on a
     # decode node, its transfer's start): the total, the count, and the last few.
     admission_s: float = 0.0
@@ -49,6 +58,18 @@ class SchedulerStats:
     # the device, or for the GIL while another thread runs Python); wall close to CPU is
     # host work of its own.
     phase_cpu_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ENGINE_PHASES, 0.0))
+
+    def count_decode_step(
+        self, decoding: int, running: int, arriving: int, waiting: int, free_tokens: int
+    ) -> None:
+        """One decode step of ``decoding`` requests, and what the engine held beside it."""
+        self.decode_steps += 1
+        self.decode_batch_requests += decoding
+        held = self.step_requests
+        held["running"] += running
+        held["arriving"] += arriving
+        held["waiting"] += waiting
+        self.step_free_tokens += free_tokens
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
