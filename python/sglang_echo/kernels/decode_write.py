@@ -84,7 +84,7 @@ def _decode_write_kernel(
     tl.store(free_count_ptr, free0 - tl.minimum(taken, free0))
 
 
-def _as_words(rows: torch.Tensor) -> torch.Tensor:
+def as_words(rows: torch.Tensor) -> torch.Tensor:
     """The widest of 4-, 2- and 1-byte words that tiles a row and its stride."""
     b = rows.view(torch.uint8)
     for dtype, size in ((torch.int32, 4), (torch.int16, 2)):
@@ -122,7 +122,7 @@ def decode_write_kernel(
     if n == 0:
         return
     c = cache
-    src, host, dev = _as_words(rows.contiguous()), _as_words(host_rows), _as_words(dev_rows)
+    src, host, dev = as_words(rows.contiguous()), as_words(host_rows), as_words(dev_rows)
     words = src.shape[1]
     _decode_write_kernel[(1,)](
         src, locs.contiguous(), n, host, dev, c.host_to_device[layer], c.device_to_host[layer],

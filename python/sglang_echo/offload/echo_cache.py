@@ -17,6 +17,7 @@ import torch
 
 from sglang_echo.config import EchoConfig, max_running
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
+from sglang_echo.kernels.placed_rows import write_placed_rows_kernel, write_placed_rows_reference
 from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.model.periodic_rows import PeriodicRows
 from sglang_echo.offload.decode_prefetcher import DecodePrefetcher
@@ -240,8 +241,17 @@ class EchoKVCache(KVCache):
                 host[layer].index_copy_(
                     0, locs[rest].to(host.device), rows_at(stored, rest).to(host.device)
                 )
-        if slots is not None:
-            self.cache.rows[layer].index_copy_(0, slots, all_rows(stored))
+        if slots is not None:  # only the lanes the reservation placed (kernels/placed_rows.py)
+            if isinstance(stored, PeriodicRows):
+                src, period, offset = stored.bank, stored.period, stored.offset
+            else:
+                src, period, offset = stored, None, 0
+            write = (
+                write_placed_rows_kernel
+                if self.manager.use_kernels
+                else write_placed_rows_reference
+            )
+            write(self.cache.rows[layer], slots, src, self.cache.scratch_slot, period, offset)
 
     def unpin_prompt(self, slots: torch.Tensor | None) -> None:
         """The prompt has arrived (on the decode stream, after its transfer's event): its
