@@ -42,8 +42,12 @@ def _placed_rows_kernel(
         tl.store(dst + slot[:, None] * dst_stride + words[None, :], vals, mask=mask)
 
 
-def _check(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, period: int) -> int:
-    """The lane count, after the shapes the write needs (a clear error, not a bad write)."""
+def _check(
+    dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, period: int | None
+) -> tuple[int, int]:
+    """(lanes, period: the source's rows by default), after the shapes the write needs (a
+    clear error, not a bad write)."""
+    period = int(src.shape[0]) if period is None else period
     if slots.dim() != 1:
         raise ValueError(f"expected slots [n], got {tuple(slots.shape)}")
     if dst.dim() != 2 or src.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
@@ -53,7 +57,7 @@ def _check(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, period: in
         )
     if slots.numel() and not 1 <= period <= src.shape[0]:
         raise ValueError(f"a period of {period} over {src.shape[0]} source rows")
-    return int(slots.numel())
+    return int(slots.numel()), period
 
 
 def write_placed_rows_kernel(
@@ -67,8 +71,7 @@ def write_placed_rows_kernel(
     """Lane p's row, ``src[(p + offset) % period]`` (a window into a bank; by default
     ``src[p]``), into ``dst[slots[p]]`` for every lane whose slot is not ``scratch``; the
     others are left alone. On the current stream."""
-    period = int(src.shape[0]) if period is None else period
-    n = _check(dst, slots, src, period)
+    n, period = _check(dst, slots, src, period)
     if n == 0:
         return
     src_w, dst_w = as_words(src.contiguous()), as_words(dst)
@@ -93,10 +96,8 @@ def write_placed_rows_reference(
 ) -> None:
     """Plain torch of :func:`write_placed_rows_kernel` (its lane selection waits for the
     device: the CPU path's)."""
-    period = int(src.shape[0]) if period is None else period
-    if _check(dst, slots, src, period) == 0:
-        return
-    placed = torch.nonzero(slots != scratch).reshape(-1)
+    n, period = _check(dst, slots, src, period)
+    placed = torch.nonzero(slots != scratch).reshape(-1) if n else slots
     if placed.numel() == 0:
         return
     at = (placed.to(src.device) + offset) % period
