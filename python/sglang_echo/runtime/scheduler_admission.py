@@ -69,8 +69,8 @@ class AdmissionControl:
             t0, c0 = time.perf_counter(), time.thread_time()
             s.waiting.popleft()
             s.steps.admit(req)
+            s.stats.admission_part_cpu_s["row"] += time.thread_time() - c0  # CPU first: nested
             s.stats.admission_part_s["row"] += time.perf_counter() - t0
-            s.stats.admission_part_cpu_s["row"] += time.thread_time() - c0
             req.status = ReqStatus.RUNNING
             s.running.append(req)
             if s.prompt_source is not None:

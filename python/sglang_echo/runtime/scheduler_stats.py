@@ -78,6 +78,6 @@ class SchedulerStats:
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
-        finally:
-            self.phase_s[phase] += time.perf_counter() - t0
+        finally:  # CPU read first: the wall interval holds the CPU one (CPU never above)
             self.phase_cpu_s[phase] += time.thread_time() - c0
+            self.phase_s[phase] += time.perf_counter() - t0
