@@ -6,8 +6,8 @@ last and never evicts for it (offload/manager.py ``reserve_prompt``), so under m
 pressure most of a 100K-token prompt's lanes get the scratch slot. Written with one
 ``index_copy_`` over every lane, the transfer first made all the prompt's rows from the
 bank and then wrote each of them, the unplaced ones all into the one scratch row: per
-layer, three passes over the prompt's rows in HBM and ~100K same-address writes, on the
-SMs beside the decode steps, for rows nothing reads. Here each lane reads its slot and
+layer, three passes over the prompt's rows in HBM and, per unplaced lane, one more write
+to that same row, on the SMs beside the decode steps, for rows nothing reads. Here each lane reads its slot and
 copies its row from the source (a window into the bank, or plain rows) only when placed:
 an unplaced lane costs one 8-byte read. Fixed shapes and no host synchronisation, so the
 writer thread never waits for the decode stream.

@@ -281,19 +281,9 @@ class Scheduler:
         except Exception as exc:
             self._fail(decoding, "decode", exc)
             return None
-        self.count_decode_step(len(decoding))
+        self.admission.count_decode_step(len(decoding))
         self._while_the_step_runs()
         return out
-
-    def count_decode_step(self, decoding: int) -> None:
-        """A decode step of ``decoding`` requests ran: the stats, with what is held beside."""
-        self.stats.count_decode_step(
-            decoding,
-            running=len(self.running),
-            arriving=self.prompt_source.pending if self.prompt_source is not None else 0,
-            waiting=len(self.waiting),
-            free_tokens=self.steps.allocator.num_free,
-        )
 
     def _while_the_step_runs(self) -> None:
         """Admission and arrivals, on the host while the decode step just launched runs on

@@ -56,6 +56,18 @@ class AdmissionControl:
         steps = min(future_tokens(req, req.params.max_new_tokens), self.s.reserve_steps)
         return steps + self.s.draft_tail
 
+    def count_decode_step(self, decoding: int) -> None:
+        """A decode step of ``decoding`` requests ran: the stats, with what the engine held
+        beside it (running, arriving, waiting requests; free token locations)."""
+        s = self.s
+        s.stats.count_decode_step(
+            decoding,
+            running=len(s.running),
+            arriving=s.prompt_source.pending if s.prompt_source is not None else 0,
+            waiting=len(s.waiting),
+            free_tokens=s.steps.allocator.num_free,
+        )
+
     def admit(self) -> None:
         s = self.s
         s.steps.flush_releases()

@@ -70,7 +70,7 @@ class StepInFlight:
             extra = [r for r in (prev.reqs if prev else ()) if id(r) not in launched]
             s._fail([*decoding, *extra], "decode", exc)
             return
-        s.count_decode_step(len(decoding))
+        s.admission.count_decode_step(len(decoding))
         self.step = _InFlight(decoding, logits, sample, {id(r) for r in decoding})
         if prev is not None:
             with s.stats.timed("accept"):
