@@ -7,10 +7,10 @@ pressure most of a 100K-token prompt's lanes get the scratch slot. Written with 
 ``index_copy_`` over every lane, the transfer first made all the prompt's rows from the
 bank and then wrote each of them, the unplaced ones all into the one scratch row: per
 layer, three passes over the prompt's rows in HBM and, per unplaced lane, one more write
-to that same row, on the SMs beside the decode steps, for rows nothing reads. Here each lane reads its slot and
-copies its row from the source (a window into the bank, or plain rows) only when placed:
-an unplaced lane costs one 8-byte read. Fixed shapes and no host synchronisation, so the
-writer thread never waits for the decode stream.
+to that same row, on the SMs beside the decode steps, for rows nothing reads. Here each
+lane reads its slot and copies its row from the source (a window into the bank, or plain
+rows) only when placed: an unplaced lane costs one 8-byte read. Fixed shapes and no host
+synchronisation, so the writer thread never waits for the decode stream.
 """
 
 from __future__ import annotations
@@ -97,7 +97,9 @@ def write_placed_rows_reference(
     """Plain torch of :func:`write_placed_rows_kernel` (its lane selection waits for the
     device: the CPU path's)."""
     n, period = _check(dst, slots, src, period)
-    placed = torch.nonzero(slots != scratch).reshape(-1) if n else slots
+    if n == 0:
+        return
+    placed = torch.nonzero(slots != scratch).reshape(-1)
     if placed.numel() == 0:
         return
     at = (placed.to(src.device) + offset) % period
