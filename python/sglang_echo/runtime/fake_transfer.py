@@ -46,6 +46,7 @@ from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.offload.host_extents import HostExtents, split_extents
 from sglang_echo.runtime.request import SeqState, ServeRequest, TokenLogprob
+from sglang_echo.runtime.scheduler_stats import Laps
 from sglang_echo.runtime.step_runner import StepRunner
 from sglang_echo.runtime.synthetic_kv import Locality, SyntheticKV, favoured_directions
 
@@ -75,23 +76,6 @@ def first_token_logprob(req: SeqState, token: int, vocab_size: int) -> TokenLogp
 
 # The parts of ``FakeTransfer.start`` timed on the engine thread (in order; see ``start``).
 START_PARTS = ("alloc", "place", "seed", "reserve", "submit")
-
-
-class _Laps:
-    """Adds the wall seconds since the previous lap to ``into[part]`` and the calling
-    thread's CPU seconds to ``cpu_into[part]``: wall well above CPU is the engine thread
-    waiting (for the GIL while the writer thread runs Python, or on the device), wall close
-    to CPU is work of its own."""
-
-    def __init__(self, into: dict[str, float], cpu_into: dict[str, float]) -> None:
-        self.into, self.cpu_into = into, cpu_into
-        self.last, self.last_cpu = time.perf_counter(), time.thread_time()
-
-    def __call__(self, part: str) -> None:
-        now, now_cpu = time.perf_counter(), time.thread_time()
-        self.into[part] += now - self.last
-        self.cpu_into[part] += now_cpu - self.last_cpu
-        self.last, self.last_cpu = now, now_cpu
 
 
 @dataclass(eq=False)  # identity: `in` and `remove` must not compare 100K-id prompts
@@ -198,8 +182,8 @@ class FakeTransfer:
         ECHO, the prompt's device slots (reserved and pinned there, in order with the steps
         that share the free stacks). The rows themselves are generated and written by the
         writer thread on the transfer's stream, beside the steps."""
-        lap = _Laps(self.start_part_s, self.start_part_cpu_s)
-        started = lap.last
+        lap = Laps(self.start_part_s, self.start_part_cpu_s)
+        started = lap.started
         n = len(req.prompt)
         locs = self.steps.allocator.alloc(n)
         lap("alloc")

@@ -16,6 +16,7 @@ from typing import Any
 
 from sglang_echo.runtime.admission import fits, future_tokens
 from sglang_echo.runtime.request import ReqStatus, ServeRequest
+from sglang_echo.runtime.scheduler_stats import Laps
 
 log = logging.getLogger("sglang_echo.scheduler")
 
@@ -78,11 +79,11 @@ class AdmissionControl:
             need = len(req.prefill_ids) + self.growth(req)
             if not fits(alloc.num_free, held_back, need):
                 break
-            t0, c0 = time.perf_counter(), time.thread_time()
+            lap = Laps(s.stats.admission_part_s, s.stats.admission_part_cpu_s)
+            t0 = lap.started
             s.waiting.popleft()
             s.steps.admit(req)
-            s.stats.admission_part_cpu_s["row"] += time.thread_time() - c0  # CPU first: nested
-            s.stats.admission_part_s["row"] += time.perf_counter() - t0
+            lap("row")
             req.status = ReqStatus.RUNNING
             s.running.append(req)
             if s.prompt_source is not None:

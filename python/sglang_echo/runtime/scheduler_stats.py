@@ -81,3 +81,23 @@ class SchedulerStats:
         finally:  # CPU read first: the wall interval holds the CPU one (CPU never above)
             self.phase_cpu_s[phase] += time.thread_time() - c0
             self.phase_s[phase] += time.perf_counter() - t0
+
+
+class Laps:
+    """Adds the wall seconds since the previous lap to ``into[part]`` and the calling
+    thread's CPU seconds to ``cpu_into[part]``: wall well above CPU is the thread waiting
+    (for the GIL, or on the device), wall close to CPU is work of its own. The start reads
+    wall then CPU and each lap CPU then wall, so a part timed once has its CPU interval
+    inside its wall interval (CPU never above wall)."""
+
+    def __init__(self, into: dict[str, float], cpu_into: dict[str, float]) -> None:
+        self.into, self.cpu_into = into, cpu_into
+        self.started = self.last = time.perf_counter()
+        self.last_cpu = time.thread_time()
+
+    def __call__(self, part: str) -> None:
+        now_cpu = time.thread_time()
+        now = time.perf_counter()
+        self.into[part] += now - self.last
+        self.cpu_into[part] += now_cpu - self.last_cpu
+        self.last, self.last_cpu = now, now_cpu
