@@ -24,7 +24,9 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
 - ``admission_ms_p50`` (engine-thread ms per admission on the ECHO server; goal <= 2) and
   its per-run mean, and ``admission_ms_parts_inf``: that mean by part at rate inf (the
   table row, then the transfer start's locations, upload, seed, ECHO's slots, submission);
-- ``graph_captures_during_run`` (both servers, all runs; goal 0);
+- ``graph_captures_during_run`` (both servers, all runs; goal 0), and
+  ``triton_compiles_during_run``: the Triton specializations they compiled during the runs
+  (runtime/jit_watch.py; goal 0; None from servers without the counter);
 - ``outputs_equal``: every request's greedy tokens equal between the two servers, at
   every rate, ``outputs_equal_by_rate`` (rate -> [equal, compared]) and each server's
   ``server_schedule`` (overlap, engine process; None from records made before it);
@@ -40,6 +42,9 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
   ``served_arriving``: admitted with their KV still arriving, ``served_waiting``: not
   admitted) with the free token locations (``served_free_tokens``): a small batch with
   few running and few free tokens is memory, with many arriving is the arrivals;
+- ``batch_limits_inf``: per engine, its rate-inf decode steps split by what held the batch
+  back, from the counters sampled during the run (``batch_limits``): none waiting, waiting
+  but short of memory, or waiting with room (admission, arrivals);
 plus ``commit`` (as given: the sha, literally), ``device``, ``date`` and ``command``.
 
     python3 benchmark/served_vs_study.py --study DIR --sweep DIR --out FILE --commit SHA
@@ -138,6 +143,50 @@ def admission_parts(engine: dict, clock: str = "seconds") -> dict[str, float] | 
 STUDY_ENGINES = {"no-offload": "noff_paper", "offload": "echo_paper"}
 
 
+def batch_limits(served: dict) -> dict | None:
+    """What held one engine's decode batch back at rate inf, from the run's counter series
+    (``counter_series``): its decode steps split by what they had beside them, each with
+    its share of the steps and its mean batch. ``no_request_waiting``: nothing left to
+    admit (the ramp, the drain, or requests reaching the engine slower than it admits);
+    ``memory``: requests waiting and fewer free token locations than the run's mean
+    prompt; ``other``: requests waiting and room for one (admission or arrivals). None
+    without a series (a run without ``--poll-counters-s``, or an older record)."""
+    series = served.get("counter_series") or {}
+    lens = served.get("input_lens") or []
+    if not series.get("rows") or not lens:
+        return None
+    prompt = statistics.fmean(lens)
+    classes: dict[str, list[tuple[float, float]]] = {
+        "no_request_waiting": [],
+        "memory": [],
+        "other": [],
+    }
+    for row in series["rows"]:
+        r = dict(zip(series["columns"], row, strict=True))
+        steps, batch, waiting = r["decode_steps"], r["mean_decode_batch"], r["waiting"]
+        if not steps or batch is None or waiting is None:
+            continue
+        if waiting < 0.5:
+            name = "no_request_waiting"
+        elif r["free_tokens"] is not None and r["free_tokens"] < prompt:
+            name = "memory"
+        else:
+            name = "other"
+        classes[name].append((steps, batch))
+    total = sum(steps for rows in classes.values() for steps, _ in rows)
+    if not total:
+        return None
+    return {
+        name: {
+            "step_share": round(sum(s for s, _ in rows) / total, 3),
+            "mean_batch": (
+                round(sum(s * b for s, b in rows) / sum(s for s, _ in rows), 2) if rows else None
+            ),
+        }
+        for name, rows in classes.items()
+    }
+
+
 def throughput_factors(study: dict, served: dict) -> dict | None:
     """One engine's served throughput against the study's, as the product of its decode
     batch, its device time per step and the share of wall time the device decoded (None:
@@ -174,6 +223,16 @@ def throughput_factors(study: dict, served: dict) -> dict | None:
     return out
 
 
+def _summed(runs: dict[str, dict[str, dict]], counter: str) -> float | None:
+    """An engine counter's run deltas summed over both servers and every rate; None where
+    no run's server exposed it (records from before it existed)."""
+    deltas = [
+        (r.get("server_engine") or {}).get(counter) for eng in ENGINES for r in runs[eng].values()
+    ]
+    known = [d for d in deltas if d is not None]
+    return sum(known) if known else None
+
+
 def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
     noff, echo = runs["no-offload"], runs["offload"]
     m = study.get("metrics", {})
@@ -182,11 +241,7 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
     inf_n, inf_e = noff.get("inf", {}), echo.get("inf", {})
     served = _ratio(inf_e.get("output_throughput"), inf_n.get("output_throughput"))
     served_hit = (inf_e.get("server_echo") or {}).get("hit_rate")
-    captures = sum(
-        (r.get("server_engine") or {}).get("graph_captures_during_run", 0)
-        for eng in ENGINES
-        for r in runs[eng].values()
-    )
+    captures = _summed(runs, "graph_captures_during_run") or 0
     latency = {
         eng: {
             rate: {
@@ -230,6 +285,7 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
             inf_e.get("server_engine") or {}, "cpu_seconds"
         ),
         "graph_captures_during_run": captures,
+        "triton_compiles_during_run": _summed(runs, "triton_compiles"),
         "outputs_equal": _outputs_equal(runs),
         "outputs_equal_by_rate": equal_by_rate(runs),
         "outputs_equal_across_rates": _equal_across_rates(runs),
@@ -244,6 +300,7 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
             )
             for eng in ENGINES
         },
+        "batch_limits_inf": {eng: batch_limits(runs[eng].get("inf", {})) for eng in ENGINES},
     }
 
 

@@ -12,7 +12,7 @@ import pytest
 from server_utils import make_serving, min_cache_echo_serving, running_server
 from sglang_echo.bench import datasets as ds
 from sglang_echo.bench.client import RequestResult
-from sglang_echo.bench.counter_poll import CounterPoll, steady_fields
+from sglang_echo.bench.counter_poll import CounterPoll, counter_series, steady_fields
 from sglang_echo.bench.metrics import steady_output_throughput, summarize
 from sglang_echo.bench.plot import main as plot_main
 from sglang_echo.bench.serving import main as bench_main
@@ -358,6 +358,14 @@ def test_steady_counters_from_samples_inside_the_run(small_checkpoint, tmp_path)
     assert a <= lo < hi <= b <= rec["duration"] + 1.0
     assert 0.0 <= rec["steady_hit_rate"] <= 1.0
     assert 1 <= rec["steady_mean_decode_batch"] <= 4
+    # The same samples as a series. The first sample races the first requests to the
+    # engine, so the intervals hold at most the run's 12 requests and its decode steps.
+    series = rec["counter_series"]
+    cols = series["columns"]
+    rows = [dict(zip(cols, row, strict=True)) for row in series["rows"]]
+    assert 0 < sum(r["admitted"] for r in rows) <= sum(r["received"] for r in rows) + 4 <= 16
+    assert 0 < sum(r["decode_steps"] for r in rows) <= rec["server_engine"]["decode_steps"]
+    assert [r["t_s"] for r in rows] == sorted(r["t_s"] for r in rows)
 
 
 def test_counter_poll_bounds_and_steady_fields():
@@ -382,6 +390,46 @@ def test_counter_poll_bounds_and_steady_fields():
     assert steady["steady_mean_decode_batch"] == pytest.approx(4.0)
     assert steady_fields(poll, [2.0, 4.5], served_fields) == {}  # no sample after the end
     assert steady_fields(None, [2.0, 3.0], served_fields) == {}
+
+
+def test_counter_series_tells_memory_from_demand():
+    """One row per sampling interval: the steps' mean batch and what they held beside it,
+    and the requests the engine queued, admitted and saw arrive there."""
+
+    def counters(steps, batch, running, arriving, waiting, free, received, admitted, arrived):
+        engine = {
+            "decode_steps": steps,
+            "decode_batch_requests": batch,
+            "decode_step_requests.running": running,
+            "decode_step_requests.arriving": arriving,
+            "decode_step_requests.waiting": waiting,
+            "decode_step_free_tokens": free,
+            "requests_received": received,
+            "admissions": admitted,
+            "transfers": arrived,
+        }
+        return {"engine": engine, "echo": {}, "device_seconds": {}, "device_steps": {}}
+
+    poll = CounterPoll(read=None, interval=0.5)
+    poll.samples = [
+        (0.0, counters(0, 0, 0, 0, 0, 0, 0, 0, 0)),
+        # 10 steps of 4 with 6 waiting and 100 tokens free: short of memory
+        (0.5, counters(10, 40, 50, 10, 60, 1000, 10, 4, 4)),
+        # 10 steps of 8 with none waiting and 5000 free: short of requests
+        (1.0, counters(20, 120, 130, 10, 60, 51000, 12, 12, 12)),
+    ]
+    series = counter_series(poll, served_fields)
+    cols = series["columns"]
+    first, second = (dict(zip(cols, row, strict=True)) for row in series["rows"])
+    assert (first["t_s"], first["decode_steps"], first["mean_decode_batch"]) == (0.5, 10, 4.0)
+    assert (first["running"], first["arriving"], first["waiting"]) == (5.0, 1.0, 6.0)
+    assert first["free_tokens"] == 100 and (first["received"], first["admitted"]) == (10, 4)
+    assert (second["mean_decode_batch"], second["waiting"], second["free_tokens"]) == (8.0, 0, 5000)
+    assert (second["received"], second["admitted"], second["arrived"]) == (2, 8, 8)
+    assert first["triton_compiles"] is None  # a server without the counter
+    assert counter_series(None, served_fields) is None
+    poll.samples = poll.samples[:1]
+    assert counter_series(poll, served_fields) is None
 
 
 def test_bench_reports_unreachable_server(tmp_path):

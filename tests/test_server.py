@@ -272,6 +272,10 @@ def test_metrics_parse_with_prometheus_client(echo_server):
     batch = families["sglang:decode_batch_requests"].samples[0].value
     assert held["running"] >= batch > 0
     assert families["sglang:decode_step_free_tokens"].samples[0].value > 0
+    # Triton's compiles are watched from start-up on (none under the interpreter, which
+    # compiles nothing; the hooks' arithmetic is tests/test_jit_watch.py's).
+    assert families["sglang:triton_compiles"].samples[0].value >= 0
+    assert families["sglang:triton_compile_seconds"].samples[0].value >= 0
 
 
 def test_official_openai_client(echo_server):

@@ -55,6 +55,7 @@ def test_record_from_study_and_sweep(tmp_path):
                 mean_free_tokens=9000,
                 server_engine={
                     "graph_captures_during_run": 0.0,
+                    "triton_compiles": 2.0,
                     "decode_steps": 100.0,
                     "decode_device_seconds": 1.0,
                     "admissions": 4.0,
@@ -64,6 +65,22 @@ def test_record_from_study_and_sweep(tmp_path):
                     "admission_part_cpu_seconds.reserve": 0.002,
                 },
                 server_schedule={"overlap": True, "engine_process": False},
+                input_lens=[1000, 3000],  # a mean prompt of 2000 tokens
+                counter_series={
+                    "columns": [
+                        "t_s",
+                        "decode_steps",
+                        "mean_decode_batch",
+                        "waiting",
+                        "free_tokens",
+                    ],
+                    "rows": [
+                        [0.5, 10, 4.0, 0.0, 9000],  # nothing waiting (the ramp)
+                        [1.0, 30, 12.0, 5.0, 1000],  # waiting, less than a prompt free
+                        [1.5, 20, 10.0, 5.0, 4000],  # waiting with room for one
+                        [2.0, 0, None, 5.0, None],  # no decode step: not counted
+                    ],
+                },
             ),
         },
     }
@@ -93,6 +110,8 @@ def test_record_from_study_and_sweep(tmp_path):
     assert m["study_hit_rate_from_admission"] == {"hit_rate": 0.93, "decode_steps": 149}
     assert m["echo_served_efficiency"] == 0.5 and m["no_offload_served_efficiency"] == 0.7
     assert m["admission_ms_p50"] == 3.0 and m["graph_captures_during_run"] == 0
+    # the one run whose server counted compiles (the others predate the counter: not 0)
+    assert m["triton_compiles_during_run"] == 2.0
     assert m["admission_ms_parts_inf"] == {"row": 0.1, "reserve": 1.5}  # ms per admission
     assert m["admission_cpu_ms_parts_inf"] == {"row": 0.1, "reserve": 0.5}  # its CPU ms
     # Served ECHO against the study: batch 12 / 16, steps 8 / 10 ms, efficiency 0.5.
@@ -102,6 +121,11 @@ def test_record_from_study_and_sweep(tmp_path):
     assert m["throughput_factors"]["no-offload"] is None  # no study runs, no counters
     assert (f["served_running"], f["served_arriving"], f["served_waiting"]) == (15.0, 3.0, 40.0)
     assert f["served_free_tokens"] == 9000
+    limits = m["batch_limits_inf"]["offload"]
+    assert limits["no_request_waiting"] == {"step_share": 0.167, "mean_batch": 4.0}
+    assert limits["memory"] == {"step_share": 0.5, "mean_batch": 12.0}
+    assert limits["other"] == {"step_share": 0.333, "mean_batch": 10.0}
+    assert m["batch_limits_inf"]["no-offload"] is None  # its run has no series
     assert m["outputs_equal"] is False
     assert m["outputs_equal_by_rate"] == {"1": [2, 2], "inf": [1, 2]}
     assert m["outputs_equal_across_rates"] == {"no-offload": [2, 2], "offload": [1, 2]}

@@ -12,6 +12,7 @@ steps), so sampling is opt-in.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -73,3 +74,56 @@ def steady_fields(poll: CounterPoll | None, window: list[float] | None, served) 
         "steady_served_efficiency": fields.get("served_efficiency"),
         "steady_spec_accept_length": fields.get("spec_accept_length"),
     }
+
+
+# The series' columns: what each sampling interval says about the engine's batch.
+SERIES_COLUMNS = (
+    "t_s",  # the interval's end, seconds from the run's start
+    "decode_steps",
+    "mean_decode_batch",
+    "running",  # requests held at a step on average, by state
+    "arriving",
+    "waiting",
+    "free_tokens",  # free token locations at a step on average
+    "received",  # requests the engine queued, admitted and saw arrive in the interval
+    "admitted",
+    "arrived",
+    "triton_compiles",
+)
+
+
+def counter_series(poll: CounterPoll | None, served) -> dict | None:
+    """The run as a time series, one row per sampling interval (``SERIES_COLUMNS``).
+
+    Why: a run's means cannot tell a batch short of requests (none waiting: demand or
+    ingress) from one short of memory (requests waiting, free tokens below a prompt) or of
+    arrivals (admitted, KV in flight), nor the ramp and drain from the middle; the intervals
+    can. None without a poll or with fewer than two samples; a cell is None where the
+    server does not expose that counter."""
+    if poll is None or len(poll.samples) < 2:
+        return None
+    rows = []
+    for (t_a, a), (t_b, b) in itertools.pairwise(poll.samples):
+        fields = served(a, b, t_b - t_a)
+        eng = fields.get("server_engine") or {}
+        held = fields.get("mean_step_requests") or {}
+        rows.append(
+            [
+                round(t_b, 3),
+                eng.get("decode_steps"),
+                _rounded(fields.get("mean_decode_batch")),
+                held.get("running"),
+                held.get("arriving"),
+                held.get("waiting"),
+                fields.get("mean_free_tokens"),
+                eng.get("requests_received"),
+                eng.get("admissions"),
+                eng.get("transfers"),
+                eng.get("triton_compiles"),
+            ]
+        )
+    return {"columns": list(SERIES_COLUMNS), "rows": rows}
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)

@@ -22,7 +22,7 @@ import aiohttp
 
 from sglang_echo.bench import datasets as ds
 from sglang_echo.bench.client import RequestResult, send_generate
-from sglang_echo.bench.counter_poll import CounterPoll, steady_fields
+from sglang_echo.bench.counter_poll import CounterPoll, counter_series, steady_fields
 from sglang_echo.bench.metrics import summarize
 
 DEFAULT_CONTEXT = 131072
@@ -120,6 +120,9 @@ ENGINE_COUNTERS = frozenset(
         "spec_accepted_tokens",
         "graph_captures_during_run",  # captures after start-up (0 on a server that captures all)
         "graph_capture_failures",
+        "triton_compiles",  # Triton specializations compiled (runtime/jit_watch.py; goal 0)
+        "requests_received",  # requests the engine queued (its ingress)
+        "triton_compile_seconds",
     }
 )
 # The one label of an engine counter that is folded into its key (name.value).
@@ -582,6 +585,7 @@ async def run(args) -> dict:
         **served_fields(counters_before, counters_after, duration),
     }
     record.update(steady_fields(poll, record.get("steady_window_s"), served_fields))
+    record["counter_series"] = counter_series(poll, served_fields)
     return record
 
 

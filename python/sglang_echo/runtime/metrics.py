@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from sglang_echo.runtime import jit_watch
 from sglang_echo.runtime.scheduler import Scheduler
 from sglang_echo.runtime.scheduler_speculative import accept_stats
 
@@ -42,6 +43,7 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
         "prompt_tokens_total": s.prompt_tokens,
         "generation_tokens_total": s.generation_tokens,
         "num_requests_total": s.finished_requests,
+        "requests_received_total": s.received_requests,
         "num_aborted_requests_total": s.aborted_requests,
         "decode_steps_total": s.decode_steps,
         "prefill_steps_total": s.prefill_steps,
@@ -75,6 +77,10 @@ def snapshot(sched: Scheduler, kv_cache) -> dict:
             snap["decode_device_seconds_total"] = runner.clock.total_seconds
             snap["decode_device_seconds_by_bs"] = dict(sorted(runner.clock.seconds.items()))
             snap["decode_device_steps_by_bs"] = dict(sorted(runner.clock.steps.items()))
+    if jit_watch.WATCH.installed:
+        jit = jit_watch.WATCH.counters()
+        snap["triton_compiles_total"] = jit["compiles"]
+        snap["triton_compile_seconds_total"] = jit["seconds"]
     source = sched.prompt_source
     if source is not None:
         snap["transfers_total"] = source.transfers
@@ -122,6 +128,13 @@ def render(snap: dict, model_name: str) -> str:
     one("generation_tokens", "counter", "Tokens generated.", "generation_tokens_total")
     one("num_requests", "counter", "Requests finished (not aborted).", "num_requests_total")
     one("num_aborted_requests", "counter", "Requests aborted.", "num_aborted_requests_total")
+    one(
+        "requests_received",
+        "counter",
+        "Requests the engine took into its waiting queue (its ingress: against admissions, "
+        "whether requests reach it as fast as it could admit them).",
+        "requests_received_total",
+    )
     one("gen_throughput", "gauge", "Generated tokens per second (last 5 s).", "gen_throughput")
     one("token_usage", "gauge", "Share of the KV token pool in use.", "token_usage")
     one("max_total_num_tokens", "gauge", "KV token pool size.", "max_total_num_tokens")
@@ -219,6 +232,13 @@ def render(snap: dict, model_name: str) -> str:
             "counter",
             "Captures that failed (that shape then runs eagerly).",
         ),
+        (
+            "triton_compiles_total",
+            "counter",
+            "Triton kernel specializations compiled or loaded since start-up (each logged "
+            "with its kernel; one during a run stalls every request behind it).",
+        ),
+        ("triton_compile_seconds_total", "counter", "Host time of those compiles."),
         ("transfers_total", "counter", "Decode-node transfers arrived (fake backend)."),
         ("transfer_seconds_total", "counter", "Their start-to-arrival times, summed."),
     ):

@@ -170,6 +170,7 @@ class Scheduler:
             req.text = IncrementalText(self.detokenize, req.params.stop)
         self.waiting.append(req)
         self.live[req.rid] = req
+        self.stats.received_requests += 1
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
         """End a request wherever it is; its slots and host rows go back at once."""

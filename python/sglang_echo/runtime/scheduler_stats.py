@@ -27,6 +27,7 @@ class SchedulerStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished_requests: int = 0
+    received_requests: int = 0  # taken into the waiting queue (the engine's ingress)
     aborted_requests: int = 0
     failed_requests: int = 0  # ended by a step error or non-finite logits
     preemptions: int = 0

@@ -19,6 +19,7 @@ from sglang_echo.model.config import DeepseekV32Config
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.offload import footprint
+from sglang_echo.runtime import jit_watch
 from sglang_echo.runtime.assemble import (
     build_kv_backend,
     check_context,
@@ -138,6 +139,9 @@ def check_speculative(args: ServerArgs, cfg: DeepseekV32Config) -> int:
 
 def build_serving(args: ServerArgs, echo: EchoConfig | None = None) -> Serving:
     """``echo`` overrides the environment's ECHO settings (tests build both kinds)."""
+    # Every Triton compile from here on is counted and logged (runtime/jit_watch.py): the
+    # start-up's, and any a run meets that start-up did not cover.
+    jit_watch.install()
     # The start-up generate shares (runtime/assemble.py): settings parsed once, handed down.
     start = resolve_start_up(args.device, args.dtype, echo, ServerArgError)
     device, dtype, dtype_name, echo = start.device, start.dtype, start.dtype_name, start.echo
