@@ -195,6 +195,9 @@ END_TO_END_ROWS: tuple[Row, ...] = (
             "the same worker on one server that prefills and decodes, {@knobs.NUM_PROMPTS} ShareGPT-like chats "
             "(synthetic): {@serving}",
             rate_latency("inf"),
+            "?over each rate-inf run's steady window (its ramp, its drain and any stall at its start left out): "
+            "ECHO {metrics.runs.offload.inf.steady_output_throughput:n} against no-offload "
+            "{metrics.runs.no-offload.inf.steady_output_throughput:n} output tok/s",
         ),
     ),
     Row(
