@@ -152,6 +152,38 @@ def test_all_layers_placement_equals_the_per_layer_one():
             assert torch.equal(sa[key], sb[key]), (seed, key)
 
 
+@pytest.mark.parametrize("lanes", [16, 1024])
+def test_all_layers_placement_kernel_equals_its_reference(monkeypatch, lanes):
+    """The one-launch placement (a program per layer) against the torch one, from the same
+    cache states: more ids than some layers' free slots, ids already resident, the sink in
+    the list; with 16 lanes a step, several steps of the loop per layer."""
+    from sglang_echo.kernels import decode_write
+    from sglang_echo.kernels.decode_write import (
+        place_slots_all_layers,
+        place_slots_all_layers_kernel,
+    )
+
+    monkeypatch.setattr(decode_write, "PLACE_LANES", lanes)
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        a, b = _cache(), _cache()
+        for layer in range(LAYERS):  # a different fill per layer, the same in both caches
+            k = int(torch.randint(0, SLOTS, (1,), generator=gen))
+            ids = (torch.randperm(HOST, generator=gen)[:k] + 1).view(1, -1)
+            if k:
+                a.resolve(layer, ids, distinct=True)
+                b.resolve(layer, ids, distinct=True)
+        locs = torch.randperm(HOST, generator=gen)[: SLOTS // 2 + 12 * seed] + 1
+        locs[1] = 0  # the sink: never placed
+        expected = place_slots_all_layers(a.cache, locs, PINNED_PRIORITY)
+        got = place_slots_all_layers_kernel(b.cache, locs, PINNED_PRIORITY)
+        assert torch.equal(got, expected), seed
+        sa, sb = _state(a), _state(b)
+        for key in sa:
+            assert torch.equal(sa[key], sb[key]), (seed, key)
+    assert (a.cache.free_count == 0).any(), "some layer ran out of free slots"
+
+
 def test_filling_by_extents_writes_what_the_scatter_writes():
     """Long runs by copy engine, the rest by the scatter (offload/host_extents.py): the
     same host rows, device rows and keys as the scatter alone, runs at either end too."""

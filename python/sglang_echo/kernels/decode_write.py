@@ -180,10 +180,76 @@ def place_slots(
 def place_slots_all_layers(cache: CacheState, locs: torch.Tensor, priority: int) -> torch.Tensor:
     """:func:`place_slots` for every layer at once (each layer's own maps and free stack,
     ``priority`` for every placed slot): one launch per op instead of one per op and
-    layer. Returns the slots [layers, n] int64. Why: a decode node reserves a 100K-token
-    prompt's slots in all 61 layers on the engine thread; one pass per layer multiplied
-    its launches by the layer count."""
+    layer. Returns the slots [layers, n] int64. Why: a decode node reserves a long
+    prompt's slots in every layer on the engine thread; one pass per layer multiplied
+    its launches by the layer count. The reference of :func:`place_slots_all_layers_kernel`."""
     return _place(cache, slice(None), locs, priority)
+
+
+PLACE_LANES = 1024  # ids per step of each layer's loop
+
+
+@triton.jit(do_not_specialize=("lanes", "priority"))
+def _place_all_layers_kernel(
+    locs_ptr, lanes, dest_ptr, h2d_ptr, d2h_ptr, prio_ptr, stack_ptr, free_count_ptr,
+    h2d_stride, d2h_stride, prio_stride, stack_stride, priority, scratch_slot,
+    LANES: tl.constexpr,
+):  # fmt: skip
+    """One program per layer: its free count is read once and written once, so its
+    stack's pops need no atomics and their order is the lanes' (the reference's)."""
+    layer = tl.program_id(0).to(tl.int64)
+    h2d = h2d_ptr + layer * h2d_stride
+    d2h = d2h_ptr + layer * d2h_stride
+    prio = prio_ptr + layer * prio_stride
+    stack = stack_ptr + layer * stack_stride
+    free0 = tl.load(free_count_ptr + layer)
+    taken = free0 * 0
+    start = 0
+    while start < lanes:  # a while, not a range: the trip count is a runtime value
+        lane = start + tl.arange(0, LANES)
+        live = lane < lanes
+        loc = tl.load(locs_ptr + lane, mask=live, other=0).to(tl.int64)
+        token = live & (loc > 0)
+        old = tl.load(h2d + loc, mask=token, other=_ABSENT)
+        new = token & (old == _ABSENT)
+        rank = taken + tl.cumsum(new.to(tl.int32), 0) - 1
+        placed = new & (rank < free0)
+        slot = tl.load(stack + (free0 - 1 - rank), mask=placed, other=0).to(tl.int64)
+        resident = token & (old != _ABSENT)
+        dest = tl.where(placed, slot, tl.where(resident, old.to(tl.int64), scratch_slot))
+        tl.store(h2d + loc, slot.to(tl.int32), mask=placed)
+        tl.store(d2h + slot, loc.to(tl.int32), mask=placed)
+        tl.store(prio + slot, tl.zeros_like(slot) + priority, mask=placed)
+        tl.store(dest_ptr + layer * lanes + lane, dest, mask=live)
+        taken += tl.sum(new.to(tl.int32), 0)
+        start += LANES
+    tl.store(free_count_ptr + layer, free0 - tl.minimum(taken, free0))
+
+
+def place_slots_all_layers_kernel(
+    cache: CacheState, locs: torch.Tensor, priority: int
+) -> torch.Tensor:
+    """:func:`place_slots_all_layers` in one launch (a program per layer), the same slots
+    and the same state. Why: the torch form is dozens of launches over [layers, n], each a
+    few microseconds of the engine thread's CPU, per admitted prompt, while the running
+    requests wait for the next step; this is one. Ids must be distinct (a prompt's
+    locations are). Fixed shapes, no host synchronisation."""
+    c = cache
+    loc = locs.reshape(-1).contiguous()
+    n, layers = loc.numel(), c.host_to_device.shape[0]
+    dest = torch.empty(layers, n, dtype=torch.int64, device=loc.device)
+    if n == 0:
+        return dest
+    for t in (c.host_to_device, c.device_to_host, c.priority, c.free_stack):
+        if t.stride(1) != 1:
+            raise ValueError("the cache's per-layer maps must have contiguous rows")
+    _place_all_layers_kernel[(layers,)](
+        loc, n, dest, c.host_to_device, c.device_to_host, c.priority, c.free_stack,
+        c.free_count, c.host_to_device.stride(0), c.device_to_host.stride(0),
+        c.priority.stride(0), c.free_stack.stride(0), priority, c.scratch_slot,
+        LANES=PLACE_LANES, num_warps=WRITE_WARPS,
+    )  # fmt: skip
+    return dest
 
 
 def _place(

@@ -34,6 +34,7 @@ from sglang_echo.kernels.decode_write import (
     decode_write_kernel,
     decode_write_reference,
     place_slots_all_layers,
+    place_slots_all_layers_kernel,
 )
 from sglang_echo.kernels.host_copy import upload
 from sglang_echo.kernels.release import release_kernel, release_reference
@@ -123,7 +124,8 @@ class EchoManager:
         share the free stacks. Returns the slots [layers, n] (the scratch slot where none
         was free); the rows are written by ``EchoKVCache.fill_prompt``, on any stream."""
         self.prefetches.join_all()
-        return place_slots_all_layers(self.cache, locs.reshape(-1), PINNED_PRIORITY)
+        place = place_slots_all_layers_kernel if self.use_kernels else place_slots_all_layers
+        return place(self.cache, locs.reshape(-1), PINNED_PRIORITY)
 
     def unpin_prompt(self, slots: torch.Tensor) -> None:
         """The prompt has arrived: its slots [layers, n] get the placed rows' priority (the
