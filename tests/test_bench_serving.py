@@ -15,8 +15,9 @@ from sglang_echo.bench.client import RequestResult
 from sglang_echo.bench.counter_poll import CounterPoll, counter_series, steady_fields
 from sglang_echo.bench.metrics import steady_output_throughput, summarize
 from sglang_echo.bench.plot import main as plot_main
+from sglang_echo.bench.server_counters import parse_counters, served_fields
 from sglang_echo.bench.serving import main as bench_main
-from sglang_echo.bench.serving import parse_counters, print_summary, served_fields
+from sglang_echo.bench.serving import print_summary
 from sglang_echo.config import EchoConfig
 from sglang_echo.tokenizer import load_tokenizer
 

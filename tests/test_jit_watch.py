@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 from triton import knobs  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from sglang_echo.bench.serving import parse_counters  # noqa: E402
+from sglang_echo.bench.server_counters import parse_counters  # noqa: E402
 from sglang_echo.runtime import metrics  # noqa: E402
 from sglang_echo.runtime.jit_watch import JitWatch  # noqa: E402
 

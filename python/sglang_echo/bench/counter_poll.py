@@ -57,7 +57,7 @@ class CounterPoll:
 def steady_fields(poll: CounterPoll | None, window: list[float] | None, served) -> dict:
     """``steady_*`` fields over the samples bounding ``window``: the counters' window
     (``steady_counters_window_s``), ECHO's hit rate, the mean decode batch, the served
-    efficiency and the MTP accept length there (``served``: bench.serving.served_fields).
+    efficiency and the MTP accept length there (``served``: bench.server_counters.served_fields).
     Empty when there is no poll or no bounding samples."""
     if poll is None:
         return {}
