@@ -4,12 +4,10 @@ host time inside it, and a record naming its command and commit."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import pytest
 
-from benchmark import arrival_probe  # noqa: E402
+from benchmark import arrival_probe
 
 
 def test_probe_times_each_arrival_and_writes_its_record(tmp_path):
@@ -30,7 +28,5 @@ def test_probe_times_each_arrival_and_writes_its_record(tmp_path):
 
 
 def test_probe_refuses_no_repeats(tmp_path):
-    import pytest
-
     with pytest.raises(SystemExit, match="--repeats must be >= 1"):
         arrival_probe.main(["--out", str(tmp_path), "--repeats", "0"])
