@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> dict:
         disaggregation_transfer_backend="fake",
         model_loader=loader.SPEC,
         model_loader_args="--fake-kv-locality 0.9",
+        disable_cuda_graph=True,  # arrivals only: no decode step is timed here
     )
     dev_cache = min(args.dev_cache, 3 * (n + 64))
     serving = build_serving(sargs, echo=EchoConfig(offload=True, dev_cache_size=dev_cache))
