@@ -13,7 +13,10 @@ device span of the writes on the transfer's stream (CUDA events), the writer thr
 time, and, under torch's profiler for the last arrivals, the device time by kernel and copy.
 The roofline: a plain device-to-pinned copy of the same bytes, timed in the same run.
 
-    python benchmark/arrival_probe.py --out DIR [--prompt-len 104857] [--repeats 5]
+Two arms, interleaved repeat by repeat: the host rows' copies on a stream of their own
+(``two_streams``, the default) and on the transfer's one stream (``one_stream``).
+
+    python benchmark/arrival_probe.py --out DIR [--repeats 5] [--beside-decode 12]
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=5, help="timed arrivals (after a warm-up)")
     ap.add_argument("--profiled", type=int, default=2, help="arrivals under torch's profiler")
     ap.add_argument("--dev-cache", type=int, default=260000, help="NSA_DEV_CACHE_SIZE")
+    ap.add_argument(
+        "--beside-decode", type=int, default=0, metavar="B",
+        help="time the arrivals while B requests of the same length decode (0: alone)",
+    )  # fmt: skip
     ap.add_argument("--device", default="auto")
     ap.add_argument("--commit", default="", help="the sha the run was made on, literally")
     ap.add_argument("--command", default="", help="the command that made the run")
@@ -88,8 +95,8 @@ def d2h_roofline_gbps(nbytes: int, repeats: int = 5) -> float | None:
 
 class TimedWrites:
     """Wraps the fake transfer's ``_write`` (it runs on the writer thread, on the
-    transfer's stream): the writes' device span (CUDA events on that stream) and the
-    writer's host time per arrival."""
+    transfer's stream): the writes' device span (CUDA events on that stream, after it
+    waited for the host rows' copy stream) and the writer's host time per arrival."""
 
     def __init__(self, transfer) -> None:
         self.transfer = transfer
@@ -107,13 +114,19 @@ class TimedWrites:
         self.inner(*args, **kwargs)
         self.host_s.append(time.perf_counter() - t0)
         if cuda:
+            if self.transfer.copy_stream is not None:
+                torch.cuda.current_stream().wait_stream(self.transfer.copy_stream)
             b.record()
             self.spans.append((a, b))
 
-    def device_ms(self) -> list[float]:
+    def take(self) -> tuple[list[float], list[float]]:
+        """(device ms, host ms) of the writes since the last take."""
         for _, b in self.spans:
             b.synchronize()
-        return [a.elapsed_time(b) for a, b in self.spans]
+        device = [a.elapsed_time(b) for a, b in self.spans]
+        host = [1e3 * s for s in self.host_s]
+        self.spans, self.host_s = [], []
+        return device, host
 
 
 def profile_top(prof, arrivals: int, top: int = 15) -> list[dict]:
@@ -147,44 +160,74 @@ def run(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
     size = args.size or ("dsv32" if cuda else "smoke")
     n = args.prompt_len or (104857 if cuda else 2000)
+    beside = args.beside_decode
+    background_tokens = 4096 if beside else 0  # each running request's output budget
+    context = n + 64 + background_tokens
     folder = Path(tempfile.mkdtemp(prefix="arrival_probe_"))
     write_spec(folder, layers=args.layers, size=size)
+    pool = (beside + 2) * context
     sargs = ServerArgs(
         model_path=str(folder),
         device="cuda" if cuda else "cpu",
-        context_length=n + 64,
-        max_total_tokens=3 * (n + 64),
+        context_length=context,
+        max_total_tokens=pool,
+        max_running_requests=beside + 2,
         disaggregation_mode="decode",
         disaggregation_transfer_backend="fake",
         model_loader=loader.SPEC,
         model_loader_args="--fake-kv-locality 0.9",
-        disable_cuda_graph=True,  # arrivals only: no decode step is timed here
+        # decode graphs only where a batch decodes beside the arrivals
+        disable_cuda_graph=not beside,
+        cuda_graph_max_bs=max(1, beside + 1),
     )
-    dev_cache = min(args.dev_cache, 3 * (n + 64))
+    dev_cache = min(args.dev_cache, pool)
     serving = build_serving(sargs, echo=EchoConfig(offload=True, dev_cache_size=dev_cache))
     sched = serving.scheduler
     transfer = sched.prompt_source
+    two_streams = transfer.copy_stream
     timed = TimedWrites(transfer)
     vocab = serving.info["vocab_size"]
     rng = random.Random(0)
 
+    def prompt() -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
     def one(rid: str) -> float:
-        """One arrival alone (its request ends on arrival): its start-to-arrival ms."""
+        """One arrival (its request ends on arrival): its start-to-arrival ms, the decode
+        batch stepping beside it if one runs."""
         before_n, before_s = transfer.transfers, transfer.transfer_s
-        ids = [rng.randrange(3, vocab) for _ in range(n)]
-        sched.add(ServeRequest(rid=rid, prompt=ids, params=SamplingParams(max_new_tokens=1)))
-        while sched.has_work():
+        sched.add(ServeRequest(rid=rid, prompt=prompt(), params=SamplingParams(max_new_tokens=1)))
+        while transfer.transfers == before_n:
             sched.step()
         if transfer.transfers != before_n + 1:
             raise RuntimeError(f"{rid}: expected one arrival, saw {transfer.transfers - before_n}")
         return 1e3 * (transfer.transfer_s - before_s)
 
-    one("warm-up")
-    timed.spans.clear()
-    timed.host_s.clear()
-    arrival_ms = [one(f"a{i}") for i in range(args.repeats)]
-    device_ms = timed.device_ms()
-    host_ms = [1e3 * s for s in timed.host_s]
+    for i in range(beside):  # the batch that decodes beside the timed arrivals
+        params = SamplingParams(max_new_tokens=background_tokens, ignore_eos=True)
+        sched.add(ServeRequest(rid=f"bg{i}", prompt=prompt(), params=params))
+    while transfer.transfers < beside:
+        sched.step()
+    steps0 = sched.stats.decode_steps
+    arms = {"two_streams": two_streams, "one_stream": None}
+    for name, stream in arms.items():  # a warm-up of each
+        transfer.copy_stream = stream
+        one(f"warm-{name}")
+    timed.take()
+    results: dict[str, dict[str, list[float]]] = {
+        name: {"arrival": [], "stream": [], "host": []} for name in arms
+    }
+    for i in range(args.repeats):  # the arms interleaved, repeat by repeat
+        for name, stream in arms.items():
+            transfer.copy_stream = stream
+            arrival = one(f"{name}-{i}")
+            device, host = timed.take()
+            r = results[name]
+            r["arrival"].append(arrival)
+            r["stream"].extend(device)
+            r["host"].extend(host)
+    transfer.copy_stream = two_streams
+    decode_steps = sched.stats.decode_steps - steps0
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -193,28 +236,40 @@ def run(args: argparse.Namespace) -> dict:
             one(f"p{i}")
         if cuda:
             torch.cuda.synchronize()
-    cache = serving.kv_cache
-    host_rows = cache.host.rows
-    row_bytes = host_rows.shape[-1] * host_rows.element_size()
+    timed.take()
+    row_bytes = serving.kv_cache.host.rows.shape[-1] * serving.kv_cache.host.rows.element_size()
     nbytes = args.layers * n * row_bytes
     roof = d2h_roofline_gbps(nbytes)
-    arrival = median(arrival_ms)
+    roof_ms = 1e3 * nbytes / (roof * 1e9) if roof else None
+    by_arm = {}
+    for name, r in results.items():
+        arrival = median(r["arrival"])
+        by_arm[name] = {
+            "arrival_ms": [round(x, 3) for x in r["arrival"]],
+            "arrival_ms_median": arrival,
+            "stream_ms_median": median(r["stream"]),  # the writes' span on the streams
+            "writer_host_ms_median": median(r["host"]),  # the writer thread queuing them
+            "effective_gbps": nbytes / (arrival / 1e3) / 1e9 if arrival else None,
+            "arrival_over_roofline": arrival / roof_ms if roof_ms and arrival else None,
+        }
+    one_arm, two_arm = by_arm["one_stream"], by_arm["two_streams"]
     metrics = {
         "prompt_tokens": n,
         "layers": args.layers,
+        "beside_decode": beside,
+        "decode_steps_during": decode_steps,
         "host_row_bytes": row_bytes,
         "host_bytes_per_arrival": nbytes,
-        "arrival_ms": [round(x, 3) for x in arrival_ms],
-        "arrival_ms_median": arrival,
-        "stream_ms_median": median(device_ms),  # the writes' span on the transfer's stream
-        "writer_host_ms_median": median(host_ms),  # the writer thread queuing them
-        "effective_gbps": nbytes / (arrival / 1e3) / 1e9 if arrival else None,
         "d2h_roofline_gbps": roof,
-        "roofline_ms": 1e3 * nbytes / (roof * 1e9) if roof else None,
+        "roofline_ms": roof_ms,
+        "arms": by_arm,
+        "two_over_one_stream": (
+            two_arm["arrival_ms_median"] / one_arm["arrival_ms_median"]
+            if one_arm["arrival_ms_median"]
+            else None
+        ),
         "profile_top": profile_top(prof, max(1, args.profiled)) if args.profiled else [],
     }
-    if metrics["roofline_ms"] and arrival:
-        metrics["arrival_over_roofline"] = arrival / metrics["roofline_ms"]
     return {
         "name": "arrival_probe",
         "commit": args.commit or git_commit(),
@@ -232,8 +287,9 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("repeats", "layers"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name} must be >= 1")
-    if args.profiled < 0:
-        raise SystemExit("error: --profiled must be >= 0")
+    for name in ("profiled", "beside_decode"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 0")
     record = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "arrival_probe.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -213,45 +213,70 @@ class EchoKVCache(KVCache):
         reserved ``slots``, device rows. Data only (no map, stack or counter changes), so
         it may run on another stream and thread than the decode steps: no step selects
         these ids before the request joins the batch, and pinned slots are never evicted.
+        Its two parts, ``fill_prompt_host`` and ``fill_prompt_device``, touch disjoint
+        bytes and may run on two streams."""
+        self.fill_prompt_host(layer, locs, kv_rows, extents)
+        self.fill_prompt_device(layer, locs, kv_rows, index_keys, slots)
 
-        ``extents`` (offload/host_extents.py, its ``rest`` on the rows' device): the host
-        rows of its long runs go by copy engine into the pinned pool (no SM held while
-        PCIe drains), the rest by the UVA scatter; without it all by the scatter.
-        ``kv_rows`` as a window into a bank (model/periodic_rows.py): the long runs are
-        copied from the bank's stored form, stretch by stretch, with no rows made first."""
-        self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        if isinstance(kv_rows, PeriodicRows):  # the bank stored once, not every row
-            # Encoded at its first arrival only: every prompt of a decode node's transfer
-            # draws from one bank per layer, and encoding it per arrival and layer
-            # quantized the whole bank each time under fp8.
-            key = kv_rows.bank.data_ptr()
-            if key not in self._stored_banks:
-                encoded = encode_kv_rows(kv_rows.bank, self.kv_lora_rank, self.kv_dtype)
-                self._stored_banks[key] = (kv_rows.bank, encoded)
-            stored = kv_rows.with_bank(self._stored_banks[key][1])
-        else:
-            stored = encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
+    def stored_rows(self, kv_rows: torch.Tensor | PeriodicRows) -> torch.Tensor | PeriodicRows:
+        """``kv_rows`` as the pools store them (fp8-encoded under an fp8 KV cache). A window
+        into a bank: the bank encoded at its first use only, since every prompt of a decode
+        node's transfer draws from one bank per layer, and encoding it per arrival and
+        layer quantized the whole bank each time under fp8."""
+        if not isinstance(kv_rows, PeriodicRows):
+            return encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
+        key = kv_rows.bank.data_ptr()
+        if key not in self._stored_banks:
+            encoded = encode_kv_rows(kv_rows.bank, self.kv_lora_rank, self.kv_dtype)
+            self._stored_banks[key] = (kv_rows.bank, encoded)
+        return kv_rows.with_bank(self._stored_banks[key][1])
+
+    def fill_prompt_host(
+        self,
+        layer: int,
+        locs: torch.Tensor,
+        kv_rows: torch.Tensor | PeriodicRows,
+        extents: HostExtents | None = None,
+    ) -> None:
+        """The host rows. ``extents`` (offload/host_extents.py, its ``rest`` on the rows'
+        device): the rows of its long runs go by copy engine into the pinned pool (no SM
+        held while PCIe drains), the rest by the UVA scatter; without it all by the
+        scatter. ``kv_rows`` as a window into a bank (model/periodic_rows.py): the long runs
+        are copied from the bank's stored form, stretch by stretch, with no rows made."""
+        stored = self.stored_rows(kv_rows)
         host = self.manager.host_view if self.manager.host_view is not None else self.host.rows
         if extents is None:
             host[layer].index_copy_(0, locs.to(host.device), all_rows(stored).to(host.device))
-        else:
-            copy_runs(self.host.rows[layer], stored, extents.runs)
-            if extents.rest.numel():
-                rest = extents.rest
-                host[layer].index_copy_(
-                    0, locs[rest].to(host.device), rows_at(stored, rest).to(host.device)
-                )
-        if slots is not None:  # only the lanes the reservation placed (kernels/placed_rows.py)
-            if isinstance(stored, PeriodicRows):
-                src, period, offset = stored.bank, stored.period, stored.offset
-            else:
-                src, period, offset = stored, None, 0
-            write = (
-                write_placed_rows_kernel
-                if self.manager.use_kernels
-                else write_placed_rows_reference
+            return
+        copy_runs(self.host.rows[layer], stored, extents.runs)
+        if extents.rest.numel():
+            rest = extents.rest
+            host[layer].index_copy_(
+                0, locs[rest].to(host.device), rows_at(stored, rest).to(host.device)
             )
-            write(self.cache.rows[layer], slots, src, self.cache.scratch_slot, period, offset)
+
+    def fill_prompt_device(
+        self,
+        layer: int,
+        locs: torch.Tensor,
+        kv_rows: torch.Tensor | PeriodicRows,
+        index_keys: torch.Tensor,
+        slots: torch.Tensor | None,
+    ) -> None:
+        """The index keys, and the device rows of the lanes the reservation placed
+        (kernels/placed_rows.py)."""
+        self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
+        if slots is None:
+            return
+        stored = self.stored_rows(kv_rows)
+        if isinstance(stored, PeriodicRows):
+            src, period, offset = stored.bank, stored.period, stored.offset
+        else:
+            src, period, offset = stored, None, 0
+        write = (
+            write_placed_rows_kernel if self.manager.use_kernels else write_placed_rows_reference
+        )
+        write(self.cache.rows[layer], slots, src, self.cache.scratch_slot, period, offset)
 
     def unpin_prompt(self, slots: torch.Tensor | None) -> None:
         """The prompt has arrived (on the decode stream, after its transfer's event): its

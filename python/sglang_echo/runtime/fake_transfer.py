@@ -29,6 +29,7 @@ a few SM-milliseconds, as an RDMA arrival takes none.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import math
 import random
 import time
@@ -140,6 +141,15 @@ class FakeTransfer:
         # transfer costs the engine thread nothing: the engine thread only takes the
         # locations (and ECHO's slots) and hands the rest over.
         self.stream = torch.cuda.Stream(device, priority=0) if device.type == "cuda" else None
+        # The host rows' copies on a stream of their own: they take no SM, and on the
+        # transfer's stream they waited behind its kernels, which the decode's blocks
+        # delay (the copies alone run at the host link's speed). None: one stream.
+        self.copy_stream = torch.cuda.Stream(device, priority=0) if device.type == "cuda" else None
+        if kv_cache.fill_takes_extents:  # every bank's stored form made now, on one stream
+            for layer in range(self.num_layers):
+                kv_cache.stored_rows(self.synth.kv_window(layer, 1, 0))
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
         self._writer = (
             ThreadPoolExecutor(1, thread_name_prefix="echo-transfer")
             if self.stream is not None
@@ -211,6 +221,9 @@ class FakeTransfer:
         # The writes start after everything the decode stream has queued: the locations may
         # have been a finished request's, and the slots were reserved there.
         self.stream.wait_stream(current)
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(current)
+            loc_t.record_stream(self.copy_stream)
         # Both were made on the decode stream and are read on the transfer's: without this
         # the allocator could hand their memory to the decode stream again as soon as the
         # writer thread lets go of them, while the transfer's kernels still read it (seen
@@ -229,37 +242,54 @@ class FakeTransfer:
         lap("submit")
 
     def _write(
-        self, locs: torch.Tensor, seed: int, slots: torch.Tensor | None, host_locs: Sequence[int]
+        self,
+        locs: torch.Tensor,
+        seed: int,
+        slots: torch.Tensor | None,
+        host_locs: Sequence[int],
+        host_stream: torch.cuda.Stream | None = None,
     ) -> None:
         """Every layer's rows and index keys of the prompt at ``locs`` (positions 0..n-1;
-        ``host_locs``, the same on the CPU, lay out the host writes: offload/host_extents.py)."""
+        ``host_locs``, the same on the CPU, lay out the host writes: offload/host_extents.py).
+        The host rows first, on ``host_stream`` when given (copies, no SM), then the index
+        keys and the placed device rows on the current stream."""
         if self.draft_synth is not None:  # the NextN layer's rows over the prompt
             self.draft_synth.write(self.draft_cache, locs, seed)
         if not self.kv_cache.fill_takes_extents:  # the plain pool, HiSparse-like
             self.synth.write(self.kv_cache, locs, seed)
             return
-        extents = split_extents(host_locs)
-        extents = HostExtents(extents.runs, upload(extents.rest, locs.device))
         n = int(locs.numel())
+        on_host_stream = (
+            torch.cuda.stream(host_stream) if host_stream is not None else contextlib.nullcontext()
+        )
+        with on_host_stream:
+            extents = split_extents(host_locs)
+            extents = HostExtents(extents.runs, upload(extents.rest, locs.device))
+            for layer in range(self.num_layers):
+                self.kv_cache.fill_prompt_host(
+                    layer, locs, self.synth.kv_window(layer, n, seed), extents
+                )
         for group in self.synth.layer_groups(n):
             keys = self.synth.keys_of(group, n, seed)
             for i, layer in enumerate(group):
-                self.kv_cache.fill_prompt(
+                self.kv_cache.fill_prompt_device(
                     layer,
                     locs,
                     self.synth.kv_window(layer, n, seed),
                     keys[i],
                     None if slots is None else slots[layer],
-                    extents,
                 )
 
     def _write_on_stream(
         self, locs: torch.Tensor, seed: int, transfer: _Transfer, host_locs: Sequence[int]
     ) -> None:
-        """The writer thread: the writes on the transfer's stream, then its event. Tensors
-        made here belong to that stream's allocator pool, so none is reused while it runs."""
+        """The writer thread: the writes on the transfer's streams, then its event (after
+        both). Tensors made here belong to those streams' allocator pools, so none is
+        reused while they run."""
         with torch.cuda.device(self.steps.device), torch.cuda.stream(self.stream):
-            self._write(locs, seed, transfer.slots, host_locs)
+            self._write(locs, seed, transfer.slots, host_locs, self.copy_stream)
+            if self.copy_stream is not None:
+                self.stream.wait_stream(self.copy_stream)
             transfer.done.record(self.stream)
 
     def _draft_carry(self, seed: int) -> tuple[int, torch.Tensor]:
@@ -283,7 +313,10 @@ class FakeTransfer:
         self._transfers = [t for t in self._transfers if t not in ready]
         failed = [t for t in ready if t.error is not None]
         if failed and self.stream is not None:  # whatever the failed writers launched lands
-            torch.cuda.current_stream(self.steps.device).wait_stream(self.stream)  # first
+            current = torch.cuda.current_stream(self.steps.device)  # first
+            current.wait_stream(self.stream)
+            if self.copy_stream is not None:
+                current.wait_stream(self.copy_stream)
         self.failed.extend((t.req, t.error) for t in failed)
         ready = [t for t in ready if t.error is None]
         now = time.perf_counter()
