@@ -125,6 +125,19 @@ def test_reserved_slots_survive_evictions_until_they_arrive():
     )
 
 
+def _twin_caches(gen: torch.Generator) -> tuple[EchoKVCache, EchoKVCache]:
+    """Two caches in the same state: each layer filled differently (some ids resident,
+    some layers nearly full)."""
+    a, b = _cache(), _cache()
+    for layer in range(LAYERS):
+        k = int(torch.randint(0, SLOTS, (1,), generator=gen))
+        ids = (torch.randperm(HOST, generator=gen)[:k] + 1).view(1, -1)
+        if k:
+            a.resolve(layer, ids, distinct=True)
+            b.resolve(layer, ids, distinct=True)
+    return a, b
+
+
 def test_all_layers_placement_equals_the_per_layer_one():
     """``place_slots_all_layers`` against ``place_slots`` layer by layer, from caches in
     different states (each layer filled differently, some ids already resident, more ids
@@ -133,13 +146,7 @@ def test_all_layers_placement_equals_the_per_layer_one():
 
     for seed in range(4):
         gen = torch.Generator().manual_seed(seed)
-        a, b = _cache(), _cache()
-        for layer in range(LAYERS):  # a different fill per layer, the same in both caches
-            k = int(torch.randint(0, SLOTS, (1,), generator=gen))
-            ids = (torch.randperm(HOST, generator=gen)[:k] + 1).view(1, -1)
-            if k:
-                a.resolve(layer, ids, distinct=True)
-                b.resolve(layer, ids, distinct=True)
+        a, b = _twin_caches(gen)
         locs = torch.randperm(HOST, generator=gen)[: SLOTS // 2 + 8 * seed] + 1
         locs[0] = 0  # the sink: never placed
         per_layer = torch.stack(
@@ -166,13 +173,7 @@ def test_all_layers_placement_kernel_equals_its_reference(monkeypatch, lanes):
     monkeypatch.setattr(decode_write, "PLACE_LANES", lanes)
     for seed in range(4):
         gen = torch.Generator().manual_seed(seed)
-        a, b = _cache(), _cache()
-        for layer in range(LAYERS):  # a different fill per layer, the same in both caches
-            k = int(torch.randint(0, SLOTS, (1,), generator=gen))
-            ids = (torch.randperm(HOST, generator=gen)[:k] + 1).view(1, -1)
-            if k:
-                a.resolve(layer, ids, distinct=True)
-                b.resolve(layer, ids, distinct=True)
+        a, b = _twin_caches(gen)
         locs = torch.randperm(HOST, generator=gen)[: SLOTS // 2 + 12 * seed] + 1
         locs[1] = 0  # the sink: never placed
         expected = place_slots_all_layers(a.cache, locs, PINNED_PRIORITY)

@@ -42,6 +42,21 @@ WRITE_WARPS = 4
 _ABSENT = tl.constexpr(ABSENT)
 
 
+@triton.jit
+def _take_slots(loc, live, h2d_ptr, stack_ptr, free0, taken):
+    """The placement rule for one step of lanes, in lane order: an id (> 0) not resident
+    takes the next slot popped from the top of the stack (``taken`` popped before) while
+    ``free0`` last. Returns (new, placed, slot, resident, old slot as int64)."""
+    token = live & (loc > 0)
+    old = tl.load(h2d_ptr + loc, mask=token, other=_ABSENT)
+    new = token & (old == _ABSENT)
+    rank = taken + tl.cumsum(new.to(tl.int32), 0) - 1
+    placed = new & (rank < free0)
+    slot = tl.load(stack_ptr + (free0 - 1 - rank), mask=placed, other=0).to(tl.int64)
+    resident = token & (old != _ABSENT)
+    return new, placed, slot, resident, old.to(tl.int64)
+
+
 @triton.jit(do_not_specialize=("lanes",))
 def _decode_write_kernel(
     rows_ptr, locs_ptr, lanes, host_ptr, dev_ptr, h2d_ptr, d2h_ptr, prio_ptr, clock_ptr,
@@ -58,14 +73,10 @@ def _decode_write_kernel(
         lane = start + tl.arange(0, LANES)
         live = lane < lanes
         loc = tl.load(locs_ptr + lane, mask=live, other=0).to(tl.int64)
-        token = live & (loc > 0)
-        old = tl.load(h2d_ptr + loc, mask=token, other=_ABSENT)
-        new = token & (old == _ABSENT)
-        rank = taken + tl.cumsum(new.to(tl.int32), 0) - 1
-        placed = new & (rank < free0)
-        slot = tl.load(free_stack_ptr + (free0 - 1 - rank), mask=placed, other=0).to(tl.int64)
-        resident = token & (old != _ABSENT)
-        dest = tl.where(placed, slot, tl.where(resident, old.to(tl.int64), 0))
+        new, placed, slot, resident, old = _take_slots(
+            loc, live, h2d_ptr, free_stack_ptr, free0, taken
+        )
+        dest = tl.where(placed, slot, tl.where(resident, old, 0))
         to_dev = placed | resident
         for w0 in tl.static_range(0, WORDS, WORD_BLOCK):
             col = w0 + tl.arange(0, WORD_BLOCK)
@@ -209,14 +220,8 @@ def _place_all_layers_kernel(
         lane = start + tl.arange(0, LANES)
         live = lane < lanes
         loc = tl.load(locs_ptr + lane, mask=live, other=0).to(tl.int64)
-        token = live & (loc > 0)
-        old = tl.load(h2d + loc, mask=token, other=_ABSENT)
-        new = token & (old == _ABSENT)
-        rank = taken + tl.cumsum(new.to(tl.int32), 0) - 1
-        placed = new & (rank < free0)
-        slot = tl.load(stack + (free0 - 1 - rank), mask=placed, other=0).to(tl.int64)
-        resident = token & (old != _ABSENT)
-        dest = tl.where(placed, slot, tl.where(resident, old.to(tl.int64), scratch_slot))
+        new, placed, slot, resident, old = _take_slots(loc, live, h2d, stack, free0, taken)
+        dest = tl.where(placed, slot, tl.where(resident, old, scratch_slot))
         tl.store(h2d + loc, slot.to(tl.int32), mask=placed)
         tl.store(d2h + slot, loc.to(tl.int32), mask=placed)
         tl.store(prio + slot, tl.zeros_like(slot) + priority, mask=placed)
