@@ -212,6 +212,37 @@ def test_filling_by_extents_writes_what_the_scatter_writes():
             assert torch.equal(a[key], b[key]), key
 
 
+def test_fill_prompt_parts_write_what_all_writes():
+    """A transfer runs the host part (copies) and the device part (keys, placed rows) on
+    two streams, in either order: together they write exactly what ``part="all"`` does,
+    from a window into a bank (the transfer's form) and with some lanes unplaced."""
+    from sglang_echo.model.periodic_rows import PeriodicRows
+
+    host_locs = [*range(5, 45), *range(300, 320, 2), *range(200, 260)]
+    n = len(host_locs)
+    locs = torch.tensor(host_locs)
+    gen = torch.Generator().manual_seed(1)
+    banks = [torch.randn(13, WIDTH, generator=gen) for _ in range(LAYERS)]
+    keys = [torch.randn(n, INDEX, generator=gen) for _ in range(LAYERS)]
+    extents = split_extents(host_locs, min_tokens=16)
+    states = []
+    for order in (("all",), ("host", "device"), ("device", "host")):
+        c = _cache()
+        slots = c.reserve_prompt(locs)
+        for part in order:
+            for layer in range(LAYERS):
+                window = PeriodicRows(banks[layer], 3, n)
+                c.fill_prompt(layer, locs, window, keys[layer], slots[layer], extents, part)
+        c.unpin_prompt(slots)
+        states.append(_state(c))
+    assert (states[0]["free"] == 0).all(), "more lanes than slots: some lanes unplaced"
+    for other in states[1:]:
+        for key in states[0]:
+            assert torch.equal(states[0][key], other[key]), key
+    with pytest.raises(ValueError, match="part must be one of"):
+        _cache().fill_prompt(0, locs, banks[0][:n], keys[0], None, None, part="rows")
+
+
 def test_split_extents_covers_every_position_once():
     gen = torch.Generator().manual_seed(0)
     scatter = (torch.randperm(5000, generator=gen)[:300] + 10_000).tolist()

@@ -151,37 +151,19 @@ class KVCache:
         index_keys: torch.Tensor,
         slots: torch.Tensor | None,
         extents: Any,
+        part: str = "all",
     ) -> None:
         """An arriving prompt's bytes, for ``fill_takes_extents`` backends: by default as
         ``write_prompt``, ignoring the reserved slots and the host extents. ``kv_rows`` may
-        be a window into a bank of rows (an emulated arrival: model/periodic_rows.py)."""
+        be a window into a bank of rows (an emulated arrival: model/periodic_rows.py).
+        ``part``: "host" writes what a copy engine can (no SM), "device" the rest, "all"
+        both; the two write disjoint bytes, so a transfer may run them on two streams. By
+        default "host" writes nothing and "device" everything."""
+        if part == "host":
+            return
         if isinstance(kv_rows, PeriodicRows):
             kv_rows = kv_rows.materialize()
         self.write_prompt(layer, locs, kv_rows, index_keys)
-
-    def stored_rows(self, kv_rows: torch.Tensor | PeriodicRows) -> torch.Tensor | PeriodicRows:
-        """``kv_rows`` as this backend stores them (by default as they are). A transfer
-        asks once per bank at start-up, so that no arrival makes a stored form while
-        another stream reads it."""
-        return kv_rows
-
-    def fill_prompt_host(
-        self, layer: int, locs: torch.Tensor, kv_rows: torch.Tensor | PeriodicRows, extents: Any
-    ) -> None:
-        """The part of ``fill_prompt`` a copy engine can write (no SM): by default nothing,
-        ``fill_prompt_device`` writing it all."""
-
-    def fill_prompt_device(
-        self,
-        layer: int,
-        locs: torch.Tensor,
-        kv_rows: torch.Tensor | PeriodicRows,
-        index_keys: torch.Tensor,
-        slots: torch.Tensor | None,
-    ) -> None:
-        """The rest of ``fill_prompt``, after or beside ``fill_prompt_host`` on another
-        stream (the two write disjoint bytes): by default all of it."""
-        self.fill_prompt(layer, locs, kv_rows, index_keys, slots, None)
 
     def unpin_prompt(self, slots: torch.Tensor | None) -> None:
         """An arrived prompt's reserved slots may be evicted from now on."""

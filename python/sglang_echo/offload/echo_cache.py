@@ -29,6 +29,30 @@ from sglang_echo.offload.prefetch_rule import DecodePrefetchRule
 from sglang_echo.offload.prefetch_switch import DecodePrefetchSwitch, SwitchedCheckpoint
 from sglang_echo.offload.prefill_prefetcher import PrefillPrefetcher
 
+FILL_PARTS = ("all", "host", "device")
+
+
+def stored_form(
+    banks: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    kv_rows: torch.Tensor | PeriodicRows,
+    kv_lora_rank: int,
+    kv_dtype: torch.dtype,
+) -> torch.Tensor | PeriodicRows:
+    """``kv_rows`` as the pools store them (fp8-encoded under an fp8 KV cache). A window into
+    a bank: the bank encoded at its first use only (kept in ``banks``), since every prompt
+    of a decode node's transfer draws from one bank per layer, and encoding it per arrival
+    and layer quantized the whole bank each time under fp8. The first encoding is waited
+    for on the host: an arrival's two parts read it from two streams."""
+    if not isinstance(kv_rows, PeriodicRows):
+        return encode_kv_rows(kv_rows, kv_lora_rank, kv_dtype)
+    key = kv_rows.bank.data_ptr()
+    if key not in banks:
+        encoded = encode_kv_rows(kv_rows.bank, kv_lora_rank, kv_dtype)
+        if encoded.is_cuda:
+            torch.cuda.current_stream(encoded.device).synchronize()
+        banks[key] = (kv_rows.bank, encoded)
+    return kv_rows.with_bank(banks[key][1])
+
 
 class EchoKVCache(KVCache):
     # An arriving prompt's bytes go to its host rows and reserved slots (fill_prompt):
@@ -208,67 +232,39 @@ class EchoKVCache(KVCache):
         index_keys: torch.Tensor,
         slots: torch.Tensor | None,
         extents: HostExtents | None = None,
+        part: str = "all",
     ) -> None:
-        """The arriving prompt's bytes for one layer: index keys, host rows and, into its
-        reserved ``slots``, device rows. Data only (no map, stack or counter changes), so
-        it may run on another stream and thread than the decode steps: no step selects
-        these ids before the request joins the batch, and pinned slots are never evicted.
-        Its two parts, ``fill_prompt_host`` and ``fill_prompt_device``, touch disjoint
-        bytes and may run on two streams."""
-        self.fill_prompt_host(layer, locs, kv_rows, extents)
-        self.fill_prompt_device(layer, locs, kv_rows, index_keys, slots)
+        """The arriving prompt's bytes for one layer. Data only (no map, stack or counter
+        changes), so it may run on another stream and thread than the decode steps: no
+        step selects these ids before the request joins the batch, and pinned slots are
+        never evicted. ``part``: "host", the host rows (copies, no SM); "device", the index
+        keys and the device rows of the lanes the reservation placed; "all". The two parts
+        write disjoint bytes, so they may run on two streams.
 
-    def stored_rows(self, kv_rows: torch.Tensor | PeriodicRows) -> torch.Tensor | PeriodicRows:
-        """``kv_rows`` as the pools store them (fp8-encoded under an fp8 KV cache). A window
-        into a bank: the bank encoded at its first use only, since every prompt of a decode
-        node's transfer draws from one bank per layer, and encoding it per arrival and
-        layer quantized the whole bank each time under fp8."""
-        if not isinstance(kv_rows, PeriodicRows):
-            return encode_kv_rows(kv_rows, self.kv_lora_rank, self.kv_dtype)
-        key = kv_rows.bank.data_ptr()
-        if key not in self._stored_banks:
-            encoded = encode_kv_rows(kv_rows.bank, self.kv_lora_rank, self.kv_dtype)
-            self._stored_banks[key] = (kv_rows.bank, encoded)
-        return kv_rows.with_bank(self._stored_banks[key][1])
-
-    def fill_prompt_host(
-        self,
-        layer: int,
-        locs: torch.Tensor,
-        kv_rows: torch.Tensor | PeriodicRows,
-        extents: HostExtents | None = None,
-    ) -> None:
-        """The host rows. ``extents`` (offload/host_extents.py, its ``rest`` on the rows'
-        device): the rows of its long runs go by copy engine into the pinned pool (no SM
-        held while PCIe drains), the rest by the UVA scatter; without it all by the
-        scatter. ``kv_rows`` as a window into a bank (model/periodic_rows.py): the long runs
-        are copied from the bank's stored form, stretch by stretch, with no rows made."""
-        stored = self.stored_rows(kv_rows)
-        host = self.manager.host_view if self.manager.host_view is not None else self.host.rows
-        if extents is None:
-            host[layer].index_copy_(0, locs.to(host.device), all_rows(stored).to(host.device))
+        ``extents`` (offload/host_extents.py, its ``rest`` on the rows' device): the host
+        rows of its long runs go by copy engine into the pinned pool (no SM held while
+        PCIe drains), the rest by the UVA scatter; without it all by the scatter.
+        ``kv_rows`` as a window into a bank (model/periodic_rows.py): the long runs are
+        copied from the bank's stored form, stretch by stretch, with no rows made first."""
+        if part not in FILL_PARTS:
+            raise ValueError(f"part must be one of {FILL_PARTS}, got {part!r}")
+        stored = stored_form(self._stored_banks, kv_rows, self.kv_lora_rank, self.kv_dtype)
+        if part != "device":
+            host = self.manager.host_view if self.manager.host_view is not None else self.host.rows
+            if extents is None:
+                host[layer].index_copy_(0, locs.to(host.device), all_rows(stored).to(host.device))
+            else:
+                copy_runs(self.host.rows[layer], stored, extents.runs)
+                if extents.rest.numel():
+                    rest = extents.rest
+                    host[layer].index_copy_(
+                        0, locs[rest].to(host.device), rows_at(stored, rest).to(host.device)
+                    )
+        if part == "host":
             return
-        copy_runs(self.host.rows[layer], stored, extents.runs)
-        if extents.rest.numel():
-            rest = extents.rest
-            host[layer].index_copy_(
-                0, locs[rest].to(host.device), rows_at(stored, rest).to(host.device)
-            )
-
-    def fill_prompt_device(
-        self,
-        layer: int,
-        locs: torch.Tensor,
-        kv_rows: torch.Tensor | PeriodicRows,
-        index_keys: torch.Tensor,
-        slots: torch.Tensor | None,
-    ) -> None:
-        """The index keys, and the device rows of the lanes the reservation placed
-        (kernels/placed_rows.py)."""
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
-        if slots is None:
+        if slots is None:  # only the lanes the reservation placed (kernels/placed_rows.py)
             return
-        stored = self.stored_rows(kv_rows)
         if isinstance(stored, PeriodicRows):
             src, period, offset = stored.bank, stored.period, stored.offset
         else:

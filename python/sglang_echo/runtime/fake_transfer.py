@@ -145,11 +145,6 @@ class FakeTransfer:
         # transfer's stream they waited behind its kernels, which the decode's blocks
         # delay (the copies alone run at the host link's speed). None: one stream.
         self.copy_stream = torch.cuda.Stream(device, priority=0) if device.type == "cuda" else None
-        if kv_cache.fill_takes_extents:  # every bank's stored form made now, on one stream
-            for layer in range(self.num_layers):
-                kv_cache.stored_rows(self.synth.kv_window(layer, 1, 0))
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()
         self._writer = (
             ThreadPoolExecutor(1, thread_name_prefix="echo-transfer")
             if self.stream is not None
@@ -266,19 +261,14 @@ class FakeTransfer:
             extents = split_extents(host_locs)
             extents = HostExtents(extents.runs, upload(extents.rest, locs.device))
             for layer in range(self.num_layers):
-                self.kv_cache.fill_prompt_host(
-                    layer, locs, self.synth.kv_window(layer, n, seed), extents
-                )
+                window = self.synth.kv_window(layer, n, seed)
+                self.kv_cache.fill_prompt(layer, locs, window, None, None, extents, part="host")
         for group in self.synth.layer_groups(n):
             keys = self.synth.keys_of(group, n, seed)
             for i, layer in enumerate(group):
-                self.kv_cache.fill_prompt_device(
-                    layer,
-                    locs,
-                    self.synth.kv_window(layer, n, seed),
-                    keys[i],
-                    None if slots is None else slots[layer],
-                )
+                window = self.synth.kv_window(layer, n, seed)
+                slot = None if slots is None else slots[layer]
+                self.kv_cache.fill_prompt(layer, locs, window, keys[i], slot, None, part="device")
 
     def _write_on_stream(
         self, locs: torch.Tensor, seed: int, transfer: _Transfer, host_locs: Sequence[int]
