@@ -39,6 +39,7 @@ import torch
 from benchmark.study import loader
 from benchmark.study.worker_spec import write_spec
 from sglang_echo.config import EchoConfig
+from sglang_echo.runtime.host_threads import limit_host_threads
 from sglang_echo.runtime.request import SamplingParams, ServeRequest
 from sglang_echo.runtime.server_args import ServerArgs
 from sglang_echo.runtime.serving import build_serving
@@ -182,6 +183,7 @@ def run(args: argparse.Namespace) -> dict:
     )
     dev_cache = min(args.dev_cache, pool)
     serving = build_serving(sargs, echo=EchoConfig(offload=True, dev_cache_size=dev_cache))
+    limit_host_threads(serving.scheduler.steps.device)  # as the server's engine does
     sched = serving.scheduler
     transfer = sched.prompt_source
     two_streams = transfer.copy_stream

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark.study
 from benchmark.study import loader
 from sglang_echo.config import EchoConfig
 from sglang_echo.runtime.engine_loop import engine_time_summary
+from sglang_echo.runtime.host_threads import limit_host_threads
 from sglang_echo.runtime.request import SamplingParams, ServeRequest
 from sglang_echo.runtime.server_args import ServerArgs
 from sglang_echo.runtime.serving import build_serving
@@ -63,6 +64,7 @@ def main() -> None:
         model_loader_args="--fake-kv-locality 0.9",
     )
     serving = build_serving(sargs, echo=EchoConfig(offload=echo, dev_cache_size=args.dev_cache))
+    limit_host_threads(serving.scheduler.steps.device)  # as the server's engine does
     sched = serving.scheduler
     vocab = serving.info["vocab_size"]
     rng = random.Random(0)

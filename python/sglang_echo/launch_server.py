@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="[%(asctime)s] %(name)s %(levelname)s %(message)s"
     )
+    from sglang_echo.runtime.host_threads import limit_host_threads
     from sglang_echo.runtime.server import create_app
     from sglang_echo.runtime.serving import build_serving
 
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ServerArgError, ConfigError, ModelConfigError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        limit_host_threads(serving.scheduler.steps.device)  # runtime/host_threads.py
     i = serving.info
     print(
         f"sglang-echo: {i['kv_backend']} on {i['device']} ({i['dtype']}, KV "

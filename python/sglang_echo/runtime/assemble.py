@@ -27,7 +27,6 @@ from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.model.layers import set_batch_invariant
 from sglang_echo.model.loader import load_nextn, model_dtype
 from sglang_echo.model.nextn import NextNLayer
-from sglang_echo.runtime.host_threads import limit_host_threads
 from sglang_echo.runtime.kv_factory import build_hisparse_cache, build_kv_cache
 
 ErrorType = type[ValueError]
@@ -88,7 +87,6 @@ def resolve_start_up(
     handed down. ``echo`` overrides the environment's ECHO settings (tests build both
     kinds of backend in one process)."""
     device = resolve_device(device_name, error)
-    limit_host_threads(device)
     dtype_name = resolve_dtype_name(dtype_name, device)
     dtype = model_dtype(dtype_name)
     settings = load_settings()

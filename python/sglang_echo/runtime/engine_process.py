@@ -112,9 +112,11 @@ def engine_main(args, in_addr: str, out_addr: str, log_level: str = "info") -> N
     outbox.connect(out_addr)
     try:
         from sglang_echo.runtime.engine_loop import EngineLoop
+        from sglang_echo.runtime.host_threads import limit_host_threads
         from sglang_echo.runtime.serving import build_serving
 
         serving = build_serving(args)
+        limit_host_threads(serving.scheduler.steps.device)  # runtime/host_threads.py
     except Exception as exc:  # the front prints why and exits
         outbox.send_multipart([b"failed", f"{type(exc).__name__}: {exc}".encode()])
         outbox.close(linger=2000)

@@ -8,7 +8,8 @@ from two threads compete for the same cores, and ops of a tenth of a millisecond
 took tens of milliseconds on a busy two-core machine. One thread makes them cost what
 their work costs. The model's own work is on the GPU, so nothing there is lost; on the
 CPU the model's matmuls need the pool, so it is left alone. ``OMP_NUM_THREADS``, when set,
-is the operator's choice and is kept.
+is the operator's choice and is kept. The server's engine applies it (in its own process,
+or in the server's); a library caller (a test, a notebook) keeps its pool.
 """
 
 from __future__ import annotations
