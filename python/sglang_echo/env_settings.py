@@ -314,6 +314,8 @@ EXTERNAL_VARIABLES: dict[str, str] = {
     "TRITON_INTERPRET": "Triton: `1` runs the Triton kernels on the CPU (the tests set it); "
     "the kernels then take their interpreter paths",
     "SGLANG_PLUGINS": "SGLang's plugin filter: if set, it must name `echo` for the plugin to load",
+    "OMP_NUM_THREADS": "torch's CPU threads: if set, the server's CUDA engine keeps it; unset, "
+    "the engine runs its host ops on one thread (runtime/host_threads.py)",
 }
 
 

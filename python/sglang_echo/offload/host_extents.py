@@ -16,7 +16,6 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from sglang_echo.model.periodic_rows import PeriodicRows
@@ -43,26 +42,27 @@ class HostExtents:
 
 def split_extents(locs: Sequence[int], min_tokens: int = MIN_EXTENT_TOKENS) -> HostExtents:
     """``locs`` (a prompt's host locations in position order) as long runs and the rest.
-
-    In numpy, not torch: it runs on the transfer's writer thread for every arrival, over
-    every location of the prompt, before the first copy can be queued, and torch's small
-    CPU ops cost far more per element here (thread-pool dispatch per op)."""
+    A handful of torch CPU ops over the prompt, on the transfer's writer thread before
+    its first copy is queued: fast on one thread (runtime/host_threads.py), slow where
+    they contend for a per-core pool with the engine thread's."""
     if min_tokens < 1:
         raise ValueError(f"min_tokens must be at least 1, got {min_tokens}")
     values = locs if isinstance(locs, array) and locs.typecode == "q" else array("q", locs)
     n = len(values)
     if n == 0:
         return HostExtents((), torch.zeros(0, dtype=torch.int64))
-    t = np.frombuffer(values, dtype=np.int64)
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(t) != 1) + 1))
-    lengths = np.diff(starts, append=n)
+    t = torch.frombuffer(values, dtype=torch.int64)
+    starts = torch.cat(
+        [torch.zeros(1, dtype=torch.int64), torch.nonzero(t[1:] - t[:-1] != 1).flatten() + 1]
+    )
+    lengths = torch.diff(starts, append=torch.tensor([n]))
     long = lengths >= min_tokens
     runs = tuple(
         (s, int(values[s]), k)
         for s, k in zip(starts[long].tolist(), lengths[long].tolist(), strict=True)
     )
-    rest = np.flatnonzero(np.repeat(~long, lengths)).astype(np.int64)
-    return HostExtents(runs, torch.from_numpy(rest))
+    in_short_run = torch.repeat_interleave(~long, lengths)
+    return HostExtents(runs, torch.nonzero(in_short_run).flatten())
 
 
 def copy_runs(
