@@ -121,3 +121,17 @@ def test_compiles_reach_bench_serving_as_engine_counters(watch):
     engine = parse_counters(text)["engine"]
     assert engine["triton_compiles"] == 1.0
     assert engine["triton_compile_seconds"] == pytest.approx(counts["seconds"])
+
+
+def test_a_compile_while_serving_is_a_warning(watch, caplog):
+    """Start-up compiles are expected (debug); one while serving stalls every request
+    behind it, so it is a warning naming the kernel."""
+    watch.install()
+    fn = JITFunction(_kernel)
+    with caplog.at_level("DEBUG", logger="sglang_echo.jit"):
+        _compile_through_triton(fn, (("*fp32", "i32"), ("D", "")))
+        watch.serving = True
+        _compile_through_triton(fn, (("*fp32", "i32"), ("D", "D")))
+    levels = [(r.levelname, "while serving" in r.getMessage()) for r in caplog.records]
+    assert levels == [("DEBUG", False), ("WARNING", True)]
+    assert "_kernel" in caplog.records[-1].getMessage()

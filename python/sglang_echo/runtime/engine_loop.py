@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from sglang_echo.config import ENV_ENGINE_PROFILE, settings
-from sglang_echo.runtime import metrics
+from sglang_echo.runtime import jit_watch, metrics
 from sglang_echo.runtime.request import ServeRequest
 from sglang_echo.runtime.scheduler import Scheduler
 from sglang_echo.runtime.streams import on_engine_stream
@@ -56,6 +56,7 @@ class EngineLoop:
         # step makes dozens. ENGINE_SWITCH_INTERVAL_S, a tenth of that default, bounds that
         # wait; the HTTP threads switch a little more often.
         sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
+        jit_watch.WATCH.serving = True  # compiles from here on stall requests: warned
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:

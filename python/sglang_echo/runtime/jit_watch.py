@@ -37,6 +37,9 @@ class JitWatch:
         self._lock = threading.Lock()
         self._started: dict[tuple[int, Any], float] = {}  # (thread, key) -> start
         self._previous: tuple[Any, Any] | None = None  # the hooks we replaced
+        # Set when the engine starts serving: a compile from then on is logged as a warning
+        # (requests wait behind it), one during start-up at debug level.
+        self.serving = False
 
     @property
     def installed(self) -> bool:
@@ -80,7 +83,15 @@ class JitWatch:
             self.compiles += 1
             self.seconds += now - started
             self.by_kernel[name] += 1
-        log.info("compiled %s in %.3f s: %s", name, now - started, kwargs.get("repr", ""))
+        level = logging.WARNING if self.serving else logging.DEBUG
+        log.log(
+            level,
+            "compiled %s in %.3f s%s: %s",
+            name,
+            now - started,
+            " while serving (a shape start-up did not cover)" if self.serving else "",
+            kwargs.get("repr", ""),
+        )
         previous = self._previous[1] if self._previous else None
         return previous(**kwargs) if previous is not None else None
 
