@@ -49,9 +49,32 @@ def _import_web():
     return uvicorn
 
 
-def _warmup(host: str, port: int) -> None:
-    """One short request through the whole stack before announcing readiness (as SGLang
-    does), so first-use costs such as kernel compilation do not land on the first client."""
+def warmup_bodies(info: dict) -> list[dict]:
+    """The start-up warm-up's ``/generate`` bodies: one short request through the whole
+    stack (as SGLang sends), and on an ECHO server that prefills, one prompt long enough
+    that its prefill's append takes the multi-launch allocation (more new tokens than one
+    program serves, kernels/alloc_common.py). Why: a single short prompt never reaches
+    that path, so its kernels compiled at the first batched prefill of a run, stalling
+    every request for seconds (a benchmark of short chats at rate inf showed it)."""
+    from sglang_echo.kernels.alloc_common import ONE_PROGRAM_LANES
+
+    bodies = [{"input_ids": [3, 4, 5, 6, 7, 8, 9, 10], "sampling_params": {"max_new_tokens": 4}}]
+    prefills = info.get("disaggregation_mode") in (None, "null")
+    if info.get("kv_backend") == "echo" and prefills:
+        room = min(
+            info.get("chunked_prefill_size") or 0,
+            (info.get("context_length") or 0) - 2,
+            (info.get("max_total_tokens") or 0) - 2,
+        )
+        if room > ONE_PROGRAM_LANES:
+            ids = [3 + i % 200 for i in range(ONE_PROGRAM_LANES + 1)]
+            bodies.append({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
+    return bodies
+
+
+def _warmup(host: str, port: int, info: dict) -> None:
+    """The warm-up requests (``warmup_bodies``) before announcing readiness, so first-use
+    costs such as kernel compilation do not land on the first clients."""
     import json
     import urllib.request
 
@@ -59,16 +82,17 @@ def _warmup(host: str, port: int) -> None:
         host = "127.0.0.1"
     if ":" in host:
         host = f"[{host}]"
-    body = {"input_ids": [3, 4, 5, 6, 7, 8, 9, 10], "sampling_params": {"max_new_tokens": 4}}
-    req = urllib.request.Request(
-        f"http://{host}:{port}/generate",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        urllib.request.urlopen(req, timeout=600).read()
-    except OSError as exc:
-        print(f"warning: warmup request failed: {exc}", file=sys.stderr, flush=True)
+    for body in warmup_bodies(info):
+        req = urllib.request.Request(
+            f"http://{host}:{port}/generate",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            urllib.request.urlopen(req, timeout=600).read()
+        except OSError as exc:
+            print(f"warning: warmup request failed: {exc}", file=sys.stderr, flush=True)
+            return
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if not server.started:
             return
         if not args.skip_server_warmup:
-            _warmup(args.host, args.port)
+            _warmup(args.host, args.port, serving.info)
         print(READY_LINE, file=sys.stderr, flush=True)
 
     threading.Thread(target=announce, daemon=True).start()

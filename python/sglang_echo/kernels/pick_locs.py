@@ -20,7 +20,11 @@ BLOCK = 1024  # picks per program: a top-k of 2048 in two programs a row
 _PER_CALL = ["picks", "queries", "pos_stride", "locs_stride"]
 
 
-@triton.jit(do_not_specialize=_PER_CALL)
+# ``locs_ptr`` is a row of the request table's context view, 16-byte aligned or not by the
+# row's offset (odd rows of an odd width are not): its loads are per-lane gathers, so its
+# alignment gains nothing, and specializing on it compiled a second kernel at the first
+# prefill chunk of several requests.
+@triton.jit(do_not_specialize=_PER_CALL, do_not_specialize_on_alignment=("locs_ptr",))
 def _pick_locs_kernel(
     pos_ptr, locs_ptr, out_ptr, picks, queries, pos_stride, locs_stride,
     BLOCK: tl.constexpr,
