@@ -199,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--skip-server-warmup",
         action="store_true",
-        help="announce readiness without first serving one short warmup request",
+        help="announce readiness without first serving the warmup requests (a short one; "
+        "on an ECHO server that prefills, also one long enough to compile the multi-launch "
+        "append a batched prefill takes)",
     )
     p.add_argument(
         "--max-request-bytes",
