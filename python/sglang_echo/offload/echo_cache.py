@@ -248,8 +248,8 @@ class EchoKVCache(KVCache):
         copied from the bank's stored form, stretch by stretch, with no rows made first."""
         if part not in FILL_PARTS:
             raise ValueError(f"part must be one of {FILL_PARTS}, got {part!r}")
-        stored = stored_form(self._stored_banks, kv_rows, self.kv_lora_rank, self.kv_dtype)
         if part != "device":
+            stored = stored_form(self._stored_banks, kv_rows, self.kv_lora_rank, self.kv_dtype)
             host = self.manager.host_view if self.manager.host_view is not None else self.host.rows
             if extents is None:
                 host[layer].index_copy_(0, locs.to(host.device), all_rows(stored).to(host.device))
@@ -265,6 +265,7 @@ class EchoKVCache(KVCache):
         self.index[layer].index_copy_(0, locs, index_keys.to(self.index.dtype))
         if slots is None:  # only the lanes the reservation placed (kernels/placed_rows.py)
             return
+        stored = stored_form(self._stored_banks, kv_rows, self.kv_lora_rank, self.kv_dtype)
         if isinstance(stored, PeriodicRows):
             src, period, offset = stored.bank, stored.period, stored.offset
         else:
