@@ -46,9 +46,15 @@ def _compile_through_triton(fn: JITFunction, key: tuple) -> None:
 
 @pytest.fixture
 def watch():
+    """A watch over Triton's hooks as this test finds them cleared: a server built earlier
+    in the process installed the process's own watch, which would see these compiles too."""
+    runtime = knobs.runtime
+    saved = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+    runtime.jit_cache_hook = runtime.jit_post_compile_hook = None
     w = JitWatch()
     yield w
     w.uninstall()
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
 
 
 def test_each_compile_is_counted_with_its_kernel(watch):
