@@ -254,21 +254,22 @@ class FakeTransfer:
             self.synth.write(self.kv_cache, locs, seed)
             return
         n = int(locs.numel())
+        windows = [self.synth.kv_window(layer, n, seed) for layer in range(self.num_layers)]
         on_host_stream = (
             torch.cuda.stream(host_stream) if host_stream is not None else contextlib.nullcontext()
         )
         with on_host_stream:
             extents = split_extents(host_locs)
             extents = HostExtents(extents.runs, upload(extents.rest, locs.device))
-            for layer in range(self.num_layers):
-                window = self.synth.kv_window(layer, n, seed)
+            for layer, window in enumerate(windows):
                 self.kv_cache.fill_prompt(layer, locs, window, None, None, extents, part="host")
         for group in self.synth.layer_groups(n):
             keys = self.synth.keys_of(group, n, seed)
             for i, layer in enumerate(group):
-                window = self.synth.kv_window(layer, n, seed)
                 slot = None if slots is None else slots[layer]
-                self.kv_cache.fill_prompt(layer, locs, window, keys[i], slot, None, part="device")
+                self.kv_cache.fill_prompt(
+                    layer, locs, windows[layer], keys[i], slot, None, part="device"
+                )
 
     def _write_on_stream(
         self, locs: torch.Tensor, seed: int, transfer: _Transfer, host_locs: Sequence[int]
