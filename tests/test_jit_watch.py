@@ -141,3 +141,17 @@ def test_a_compile_while_serving_is_a_warning(watch, caplog):
     levels = [(r.levelname, "while serving" in r.getMessage()) for r in caplog.records]
     assert levels == [("DEBUG", False), ("WARNING", True)]
     assert "_kernel" in caplog.records[-1].getMessage()
+
+
+def test_the_warning_says_which_arguments_made_the_variant(watch, caplog):
+    """Triton's cache key is the specialization's text followed by the options' text; the
+    warning keeps the first (what changed: types, values, alignments), not the options."""
+    watch.install()
+    watch.serving = True
+    fn = JITFunction(_kernel)
+    key = "[('*fp32', 'D'), ('i32', '')]" + "CUDAOptions(num_warps=4, num_stages=3)"
+    with caplog.at_level("WARNING", logger="sglang_echo.jit"):
+        _compile_through_triton(fn, key)
+    message = caplog.records[-1].getMessage()
+    assert message.endswith("specialization [('*fp32', 'D'), ('i32', '')]")
+    assert "num_warps" not in message

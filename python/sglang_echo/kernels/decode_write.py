@@ -200,7 +200,9 @@ def place_slots_all_layers(cache: CacheState, locs: torch.Tensor, priority: int)
 PLACE_LANES = 1024  # ids per step of each layer's loop
 
 
-@triton.jit(do_not_specialize=("lanes", "priority"))
+# The prompt's locations are a view into its table row, so their alignment changes per
+# prompt: one compiled variant for every arrival (their loads are gathers anyway).
+@triton.jit(do_not_specialize=("lanes", "priority"), do_not_specialize_on_alignment=("locs_ptr",))
 def _place_all_layers_kernel(
     locs_ptr, lanes, dest_ptr, h2d_ptr, d2h_ptr, prio_ptr, stack_ptr, free_count_ptr,
     h2d_stride, d2h_stride, prio_stride, stack_stride, priority, scratch_slot,

@@ -25,7 +25,13 @@ PLACED_LANES = 32  # rows per program
 PLACED_WARPS = 4
 
 
-@triton.jit
+# Lengths, offsets and the slots' row (a row of a [layers, n] tensor, so its alignment follows
+# n) change with every prompt: specializing on them compiled a variant per arrival shape
+# while serving. The rows' pointers keep theirs (their loads and stores are vectorized).
+@triton.jit(
+    do_not_specialize=("n", "scratch", "period", "offset"),
+    do_not_specialize_on_alignment=("slots",),
+)
 def _placed_rows_kernel(
     src, slots, n, dst, scratch, period, offset, src_stride, dst_stride,
     WORDS: tl.constexpr, WORD_BLOCK: tl.constexpr, LANES: tl.constexpr,

@@ -69,7 +69,9 @@ def release_reference(cache: CacheState, ids: torch.Tensor, errors: torch.Tensor
 
 
 # ------------------------------------------------------------------------------ kernel
-@triton.jit
+# The count and the ids' alignment change with every release (a slice of a finished
+# request's locations): one compiled variant serves them all.
+@triton.jit(do_not_specialize=("n",), do_not_specialize_on_alignment=("ids_ptr",))
 def _release_kernel(
     ids_ptr,
     n,

@@ -18,6 +18,7 @@ under ``TRITON_INTERPRET=1`` (the interpreter compiles nothing).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import Counter
@@ -86,11 +87,14 @@ class JitWatch:
         level = logging.WARNING if self.serving else logging.DEBUG
         log.log(
             level,
-            "compiled %s in %.3f s%s: %s",
+            "compiled %s in %.3f s%s; specialization %s",
             name,
             now - started,
-            " while serving (a shape start-up did not cover)" if self.serving else "",
-            kwargs.get("repr", ""),
+            " while serving (before the ready line: the warm-up's; after it: a shape start-up"
+            " did not cover)"
+            if self.serving
+            else "",
+            _specialization(kwargs),
         )
         previous = self._previous[1] if self._previous else None
         return previous(**kwargs) if previous is not None else None
@@ -119,6 +123,15 @@ def _key(kwargs: dict) -> Any:
     except TypeError:
         return repr(key)
     return key
+
+
+def _specialization(kwargs: dict, limit: int = 600) -> str:
+    """The argument part of Triton's cache key (types, value and alignment flags), which
+    says what made this variant new. Triton 3.6's own ``repr`` drops it (it reads a
+    character of the key string as the signature)."""
+    key = str(kwargs.get("key", ""))
+    options = re.search(r"\w*Options\(", key)  # the key: str(specialization) + str(options)
+    return (key[: options.start()] if options else key)[:limit]
 
 
 def _kernel_name(kwargs: dict) -> str:
