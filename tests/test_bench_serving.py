@@ -622,3 +622,35 @@ def test_served_fields_mean_requests_held_per_step():
     # a server without them (or no decode step over the run): None, not zeros
     bare = served_fields(parse_counters(_metrics_text(1.0, 0.0)), parse_counters(_metrics_text(1.0, 0.0)), 1.0)  # fmt: skip
     assert bare["mean_step_requests"] is None and bare["mean_free_tokens"] is None
+
+
+def test_bodies_are_encoded_before_the_first_request_is_sent(monkeypatch):
+    """A 100K-token body takes ~10 ms to encode: encoding them while sending made the
+    client the bottleneck of a served run. Every body is made before the clock starts,
+    and each request sends exactly its own body."""
+    import asyncio
+
+    from sglang_echo.bench import client
+    from sglang_echo.bench import serving as bs
+
+    events: list[tuple[str, int]] = []
+    real_encode = client.encode_payload
+
+    def encode(req, ignore_eos):
+        events.append(("encode", req.prompt_len))
+        return real_encode(req, ignore_eos)
+
+    async def send(session, url, req, ignore_eos=True, body=None):
+        events.append(("send", req.prompt_len))
+        assert json.loads(body) == client.generate_payload(req, ignore_eos)
+        return RequestResult(success=True, prompt_len=req.prompt_len)
+
+    monkeypatch.setattr(bs, "encode_payload", encode)
+    monkeypatch.setattr(bs, "send_generate", send)
+    reqs = [ds.BenchRequest(list(range(n)), n, 4) for n in (3, 5, 7)]
+    results, _, _ = asyncio.run(
+        bs.run_requests(None, "http://x/generate", reqs, float("inf"), None, True, 0, False)
+    )
+    assert [r.prompt_len for r in results] == [3, 5, 7]
+    kinds = [k for k, _ in events]
+    assert kinds == ["encode"] * 3 + ["send"] * 3, events

@@ -11,6 +11,7 @@ not implemented are refused by name; SIGTERM ends running requests and the proce
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -468,3 +469,38 @@ def test_a_huge_but_valid_max_tokens_gets_400(server, path, field):
     message = err["error"]["message"]
     assert status == 400, message
     assert field in message and len(message) < 300  # not the whole number echoed back
+
+
+def test_bodies_are_parsed_one_at_a_time_on_one_thread(server, monkeypatch):
+    """Many large bodies at once: parsed on one thread, never two at a time (on a pool,
+    dozens parsed together under one GIL and none reached the engine early)."""
+    from sglang_echo.runtime.api.core import StreamingCore
+
+    url = server[0]
+    seen: list[tuple[int, float, float]] = []
+    real = StreamingCore.parse_and_check
+
+    def parse_and_check(self, parse, body):
+        start = time.perf_counter()
+        try:
+            return real(self, parse, body)
+        finally:
+            seen.append((threading.get_ident(), start, time.perf_counter()))
+
+    monkeypatch.setattr(StreamingCore, "parse_and_check", parse_and_check)
+    body = {"input_ids": list(range(1, 200)), "sampling_params": {"max_new_tokens": 1}}
+
+    async def main() -> list[int]:
+        async with aiohttp.ClientSession() as s:
+
+            async def one() -> int:
+                async with s.post(url + "/generate", json=body) as r:
+                    await r.read()
+                    return r.status
+
+            return await asyncio.gather(*(one() for _ in range(8)))
+
+    assert asyncio.run(main()) == [200] * 8
+    assert len(seen) == 8 and len({t for t, _, _ in seen}) == 1
+    spans = sorted((a, b) for _, a, b in seen)
+    assert all(prev_end <= start for (_, prev_end), (start, _) in itertools.pairwise(spans))

@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 
 from sglang_echo.bench import datasets as ds
-from sglang_echo.bench.client import RequestResult, send_generate
+from sglang_echo.bench.client import RequestResult, encode_payload, send_generate
 from sglang_echo.bench.counter_poll import CounterPoll, counter_series, steady_fields
 from sglang_echo.bench.metrics import summarize
 from sglang_echo.bench.server_counters import engine_counters, served_fields
@@ -205,10 +205,11 @@ async def run_requests(
         bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr)
 
     starts = [0.0] * len(reqs)
+    bodies = [encode_payload(r, ignore_eos) for r in reqs]  # before the clock starts
 
     async def send(i: int, req: ds.BenchRequest) -> RequestResult:
         starts[i] = time.perf_counter() - start
-        return await send_generate(session, url, req, ignore_eos)
+        return await send_generate(session, url, req, ignore_eos, bodies[i])
 
     async def one(i: int, req: ds.BenchRequest) -> RequestResult:
         if gate is None:

@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -129,6 +130,10 @@ class StreamingCore:
         # request that reuses its id.
         self.live: dict[str, EventStream] = {}
         self._mailbox: EventMailbox | None = None  # the running loop's, made on first use
+        # Bodies are parsed (and text tokenized) on one thread, in the order they came: on
+        # asyncio's pool, dozens of 100K-token bodies parsed at once under one GIL, each
+        # slower for the others, and none reached the engine before nearly all were done.
+        self._parser = ThreadPoolExecutor(1, thread_name_prefix="echo-parse")
 
     def loop_mailbox(self) -> EventMailbox:
         loop = asyncio.get_running_loop()
@@ -233,7 +238,9 @@ class StreamingCore:
             body = await self.read_body(request)
             # JSON parsing and tokenisation of a large prompt run off the event loop, so
             # other clients' streams keep flowing meanwhile.
-            parsed = await asyncio.to_thread(self.parse_and_check, parse, body)
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                self._parser, self.parse_and_check, parse, body
+            )
         except BadRequest as exc:
             return error_response(str(exc), exc.status)
         rid = parsed.rid or f"{prefix}-{uuid.uuid4().hex}"
