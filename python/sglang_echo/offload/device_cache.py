@@ -76,10 +76,6 @@ class DeviceCache:
         """Every tensor it allocated (rows, maps, stack, clock, counters)."""
         return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
 
-    def resident_count(self, layer: int) -> int:
-        """Occupied token slots (sink excluded). Reads the device: for tests and stats."""
-        return int((self.device_to_host[layer, 1 : self.num_slots + 1] >= 1).sum().item())
-
     def reset_telemetry(self) -> None:
         for t in (
             self.hits,

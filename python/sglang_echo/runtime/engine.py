@@ -28,10 +28,6 @@ class Request(ServeRequest):
     index: int = 0
     step_logits: list[torch.Tensor] = field(default_factory=list)
 
-    @property
-    def max_new_tokens(self) -> int:
-        return self.params.max_new_tokens
-
 
 @dataclass
 class RunStats:

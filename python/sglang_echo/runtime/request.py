@@ -104,10 +104,6 @@ class ServeRequest(SeqState):
         """Token locations this request can ever occupy (its last token is never cached)."""
         return len(self.prompt) + self.params.max_new_tokens - 1
 
-    def remaining_tokens(self) -> int:
-        """Tokens it may still generate."""
-        return self.params.max_new_tokens - len(self.output)
-
 
 @dataclass(frozen=True)
 class TokenLogprob:

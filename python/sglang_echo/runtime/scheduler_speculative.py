@@ -19,7 +19,6 @@ its accepted tokens, read on the host.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from typing import Any
 
@@ -29,8 +28,6 @@ from sglang_echo.runtime.host_ints import int64_tensor
 from sglang_echo.runtime.request import ServeRequest
 from sglang_echo.runtime.sampling import SampledBatch
 from sglang_echo.runtime.speculative import SpecLane, SpecRounds
-
-log = logging.getLogger("sglang_echo.scheduler")
 
 
 class SpeculativeDecode:

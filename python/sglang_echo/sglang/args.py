@@ -59,7 +59,6 @@ DECODE_BACKENDS = {
     "bfloat16": ("flashmla_sparse",),
     "fp8_e4m3": ("flashmla_kv", "flashinfer_sparse_mla"),
 }
-KV_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
 RETRACTION_BACKUP = "none"  # no copy: the plugin keeps the host ids (see declarations)
 
 
