@@ -42,6 +42,8 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
   ``served_arriving``: admitted with their KV still arriving, ``served_waiting``: not
   admitted) with the free token locations (``served_free_tokens``): a small batch with
   few running and few free tokens is memory, with many arriving is the arrivals;
+- ``ingress_inf``: per engine, when its rate-inf prompts had reached the engine (half, all),
+  from the counters sampled during the run (``ingress``).
 - ``batch_limits_inf``: per engine, its rate-inf decode steps split by what held the batch
   back, from the counters sampled during the run (``batch_limits``): none waiting, waiting
   but short of memory, or waiting with room (admission, arrivals);
@@ -187,6 +189,33 @@ def batch_limits(served: dict) -> dict | None:
     }
 
 
+def ingress(served: dict) -> dict | None:
+    """How fast one engine's rate-inf prompts reached it, from the run's counter series:
+    the sample times (seconds from the run's start, to the poll interval) by which the
+    engine had taken in half and all of them, and all over that time. Why: at rate inf the
+    client sends every prompt at once, and an ECHO batch can only grow as fast as prompts
+    get through the front (HTTP, parsing) and their transfers land; a slow front shows
+    here before it shows as a small batch. None without a series."""
+    series = served.get("counter_series") or {}
+    total = len(served.get("input_lens") or [])
+    if not series.get("rows") or not total or "received" not in series.get("columns", []):
+        return None
+    seen, half, whole = 0.0, None, None
+    for row in series["rows"]:
+        r = dict(zip(series["columns"], row, strict=True))
+        seen += r["received"] or 0.0
+        if half is None and seen >= total / 2:
+            half = r["t_s"]
+        if whole is None and seen >= total:
+            whole = r["t_s"]
+    return {
+        "prompts": total,
+        "received_half_s": half,
+        "received_all_s": whole,
+        "received_per_s": round(total / whole, 1) if whole else None,
+    }
+
+
 def throughput_factors(study: dict, served: dict) -> dict | None:
     """One engine's served throughput against the study's, as the product of its decode
     batch, its device time per step and the share of wall time the device decoded (None:
@@ -301,6 +330,7 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
             for eng in ENGINES
         },
         "batch_limits_inf": {eng: batch_limits(runs[eng].get("inf", {})) for eng in ENGINES},
+        "ingress_inf": {eng: ingress(runs[eng].get("inf", {})) for eng in ENGINES},
     }
 
 

@@ -141,3 +141,32 @@ def test_runs_without_ids_compare_nothing(tmp_path):
     s, w = _write(tmp_path, runs, {"metrics": {}})
     rec = served_vs_study.main(["--study", str(s), "--sweep", str(w), "--out", str(tmp_path / "r")])
     assert rec["metrics"]["outputs_equal"] is None and rec["metrics"]["served_over_study"] is None
+
+
+def test_ingress_reads_when_the_prompts_reached_the_engine():
+    """Half and all of a run's prompts taken in, from the per-interval ``received``."""
+    columns = ["t_s", "decode_steps", "received"]
+    served = {
+        "input_lens": [100] * 8,
+        "counter_series": {
+            "columns": columns,
+            "rows": [[0.5, 3, 2.0], [1.0, 4, 2.0], [1.5, 4, 0.0], [2.0, 5, 4.0], [2.5, 5, 0.0]],
+        },
+    }
+    got = served_vs_study.ingress(served)
+    assert got == {
+        "prompts": 8,
+        "received_half_s": 1.0,
+        "received_all_s": 2.0,
+        "received_per_s": 4.0,
+    }
+    # prompts still missing at the end: no "all" time; no series or no column: None
+    served["counter_series"]["rows"][-2][2] = 3.0
+    assert served_vs_study.ingress(served)["received_all_s"] is None
+    assert served_vs_study.ingress({"input_lens": [1]}) is None
+    assert (
+        served_vs_study.ingress(
+            {"input_lens": [1], "counter_series": {"columns": ["t_s"], "rows": [[0.5]]}}
+        )
+        is None
+    )
