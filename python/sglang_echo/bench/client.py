@@ -43,10 +43,11 @@ def generate_payload(req: BenchRequest, ignore_eos: bool) -> dict:
 
 
 def encode_payload(req: BenchRequest, ignore_eos: bool) -> bytes:
-    """The request's JSON body. Why bytes made ahead: a 100K-token ``input_ids`` body takes
-    ~10 ms to encode, and one client encoding hundreds of them on its event loop during the
-    run sent them slower than the server took them in (a served H100 run's engine had
-    received 29 of 318 prompts after 6 s); real clients encode their own bodies."""
+    """The request's JSON body. Why bytes made ahead: a long prompt's ``input_ids`` body
+    takes milliseconds to encode, and one client encoding hundreds of them on its event loop
+    during the run slowed the prompts' way to the engine (the ``received`` counts in the
+    counter series of benchmark/results/served_vs_study_318/); real clients encode their
+    own bodies."""
     return json.dumps(generate_payload(req, ignore_eos)).encode()
 
 
