@@ -57,6 +57,7 @@ def create_app(serving: Serving, engine: EngineLoop | None = None) -> FastAPI:
             yield
         finally:
             engine.stop()
+            core.close()
 
     app = FastAPI(title="sglang-echo", lifespan=lifespan)
     app.state.engine = engine

@@ -135,6 +135,10 @@ class StreamingCore:
         # slower for the others, and none reached the engine before nearly all were done.
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="echo-parse")
 
+    def close(self) -> None:
+        """Let the parser thread go once the app stops (a body being parsed finishes)."""
+        self._parser.shutdown(wait=False)
+
     def loop_mailbox(self) -> EventMailbox:
         loop = asyncio.get_running_loop()
         if self._mailbox is None or self._mailbox.loop is not loop:
