@@ -77,7 +77,8 @@ class StubEngine:
 
 def serve(arm: str, model: Path, prompt_len: int, prompts: int) -> None:
     """The server process: prints its URL, then, once ``prompts`` requests were submitted,
-    their submission times (monotonic seconds) as one JSON line."""
+    their submission times (monotonic seconds) as one JSON line; stops when its stdin
+    closes."""
     import threading
 
     import uvicorn
@@ -106,6 +107,7 @@ def serve(arm: str, model: Path, prompt_len: int, prompts: int) -> None:
     while len(engine.submitted) < prompts:
         time.sleep(0.01)
     print(json.dumps(engine.submitted), flush=True)
+    sys.stdin.read()  # until the client closes it: its last responses may still be streaming
     server.should_exit = True
 
 
@@ -132,12 +134,13 @@ def one_round(arm: str, model: Path, bodies: list[bytes], prompt_len: int) -> li
     """Seconds from the first send to each submission, sorted."""
     cmd = [sys.executable, __file__, "--out", "-", "--serve", arm, "--model", str(model),
            "--prompt-len", str(prompt_len), "--prompts", str(len(bodies))]  # fmt: skip
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
+    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as proc:
         url = proc.stdout.readline().strip()
         if not url.startswith("http"):
             raise RuntimeError(f"the {arm} server did not start (printed {url!r})")
         start = asyncio.run(send_all(url, bodies))
         times = json.loads(proc.stdout.readline())
+        proc.stdin.close()  # every response read: the server may stop
         proc.wait(60)
     return sorted(t - start for t in times)
 
