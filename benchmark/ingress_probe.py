@@ -89,8 +89,9 @@ def serve(arm: str, model: Path, prompt_len: int, prompts: int) -> None:
     from sglang_echo.runtime.server_args import ServerArgs
     from sglang_echo.runtime.serving import build_serving
 
-    if arm == "pool":  # the executor asyncio's run_in_executor(None, ...) picks: its pool
-        core.ThreadPoolExecutor = lambda *a, **k: None
+    if arm == "pool":  # a pool of asyncio's default size, as asyncio.to_thread used
+        pool = core.ThreadPoolExecutor
+        core.ThreadPoolExecutor = lambda *a, **k: pool(thread_name_prefix="echo-parse-pool")
     args = ServerArgs(
         model_path=str(model), device="cpu", dtype="float32",
         context_length=prompt_len + 64, max_total_tokens=prompt_len + 64,
