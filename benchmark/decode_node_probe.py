@@ -8,7 +8,13 @@ beside it. It prints the engine clock (wall and CPU per phase) and, with ``--pro
 the functions that took the admission time. Admission costing the same here as through
 HTTP means its own work; much less means another thread (the GIL) took it.
 
-    python benchmark/decode_node_probe.py --model DIR --backend echo [--profile]
+With ``--trace DIR`` it also records a torch profiler trace (CUDA activity) of a window of
+decode steps in the steady state and folds it (benchmark/device_timeline.py) into what the
+GPU did between the decode graphs: the served efficiency's missing share, by stream and
+kernel. The clock gives the efficiency (the decode steps' device time / wall) of the whole
+run and of the traced window.
+
+    python benchmark/decode_node_probe.py --model DIR --backend echo [--profile] [--trace DIR]
 """
 
 from __future__ import annotations
@@ -22,9 +28,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark.study
 
+from benchmark.device_timeline import load_chrome_trace, summarize
 from benchmark.study import loader
 from sglang_echo.config import EchoConfig
 from sglang_echo.runtime.engine_loop import engine_time_summary
@@ -32,6 +41,7 @@ from sglang_echo.runtime.host_threads import limit_host_threads
 from sglang_echo.runtime.request import SamplingParams, ServeRequest
 from sglang_echo.runtime.server_args import ServerArgs
 from sglang_echo.runtime.serving import build_serving
+from sglang_echo.runtime.streams import on_engine_stream
 
 
 def main() -> None:
@@ -50,6 +60,11 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--profile", default=None, help="write a cProfile of the run here (.txt too)")
     ap.add_argument("--out", default=None, help="write the clock as JSON here")
+    ap.add_argument(
+        "--trace", default=None, help="a folder: a profiler trace of a window of decode steps"
+    )
+    ap.add_argument("--trace-after", type=int, default=150, help="decode steps before the window")
+    ap.add_argument("--trace-steps", type=int, default=100, help="decode steps in the window")
     args = ap.parse_args()
     echo = args.backend == "echo"
     pool = args.pool or (1800000 if echo else 380000)
@@ -84,16 +99,21 @@ def main() -> None:
     }
     tokens0, steps0 = sched.stats.generation_tokens, sched.stats.decode_steps
     profile = cProfile.Profile() if args.profile else None
+    window = TracedWindow(sched, args.trace, args.trace_after, args.trace_steps)
+    device0 = device_seconds(sched)
     t0 = time.perf_counter()
     if profile:
         profile.enable()
     for r in reqs:
         sched.add(r)
-    while sched.has_work():
-        sched.step()
+    with on_engine_stream(sched.steps.device):  # as the server's engine thread steps
+        while sched.has_work():
+            sched.step()
+            window.after_step()
     if profile:
         profile.disable()
     wall = time.perf_counter() - t0
+    window.close()
     s = sched.stats
     clock = {
         "backend": args.backend,
@@ -105,6 +125,10 @@ def main() -> None:
         "phase_cpu_s": {k: v - base["cpu"][k] for k, v in s.phase_cpu_s.items()},
     }
     clock["admit_ms_per_request"] = 1e3 * clock["phase_s"]["admit"] / args.num_prompts
+    device = device_seconds(sched)
+    if device is not None and device0 is not None:
+        clock["efficiency"] = (device - device0) / wall
+    clock.update(window.report())
     clock["output_tok_per_s"] = clock["output_tokens"] / wall
     print(json.dumps(clock, indent=1))
     print("engine (whole run):", engine_time_summary(sched))
@@ -116,6 +140,72 @@ def main() -> None:
             ps = pstats.Stats(profile, stream=f).sort_stats("cumulative")
             ps.print_stats(50)
             ps.sort_stats("tottime").print_stats(25)
+
+
+def device_seconds(sched) -> float | None:
+    """The decode steps' device time so far (CUDA events; None without graphs or off CUDA),
+    every completed pair folded in first."""
+    runner = sched.steps.decode_runner
+    if runner is None or not runner.clock.enabled:
+        return None
+    torch.cuda.synchronize(sched.steps.device)  # every pair completed: poll folds them all
+    runner.clock.poll()
+    return runner.clock.total_seconds
+
+
+class TracedWindow:
+    """A torch profiler (CUDA activity; CPU when there is no GPU) over decode steps
+    ``after`` .. ``after + steps`` of the run, its trace folded into a summary."""
+
+    def __init__(self, sched, folder: str | None, after: int, steps: int) -> None:
+        self.sched = sched
+        self.folder = Path(folder) if folder else None
+        self.start_step = sched.stats.decode_steps + after
+        self.stop_step = self.start_step + steps
+        self.profiler = None
+        self.t0 = 0.0
+        self.device0: float | None = None
+        self.measured: dict = {}
+
+    def after_step(self) -> None:
+        if self.folder is None:
+            return
+        done = self.sched.stats.decode_steps
+        if self.profiler is None and not self.measured and done >= self.start_step:
+            import torch.profiler as tp
+
+            cuda = self.sched.steps.device.type == "cuda"
+            activity = tp.ProfilerActivity.CUDA if cuda else tp.ProfilerActivity.CPU
+            self.profiler = tp.profile(activities=[activity])
+            self.device0 = device_seconds(self.sched)
+            self.steps0 = done
+            self.t0 = time.perf_counter()
+            self.profiler.__enter__()
+        elif self.profiler is not None and done >= self.stop_step:
+            self.close()
+
+    def close(self) -> None:
+        if self.profiler is None:
+            return
+        wall = time.perf_counter() - self.t0
+        self.profiler.__exit__(None, None, None)
+        steps = self.sched.stats.decode_steps - self.steps0
+        device = device_seconds(self.sched)
+        self.measured = {"seconds": wall, "decode_steps": steps}
+        if device is not None and self.device0 is not None:
+            self.measured["efficiency"] = (device - self.device0) / wall
+        self.folder.mkdir(parents=True, exist_ok=True)
+        trace = self.folder / "trace.json"
+        self.profiler.export_chrome_trace(str(trace))
+        self.profiler = None
+        ops, calls = load_chrome_trace(trace)
+        if ops:  # a CPU run has no device operations to fold
+            summary = summarize(ops, calls)
+            (self.folder / "timeline.json").write_text(json.dumps(summary, indent=1))
+            self.measured["timeline"] = summary
+
+    def report(self) -> dict:
+        return {"traced_window": self.measured} if self.measured else {}
 
 
 if __name__ == "__main__":

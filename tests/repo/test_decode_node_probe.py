@@ -28,3 +28,23 @@ def test_decode_node_probe_reports_the_engine_clock(tmp_path):
     assert clock["output_tokens"] == 3 * 4 and clock["decode_steps"] >= 3
     assert clock["phase_s"]["admit"] > 0 and clock["phase_s"]["prefill"] == 0  # a decode node
     assert all(clock["phase_cpu_s"][k] <= clock["phase_s"][k] + 1e-3 for k in clock["phase_s"])
+
+
+def test_decode_node_probe_traces_a_window_of_decode_steps(tmp_path):
+    """--trace profiles the decode steps it names (CPU activity here: no device summary)."""
+    model = tmp_path / "worker"
+    env = {"PYTHONPATH": str(ROOT / "python")}
+    spec = [sys.executable, "-m", "benchmark.study.worker_spec", "--out", str(model)]
+    spec += ["--layers", "2", "--smoke", "--vocab", "300", "--max-position", "4096"]
+    subprocess.run(spec, check=True, capture_output=True, env=env, cwd=ROOT)
+    out = tmp_path / "clock.json"
+    probe = [sys.executable, "benchmark/decode_node_probe.py", "--model", str(model)]
+    probe += ["--backend", "echo", "--num-prompts", "2", "--min-len", "300", "--max-len", "400"]
+    probe += ["--output-len", "6", "--context", "1024", "--pool", "5000", "--dev-cache", "600"]
+    probe += ["--device", "cpu", "--out", str(out), "--trace", str(tmp_path / "trace")]
+    probe += ["--trace-after", "2", "--trace-steps", "2"]
+    done = subprocess.run(probe, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    window = json.loads(out.read_text())["traced_window"]
+    assert window["decode_steps"] >= 2 and window["seconds"] > 0
+    assert (tmp_path / "trace" / "trace.json").stat().st_size > 0
