@@ -31,9 +31,9 @@ RESULTS: tuple[Result, ...] = (
     ),
     Result(
         "through the HTTP server as a decode node, ECHO / no-offload output throughput at rate inf: "
-        "whole run; steady window (the in-process study in the same device call)",
+        "whole run; steady window (the in-process study in the same device call, on the GPU named)",
         rec("served_vs_study/served_vs_study.json"),
-        "{metrics.served_ratio_inf:x}; {metrics.steady_ratio_inf:x} ({metrics.study_ratio:x})",
+        "{metrics.served_ratio_inf:x}; {metrics.steady_ratio_inf:x} ({metrics.study_ratio:x}; {device})",
     ),
     Result(
         "MTP (one draft step, acceptance forced at 0.85): tokens/s over plain decode at batch 1 under ECHO; "
