@@ -65,6 +65,13 @@ def main() -> None:
     )
     ap.add_argument("--trace-after", type=int, default=150, help="decode steps before the window")
     ap.add_argument("--trace-steps", type=int, default=100, help="decode steps in the window")
+    ap.add_argument(
+        "--readback",
+        choices=("kernel", "torch"),
+        default="kernel",
+        help="how step results reach the host: the engine's stores into pinned memory "
+        "(kernels/pinned_store.py, the default) or torch's copies by copy engine (the A/B)",
+    )
     args = ap.parse_args()
     echo = args.backend == "echo"
     pool = args.pool or (1800000 if echo else 380000)
@@ -81,6 +88,11 @@ def main() -> None:
     serving = build_serving(sargs, echo=EchoConfig(offload=echo, dev_cache_size=args.dev_cache))
     limit_host_threads(serving.scheduler.steps.device)  # as the server's engine does
     sched = serving.scheduler
+    if args.readback == "torch":  # the readbacks as they were: copy-engine copies
+        sched.steps.readback = None
+        rule = getattr(sched.steps.kv_cache, "rule", None)
+        if rule is not None:
+            rule._counts_alias = None
     vocab = serving.info["vocab_size"]
     rng = random.Random(0)
 
@@ -117,6 +129,7 @@ def main() -> None:
     s = sched.stats
     clock = {
         "backend": args.backend,
+        "readback": args.readback,
         "num_prompts": args.num_prompts,
         "seconds": wall,
         "output_tokens": s.generation_tokens - tokens0,

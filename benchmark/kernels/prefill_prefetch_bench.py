@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import pyplot, save_record, time_us
 
+from sglang_echo.kernels.host_copy import cuda_alias_of_pinned
 from sglang_echo.kernels.prefill_prefetch import (
     ABSENT,
     histogram_census,
@@ -60,7 +61,6 @@ from sglang_echo.kernels.prefill_prefetch import (
     prefill_prefetch,
 )
 from sglang_echo.kernels.recall import recall_rows
-from sglang_echo.offload.host_pool import cuda_alias_of_pinned
 from sglang_echo.offload.predictor import PrefillOffsetPredictor
 
 

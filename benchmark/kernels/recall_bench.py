@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import graph_us, save_record, time_us
 
+from sglang_echo.kernels.host_copy import cuda_alias_of_pinned
 from sglang_echo.kernels.recall import DEFAULT_FLAT_CHUNKS, DEFAULT_NUM_WARPS, recall_rows
-from sglang_echo.offload.host_pool import cuda_alias_of_pinned
 
 
 def time_ms(fn, warmup: int = 5, reps: int = 30) -> float:

@@ -17,6 +17,7 @@ import torch
 
 from sglang_echo.config import EchoConfig, max_running
 from sglang_echo.kernels.fp8_kv import encode_kv_rows
+from sglang_echo.kernels.pinned_store import PinnedReadback
 from sglang_echo.kernels.placed_rows import write_placed_rows_kernel, write_placed_rows_reference
 from sglang_echo.model.kv_cache import KVCache
 from sglang_echo.model.periodic_rows import PeriodicRows
@@ -96,6 +97,7 @@ class EchoKVCache(KVCache):
             eviction_reserve=config.eviction_reserve,
         )  # fmt: skip
         self.manager = EchoManager(self.host, self.cache, use_kernels=use_kernels, pdl=config.pdl)
+        self._telemetry = PinnedReadback(device, slot_bytes=4096, slots=2)  # telemetry()
         self.kv_dtype = self.cache.rows.dtype
         # A decode step captures in a CUDA graph only over a device-addressable host pool.
         self.graph_safe = self.manager.graph_safe
@@ -299,24 +301,32 @@ class EchoKVCache(KVCache):
 
     def telemetry(self) -> dict[str, list[int] | list[float]]:
         """Per-layer counters since start (reads the device: call outside a step)."""
-        c = self.cache
-        hits, misses = c.hits.tolist(), c.misses.tolist()
+        c, m = self.cache, self.manager
+        # One readback of every counter (one wait for the step in flight, by the GPU's own
+        # stores: kernels/pinned_store.py), not one blocking copy per counter.
+        parts = [c.hits, c.misses, c.evictions, c.append_evictions, c.recalled_rows]
+        parts += [m.prefetched_rows, m.prefetch_hits, m.release_errors]
+        (flat,) = self._telemetry.copy([torch.cat([p.view(-1) for p in parts])]).wait()
+        counts = iter(flat.tolist())
+        hits, misses, evictions, append_evictions, recalled, prefetched, prefetch_hits = (
+            [next(counts) for _ in range(p.numel())] for p in parts[:7]
+        )
         row_bytes = self.kv_row_dim * c.rows.element_size()
         return {
             "hits": hits,
             "misses": misses,
             "hit_rate": [h / (h + m) if h + m else 1.0 for h, m in zip(hits, misses, strict=True)],
-            "evictions": c.evictions.tolist(),
-            "append_evictions": c.append_evictions.tolist(),
-            "recalled_bytes": [r * row_bytes for r in c.recalled_rows.tolist()],
+            "evictions": evictions,
+            "append_evictions": append_evictions,
+            "recalled_bytes": [r * row_bytes for r in recalled],
             # Decode prefetch: rows copied early, and how many of them were then selected.
-            "prefetched_rows": self.manager.prefetched_rows.tolist(),
-            "prefetch_hits": self.manager.prefetch_hits.tolist(),
+            "prefetched_rows": prefetched,
+            "prefetch_hits": prefetch_hits,
             # Under auto: decode steps the rule ran the prefetch in, of all decode steps.
             "prefetch_steps": [self.rule.steps_on, self.rule.steps] if self.rule else [],
             # Released ids the release kernel refused on the device (sink, duplicates):
             # nonzero means a caller's token bookkeeping is wrong.
-            "release_errors": int(self.manager.release_errors.item()),
+            "release_errors": next(counts),
         }
 
     def stats(self) -> dict:

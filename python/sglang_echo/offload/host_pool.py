@@ -11,28 +11,7 @@ from __future__ import annotations
 import torch
 
 from sglang_echo.config import ConfigError
-
-
-def cuda_alias_of_pinned(host: torch.Tensor) -> torch.Tensor | None:
-    """A CUDA tensor over the same pinned bytes, or None where UVA aliasing is unavailable."""
-    if not (torch.cuda.is_available() and host.is_pinned()):
-        return None
-    flat = host.view(-1).view(torch.uint8)
-
-    class _Interface:
-        __cuda_array_interface__ = {  # noqa: RUF012 - read once by torch.as_tensor
-            "shape": (flat.numel(),),
-            "typestr": "|u1",
-            "data": (flat.data_ptr(), False),
-            "version": 3,
-            "strides": None,
-        }
-
-    try:
-        alias = torch.as_tensor(_Interface(), device="cuda")
-    except (RuntimeError, TypeError, ValueError):
-        return None
-    return alias.view(host.dtype).view(host.shape)
+from sglang_echo.kernels.host_copy import cuda_alias_of_pinned
 
 
 class HostKVPool:

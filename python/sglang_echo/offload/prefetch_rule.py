@@ -11,9 +11,10 @@ of a running batch select mostly the same tokens, so the last step's misses pred
 next one's.
 
 The counters are the device cache's cumulative hits and misses per layer. Before and
-after each decode step they are copied to pinned host memory without waiting (two small
-copies, no kernel; the difference is the decode step's own, whatever prefill chunks ran in
-between); the caller reads them before the next decode step, when the step's results have
+after each decode step they are stored to pinned host memory without waiting (by the GPU
+through the buffer's UVA alias, kernels/pinned_store.py: a copy engine would queue them
+behind an arrival's bulk copies; the difference is the decode step's own, whatever
+prefill chunks ran in between); the caller reads them before the next decode step, when the step's results have
 long been synchronised (sampling reads the logits), so the rule never stalls the device.
 Under CUDA graphs the runner keeps one graph per (batch size, prefetch on or off) and
 replays the one the rule picks.
@@ -22,6 +23,9 @@ replays the one the rule picks.
 from __future__ import annotations
 
 import torch
+
+from sglang_echo.kernels.host_copy import cuda_alias_of_pinned
+from sglang_echo.kernels.pinned_store import as_bytes, store_bytes
 
 # Prefetch from this miss fraction of a decode step's selections up: between the hit
 # rates where the staged prefetch was last faster and slower on the H200 (the evidence
@@ -42,6 +46,7 @@ class DecodePrefetchRule:
         # is launched while the one before still runs, so ``decide`` reads the newest slot
         # whose copies have landed (the step before the previous one, then).
         self._counts = torch.zeros(2, 2, 2, layers, dtype=torch.int64, pin_memory=pin)
+        self._counts_alias = cuda_alias_of_pinned(self._counts) if pin else None
         self._copied = [torch.cuda.Event() if pin else None for _ in range(2)]
         self._filled = [False, False]  # copies queued and not yet read
         self._slot = 0  # where the coming step's copies go
@@ -50,6 +55,11 @@ class DecodePrefetchRule:
         self.steps = 0
 
     def _snapshot(self, which: int, hits: torch.Tensor, misses: torch.Tensor) -> None:
+        if self._counts_alias is not None:
+            dst = self._counts_alias[self._slot, which]
+            store_bytes(as_bytes(hits), as_bytes(dst[0]))
+            store_bytes(as_bytes(misses), as_bytes(dst[1]))
+            return
         async_copy = hits.device.type == "cuda"
         self._counts[self._slot, which, 0].copy_(hits, non_blocking=async_copy)
         self._counts[self._slot, which, 1].copy_(misses, non_blocking=async_copy)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_echo.kernels.host_copy import upload
+from sglang_echo.kernels.pinned_store import PinnedReadback, Readback, copy_by_torch
 from sglang_echo.runtime.request import SamplingParams, TokenLogprob
 
 _M32 = 0xFFFFFFFF
@@ -84,21 +85,19 @@ class DeviceSample:
     only, never for work queued after it (the next step's forward)."""
 
     tokens: torch.Tensor  # [rows] int64, on the device
-    _host: list[torch.Tensor]  # tokens, finite, then (chosen, top values, top ids) when asked
-    _done: torch.cuda.Event | None
+    _copies: Readback  # tokens, finite, then (chosen, top values, top ids) when asked
     _want: list[int]
     _top_logprobs: list[int]
 
     def read(self) -> SampledBatch:
-        if self._done is not None:
-            self._done.synchronize()
-        token_list = self._host[0].tolist()
-        finite_list = self._host[1].tolist()
+        host = self._copies.wait()
+        token_list = host[0].tolist()
+        finite_list = host[1].tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(token_list)
         if self._want:
-            chosen_list = self._host[2].tolist()
-            top_vals = self._host[3].tolist() if len(self._host) > 3 else None
-            top_ids = self._host[4].tolist() if len(self._host) > 3 else None
+            chosen_list = host[2].tolist()
+            top_vals = host[3].tolist() if len(host) > 3 else None
+            top_ids = host[4].tolist() if len(host) > 3 else None
             for j, i in enumerate(self._want):
                 n = self._top_logprobs[j]
                 top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else ()
@@ -117,9 +116,11 @@ def sample_on_device(
     params: Sequence[SamplingParams],
     keys: Sequence[int],
     counters: Sequence[int],
+    readback: PinnedReadback | None = None,
 ) -> DeviceSample:
     """``logits`` [rows, vocab] -> one token per row on the device, its host copy queued
-    (see the module docstring; ``sample_batch`` reads it at once)."""
+    (see the module docstring; ``sample_batch`` reads it at once). ``readback``: the
+    engine's pinned ring (kernels/pinned_store.py: no copy engine); None: torch's copy."""
     vocab = logits.shape[-1]
     dev = logits.device
     x = logits.float()
@@ -154,15 +155,8 @@ def sample_on_device(
         if top_n > 0:
             top = torch.topk(lsm, top_n, dim=-1)
             on_device += [top.values, top.indices]
-    pinned = dev.type == "cuda"
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in on_device]
-    for h, t in zip(host, on_device, strict=True):
-        h.copy_(t, non_blocking=pinned)
-    done = None
-    if pinned:
-        done = torch.cuda.Event()
-        done.record()
-    return DeviceSample(tokens, host, done, want, [params[i].top_logprobs for i in want])
+    copies = readback.copy(on_device) if readback is not None else copy_by_torch(on_device)
+    return DeviceSample(tokens, copies, want, [params[i].top_logprobs for i in want])
 
 
 def sample_batch(

@@ -63,6 +63,7 @@ class StepInFlight:
                     [r.params for r in decoding],
                     [r.sample_key for r in decoding],
                     [len(r.output) + (id(r) in pending) for r in decoding],
+                    readback=s.steps.readback,
                 )
         except Exception as exc:  # the phase's requests end, the rest go on
             self.step = None  # its tokens are lost with the step that failed after it

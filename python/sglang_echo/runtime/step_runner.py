@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_echo.kernels.pinned_store import PinnedReadback
 from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.kv_cache import KVCache
@@ -58,6 +59,8 @@ class StepRunner:
         # by the request table, once, before any step.
         kv_cache.bind_request_rows(max_requests)
         self.staging = DecodeInputStaging(max_requests, self.device)
+        # Each step's sampled tokens come back through it (kernels/pinned_store.py).
+        self.readback = PinnedReadback(self.device)
         self.decode_runner = None
         if use_cuda_graph:
             from sglang_echo.runtime.cuda_graph import CudaGraphDecodeRunner

@@ -32,8 +32,8 @@ from sglang_echo.config import (
     max_eviction_reserve,
     settings,
 )
+from sglang_echo.kernels.host_copy import cuda_alias_of_pinned
 from sglang_echo.offload.device_cache import DeviceCache
-from sglang_echo.offload.host_pool import cuda_alias_of_pinned
 
 
 class LayerRows:
