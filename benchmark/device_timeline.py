@@ -7,8 +7,10 @@ step's input uploads, admission's and arrivals' kernels, releases) or leaves it 
 host late with the next launch, a blocking call) is not in any counter. A torch profiler
 trace (CUDA activity only: kernels, copies and the runtime calls that launched them) holds
 every device operation with its stream; this module folds it into busy time, idle gaps and
-the kernels that took the time, per stream, so a reader can tell "the GPU waited for the
-host" from "the GPU did other work" without opening the trace.
+the kernels that took the time, per stream, and folds the decode steps' graph launches
+into the gaps between them (the host late, or the next step held behind other work), so a
+reader can tell "the GPU waited for the host" from "the GPU did other work" without opening
+the trace.
 
     python -m benchmark.device_timeline TRACE.json [--out SUMMARY.json]
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # Gap sizes on the decode stream, in microseconds: (label, upper bound).
 GAP_BUCKETS = (("<10us", 10.0), ("10-100us", 100.0), ("0.1-1ms", 1000.0), (">=1ms", float("inf")))
+STREAMS_SHOWN = 8
 NAME_WIDTH = 90  # kernel names are C++ signatures: long, and their start tells them apart
 
 
@@ -39,6 +42,7 @@ class DeviceOp:
     stream: int
     start_us: float
     dur_us: float
+    correlation: int = -1  # the runtime call that launched it
 
     @property
     def end_us(self) -> float:
@@ -51,6 +55,9 @@ class HostCall:
 
     name: str
     dur_us: float
+    correlation: int = -1
+    thread: int = -1
+    start_us: float = 0.0
 
 
 def load_chrome_trace(path: str | Path) -> tuple[list[DeviceOp], list[HostCall]]:
@@ -64,11 +71,14 @@ def load_chrome_trace(path: str | Path) -> tuple[list[DeviceOp], list[HostCall]]
         if e.get("ph") != "X" or "dur" not in e:
             continue
         cat = e.get("cat", "")
+        args = e.get("args", {})
+        corr = int(args.get("correlation", -1))
         if cat in DEVICE_CATEGORIES:
-            stream = int(e.get("args", {}).get("stream", -1))
-            ops.append(DeviceOp(e["name"], cat, stream, float(e["ts"]), float(e["dur"])))
-        elif cat == "cuda_runtime":
-            calls.append(HostCall(e["name"], float(e["dur"])))
+            stream = int(args.get("stream", -1))
+            ops.append(DeviceOp(e["name"], cat, stream, float(e["ts"]), float(e["dur"]), corr))
+        elif cat in ("cuda_runtime", "cuda_driver"):
+            tid = int(e.get("tid", -1))
+            calls.append(HostCall(e["name"], float(e["dur"]), corr, tid, float(e["ts"])))
     ops.sort(key=lambda o: o.start_us)
     return ops, calls
 
@@ -121,6 +131,82 @@ def gaps_of(
     return out
 
 
+GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
+WAIT_US = 100.0  # an engine-thread operation that started this long after the one before
+
+
+def graph_gaps(ops: Sequence[DeviceOp], calls: Sequence[HostCall]) -> dict | None:
+    """The decode steps as graph launches: the device time between one step's graph and
+    the next, whether the host launched the next one late (the GPU waited for the host) or
+    early (the GPU was held by other work: which operation of the engine thread waited,
+    and how long), and the engine thread's device work outside the graphs.
+
+    Why by launch and not by stream: a graph's kernels are reported on the streams of its
+    branches, so the stream it was launched into looks idle while its own graph runs."""
+    by_corr = {c.correlation: c for c in calls if c.correlation >= 0}
+    spans: dict[int, list[float]] = {}
+    for op in ops:
+        call = by_corr.get(op.correlation)
+        if call is not None and call.name in GRAPH_LAUNCHES:
+            span = spans.setdefault(op.correlation, [op.start_us, op.end_us])
+            span[0], span[1] = min(span[0], op.start_us), max(span[1], op.end_us)
+    if len(spans) < 2:
+        return None
+    engine = by_corr[next(iter(spans))].thread
+    steps = sorted((a, b, by_corr[c].start_us) for c, (a, b) in spans.items())
+    direct = [
+        op
+        for op in ops
+        if op.correlation in by_corr
+        and by_corr[op.correlation].thread == engine
+        and by_corr[op.correlation].name not in GRAPH_LAUNCHES
+    ]
+    direct.sort(key=lambda o: o.start_us)
+    late = {"count": 0, "us": 0.0}
+    held = {"count": 0, "us": 0.0}
+    waits: dict[str, list[float]] = defaultdict(list)
+    gaps = []
+    j = 0
+    for (_, end, _), (start, _, launched) in pairwise(steps):
+        gap = max(0.0, start - end)
+        gaps.append(gap)
+        kind = late if launched > end else held
+        kind["count"] += 1
+        kind["us"] += gap
+        # the engine thread's operations inside a held gap: each that started WAIT_US or
+        # more after the one before (or after the graph) waited for something else
+        while j < len(direct) and direct[j].start_us < end:
+            j += 1
+        prev_end, k = end, j
+        while k < len(direct) and direct[k].start_us < start:
+            wait = direct[k].start_us - prev_end
+            if wait >= WAIT_US and launched <= end:
+                waits[_short(direct[k].name)].append(wait)
+            prev_end = max(prev_end, direct[k].end_us)
+            k += 1
+    gaps_sorted = sorted(gaps)
+    window = steps[-1][1] - steps[0][0]
+    return {
+        "steps": len(steps),
+        "step_span_us_median": round(sorted(b - a for a, b, _ in steps)[len(steps) // 2], 1),
+        "gap_us": {
+            "median": round(gaps_sorted[len(gaps) // 2], 1),
+            "mean": round(sum(gaps) / len(gaps), 1),
+            "max": round(gaps_sorted[-1], 1),
+            "total": round(sum(gaps), 1),
+        },
+        "gap_share": round(sum(gaps) / window, 4),
+        "host_late": {"count": late["count"], "us": round(late["us"], 1)},
+        "launched_early": {"count": held["count"], "us": round(held["us"], 1)},
+        "engine_direct_us_per_step": round(sum(o.dur_us for o in direct) / len(steps), 1),
+        "engine_direct_top": top_names(direct, limit=8),
+        "waited_before": [
+            {"op": name, "count": len(v), "us": round(sum(v), 1)}
+            for name, v in sorted(waits.items(), key=lambda kv: sum(kv[1]), reverse=True)[:8]
+        ],
+    }
+
+
 def summarize(
     ops: Sequence[DeviceOp], calls: Sequence[HostCall] = (), main_stream: int | None = None
 ) -> dict:
@@ -138,7 +224,10 @@ def summarize(
     if main_stream is None:
         main_stream = max(by_stream, key=lambda s: sum(o.dur_us for o in by_stream[s]))
     streams = {}
-    for stream, sops in sorted(by_stream.items()):
+    # The busiest streams (a graph's branches each report a stream of their own: hundreds).
+    busiest = sorted(by_stream, key=lambda st: sum(o.dur_us for o in by_stream[st]), reverse=True)
+    for stream in sorted(busiest[:STREAMS_SHOWN]):
+        sops = by_stream[stream]
         spans = merged_spans(sops)
         streams[str(stream)] = {
             "ops": len(sops),
@@ -170,7 +259,8 @@ def summarize(
         "window_us": round(window, 1),
         "device_busy_share": round(_busy(merged_spans(ops)) / window, 4),
         "main_stream": main_stream,
-        "main_busy_share": streams[str(main_stream)]["busy_share"],
+        "main_busy_share": round(_busy(merged_spans(by_stream[main_stream])) / window, 4),
+        "streams_total": len(by_stream),
         "main_idle_us": round(window - _busy(main_spans), 1),
         "main_gaps": buckets,
         "main_largest_gaps": [{"us": round(s, 1), "after": b, "before": a} for s, b, a in largest],
@@ -180,6 +270,7 @@ def summarize(
         ],
         "streams": streams,
         "host_blocking_us": {k: round(v, 1) for k, v in sorted(blocking.items())},
+        "graphs": graph_gaps(ops, calls),
     }
 
 

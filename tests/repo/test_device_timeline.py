@@ -10,6 +10,7 @@ import pytest
 from benchmark.device_timeline import (
     DeviceOp,
     HostCall,
+    graph_gaps,
     load_chrome_trace,
     merged_spans,
     summarize,
@@ -81,3 +82,41 @@ def test_load_chrome_trace_reads_device_ops_and_runtime_calls(tmp_path):
 def test_an_empty_trace_is_a_clear_error():
     with pytest.raises(ValueError, match="no device operations"):
         summarize([])
+
+
+def _launch(name: str, corr: int, at: float, thread: int = 1) -> HostCall:
+    return HostCall(name, 5.0, corr, thread, at)
+
+
+def test_graph_gaps_tell_a_late_host_from_a_step_held_behind_a_copy():
+    # Three decode steps as graph launches (correlations 1, 2, 3) whose kernels land on
+    # branch streams 20 and 21; the engine thread (1) also launches a readback (4) and a
+    # sampling kernel (5); a writer thread (2) launches a bulk copy (6).
+    calls = [
+        _launch("cudaGraphLaunch", 1, 0),
+        _launch("cudaGraphLaunch", 2, 500),  # before step 1 ends at 1000: launched early
+        _launch("cudaMemcpyAsync", 4, 900),
+        _launch("cudaLaunchKernel", 5, 950),
+        _launch("cudaMemcpyAsync", 6, 100, thread=2),
+        _launch("cudaGraphLaunch", 3, 4000),  # after step 2 ends at 3000: the host was late
+    ]
+    ops = [
+        DeviceOp("g1a", "kernel", 20, 0, 600, 1),
+        DeviceOp("g1b", "kernel", 21, 500, 500, 1),  # step 1: 0-1000
+        DeviceOp("bulk", "gpu_memcpy", 9, 100, 1300, 6),  # the copy engine until 1400
+        DeviceOp("Memcpy DtoH", "gpu_memcpy", 7, 1400, 10, 4),  # waited 400 us after 1000
+        DeviceOp("sample", "kernel", 7, 1410, 40, 5),
+        DeviceOp("g2", "kernel", 20, 1500, 1500, 2),  # step 2: 1500-3000
+        DeviceOp("g3", "kernel", 20, 4100, 1000, 3),  # step 3: 4100-5100
+    ]
+    g = graph_gaps(ops, calls)
+    assert g["steps"] == 3 and g["gap_us"]["total"] == 500 + 1100
+    assert g["host_late"] == {"count": 1, "us": 1100.0}
+    assert g["launched_early"] == {"count": 1, "us": 500.0}
+    assert g["engine_direct_us_per_step"] == round(50 / 3, 1)  # the readback and the sampling
+    assert g["waited_before"] == [{"op": "Memcpy DtoH", "count": 1, "us": 400.0}]
+
+
+def test_graph_gaps_need_two_graph_launches():
+    calls = [_launch("cudaGraphLaunch", 1, 0)]
+    assert graph_gaps([DeviceOp("g", "kernel", 20, 0, 10, 1)], calls) is None
