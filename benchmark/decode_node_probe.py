@@ -11,8 +11,10 @@ HTTP means its own work; much less means another thread (the GIL) took it.
 With ``--trace DIR`` it also records a torch profiler trace (CUDA activity) of a window of
 decode steps in the steady state and folds it (benchmark/device_timeline.py) into what the
 GPU did between the decode graphs: the served efficiency's missing share, by stream and
-kernel. The clock gives the efficiency (the decode steps' device time / wall) of the whole
-run and of the traced window.
+kernel, and the gaps between the steps' graph launches. The clock gives the efficiency
+(the decode steps' device time / wall) of the whole run and of the traced window; the
+profiler slows the window's host side several-fold, so compare efficiencies of untraced
+runs (``--readback`` is such an A/B) and read the trace for where the gaps come from.
 
     python benchmark/decode_node_probe.py --model DIR --backend echo [--profile] [--trace DIR]
 """

@@ -11,11 +11,12 @@ of a running batch select mostly the same tokens, so the last step's misses pred
 next one's.
 
 The counters are the device cache's cumulative hits and misses per layer. Before and
-after each decode step they are stored to pinned host memory without waiting (by the GPU
-through the buffer's UVA alias, kernels/pinned_store.py: a copy engine would queue them
-behind an arrival's bulk copies; the difference is the decode step's own, whatever
-prefill chunks ran in between); the caller reads them before the next decode step, when the step's results have
-long been synchronised (sampling reads the logits), so the rule never stalls the device.
+after each decode step they are stored to pinned host memory without waiting, by the GPU
+through the buffer's UVA alias (kernels/pinned_store.py: a copy engine would queue them
+behind an arrival's bulk copies); the difference is the decode step's own, whatever
+prefill chunks ran in between. The caller reads them before the next decode step, when the
+step's results have long been synchronised (sampling reads the logits), so the rule never
+stalls the device.
 Under CUDA graphs the runner keeps one graph per (batch size, prefetch on or off) and
 replays the one the rule picks.
 """
