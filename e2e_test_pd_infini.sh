@@ -17,7 +17,9 @@ weights, passed through --model-loader benchmark.study.loader:load); ENGINE=sgla
 SGLang 0.5.23's decode-only benchmark on 8 GPUs (TP 8, DP attention 8): one decode node with the fake
 transfer backend, ECHO plugin on it when offloading.
 Without INFINI_DATASET (default /workspace/infini-100K-110K.jsonl when present), the
-benchmark uses a labelled synthetic workload of the same lengths, scaled to the context.
+benchmark uses a labelled synthetic workload of the same lengths, scaled to the context;
+INFINI_INPUT_RANGE=LO,HI gives it other prompt lengths (e.g. 100000,108000, the in-process
+study's range, when a served run is compared with the study).
 
 Options:
 $COMMON_USAGE
@@ -35,6 +37,14 @@ OFFLOAD_RES_DIR="${OFFLOAD_RES_DIR:-infini-318/offload-${CURRENT_MMDD}}"
 INFINI_DATASET="${INFINI_DATASET:-/workspace/infini-100K-110K.jsonl}"
 parse_common_options "$@"
 [[ -f "$INFINI_DATASET" ]] || INFINI_DATASET=""
+range_args=()
+if [[ -n "${INFINI_INPUT_RANGE:-}" ]]; then
+  if [[ -n "$INFINI_DATASET" ]]; then
+    echo "INFINI_INPUT_RANGE sets the synthetic workload's lengths, but INFINI_DATASET=$INFINI_DATASET brings its own: unset one" >&2
+    exit 2
+  fi
+  range_args=(--infinitebench-input-range "$INFINI_INPUT_RANGE")
+fi
 
 choose_model
 trap stop_started EXIT
@@ -46,7 +56,7 @@ for mode in no-offload offload; do
   launch "$mode" "$res" pd
   for rate in "${REQUEST_RATES[@]}"; do
     bench "$res/req_rate_${rate}" "$rate" --dataset-name infinitebench \
-      --dataset-path "$INFINI_DATASET" --sort-len
+      --dataset-path "$INFINI_DATASET" --sort-len "${range_args[@]}"
   done
   stop_started
 done

@@ -180,13 +180,15 @@ run_stage() {
       # sweep (rates 1 and inf, 96 prompts) in one call -> served_vs_study.json (~6 min); the
       # servers run their engine in a process of its own (ENGINE_PROCESS=0: in-process).
       # SERVED_RATES / SERVED_PROMPTS change the sweep (318 prompts at rate inf: ramp and
-      # drain weigh less; est. ~5 min)
+      # drain weigh less; est. ~5 min); its prompts take the study's lengths
+      # (SERVED_INPUT_RANGE, default 100000,108000: the study's 17 fit the pool as they do there)
       peer_or_say
-      local knobs="ENGINE_PROCESS=${ENGINE_PROCESS:-1} SERVED_RATES=${SERVED_RATES:-1,inf} SERVED_PROMPTS=${SERVED_PROMPTS:-96}"
+      local knobs="ENGINE_PROCESS=${ENGINE_PROCESS:-1} SERVED_RATES=${SERVED_RATES:-1,inf} SERVED_PROMPTS=${SERVED_PROMPTS:-96} SERVED_INPUT_RANGE=${SERVED_INPUT_RANGE:-100000,108000}"
       stage served_vs_study 580 bash -c "python3 benchmark/e2e_study.py \
         --out /tmp/ds/served_vs_study/study --only noff_paper,echo_paper --repeats 3 \
         --no-random-keys --locality-sweep '' --skip-components --skip-fixed --profile-steps 0 \
         --deadline-s 120; env ENGINE_PROCESS=${ENGINE_PROCESS:-1} POLL_COUNTERS_S=0.5 \
+        INFINI_INPUT_RANGE=${SERVED_INPUT_RANGE:-100000,108000} \
         RATES=${SERVED_RATES:-1,inf} NUM_PROMPTS=${SERVED_PROMPTS:-96} \
         MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh /tmp/ds/served_vs_study/sweep; \
         python3 benchmark/served_vs_study.py --study /tmp/ds/served_vs_study/study \

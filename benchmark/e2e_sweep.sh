@@ -19,13 +19,15 @@
 # Knobs (environment): LAYERS=8 RATES=0.5,1,2,inf NUM_PROMPTS=32 CONTEXT=110592
 #   NO_OFFLOAD_TOKENS=380000 (the paper's per-worker pool) DEV_CACHE=260000
 #   OFFLOAD_TOKENS=1800000 FAKE_KV_LOCALITY=0.9 MAX_OUTPUT_LEN=256 WARMUP_REQUESTS=16
+#   INFINI_INPUT_RANGE=LO,HI: the synthetic InfiniteBench-like prompts' lengths (default
+#   the bench's, 100000,110000)
 #   SMOKE=1: tiny dimensions and sizes (a CPU check of the whole pipeline)
 #   ENGINE_PROCESS=1 (default): both servers with --engine-process (the engine behind the
 #   HTTP front); 0: the engine in the server process
 # fastapi/uvicorn missing there? bash benchmark/fetch_server_wheels.sh here, carry .whl/.
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,24p' "$0"
+  sed -n '2,27p' "$0"
   exit 0
 fi
 cd "$(dirname "$0")/.."
@@ -63,6 +65,8 @@ knobs+=" FAKE_KV_LOCALITY=$FAKE_KV_LOCALITY KV_CACHE_DTYPE=$KV_CACHE_DTYPE MAX_O
 knobs+=" WARMUP_REQUESTS=$WARMUP_REQUESTS INFINI=$INFINI TASKS=$TASKS TASK_RATES=$TASK_RATES"
 knobs+=" TASK_NUM_PROMPTS=$TASK_NUM_PROMPTS"
 knobs+=" SHAREGPT=$SHAREGPT SHAREGPT_RATES=$SHAREGPT_RATES ENGINE_PROCESS=${ENGINE_PROCESS:-1}"
+[[ -n "${INFINI_INPUT_RANGE:-}" ]] && knobs+=" INFINI_INPUT_RANGE=$INFINI_INPUT_RANGE"
+export INFINI_INPUT_RANGE="${INFINI_INPUT_RANGE:-}"
 if [[ "$INFINI$TASKS$SHAREGPT" != *1* ]]; then
   echo "nothing to run: INFINI=0 and neither TASKS=1 nor SHAREGPT=1" >&2
   exit 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -654,3 +655,36 @@ def test_bodies_are_encoded_before_the_first_request_is_sent(monkeypatch):
     assert [r.prompt_len for r in results] == [3, 5, 7]
     kinds = [k for k, _ in events]
     assert kinds == ["encode"] * 3 + ["send"] * 3, events
+
+
+def test_synthetic_infinitebench_takes_an_input_range():
+    w = ds.synthetic_infinitebench(40, 110_592, 128, 259, 0, input_range=(100_000, 108_000))
+    lens = [r.prompt_len for r in w.requests]
+    assert min(lens) >= 100_000 and max(lens) <= 108_000
+    assert "inputs 100000-108000" in w.description
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [("100000", "LO,HI"), ("a,b", "LO,HI"), ("108000,100000", "0 < LO <= HI"), ("0,5", "0 < LO")],
+)
+def test_the_input_range_flag_refuses_bad_values(text, error):
+    from sglang_echo.bench.serving import input_range
+
+    with pytest.raises(argparse.ArgumentTypeError, match=error):
+        input_range(text)
+
+
+def test_the_input_range_flag_parses_and_refuses_a_dataset_file():
+    from sglang_echo.bench.serving import build_parser, build_workload
+
+    args = build_parser().parse_args(
+        ["--dataset-name", "infinitebench", "--infinitebench-input-range", "100_000,108_000"]
+    )
+    assert args.infinitebench_input_range == (100_000, 108_000)
+    facts = {"tokenizer": None, "context": 110_592, "vocab": 259}
+    args.num_prompts = 3
+    assert all(100_000 <= r.prompt_len <= 108_000 for r in build_workload(args, facts).requests)
+    args.dataset_path = "/nonexistent.jsonl"
+    with pytest.raises(ds.DatasetError, match="brings its own"):
+        build_workload(args, facts)

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_e2e_sweep_smoke(tmp_path):
     env = {**os.environ, "SMOKE": "1", "TASKS": "1", "SHAREGPT": "1", "PYTHON": sys.executable}
     env["E2E_WORK"] = str(tmp_path / "w")
+    env["INFINI_INPUT_RANGE"] = "100000,108000"  # the study's lengths (scaled to the context)
     # its own port and pid files: another sweep test may run beside it (pytest -n 2)
     env.update(PORT=str(free_port()), E2E_PID_DIR=str(tmp_path / "pids"))
     out = tmp_path / "out"
@@ -33,6 +34,7 @@ def test_e2e_sweep_smoke(tmp_path):
     assert record["device"] == "cpu" and record["command"].startswith("python -m sglang_echo")
     (sweep,) = record["sweeps"]  # every knob's value, then the command
     assert sweep.startswith("SMOKE=1 LAYERS=2 RATES=inf ") and "TASKS=1" in sweep
+    assert " INFINI_INPUT_RANGE=100000,108000 " in sweep
     assert sweep.endswith(f" bash benchmark/e2e_sweep.sh {out}")
     runs = [("infini", "")] + [("tasks", t) for t in FIGURE_14_TASKS] + [("sharegpt", "")]
     for root, task in runs:
@@ -40,6 +42,9 @@ def test_e2e_sweep_smoke(tmp_path):
             path = out / root / mode / task / "req_rate_inf.jsonl"
             run = json.loads(path.read_text().splitlines()[-1])
             assert run["completed"] == 4, path
+            # the range reaches the InfiniteBench-like prompts only (the tasks bring files)
+            lengths = [100000, 108000] if root == "infini" else None
+            assert run.get("infinitebench_input_range") == lengths, path
             # The server's engine clock over the run: model steps took time; on the decode
             # node every request came by a transfer, and nothing was prefilled.
             engine = run["server_engine"]

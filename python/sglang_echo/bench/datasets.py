@@ -145,11 +145,18 @@ def load_infinitebench(
 
 
 def synthetic_infinitebench(
-    num_prompts: int, context_length: int, max_output_len: int, vocab: int, seed: int
+    num_prompts: int,
+    context_length: int,
+    max_output_len: int,
+    vocab: int,
+    seed: int,
+    input_range: tuple[int, int] = INFINITEBENCH_INPUT_RANGE,
 ) -> Workload:
+    """Random-id prompts of ``input_range`` tokens (InfiniteBench's by default; the in-process
+    study's narrower range when a served run is compared with it), scaled to the context."""
     rng = random.Random(seed)
     out_cap = max(1, min(max_output_len, context_length // 4))
-    lo, hi = INFINITEBENCH_INPUT_RANGE
+    lo, hi = input_range
     scale = min(1.0, (context_length - out_cap) / hi)
     reqs = []
     for _ in range(num_prompts):

@@ -28,6 +28,17 @@ from sglang_echo.bench.server_counters import engine_counters, served_fields
 DEFAULT_CONTEXT = 131072
 
 
+def input_range(text: str) -> tuple[int, int]:
+    """``LO,HI`` prompt lengths in tokens (argparse type: a bad value is a usage error)."""
+    try:
+        lo, hi = (int(v.replace("_", "")) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI token counts, got {text!r}") from None
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 0 < LO <= HI, got {lo},{hi}")
+    return lo, hi
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m sglang_echo.bench_serving",
@@ -51,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="dataset file or folder; empty = a clearly labelled synthetic workload",
     )
     p.add_argument("--infinitebench-task", default=None, help="task file stem, e.g. kv_retrieval")
+    p.add_argument(
+        "--infinitebench-input-range",
+        type=input_range,
+        default=None,
+        metavar="LO,HI",
+        help="the synthetic InfiniteBench-like workload's prompt lengths in tokens (default "
+        f"{ds.INFINITEBENCH_INPUT_RANGE[0]},{ds.INFINITEBENCH_INPUT_RANGE[1]}, "
+        "InfiniteBench's); only without --dataset-path",
+    )
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument(
         "--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf"
@@ -161,7 +181,15 @@ def build_workload(args, facts: dict) -> ds.Workload:
     name = args.dataset_name
     if name == "infinitebench":
         if path is None:
-            return ds.synthetic_infinitebench(n, ctx, args.max_output_len, vocab, args.seed)
+            lengths = args.infinitebench_input_range or ds.INFINITEBENCH_INPUT_RANGE
+            return ds.synthetic_infinitebench(
+                n, ctx, args.max_output_len, vocab, args.seed, lengths
+            )
+        if args.infinitebench_input_range is not None:
+            raise ds.DatasetError(
+                "--infinitebench-input-range sets the synthetic workload's lengths; a "
+                "dataset file brings its own (drop --dataset-path or the range)"
+            )
         return ds.load_infinitebench(
             path, args.infinitebench_task, counter, n, ctx, args.max_output_len
         )
@@ -371,6 +399,7 @@ async def run(args) -> dict:
         "dataset_name": args.dataset_name,
         "dataset_path": args.dataset_path,
         "infinitebench_task": args.infinitebench_task,
+        "infinitebench_input_range": args.infinitebench_input_range,
         "synthetic": workload.synthetic,
         "dataset_description": workload.description,
         "request_rate": args.request_rate,
