@@ -11,7 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_decode_node_probe_reports_the_engine_clock(tmp_path):
+def _probe(tmp_path: Path, *args: str) -> dict:
+    """The probe over a tiny worker on the CPU, two layers; returns its clock."""
     model = tmp_path / "worker"
     env = {"PYTHONPATH": str(ROOT / "python")}
     spec = [sys.executable, "-m", "benchmark.study.worker_spec", "--out", str(model)]
@@ -19,12 +20,17 @@ def test_decode_node_probe_reports_the_engine_clock(tmp_path):
     subprocess.run(spec, check=True, capture_output=True, env=env, cwd=ROOT)
     out = tmp_path / "clock.json"
     probe = [sys.executable, "benchmark/decode_node_probe.py", "--model", str(model)]
-    probe += ["--backend", "echo", "--num-prompts", "3", "--min-len", "500", "--max-len", "800"]
-    probe += ["--output-len", "4", "--context", "1024", "--pool", "5000", "--dev-cache", "600"]
-    probe += ["--device", "cpu", "--out", str(out)]
+    probe += ["--backend", "echo", "--context", "1024", "--pool", "5000", "--dev-cache", "600"]
+    probe += ["--device", "cpu", "--out", str(out), *args]
     done = subprocess.run(probe, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    clock = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_decode_node_probe_reports_the_engine_clock(tmp_path):
+    clock = _probe(
+        tmp_path, "--num-prompts", "3", "--min-len", "500", "--max-len", "800", "--output-len", "4"
+    )
     assert clock["output_tokens"] == 3 * 4 and clock["decode_steps"] >= 3
     assert clock["phase_s"]["admit"] > 0 and clock["phase_s"]["prefill"] == 0  # a decode node
     assert all(clock["phase_cpu_s"][k] <= clock["phase_s"][k] + 1e-3 for k in clock["phase_s"])
@@ -32,19 +38,15 @@ def test_decode_node_probe_reports_the_engine_clock(tmp_path):
 
 def test_decode_node_probe_traces_a_window_of_decode_steps(tmp_path):
     """--trace profiles the decode steps it names (CPU activity here: no device summary)."""
-    model = tmp_path / "worker"
-    env = {"PYTHONPATH": str(ROOT / "python")}
-    spec = [sys.executable, "-m", "benchmark.study.worker_spec", "--out", str(model)]
-    spec += ["--layers", "2", "--smoke", "--vocab", "300", "--max-position", "4096"]
-    subprocess.run(spec, check=True, capture_output=True, env=env, cwd=ROOT)
-    out = tmp_path / "clock.json"
-    probe = [sys.executable, "benchmark/decode_node_probe.py", "--model", str(model)]
-    probe += ["--backend", "echo", "--num-prompts", "2", "--min-len", "300", "--max-len", "400"]
-    probe += ["--output-len", "6", "--context", "1024", "--pool", "5000", "--dev-cache", "600"]
-    probe += ["--device", "cpu", "--out", str(out), "--trace", str(tmp_path / "trace")]
-    probe += ["--trace-after", "2", "--trace-steps", "2"]
-    done = subprocess.run(probe, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    window = json.loads(out.read_text())["traced_window"]
+    args = ["--num-prompts", "2", "--min-len", "300", "--max-len", "400", "--output-len", "6"]
+    args += ["--trace", str(tmp_path / "trace"), "--trace-after", "2", "--trace-steps", "2"]
+    window = _probe(tmp_path, *args)["traced_window"]
     assert window["decode_steps"] >= 2 and window["seconds"] > 0
     assert (tmp_path / "trace" / "trace.json").stat().st_size > 0
+
+
+def test_decode_node_probe_runs_the_copy_engine_readback_arm(tmp_path):
+    """--readback torch: the A/B's other arm decodes the same tokens' count."""
+    args = ["--num-prompts", "2", "--min-len", "300", "--max-len", "400", "--output-len", "3"]
+    clock = _probe(tmp_path, *args, "--readback", "torch")
+    assert clock["readback"] == "torch" and clock["output_tokens"] == 2 * 3
