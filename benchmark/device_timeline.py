@@ -12,12 +12,13 @@ into the gaps between them (the host late, or the next step held behind other wo
 reader can tell "the GPU waited for the host" from "the GPU did other work" without opening
 the trace.
 
-    python -m benchmark.device_timeline TRACE.json [--out SUMMARY.json]
+    python -m benchmark.device_timeline TRACE.json[.gz] [--out SUMMARY.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -61,8 +62,12 @@ class HostCall:
 
 
 def load_chrome_trace(path: str | Path) -> tuple[list[DeviceOp], list[HostCall]]:
-    """The device operations and the host's CUDA runtime calls of a torch profiler trace."""
-    events = json.loads(Path(path).read_text())
+    """The device operations and the host's CUDA runtime calls of a torch profiler trace
+    (``.json``, or ``.json.gz`` as the probe leaves it)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = json.load(f)
     if isinstance(events, dict):
         events = events.get("traceEvents", [])
     ops: list[DeviceOp] = []

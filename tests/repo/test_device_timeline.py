@@ -3,6 +3,7 @@ kernels per stream (CPU tests on hand-made traces: the numbers are worked by han
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -74,9 +75,12 @@ def test_load_chrome_trace_reads_device_ops_and_runtime_calls(tmp_path):
     }
     path = tmp_path / "t.json"
     path.write_text(json.dumps(trace))
-    ops, calls = load_chrome_trace(path)
-    assert [(o.name, o.stream) for o in ops] == [("Memcpy HtoD", 9), ("k", 7)]
-    assert calls == [HostCall("cudaLaunchKernel", 3.0)]
+    packed = tmp_path / "t.json.gz"  # as the probe leaves it
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    for file in (path, packed):
+        ops, calls = load_chrome_trace(file)
+        assert [(o.name, o.stream) for o in ops] == [("Memcpy HtoD", 9), ("k", 7)]
+        assert calls == [HostCall("cudaLaunchKernel", 3.0)]
 
 
 def test_an_empty_trace_is_a_clear_error():
