@@ -224,13 +224,15 @@ def summarize(
     t1 = max(o.end_us for o in ops)
     window = t1 - t0
     by_stream: dict[int, list[DeviceOp]] = defaultdict(list)
+    device_us: dict[int, float] = defaultdict(float)
     for op in ops:
         by_stream[op.stream].append(op)
-    if main_stream is None:
-        main_stream = max(by_stream, key=lambda s: sum(o.dur_us for o in by_stream[s]))
-    streams = {}
+        device_us[op.stream] += op.dur_us
     # The busiest streams (a graph's branches each report a stream of their own: hundreds).
-    busiest = sorted(by_stream, key=lambda st: sum(o.dur_us for o in by_stream[st]), reverse=True)
+    busiest = sorted(by_stream, key=device_us.__getitem__, reverse=True)
+    if main_stream is None:
+        main_stream = busiest[0]
+    streams = {}
     for stream in sorted(busiest[:STREAMS_SHOWN]):
         sops = by_stream[stream]
         spans = merged_spans(sops)
@@ -264,7 +266,7 @@ def summarize(
         "window_us": round(window, 1),
         "device_busy_share": round(_busy(merged_spans(ops)) / window, 4),
         "main_stream": main_stream,
-        "main_busy_share": round(_busy(merged_spans(by_stream[main_stream])) / window, 4),
+        "main_busy_share": round(_busy(main_spans) / window, 4),
         "streams_total": len(by_stream),
         "main_idle_us": round(window - _busy(main_spans), 1),
         "main_gaps": buckets,
