@@ -143,6 +143,10 @@ def main() -> None:
     device = device_seconds(sched)
     if device is not None and device0 is not None:
         clock["efficiency"] = (device - device0) / wall
+        if clock["decode_steps"]:
+            clock["device_ms_per_step"] = 1e3 * (device - device0) / clock["decode_steps"]
+    if clock["decode_steps"]:  # at batch 1, the engine's share of the inter-token latency
+        clock["wall_ms_per_step"] = 1e3 * wall / clock["decode_steps"]
     clock.update(window.report())
     clock["output_tok_per_s"] = clock["output_tokens"] / wall
     print(json.dumps(clock, indent=1))

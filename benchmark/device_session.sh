@@ -20,7 +20,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: arrival_probe ingress_probe step_trace readback_ab served_equal mtp_served mtp_study admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: arrival_probe ingress_probe step_trace readback_ab itl_ab served_equal mtp_served mtp_study admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -244,6 +244,15 @@ run_stage() {
         python3 benchmark/decode_node_probe.py --model /tmp/step_trace_model --backend echo \
         --num-prompts 64 --output-len 128 --readback \$arm --out $d/\${arm}_\$r.json \
         | grep -E 'efficiency|output_tok_per_s'; done; done" ;;
+    itl_ab)  # the decode node's engine without HTTP at batch 1 (one prompt of the study's
+      # lengths, 512 tokens), where nothing needs offloading: ECHO's and no-offload's wall and
+      # device ms per decode step, interleaved, ROUNDS (default 2) of each -> itl_ab/*.json
+      local d=/tmp/ds/itl_ab
+      stage itl_ab 330 bash -c "python3 -m benchmark.study.worker_spec --out /tmp/step_trace_model \
+        && for r in \$(seq ${ROUNDS:-2}); do for arm in echo no-offload; do \
+        python3 benchmark/decode_node_probe.py --model /tmp/step_trace_model --backend \$arm \
+        --num-prompts 1 --min-len 100000 --max-len 108000 --output-len 512 \
+        --out $d/\${arm}_\$r.json | grep -E 'efficiency|ms_per_step'; done; done" ;;
     ingress_probe)  # the HTTP front alone (benchmark/ingress_probe.py, CPU only; .whl carried):
       # 96 prompts of 104,857 tokens sent at once, parsed on one thread against asyncio's pool
       stage ingress_probe 200 bash -c 'export PYTHON=python3; source benchmark/web_stack.sh \
@@ -287,7 +296,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in arrival_probe|ingress_probe|step_trace|readback_ab|served_equal|mtp_served|mtp_study|admission_probe|cuda_tests_graphs|cuda_tests_rest|capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_profile|prefetch_study|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in arrival_probe|ingress_probe|step_trace|readback_ab|itl_ab|served_equal|mtp_served|mtp_study|admission_probe|cuda_tests_graphs|cuda_tests_rest|capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_profile|prefetch_study|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 if [ "${PACK_TRITON_CACHE:-0}" = 1 ]; then  # for the next call: unpack into .triton_cache, carry it
