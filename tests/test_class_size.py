@@ -61,3 +61,18 @@ def test_no_class_has_more_than_twenty_methods():
         f"classes with more than {MAX_METHODS} methods: {big}. Split each along its seams "
         "into collaborators with one job each (properties count: prefer plain attributes)."
     )
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_has_more_than_six_hundred_lines():
+    """A module past that holds several jobs (issue 51's bound): split it along its seams."""
+    files = sorted(PACKAGE_ROOT.rglob("*.py"))
+    lines = {path: len(path.read_text().splitlines()) for path in files}
+    big = [
+        f"{path.relative_to(PACKAGE_ROOT.parent).as_posix()} ({n} lines)"
+        for path, n in lines.items()
+        if n > MAX_MODULE_LINES
+    ]
+    assert not big, f"modules past {MAX_MODULE_LINES} lines: {big}"
