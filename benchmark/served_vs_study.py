@@ -12,6 +12,8 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
   completions), and each engine's ``mean_decode_batch``;
 - ``itl_p50_ratio_rate1`` (ECHO's median inter-token latency over no-offload's at rate 1,
   where nothing needs offloading; goal <= 1.02);
+- ``decode_step_ratio_rate1_by_batch``: at rate 1, ECHO's device ms per decode step over
+  no-offload's, per batch (the part of the ITL ratio the device step explains);
 - ``echo_served_efficiency`` / ``no_offload_served_efficiency`` at rate inf: the decode
   steps' device time (CUDA events) over the run's wall time (goals >= 0.90 / 0.93);
 - ``served_hit_rate`` and ``study_hit_rate`` (should agree within 0.01); the study counts
@@ -109,6 +111,24 @@ def _equal_across_rates(runs: dict[str, dict[str, dict]]) -> dict[str, list[int]
             return None
         out[eng] = [sum(x == y for x, y in zip(a, b, strict=True)), len(a)]
     return out
+
+
+def step_ratio_by_batch(echo: dict | None, noff: dict | None) -> dict[str, float] | None:
+    """batch -> ECHO's device ms per decode step over no-offload's at that batch (batches
+    both ran 20+ steps at). Why: at rate 1 the inter-token latency is the decode step's,
+    so this says how much of ``itl_p50_ratio_rate1`` the device step itself explains (the
+    cache's fixed per-layer work) and how much is left to the rest of the server."""
+    if not echo or not noff:
+        return None
+    e_s, e_n = echo.get("decode_device_seconds_by_batch"), echo.get("decode_device_steps_by_batch")
+    n_s, n_n = noff.get("decode_device_seconds_by_batch"), noff.get("decode_device_steps_by_batch")
+    if not (e_s and e_n and n_s and n_n):
+        return None
+    out = {}
+    for batch in sorted(set(e_n) & set(n_n), key=int):
+        if min(e_n[batch], n_n[batch]) >= 20 and e_s[batch] > 0 and n_s[batch] > 0:
+            out[batch] = round((e_s[batch] / e_n[batch]) / (n_s[batch] / n_n[batch]), 4)
+    return out or None
 
 
 def _outputs_equal(runs: dict[str, dict[str, dict]]) -> bool | None:
@@ -295,6 +315,7 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
         "itl_p50_ratio_rate1": _ratio(
             echo.get("1", {}).get("median_itl_ms"), noff.get("1", {}).get("median_itl_ms")
         ),
+        "decode_step_ratio_rate1_by_batch": step_ratio_by_batch(echo.get("1"), noff.get("1")),
         "echo_served_efficiency": inf_e.get("served_efficiency"),
         "no_offload_served_efficiency": inf_n.get("served_efficiency"),
         "served_hit_rate": served_hit,

@@ -170,3 +170,19 @@ def test_ingress_reads_when_the_prompts_reached_the_engine():
         )
         is None
     )
+
+
+def test_the_rate_one_step_ratio_compares_batches_both_ran_often_enough():
+    echo = {
+        "decode_device_seconds_by_batch": {"1": 5.2, "2": 1.3, "5": 0.1},
+        "decode_device_steps_by_batch": {"1": 1000, "2": 200, "5": 10},
+    }
+    noff = {
+        "decode_device_seconds_by_batch": {"1": 5.0, "2": 1.2, "3": 0.5},
+        "decode_device_steps_by_batch": {"1": 1000, "2": 200, "3": 80},
+    }
+    ratio = served_vs_study.step_ratio_by_batch(echo, noff)
+    # batch 5 ran 10 steps on ECHO only, batch 3 on no-offload only: neither is compared
+    assert ratio == {"1": pytest.approx(1.04), "2": pytest.approx(1.0833, abs=1e-4)}
+    assert served_vs_study.step_ratio_by_batch(echo, None) is None
+    assert served_vs_study.step_ratio_by_batch({"median_itl_ms": 6.0}, noff) is None
