@@ -13,68 +13,45 @@ from sglang_echo.kernels.pinned_store import (
     PinnedReadback,
     as_bytes,
     copy_by_torch,
-    store_segments,
-    store_segments_reference,
+    store_bytes,
+    store_bytes_reference,
 )
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("n", [0, 1, 15, 1023, 1024, 1025, 5000])
-def test_one_segment_matches_the_reference(n: int) -> None:
+def test_store_bytes_matches_its_reference(n: int) -> None:
     g = torch.Generator().manual_seed(n)
     src = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).to(DEV)
     out, ref = (
         torch.zeros(n + 7, dtype=torch.uint8, device=DEV),
         torch.zeros(n + 7, dtype=torch.uint8, device=DEV),
     )
-    store_segments([src], out, [3])  # at an odd offset: the kernel's unaligned case
-    store_segments_reference([src], ref, [3])
+    store_bytes(src, out[3 : 3 + n])  # at an odd offset: the kernel's unaligned case
+    store_bytes_reference(src, ref[3 : 3 + n])
     assert torch.equal(out, ref)
     assert int(out[:3].sum()) == 0 and int(out[3 + n :].sum()) == 0  # nothing outside
 
 
-@pytest.mark.parametrize("sizes", [(8, 1), (40, 5, 20, 100, 0, 7), (3000, 1, 1500)])
-def test_several_segments_in_one_launch_match_the_reference(sizes: tuple[int, ...]) -> None:
-    g = torch.Generator().manual_seed(len(sizes))
-    sources = [torch.randint(1, 256, (n,), generator=g, dtype=torch.uint8).to(DEV) for n in sizes]
-    offsets, end = [], 5
-    for n in sizes:  # gaps between segments: the kernel must leave them untouched
-        offsets.append(end)
-        end += n + 3
-    out = torch.zeros(end, dtype=torch.uint8, device=DEV)
-    ref = torch.zeros(end, dtype=torch.uint8, device=DEV)
-    store_segments(sources, out, offsets)
-    store_segments_reference(sources, ref, offsets)
-    assert torch.equal(out, ref)
-    assert int((out != 0).sum()) == sum(sizes)  # every byte stored, none outside
-
-
-def test_store_segments_refuses_what_it_cannot_store() -> None:
-    u8 = torch.zeros(4, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="uint8 sources"):
-        store_segments([torch.zeros(4, dtype=torch.int32)], torch.zeros(16, dtype=torch.uint8), [0])
-    with pytest.raises(ValueError, match="passes the end"):
-        store_segments([u8], torch.zeros(5, dtype=torch.uint8), [2])
-    with pytest.raises(ValueError, match="overlaps"):
-        store_segments([u8, u8], torch.zeros(16, dtype=torch.uint8), [0, 2])
-    with pytest.raises(ValueError, match="1 to 6 sources"):
-        store_segments([u8] * 7, torch.zeros(64, dtype=torch.uint8), list(range(0, 28, 4)))
+def test_store_bytes_refuses_what_it_cannot_store() -> None:
+    with pytest.raises(ValueError, match="uint8"):
+        store_bytes(torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="4 bytes into 5"):
+        store_bytes(torch.zeros(4, dtype=torch.uint8), torch.zeros(5, dtype=torch.uint8))
     with pytest.raises(ValueError, match="contiguous"):
         as_bytes(torch.zeros(4, 4)[:, 1])
 
 
-def test_the_kernel_compiles_once_for_every_size_offset_and_count() -> None:
-    kernel = pinned_store._store_segments_kernel
+def test_the_kernel_compiles_once_for_every_size_and_offset() -> None:
+    kernel = pinned_store._store_bytes_kernel
     if hasattr(kernel, "params"):
         values = {p.name for p in kernel.params if p.do_not_specialize}
         aligned = {p.name for p in kernel.params if p.do_not_specialize_on_alignment}
     else:  # the interpreter keeps the decorator's arguments
         values = set(kernel.kwargs.get("do_not_specialize") or ())
         aligned = set(kernel.kwargs.get("do_not_specialize_on_alignment") or ())
-    segments = range(pinned_store.MAX_SEGMENTS)
-    assert values == {f"n{i}" for i in segments} | {f"o{i}" for i in segments}
-    assert aligned == {"dst_ptr"} | {f"s{i}" for i in segments}
+    assert values == {"n"} and aligned == {"src_ptr", "dst_ptr"}
 
 
 def _step_results(rows: int, seed: int) -> list[torch.Tensor]:
@@ -134,7 +111,7 @@ def test_on_cuda_the_ring_stores_through_the_alias_behind_queued_work() -> None:
         y = (x @ x).sum(dim=1)[:64] * 0 + step
         got = ring.copy([y.to(torch.int64)]).wait()[0]
         assert torch.equal(got, torch.full((64,), step, dtype=torch.int64))
-    kernel = pinned_store._store_segments_kernel
+    kernel = pinned_store._store_bytes_kernel
     before = len(kernel.device_caches[torch.cuda.current_device()][0])
     for rows in (1, 3, 17, 64):
         ring.copy(_step_results(rows, rows)).wait()

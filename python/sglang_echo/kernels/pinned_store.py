@@ -24,76 +24,34 @@ from sglang_echo.kernels.host_copy import cuda_alias_of_pinned
 
 STORE_BLOCK = 1024  # bytes per program
 SLOT_ALIGN = 16  # each tensor's offset in a slot: any dtype's view stays aligned
-MAX_SEGMENTS = 6  # sources one launch stores: a step's results (tokens, flags, log-probs)
 
 
 # --------------------------------------------------------------------------- reference
-def store_segments_reference(
-    sources: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
-) -> None:
-    """The kernel's semantics: ``dst[off : off + len(src)] = src`` for each source (flat
-    uint8); bytes of ``dst`` outside every segment are left as they are."""
-    for src, off in zip(sources, offsets, strict=True):
-        dst[off : off + src.numel()].copy_(src)
+def store_bytes_reference(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """The kernel's semantics: ``dst[:] = src`` (both flat uint8 of one length)."""
+    dst.copy_(src)
 
 
 # ------------------------------------------------------------------------------ kernel
-@triton.jit
-def _store_segment(dst_ptr, src_ptr, n, off, offs):
-    mask = (offs >= off) & (offs < off + n)
-    tl.store(dst_ptr + offs, tl.load(src_ptr + (offs - off), mask=mask), mask=mask)
-
-
-_SIZES = (*(f"n{i}" for i in range(MAX_SEGMENTS)), *(f"o{i}" for i in range(MAX_SEGMENTS)))
-_POINTERS = ("dst_ptr", *(f"s{i}" for i in range(MAX_SEGMENTS)))
-
-
-# Every segment is a fixed argument (an unused one has no bytes) and sizes and offsets
-# change with the batch: one compiled variant serves every step, so none compiles mid-run.
-@triton.jit(do_not_specialize=_SIZES, do_not_specialize_on_alignment=_POINTERS)
-def _store_segments_kernel(
-    dst_ptr, s0, n0, o0, s1, n1, o1, s2, n2, o2, s3, n3, o3, s4, n4, o4, s5, n5, o5,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
+# Sizes and offsets change with the batch: one compiled variant for all of them.
+@triton.jit(do_not_specialize=("n",), do_not_specialize_on_alignment=("src_ptr", "dst_ptr"))
+def _store_bytes_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    _store_segment(dst_ptr, s0, n0, o0, offs)
-    _store_segment(dst_ptr, s1, n1, o1, offs)
-    _store_segment(dst_ptr, s2, n2, o2, offs)
-    _store_segment(dst_ptr, s3, n3, o3, offs)
-    _store_segment(dst_ptr, s4, n4, o4, offs)
-    _store_segment(dst_ptr, s5, n5, o5, offs)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
 
 # ---------------------------------------------------------------------------- launcher
-def store_segments(
-    sources: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]
-) -> None:
-    """``dst[off : off + len(src)] = src`` for up to ``MAX_SEGMENTS`` flat uint8 sources by
-    one launch on the current stream (``dst`` may be a pinned buffer's UVA alias): one
-    launch, not one per tensor, because each launch costs the engine thread host time
-    every decode step."""
-    if not 0 < len(sources) <= MAX_SEGMENTS or len(offsets) != len(sources):
-        raise ValueError(
-            f"store_segments takes 1 to {MAX_SEGMENTS} sources with one offset each, "
-            f"got {len(sources)} sources and {len(offsets)} offsets"
-        )
-    if dst.dtype != torch.uint8 or dst.dim() != 1:
-        raise ValueError("store_segments stores into a flat uint8 tensor")
-    args: list = [dst]
-    end = 0
-    for src, off in zip(sources, offsets, strict=True):
-        if src.dtype != torch.uint8 or src.dim() != 1:
-            raise ValueError("store_segments takes flat uint8 sources (see as_bytes)")
-        if off < end or off + src.numel() > dst.numel():
-            raise ValueError(
-                f"store_segments: a segment of {src.numel()} bytes at {off} overlaps the "
-                f"one before it (which ends at {end}) or passes the end ({dst.numel()})"
-            )
-        end = off + src.numel()
-        args += [src, src.numel(), off]
-    args += [dst, 0, 0] * (MAX_SEGMENTS - len(sources))  # unused: no bytes
-    if end:
-        _store_segments_kernel[(triton.cdiv(end, STORE_BLOCK),)](*args, BLOCK=STORE_BLOCK)
+def store_bytes(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst[:] = src`` by one launch on the current stream (flat uint8 tensors of one
+    length; ``dst`` may be a pinned buffer's UVA alias)."""
+    if src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.dim() != 1:
+        raise ValueError("store_bytes takes flat uint8 tensors")
+    if src.numel() != dst.numel():
+        raise ValueError(f"store_bytes: {src.numel()} bytes into {dst.numel()}")
+    n = src.numel()
+    if n:
+        _store_bytes_kernel[(triton.cdiv(n, STORE_BLOCK),)](src, dst, n, BLOCK=STORE_BLOCK)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -128,7 +86,7 @@ class Readback:
 
 
 class PinnedReadback:
-    """A ring of pinned slots that device tensors are stored into by ``store_segments``.
+    """A ring of pinned slots that device tensors are stored into by ``store_bytes``.
 
     A slot is reused ``slots`` readbacks later: the engine reads each step's results one
     step after it is launched, far inside that. A readback read after its slot was reused
@@ -159,18 +117,11 @@ class PinnedReadback:
         self._next = (slot + 1) % len(self.generations)
         self.generations[slot] += 1
         host_slot, alias_slot = self.host[slot], self.alias[slot]
-        stored = [
-            (as_bytes(t.contiguous()), off)
-            for t, off in zip(tensors, offsets, strict=True)
-            if t.numel()
-        ]
-        for first in range(0, len(stored), MAX_SEGMENTS):  # one launch for a step's results
-            chunk = stored[first : first + MAX_SEGMENTS]
-            store_segments([b for b, _ in chunk], alias_slot, [off for _, off in chunk])
-        out = [
-            host_slot[off : off + size].view(t.dtype).view(t.shape)
-            for t, off, size in zip(tensors, offsets, sizes, strict=True)
-        ]
+        out = []
+        for t, off, size in zip(tensors, offsets, sizes, strict=True):
+            if size:
+                store_bytes(as_bytes(t.contiguous()), alias_slot[off : off + size])
+            out.append(host_slot[off : off + size].view(t.dtype).view(t.shape))
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()

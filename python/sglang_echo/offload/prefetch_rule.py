@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from sglang_echo.kernels.host_copy import cuda_alias_of_pinned
-from sglang_echo.kernels.pinned_store import as_bytes, store_segments
+from sglang_echo.kernels.pinned_store import as_bytes, store_bytes
 
 # Prefetch from this miss fraction of a decode step's selections up: between the hit
 # rates where the staged prefetch was last faster and slower on the H200 (the evidence
@@ -57,8 +57,9 @@ class DecodePrefetchRule:
 
     def _snapshot(self, which: int, hits: torch.Tensor, misses: torch.Tensor) -> None:
         if self._counts_alias is not None:
-            dst = as_bytes(self._counts_alias[self._slot, which])  # [hits, misses] x layers
-            store_segments([as_bytes(hits), as_bytes(misses)], dst, [0, dst.numel() // 2])
+            dst = self._counts_alias[self._slot, which]
+            store_bytes(as_bytes(hits), as_bytes(dst[0]))
+            store_bytes(as_bytes(misses), as_bytes(dst[1]))
             return
         async_copy = hits.device.type == "cuda"
         self._counts[self._slot, which, 0].copy_(hits, non_blocking=async_copy)
