@@ -191,7 +191,7 @@ run_stage() {
         INFINI_INPUT_RANGE=${SERVED_INPUT_RANGE:-100000,108000} \
         RATES=${SERVED_RATES:-1,inf} NUM_PROMPTS=${SERVED_PROMPTS:-96} \
         MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh /tmp/ds/served_vs_study/sweep; \
-        python3 benchmark/served_vs_study.py --study /tmp/ds/served_vs_study/study \
+        python3 -m benchmark.served_vs_study --study /tmp/ds/served_vs_study/study \
         --sweep /tmp/ds/served_vs_study/sweep --commit '${ECHO_COMMIT:-}' \
         --out /tmp/ds/served_vs_study/served_vs_study.json \
         --command '$knobs bash benchmark/device_session.sh OUTDIR served_vs_study'" ;;

@@ -46,12 +46,16 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
   few running and few free tokens is memory, with many arriving is the arrivals;
 - ``ingress_inf``: per engine, when its rate-inf prompts had reached the engine (half, all),
   from the counters sampled during the run (``ingress``).
+- ``schedule_bound_inf``: the rate-inf workload replayed on an ideal scheduler built from
+  the run's own measurements (benchmark/served_bound.py): the ratio it reaches, that over
+  the study's (the most ``served_over_study`` can be on this workload) and the served
+  ratio over it; None without the counters.
 - ``batch_limits_inf``: per engine, its rate-inf decode steps split by what held the batch
   back, from the counters sampled during the run (``batch_limits``): none waiting, waiting
   but short of memory, or waiting with room (admission, arrivals);
 plus ``commit`` (as given: the sha, literally), ``device``, ``date`` and ``command``.
 
-    python3 benchmark/served_vs_study.py --study DIR --sweep DIR --out FILE --commit SHA
+    python3 -m benchmark.served_vs_study --study DIR --sweep DIR --out FILE --commit SHA
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from benchmark.served_bound import bound as schedule_bound
 
 ENGINES = ("no-offload", "offload")
 
@@ -352,6 +358,9 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
         },
         "batch_limits_inf": {eng: batch_limits(runs[eng].get("inf", {})) for eng in ENGINES},
         "ingress_inf": {eng: ingress(runs[eng].get("inf", {})) for eng in ENGINES},
+        "schedule_bound_inf": schedule_bound(
+            {eng: runs[eng].get("inf", {}) for eng in ENGINES}, study_ratio, served
+        ),
     }
 
 
