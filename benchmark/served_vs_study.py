@@ -23,6 +23,9 @@ Reads the study's record (``e2e_study.json``) and the sweep's per-rate runs
   ``served_hit_rate_steady`` (and each engine's ``mean_decode_batch_steady_inf``) takes the servers' counters sampled during the run
   (``bench_serving --poll-counters-s``; the stage sets ``POLL_COUNTERS_S=0.5``) over its
   steady window;
+- ``study_hit_rate_at_served_ages``: the study's hit rate over the steps its requests
+  had lived at the served ECHO requests' ages (``hit_rate_at_ages``), the like-for-like
+  figure beside ``served_hit_rate``;
 - ``admission_ms_p50`` (engine-thread ms per admission on the ECHO server; goal <= 2) and
   its per-run mean, and ``admission_ms_parts_inf``: that mean by part at rate inf (the
   table row, then the transfer start's locations, upload, seed, ECHO's slots, submission);
@@ -154,6 +157,32 @@ def _from_admission(study_metrics: dict) -> dict | None:
         "hit_rate": round(statistics.fmean(per_layer), 4),
         "decode_steps": seen["decode_steps"],
     }
+
+
+def hit_rate_at_ages(curve: dict | None, output_lens: list[int] | None) -> dict | None:
+    """The study's hit rate at the served requests' ages: each served request of L output
+    tokens decodes L - 1 steps, and counts as the study's requests did over their first
+    L - 1 steps (its cumulative hits and misses there, ``hit_curve_from_admission``).
+    Why: the workload's locality grows with a request's age, so a served run of short
+    outputs hits less than the study's long-lived requests, with no fault of the server;
+    this is the study's figure at the same ages. Requests older than the curve count at
+    its last step (``past_curve`` of them). None without a curve or the lengths."""
+    if not curve or not curve.get("rows") or not output_lens:
+        return None
+    rows = curve["rows"]
+    by_step = {step: (hits, misses) for step, hits, misses in rows}
+    last = rows[-1][0]
+    hits = misses = past = 0
+    for n in output_lens:
+        age = n - 1
+        if age < 1:
+            continue
+        past += age > last
+        h, m = by_step[min(age, last)]
+        hits, misses = hits + h, misses + m
+    if not hits + misses:
+        return None
+    return {"hit_rate": round(hits / (hits + misses), 4), "curve_steps": last, "past_curve": past}
 
 
 def admission_parts(engine: dict, clock: str = "seconds") -> dict[str, float] | None:
@@ -334,6 +363,10 @@ def combine(study: dict, runs: dict[str, dict[str, dict]]) -> dict:
         "study_hit_rate": round(statistics.fmean(hit), 4) if hit else None,
         # the study's requests from their first decode step (a served run sees every step)
         "study_hit_rate_from_admission": _from_admission(m),
+        # the study's at the served ECHO requests' ages (their output lengths at rate inf)
+        "study_hit_rate_at_served_ages": hit_rate_at_ages(
+            m.get("hit_curve_from_admission"), inf_e.get("output_lens")
+        ),
         "admission_ms_p50": inf_e.get("admission_ms_p50"),
         "admission_ms_mean_inf": inf_e.get("admission_ms_mean"),
         "admission_ms_parts_inf": admission_parts(inf_e.get("server_engine") or {}),

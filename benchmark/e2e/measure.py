@@ -182,10 +182,12 @@ class DecodeBench:
         ctx = [r.cached_len for r in node.running]
         log(f"  {eng.label}/{tag(phase)}: admitted {b} requests (context {min(ctx)}-{max(ctx)}), "
             f"admission {max(admit_s):.3f}s max each")  # fmt: skip
+        counters = eviction_counter(kv)
+        curve: list[list[int]] = []  # [steps since admission, hits, misses] (all layers)
         for _ in range(a.warmup):
             node.step()
+            note_hits(curve, kv, counters)
         filled = 0
-        counters = eviction_counter(kv)
         if counters is not None and phase.fill:
             # Steady state: a cache that has not filled yet never evicts, and one that still
             # holds placed prompt rows no step selected (ECHO places a transferred prompt in
@@ -198,6 +200,7 @@ class DecodeBench:
             ):
                 node.step()
                 filled += 1
+                note_hits(curve, kv, counters)
         moes = [m for m in self.model.modules() if isinstance(m, LocalRoutedMoE)]
         warm_counts = None
         if counters is not None:
@@ -209,9 +212,11 @@ class DecodeBench:
             m.forwards.zero_()
         if timer is not None:
             timer.events.clear()
-        return LivePhase(
+        live = LivePhase(
             eng, phase, kv, runner, timer, node, admitted, admit_s, ctx, filled, moes, warm_counts
         )
+        live.hit_curve = curve
+        return live
 
     def finish_phase(self, live: LivePhase) -> dict:
         """The phase's result after its timed steps: device and wall times, telemetry, the
@@ -264,6 +269,7 @@ class DecodeBench:
             res["hit_rate_per_layer"] = [round(h, 4) for h in tel["hit_rate"]]
             if live.warm_counts is not None:  # every step since admission, warm-up included
                 res.update(hit_rate_from_admission(live.warm_counts, tel, a.steps))
+                res["hit_curve_from_admission"] = live.hit_curve
             res["evictions_per_step"] = sum(tel["evictions"]) / a.steps
             res["recalled_mb_per_step"] = sum(tel["recalled_bytes"]) / a.steps / 2**20
             if tel.get("prefetch_steps"):  # decode prefetch under auto: [on, all] steps
@@ -286,6 +292,20 @@ class DecodeBench:
             + (f", hit {min(hit):.3f}-{max(hit):.3f}, evict/step {res['evictions_per_step']:.0f}"
                if hit else "") + f", leak_free {res['leak_free']}")  # fmt: skip
         return res
+
+
+def note_hits(curve: list[list[int]], kv, counters) -> None:
+    """Append the cache's hits and misses so far (summed over layers) at this step since
+    admission; nothing for a backend without counters.
+
+    Why: a served request lives only as many steps as it has output tokens, and the
+    workload's hit rate grows with a request's age, so a served hit rate is to be set
+    beside the study's at the same ages (benchmark/served_vs_study.py), not beside its
+    timed steps'. Read in the untimed warm-up and fill steps only."""
+    if counters is None:
+        return
+    tel = kv.telemetry()
+    curve.append([len(curve) + 1, int(sum(tel["hits"])), int(sum(tel["misses"]))])
 
 
 def hit_rate_from_admission(warm_counts: tuple, tel: dict, timed_steps: int) -> dict:
@@ -325,6 +345,7 @@ class LivePhase:
     wall: list[float] = field(default_factory=list)
     prep: list[float] = field(default_factory=list)
     post: list[float] = field(default_factory=list)
+    hit_curve: list[list[int]] = field(default_factory=list)  # note_hits, warm-up and fill
 
     def timed_step(self) -> None:
         t0 = time.perf_counter()

@@ -15,6 +15,20 @@ from benchmark.e2e.plan import PREFETCH_OFF, PREFETCH_ON, StudyPlan
 from benchmark.e2e.runs import find, find_all, med, paired_cost, ratio, ratio_range, sweep
 
 
+def summed_curve(echo_runs: list[dict]) -> dict | None:
+    """[steps since admission, hits, misses] of the paper-setting ECHO runs' warm-up and
+    fill, summed over the repeats at the steps they all reached (None: no run has one)."""
+    curves = [r["hit_curve_from_admission"] for r in echo_runs if r.get("hit_curve_from_admission")]
+    if not curves:
+        return None
+    n = min(len(c) for c in curves)
+    rows = [
+        [curves[0][i][0], sum(c[i][1] for c in curves), sum(c[i][2] for c in curves)]
+        for i in range(n)
+    ]
+    return {"columns": ["step", "hits", "misses"], "rows": rows, "runs": len(curves)}
+
+
 def metrics(setup: StudyPlan, runs: list[dict], components: dict) -> dict:
     """The record's metrics from the measurements so far (any may be missing: the record
     is rewritten after every phase)."""
@@ -96,6 +110,7 @@ def metrics(setup: StudyPlan, runs: list[dict], components: dict) -> dict:
         "hit_rate_per_layer": hit,
         # every step since admission (the timed steps follow a long fill): a served run's peer
         "hit_rate_from_admission": hit_admitted or None,
+        "hit_curve_from_admission": summed_curve(echo_runs),
         "locality_source": echo_run and echo_run["locality_source"],
         "breakdown": {
             "no_offload": breakdown(find_all(runs, "noff_paper"), components, plan.layers),

@@ -6,6 +6,7 @@ the way it claims, and ``benchmark/e2e_study.py --smoke`` writes a complete reco
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -263,6 +264,17 @@ def test_e2e_study_smoke_writes_the_record(e2e_study, tmp_path: Path) -> None:
     assert len(seen["per_layer"]) == rec["config"]["layers"]
     assert seen["decode_steps"] > rec["config"]["measured_steps"]
     assert sum(seen["per_layer"]) < sum(m["hit_rate_per_layer"])
+    # the same counts step by step over the warm-up and fill: cumulative, one row a step,
+    # its last row the before-timed part of the from-admission figure
+    curve = m["hit_curve_from_admission"]
+    steps = [row[0] for row in curve["rows"]]
+    assert (
+        steps == list(range(1, len(steps) + 1))
+        and len(steps) == seen["decode_steps"] - rec["config"]["measured_steps"]
+    )
+    looked = [row[1] + row[2] for row in curve["rows"]]
+    assert looked[0] > 0 and all(b > a for a, b in itertools.pairwise(looked))
+    assert all(b[1] >= a[1] for a, b in itertools.pairwise(curve["rows"]))
     assert all(r["leak_free"] for r in rec["runs"])
     batches = {r["engine"]: r["batch"] for r in rec["runs"] if r["phase"] == "full"}
     assert batches["noff_paper"] == 3 and batches["echo_paper"] == 10  # the capacity rules

@@ -186,3 +186,18 @@ def test_the_rate_one_step_ratio_compares_batches_both_ran_often_enough():
     assert ratio == {"1": pytest.approx(1.04), "2": pytest.approx(1.0833, abs=1e-4)}
     assert served_vs_study.step_ratio_by_batch(echo, None) is None
     assert served_vs_study.step_ratio_by_batch({"median_itl_ms": 6.0}, noff) is None
+
+
+def test_study_hit_rate_at_the_served_ages():
+    # Cumulative hits / misses of the study's batch: 2/2 after one step, 9/3 after two,
+    # 20/4 after three (its hit rate grows with age).
+    curve = {"columns": ["step", "hits", "misses"], "rows": [[1, 2, 2], [2, 9, 3], [3, 20, 4]]}
+    # Outputs of 2, 3 and 9 tokens: ages 1, 2 and 8 (past the curve: counted at its last step).
+    out = served_vs_study.hit_rate_at_ages(curve, [2, 3, 9, 1])
+    assert out == {
+        "hit_rate": round((2 + 9 + 20) / (4 + 12 + 24), 4),
+        "curve_steps": 3,
+        "past_curve": 1,
+    }
+    assert served_vs_study.hit_rate_at_ages(None, [2]) is None
+    assert served_vs_study.hit_rate_at_ages(curve, [1]) is None  # no decode step at all
