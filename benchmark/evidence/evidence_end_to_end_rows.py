@@ -114,6 +114,8 @@ END_TO_END_ROWS: tuple[Row, ...] = (
             "hit rate served {metrics.served_hit_rate:f3}, in the study {metrics.study_hit_rate:f3}",
             "?in the study from admission on (its first {metrics.study_hit_rate_from_admission.decode_steps} "
             "decode steps, as a served request is seen) {metrics.study_hit_rate_from_admission.hit_rate:f3}",
+            "?in the study at the served requests' own ages (each counted over as many steps as it "
+            "decoded served) {metrics.study_hit_rate_at_served_ages.hit_rate:f3}",
             "?over the steady window (the servers' counters sampled during the runs): hit rate "
             "{metrics.served_hit_rate_steady:f3}, mean decode batch "
             "{metrics.mean_decode_batch_steady_inf:f1/} (no-offload / ECHO)",
