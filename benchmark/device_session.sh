@@ -20,7 +20,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: arrival_probe ingress_probe step_trace readback_ab itl_ab served_equal mtp_served mtp_study admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: arrival_probe ingress_probe step_trace readback_ab itl_ab itl_trace served_equal mtp_served mtp_study admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -253,6 +253,15 @@ run_stage() {
         python3 benchmark/decode_node_probe.py --model /tmp/step_trace_model --backend \$arm \
         --num-prompts 1 --min-len 100000 --max-len 108000 --output-len 512 \
         --out $d/\${arm}_\$r.json | grep -E 'efficiency|ms_per_step'; done; done" ;;
+    itl_trace)  # itl_ab's batch 1 with a profiler trace of 100 decode steps of each engine
+      # (after 150): every kernel's count and device time in the window (ops_by_name of each
+      # summary), so ECHO's extra work per step is read by name (est. ~2 min)
+      local d=/tmp/ds/itl_trace
+      stage itl_trace 240 bash -c "python3 -m benchmark.study.worker_spec --out /tmp/step_trace_model \
+        && for arm in echo no-offload; do python3 benchmark/decode_node_probe.py \
+        --model /tmp/step_trace_model --backend \$arm --num-prompts 1 --min-len 100000 \
+        --max-len 108000 --output-len 300 --out $d/\$arm.json --trace $d/\$arm \
+        --trace-after 150 --trace-steps 100 | grep -E 'ms_per_step'; gzip -f $d/\$arm/trace.json; done" ;;
     ingress_probe)  # the HTTP front alone (benchmark/ingress_probe.py, CPU only; .whl carried):
       # 96 prompts of 104,857 tokens sent at once, parsed on one thread against asyncio's pool
       stage ingress_probe 200 bash -c 'export PYTHON=python3; source benchmark/web_stack.sh \

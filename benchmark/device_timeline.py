@@ -276,6 +276,9 @@ def summarize(
             for (b, a), v in border_rows
         ],
         "streams": streams,
+        # every operation name over all streams (a graph's kernels report many streams): what
+        # two engines' windows differ by, per step once divided by the window's steps
+        "ops_by_name": top_names(ops, limit=len(ops)),
         "host_blocking_us": {k: round(v, 1) for k, v in sorted(blocking.items())},
         "graphs": graph_gaps(ops, calls),
     }

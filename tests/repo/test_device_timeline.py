@@ -54,6 +54,8 @@ def test_summary_counts_the_decode_streams_gaps_and_their_borders():
     assert s["streams"]["9"]["busy_us"] == 600
     assert s["streams"]["7"]["top"][0] == {"name": "graph", "us": 2000.0, "count": 2}
     assert s["host_blocking_us"] == {"cudaStreamSynchronize": 40.0}
+    assert [r["name"] for r in s["ops_by_name"]] == ["graph", "keys", "sample"]
+    assert s["ops_by_name"][2] == {"name": "sample", "us": 100.0, "count": 2}
 
 
 def test_load_chrome_trace_reads_device_ops_and_runtime_calls(tmp_path):
