@@ -25,6 +25,29 @@ def rate_latency(rate: str) -> str:
     )
 
 
+def served_bound_row(prompts: int, record: str) -> Row:
+    """A served run's bound (benchmark/served_bound.py), one row per served record."""
+    facts = (
+        "the rate-inf runs of `{source.record}` ({prompts} prompts) replayed on an ideal scheduler built from their own "
+        "measurements (each prompt's KV arriving after the one before, in the run's mean transfer time: "
+        "{metrics.with_ramp.engines.offload.arrival_ms:f1} ms ECHO, {metrics.with_ramp.engines.no-offload.arrival_ms:f1} ms "
+        "no-offload; at most the requests the engine held at once, {metrics.with_ramp.engines.offload.held_at_most} / "
+        "{metrics.with_ramp.engines.no-offload.held_at_most}; the run's device time per step by batch; no host time): "
+        "ECHO / no-offload {metrics.with_ramp.ideal_ratio:x}, {metrics.with_ramp.bound_over_study:f2} of the study's "
+        "(the most served over study can be on this workload; goal 0.90), served {metrics.served_ratio_inf:x} = "
+        "{metrics.with_ramp.served_over_bound:f3} of it",
+        "each engine's served throughput over its ideal: ECHO {metrics.with_ramp.engines.offload.served_over_ideal:f2}, "
+        "no-offload {metrics.with_ramp.engines.no-offload.served_over_ideal:f2}; mean decode batch of the ideal "
+        "{metrics.with_ramp.engines.offload.mean_decode_batch:f1} (ECHO)",
+        "with every KV in place at t=0 (the drain alone) the bound is {metrics.no_ramp.bound_over_study:f2} of the study's",
+    )
+    return Row(
+        f"the served run's bound, {prompts} prompts (issue 49)",
+        rec(f"served_bound/{record}.json"),
+        tuple(f.replace("{prompts}", str(prompts)) for f in facts),
+    )
+
+
 END_TO_END_ROWS: tuple[Row, ...] = (
     Row(
         "end-to-end decode study (issue 14)",
@@ -145,42 +168,8 @@ END_TO_END_ROWS: tuple[Row, ...] = (
             "{metrics.outputs_equal_across_rates:}",
         ),
     ),
-    Row(
-        "the served run's bound, 96 prompts (issue 49)",
-        rec("served_bound/served_vs_study.json"),
-        (
-            "the rate-inf runs of `{source.record}` (96 prompts) replayed on an ideal scheduler built from their own "
-            "measurements (each prompt's KV arriving after the one before, in the run's mean transfer time: "
-            "{metrics.with_ramp.engines.offload.arrival_ms:f1} ms ECHO, {metrics.with_ramp.engines.no-offload.arrival_ms:f1} ms "
-            "no-offload; at most the requests the engine held at once, {metrics.with_ramp.engines.offload.held_at_most} / "
-            "{metrics.with_ramp.engines.no-offload.held_at_most}; the run's device time per step by batch; no host time): "
-            "ECHO / no-offload {metrics.with_ramp.ideal_ratio:x}, {metrics.with_ramp.bound_over_study:f2} of the study's "
-            "(the most served over study can be on this workload; goal 0.90), served {metrics.served_ratio_inf:x} = "
-            "{metrics.with_ramp.served_over_bound:f3} of it",
-            "each engine's served throughput over its ideal: ECHO {metrics.with_ramp.engines.offload.served_over_ideal:f2}, "
-            "no-offload {metrics.with_ramp.engines.no-offload.served_over_ideal:f2}; mean decode batch of the ideal "
-            "{metrics.with_ramp.engines.offload.mean_decode_batch:f1} (ECHO)",
-            "with every KV in place at t=0 (the drain alone) the bound is {metrics.no_ramp.bound_over_study:f2} of the study's",
-        ),
-    ),
-    Row(
-        "the served run's bound, 318 prompts (issue 49)",
-        rec("served_bound/served_vs_study_318.json"),
-        (
-            "the rate-inf runs of `{source.record}` (318 prompts) replayed on an ideal scheduler built from their own "
-            "measurements (each prompt's KV arriving after the one before, in the run's mean transfer time: "
-            "{metrics.with_ramp.engines.offload.arrival_ms:f1} ms ECHO, {metrics.with_ramp.engines.no-offload.arrival_ms:f1} ms "
-            "no-offload; at most the requests the engine held at once, {metrics.with_ramp.engines.offload.held_at_most} / "
-            "{metrics.with_ramp.engines.no-offload.held_at_most}; the run's device time per step by batch; no host time): "
-            "ECHO / no-offload {metrics.with_ramp.ideal_ratio:x}, {metrics.with_ramp.bound_over_study:f2} of the study's "
-            "(the most served over study can be on this workload; goal 0.90), served {metrics.served_ratio_inf:x} = "
-            "{metrics.with_ramp.served_over_bound:f3} of it",
-            "each engine's served throughput over its ideal: ECHO {metrics.with_ramp.engines.offload.served_over_ideal:f2}, "
-            "no-offload {metrics.with_ramp.engines.no-offload.served_over_ideal:f2}; mean decode batch of the ideal "
-            "{metrics.with_ramp.engines.offload.mean_decode_batch:f1} (ECHO)",
-            "with every KV in place at t=0 (the drain alone) the bound is {metrics.no_ramp.bound_over_study:f2} of the study's",
-        ),
-    ),
+    served_bound_row(96, "served_vs_study"),
+    served_bound_row(318, "served_vs_study_318"),
     Row(
         "served outputs equal under batch invariance (issue 49)",
         rec("served_equal/served_equal.json"),
