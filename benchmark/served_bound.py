@@ -136,11 +136,6 @@ def bound(
     return out
 
 
-def last_record(jsonl: Path) -> dict:
-    lines = [ln for ln in jsonl.read_text().splitlines() if ln.strip()]
-    return json.loads(lines[-1]) if lines else {}
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
@@ -156,12 +151,17 @@ def main(argv: list[str] | None = None) -> dict:
     if not source_file.is_file():
         ap.error(f"{source_file} does not exist; --record names a served_vs_study folder")
     source = json.loads(source_file.read_text())
+    # here, not at the top: served_vs_study imports this module for its own record (and
+    # run as a script, the repository root is not on the path yet)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmark.served_vs_study import runs_of, write_record
+
     runs = {}
     for eng in ENGINES:
-        f = args.record / "sweep" / "infini" / eng / "req_rate_inf.jsonl"
-        if not f.is_file():
-            ap.error(f"{f} does not exist: the record has no rate-inf run of {eng}")
-        runs[eng] = last_record(f)
+        inf = runs_of(args.record / "sweep", eng).get("inf")
+        if not inf:
+            ap.error(f"{args.record}/sweep/infini/{eng}: no rate-inf run (req_rate_inf.jsonl)")
+        runs[eng] = inf
     m = source.get("metrics", {})
     result = bound(runs, m.get("study_ratio"), m.get("served_ratio_inf"))
     if result is None:
@@ -185,10 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
             **result,
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(record["metrics"], indent=1))
-    return record
+    return write_record(args.out, record, record["metrics"])
 
 
 if __name__ == "__main__":

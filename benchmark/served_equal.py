@@ -22,12 +22,18 @@ part), plus ``commit``, ``device``, ``date``, ``command``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-from benchmark.served_vs_study import ENGINES, admission_parts, device_name, equal_by_rate, runs_of
+from benchmark.served_vs_study import (
+    ENGINES,
+    admission_parts,
+    device_name,
+    equal_by_rate,
+    runs_of,
+    write_record,
+)
 from sglang_echo.config import load_settings
 
 
@@ -76,10 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": args.command or " ".join(sys.argv),
         "metrics": combine(runs, invariant),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(record["metrics"], indent=1))
-    return record
+    return write_record(args.out, record, record["metrics"])
 
 
 if __name__ == "__main__":

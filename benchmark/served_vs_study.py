@@ -70,9 +70,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmark.served_bound import ENGINES
 from benchmark.served_bound import bound as schedule_bound
-
-ENGINES = ("no-offload", "offload")
 
 
 def runs_of(sweep: Path, engine: str) -> dict[str, dict]:
@@ -418,9 +417,16 @@ def main(argv: list[str] | None = None) -> dict:
         "command": args.command or " ".join(sys.argv),
         "metrics": combine(study, runs),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in record["metrics"].items() if k != "latency"}, indent=1))
+    shown = {k: v for k, v in record["metrics"].items() if k != "latency"}
+    return write_record(args.out, record, shown)
+
+
+def write_record(out: Path, record: dict, shown: dict) -> dict:
+    """Write ``record`` to ``out`` as JSON and print ``shown``: the served records' one
+    way out (served_vs_study, served_equal, served_bound)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(shown, indent=1))
     return record
 
 
