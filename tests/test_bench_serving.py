@@ -392,6 +392,12 @@ def test_counter_poll_bounds_and_steady_fields():
     assert steady["steady_mean_decode_batch"] == pytest.approx(4.0)
     assert steady_fields(poll, [2.0, 4.5], served_fields) == {}  # no sample after the end
     assert steady_fields(None, [2.0, 3.0], served_fields) == {}
+    # Samples a fraction of a millisecond outside the window stay outside once rounded
+    # (to the nearest, 1.99986 read 2.0, after a window starting at 1.9999).
+    poll.samples[2] = (1.99986, poll.samples[2][1])
+    poll.samples[3] = (3.00014, poll.samples[3][1])
+    lo, hi = steady_fields(poll, [1.9999, 3.0001], served_fields)["steady_counters_window_s"]
+    assert lo <= 1.9999 and hi >= 3.0001 and (lo, hi) == (1.999, 3.001)
 
 
 def test_counter_series_tells_memory_from_demand():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -68,7 +69,9 @@ def steady_fields(poll: CounterPoll | None, window: list[float] | None, served) 
     fields = served(a, b, t_b - t_a)
     echo = fields.get("server_echo") or {}
     return {
-        "steady_counters_window_s": [round(t_a, 3), round(t_b, 3)],
+        # to the millisecond outward: rounded to the nearest, a start just before the
+        # steady window's could read as after it
+        "steady_counters_window_s": [math.floor(t_a * 1e3) / 1e3, math.ceil(t_b * 1e3) / 1e3],
         "steady_hit_rate": echo.get("hit_rate"),
         "steady_mean_decode_batch": fields.get("mean_decode_batch"),
         "steady_served_efficiency": fields.get("served_efficiency"),
