@@ -17,6 +17,9 @@ profiler slows the window's host side several-fold, so compare efficiencies of u
 runs (``--readback`` is such an A/B) and read the trace for where the gaps come from.
 
     python benchmark/decode_node_probe.py --model DIR --backend echo [--profile] [--trace DIR]
+
+ECHO's switches other than the backend and the device cache come from the environment, as
+for the server: ``SGLANG_ECHO_RESOLVE_OVERLAP=0 python benchmark/decode_node_probe.py ...``.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import random
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -38,12 +43,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark.study
 from benchmark.device_timeline import load_chrome_trace, summarize
 from benchmark.study import loader
 from sglang_echo.config import EchoConfig
+from sglang_echo.env_settings import ENV_DEV_CACHE, ENV_OFFLOAD
 from sglang_echo.runtime.engine_loop import engine_time_summary
 from sglang_echo.runtime.host_threads import limit_host_threads
 from sglang_echo.runtime.request import SamplingParams, ServeRequest
 from sglang_echo.runtime.server_args import ServerArgs
 from sglang_echo.runtime.serving import build_serving
 from sglang_echo.runtime.streams import on_engine_stream
+
+
+def probe_echo_config(
+    offload: bool, dev_cache: int, environ: Mapping[str, str] | None = None
+) -> EchoConfig:
+    """The backend and device cache from the flags, every other ECHO setting from the
+    environment (``SGLANG_ECHO_PDL=0``, ``SGLANG_ECHO_RESOLVE_OVERLAP=0``, ...), so an A/B of
+    a switch runs through this probe as it does through the server. Why: a config built from
+    the flags alone gave every arm the defaults whatever the environment said."""
+    env = dict(os.environ if environ is None else environ)
+    env.update({ENV_OFFLOAD: "1" if offload else "0", ENV_DEV_CACHE: str(dev_cache)})
+    return EchoConfig.from_env(env)
 
 
 def main() -> None:
@@ -87,7 +105,7 @@ def main() -> None:
         model_loader=loader.SPEC,  # the study worker folder, its indexers biased
         model_loader_args="--fake-kv-locality 0.9",
     )
-    serving = build_serving(sargs, echo=EchoConfig(offload=echo, dev_cache_size=args.dev_cache))
+    serving = build_serving(sargs, echo=probe_echo_config(echo, args.dev_cache))
     limit_host_threads(serving.scheduler.steps.device)  # as the server's engine does
     sched = serving.scheduler
     if args.readback == "torch":  # the readbacks as they were: copy-engine copies

@@ -6,6 +6,8 @@
 # topk ~120 s, cache ~75 s (with its tests and the launch-shape sweep it ran then ~450 s on 2026-12-03),
 # mla_profile ~20 s, indexer_profile ~25 s; topk_peer ~5 min (est.: the FlashInfer top-k JIT build is ~4).
 # On 2026-12-05 sweep_200k and sharegpt ran past 200 s (their limits now 280 / 330 s).
+# On 2026-12-06 (an H100, warm): itl_trace 103 s, sweep 196 s, sweep_200k 173 s, sweep_110k 197 s,
+# tasks 115 s, sharegpt 238 s, served_vs_study 380 s (Figures 12-15 in three calls).
 #   bash benchmark/device_session.sh OUTDIR tests                          # one call
 #   bash benchmark/device_session.sh OUTDIR kernels mla_profile study     # one call
 #   bash benchmark/device_session.sh OUTDIR topk study_fp8                # one call
@@ -246,22 +248,28 @@ run_stage() {
         | grep -E 'efficiency|output_tok_per_s'; done; done" ;;
     itl_ab)  # the decode node's engine without HTTP at batch 1 (one prompt of the study's
       # lengths, 512 tokens), where nothing needs offloading: ECHO's and no-offload's wall and
-      # device ms per decode step, interleaved, ROUNDS (default 2) of each -> itl_ab/*.json
+      # device ms per decode step, interleaved, ROUNDS (default 2) of each -> itl_ab/*.json.
+      # ECHO_ARMS="SGLANG_ECHO_PDL=0 SGLANG_ECHO_RESOLVE_OVERLAP=0": more ECHO arms in the
+      # same rounds, each with its switch in the environment (~40 s an arm and round)
       local d=/tmp/ds/itl_ab
-      stage itl_ab 330 bash -c "python3 -m benchmark.study.worker_spec --out /tmp/step_trace_model \
-        && for r in \$(seq ${ROUNDS:-2}); do for arm in echo no-offload; do \
-        python3 benchmark/decode_node_probe.py --model /tmp/step_trace_model --backend \$arm \
-        --num-prompts 1 --min-len 100000 --max-len 108000 --output-len 512 \
-        --out $d/\${arm}_\$r.json | grep -E 'efficiency|ms_per_step'; done; done" ;;
+      stage itl_ab 560 bash -c "python3 -m benchmark.study.worker_spec --out /tmp/step_trace_model \
+        && for r in \$(seq ${ROUNDS:-2}); do for arm in echo no-offload ${ECHO_ARMS:-}; do \
+        case \$arm in *=*) be=echo sw=\$arm tag=echo_\${arm//=/_} ;; *) be=\$arm sw= tag=\$arm ;; esac; \
+        echo \"== \$tag round \$r\"; env \$sw python3 benchmark/decode_node_probe.py \
+        --model /tmp/step_trace_model --backend \$be --num-prompts 1 --min-len 100000 \
+        --max-len 108000 --output-len 512 --out $d/\${tag}_\$r.json | grep -E 'efficiency|ms_per_step'; done; done" ;;
     itl_trace)  # itl_ab's batch 1 with a profiler trace of 100 decode steps of each engine
       # (after 150): every kernel's count and device time in the window (ops_by_name of each
-      # summary), so ECHO's extra work per step is read by name (est. ~2 min)
+      # summary), so ECHO's extra work per step is read by name, and the two laid side by
+      # side layer by layer (benchmark/trace_layers.py -> layers.json; ~2 min)
       local d=/tmp/ds/itl_trace
       stage itl_trace 240 bash -c "python3 -m benchmark.study.worker_spec --out /tmp/step_trace_model \
         && for arm in echo no-offload; do python3 benchmark/decode_node_probe.py \
         --model /tmp/step_trace_model --backend \$arm --num-prompts 1 --min-len 100000 \
         --max-len 108000 --output-len 300 --out $d/\$arm.json --trace $d/\$arm \
-        --trace-after 150 --trace-steps 100 | grep -E 'ms_per_step'; gzip -f $d/\$arm/trace.json; done" ;;
+        --trace-after 150 --trace-steps 100 | grep -E 'ms_per_step'; gzip -f $d/\$arm/trace.json; done; \
+        python3 -m benchmark.trace_layers $d/no-offload/trace.json.gz $d/echo/trace.json.gz \
+        --layers 8 --out $d/layers.json > /dev/null" ;;
     ingress_probe)  # the HTTP front alone (benchmark/ingress_probe.py, CPU only; .whl carried):
       # 96 prompts of 104,857 tokens sent at once, parsed on one thread against asyncio's pool
       stage ingress_probe 200 bash -c 'export PYTHON=python3; source benchmark/web_stack.sh \

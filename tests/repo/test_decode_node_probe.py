@@ -50,3 +50,19 @@ def test_decode_node_probe_runs_the_copy_engine_readback_arm(tmp_path):
     args = ["--num-prompts", "2", "--min-len", "300", "--max-len", "400", "--output-len", "3"]
     clock = _probe(tmp_path, *args, "--readback", "torch")
     assert clock["readback"] == "torch" and clock["output_tokens"] == 2 * 3
+
+
+def test_decode_node_probe_reads_the_switches_from_the_environment():
+    """An A/B of an ECHO switch (SGLANG_ECHO_PDL=0, SGLANG_ECHO_RESOLVE_OVERLAP=0) through the
+    probe gets the switch; the backend and device cache stay the flags'."""
+    from benchmark.decode_node_probe import probe_echo_config
+
+    env = {"SGLANG_ECHO_PDL": "0", "SGLANG_ECHO_RESOLVE_OVERLAP": "0", "NSA_KV_OFFLOAD": "0"}
+    env["NSA_DEV_CACHE_SIZE"] = "1000"
+    cfg = probe_echo_config(True, 600, env)
+    assert (cfg.pdl, cfg.resolve_overlap) == (False, False)
+    assert (cfg.offload, cfg.dev_cache_size) == (True, 600)
+    default = probe_echo_config(False, 260000, {})
+    assert (default.pdl, default.resolve_overlap, default.offload) == (True, True, False)
+    small = probe_echo_config(True, 600, {})  # the reserve follows the flags' cache size
+    assert small.eviction_reserve < default.eviction_reserve
