@@ -260,16 +260,19 @@ run_stage() {
         --max-len 108000 --output-len 512 --out $d/\${tag}_\$r.json | grep -E 'efficiency|ms_per_step'; done; done" ;;
     itl_trace)  # itl_ab's batch 1 with a profiler trace of 100 decode steps of each engine
       # (after 150): every kernel's count and device time in the window (ops_by_name of each
-      # summary), so ECHO's extra work per step is read by name, and the two laid side by
-      # side layer by layer (benchmark/trace_layers.py -> layers.json; ~2 min)
+      # summary), so ECHO's extra work per step is read by name, and each ECHO arm laid beside
+      # no-offload layer by layer (benchmark/trace_layers.py -> layers_ARM.json); ECHO_ARMS as
+      # for itl_ab (~50 s an arm)
       local d=/tmp/ds/itl_trace
-      stage itl_trace 240 bash -c "python3 -m benchmark.study.worker_spec --out /tmp/step_trace_model \
-        && for arm in echo no-offload; do python3 benchmark/decode_node_probe.py \
-        --model /tmp/step_trace_model --backend \$arm --num-prompts 1 --min-len 100000 \
-        --max-len 108000 --output-len 300 --out $d/\$arm.json --trace $d/\$arm \
-        --trace-after 150 --trace-steps 100 | grep -E 'ms_per_step'; gzip -f $d/\$arm/trace.json; done; \
-        python3 -m benchmark.trace_layers $d/no-offload/trace.json.gz $d/echo/trace.json.gz \
-        --layers 8 --out $d/layers.json > /dev/null" ;;
+      stage itl_trace 420 bash -c "python3 -m benchmark.study.worker_spec --out /tmp/step_trace_model \
+        && for arm in no-offload echo ${ECHO_ARMS:-}; do \
+        case \$arm in *=*) be=echo sw=\$arm tag=echo_\${arm//=/_} ;; *) be=\$arm sw= tag=\$arm ;; esac; \
+        echo \"== \$tag\"; env \$sw python3 benchmark/decode_node_probe.py --model /tmp/step_trace_model \
+        --backend \$be --num-prompts 1 --min-len 100000 --max-len 108000 --output-len 300 \
+        --out $d/\$tag.json --trace $d/\$tag --trace-after 150 --trace-steps 100 | grep -E 'ms_per_step'; \
+        gzip -f $d/\$tag/trace.json; [ \$be = echo ] && python3 -m benchmark.trace_layers \
+        $d/no-offload/trace.json.gz $d/\$tag/trace.json.gz --layers 8 --out $d/layers_\$tag.json > /dev/null; \
+        done" ;;
     ingress_probe)  # the HTTP front alone (benchmark/ingress_probe.py, CPU only; .whl carried):
       # 96 prompts of 104,857 tokens sent at once, parsed on one thread against asyncio's pool
       stage ingress_probe 200 bash -c 'export PYTHON=python3; source benchmark/web_stack.sh \

@@ -9,7 +9,8 @@ their time is hidden; what a step pays is where the main chain waits. Cutting ea
 into layers at an anchor kernel (one launch per layer: the sparse MLA), taking each
 engine's typical layer (its most common kernel sequence, median start and duration per
 position) and aligning the two sequences by name shows the added kernels and the positions
-where the second engine's drift behind the first jumps, each jump split by layer index.
+where the second engine's drift behind the first jumps, each jump split by layer index,
+with the streams the graph put them on.
 
     python -m benchmark.trace_layers A/trace.json.gz B/trace.json.gz --layers 8 [--out X.json]
 """
@@ -96,6 +97,18 @@ def gap_by_layer(cut: Sequence[Layer], prefix: tuple[str, ...], layers: int) -> 
     return out
 
 
+def stream_by_layer(cut: Sequence[Layer], name: str, layers: int) -> list[int | None]:
+    """The stream ``name`` ran on most often, per layer index (CUDA graphs spread a
+    captured fork and join over streams of their own: which one a chain lands on matters)."""
+    out: list[int | None] = []
+    for index in range(layers):
+        seen = Counter(
+            o.stream for layer in cut if layer.index == index for o in layer.ops if o.name == name
+        )
+        out.append(seen.most_common(1)[0][0] if seen else None)
+    return out
+
+
 def compare(base: Sequence[Layer], other: Sequence[Layer], layers: int) -> dict:
     """``other``'s typical layer against ``base``'s: kernels inserted or replaced, the
     drift (other's start minus base's at kernels both run) and where it jumps, with the
@@ -106,7 +119,10 @@ def compare(base: Sequence[Layer], other: Sequence[Layer], layers: int) -> dict:
     matcher = SequenceMatcher(a=names_a, b=names_b, autojunk=False)
     for op, i1, i2, j1, j2 in matcher.get_opcodes():
         if op != "equal":
-            differs.append({"op": op, "base": rows_a[i1:i2], "other": rows_b[j1:j2]})
+            streams = {n: stream_by_layer(other, n, layers) for n in dict.fromkeys(names_b[j1:j2])}
+            differs.append(
+                {"op": op, "base": rows_a[i1:i2], "other": rows_b[j1:j2], "other_streams": streams}
+            )
             continue
         drift = rows_b[j1]["start_us"] - rows_a[i1]["start_us"]
         for k in range(1, i2 - i1):
@@ -119,6 +135,7 @@ def compare(base: Sequence[Layer], other: Sequence[Layer], layers: int) -> dict:
                         "jump_us": round(now - drift, 2),
                         "gap_by_layer_base": gap_by_layer(base, names_a[: i1 + k + 1], layers),
                         "gap_by_layer_other": gap_by_layer(other, names_b[: j1 + k + 1], layers),
+                        "stream_by_layer_other": stream_by_layer(other, names_b[j1 + k], layers),
                     }
                 )
             drift = now

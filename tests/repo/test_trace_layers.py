@@ -43,10 +43,12 @@ def test_compare_finds_the_added_kernel_and_the_late_gemm_by_layer():
     assert report["kernels_per_layer"] == {"base": 4, "other": 5}
     inserted = [d for d in report["differs"] if d["op"] == "insert"]
     assert [r["name"] for d in inserted for r in d["other"]] == ["resolve"]
+    assert inserted[0]["other_streams"] == {"resolve": [9, 9, 9]}
     (jump,) = report["drift_jumps"]
     assert jump["before"] == "gemm" and jump["jump_us"] == pytest.approx(10.0)
     assert jump["gap_by_layer_base"] == [2.0, 2.0, 2.0]
     assert jump["gap_by_layer_other"] == [12.0, 12.0, 2.0]  # the step's last layer on time
+    assert jump["stream_by_layer_other"] == [7, 7, 7]
     assert report["typical_span_us"]["diff"] == pytest.approx(10.0)
 
 
