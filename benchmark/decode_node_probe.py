@@ -18,6 +18,8 @@ runs (``--readback`` is such an A/B) and read the trace for where the gaps come 
 
     python benchmark/decode_node_probe.py --model DIR --backend echo [--profile] [--trace DIR]
 
+Requests are greedy unless ``--temperature`` says otherwise: the served sweeps' client asks
+for temperature 0, and a sampled step adds the sampler's launches between the decode graphs.
 ECHO's switches other than the backend and the device cache come from the environment, as
 for the server: ``SGLANG_ECHO_RESOLVE_OVERLAP=0 python benchmark/decode_node_probe.py ...``.
 """
@@ -74,6 +76,13 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=100000)
     ap.add_argument("--max-len", type=int, default=110000)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's temperature: 0 (greedy, the default) as the serving benchmark's "
+        "client sends; above 0 each step also runs the sampler's race (runtime/sampling.py)",
+    )
     ap.add_argument("--context", type=int, default=110592)
     ap.add_argument("--pool", type=int, default=None, help="max total tokens (default: sweep's)")
     ap.add_argument("--dev-cache", type=int, default=260000)
@@ -118,7 +127,9 @@ def main() -> None:
 
     def request(i: int, n: int) -> ServeRequest:
         ids = [rng.randrange(3, vocab) for _ in range(n)]
-        params = SamplingParams(max_new_tokens=args.output_len, ignore_eos=True)
+        params = SamplingParams(
+            max_new_tokens=args.output_len, ignore_eos=True, temperature=args.temperature
+        )
         return ServeRequest(rid=f"p{i}", prompt=ids, params=params)
 
     # Warm-up: one request, so the first graph capture and lazy set-up are not counted.
@@ -150,6 +161,7 @@ def main() -> None:
     clock = {
         "backend": args.backend,
         "readback": args.readback,
+        "temperature": args.temperature,
         "num_prompts": args.num_prompts,
         "seconds": wall,
         "output_tokens": s.generation_tokens - tokens0,

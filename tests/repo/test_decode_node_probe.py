@@ -32,6 +32,7 @@ def test_decode_node_probe_reports_the_engine_clock(tmp_path):
         tmp_path, "--num-prompts", "3", "--min-len", "500", "--max-len", "800", "--output-len", "4"
     )
     assert clock["output_tokens"] == 3 * 4 and clock["decode_steps"] >= 3
+    assert clock["temperature"] == 0.0  # greedy, as the serving benchmark's client asks
     assert clock["phase_s"]["admit"] > 0 and clock["phase_s"]["prefill"] == 0  # a decode node
     assert all(clock["phase_cpu_s"][k] <= clock["phase_s"][k] + 1e-3 for k in clock["phase_s"])
 
@@ -46,10 +47,12 @@ def test_decode_node_probe_traces_a_window_of_decode_steps(tmp_path):
 
 
 def test_decode_node_probe_runs_the_copy_engine_readback_arm(tmp_path):
-    """--readback torch: the A/B's other arm decodes the same tokens' count."""
+    """--readback torch: the A/B's other arm decodes the same tokens' count (sampled
+    requests here: --temperature runs the sampler's race too)."""
     args = ["--num-prompts", "2", "--min-len", "300", "--max-len", "400", "--output-len", "3"]
-    clock = _probe(tmp_path, *args, "--readback", "torch")
+    clock = _probe(tmp_path, *args, "--readback", "torch", "--temperature", "0.8")
     assert clock["readback"] == "torch" and clock["output_tokens"] == 2 * 3
+    assert clock["temperature"] == 0.8
 
 
 def test_decode_node_probe_reads_the_switches_from_the_environment():
