@@ -164,7 +164,10 @@ def main() -> None:
     if args.layers < 1:
         ap.error(f"--layers must be >= 1, got {args.layers}")
     cuts = [cut_layers(load_chrome_trace(p)[0], args.layers) for p in (args.base, args.other)]
-    report = compare(cuts[0], cuts[1], args.layers)
+    try:
+        report = compare(cuts[0], cuts[1], args.layers)
+    except ValueError as e:  # a trace without the anchor kernel: not a decode of this model
+        ap.error(str(e))
     text = json.dumps(report, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -77,3 +77,6 @@ def test_the_command_reads_chrome_traces(tmp_path):
     assert json.loads(out.read_text())["drift_jumps"][0]["before"] == "gemm"
     bad = subprocess.run([*cmd[:-1], "0"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--layers must be >= 1" in bad.stderr
+    paths[0].write_text(json.dumps({"traceEvents": []}))  # no anchor launch in it
+    empty = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert empty.returncode == 2 and "fewer than two" in empty.stderr
