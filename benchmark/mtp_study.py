@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from benchmark.mtp_bound import batch1_bound
 from benchmark.study.decode_node import DecodeNode, NodeRequest
 from benchmark.study.moe import LocalRoutedMoE
 from benchmark.study.worker import build_worker, study_config
@@ -298,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             verify = [r["spec"]["verify_ms"] / r["plain"]["step_ms"] for r in rs]
             record["metrics"][f"mtp_speedup_batch1_{key}"] = spread(speedups)
             record["metrics"][f"verify_over_decode_step_{key}"] = spread(verify)
+        # The round taken apart and the speed-up each part allows (benchmark/mtp_bound.py).
+        record["metrics"]["bound_batch1"] = batch1_bound(record["phases"]["batch1"], args.layers)
         record["metrics"]["outputs_equal_batch1"] = all(
             a[k]["outputs"] == b[k]["outputs"]
             for a, b in zip(runs["no-offload"], runs["echo"], strict=True)

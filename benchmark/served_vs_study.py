@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def write_record(out: Path, record: dict, shown: dict) -> dict:
     """Write ``record`` to ``out`` as JSON and print ``shown``: the served records' one
-    way out (served_vs_study, served_equal, served_bound)."""
+    way out (served_vs_study, served_equal, served_bound; mtp_bound too)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(shown, indent=1))

@@ -23,6 +23,9 @@ def test_mtp_study_smoke_record(tmp_path):
     per_round = runs[0]["spec"]["tokens_per_round"]
     assert 1.0 <= per_round <= 2.0  # S = 1: one or two tokens a round
     assert {"commit", "device", "date", "command", "config"} <= record.keys()
+    bound = m["bound_batch1"]["backends"]["echo"]  # benchmark/mtp_bound.py on the run
+    assert bound["speedup"] <= bound["free_draft_bound"]
+    assert abs(bound["speedup"] - m["mtp_speedup_batch1_echo"]["median"]) < 1e-3
 
 
 def test_forced_acceptance_is_the_same_coin_for_every_backend():
