@@ -201,6 +201,23 @@ END_TO_END_ROWS: tuple[Row, ...] = (
         ),
     ),
     Row(
+        "MTP's batch-1 bound (issue 52)",
+        rec("mtp_bound/mtp_study.json"),
+        (
+            "the batch-1 rounds of `{source.record}` taken apart in shares of a plain decode step "
+            "(medians over {metrics.repeats} repeats): ECHO's round is the verify "
+            "{metrics.backends.echo.verify_over_step:f2} plus the draft and the round's other work "
+            "{metrics.backends.echo.draft_over_step:f2}, committing {metrics.backends.echo.tokens_per_round:f2} "
+            "tokens: {metrics.backends.echo.speedup:x}",
+            "with a draft that cost nothing: {metrics.backends.echo.free_draft_bound:x} (no-offload "
+            "{metrics.backends.no-offload.free_draft_bound:x}); with a draft of one layer's share of the "
+            "{metrics.layers}-layer step (estimate) {metrics.backends.echo.one_layer_draft_estimate:x}",
+            "the goal ({metrics.goal:g}x) at this verify needs the draft at "
+            "{metrics.backends.echo.draft_over_step_for_goal:f3} of a step, or at this draft the verify at "
+            "{metrics.backends.echo.verify_over_step_for_goal:f2}",
+        ),
+    ),
+    Row(
         "request-rate sweep at pools of 200K (issue 14, Figure 13)",
         rec("e2e_sweep_200k/e2e_sweep.json"),
         (SAME_POOLS + ": {@serving}",),
