@@ -18,12 +18,14 @@ draft of one layer's share, ``1 / L``) shows.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
+
+from benchmark.analysis_record import analysis_args, analysis_record
+from benchmark.served_vs_study import write_record
 
 GOAL = 1.6  # issue 52: MTP rounds over plain decode at batch 1, S = 1, p = 0.85
 BACKENDS = ("echo", "no-offload")
@@ -62,17 +64,10 @@ def batch1_bound(batch1: dict[str, list[dict]], layers: int, goal: float = GOAL)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument(
-        "--record", required=True, type=Path, help="an mtp_study folder (mtp_study.json)"
+    ap, args, source = analysis_args(
+        __doc__, "mtp_study.json", "an mtp_study folder (mtp_study.json)", argv
     )
-    ap.add_argument("--out", required=True, type=Path, help="the file to write (JSON)")
-    ap.add_argument("--commit", default="", help="the sha this analysis ran on, literally")
-    args = ap.parse_args(argv)
     source_file = args.record / "mtp_study.json"
-    if not source_file.is_file():
-        ap.error(f"{source_file} does not exist; --record names an mtp_study folder")
-    source = json.loads(source_file.read_text())
     batch1 = source.get("phases", {}).get("batch1")
     if not batch1:
         ap.error(
@@ -82,21 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
         bound = batch1_bound(batch1, source["config"]["layers"])
     except (KeyError, ValueError) as e:
         ap.error(f"{source_file}: {e}")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-    from benchmark.served_vs_study import write_record
-
-    record = {
-        "name": "mtp_bound",
-        "commit": args.commit,
-        "device": f"{source.get('device')} (the runs); this analysis on the CPU",
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(
-            ["python3", "benchmark/mtp_bound.py", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "source": {k: source.get(k) for k in ("commit", "device", "date", "command")}
-        | {"record": str(args.record)},
-        "metrics": bound,
-    }
+    script = "benchmark/mtp_bound.py"
+    record = analysis_record("mtp_bound", script, argv, args, source, bound)
     return write_record(args.out, record, record["metrics"])
 
 

@@ -29,12 +29,13 @@ is slower than the hardware's.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from collections import deque
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
+
+from benchmark.analysis_record import analysis_args, analysis_record
 
 ENGINES = ("no-offload", "offload")
 
@@ -137,23 +138,13 @@ def bound(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument(
-        "--record",
-        required=True,
-        type=Path,
-        help="a served_vs_study folder: served_vs_study.json and sweep/infini/<engine>/req_rate_inf.jsonl",
+    ap, args, source = analysis_args(
+        __doc__,
+        "served_vs_study.json",
+        "a served_vs_study folder: served_vs_study.json and sweep/infini/<engine>/req_rate_inf.jsonl",
+        argv,
     )
-    ap.add_argument("--out", required=True, type=Path, help="the file to write (JSON)")
-    ap.add_argument("--commit", default="", help="the sha this analysis ran on, literally")
-    args = ap.parse_args(argv)
-    source_file = args.record / "served_vs_study.json"
-    if not source_file.is_file():
-        ap.error(f"{source_file} does not exist; --record names a served_vs_study folder")
-    source = json.loads(source_file.read_text())
-    # here, not at the top: served_vs_study imports this module for its own record (and
-    # run as a script, the repository root is not on the path yet)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # here, not at the top: served_vs_study imports this module for its own record
     from benchmark.served_vs_study import runs_of, write_record
 
     runs = {}
@@ -168,23 +159,15 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(
             f"{args.record}: its runs lack the counters this needs (counter_series, step times by batch)"
         )
-    record = {
-        "name": "served_bound",
-        "commit": args.commit,
-        "device": f"{source.get('device')} (the runs); this analysis on the CPU",
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(
-            ["python3", "benchmark/served_bound.py", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "source": {k: source.get(k) for k in ("commit", "device", "date", "command")}
-        | {"record": str(args.record)},
-        "metrics": {
-            "study_ratio": m.get("study_ratio"),
-            "served_ratio_inf": m.get("served_ratio_inf"),
-            "served_over_study": m.get("served_over_study"),
-            **result,
-        },
+    metrics = {
+        "study_ratio": m.get("study_ratio"),
+        "served_ratio_inf": m.get("served_ratio_inf"),
+        "served_over_study": m.get("served_over_study"),
+        **result,
     }
+    record = analysis_record(
+        "served_bound", "benchmark/served_bound.py", argv, args, source, metrics
+    )
     return write_record(args.out, record, record["metrics"])
 
 

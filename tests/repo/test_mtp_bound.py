@@ -66,4 +66,4 @@ def test_the_command_writes_a_record_and_refuses_a_folder_without_one(tmp_path):
     assert record["metrics"]["backends"]["echo"]["speedup"] == pytest.approx(1.25)
     missing = [*cmd[:3], str(tmp_path / "nowhere"), *cmd[4:]]
     bad = subprocess.run(missing, capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert bad.returncode == 2 and "names an mtp_study folder" in bad.stderr
+    assert bad.returncode == 2 and "the folder that holds mtp_study.json" in bad.stderr
