@@ -1,5 +1,6 @@
 """Analyses run here, on the CPU, over a committed device record (benchmark/served_bound.py,
-benchmark/mtp_bound.py): one command line and one record shape for them.
+benchmark/mtp_bound.py): one command line and one record shape for them, and the one writer
+of these and the served records.
 
 Why: such a record's numbers come from the device's runs, its command and commit from this
 machine; both are kept, so a reader can tell which machine measured and which code
@@ -54,3 +55,12 @@ def analysis_record(
         | {"record": str(args.record)},
         "metrics": metrics,
     }
+
+
+def write_record(out: Path, record: dict, shown: dict) -> dict:
+    """Write ``record`` to ``out`` as JSON and print ``shown``: the one way out of the
+    served records (served_vs_study, served_equal) and of these analyses."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(shown, indent=1))
+    return record

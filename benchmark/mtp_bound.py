@@ -24,8 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 
-from benchmark.analysis_record import analysis_args, analysis_record
-from benchmark.served_vs_study import write_record
+from benchmark.analysis_record import analysis_args, analysis_record, write_record
 
 GOAL = 1.6  # issue 52: MTP rounds over plain decode at batch 1, S = 1, p = 0.85
 BACKENDS = ("echo", "no-offload")
@@ -67,16 +66,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap, args, source = analysis_args(
         __doc__, "mtp_study.json", "an mtp_study folder (mtp_study.json)", argv
     )
-    source_file = args.record / "mtp_study.json"
     batch1 = source.get("phases", {}).get("batch1")
     if not batch1:
         ap.error(
-            f"{source_file}: no batch-1 phase (run benchmark/mtp_study.py with --phases batch1)"
+            f"{args.record}: no batch-1 phase (run benchmark/mtp_study.py with --phases batch1)"
         )
     try:
         bound = batch1_bound(batch1, source["config"]["layers"])
     except (KeyError, ValueError) as e:
-        ap.error(f"{source_file}: {e}")
+        ap.error(f"{args.record}: {e}")
     script = "benchmark/mtp_bound.py"
     record = analysis_record("mtp_bound", script, argv, args, source, bound)
     return write_record(args.out, record, record["metrics"])

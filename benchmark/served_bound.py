@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 
-from benchmark.analysis_record import analysis_args, analysis_record
+from benchmark.analysis_record import analysis_args, analysis_record, write_record
 
 ENGINES = ("no-offload", "offload")
 
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         argv,
     )
     # here, not at the top: served_vs_study imports this module for its own record
-    from benchmark.served_vs_study import runs_of, write_record
+    from benchmark.served_vs_study import runs_of
 
     runs = {}
     for eng in ENGINES:

@@ -26,14 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark.served_vs_study import (
-    ENGINES,
-    admission_parts,
-    device_name,
-    equal_by_rate,
-    runs_of,
-    write_record,
-)
+from benchmark.analysis_record import write_record
+from benchmark.served_vs_study import ENGINES, admission_parts, device_name, equal_by_rate, runs_of
 from sglang_echo.config import load_settings
 
 

@@ -70,6 +70,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmark.analysis_record import write_record
 from benchmark.served_bound import ENGINES
 from benchmark.served_bound import bound as schedule_bound
 
@@ -419,15 +420,6 @@ def main(argv: list[str] | None = None) -> dict:
     }
     shown = {k: v for k, v in record["metrics"].items() if k != "latency"}
     return write_record(args.out, record, shown)
-
-
-def write_record(out: Path, record: dict, shown: dict) -> dict:
-    """Write ``record`` to ``out`` as JSON and print ``shown``: the served records' one
-    way out (served_vs_study, served_equal, served_bound; mtp_bound too)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(shown, indent=1))
-    return record
 
 
 def device_name() -> str:
