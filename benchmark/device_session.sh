@@ -250,19 +250,23 @@ run_stage() {
       # lengths, 512 tokens), where nothing needs offloading: ECHO's and no-offload's wall and
       # device ms per decode step, interleaved, ROUNDS (default 2) of each -> itl_ab/*.json.
       # ECHO_ARMS="SGLANG_ECHO_PDL=0 SGLANG_ECHO_RESOLVE_OVERLAP=0": more ECHO arms in the
-      # same rounds, each with its switch in the environment (~40 s an arm and round)
+      # same rounds, each with its switch in the environment (~40 s an arm and round).
+      # AB_BATCH=16 (AB_OUTPUT_LEN, default 512): that many prompts at once instead, with the
+      # sweep's device cache, so a loaded step with misses is A/B'd the same way; AB_BASE
+      # (default "echo no-offload"): the arms every round starts with
       local d=/tmp/ds/itl_ab
       stage itl_ab 560 bash -c "python3 -m benchmark.study.worker_spec --out /tmp/step_trace_model \
-        && for r in \$(seq ${ROUNDS:-2}); do for arm in echo no-offload ${ECHO_ARMS:-}; do \
+        && for r in \$(seq ${ROUNDS:-2}); do for arm in ${AB_BASE:-echo no-offload} ${ECHO_ARMS:-}; do \
         case \$arm in *=*) be=echo sw=\$arm tag=echo_\${arm//=/_} ;; *) be=\$arm sw= tag=\$arm ;; esac; \
         echo \"== \$tag round \$r\"; env \$sw python3 benchmark/decode_node_probe.py \
-        --model /tmp/step_trace_model --backend \$be --num-prompts 1 --min-len 100000 \
-        --max-len 108000 --output-len 512 --out $d/\${tag}_\$r.json | grep -E 'efficiency|ms_per_step'; done; done" ;;
+        --model /tmp/step_trace_model --backend \$be --num-prompts ${AB_BATCH:-1} --min-len 100000 \
+        --max-len 108000 --output-len ${AB_OUTPUT_LEN:-512} --out $d/\${tag}_\$r.json | grep -E 'efficiency|ms_per_step'; done; done" ;;
     itl_trace)  # itl_ab's batch 1 with a profiler trace of 100 decode steps of each engine
       # (after 150): every kernel's count and device time in the window (ops_by_name of each
       # summary), so ECHO's extra work per step is read by name, and each ECHO arm laid beside
       # no-offload layer by layer (benchmark/trace_layers.py -> layers_ARM.json); ECHO_ARMS as
-      # for itl_ab (~50 s an arm)
+      # for itl_ab (~50 s an arm); the raw traces stay on the machine (/tmp/ds_traces: with
+      # three arms or more the packed folder outgrew what a call brings back)
       local d=/tmp/ds/itl_trace
       stage itl_trace 420 bash -c "python3 -m benchmark.study.worker_spec --out /tmp/step_trace_model \
         && for arm in no-offload echo ${ECHO_ARMS:-}; do \
@@ -270,8 +274,9 @@ run_stage() {
         echo \"== \$tag\"; env \$sw python3 benchmark/decode_node_probe.py --model /tmp/step_trace_model \
         --backend \$be --num-prompts 1 --min-len 100000 --max-len 108000 --output-len 300 \
         --out $d/\$tag.json --trace $d/\$tag --trace-after 150 --trace-steps 100 | grep -E 'ms_per_step'; \
-        gzip -f $d/\$tag/trace.json; [ \$be = echo ] && python3 -m benchmark.trace_layers \
-        $d/no-offload/trace.json.gz $d/\$tag/trace.json.gz --layers 8 --out $d/layers_\$tag.json > /dev/null; \
+        mkdir -p /tmp/ds_traces && gzip -c $d/\$tag/trace.json > /tmp/ds_traces/\$tag.json.gz \
+        && rm $d/\$tag/trace.json; [ \$be = echo ] && python3 -m benchmark.trace_layers \
+        /tmp/ds_traces/no-offload.json.gz /tmp/ds_traces/\$tag.json.gz --layers 8 --out $d/layers_\$tag.json > /dev/null; \
         done" ;;
     ingress_probe)  # the HTTP front alone (benchmark/ingress_probe.py, CPU only; .whl carried):
       # 96 prompts of 104,857 tokens sent at once, parsed on one thread against asyncio's pool
