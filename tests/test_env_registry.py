@@ -363,3 +363,29 @@ def test_the_config_module_prints_the_values_and_the_doc(capsys, monkeypatch):
     assert capsys.readouterr().out == config.markdown()
     monkeypatch.setenv(ENV_OFFLOAD, "yes")
     assert config.main([]) == 2
+
+
+def test_resolve_overlap_is_a_batch_from_which_the_resolve_runs_beside():
+    """SGLANG_ECHO_RESOLVE_OVERLAP: unset the measured default batch, a number that batch,
+    ``0`` never and ``1`` every step (what the old on/off switch's values meant); the decode
+    step's size then picks the stream (model/attention.py resolves_beside)."""
+    from sglang_echo.model.attention import resolves_beside
+    from sglang_echo.model.forward_batch import ForwardBatch
+
+    name = "SGLANG_ECHO_RESOLVE_OVERLAP"
+    default = EchoSettings.from_env({}).resolve_overlap
+    assert default == config.DEFAULT_RESOLVE_OVERLAP_FROM > 1
+    assert EchoSettings.from_env({name: ""}).resolve_overlap == default
+    assert [EchoSettings.from_env({name: v}).resolve_overlap for v in ("0", "1", "8")] == [0, 1, 8]
+    with pytest.raises(ConfigError, match=name):
+        EchoSettings.from_env({name: "-4"})
+
+    def step(tokens: int, decode: bool = True) -> ForwardBatch:
+        ids = torch.zeros(tokens, dtype=torch.int64)
+        rows = torch.zeros(1, tokens, dtype=torch.int64)
+        return ForwardBatch(ids, ids, ids, rows, [1] * tokens, [1] * tokens, decode)
+
+    assert not resolves_beside(default, step(default - 1))
+    assert resolves_beside(default, step(default)) and resolves_beside(default, step(64))
+    assert resolves_beside(1, step(1)) and not resolves_beside(0, step(64))
+    assert not resolves_beside(1, step(64, decode=False))  # a prefill chunk: always in line

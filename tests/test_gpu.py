@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_echo.config import EchoConfig
+from sglang_echo.config import DEFAULT_RESOLVE_OVERLAP_FROM, EchoConfig
 from sglang_echo.model.kv_cache import PlainKVCache
 from sglang_echo.model.loader import load_model
 from sglang_echo.offload.echo_cache import EchoKVCache
@@ -112,7 +112,15 @@ def test_oracle_on_cuda(checkpoints, name, dtype):
 
 
 def _lossless_pair(
-    model, prompts, new_tokens, batch_size, chunk, use_graph, sync_check, fuse_decode=False
+    model,
+    prompts,
+    new_tokens,
+    batch_size,
+    chunk,
+    use_graph,
+    sync_check,
+    fuse_decode=False,
+    resolve_overlap=DEFAULT_RESOLVE_OVERLAP_FROM,
 ):
     cfg = model.config
     dtype = model.lm_head.weight.dtype
@@ -122,7 +130,11 @@ def _lossless_pair(
     # fuse_decode: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE=1 (decode prefetch on side streams)
     # and, with it, SGLANG_NSA_FUSE_LOGITS_RECALL_EXTEND=1 (prefill prefetch, same stream).
     echo_cfg = EchoConfig(
-        offload=True, dev_cache_size=n_g, fuse_decode=fuse_decode, fuse_extend=bool(fuse_decode)
+        offload=True,
+        dev_cache_size=n_g,
+        fuse_decode=fuse_decode,
+        fuse_extend=bool(fuse_decode),
+        resolve_overlap=resolve_overlap,
     )
     echo = echo_cache_for_model(echo_cfg, cfg, cap, dtype, "cuda")
     assert echo.host.pinned and echo.manager.graph_safe, "pinned host pool must have a UVA view"
@@ -182,11 +194,14 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
         ]
         bs = rng.randint(1, 4)
         chunk = rng.choice([4, 8, 12])  # <= batch x top-k: the cache is at its minimum
+        # The default (these batches resolve in line) and every step's resolve beside the
+        # query's GEMMs (what batches from DEFAULT_RESOLVE_OVERLAP_FROM up run), in turn.
+        overlap = DEFAULT_RESOLVE_OVERLAP_FROM if seed % 2 == 0 else 1
         r = _lossless_pair(
             model, prompts, 16, bs, chunk, use_graph=True, sync_check=False,
-            fuse_decode=fuse_decode,
+            fuse_decode=fuse_decode, resolve_overlap=overlap,
         )  # fmt: skip
-        r.update(config=name, batch_size=bs, chunk=chunk)
+        r.update(config=name, batch_size=bs, chunk=chunk, resolve_overlap=overlap)
         reports.append(r)
         model.set_graph_safe(False)
     # Eager mode, with host synchronisation made an error inside append/resolve/prefetch.
@@ -203,10 +218,11 @@ def test_lossless_cuda_graph_decode(checkpoints, dtype, fuse_decode):
         {"graph_runs": reports, "eager_sync_checked": eager},
     )
     assert all(r["evictions"] > 0 for r in reports)
-    # The default ran: each decode resolve on the side stream (model/attention.py).
+    # The resolve beside the query projection ran (model/attention.py), not only in line.
     from sglang_echo.model import attention
 
     assert attention._SIDE_STREAMS, "no decode resolve ran beside the query projection"
+    assert {r["resolve_overlap"] for r in reports} == {1, DEFAULT_RESOLVE_OVERLAP_FROM}
     if fuse_decode:
         assert sum(r["prefetched_rows"] for r in reports) > 0
         assert sum(r["prefetch_hits"] for r in reports) > 0

@@ -15,7 +15,7 @@ import torch
 from benchmark.e2e.lossless import min_tokens_compared
 from benchmark.study.locality import Locality
 from benchmark.study.worker import DSV32_DIMS, DSV32_MOE, SMOKE_DIMS, SMOKE_MOE, study_config
-from sglang_echo.config import DEFAULT_DECODE_PREFETCH
+from sglang_echo.config import DEFAULT_DECODE_PREFETCH, DEFAULT_RESOLVE_OVERLAP_FROM
 from sglang_echo.offload.hisparse_cache import DEFAULT_DEVICE_BUFFER_SIZE
 
 # Per-token bytes of ECHO state per layer besides the MLA rows: device_to_host (int32),
@@ -155,9 +155,10 @@ class Engine:
     partners: list[str] = field(default_factory=list)
     buffer: int = 0  # HiSparse-like: rows per request and layer (0: --hisparse-buffer)
     # ECHO: decode tokens placed in free slots as written, and the decode resolve beside
-    # the query's up-projection (the defaults; both off: the per-layer step before them).
+    # the query's up-projection from this batch up (the defaults; False and 0: the
+    # per-layer step before them).
     decode_place: bool = True
-    resolve_overlap: bool = True
+    resolve_overlap: int = DEFAULT_RESOLVE_OVERLAP_FROM
     # ECHO: SGLANG_NSA_FUSE_LOGITS_RECALL_DECODE ("0", "1" or "auto"): the product's
     # default unless an engine is an A/B's other side.
     fuse_decode: str = DEFAULT_DECODE_PREFETCH
@@ -246,7 +247,7 @@ class StudyPlan:
                 host=max(p.low_load_batches) * (p.ctx_max + self.max_new),
                 phases=[replace(ph, profile=False) for ph in low],
                 decode_place=False,
-                resolve_overlap=False,
+                resolve_overlap=0,
             ),
         ]
         if a.decode_prefetch:

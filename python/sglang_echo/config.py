@@ -26,6 +26,7 @@ from sglang_echo.env_settings import (
     DECODE_PREFETCH_MODES,
     DEFAULT_DECODE_PREFETCH,
     DEFAULT_DEV_CACHE_SIZE,
+    DEFAULT_RESOLVE_OVERLAP_FROM,
     ENV_BATCH_INVARIANT,
     ENV_DECODE_PLACE,
     ENV_DEV_CACHE,
@@ -144,9 +145,9 @@ class EchoConfig:
     # A decode step's new tokens placed in free device slots as they are written
     # (ENV_DECODE_PLACE); False: host only, recalled by the resolve.
     decode_place: bool = True
-    # A decode resolve on a side stream beside the query's up-projection (CUDA;
-    # ENV_RESOLVE_OVERLAP); False: in line.
-    resolve_overlap: bool = True
+    # The smallest decode step (tokens) whose resolve runs on a side stream beside the
+    # query's up-projection (CUDA; ENV_RESOLVE_OVERLAP); smaller ones in line, 0: all.
+    resolve_overlap: int = DEFAULT_RESOLVE_OVERLAP_FROM
     # Chained launches of the allocation and recall kernels where the device supports them
     # (ENV_PDL, kernels/pdl.py).
     pdl: bool = True
@@ -245,6 +246,7 @@ __all__ = [  # this module's names and the registry's, re-exported (env_settings
     "DECODE_PREFETCH_MODES",
     "DEFAULT_DECODE_PREFETCH",
     "DEFAULT_DEV_CACHE_SIZE",
+    "DEFAULT_RESOLVE_OVERLAP_FROM",
     "DEFAULT_STAGE_BYTES",
     "ENV_BATCH_INVARIANT",
     "ENV_DECODE_PLACE",

@@ -73,8 +73,9 @@ ENV_PDL = "SGLANG_ECHO_PDL"
 # are written (kernels/decode_write.py), so the step's top-k finds them resident; 0: host
 # only, and the resolve recalls each one it selects (the A/B of benchmark/e2e_study.py).
 ENV_DECODE_PLACE = "SGLANG_ECHO_DECODE_PLACE"
-# 1 (default): a decode step's resolve runs on a side stream beside the query's
-# up-projection (model/attention.py resolve_beside); 0: in line, on the main stream.
+# N: a decode step of N tokens or more runs its resolve on a side stream beside the
+# query's up-projection (model/attention.py resolves_beside), smaller ones in line; 1:
+# every step beside, 0: every step in line, on the main stream.
 ENV_RESOLVE_OVERLAP = "SGLANG_ECHO_RESOLVE_OVERLAP"
 ENV_TOPK = "SGLANG_ECHO_TOPK"
 ENV_SPARSE_MLA = "SGLANG_ECHO_SPARSE_MLA"
@@ -90,6 +91,9 @@ ENV_BATCH_INVARIANT = "SGLANG_ECHO_BATCH_INVARIANT"
 # (several servers, one setting). It slows the host side, so not for timed runs.
 ENV_ENGINE_PROFILE = "ECHO_ENGINE_PROFILE"
 DEFAULT_DEV_CACHE_SIZE = 260_000
+# The smallest decode batch (tokens) whose resolve runs on the side stream: below it the
+# join costs more than the overlap hides (benchmark/results/resolve_overlap_ab.json).
+DEFAULT_RESOLVE_OVERLAP_FROM = 16
 MAX_DEFAULT_EVICTION_RESERVE = 8192
 # The kernel top-k on CUDA (kernels/topk.py's radix select, or FlashInfer's:
 # kernels/topk_flashinfer.py) and the sparse-MLA path (model/attention.py); the first of
@@ -155,6 +159,20 @@ def parse_count(name: str, raw: str | None) -> int:
 def parse_dev_cache_size(name: str, raw: str | None) -> int:
     """N_G: a size, ``DEFAULT_DEV_CACHE_SIZE`` when unset (set but empty is an error)."""
     return DEFAULT_DEV_CACHE_SIZE if raw is None else parse_size(name, raw)
+
+
+def parse_overlap_from(name: str, raw: str | None) -> int:
+    """A batch size from which a switch applies: unset or empty the default, ``0`` never,
+    ``1`` always (what ``0``/``1`` meant when the variable was an on/off switch)."""
+    if raw is None or not raw.strip():
+        return DEFAULT_RESOLVE_OVERLAP_FROM
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()):
+        raise ConfigError(
+            f"{name}={raw!r} is not a batch size; use e.g. {name}={DEFAULT_RESOLVE_OVERLAP_FROM} "
+            "(0: every step in line, 1: every step beside)."
+        )
+    return int(text)
 
 
 def parse_reserve(name: str, raw: str | None) -> int | None:
@@ -274,10 +292,13 @@ VARIABLES: tuple[Variable, ...] = (
         parse_switch_on,
     ),
     Variable(
-        ENV_RESOLVE_OVERLAP, "resolve_overlap", "1", "runtime", False,
-        "`1`: on CUDA a decode step's resolve (cache management, recall) runs on a side "
-        "stream while the query's up-projection runs (`model/attention.py`); `0`: in line",
-        parse_switch_on,
+        ENV_RESOLVE_OVERLAP, "resolve_overlap", str(DEFAULT_RESOLVE_OVERLAP_FROM), "runtime",
+        False,
+        "N: on CUDA the resolve (cache management, recall) of a decode step of N tokens or "
+        "more runs on a side stream while the query's up-projection runs "
+        "(`model/attention.py`); smaller steps, where the join costs more than it hides, "
+        "run it in line; `1`: every step beside, `0`: every step in line",
+        parse_overlap_from,
     ),
     Variable(
         ENV_TOPK, "topk", "radix", "runtime", False,
@@ -330,7 +351,7 @@ class EchoSettings:
     eviction_reserve: int | None = None  # None: default_eviction_reserve(N_G)
     pdl: bool = True
     decode_place: bool = True
-    resolve_overlap: bool = True
+    resolve_overlap: int = DEFAULT_RESOLVE_OVERLAP_FROM
     topk: str = TOPK_BACKENDS[0]
     sparse_mla: str = SPARSE_MLA_BACKENDS[0]
     batch_invariant: bool = False

@@ -59,13 +59,15 @@ def test_decode_node_probe_reads_the_switches_from_the_environment():
     """An A/B of an ECHO switch (SGLANG_ECHO_PDL=0, SGLANG_ECHO_RESOLVE_OVERLAP=0) through the
     probe gets the switch; the backend and device cache stay the flags'."""
     from benchmark.decode_node_probe import probe_echo_config
+    from sglang_echo.config import DEFAULT_RESOLVE_OVERLAP_FROM
 
     env = {"SGLANG_ECHO_PDL": "0", "SGLANG_ECHO_RESOLVE_OVERLAP": "0", "NSA_KV_OFFLOAD": "0"}
     env["NSA_DEV_CACHE_SIZE"] = "1000"
     cfg = probe_echo_config(True, 600, env)
-    assert (cfg.pdl, cfg.resolve_overlap) == (False, False)
+    assert (cfg.pdl, cfg.resolve_overlap) == (False, 0)
     assert (cfg.offload, cfg.dev_cache_size) == (True, 600)
     default = probe_echo_config(False, 260000, {})
-    assert (default.pdl, default.resolve_overlap, default.offload) == (True, True, False)
+    assert (default.pdl, default.offload) == (True, False)
+    assert default.resolve_overlap == DEFAULT_RESOLVE_OVERLAP_FROM
     small = probe_echo_config(True, 600, {})  # the reserve follows the flags' cache size
     assert small.eviction_reserve < default.eviction_reserve

@@ -316,7 +316,7 @@ def test_e2e_study_smoke_writes_the_record(e2e_study, tmp_path: Path) -> None:
     assert len(inline) == 2 * repeats and all(r["leak_free"] for r in inline)
     assert inline[0]["echo_options"] == {
         "decode_place": False,
-        "resolve_overlap": False,
+        "resolve_overlap": 0,
         "fuse_decode": "auto",  # the product default: only the two options differ
     }
     assert inline[0]["alternated_with"] == ["noff_low", "echo_paper"]

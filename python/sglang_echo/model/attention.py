@@ -179,18 +179,28 @@ class ResolvedBeside:
         return self.buffer, self.rows
 
 
+def resolves_beside(from_tokens: int, batch: ForwardBatch) -> bool:
+    """Whether a step of ``batch``'s size runs its resolve on the side stream: a decode
+    step of ``from_tokens`` tokens or more (0: none). Why not every step: the fork and join
+    cost a fixed few microseconds a layer in the decode graph, and a small step's resolve
+    has little to hide behind the query's GEMMs, so below a measured batch the join costs
+    more than the overlap saves (SGLANG_ECHO_RESOLVE_OVERLAP). Under CUDA graphs the
+    batch is the captured size, so each graph takes one path for all its replays."""
+    return batch.is_decode and 0 < from_tokens <= batch.num_tokens
+
+
 def resolve_beside(
     kv_cache: KVCache, layer_id: int, selected: torch.Tensor, batch: ForwardBatch
 ) -> ResolvedBeside | None:
     """Start a decode step's resolve on a side stream, forked from the current one (event
     fork and join: it captures in a CUDA graph), where the backend asks for it
-    (``resolve_beside``: ECHO, SGLANG_ECHO_RESOLVE_OVERLAP). Why: the resolve (cache
+    (``resolve_beside_from``: ECHO, ``resolves_beside``). Why: the resolve (cache
     management and the recall of misses over PCIe) is a chain of small, latency-bound
     launches that needs only the selection; beside it the query's up-projection and
     absorption (weight-bound GEMMs) run on the main stream, so at low load the resolve
     costs little more than its join. None: resolve in place, on the current stream. The
     same kernels run in the same order on each stream, so the bits do not change."""
-    if not (batch.is_decode and selected.is_cuda and kv_cache.resolve_beside):
+    if not (selected.is_cuda and resolves_beside(kv_cache.resolve_beside_from, batch)):
         return None
     side = _SIDE_STREAMS.get(selected.device)
     if side is None:

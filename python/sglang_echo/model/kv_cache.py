@@ -32,9 +32,9 @@ class KVCache:
     num_layers: int
     kv_row_dim: int
     index_dim: int
-    # The decode resolve may run on a side stream beside the query's up-projection
-    # (model/attention.py: resolve_beside).
-    resolve_beside: bool = False
+    # A decode step of this many tokens or more may run its resolve on a side stream
+    # beside the query's up-projection (model/attention.py: resolve_beside); 0: never.
+    resolve_beside_from: int = 0
     # A decode step can be captured in a CUDA graph (False: the backend's host pool is
     # not device-addressable, so its recall cannot be captured).
     graph_safe: bool = True

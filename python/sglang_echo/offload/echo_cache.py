@@ -101,9 +101,9 @@ class EchoKVCache(KVCache):
         self.kv_dtype = self.cache.rows.dtype
         # A decode step captures in a CUDA graph only over a device-addressable host pool.
         self.graph_safe = self.manager.graph_safe
-        # A decode resolve runs on a side stream beside the query's up-projection (CUDA;
-        # model/attention.py resolve_beside).
-        self.resolve_beside = config.resolve_overlap
+        # From this decode batch up, the resolve runs on a side stream beside the query's
+        # up-projection (CUDA; model/attention.py resolve_beside).
+        self.resolve_beside_from = int(config.resolve_overlap)
         self.index = torch.zeros(
             num_layers, host_tokens + 1, index_dim, dtype=index_dtype or dtype, device=device
         )
