@@ -159,7 +159,11 @@ def main() -> None:
     window.close()
     s = sched.stats
     clock = {
+        "device": torch.cuda.get_device_name(sched.steps.device)
+        if sched.steps.device.type == "cuda"
+        else str(sched.steps.device),
         "backend": args.backend,
+        "resolve_overlap": sched.steps.kv_cache.resolve_beside_from,
         "readback": args.readback,
         "temperature": args.temperature,
         "num_prompts": args.num_prompts,

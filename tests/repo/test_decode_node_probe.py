@@ -33,6 +33,7 @@ def test_decode_node_probe_reports_the_engine_clock(tmp_path):
     )
     assert clock["output_tokens"] == 3 * 4 and clock["decode_steps"] >= 3
     assert clock["temperature"] == 0.0  # greedy, as the serving benchmark's client asks
+    assert clock["device"] == "cpu" and clock["resolve_overlap"] > 1  # the default batch
     assert clock["phase_s"]["admit"] > 0 and clock["phase_s"]["prefill"] == 0  # a decode node
     assert all(clock["phase_cpu_s"][k] <= clock["phase_s"][k] + 1e-3 for k in clock["phase_s"])
 
