@@ -92,7 +92,7 @@ ENV_BATCH_INVARIANT = "SGLANG_ECHO_BATCH_INVARIANT"
 ENV_ENGINE_PROFILE = "ECHO_ENGINE_PROFILE"
 DEFAULT_DEV_CACHE_SIZE = 260_000
 # The smallest decode batch (tokens) whose resolve runs on the side stream: below it the
-# join costs more than the overlap hides (benchmark/results/resolve_overlap_ab.json).
+# join costs more than the overlap hides (benchmark/results/itl_ab/resolve_overlap_ab.json).
 DEFAULT_RESOLVE_OVERLAP_FROM = 16
 MAX_DEFAULT_EVICTION_RESERVE = 8192
 # The kernel top-k on CUDA (kernels/topk.py's radix select, or FlashInfer's:
