@@ -182,6 +182,21 @@ END_TO_END_ROWS: tuple[Row, ...] = (
         ),
     ),
     Row(
+        "the decode resolve in line or beside the query's GEMMs (issue 49)",
+        rec("itl_ab/resolve_overlap_ab.json"),
+        (
+            "the decode node's engine without HTTP at batches 1, 4, 8 and 16 of the study's prompts, "
+            "the resolve in line (`SGLANG_ECHO_RESOLVE_OVERLAP=0`) over beside (every step, the default "
+            "then), device ms per step, medians of interleaved rounds",
+            "batch 1: {metrics.by_batch.1.over_echo.echo_SGLANG_ECHO_RESOLVE_OVERLAP_0.device_ms_per_step:f3} (spreads beside {metrics.by_batch.1.arms.echo.device_ms_per_step.spread:f3}, in line {metrics.by_batch.1.arms.echo_SGLANG_ECHO_RESOLVE_OVERLAP_0.device_ms_per_step.spread:f3})",
+            "batch 4: {metrics.by_batch.4.over_echo.echo_SGLANG_ECHO_RESOLVE_OVERLAP_0.device_ms_per_step:f3} (spreads beside {metrics.by_batch.4.arms.echo.device_ms_per_step.spread:f3}, in line {metrics.by_batch.4.arms.echo_SGLANG_ECHO_RESOLVE_OVERLAP_0.device_ms_per_step.spread:f3})",
+            "batch 8: {metrics.by_batch.8.over_echo.echo_SGLANG_ECHO_RESOLVE_OVERLAP_0.device_ms_per_step:f3} (spreads beside {metrics.by_batch.8.arms.echo.device_ms_per_step.spread:f3}, in line {metrics.by_batch.8.arms.echo_SGLANG_ECHO_RESOLVE_OVERLAP_0.device_ms_per_step.spread:f3})",
+            "batch 16: {metrics.by_batch.16.over_echo.echo_SGLANG_ECHO_RESOLVE_OVERLAP_0.device_ms_per_step:f3} (spreads beside {metrics.by_batch.16.arms.echo.device_ms_per_step.spread:f3}, in line {metrics.by_batch.16.arms.echo_SGLANG_ECHO_RESOLVE_OVERLAP_0.device_ms_per_step.spread:f3})",
+            "no-offload at batch 1: {metrics.by_batch.1.over_echo.no-offload.device_ms_per_step:f3} of "
+            "beside; the default since: in line below 16 tokens a step",
+        ),
+    ),
+    Row(
         "MTP speculative decoding on the study's decode node (issue 52)",
         rec("mtp_study/mtp_study.json"),
         (
