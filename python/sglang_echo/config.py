@@ -146,7 +146,8 @@ class EchoConfig:
     # (ENV_DECODE_PLACE); False: host only, recalled by the resolve.
     decode_place: bool = True
     # The smallest decode step (tokens) whose resolve runs on a side stream beside the
-    # query's up-projection (CUDA; ENV_RESOLVE_OVERLAP); smaller ones in line, 0: all.
+    # query's up-projection (CUDA; ENV_RESOLVE_OVERLAP); smaller ones in line (0: every
+    # step in line, 1: every step beside).
     resolve_overlap: int = DEFAULT_RESOLVE_OVERLAP_FROM
     # Chained launches of the allocation and recall kernels where the device supports them
     # (ENV_PDL, kernels/pdl.py).
