@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,12 @@ def analysis_args(
     return ap, args, json.loads(source_file.read_text())
 
 
+def command_line(script: str, argv: list[str] | None) -> str:
+    """``python3 SCRIPT ARGS`` quoted for a shell, so a record's command reruns as written
+    (an argument with spaces, such as a device command, stays one argument)."""
+    return shlex.join(["python3", script, *(argv if argv is not None else sys.argv[1:])])
+
+
 def analysis_record(
     name: str,
     script: str,
@@ -50,7 +57,7 @@ def analysis_record(
         "commit": args.commit,
         "device": f"{source.get('device')} (the runs); this analysis on the CPU",
         "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(["python3", script, *(argv if argv is not None else sys.argv[1:])]),
+        "command": command_line(script, argv),
         "source": {k: source.get(k) for k in ("commit", "device", "date", "command")}
         | {"record": str(args.record)},
         "metrics": metrics,

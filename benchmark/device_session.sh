@@ -260,8 +260,8 @@ run_stage() {
         case \$arm in *=*) be=echo sw=\$arm tag=echo_\${arm//=/_} ;; *) be=\$arm sw= tag=\$arm ;; esac; \
         echo \"== \$tag round \$r\"; env \$sw python3 benchmark/decode_node_probe.py \
         --model /tmp/step_trace_model --backend \$be --num-prompts ${AB_BATCH:-1} --min-len 100000 \
-        --max-len 108000 --output-len ${AB_OUTPUT_LEN:-512} --out $d/\${tag}_\$r.json | grep -E 'efficiency|ms_per_step'; done; done \
-        && python3 benchmark/itl_ab_summary.py --runs $d --out $d/summary.json \
+        --max-len 108000 --output-len ${AB_OUTPUT_LEN:-512} --out $d/\${tag}_\$r.json | grep -E 'efficiency|ms_per_step'; done; done; \
+        python3 benchmark/itl_ab_summary.py --runs $d --out $d/summary.json \
         --runs-commit '${ECHO_COMMIT:-}' --commit '${ECHO_COMMIT:-}' --measured-by \
         'ECHO_ARMS=\"${ECHO_ARMS:-}\" AB_BASE=\"${AB_BASE:-}\" AB_BATCH=${AB_BATCH:-1} AB_OUTPUT_LEN=${AB_OUTPUT_LEN:-512} ROUNDS=${ROUNDS:-2} bash benchmark/device_session.sh OUTDIR itl_ab' > /dev/null" ;;
     itl_trace)  # itl_ab's batch 1 with a profiler trace of 100 decode steps of each engine

@@ -26,6 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
+
+from benchmark.analysis_record import command_line, write_record
+
 KEYS = ("device_ms_per_step", "decode_wall_ms_per_step", "wall_ms_per_step")
 ROUND_FILE = re.compile(r"^(?P<arm>.+)_(?P<round>\d+)\.json(\.txt)?$")
 
@@ -108,28 +112,19 @@ def main(argv: list[str] | None = None) -> dict:
     named.discard(None)
     if args.device is None and len(named) != 1:
         ap.error(f"the clocks name devices {sorted(named)}; say which with --device")
-    device = args.device or named.pop()
-    if named and named != {device}:
+    device = args.device or next(iter(named))
+    if named - {device}:
         ap.error(f"--device {device!r} but the clocks name {sorted(named)}")
     record = {
         "name": "itl_ab_summary",
         "commit": args.commit,
         "device": device,
         "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(
-            [
-                "python3",
-                "benchmark/itl_ab_summary.py",
-                *(argv if argv is not None else sys.argv[1:]),
-            ]
-        ),
+        "command": command_line("benchmark/itl_ab_summary.py", argv),
         "source": {"commit": args.runs_commit, "command": args.measured_by},
         "metrics": {"base": args.base, "by_batch": summarize(runs, args.base)},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(record["metrics"], indent=1))
-    return record
+    return write_record(args.out, record, record["metrics"])
 
 
 if __name__ == "__main__":

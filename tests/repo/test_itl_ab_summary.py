@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,9 @@ def test_each_arm_over_the_base_per_batch_with_its_spread(tmp_path):
     _write(b1, "echo_X_0_1.json.txt", _clock(1, 5.8, 0.69, 0.1))  # a committed log's name
     _write(b16, "echo_1.json", _clock(16, 10.0, 1.2, 0.3))
     _write(b16, "no-offload_1.json", _clock(16, 9.0, 1.0, 0.05))
-    record = main(_args(tmp_path, b1, b16))
+    args = _args(tmp_path, b1, b16)
+    record = main(args)
+    assert shlex.split(record["command"])[2:] == args  # reruns as written, spaces and all
     assert json.loads((tmp_path / "rec.json").read_text()) == record
     assert record["command"].startswith("python3 benchmark/itl_ab_summary.py --runs ")
     by = record["metrics"]["by_batch"]
