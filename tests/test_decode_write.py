@@ -143,7 +143,9 @@ def test_a_decode_step_allocates_once_per_layer(checkpoints) -> None:
         return allocate(layer, ids, append, distinct)
 
     kv.manager._allocate = counting
-    engine = Engine(model, kv, capacity, 2, max(map(len, prompts)) + new_tokens, 16)
+    engine = Engine(
+        model, kv, capacity, 2, max(map(len, prompts)) + new_tokens, 16, ignore_eos=True
+    )
     done = engine.generate(prompts, new_tokens)
     assert all(len(r.output) == new_tokens for r in done)
     layers = cfg.num_hidden_layers

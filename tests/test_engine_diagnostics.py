@@ -18,7 +18,7 @@ def test_engine_profile_is_written_at_stop(small_checkpoint, tmp_path, monkeypat
     serving = make_serving(small_checkpoint, EchoConfig(), max_total_tokens=400)
     loop = EngineLoop(serving.scheduler)
     done = []
-    req = ServeRequest([5, 6, 7], rid="p", params=SamplingParams(max_new_tokens=3))
+    req = ServeRequest([5, 6, 7], rid="p", params=SamplingParams(max_new_tokens=3, ignore_eos=True))
     req.on_output = lambda event: done.append(event)
     loop.start()
     loop.submit(req)
