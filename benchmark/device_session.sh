@@ -113,7 +113,7 @@ run_stage() {
       # then the indexer bench (the pivot's states beside)
       peer_or_say
       stage topk 200 bash -c "python3 -m pytest -q -p no:cacheprovider -m 'gpu or not gpu' tests/test_kernel_topk.py \
-        tests/repo/test_kernel_topk_pivot.py tests/test_topk_flashinfer.py && python3 benchmark/kernels/indexer_bench.py --out /tmp/ds/topk" ;;
+        tests/repo/test_kernel_topk_pivot.py && python3 benchmark/kernels/indexer_bench.py --out /tmp/ds/topk" ;;
     topk_peer)  # FlashInfer's radix top-k beside ours (.peer carried): its top-k JIT build
       # takes ~4 minutes on a fresh machine, then the sets are checked and both timed. The
       # module it built comes back as OUTDIR/flashinfer_topk_sm90a.so.gz: copied into .peer/,
@@ -127,7 +127,7 @@ run_stage() {
     kernel_tests)  # gpu_checks.sh's second step alone: the kernel and model tests, this torch
       stage kernel_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_alloc.py tests/test_kernel_release.py \
         tests/test_kernel_recall.py tests/test_kernel_indexer.py tests/test_kernel_decode_stage.py \
-        tests/test_kernel_prefill_prefetch.py tests/test_kernel_topk.py tests/repo/test_kernel_topk_pivot.py tests/test_kernel_sort_picks.py tests/test_kernel_sparse_mla.py \
+        tests/test_kernel_prefill_prefetch.py tests/test_kernel_topk.py tests/repo/test_kernel_topk_pivot.py tests/test_kernel_sparse_mla.py \
         tests/test_model_oracle.py tests/test_indexer.py tests/test_pdl.py tests/test_decode_write.py tests/test_kernel_decode_write.py ;;
     decode_stage)  # the staged decode prefetch: its kernels' and the recall's GPU tests, then
       # the decode prefetch benchmark (staged and unfused, interleaved rounds)
@@ -163,7 +163,7 @@ run_stage() {
       peer_or_say
       stage cuda_tests_rest 480 python3 -m pytest -q -m gpu -s -p no:cacheprovider --durations=15 \
         tests/test_gpu.py -k "not lossless_cuda_graph_decode" tests/test_fp8_kv.py tests/test_kernel_alloc.py \
-        tests/test_kernel_sparse_mla.py tests/test_kernel_topk.py tests/repo/test_kernel_topk_pivot.py tests/test_topk_flashinfer.py ;;
+        tests/test_kernel_sparse_mla.py tests/test_kernel_topk.py tests/repo/test_kernel_topk_pivot.py ;;
     capture_probe)  # which host events invalidate a CUDA-graph capture here (~30 s)
       stage capture_probe 150 python3 benchmark/capture_probe.py \
         --out /tmp/ds/capture_probe/capture_probe.json ;;

@@ -23,7 +23,7 @@ from sglang_echo.runtime.scheduler import Scheduler
 from sglang_echo.runtime.step_runner import StepRunner
 
 ck = make_tiny_checkpoint("/tmp/probe_ckpt", TinySpec(seed=0))
-kernels = ModelKernels.from_settings(settings())  # SGLANG_ECHO_TOPK / _SPARSE_MLA
+kernels = ModelKernels.from_settings(settings())  # SGLANG_ECHO_SPARSE_MLA, _BATCH_INVARIANT
 model = load_model(ck, device="cuda", dtype=torch.float32, kernels=kernels)
 cfg = model.config
 rng = random.Random(3)

@@ -26,7 +26,7 @@ from sglang_echo.config import (
     ENV_DEV_CACHE,
     ENV_OFFLOAD,
     ENV_PDL,
-    ENV_TOPK,
+    ENV_SPARSE_MLA,
     REGISTRY,
     VARIABLES,
     ConfigError,
@@ -80,13 +80,11 @@ def test_the_kernels_defaults_are_the_registrys():
     from sglang_echo.kernels.alloc import AllocWorkspace
     from sglang_echo.kernels.pdl import use_pdl
     from sglang_echo.kernels.recall import recall_rows
-    from sglang_echo.kernels.topk_flashinfer import use_flashinfer
 
     unset = EchoSettings()
     for fn in (AllocWorkspace.__init__, recall_rows, use_pdl):
         name = "asked" if fn is use_pdl else "pdl"
         assert inspect.signature(fn).parameters[name].default is unset.pdl, fn
-    assert inspect.signature(use_flashinfer).parameters["backend"].default == unset.topk
 
 
 BAD = {
@@ -98,7 +96,6 @@ BAD = {
     "SGLANG_ECHO_PDL": "true",
     "SGLANG_ECHO_DECODE_PLACE": "yes",
     "SGLANG_ECHO_RESOLVE_OVERLAP": "on",
-    "SGLANG_ECHO_TOPK": "fast",
     "SGLANG_ECHO_SPARSE_MLA": "triton",
     "SGLANG_ECHO_BATCH_INVARIANT": "on",
 }
@@ -111,6 +108,18 @@ def test_a_bad_value_names_the_variable_the_value_and_what_to_set(name, raw):
     message = str(info.value)
     assert message.startswith(f"{name}={raw!r} is not ")
     assert "set it to" in message or f"use e.g. {name}=" in message
+
+
+@pytest.mark.parametrize("reader", ["runtime", "plugin"])
+def test_a_retired_variable_fails_unless_it_names_what_runs(reader):
+    for name, (kept, _why) in env_settings.RETIRED_VARIABLES.items():
+        assert name not in REGISTRY
+        for raw in (kept, f" {kept.upper()} ", ""):
+            EchoSettings.from_env({name: raw}, reader=reader)  # harmless: what runs anyway
+        with pytest.raises(ConfigError, match=f"{name}='other' is retired: .*; unset {name}"):
+            EchoSettings.from_env({name: "other"}, reader=reader)
+    assert "SGLANG_ECHO_TOPK" in env_settings.RETIRED_VARIABLES
+    assert "| `SGLANG_ECHO_TOPK` | radix |" in config.markdown()
 
 
 def test_every_variable_with_a_parser_that_can_fail_is_exercised():
@@ -138,26 +147,25 @@ def test_the_start_ups_load_the_settings(small_checkpoint, monkeypatch):
     parsed before; what it built reads those settings."""
     from server_utils import make_serving
 
-    monkeypatch.setenv(ENV_TOPK, "radix")
+    monkeypatch.setenv(ENV_SPARSE_MLA, "torch")
     assert settings().pdl
     monkeypatch.setenv(ENV_PDL, "0")
     make_serving(small_checkpoint, EchoConfig(), max_total_tokens=400)
     assert not settings().pdl
-    assert ENV_PDL in settings().from_environment and ENV_TOPK in settings().from_environment
+    assert ENV_PDL in settings().from_environment
+    assert ENV_SPARSE_MLA in settings().from_environment
 
 
-def test_the_kernel_switches_come_from_the_settings(small_checkpoint, monkeypatch):
-    """Handed down: the manager's pdl, and the model's top-k as an entry point builds it
-    (tests/test_settings_handed_down.py has the rest)."""
+def test_the_kernel_switches_come_from_the_settings(monkeypatch):
+    """Handed down: the manager's pdl, and the model's sparse MLA as an entry point builds
+    it (tests/test_settings_handed_down.py has the rest)."""
     from sglang_echo.model.attention import ModelKernels
-    from sglang_echo.model.config import load_config
-    from sglang_echo.model.indexer import LightningIndexer
     from sglang_echo.offload.device_cache import DeviceCache
     from sglang_echo.offload.host_pool import HostKVPool
     from sglang_echo.offload.manager import EchoManager
 
     monkeypatch.setenv(ENV_PDL, "0")
-    monkeypatch.setenv(ENV_TOPK, "FlashInfer")
+    monkeypatch.setenv(ENV_SPARSE_MLA, " Kernel ")
 
     def manager(**kw) -> EchoManager:
         host = HostKVPool(1, 64, 8, torch.float32, pin=False)
@@ -165,8 +173,7 @@ def test_the_kernel_switches_come_from_the_settings(small_checkpoint, monkeypatc
 
     assert manager(pdl=settings().pdl).pdl is False and manager().pdl is True
     assert EchoConfig.from_settings(settings()).pdl is False
-    backend = ModelKernels.from_settings(settings()).topk
-    assert LightningIndexer(load_config(small_checkpoint), backend).topk_backend == "flashinfer"
+    assert ModelKernels.from_settings(settings()).sparse_mla == "kernel"
 
 
 def test_the_plugin_parses_only_what_it_reads():
@@ -175,7 +182,6 @@ def test_the_plugin_parses_only_what_it_reads():
     change nor fail an sglang launch; what both read fails there as here."""
     runtime_only = {v.name for v in VARIABLES if v.applies_to == "runtime"}
     assert runtime_only == {
-        ENV_TOPK,
         "SGLANG_ECHO_SPARSE_MLA",
         "ECHO_ENGINE_PROFILE",
         "SGLANG_ECHO_DECODE_PLACE",
@@ -184,7 +190,7 @@ def test_the_plugin_parses_only_what_it_reads():
     }
     bad_runtime_only = {name: BAD.get(name, "x") for name in runtime_only}
     plugin = EchoSettings.from_env({ENV_OFFLOAD: "1", **bad_runtime_only}, reader="plugin")
-    assert plugin.offload and plugin.topk == "radix" and plugin.engine_profile is None
+    assert plugin.offload and plugin.sparse_mla == "auto" and plugin.engine_profile is None
     assert all(f" {name}=" not in plugin.summary() for name in runtime_only)
     assert plugin.from_environment == {ENV_OFFLOAD}
     with pytest.raises(ConfigError, match=ENV_PDL):
@@ -199,7 +205,7 @@ def test_a_plain_sglang_launch_parses_nothing_but_the_switch(monkeypatch):
     from sglang_echo import plugin
 
     monkeypatch.delenv(ENV_OFFLOAD, raising=False)
-    monkeypatch.setenv(ENV_TOPK, "not-a-backend")
+    monkeypatch.setenv(ENV_SPARSE_MLA, "not-a-backend")
     monkeypatch.setenv(ENV_DEV_CACHE, "lots")
     plugin.register()
     assert env_settings._process_settings is None
@@ -309,7 +315,7 @@ def test_no_module_but_env_settings_reads_a_registered_variable():
 @pytest.mark.parametrize(
     "source",
     [
-        "import os\nx = os.environ.get('SGLANG_ECHO_TOPK')\n",
+        "import os\nx = os.environ.get('SGLANG_ECHO_SPARSE_MLA')\n",
         "import os\nN = 'SGLANG_ECHO_PDL'\nx = os.environ[N]\n",
         "from sglang_echo.config import ENV_PDL\nimport os\nx = os.getenv(ENV_PDL)\n",
         "from sglang_echo.config import ENV_PDL as P\nimport os\nQ = P\nx = Q in os.environ\n",
@@ -326,7 +332,7 @@ def test_the_check_catches_a_read(source, tmp_path):
 @pytest.mark.parametrize("module", ["sglang_echo.launch_server", "sglang_echo.generate"])
 def test_help_lists_the_public_variables_with_the_values_in_force(module):
     env = {k: v for k, v in os.environ.items() if k not in REGISTRY}
-    env |= {ENV_OFFLOAD: "1", ENV_DEV_CACHE: "1_024", ENV_TOPK: "flashinfer"}
+    env |= {ENV_OFFLOAD: "1", ENV_DEV_CACHE: "1_024", ENV_SPARSE_MLA: "torch"}
     env["PYTHONPATH"] = str(PACKAGE.parent)
     done = subprocess.run(
         [sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env

@@ -7,7 +7,7 @@ bites at call time is still a cycle. The rules, per unit (a subpackage, or a mod
 package root such as ``config`` or ``launch_server``):
 
 - ``kernels/`` uses only itself, the standard library, torch and triton (numpy for the
-  interpreter shim in ``kernels/sparse_mla.py``, flashinfer for the optional peer top-k):
+  interpreter shim in ``kernels/sparse_mla.py``):
   nothing above it (offload, model, runtime, sglang, bench, config...).
 - ``offload/`` uses kernels, config, itself, the standard library and torch, and of the
   model only the contract it implements (``model/kv_cache.py``: the ``KVCache`` base;
@@ -62,7 +62,7 @@ def _p(*units: str) -> tuple[str, ...]:
 
 
 RULES = {
-    "kernels": Rule(_p("kernels"), frozenset({"torch", "triton", "numpy", "flashinfer"})),
+    "kernels": Rule(_p("kernels"), frozenset({"torch", "triton", "numpy"})),
     # offload/ implements the model's declared contract (model/kv_cache.py, the KVCache
     # base; model/selection_hooks.py; model/periodic_rows.py, a type fill_prompt takes) and
     # nothing else of the model.

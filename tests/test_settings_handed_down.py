@@ -3,8 +3,8 @@
 The process's settings (``sglang_echo.env_settings``, re-exported by ``config``) are read
 by the entry points only: the server's start-up and engine (``runtime/``), ``generate``,
 the SGLang plugin (``sglang/``) and the benchmarks. The model, the offload layer and the
-kernels take each switch as a parameter (``ModelKernels`` for SGLANG_ECHO_TOPK and
-SGLANG_ECHO_SPARSE_MLA, ``pdl=`` for SGLANG_ECHO_PDL) whose default is the registry's, so
+kernels take each switch as a parameter (``ModelKernels`` for SGLANG_ECHO_SPARSE_MLA and
+SGLANG_ECHO_BATCH_INVARIANT, ``pdl=`` for SGLANG_ECHO_PDL) whose default is the registry's, so
 what they run is what the caller asked for, never a process-wide value read behind it.
 """
 
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from sglang_echo.config import (
+    ENV_BATCH_INVARIANT,
     ENV_PDL,
     ENV_SPARSE_MLA,
-    ENV_TOPK,
     EchoConfig,
     EchoSettings,
     load_settings,
@@ -95,16 +95,16 @@ def test_the_check_catches_a_read(source):
 # ------------------------------------------------------------- the defaults are the registry's
 def test_the_handed_down_defaults_are_the_registrys():
     from sglang_echo.model.deepseek_v32 import DeepseekV32ForCausalLM
-    from sglang_echo.model.indexer import LightningIndexer, exact_topk
     from sglang_echo.model.loader import load_model
     from sglang_echo.offload.hisparse_cache import HiSparseKVCache
     from sglang_echo.runtime.kv_factory import build_hisparse_cache
 
     unset = EchoSettings()
     assert ModelKernels() == ModelKernels.from_settings(unset)
-    assert (ModelKernels().topk, ModelKernels().sparse_mla) == (unset.topk, unset.sparse_mla)
-    assert inspect.signature(LightningIndexer).parameters["topk_backend"].default == unset.topk
-    assert inspect.signature(exact_topk).parameters["backend"].default == unset.topk
+    assert (ModelKernels().sparse_mla, ModelKernels().batch_invariant) == (
+        unset.sparse_mla,
+        unset.batch_invariant,
+    )
     for fn in (DeepseekV32ForCausalLM, load_model):
         assert inspect.signature(fn).parameters["kernels"].default is None  # ModelKernels()
     for fn in (HiSparseKVCache, build_hisparse_cache):
@@ -115,32 +115,28 @@ def test_the_handed_down_defaults_are_the_registrys():
 def test_the_model_follows_what_it_is_given_not_the_environment(small_checkpoint, monkeypatch):
     from sglang_echo.model.loader import load_model
 
-    monkeypatch.setenv(ENV_TOPK, "flashinfer")
+    monkeypatch.setenv(ENV_BATCH_INVARIANT, "1")
     monkeypatch.setenv(ENV_SPARSE_MLA, "torch")
     load_settings()
 
-    def choices(model) -> set[tuple[str, str]]:
+    def choices(model) -> set[tuple[bool, str]]:
         return {
-            (m.indexer.topk_backend, m.sparse_mla_backend)
+            (m.batch_invariant, m.sparse_mla_backend)
             for m in model.modules()
             if hasattr(m, "sparse_mla_backend")
         }
 
-    assert choices(load_model(small_checkpoint)) == {("radix", "auto")}  # unset: defaults
+    assert choices(load_model(small_checkpoint)) == {(False, "auto")}  # unset: defaults
     given = ModelKernels.from_settings(settings())  # what an entry point passes
-    assert given == ModelKernels(topk="flashinfer", sparse_mla="torch")
+    assert given == ModelKernels(sparse_mla="torch", batch_invariant=True)
     model = load_model(small_checkpoint, kernels=given)
-    assert choices(model) == {("flashinfer", "torch")}
+    assert choices(model) == {(True, "torch")}
     ModelKernels(sparse_mla="kernel").apply(model)
-    assert choices(model) == {("radix", "kernel")}
+    assert choices(model) == {(False, "kernel")}
 
 
 def test_a_bad_choice_fails_when_the_model_is_built():
-    assert ModelKernels(topk=" FlashInfer ", sparse_mla="Kernel") == ModelKernels(
-        "flashinfer", "kernel"
-    )
-    with pytest.raises(ModelConfigError, match=r"SGLANG_ECHO_TOPK='fast'.*radix, flashinfer"):
-        ModelKernels(topk="fast")
+    assert ModelKernels(sparse_mla=" Kernel ") == ModelKernels("kernel")
     with pytest.raises(ModelConfigError, match=r"SGLANG_ECHO_SPARSE_MLA='triton'.*auto, torch"):
         ModelKernels(sparse_mla="triton")
 

@@ -14,8 +14,6 @@ import torch
 
 from benchmark.e2e.metrics import metrics
 from benchmark.e2e.plan import StudyPlan, row_bytes, tag
-from sglang_echo.config import settings
-from sglang_echo.kernels.topk_flashinfer import describe_topk
 
 
 def assemble(
@@ -72,7 +70,7 @@ def config(setup: StudyPlan, cuda: bool) -> dict:
         "order": [f"{e.label}/{tag(ph)}" for block in setup.schedule() for e, ph in block],
         "cuda_graphs": cuda,
         "torch": torch.__version__,
-        "topk": describe_topk(settings().topk),
+        "topk": "the radix select (kernels/topk.py)",
         "engines": [{k: v for k, v in vars(e).items() if k != "phases"} for e in setup.engines()],
         "notes": (
             "device times: CUDA events around each graph-replayed decode step (medians); "

@@ -61,10 +61,11 @@ COMPONENT_ROWS: tuple[Row, ...] = (
             "{metrics.batch} x {metrics.context:n} keys, k {metrics.topk}, graph-replayed: radix select "
             "{metrics.ours.us:us} us (batch 1: {metrics.ours.us_b1:us}); FlashInfer alone, in any order: "
             "{@flashinfer_modes}",
-            "{@adapters}",
-            "the contract's sort {metrics.serving_adapter.finish_us:us} us ({metrics.serving_adapter.finish_us_b1:us}), "
+            # The adapter's facts: records made while it was in the package (it lost).
+            "?{@adapters}",
+            "?the contract's sort {metrics.serving_adapter.finish_us:us} us ({metrics.serving_adapter.finish_us_b1:us}), "
             "the plain form's mask {metrics.serving_adapter.mask_us:us} us",
-            "{@adapter_wins}",
+            "?{@adapter_wins}",
         ),
     ),
     Row(

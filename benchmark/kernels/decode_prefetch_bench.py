@@ -163,7 +163,7 @@ class Bench:
             q_lora_rank=8,
             hidden_size=8,
         )
-        self.indexer = LightningIndexer(cfg, settings().topk).to(dev)  # SGLANG_ECHO_TOPK
+        self.indexer = LightningIndexer(cfg).to(dev)
         # Host pool (pinned, read through its UVA alias on CUDA) and the device cache.
         self.host = HostKVPool(1, n_h, args.row_bytes, torch.uint8, pin=self.cuda)
         self._fill_host(g)
@@ -420,9 +420,7 @@ def run_case(bench: Bench, hit: float, args, stream) -> dict:
     # The top-k decode runs: the radix-select kernel on CUDA, the sort on the CPU.
     row["topk_ms"] = stateless_ms(
         bench,
-        lambda: exact_topk(
-            logits.squeeze(1), qpos.view(-1), args.topk, bench.cuda, backend=settings().topk
-        ),
+        lambda: exact_topk(logits.squeeze(1), qpos.view(-1), args.topk, bench.cuda),
         w,
         r,
     )

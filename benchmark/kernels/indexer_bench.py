@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import graph_us, save_record, time_us
 
-from sglang_echo.config import settings
 from sglang_echo.kernels.indexer import fp8_index_logits, fp8_index_logits_reference
 from sglang_echo.kernels.topk import (
     DEFAULT_BLOCK,
@@ -30,7 +29,6 @@ from sglang_echo.kernels.topk import (
     DEFAULT_NUM_WARPS,
     topk_positions,
 )
-from sglang_echo.kernels.topk_flashinfer import describe_topk, use_flashinfer
 from sglang_echo.model.indexer import exact_topk, select_topk
 
 
@@ -259,14 +257,9 @@ def main() -> None:
         "topk_b1_chained": lambda: topk_positions(
             logits[:1], qpos.view(-1)[:1], args.topk, pdl=True
         ),
-        # The selection as the model serves it (model.indexer.exact_topk: the radix select,
-        # or FlashInfer's top-k under SGLANG_ECHO_TOPK=flashinfer).
-        "topk_served": lambda: exact_topk(
-            logits, qpos.view(-1), args.topk, True, False, settings().topk
-        ),
-        "topk_served_b1": lambda: exact_topk(
-            logits[:1], qpos.view(-1)[:1], args.topk, True, False, settings().topk
-        ),
+        # The selection as the model serves it (model.indexer.exact_topk: the radix select).
+        "topk_served": lambda: exact_topk(logits, qpos.view(-1), args.topk, True, False),
+        "topk_served_b1": lambda: exact_topk(logits[:1], qpos.view(-1)[:1], args.topk, True, False),
         "torch_topk": lambda: torch.topk(logits, args.topk, dim=-1),
         "stable_sort_topk": lambda: select_topk(logits.unsqueeze(1), qpos, args.topk),
     }
@@ -340,17 +333,11 @@ def main() -> None:
     else:
         metrics["timing_basis"] = "eager, CUDA events (graph capture failed)"
     metrics["topk_radix_us"] = metrics["topk_us"]
-    served = exact_topk(logits, qpos.view(-1), args.topk, True, False, settings().topk)[0]
-    metrics["topk_served"] = describe_topk(settings().topk)
-    metrics["topk_served"]["equal_to_radix"] = torch.equal(served, got_sets)
-    fi_serves = use_flashinfer(logits, args.topk, settings().topk)
-    if fi_serves and graph_times.get("topk_served") is not None:
-        metrics["topk_us"] = graph_times["topk_served"]
-        metrics["topk_over_torch_topk"] = metrics["topk_us"] / metrics["torch_topk_us"]
-        metrics["topk_impl"] = (
-            "FlashInfer's top-k through kernels/topk_flashinfer.py (SGLANG_ECHO_TOPK=flashinfer); "
-            "topk_radix_us: the radix select (kernels/topk.py), the same tensor"
-        )
+    served = exact_topk(logits, qpos.view(-1), args.topk, True, False)[0]
+    metrics["topk_served"] = {
+        "served": "the radix select (kernels/topk.py)",
+        "equal_to_radix": torch.equal(served, got_sets),
+    }
     device = torch.cuda.get_device_name()
     save_record(args.out, "indexer", device, metrics, variants=variants)
     out = Path(args.out)

@@ -27,10 +27,9 @@ reads ``os.environ`` for a registered name (tested).
 Settings are handed down, never looked up below the entry points: ``model/``,
 ``offload/`` and ``kernels/`` call no ``settings()`` (tests/test_settings_handed_down.py).
 Each switch is a parameter whose value the entry point passes from ``settings()``:
-``SGLANG_ECHO_TOPK``, ``SGLANG_ECHO_SPARSE_MLA`` and ``SGLANG_ECHO_BATCH_INVARIANT`` reach
+``SGLANG_ECHO_SPARSE_MLA`` and ``SGLANG_ECHO_BATCH_INVARIANT`` reach
 the model as its ``ModelKernels`` (``load_model(..., kernels=)``,
-``DeepseekV32ForCausalLM(config, kernels=)``; the indexer hands the top-k to
-``use_flashinfer(scores, topk, backend)``; the NextN draft layer gets the batch-invariant
+``DeepseekV32ForCausalLM(config, kernels=)``; the NextN draft layer gets the batch-invariant
 mode from ``model.layers.set_batch_invariant``),
 and ``SGLANG_ECHO_PDL`` reaches the caches as ``pdl=`` (``HiSparseKVCache(..., pdl=)``,
 ``offload.manager.EchoManager``), which pass it to ``use_pdl(device, asked)``,
@@ -77,7 +76,6 @@ ENV_DECODE_PLACE = "SGLANG_ECHO_DECODE_PLACE"
 # query's up-projection (model/attention.py resolves_beside), smaller ones in line; 1:
 # every step beside, 0: every step in line, on the main stream.
 ENV_RESOLVE_OVERLAP = "SGLANG_ECHO_RESOLVE_OVERLAP"
-ENV_TOPK = "SGLANG_ECHO_TOPK"
 ENV_SPARSE_MLA = "SGLANG_ECHO_SPARSE_MLA"
 # 1: every matmul and norm of the model's forward by the batch-invariant GEMM
 # (kernels/invariant_matmul.py), handed to the model as ModelKernels.batch_invariant. Why:
@@ -95,12 +93,9 @@ DEFAULT_DEV_CACHE_SIZE = 260_000
 # join costs more than the overlap hides (benchmark/results/itl_ab/resolve_overlap_ab.json).
 DEFAULT_RESOLVE_OVERLAP_FROM = 16
 MAX_DEFAULT_EVICTION_RESERVE = 8192
-# The kernel top-k on CUDA (kernels/topk.py's radix select, or FlashInfer's:
-# kernels/topk_flashinfer.py) and the sparse-MLA path (model/attention.py); the first of
-# each is the default.
-TOPK_BACKENDS = ("radix", "flashinfer")
 DECODE_PREFETCH_MODES = ("auto", "0", "1")  # ENV_FUSE_DECODE; the first is the default
 DEFAULT_DECODE_PREFETCH = DECODE_PREFETCH_MODES[0]
+# The sparse-MLA path (model/attention.py); the first is the default.
 SPARSE_MLA_BACKENDS = ("auto", "torch", "kernel")
 APPLIES_TO = ("runtime", "plugin", "both")
 
@@ -301,12 +296,6 @@ VARIABLES: tuple[Variable, ...] = (
         parse_overlap_from,
     ),
     Variable(
-        ENV_TOPK, "topk", "radix", "runtime", False,
-        "the kernel top-k on CUDA: `radix` (`kernels/topk.py`) or `flashinfer` "
-        "(`kernels/topk_flashinfer.py`: the same tensor; needs flashinfer-python >= 0.7.2)",
-        parse_choice(TOPK_BACKENDS),
-    ),
-    Variable(
         ENV_SPARSE_MLA, "sparse_mla", "auto", "runtime", False,
         "`auto`: the Triton kernel (`kernels/sparse_mla.py`) on CUDA, torch on the CPU; "
         "`torch` or `kernel` forces one (lossless either way)",
@@ -340,6 +329,27 @@ EXTERNAL_VARIABLES: dict[str, str] = {
 }
 
 
+# Variables that switched between designs until one lost its A/B: name -> (the value that
+# still describes what runs, why the others are gone). Set to another value, start-up fails
+# instead of running a design that no longer exists (docs/ARCHITECTURE.md section 15 names
+# the records that decided).
+RETIRED_VARIABLES: dict[str, tuple[str, str]] = {
+    "SGLANG_ECHO_TOPK": (
+        "radix",
+        "the radix select (kernels/topk.py) is the only kernel top-k; FlashInfer's was "
+        'slower under the same contract (evidence row "top-k peer (FlashInfer, issue 15)")',
+    ),
+}
+
+
+def refuse_retired(env: Mapping[str, str]) -> None:
+    """Fail on a retired variable set to a design that is gone (see RETIRED_VARIABLES)."""
+    for name, (kept, why) in RETIRED_VARIABLES.items():
+        raw = env.get(name)
+        if raw is not None and raw.strip().lower() not in ("", kept):
+            raise ConfigError(f"{name}={raw!r} is retired: {why}; unset {name}")
+
+
 @dataclass(frozen=True)
 class EchoSettings:
     """Every registered variable's value in force (field defaults = unset variables)."""
@@ -352,7 +362,6 @@ class EchoSettings:
     pdl: bool = True
     decode_place: bool = True
     resolve_overlap: int = DEFAULT_RESOLVE_OVERLAP_FROM
-    topk: str = TOPK_BACKENDS[0]
     sparse_mla: str = SPARSE_MLA_BACKENDS[0]
     batch_invariant: bool = False
     engine_profile: str | None = None
@@ -372,6 +381,7 @@ class EchoSettings:
         if reader not in ("runtime", "plugin"):
             raise ValueError(f"reader must be 'runtime' or 'plugin', got {reader!r}")
         env = os.environ if environ is None else environ
+        refuse_retired(env)
         read = [v for v in VARIABLES if v.applies_to in (reader, "both")]
         return cls(
             **{v.setting: v.parse(v.name, env.get(v.name)) for v in read},
@@ -519,6 +529,12 @@ def markdown() -> str:
         "| variable | meaning |",
         "| --- | --- |",
         *(f"| `{name}` | {_cell(text)} |" for name, text in EXTERNAL_VARIABLES.items()),
+        "",
+        "Retired (start-up fails if one is set to anything but the value that runs):",
+        "",
+        "| variable | runs as | why |",
+        "| --- | --- | --- |",
+        *(f"| `{n}` | {k} | {_cell(why)} |" for n, (k, why) in RETIRED_VARIABLES.items()),
     ]
     return MARKDOWN_HEADER + "\n" + "\n".join(rows) + "\n\n" + "\n".join(external) + "\n"
 

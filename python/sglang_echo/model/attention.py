@@ -18,9 +18,7 @@ from torch import nn
 
 from sglang_echo.config import (
     ENV_SPARSE_MLA,
-    ENV_TOPK,
     SPARSE_MLA_BACKENDS,
-    TOPK_BACKENDS,
     ConfigError,
     parse_choice,
 )
@@ -52,8 +50,7 @@ class ModelKernels:
     ``ModelKernels.from_settings(settings())``; the defaults are the registry's, so a model
     built without them (a library user, a test) runs as unset variables do.
 
-    ``topk``: SGLANG_ECHO_TOPK, the indexer's kernel top-k (``radix`` or ``flashinfer``:
-    kernels/topk_flashinfer.py). ``sparse_mla``: SGLANG_ECHO_SPARSE_MLA; ``kernel`` applies
+    ``sparse_mla``: SGLANG_ECHO_SPARSE_MLA; ``kernel`` applies
     on CUDA and under TRITON_INTERPRET=1 (tests), a CPU run without the interpreter keeps
     the torch path; ``auto`` takes the kernel on CUDA only, so interpreted CPU tests stay
     fast. ``batch_invariant``: SGLANG_ECHO_BATCH_INVARIANT; every matmul of the forward by
@@ -62,39 +59,31 @@ class ModelKernels:
     read as the registry reads them (case and spaces ignored); a bad one fails when the
     model is built, naming the allowed values."""
 
-    topk: str = TOPK_BACKENDS[0]
     sparse_mla: str = SPARSE_MLA_BACKENDS[0]
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         try:
-            topk = parse_choice(TOPK_BACKENDS)(ENV_TOPK, self.topk)
             sparse_mla = parse_choice(SPARSE_MLA_BACKENDS)(ENV_SPARSE_MLA, self.sparse_mla)
         except ConfigError as exc:
             raise ModelConfigError(str(exc)) from None
-        object.__setattr__(self, "topk", topk)
         object.__setattr__(self, "sparse_mla", sparse_mla)
 
     @classmethod
     def from_settings(cls, parsed) -> ModelKernels:
-        """The choices of parsed settings (``config.EchoSettings``: ``.topk``,
-        ``.sparse_mla``, ``.batch_invariant``); the entry points pass ``settings()``."""
-        return cls(
-            topk=parsed.topk,
-            sparse_mla=parsed.sparse_mla,
-            batch_invariant=parsed.batch_invariant,
-        )
+        """The choices of parsed settings (``config.EchoSettings``: ``.sparse_mla``,
+        ``.batch_invariant``); the entry points pass ``settings()``."""
+        return cls(sparse_mla=parsed.sparse_mla, batch_invariant=parsed.batch_invariant)
 
     def apply(self, model: nn.Module) -> None:
         """Switch an already built model (or layer) to these choices: every attention
-        layer's sparse-MLA path and its indexer's top-k, and every matmul's batch-invariant
+        layer's sparse-MLA path, and every matmul's batch-invariant
         mode (a model a ``--model-loader`` built, a test comparing backends on one model's
         weights)."""
         set_batch_invariant(model, self.batch_invariant)
         for module in model.modules():
             if isinstance(module, MLAttention):
                 module.sparse_mla_backend = self.sparse_mla
-                module.indexer.topk_backend = self.topk
 
 
 def resolve_chunk(
@@ -235,7 +224,7 @@ class MLAttention(nn.Module):
             config.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False
         )
         self.o_proj = Linear(self.n_heads * self.v_dim, config.hidden_size, bias=False)
-        self.indexer = LightningIndexer(config, kernels.topk)
+        self.indexer = LightningIndexer(config)
         self.sparse_mla_backend = kernels.sparse_mla  # SGLANG_ECHO_SPARSE_MLA, handed down
         # SGLANG_ECHO_BATCH_INVARIANT (set_batch_invariant sets it with every Linear's): the
         # per-head absorption by the invariant GEMM too.

@@ -19,12 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_echo.config import TOPK_BACKENDS
 from sglang_echo.kernels.invariant_matmul import invariant_linear
 from sglang_echo.kernels.pick_locs import pick_locs, pick_locs_reference
 from sglang_echo.kernels.topk import select_topk, topk_positions
-from sglang_echo.kernels.topk_flashinfer import topk_positions_flashinfer, use_flashinfer
-from sglang_echo.model.config import DeepseekV32Config, ModelConfigError, fp8_row_bytes
+from sglang_echo.model.config import DeepseekV32Config, fp8_row_bytes
 from sglang_echo.model.forward_batch import ForwardBatch
 from sglang_echo.model.layers import Linear
 from sglang_echo.model.rope import apply_rope_half
@@ -121,29 +119,21 @@ def exact_topk(
     topk: int,
     use_kernel: bool,
     with_kth: bool = True,
-    backend: str = TOPK_BACKENDS[0],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``select_topk`` with the k-th score, for scores [R, L] and query_pos [R]: positions
     [R, topk] and k-th scores [R]. With ``use_kernel`` (CUDA, or the interpreter in tests)
-    the kernel top-k (the radix select, or FlashInfer's under SGLANG_ECHO_TOPK=flashinfer:
-    kernels/topk_flashinfer.py, the same tensor) picks the same set, listed by ascending
-    position instead of by score (offload and no-offload both take this path, so their
-    outputs stay equal); the
-    k-th score is the smallest picked score, -inf where fewer than ``topk`` keys are
+    the kernel top-k (the radix select) picks the same set, listed by ascending position
+    instead of by score (offload and no-offload both take this path, so their outputs stay
+    equal); the k-th score is the smallest picked score, -inf where fewer than ``topk`` keys are
     visible, exactly as ``select_topk`` reports it. Only the prefetchers read the k-th
-    score: without ``with_kth`` it is not computed (None). ``backend``: the kernel top-k,
-    ``radix`` (the default, as SGLANG_ECHO_TOPK's) or ``flashinfer``; the indexer passes
-    the one it was built with (``ModelKernels.topk``, model/attention.py)."""
+    score: without ``with_kth`` it is not computed (None)."""
     if not use_kernel:
         if not with_kth:
             return select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk).squeeze(1), None
         pos, kth = select_topk(scores.unsqueeze(1), query_pos.unsqueeze(1), topk, True)
         return pos.squeeze(1), kth.squeeze(1)
     scores = scores.float()
-    if use_flashinfer(scores, topk, backend):
-        pos = topk_positions_flashinfer(scores, query_pos, topk)
-    else:
-        pos = topk_positions(scores, query_pos, topk)
+    pos = topk_positions(scores, query_pos, topk)
     if not with_kth:
         return pos, None
     missing = pos < 0
@@ -163,7 +153,7 @@ def positions_to_locs(
 
 
 class LightningIndexer(nn.Module):
-    def __init__(self, config: DeepseekV32Config, topk_backend: str = TOPK_BACKENDS[0]) -> None:
+    def __init__(self, config: DeepseekV32Config) -> None:
         super().__init__()
         self.n_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
@@ -175,14 +165,6 @@ class LightningIndexer(nn.Module):
         self.wk = Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False)
-        # The kernel top-k (SGLANG_ECHO_TOPK), handed down by whoever builds the model
-        # (model/attention.py ModelKernels; the entry points pass their settings' value).
-        if topk_backend not in TOPK_BACKENDS:
-            raise ModelConfigError(
-                f"top-k backend {topk_backend!r} is not one of {', '.join(TOPK_BACKENDS)} "
-                "(SGLANG_ECHO_TOPK)"
-            )
-        self.topk_backend = topk_backend
         # Batch-invariant mode (model/layers.py set_batch_invariant): the Hadamard rotation
         # by the invariant GEMM too (its projections are ``Linear`` layers).
         self.batch_invariant = False
@@ -264,9 +246,7 @@ class LightningIndexer(nn.Module):
             scores = self._scores(q.unsqueeze(1), weights.unsqueeze(1), all_keys[ctx]).squeeze(1)
             if prefetch is not None:
                 prefetch.stage(layer, 0, scores, ctx, lens, theta, 0, scores.shape[1])
-        pos, _ = exact_topk(
-            scores, batch.positions, self.topk, use_kernels(q), False, self.topk_backend
-        )
+        pos, _ = exact_topk(scores, batch.positions, self.topk, use_kernels(q), False)
         if prefetch is not None:
             prefetch.finish(layer, scores.float(), pos, batch.request_rows)
         return pos.unsqueeze(1)
@@ -318,7 +298,6 @@ class LightningIndexer(nn.Module):
                     self.topk,
                     use_kernels(q),
                     extend_prefetch is not None,
-                    backend=self.topk_backend,
                 )
                 if extend_prefetch is not None:
                     extend_prefetch.observe(layer, kth, row)
