@@ -58,12 +58,12 @@ peer_env() {  # FlashInfer from the carried .peer/ bundle on PYTHONPATH (once pe
   fi
   export PYTHONPATH="$site:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_TOPK_ALGO=default PEER_SITE=$site
 }
-peer_or_say() {  # FlashInfer where .peer is carried (the top-k's CUDA default then), else say so
-  peer_env || echo "[device_session] no .peer/ bundle carried: FlashInfer is absent, the radix top-k serves"
+peer_or_say() {  # FlashInfer where .peer is carried (the peer benchmarks), else say so
+  peer_env || echo "[device_session] no .peer/ bundle carried: FlashInfer is absent"
 }
 run_stage() {
   case "$1" in
-    tests) peer_or_say; stage tests 555 bash benchmark/gpu_checks.sh /tmp/ds/tests tests ;;  # 321-397 s of CUDA tests seen, then the kernel tests
+    tests) stage tests 555 bash benchmark/gpu_checks.sh /tmp/ds/tests tests ;;  # 321-397 s of CUDA tests seen, then the kernel tests
     kernels)
       # FlashInfer's MLA decode beside our sparse MLA where the peer bundle is carried (.peer/,
       # gitignored: flashinfer-python 0.7.2.post1 for cp312, its wheel trimmed to the Python
@@ -111,7 +111,6 @@ run_stage() {
     topk)  # both top-k kernels' tests, the GPU-marked ones too (the pivot's exactness at full
       # scale, which must pass before SGLANG_ECHO_TOPK_PIVOT=1 is allowed on CUDA again),
       # then the indexer bench (the pivot's states beside)
-      peer_or_say
       stage topk 200 bash -c "python3 -m pytest -q -p no:cacheprovider -m 'gpu or not gpu' tests/test_kernel_topk.py \
         tests/repo/test_kernel_topk_pivot.py && python3 benchmark/kernels/indexer_bench.py --out /tmp/ds/topk" ;;
     topk_peer)  # FlashInfer's radix top-k beside ours (.peer carried): its top-k JIT build
@@ -131,7 +130,6 @@ run_stage() {
         tests/test_model_oracle.py tests/test_indexer.py tests/test_pdl.py tests/test_decode_write.py tests/test_kernel_decode_write.py ;;
     decode_stage)  # the staged decode prefetch: its kernels' and the recall's GPU tests, then
       # the decode prefetch benchmark (staged and unfused, interleaved rounds)
-      peer_or_say
       stage decode_stage 330 bash -c "python3 -m pytest -q -p no:cacheprovider \
         tests/test_kernel_decode_stage.py tests/test_kernel_recall.py \
         tests/test_kernel_indexer.py && python3 benchmark/kernels/decode_prefetch_bench.py --out /tmp/ds/decode_stage" ;;
@@ -149,7 +147,6 @@ run_stage() {
         --decode-prefetch --only echo_paper,noff_paper,echo_noprefetch --locality-sweep "" --repeats 3 \
         --profile-steps 0 --skip-components --deadline-s 230 ;;
     prefetch)  # the prefetch benchmarks and the indexer (with top-k launch shapes) again
-      peer_or_say
       stage prefetch 200 bash benchmark/gpu_checks.sh /tmp/ds/prefetch benches decode_prefetch \
         prefill_prefetch indexer ;;
     cuda_tests_graphs)  # the CUDA tests, first of three calls (then cuda_tests_rest and
@@ -160,7 +157,6 @@ run_stage() {
         python3 -m pytest -q -m gpu -s -p no:cacheprovider --durations=10 tests/test_serving_gpu.py \
         tests/test_speculative_gpu.py" ;;
     cuda_tests_rest)  # the other CUDA tests: oracle on CUDA, fp8 KV with graphs, the cache, sparse-MLA and top-k kernels on the GPU
-      peer_or_say
       stage cuda_tests_rest 480 python3 -m pytest -q -m gpu -s -p no:cacheprovider --durations=15 \
         tests/test_gpu.py -k "not lossless_cuda_graph_decode" tests/test_fp8_kv.py tests/test_kernel_alloc.py \
         tests/test_kernel_sparse_mla.py tests/test_kernel_topk.py tests/repo/test_kernel_topk_pivot.py ;;
@@ -184,7 +180,6 @@ run_stage() {
       # SERVED_RATES / SERVED_PROMPTS change the sweep (318 prompts at rate inf: ramp and
       # drain weigh less; est. ~5 min); its prompts take the study's lengths
       # (SERVED_INPUT_RANGE, default 100000,108000: the study's 17 fit the pool as they do there)
-      peer_or_say
       local knobs="ENGINE_PROCESS=${ENGINE_PROCESS:-1} SERVED_RATES=${SERVED_RATES:-1,inf} SERVED_PROMPTS=${SERVED_PROMPTS:-96} SERVED_INPUT_RANGE=${SERVED_INPUT_RANGE:-100000,108000}"
       stage served_vs_study 580 bash -c "python3 benchmark/e2e_study.py \
         --out /tmp/ds/served_vs_study/study --only noff_paper,echo_paper --repeats 3 \
@@ -303,9 +298,8 @@ run_stage() {
         bash benchmark/e2e_sweep.sh /tmp/ds/sharegpt/e2e_sweep_sharegpt ;;
     # Five interleaved repeats per ratio (issue 29: the cost without pressure is smaller
     # than two repeats' spread): ~165 s on an H200.
-    study) peer_or_say; stage study 300 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 5 --deadline-s 260 ;;
+    study) stage study 300 python3 benchmark/e2e_study.py --out /tmp/ds/study --repeats 5 --deadline-s 260 ;;
     study_fp8)
-      peer_or_say
       stage study_fp8 130 python3 benchmark/e2e_study.py --out /tmp/ds/study_fp8 \
         --kv-cache-dtype fp8_e4m3 --repeats 2 --deadline-s 110 ;;
     harness)  # the plugin over sglang 0.5.23's pure-Python classes (the carried archive

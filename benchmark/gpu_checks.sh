@@ -18,7 +18,7 @@ case "$part" in all|tests|benches) ;; *) echo "part must be all, tests or benche
 mkdir -p "$out"
 res=$(mktemp -d)  # results, packed into OUTDIR at the end
 # Keeps what the caller put on PYTHONPATH (device_session.sh puts FlashInfer there when
-# .peer is carried; on 74634f2 this line dropped it, and its tests skipped).
+# .peer is carried, for the peer benchmarks).
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 ECHO_REPORT_DIR=$res
 SECONDS=0
 {
