@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from benchmark.code_size import code_lines, main, package_sizes, summary
+import json
+
+import pytest
+
+from benchmark.code_size import PACKAGE, code_lines, main, package_sizes, raw_lines, summary
 
 
 def test_blanks_comments_and_docstrings_do_not_count():
@@ -43,4 +47,14 @@ def test_the_summary_adds_up(tmp_path, capsys):
     assert real["total"] == sum(real["units"].values()) > 0
     assert main(["--largest", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"python/sglang_echo: {real['total']:,} code lines")
+    assert out.startswith(f"{PACKAGE}: {real['total']:,} code lines")
+    assert raw_lines(tmp_path) == 4 and raw_lines() > real["total"]
+    assert main(["--root", str(tmp_path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["total"], got["raw_lines"]) == (3, 4)
+
+
+def test_a_root_that_is_not_a_folder_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--root", str(tmp_path / "missing")])
+    assert "is not a folder" in capsys.readouterr().err
