@@ -111,15 +111,18 @@ def test_a_bad_value_names_the_variable_the_value_and_what_to_set(name, raw):
 
 
 @pytest.mark.parametrize("reader", ["runtime", "plugin"])
-def test_a_retired_variable_fails_unless_it_names_what_runs(reader):
-    for name, (kept, _why) in env_settings.RETIRED_VARIABLES.items():
-        assert name not in REGISTRY
+def test_a_retired_variable_fails_its_readers_unless_it_names_what_runs(reader):
+    for name, (kept, applies_to, _why) in env_settings.RETIRED_VARIABLES.items():
+        assert name not in REGISTRY and applies_to in APPLIES_TO
         for raw in (kept, f" {kept.upper()} ", ""):
             EchoSettings.from_env({name: raw}, reader=reader)  # harmless: what runs anyway
+        if applies_to not in (reader, "both"):  # never read there: fails nothing, as before
+            EchoSettings.from_env({name: "other"}, reader=reader)
+            continue
         with pytest.raises(ConfigError, match=f"{name}='other' is retired: .*; unset {name}"):
             EchoSettings.from_env({name: "other"}, reader=reader)
-    assert "SGLANG_ECHO_TOPK" in env_settings.RETIRED_VARIABLES
-    assert "| `SGLANG_ECHO_TOPK` | radix |" in config.markdown()
+    assert env_settings.RETIRED_VARIABLES["SGLANG_ECHO_TOPK"][:2] == ("radix", "runtime")
+    assert "| `SGLANG_ECHO_TOPK` | radix | runtime |" in config.markdown()
 
 
 def test_every_variable_with_a_parser_that_can_fail_is_exercised():

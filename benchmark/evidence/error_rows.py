@@ -14,7 +14,7 @@ ERRORS = """
 `NSA_DEV_CACHE_SIZE=260k` | start-up | env NSA_DEV_CACHE_SIZE=260k
 `NSA_DEV_CACHE_SIZE=0` | start-up | env NSA_DEV_CACHE_SIZE=0
 `SGLANG_ECHO_SPARSE_MLA=fast` (an internal knob) | start-up (server, `generate`) | env SGLANG_ECHO_SPARSE_MLA=fast
-`SGLANG_ECHO_TOPK=flashinfer` (a retired knob) | start-up (server, `generate`, plugin) | env SGLANG_ECHO_TOPK=flashinfer
+`SGLANG_ECHO_TOPK=flashinfer` (a retired knob) | start-up (server, `generate`) | env SGLANG_ECHO_TOPK=flashinfer
 a device cache smaller than one decode step's selections | start-up (server, `generate`) | validate dev_cache_size=65536 host_tokens=1800000 max_running_requests=64 topk=2048 chunk_size=8192
 an eviction reserve above half the device cache | start-up | validate dev_cache_size=16384 eviction_reserve=10000 host_tokens=1800000 max_running_requests=4 topk=2048 chunk_size=8192
 an empty host pool | start-up | validate host_tokens=0 max_running_requests=4 topk=2048 chunk_size=8192

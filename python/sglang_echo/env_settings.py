@@ -330,22 +330,24 @@ EXTERNAL_VARIABLES: dict[str, str] = {
 
 
 # Variables that switched between designs until one lost its A/B: name -> (the value that
-# still describes what runs, why the others are gone). Set to another value, start-up fails
-# instead of running a design that no longer exists (docs/ARCHITECTURE.md section 15 names
-# the records that decided).
-RETIRED_VARIABLES: dict[str, tuple[str, str]] = {
+# still describes what runs, who read it, why the others are gone). Set to another value,
+# its reader's start-up fails instead of running a design that no longer exists
+# (docs/ARCHITECTURE.md section 15 names the records that decided).
+RETIRED_VARIABLES: dict[str, tuple[str, str, str]] = {
     "SGLANG_ECHO_TOPK": (
         "radix",
+        "runtime",
         "the radix select (kernels/topk.py) is the only kernel top-k; FlashInfer's was "
         'slower under the same contract (evidence row "top-k peer (FlashInfer, issue 15)")',
     ),
 }
 
 
-def refuse_retired(env: Mapping[str, str]) -> None:
-    """Fail on a retired variable set to a design that is gone (see RETIRED_VARIABLES)."""
-    for name, (kept, why) in RETIRED_VARIABLES.items():
-        raw = env.get(name)
+def refuse_retired(env: Mapping[str, str], reader: str) -> None:
+    """Fail on a retired variable ``reader`` read, set to a design that is gone (see
+    RETIRED_VARIABLES); one the other side read fails nothing there, as a live one would."""
+    for name, (kept, applies_to, why) in RETIRED_VARIABLES.items():
+        raw = env.get(name) if applies_to in (reader, "both") else None
         if raw is not None and raw.strip().lower() not in ("", kept):
             raise ConfigError(f"{name}={raw!r} is retired: {why}; unset {name}")
 
@@ -381,7 +383,7 @@ class EchoSettings:
         if reader not in ("runtime", "plugin"):
             raise ValueError(f"reader must be 'runtime' or 'plugin', got {reader!r}")
         env = os.environ if environ is None else environ
-        refuse_retired(env)
+        refuse_retired(env, reader)
         read = [v for v in VARIABLES if v.applies_to in (reader, "both")]
         return cls(
             **{v.setting: v.parse(v.name, env.get(v.name)) for v in read},
@@ -530,11 +532,14 @@ def markdown() -> str:
         "| --- | --- |",
         *(f"| `{name}` | {_cell(text)} |" for name, text in EXTERNAL_VARIABLES.items()),
         "",
-        "Retired (start-up fails if one is set to anything but the value that runs):",
+        "Retired (its readers' start-up fails if one is set to anything but the value that runs):",
         "",
-        "| variable | runs as | why |",
-        "| --- | --- | --- |",
-        *(f"| `{n}` | {k} | {_cell(why)} |" for n, (k, why) in RETIRED_VARIABLES.items()),
+        "| variable | runs as | applied to | why |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| `{n}` | {k} | {who} | {_cell(why)} |"
+            for n, (k, who, why) in RETIRED_VARIABLES.items()
+        ),
     ]
     return MARKDOWN_HEADER + "\n" + "\n".join(rows) + "\n\n" + "\n".join(external) + "\n"
 
