@@ -338,7 +338,7 @@ RETIRED_VARIABLES: dict[str, tuple[str, str, str]] = {
         "radix",
         "runtime",
         "the radix select (kernels/topk.py) is the only kernel top-k; FlashInfer's was "
-        'slower under the same contract (evidence row "top-k peer (FlashInfer, issue 15)")',
+        'slower under the same contract (docs/EVIDENCE.md, row "top-k peer (FlashInfer, issue 15)")',
     ),
 }
 
