@@ -112,7 +112,8 @@ def test_a_bad_value_names_the_variable_the_value_and_what_to_set(name, raw):
 
 @pytest.mark.parametrize("reader", ["runtime", "plugin"])
 def test_a_retired_variable_fails_its_readers_unless_it_names_what_runs(reader):
-    for name, (kept, applies_to, _why) in env_settings.RETIRED_VARIABLES.items():
+    for retired in env_settings.RETIRED_VARIABLES:
+        name, kept, applies_to = retired.name, retired.runs_as, retired.applies_to
         assert name not in REGISTRY and applies_to in APPLIES_TO
         for raw in (kept, f" {kept.upper()} ", ""):
             EchoSettings.from_env({name: raw}, reader=reader)  # harmless: what runs anyway
@@ -121,7 +122,8 @@ def test_a_retired_variable_fails_its_readers_unless_it_names_what_runs(reader):
             continue
         with pytest.raises(ConfigError, match=f"{name}='other' is retired: .*; unset {name}"):
             EchoSettings.from_env({name: "other"}, reader=reader)
-    assert env_settings.RETIRED_VARIABLES["SGLANG_ECHO_TOPK"][:2] == ("radix", "runtime")
+    (topk,) = [v for v in env_settings.RETIRED_VARIABLES if v.name == "SGLANG_ECHO_TOPK"]
+    assert (topk.runs_as, topk.applies_to) == ("radix", "runtime")
     assert "| `SGLANG_ECHO_TOPK` | radix | runtime |" in config.markdown()
 
 

@@ -329,27 +329,34 @@ EXTERNAL_VARIABLES: dict[str, str] = {
 }
 
 
-# Variables that switched between designs until one lost its A/B: name -> (the value that
-# still describes what runs, who read it, why the others are gone). Set to another value,
-# its reader's start-up fails instead of running a design that no longer exists
-# (docs/ARCHITECTURE.md section 15 names the records that decided).
-RETIRED_VARIABLES: dict[str, tuple[str, str, str]] = {
-    "SGLANG_ECHO_TOPK": (
-        "radix",
-        "runtime",
+@dataclass(frozen=True)
+class RetiredVariable:
+    """A variable that switched between designs until one lost its A/B. Set to anything
+    but ``runs_as``, its readers' start-up fails instead of running a design that no longer
+    exists (docs/ARCHITECTURE.md section 15 names the records that decided)."""
+
+    name: str
+    runs_as: str  # the value that still describes what runs (harmless when set)
+    applies_to: str  # who read it, as Variable.applies_to: only they refuse it
+    why: str  # why the other values are gone
+
+
+RETIRED_VARIABLES: tuple[RetiredVariable, ...] = (
+    RetiredVariable(
+        "SGLANG_ECHO_TOPK", "radix", "runtime",
         "the radix select (kernels/topk.py) is the only kernel top-k; FlashInfer's was "
         'slower under the same contract (docs/EVIDENCE.md, row "top-k peer (FlashInfer, issue 15)")',
     ),
-}
+)  # fmt: skip
 
 
 def refuse_retired(env: Mapping[str, str], reader: str) -> None:
-    """Fail on a retired variable ``reader`` read, set to a design that is gone (see
-    RETIRED_VARIABLES); one the other side read fails nothing there, as a live one would."""
-    for name, (kept, applies_to, why) in RETIRED_VARIABLES.items():
-        raw = env.get(name) if applies_to in (reader, "both") else None
-        if raw is not None and raw.strip().lower() not in ("", kept):
-            raise ConfigError(f"{name}={raw!r} is retired: {why}; unset {name}")
+    """Fail on a retired variable ``reader`` read, set to a design that is gone; one only
+    the other side read fails nothing there, as a live one would."""
+    for v in RETIRED_VARIABLES:
+        raw = env.get(v.name) if v.applies_to in (reader, "both") else None
+        if raw is not None and raw.strip().lower() not in ("", v.runs_as):
+            raise ConfigError(f"{v.name}={raw!r} is retired: {v.why}; unset {v.name}")
 
 
 @dataclass(frozen=True)
@@ -537,8 +544,8 @@ def markdown() -> str:
         "| variable | runs as | applied to | why |",
         "| --- | --- | --- | --- |",
         *(
-            f"| `{n}` | {k} | {who} | {_cell(why)} |"
-            for n, (k, who, why) in RETIRED_VARIABLES.items()
+            f"| `{v.name}` | {v.runs_as} | {v.applies_to} | {_cell(v.why)} |"
+            for v in RETIRED_VARIABLES
         ),
     ]
     return MARKDOWN_HEADER + "\n" + "\n".join(rows) + "\n\n" + "\n".join(external) + "\n"

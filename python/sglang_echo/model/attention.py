@@ -50,10 +50,10 @@ class ModelKernels:
     ``ModelKernels.from_settings(settings())``; the defaults are the registry's, so a model
     built without them (a library user, a test) runs as unset variables do.
 
-    ``sparse_mla``: SGLANG_ECHO_SPARSE_MLA; ``kernel`` applies
-    on CUDA and under TRITON_INTERPRET=1 (tests), a CPU run without the interpreter keeps
-    the torch path; ``auto`` takes the kernel on CUDA only, so interpreted CPU tests stay
-    fast. ``batch_invariant``: SGLANG_ECHO_BATCH_INVARIANT; every matmul of the forward by
+    ``sparse_mla``: SGLANG_ECHO_SPARSE_MLA; ``kernel`` applies on CUDA and under
+    TRITON_INTERPRET=1 (tests), a CPU run without the interpreter keeps the torch path;
+    ``auto`` takes the kernel on CUDA only, so interpreted CPU tests stay fast.
+    ``batch_invariant``: SGLANG_ECHO_BATCH_INVARIANT; every matmul of the forward by
     the batch-invariant GEMM (kernels/invariant_matmul.py; model/layers.py
     ``set_batch_invariant``), so a request's logits do not depend on its batch. Values are
     read as the registry reads them (case and spaces ignored); a bad one fails when the
@@ -77,9 +77,8 @@ class ModelKernels:
 
     def apply(self, model: nn.Module) -> None:
         """Switch an already built model (or layer) to these choices: every attention
-        layer's sparse-MLA path, and every matmul's batch-invariant
-        mode (a model a ``--model-loader`` built, a test comparing backends on one model's
-        weights)."""
+        layer's sparse-MLA path and every matmul's batch-invariant mode (a model a
+        ``--model-loader`` built, a test comparing backends on one model's weights)."""
         set_batch_invariant(model, self.batch_invariant)
         for module in model.modules():
             if isinstance(module, MLAttention):

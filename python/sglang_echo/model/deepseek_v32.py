@@ -59,8 +59,7 @@ class DeepseekV32ForCausalLM(nn.Module):
     """Inference-only; ``forward`` returns float32 logits for the batch's sampled rows.
 
     ``kernels``: the kernel choices (SGLANG_ECHO_SPARSE_MLA, SGLANG_ECHO_BATCH_INVARIANT),
-    handed down
-    by the entry point that builds the model; None: the registry's defaults."""
+    handed down by the entry point that builds the model; None: the registry's defaults."""
 
     def __init__(self, config: DeepseekV32Config, kernels: ModelKernels | None = None) -> None:
         super().__init__()

@@ -124,8 +124,8 @@ def exact_topk(
     [R, topk] and k-th scores [R]. With ``use_kernel`` (CUDA, or the interpreter in tests)
     the kernel top-k (the radix select) picks the same set, listed by ascending position
     instead of by score (offload and no-offload both take this path, so their outputs stay
-    equal); the k-th score is the smallest picked score, -inf where fewer than ``topk`` keys are
-    visible, exactly as ``select_topk`` reports it. Only the prefetchers read the k-th
+    equal); the k-th score is the smallest picked score, -inf where fewer than ``topk``
+    keys are visible, exactly as ``select_topk`` reports it. Only the prefetchers read the k-th
     score: without ``with_kth`` it is not computed (None)."""
     if not use_kernel:
         if not with_kth:
