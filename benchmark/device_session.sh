@@ -22,7 +22,7 @@
 # Carry .whl (bash benchmark/fetch_server_wheels.sh) for the sweep's web stack, and .peer for
 # FlashInfer beside our sparse MLA (checks) and top-k (topk_peer).
 set -uo pipefail
-usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: arrival_probe ingress_probe step_trace readback_ab itl_ab itl_trace served_equal mtp_served mtp_study admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks sharegpt study study_fp8)"
+usage="usage: device_session.sh OUTDIR checks|e2e|figures|STAGE... (stages: arrival_probe ingress_probe step_trace readback_ab itl_ab itl_trace served_equal mtp_served mtp_study admission_probe cuda_tests_graphs cuda_tests_rest capture_probe graph_repeats served_vs_study harness tests kernel_tests kernels release mla_profile decode_stage prefetch_tests prefetch_profile prefetch_study indexer_profile cache cache_bench cache_profile topk topk_peer prefetch sweep sweep_200k sweep_110k tasks tasks_repeats sharegpt study study_fp8)"
 out=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -293,6 +293,15 @@ run_stage() {
     tasks)  # Figure 14: the four InfiniteBench task mixes (synthetic lengths) at rate inf
       stage tasks 240 env INFINI=0 TASKS=1 TASK_RATES=inf TASK_NUM_PROMPTS=32 MAX_OUTPUT_LEN=128 \
         WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh /tmp/ds/tasks/e2e_sweep_tasks ;;
+    tasks_repeats)  # Figure 14's tasks REPEATS times (default 3; ~115 s each), one server pair a
+      # run, folded by benchmark/task_spread.py -> tasks_repeats/task_spread.json (each task's
+      # ratio per run with its median and range, each run's first token per backend)
+      local d=/tmp/ds/tasks_repeats runs=""
+      for r in $(seq "${REPEATS:-3}"); do runs+=" $d/run_$r"; done
+      stage tasks_repeats 570 bash -c "for r in $runs; do env INFINI=0 TASKS=1 TASK_RATES=inf \
+        TASK_NUM_PROMPTS=32 MAX_OUTPUT_LEN=128 WARMUP_REQUESTS=24 bash benchmark/e2e_sweep.sh \$r; \
+        done; python3 benchmark/task_spread.py --runs$runs --out $d/task_spread.json \
+        --commit '${ECHO_COMMIT:-}' --command 'REPEATS=${REPEATS:-3} bash benchmark/device_session.sh OUTDIR tasks_repeats'" ;;
     sharegpt)  # Figure 15: ShareGPT-like chats on one prefill + decode server
       stage sharegpt 330 env INFINI=0 SHAREGPT=1 NUM_PROMPTS=48 RATES=1,4,inf \
         bash benchmark/e2e_sweep.sh /tmp/ds/sharegpt/e2e_sweep_sharegpt ;;
@@ -318,7 +327,7 @@ case "$1" in
   *) stages=("$@") ;;
 esac
 for s in "${stages[@]}"; do
-  case "$s" in arrival_probe|ingress_probe|step_trace|readback_ab|itl_ab|itl_trace|served_equal|mtp_served|mtp_study|admission_probe|cuda_tests_graphs|cuda_tests_rest|capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_profile|prefetch_study|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
+  case "$s" in arrival_probe|ingress_probe|step_trace|readback_ab|itl_ab|itl_trace|served_equal|mtp_served|mtp_study|admission_probe|cuda_tests_graphs|cuda_tests_rest|capture_probe|graph_repeats|served_vs_study|harness|tests|kernel_tests|kernels|release|decode_stage|prefetch_tests|prefetch_profile|prefetch_study|mla_profile|indexer_profile|cache|cache_bench|cache_profile|topk|topk_peer|prefetch|sweep|sweep_200k|sweep_110k|tasks|tasks_repeats|sharegpt|study|study_fp8) ;; *) echo "unknown stage $s; $usage" >&2; exit 2 ;; esac
 done
 for s in "${stages[@]}"; do run_stage "$s"; done
 if [ "${PACK_TRITON_CACHE:-0}" = 1 ]; then  # for the next call: unpack into .triton_cache, carry it
