@@ -3,9 +3,9 @@ per run, with its median, minimum and maximum, and each run's first token per ba
 
 Why: a task run lasts one to four seconds (32 prompts of ~100K tokens, 5-40 output tokens
 each), so its throughput is mostly the prompts' arrival, and one run cannot tell an effect
-from the spread: two runs on the same runtime code gave longbook_qa_eng 1.60x and 2.24x.
-The earliest first token of a run (``first_token_s``) shows a stall at its start, which
-is where those two runs differed. The device stage ``tasks_repeats`` runs the tasks sweep
+from the spread (two runs of the same runtime differed by far more than any code change:
+PROVENANCE's `e2e_sweep_tasks/` row). The earliest first token of a run (``first_token_s``)
+shows a stall at its start, which is where those two runs differed. The device stage ``tasks_repeats`` runs the tasks sweep
 several times and writes this record over its runs.
 
     python3 benchmark/task_spread.py --runs RUN_DIR [RUN_DIR ...] --out FILE --commit SHA
@@ -80,9 +80,7 @@ def spread(runs: list[dict[str, dict[str, dict]]]) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--runs", required=True, nargs="+", type=Path, help="tasks sweep folders")
     ap.add_argument("--out", required=True, type=Path, help="the file to write (JSON)")
     ap.add_argument("--commit", default="", help="the sha the runs ran on, literally")
