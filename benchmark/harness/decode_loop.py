@@ -384,11 +384,26 @@ class DecodeLoop:
         return torch.diff(log, dim=0, prepend=torch.zeros_like(log[:1]))
 
 
-ECHO_KERNELS = ("_host_ids_kernel", "_rows_kernel", "_one_program_kernel", "_lookup_kernel",
-                "_count_kernel", "_rank_kernel", "_assign_kernel", "_finish_kernel",
-                "_recall_flat_kernel", "_release_kernel",
-                # the decode prefetch's (sglang/decode_prefetch.py): select, copy, thresholds
-                "_select_kernel", "_copy_kernel", "_topk_threshold_kernel")  # fmt: skip
+def echo_kernel_names() -> tuple[str, ...]:
+    """Every Triton kernel of ``sglang_echo.kernels`` (where all of ECHO's kernels live), by
+    the name the CUDA profiler reports it under, found by walking the package.
+
+    Why not a list: a list fell behind when the multi-launch resolve's kernels were renamed,
+    and the harness then counted none of them (its record showed the resolve's launches
+    without the allocation's)."""
+    import importlib
+    import pkgutil
+
+    import sglang_echo.kernels as package
+
+    names: set[str] = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            is_triton = type(obj).__module__.startswith("triton")  # jit, autotune, interpreter
+            if name.endswith("_kernel") and is_triton:
+                names.add(name)
+    return tuple(sorted(names, key=len, reverse=True))  # longest first: exact before prefix
 
 
 def count_launches(fn, *args):
@@ -399,10 +414,11 @@ def count_launches(fn, *args):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         result = fn(*args)
         torch.cuda.synchronize()
+    kernels = echo_kernel_names()
     counts: dict[str, int] = {}
     for event in prof.events():
         name = event.name
-        hit = next((k for k in ECHO_KERNELS if name == k or name.startswith(k)), None)
+        hit = next((k for k in kernels if name == k or name.startswith(k)), None)
         if hit is not None:
             counts[hit] = counts.get(hit, 0) + 1
     return counts, result
