@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
             "launches_per_layer_step_total": sum(launches.values()) if launches else None,
             # The real shape's resolve (6,144 lanes: the multi-launch allocation).
             "wide_launches_per_layer_step": wide["launches_per_layer_step"] if wide else None,
+            "wide_launches_per_layer_step_total": (
+                sum(wide["launches_per_layer_step"].values()) if wide else None
+            ),
             # Decode prefetch on / off, median step device time at the real shape (< 1: it
             # pays there; the plugin keeps it off by default).
             "prefetch_step_ratio": prefetch_ratio,

@@ -137,6 +137,10 @@ COMPONENT_ROWS: tuple[Row, ...] = (
             "{metrics.evictions_per_step_max:n} in one)",
             "ECHO launches per decode layer-step {metrics.launches_per_layer_step_total:n} "
             "({metrics.launches_per_layer_step:keys}); left clean: {metrics.left_clean:yes}",
+            "?at the real shape (fp8-pd-wide: top-k 2048, three requests, past the one-program "
+            "allocation's lanes: the multi-launch resolve) {metrics.wide_launches_per_layer_step_total:n} "
+            "launches per layer-step ({metrics.wide_launches_per_layer_step:keys}); its step time with "
+            "the decode prefetch over without {metrics.prefetch_step_ratio:x}",
             "?with the decode prefetch on ({@harness_prefetch.config}): {@harness_prefetch.prefetched_rows:n} rows "
             "staged from the indexer's logits, {@harness_prefetch.prefetch_hits:n} of them served misses, sglang's own "
             "indexer method hooked on that machine: {@harness_prefetch.indexer_hook_applied:yes}",
