@@ -5,8 +5,8 @@ Why: a task run lasts one to four seconds (32 prompts of ~100K tokens, 5-40 outp
 each), so its throughput is mostly the prompts' arrival, and one run cannot tell an effect
 from the spread (two runs of the same runtime differed by far more than any code change:
 PROVENANCE's `e2e_sweep_tasks/` row). The earliest first token of a run (``first_token_s``)
-shows a stall at its start, which is where those two runs differed. The device stage ``tasks_repeats`` runs the tasks sweep
-several times and writes this record over its runs.
+shows a stall at its start, which is where those two runs differed. The device stage
+``tasks_repeats`` runs the tasks sweep several times and writes this record over its runs.
 
     python3 benchmark/task_spread.py --runs RUN_DIR [RUN_DIR ...] --out FILE --commit SHA
 

@@ -124,7 +124,7 @@ COMPONENT_ROWS: tuple[Row, ...] = (
         ),
     ),
     Row(
-        "plugin on the H200 without sglang's server (issue 31)",
+        "plugin on the GPU without sglang's server (issue 31)",
         rec("plugin_gpu_harness.json"),
         (
             "sglang 0.5.23's pool, allocator and host-pool classes with the EchoCoordinator in sglang's decode "
