@@ -9,9 +9,9 @@ at batch 1. The first FlashInfer call builds its top-k module (JIT, about 4 minu
 fresh H200 machine, skipped where stage topk_peer installs a module built before); it
 is timed apart as ``build_and_first_call_s``.
 
-The serving adapter that records before this file's present form timed (FlashInfer's
-top-k sorted into our tensor, ``serving_adapter`` and ``by_rows`` in those records) left
-the package when it lost: docs/ARCHITECTURE.md section 15 names the record.
+Records made before the serving adapter left the package also time it (FlashInfer's top-k
+sorted into our tensor: ``serving_adapter`` and ``by_rows``); it left when it lost its A/B,
+and docs/ARCHITECTURE.md section 15 names the record that decided.
 
     python benchmark/kernels/topk_peer_bench.py --out benchmark/results
 """

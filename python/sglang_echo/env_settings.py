@@ -27,10 +27,9 @@ reads ``os.environ`` for a registered name (tested).
 Settings are handed down, never looked up below the entry points: ``model/``,
 ``offload/`` and ``kernels/`` call no ``settings()`` (tests/test_settings_handed_down.py).
 Each switch is a parameter whose value the entry point passes from ``settings()``:
-``SGLANG_ECHO_SPARSE_MLA`` and ``SGLANG_ECHO_BATCH_INVARIANT`` reach
-the model as its ``ModelKernels`` (``load_model(..., kernels=)``,
-``DeepseekV32ForCausalLM(config, kernels=)``; the NextN draft layer gets the batch-invariant
-mode from ``model.layers.set_batch_invariant``),
+``SGLANG_ECHO_SPARSE_MLA`` and ``SGLANG_ECHO_BATCH_INVARIANT`` reach the model as its
+``ModelKernels`` (``load_model(..., kernels=)``, ``DeepseekV32ForCausalLM(config, kernels=)``;
+the NextN draft layer gets the batch-invariant mode from ``model.layers.set_batch_invariant``),
 and ``SGLANG_ECHO_PDL`` reaches the caches as ``pdl=`` (``HiSparseKVCache(..., pdl=)``,
 ``offload.manager.EchoManager``), which pass it to ``use_pdl(device, asked)``,
 ``recall_rows(..., pdl=)`` and ``AllocWorkspace(..., pdl=)``. Every such default equals
