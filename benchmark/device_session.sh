@@ -7,7 +7,8 @@
 # mla_profile ~20 s, indexer_profile ~25 s; topk_peer ~5 min (est.: the FlashInfer top-k JIT build is ~4).
 # On 2026-12-05 sweep_200k and sharegpt ran past 200 s (their limits now 280 / 330 s).
 # On 2026-12-06 (an H100, warm): itl_trace 103 s, sweep 196 s, sweep_200k 173 s, sweep_110k 197 s,
-# tasks 115 s, sharegpt 238 s, served_vs_study 380 s (Figures 12-15 in three calls).
+# tasks 115 s, sharegpt 238 s, served_vs_study 380 s (Figures 12-15 in three calls); later that
+# day (an H100): harness 93 s, served_vs_study at 318 prompts 287 s, tasks_repeats 454 s.
 #   bash benchmark/device_session.sh OUTDIR tests                          # one call
 #   bash benchmark/device_session.sh OUTDIR kernels mla_profile study     # one call
 #   bash benchmark/device_session.sh OUTDIR topk study_fp8                # one call
@@ -178,7 +179,7 @@ run_stage() {
       # sweep (rates 1 and inf, 96 prompts) in one call -> served_vs_study.json (~6 min); the
       # servers run their engine in a process of its own (ENGINE_PROCESS=0: in-process).
       # SERVED_RATES / SERVED_PROMPTS change the sweep (318 prompts at rate inf: ramp and
-      # drain weigh less; est. ~5 min); its prompts take the study's lengths
+      # drain weigh less; ~5 min); its prompts take the study's lengths
       # (SERVED_INPUT_RANGE, default 100000,108000: the study's 17 fit the pool as they do there)
       local knobs="ENGINE_PROCESS=${ENGINE_PROCESS:-1} SERVED_RATES=${SERVED_RATES:-1,inf} SERVED_PROMPTS=${SERVED_PROMPTS:-96} SERVED_INPUT_RANGE=${SERVED_INPUT_RANGE:-100000,108000}"
       stage served_vs_study 580 bash -c "python3 benchmark/e2e_study.py \

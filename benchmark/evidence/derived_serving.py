@@ -93,5 +93,15 @@ def task_ratios(d: dict, _r: Records) -> str:
 
 
 @derived
+def task_spread_ratios(d: dict, _r: Records) -> str:
+    """Each task's ratio as median (min-max) over the runs: one run of a task lasts a few
+    seconds, so a single ratio cannot tell an effect from the spread."""
+    return ", ".join(
+        f"{name} {ratio(t['median'])} ({ratio(t['min'])}-{ratio(t['max'])})"
+        for name, t in d["metrics"]["tasks"].items()
+    )
+
+
+@derived
 def history_serving(_d: dict, r: Records) -> str:
     return "; ".join(f"{rel.split('/')[-2]}: {serving(r(rel), r)}" for rel in SERVING_HISTORY)
